@@ -1,0 +1,1 @@
+"""npumoe auto-tuner: device profiling, cost model, calibration, search, reports. Uses `runtime`."""

@@ -1,0 +1,42 @@
+"""The `autotune` command: a thin argparse front over the subcommand modules."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from runtime.errors import NpumoeError
+
+# Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
+COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
+            "build"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"autotune.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"autotune.commands.{name}":
+                continue  # stage not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except NpumoeError as e:
+        print(f"autotune {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autotune {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `autotune` subcommand; each exposes `register(subparsers)` and sets `func(args) -> int`."""

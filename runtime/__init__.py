@@ -1,0 +1,1 @@
+"""npumoe runtime: plan I/O, the MoE executor, its backends and model loading. Never imports `autotune`."""

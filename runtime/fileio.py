@@ -1,0 +1,64 @@
+"""Atomic writes and versioned JSON reading shared by every stage's file format."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import FileFormatError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over `path`: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def read_versioned_json(path: str | os.PathLike, kind: str, version: int) -> dict:
+    """Read a JSON file whose `schema` must be `npumoe.<kind>/<n>` with n <= version."""
+    p = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise FileFormatError(kind, p, "file", f"cannot read: {e.strerror or e}") from None
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FileFormatError(kind, p, "file", f"not valid JSON ({e.__class__.__name__}: {str(e)[:80]})") from None
+    check_schema(obj, kind, version, p)
+    return obj
+
+
+def check_schema(obj: Any, kind: str, version: int, path: str = "") -> None:
+    if not isinstance(obj, dict):
+        raise FileFormatError(kind, path, "file", "top level must be a JSON object")
+    schema = obj.get("schema")
+    prefix = f"npumoe.{kind}/"
+    if not isinstance(schema, str) or not schema.startswith(prefix):
+        raise FileFormatError(kind, path, "schema", f"expected '{prefix}{version}', got {schema!r}")
+    try:
+        n = int(schema[len(prefix):])
+    except ValueError:
+        raise FileFormatError(kind, path, "schema", f"bad version in {schema!r}") from None
+    if n > version:
+        raise FileFormatError(kind, path, "schema",
+                              f"{schema} is newer than this npumoe reads ({prefix}{version}); upgrade npumoe")
+    if n < 1:
+        raise FileFormatError(kind, path, "schema", f"bad version in {schema!r}")
