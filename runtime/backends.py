@@ -1,0 +1,86 @@
+"""Backends: one small protocol, several implementations (like Optuna's samplers).
+
+A static backend turns a group of experts into a callable over a packed buffer of fixed shape
+`[sum(capacities), H]` (expert i owns rows `offsets[i]:offsets[i+1]`). The exact path runs variable-size
+per-expert batches with no padding. `cpu-static` is the reference for what an ANE graph computes.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("npumoe")
+
+GroupFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a static backend needs to prepare one group: where it sits and which expert weights it uses."""
+    layer: int
+    index: int  # group index within the layer
+    experts: tuple[int, ...]
+    capacities: tuple[int, ...]
+    module: torch.nn.Module  # the transformers experts module (fused gate_up_proj / down_proj, _apply_gate)
+
+
+class StaticBackend(Protocol):
+    name: str
+    overlaps_cpu: bool  # True when calls run off the CPU, so the exact CPU path can run concurrently
+
+    def available(self) -> tuple[bool, str]: ...
+
+    def prepare(self, group: GroupSpec) -> GroupFn: ...
+
+
+def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
+    h = module._apply_gate(F.linear(x, module.gate_up_proj[expert]))
+    return F.linear(h, module.down_proj[expert])
+
+
+class CpuStaticBackend:
+    """Padded static slices run by torch: the same shapes an ANE function has, one call per group."""
+    name = "cpu-static"
+    overlaps_cpu = False
+
+    def available(self) -> tuple[bool, str]:
+        return True, "torch on the CPU"
+
+    def prepare(self, group: GroupSpec) -> GroupFn:
+        module, experts, caps = group.module, group.experts, list(group.capacities)
+
+        def run(packed: torch.Tensor) -> torch.Tensor:
+            return torch.cat([expert_ffn(module, e, x) for e, x in zip(experts, packed.split(caps))])
+
+        return run
+
+
+def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+    """The cpu-exact path: rows of `x_sorted` are grouped by expert (`counts[i]` rows for `experts[i]`)."""
+    return torch.cat([expert_ffn(module, e, x) for e, x in zip(experts, x_sorted.split(counts))])
+
+
+_STATIC_BACKENDS: dict[str, Callable[[], StaticBackend]] = {"cpu-static": CpuStaticBackend}
+
+
+def register_static_backend(name: str, factory: Callable[[], StaticBackend]) -> None:
+    _STATIC_BACKENDS[name] = factory
+
+
+def resolve_static_backend(name: str, instances: dict[str, StaticBackend] | None = None) -> StaticBackend:
+    """The backend to run `name` on: the given or registered one if available, else `cpu-static` (said once)."""
+    backend = (instances or {}).get(name)
+    if backend is None and name in _STATIC_BACKENDS:
+        backend = _STATIC_BACKENDS[name]()
+    reason = f"backend {name!r} is not implemented here"
+    if backend is not None:
+        ok, reason = backend.available()
+        if ok:
+            return backend
+    log.warning("plan names backend %r but it is unavailable (%s): running its groups on cpu-static", name, reason)
+    return CpuStaticBackend()

@@ -1,0 +1,150 @@
+"""The MoE executor: keeps transformers' routing and replaces expert compute by the plan.
+
+Per layer and chunk: rank each expert's assignments by saliency, pack the ones that fit into the group's
+fixed slices, run each group in one static call, run cold experts (and spilled overflow) exactly on the CPU,
+then combine with the router weights. Registered as a transformers experts implementation.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers.integrations.moe import ExpertsInterface
+
+from .backends import GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from .models import model_spec, moe_layers
+from .plan import LayerPlan, Plan, check_plan_matches
+from .stats import LayerStats, RunStats
+
+IMPLEMENTATION = "npumoe"
+
+
+class LayerExecutor:
+    """One MoE layer under its plan: lookup tables from expert id to slice, and the prepared group calls."""
+
+    def __init__(self, layer_plan: LayerPlan, module: torch.nn.Module, plan: Plan, stats: LayerStats,
+                 backends: dict[str, StaticBackend] | None = None) -> None:
+        n = module.num_experts
+        self.module, self.stats = module, stats
+        self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
+        self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
+        self.cap = torch.zeros(n, dtype=torch.long)
+        self.group_of = torch.full((n,), -1, dtype=torch.long)
+        self.groups: list[tuple[str, callable, int, int]] = []  # (backend name, fn, first row, end row)
+        row = 0
+        for gi, g in enumerate(layer_plan.groups):
+            backend = resolve_static_backend(g.backend, backends)
+            fn = backend.prepare(GroupSpec(layer_plan.layer, gi, tuple(g.experts), tuple(g.capacities), module))
+            for e, c in zip(g.experts, g.capacities):
+                self.base[e], self.cap[e], self.group_of[e] = row, c, gi
+                row += c
+            self.groups.append((backend.name, fn, row - g.slots, row))
+        self.slots = row
+        overlap = any(resolve_static_backend(g.backend, backends).overlaps_cpu for g in layer_plan.groups)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-exact") if overlap else None
+
+    def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.chunk:
+            return self._chunk(x, top_k_index, top_k_weights)
+        return torch.cat([self._chunk(x[s:s + self.chunk], top_k_index[s:s + self.chunk],
+                                      top_k_weights[s:s + self.chunk]) for s in range(0, x.shape[0], self.chunk)])
+
+    def _chunk(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = idx.shape[1]
+        eid, w = idx.reshape(-1), weights.reshape(-1).to(x.dtype)
+        tok = torch.arange(eid.numel()) // k
+        grouped = self.base[eid] >= 0
+        out = torch.zeros_like(x)
+        st = self.stats
+        st.tokens += x.shape[0]
+        st.assignments += eid.numel()
+
+        exact = ~grouped
+        if self.groups:
+            kept, rows, overflow = self._pack_rows(x, eid, w, tok, grouped)
+            exact = exact | overflow if self.spill else exact
+            n_over = int(overflow.sum())
+            st.spilled += n_over if self.spill else 0
+            st.dropped += 0 if self.spill else n_over
+        future = self.pool.submit(self._exact, x, eid, w, tok, exact) if self.pool else None
+        if self.groups:
+            packed = x.new_zeros(self.slots, x.shape[1])
+            packed[rows] = x[tok[kept]]
+            y = torch.cat([fn(packed[a:b]) for _, fn, a, b in self.groups])
+            out.index_add_(0, tok[kept], y[rows] * w[kept, None])
+            filled = torch.bincount(self.group_of[eid[kept]], minlength=len(self.groups)).tolist()
+            for (name, _, a, b), f in zip(self.groups, filled):
+                st.calls_per_backend[name] += 1
+                st.tokens_per_backend[name] += f
+                st.filled += f
+                st.slots += b - a
+        exact_out = future.result() if future else self._exact(x, eid, w, tok, exact)
+        if exact_out is not None:
+            out.index_add_(0, *exact_out)
+        return out
+
+    def _pack_rows(self, x, eid, w, tok, grouped):
+        """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""
+        saliency = w if self.rule == "router_weight" else w * x.norm(dim=-1)[tok]
+        order = torch.argsort(saliency, descending=True, stable=True)
+        order = order[torch.argsort(eid[order], stable=True)]  # by expert, then by saliency
+        counts = torch.bincount(eid, minlength=self.base.numel())
+        starts = counts.cumsum(0) - counts
+        rank = torch.empty_like(eid)
+        rank[order] = torch.arange(eid.numel()) - starts[eid[order]]
+        kept = grouped & (rank < self.cap[eid])
+        return kept, self.base[eid[kept]] + rank[kept], grouped & ~kept
+
+    def _exact(self, x, eid, w, tok, mask) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cpu-exact: the masked assignments, grouped by expert, no padding. Returns (token index, rows)."""
+        sel = mask.nonzero().squeeze(1)
+        if sel.numel() == 0:
+            return None
+        sel = sel[torch.argsort(eid[sel], stable=True)]
+        counts = torch.bincount(eid[sel], minlength=self.base.numel())
+        experts = counts.nonzero().squeeze(1).tolist()
+        y = run_exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
+        self.stats.tokens_per_backend["cpu-exact"] += sel.numel()
+        self.stats.calls_per_backend["cpu-exact"] += len(experts)
+        return tok[sel], y * w[sel, None]
+
+
+def _npumoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    executor = getattr(self, "_npumoe_executor", None)
+    if executor is None:
+        raise RuntimeError("experts implementation 'npumoe' is set but no plan is installed; use PlanExecutor")
+    return executor(hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, _npumoe_experts_forward)
+
+
+class PlanExecutor:
+    """Installs a plan on a transformers MoE model (and uninstalls it); collects run statistics."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
+                 plan_path: str = "") -> None:
+        check_plan_matches(plan, model_spec(model), plan_path)
+        self.model, self.plan, self.stats = model, plan, RunStats()
+        self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
+                                              backends) for l in moe_layers(model)}
+        self._previous: str | None = None
+
+    def install(self) -> "PlanExecutor":
+        for layer in moe_layers(self.model):
+            layer.experts._npumoe_executor = self.layers[layer.index]
+        self._previous = self.model.config._experts_implementation
+        self.model.set_experts_implementation(IMPLEMENTATION)
+        return self
+
+    def uninstall(self) -> None:
+        self.model.set_experts_implementation(self._previous or "grouped_mm")
+        for layer in moe_layers(self.model):
+            layer.experts._npumoe_executor = None
+
+    def __enter__(self) -> "PlanExecutor":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()

@@ -1,0 +1,163 @@
+"""The plan file `npumoe.plan/1`: the contract between the tuner and the runtime.
+
+A plan says, per MoE layer, which experts run as static groups (on `ane` or `cpu-static`, each expert with a
+fixed token capacity) and which run exactly on the CPU. Loading validates everything and raises one
+`FileFormatError` that names the field.
+"""
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from .errors import FileFormatError
+from .fileio import atomic_write_json, check_schema, read_versioned_json
+
+SCHEMA = "npumoe.plan/1"
+KIND, VERSION = "plan", 1
+STATIC_BACKENDS = ("ane", "cpu-static")
+OVERFLOW_POLICIES = ("drop", "spill")
+# `router_weight`: the assignment's top-k router weight. `weight_x_norm`: router weight x L2 norm of the token's
+# hidden state, an activation-based saliency (the output an assignment adds scales with both).
+SALIENCY_RULES = ("router_weight", "weight_x_norm")
+
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    """The model a plan was made for; checked against the loaded model before running."""
+    architecture: StrictStr
+    model_type: StrictStr
+    num_layers: PositiveInt
+    moe_layers: list[NonNegInt]
+    num_experts: PositiveInt
+    top_k: PositiveInt
+    hidden_size: PositiveInt
+    expert_ffn_size: PositiveInt
+    fingerprint: StrictStr
+
+
+class Group(_Strict):
+    """Experts fused into one static graph: expert i gets a slice of `capacities[i]` token rows."""
+    backend: Literal["ane", "cpu-static"]
+    experts: list[NonNegInt] = Field(min_length=1)
+    capacities: list[PositiveInt] = Field(min_length=1)
+    tier: list[NonNegInt] | None = None  # optional tier label per expert, for reports
+
+    @property
+    def slots(self) -> int:
+        return sum(self.capacities)
+
+
+class LayerPlan(_Strict):
+    layer: NonNegInt
+    groups: list[Group]
+    cpu_exact: list[NonNegInt]
+
+
+class Plan(_Strict):
+    schema_: Literal["npumoe.plan/1"] = Field(SCHEMA, alias="schema")
+    model: ModelRef
+    chunk_tokens: PositiveInt
+    overflow: Literal["drop", "spill"]
+    saliency: Literal["router_weight", "weight_x_norm"]
+    layers: list[LayerPlan] = Field(min_length=1)
+    predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
+    meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def layer(self, index: int) -> LayerPlan:
+        for lp in self.layers:
+            if lp.layer == index:
+                return lp
+        raise KeyError(index)
+
+    def to_json(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "plan"
+
+
+def _check_layers(plan: Plan) -> tuple[str, str] | None:
+    """Cross-field rules pydantic can't express: expert ids, placement, layer coverage. Returns (field, msg)."""
+    n_experts = plan.model.num_experts
+    seen_layers: set[int] = set()
+    for li, lp in enumerate(plan.layers):
+        where = f"layers[{li}]"
+        if lp.layer not in plan.model.moe_layers:
+            return f"{where}.layer", f"{lp.layer} is not an MoE layer of the model (model.moe_layers)"
+        if lp.layer in seen_layers:
+            return f"{where}.layer", f"layer {lp.layer} appears twice"
+        seen_layers.add(lp.layer)
+        placed: dict[int, str] = {}
+        places = [(f"{where}.groups[{gi}]", g.experts) for gi, g in enumerate(lp.groups)]
+        places.append((f"{where}.cpu_exact", lp.cpu_exact))
+        for gi, g in enumerate(lp.groups):
+            if len(g.capacities) != len(g.experts):
+                return (f"{where}.groups[{gi}].capacities",
+                        f"has {len(g.capacities)} entries for {len(g.experts)} experts")
+            if g.tier is not None and len(g.tier) != len(g.experts):
+                return f"{where}.groups[{gi}].tier", f"has {len(g.tier)} entries for {len(g.experts)} experts"
+        for field, experts in places:
+            for i, e in enumerate(experts):
+                at = f"{field}.experts[{i}]" if "groups" in field else f"{field}[{i}]"
+                if e >= n_experts:
+                    return at, f"unknown expert id {e} (model has {n_experts} experts)"
+                if e in placed:
+                    return at, (f"duplicate expert id {e}" if placed[e] == field
+                                else f"expert {e} is also in {placed[e]}; an expert has exactly one place")
+                placed[e] = field
+        missing = sorted(set(range(n_experts)) - set(placed))
+        if missing:
+            return where, f"experts {missing} are in no group and not in cpu_exact"
+    absent = sorted(set(plan.model.moe_layers) - seen_layers)
+    if absent:
+        return "layers", f"MoE layers {absent} have no entry"
+    return None
+
+
+def plan_from_json(obj: Any, path: str = "") -> Plan:
+    """Validate a decoded JSON object as a plan; raises FileFormatError naming the first bad field."""
+    check_schema(obj, KIND, VERSION, path)
+    try:
+        plan = Plan.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
+        msg = err["msg"] + (f" (got {got})" if got else "")
+        raise FileFormatError(KIND, path, _field_path(tuple(err["loc"])), msg) from None
+    bad = _check_layers(plan)
+    if bad:
+        raise FileFormatError(KIND, path, *bad)
+    return plan
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return plan_from_json(read_versioned_json(path, KIND, VERSION), str(path))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    atomic_write_json(path, plan.to_json())
+
+
+def check_plan_matches(plan: Plan, spec: Any, path: str = "") -> None:
+    """Refuse a plan made for another model: shape fields first (clearer), then the fingerprint."""
+    got = spec.to_json()
+    for name in ("architecture", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size",
+                 "expert_ffn_size", "fingerprint"):
+        want = getattr(plan.model, name)
+        if want != got[name]:
+            raise FileFormatError(KIND, path, f"model.{name}",
+                                  f"plan is for a different model: plan has {want!r}, the model has {got[name]!r}")

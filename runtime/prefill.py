@@ -1,0 +1,21 @@
+"""Chunked prefill: the text goes through the model `chunk_tokens` at a time with a KV cache, as on device."""
+from __future__ import annotations
+
+import torch
+
+
+def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Logits `[T, vocab]` for a 1-D sequence of token ids, computed chunk by chunk."""
+    ids = input_ids.reshape(1, -1)
+    cache, logits = None, []
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk_tokens):
+            out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True)
+            cache = out.cache
+            logits.append(out.logits[0].float())
+    return torch.cat(logits)
+
+
+def max_rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|: relative to the reference's scale, so near-zero entries don't blow it up."""
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))

@@ -1,0 +1,59 @@
+"""Run statistics: what the executor did per layer, summed for the run."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerStats:
+    assignments: int = 0  # (token, expert) pairs routed
+    dropped: int = 0  # overflowed a static slice and were dropped (overflow: drop)
+    spilled: int = 0  # overflowed a static slice and ran on cpu-exact instead (overflow: spill)
+    tokens: int = 0
+    slots: int = 0  # static slice rows executed (filled + padding)
+    filled: int = 0  # static slice rows that held a real assignment
+    tokens_per_backend: Counter = field(default_factory=Counter)  # assignments computed per backend
+    calls_per_backend: Counter = field(default_factory=Counter)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.filled / self.slots if self.slots else 0.0
+
+    def merge(self, other: "LayerStats") -> None:
+        for name in ("assignments", "dropped", "spilled", "tokens", "slots", "filled"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.tokens_per_backend.update(other.tokens_per_backend)
+        self.calls_per_backend.update(other.calls_per_backend)
+
+    def to_json(self) -> dict:
+        return {"assignments": self.assignments, "dropped": self.dropped, "spilled": self.spilled,
+                "tokens": self.tokens, "drop_rate": self.dropped / self.assignments if self.assignments else 0.0,
+                "spill_rate": self.spilled / self.assignments if self.assignments else 0.0,
+                "padding_fraction": self.padding_fraction, "static_slots": self.slots,
+                "tokens_per_backend": dict(self.tokens_per_backend),
+                "calls_per_backend": dict(self.calls_per_backend)}
+
+
+@dataclass
+class RunStats:
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def layer(self, index: int) -> LayerStats:
+        return self.layers.setdefault(index, LayerStats())
+
+    def total(self) -> LayerStats:
+        total = LayerStats()
+        for s in self.layers.values():
+            total.merge(s)
+        return total
+
+    def reset(self) -> None:
+        for s in self.layers.values():  # in place: executors hold references to their LayerStats
+            s.__init__()
+
+    def to_json(self) -> dict:
+        out = self.total().to_json()
+        out.pop("tokens")  # per-layer token counts add up to layers x tokens; the run reports tokens itself
+        out["per_layer"] = {str(i): s.to_json() for i, s in sorted(self.layers.items())}
+        return out
