@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from runtime.errors import NpumoeError
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"autotune {args.command}: %(message)s")
     try:
         return int(args.func(args) or 0)
     except NpumoeError as e:

@@ -23,7 +23,7 @@ class LayerExecutor:
     """One MoE layer under its plan: lookup tables from expert id to slice, and the prepared group calls."""
 
     def __init__(self, layer_plan: LayerPlan, module: torch.nn.Module, plan: Plan, stats: LayerStats,
-                 backends: dict[str, StaticBackend] | None = None) -> None:
+                 backends: dict[str, StaticBackend]) -> None:
         n = module.num_experts
         self.module, self.stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
@@ -33,14 +33,14 @@ class LayerExecutor:
         self.groups: list[tuple[str, callable, int, int]] = []  # (backend name, fn, first row, end row)
         row = 0
         for gi, g in enumerate(layer_plan.groups):
-            backend = resolve_static_backend(g.backend, backends)
+            backend = backends[g.backend]
             fn = backend.prepare(GroupSpec(layer_plan.layer, gi, tuple(g.experts), tuple(g.capacities), module))
             for e, c in zip(g.experts, g.capacities):
                 self.base[e], self.cap[e], self.group_of[e] = row, c, gi
                 row += c
             self.groups.append((backend.name, fn, row - g.slots, row))
         self.slots = row
-        overlap = any(resolve_static_backend(g.backend, backends).overlaps_cpu for g in layer_plan.groups)
+        overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-exact") if overlap else None
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -127,8 +127,12 @@ class PlanExecutor:
                  plan_path: str = "") -> None:
         check_plan_matches(plan, model_spec(model), plan_path)
         self.model, self.plan, self.stats = model, plan, RunStats()
+        # Resolve each named backend once per run, so an unavailable one falls back (and says so) once.
+        named = {g.backend for lp in plan.layers for g in lp.groups}
+        self.backends = {name: resolve_static_backend(name, backends) for name in sorted(named)}
+        self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
-                                              backends) for l in moe_layers(model)}
+                                              self.backends) for l in moe_layers(model)}
         self._previous: str | None = None
 
     def install(self) -> "PlanExecutor":

@@ -1,0 +1,35 @@
+"""Options and output helpers shared by the subcommands, so every command spells them the same way."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from runtime.models import BUILTIN_MODELS
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="M",
+                   help=f"a local transformers model directory or a built-in name ({', '.join(BUILTIN_MODELS)})")
+
+
+def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--text", default=default, metavar="F",
+                   help=f"a UTF-8 text file or a built-in text name (default: {default})")
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+
+
+def apply_threads(n: int | None) -> None:
+    if n is not None:
+        torch.set_num_threads(max(1, n))
+
+
+def print_json(obj: dict) -> None:
+    """One JSON object on one line of stdout: what scripts read."""
+    print(json.dumps(obj, sort_keys=False))
+    sys.stdout.flush()

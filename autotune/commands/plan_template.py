@@ -1,0 +1,32 @@
+"""`autotune plan-template`: a valid plan for a model before any search (all experts in groups of four)."""
+from __future__ import annotations
+
+import argparse
+
+from runtime.models import load_model, model_spec
+from runtime.plan import save_plan
+
+from ..templates import template_plan
+from .common import add_model_argument
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan-template", help="write a template plan (uniform capacity, groups of four)")
+    add_model_argument(p)
+    p.add_argument("--capacity", choices=["ample", "tight"], default="ample",
+                   help="ample: capacity >= chunk tokens (nothing can overflow); tight: a quarter of the mean load")
+    p.add_argument("--overflow", choices=["drop", "spill"], default="drop")
+    p.add_argument("--backend", choices=["cpu-static", "ane"], default="cpu-static")
+    p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
+    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight")
+    p.add_argument("--out", required=True, metavar="P")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, _ = load_model(args.model)
+    plan = template_plan(model_spec(model), args.capacity, args.overflow, args.backend, args.chunk, args.saliency)
+    save_plan(plan, args.out)
+    print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
+          f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}")
+    return 0

@@ -1,0 +1,80 @@
+"""`autotune run`: chunked prefill of a text under a plan, with run statistics (and parity vs the reference)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from runtime.executor import PlanExecutor
+from runtime.models import load_model
+from runtime.plan import load_plan
+from runtime.prefill import max_rel_diff, prefill_logits
+
+from ..workload import encode_text
+from .common import add_model_argument, add_text_argument, add_threads_argument, apply_threads, print_json
+
+DEFAULT_TEXT = "builtin:pydoc-heldout"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run prefill of a text under a plan and report what the executor did")
+    add_model_argument(p)
+    p.add_argument("--plan", required=True, metavar="P")
+    add_text_argument(p, DEFAULT_TEXT)
+    p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="cut the text to N tokens (default 1024)")
+    p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
+    p.add_argument("--repeat", type=int, default=1, metavar="R", help="time R runs, report the median (default 1)")
+    p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _timed(fn, repeat: int):
+    times, out = [], None
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return out, statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    plan = load_plan(args.plan)
+    ids = encode_text(tokenizer, args.text, args.max_tokens)
+    backends = None
+    if args.package:
+        from runtime.ane import AneBackend
+        backends = {"ane": AneBackend(args.package)}
+    executor = PlanExecutor(model, plan, backends, args.plan)
+    result = {"model": args.model, "plan": args.plan, "text": args.text, "tokens": int(ids.numel()),
+              "chunk_tokens": plan.chunk_tokens, "overflow": plan.overflow}
+    if args.reference:
+        ref, result["reference_latency_ms"] = _timed(lambda: prefill_logits(model, ids, plan.chunk_tokens),
+                                                     args.repeat)
+    with executor:
+        logits, result["latency_ms"] = _timed(lambda: (executor.stats.reset(),
+                                                       prefill_logits(model, ids, plan.chunk_tokens))[1], args.repeat)
+    result.update(executor.stats.to_json())
+    result["backend_fallbacks"] = executor.fallbacks
+    if args.reference:
+        result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+    if args.json:
+        print_json(result)
+    else:
+        _print_summary(result)
+    return 0
+
+
+def _print_summary(r: dict) -> None:
+    print(f"{r['tokens']} tokens in chunks of {r['chunk_tokens']}: {r['latency_ms']:.1f} ms (measured)")
+    print(f"assignments {r['assignments']}, dropped {r['dropped']} ({r['drop_rate']:.2%}), spilled {r['spilled']} "
+          f"({r['spill_rate']:.2%}), padding {r['padding_fraction']:.1%}")
+    print("per backend: " + ", ".join(f"{b} {n} assignments / {r['calls_per_backend'].get(b, 0)} calls"
+                                      for b, n in r["tokens_per_backend"].items()))
+    for name, used in r["backend_fallbacks"].items():
+        print(f"note: plan names {name}, which is unavailable here; ran on {used}")
+    if "max_rel_diff_vs_reference" in r:
+        print(f"max relative difference vs the unmodified model: {r['max_rel_diff_vs_reference']:.2e}")
