@@ -1,0 +1,420 @@
+"""The cost model: per backend, latency of a call = fixed cost + compute time of its matmuls; layers compose calls.
+
+Per backend the analytic part is linear in four features, fitted by non-negative least squares on relative error:
+
+    t = calls * call_ms + experts * expert_ms + GFLOP * ms_per_gflop + MB * ms_per_mb
+
+`calls` counts backend invocations (dispatch + sync), `experts` counts per-expert op launches inside a call (the
+CPU backends launch two matmuls and a gate per expert; a compiled ANE graph launches nothing per expert), FLOPs and
+bytes are those of the expert's gated FFN (gate_up [2F, H], down [H, F]; weights read once per call). Where the
+analytic form misfits (small-M kernel inefficiency, cache effects) a scikit-learn k-nearest-neighbours learner
+over (log2 M, log2 H, log2 F) corrects it multiplicatively; its training points live in the profile, so the model
+is rebuilt exactly from JSON. Energy = measured power x busy time; without measured power it is None, never
+guessed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+# Static backends whose calls run off the CPU: the exact CPU path runs concurrently with them (see the executor).
+OVERLAPPING = {"ane"}
+CPU_BACKENDS = ("cpu-exact", "cpu-static")
+FEATURES = ("calls", "experts", "gflop", "mb")
+LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
+
+
+def ffn_work(tokens: Any, hidden: int, ffn: int, dtype_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(GFLOP, MB) of one expert's gated FFN over `tokens` rows: weights read once, activations in and out."""
+    m = np.asarray(tokens, dtype=np.float64)
+    gflop = 6.0 * m * hidden * ffn / 1e9  # 2*M*(2F*H) for gate_up + 2*M*(H*F) for down
+    weights = 3.0 * hidden * ffn
+    acts = m * (hidden + 2 * ffn) + m * (ffn + hidden)  # gate_up in/out, down in/out
+    mb = dtype_bytes * (weights + acts) / 1e6
+    return gflop, mb
+
+
+def matmul_work(m: Any, n: int, k: int, dtype_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(GFLOP, MB) of one dense matmul [m, k] x [k, n] (the paper's (M, N, K) records)."""
+    m = np.asarray(m, dtype=np.float64)
+    return 2.0 * m * n * k / 1e9, dtype_bytes * (n * k + m * k + m * n) / 1e6
+
+
+@dataclass
+class Residual:
+    """Multiplicative correction exp(r) learned from log(measured / analytic) by k-nearest neighbours."""
+    X: np.ndarray  # [n, 3]: log2 tokens, log2 hidden, log2 ffn
+    y: np.ndarray  # [n]: log(measured / analytic)
+    k: int = 3
+
+    def __post_init__(self) -> None:
+        from sklearn.neighbors import KNeighborsRegressor
+
+        self.X, self.y = np.asarray(self.X, dtype=np.float64).reshape(-1, 3), np.asarray(self.y, dtype=np.float64)
+        # Shape axes weigh more than the token axis: a neighbour of another shape is a worse guess than one of
+        # another M of the same shape.
+        self._scale = np.array([1.0, 4.0, 4.0])
+        self._knn = KNeighborsRegressor(n_neighbors=min(self.k, len(self.y)), weights="distance")
+        self._knn.fit(self.X * self._scale, self.y)
+
+    def __call__(self, tokens: np.ndarray, hidden: int, ffn: int) -> np.ndarray:
+        m = np.maximum(np.asarray(tokens, dtype=np.float64).reshape(-1), 1.0)
+        q = np.stack([np.log2(m), np.full_like(m, np.log2(hidden)), np.full_like(m, np.log2(ffn))], axis=1)
+        return np.exp(self._knn.predict(q * self._scale))
+
+    def to_json(self) -> dict:
+        return {"kind": "knn", "k": self.k, "features": ["log2 tokens", "log2 hidden", "log2 ffn"],
+                "X": np.round(self.X, 6).tolist(), "y": np.round(self.y, 6).tolist()}
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> "Residual | None":
+        return None if not obj else cls(np.array(obj["X"]), np.array(obj["y"]), int(obj.get("k", 3)))
+
+
+@dataclass
+class BackendModel:
+    """One backend's latency (ms) and power (W) model."""
+    name: str
+    call_ms: float
+    expert_ms: float
+    ms_per_gflop: float
+    ms_per_mb: float
+    dtype_bytes: int = 4
+    overlaps_cpu: bool = False
+    power_w: float | None = None
+    power_source: str | None = None
+    residual: Residual | None = None
+    note: str | None = None
+
+    def analytic(self, calls: Any, experts: Any, gflop: Any, mb: Any) -> np.ndarray:
+        return (self.call_ms * np.asarray(calls) + self.expert_ms * np.asarray(experts)
+                + self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb))
+
+    def ffn_ms(self, tokens: Any, hidden: int, ffn: int) -> np.ndarray:
+        m = np.asarray(tokens, dtype=np.float64)
+        gflop, mb = ffn_work(m, hidden, ffn, self.dtype_bytes)
+        t = self.analytic(0.0, 1.0, gflop, mb)
+        if self.residual is not None:
+            t = t * self.residual(m, hidden, ffn).reshape(m.shape)
+        return np.where(m > 0, t, 0.0)
+
+    def to_json(self) -> dict:
+        out = {"call_ms": self.call_ms, "expert_ms": self.expert_ms, "ms_per_gflop": self.ms_per_gflop,
+               "ms_per_mb": self.ms_per_mb, "dtype_bytes": self.dtype_bytes, "overlaps_cpu": self.overlaps_cpu,
+               "power_w": self.power_w, "power_source": self.power_source,
+               "residual": self.residual.to_json() if self.residual else None}
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, obj: dict) -> "BackendModel":
+        return cls(name=name, call_ms=float(obj["call_ms"]), expert_ms=float(obj["expert_ms"]),
+                   ms_per_gflop=float(obj["ms_per_gflop"]), ms_per_mb=float(obj["ms_per_mb"]),
+                   dtype_bytes=int(obj.get("dtype_bytes", 4)), overlaps_cpu=bool(obj.get("overlaps_cpu", False)),
+                   power_w=None if obj.get("power_w") is None else float(obj["power_w"]),
+                   power_source=obj.get("power_source"), residual=Residual.from_json(obj.get("residual")),
+                   note=obj.get("note"))
+
+
+@dataclass
+class HostCosts:
+    """Host-side work of the executor, per chunk: packing for static groups, the exact path's gather/scatter.
+
+    Each is `fixed_ms + per_assignment_ms * A + per_assignment_kelem_ms * A * hidden / 1000`. None when the
+    profile has no measurement (published figures): the cost is then left out (0), and the profile says so.
+    """
+    pack: tuple[float, float, float] | None = None
+    exact: tuple[float, float, float] | None = None
+
+    @staticmethod
+    def _eval(coef: tuple[float, float, float] | None, assignments: Any, hidden: int) -> np.ndarray:
+        a = np.asarray(assignments, dtype=np.float64)
+        if coef is None:
+            return np.zeros_like(a)
+        return np.where(a > 0, coef[0] + coef[1] * a + coef[2] * a * hidden / 1000.0, 0.0)
+
+    def to_json(self) -> dict:
+        names = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms")
+        return {k: (dict(zip(names, v)) if v is not None else None) for k, v in
+                (("pack", self.pack), ("exact", self.exact))}
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> "HostCosts":
+        obj = obj or {}
+        get = lambda d: None if not d else (float(d["fixed_ms"]), float(d["per_assignment_ms"]),
+                                            float(d["per_assignment_kelem_ms"]))
+        return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")))
+
+
+@dataclass
+class CostModel:
+    """Latency (ms) and energy (mJ) predictions for calls and MoE layers on one device. All outputs are predicted."""
+    models: dict[str, BackendModel]
+    host: HostCosts = field(default_factory=HostCosts)
+    default_hidden: int = 1024  # used by pack_ms when the caller gives no hidden size
+    _lut: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted(self.models)
+
+    def _model(self, backend: str) -> BackendModel:
+        """The backend's model; a static backend the device lacks runs on cpu-static, as the runtime does."""
+        if backend in self.models:
+            return self.models[backend]
+        if backend in ("ane",) and "cpu-static" in self.models:
+            return self.models["cpu-static"]
+        raise KeyError(f"the cost model has no backend {backend!r} (it has {', '.join(self.backends)})")
+
+    # --- calls -------------------------------------------------------------------------------------------------
+    def call_ms(self, backend: str) -> float:
+        return float(self._model(backend).call_ms)
+
+    def ffn_ms(self, backend: str, tokens: Any, hidden: int, ffn: int) -> Any:
+        """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing); int or ndarray."""
+        model = self._model(backend)
+        key = (model.name, int(hidden), int(ffn))
+        lut = self._lut.get(key)
+        if lut is None:
+            lut = self._lut[key] = model.ffn_ms(np.arange(LUT_TOKENS), hidden, ffn)
+        m = np.asarray(tokens)
+        if np.issubdtype(m.dtype, np.integer) and (m.size == 0 or (m.min() >= 0 and m.max() < LUT_TOKENS)):
+            out = lut[m]
+        else:
+            out = model.ffn_ms(m, hidden, ffn)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def group_call_ms(self, backend: str, capacities: Sequence[int], hidden: int, ffn: int) -> float:
+        """One static group call: fixed cost plus every expert's slice computed at full capacity (padding too)."""
+        caps = np.asarray(capacities, dtype=np.int64)
+        return self.call_ms(backend) + float(np.sum(self.ffn_ms(backend, caps, hidden, ffn)))
+
+    def exact_ms(self, counts: np.ndarray, hidden: int, ffn: int) -> Any:
+        """cpu-exact over per-expert counts ([E] -> float, [chunks, E] -> array), incl. call and host costs."""
+        c = np.asarray(counts, dtype=np.int64)
+        a = c.sum(axis=-1)
+        t = np.sum(self.ffn_ms("cpu-exact", c, hidden, ffn), axis=-1)
+        t = np.where(a > 0, t + self.call_ms("cpu-exact"), 0.0) + HostCosts._eval(self.host.exact, a, hidden)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def pack_ms(self, assignments: Any, hidden: int | None = None) -> Any:
+        """Host-side pack/unpack of one chunk's static groups for this many assignments."""
+        t = HostCosts._eval(self.host.pack, assignments, hidden or self.default_hidden)
+        return float(t) if np.ndim(t) == 0 else t
+
+    def power_w(self, backend: str) -> float | None:
+        return self._model(backend).power_w
+
+    # --- layers ------------------------------------------------------------------------------------------------
+    def _layer_parts(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> dict:
+        """Busy times (ms) of one layer's parts: static calls split by backend, exact path, packing."""
+        c = np.asarray(counts, dtype=np.int64)
+        exact_counts = np.zeros_like(c)
+        exact_counts[..., list(layer_plan.cpu_exact)] = c[..., list(layer_plan.cpu_exact)]
+        static: dict[str, float] = {}
+        for g in layer_plan.groups:
+            name = self._model(g.backend).name
+            static[name] = static.get(name, 0.0) + self.group_call_ms(g.backend, g.capacities, hidden, ffn)
+            if overflow == "spill":
+                idx, caps = list(g.experts), np.asarray(g.capacities)
+                exact_counts[..., idx] = np.maximum(c[..., idx] - caps, 0)
+        pack = self.pack_ms(c.sum(axis=-1), hidden) if layer_plan.groups else np.zeros(c.shape[:-1])
+        return {"static": static, "exact": np.asarray(self.exact_ms(exact_counts, hidden, ffn)),
+                "pack": np.asarray(pack)}
+
+    def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
+        """Predicted latency of one MoE layer for one chunk ([E] counts -> float; [chunks, E] -> array).
+
+        Static calls run in sequence on the calling thread; the exact CPU path overlaps the calls of an
+        off-CPU backend (ane) but not CPU work (cpu-static calls, packing)."""
+        p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
+        off_cpu = sum(t for b, t in p["static"].items() if self.models[b].overlaps_cpu)
+        on_cpu = sum(t for b, t in p["static"].items() if not self.models[b].overlaps_cpu)
+        t = p["pack"] + on_cpu + np.maximum(off_cpu, p["exact"])
+        return float(t) if np.ndim(t) == 0 else t
+
+    def layer_energy_mj(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int,
+                        overflow: str) -> Any | None:
+        """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
+        p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
+        cpu_power = self.models["cpu-exact"].power_w if "cpu-exact" in self.models else None
+        e = 0.0
+        for b, t in p["static"].items():
+            if self.models[b].power_w is None:
+                return None
+            e = e + self.models[b].power_w * t
+        if np.any(p["exact"] + p["pack"] > 0):
+            if cpu_power is None:
+                return None
+            e = e + cpu_power * (p["exact"] + p["pack"])
+        e = np.asarray(e, dtype=np.float64)
+        return float(e) if np.ndim(e) == 0 else e
+
+    @property
+    def has_energy(self) -> bool:
+        return all(m.power_w is not None for m in self.models.values())
+
+    # --- serialization -----------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"form": "calls*call_ms + experts*expert_ms + GFLOP*ms_per_gflop + MB*ms_per_mb, x residual",
+                "backends": {n: m.to_json() for n, m in sorted(self.models.items())},
+                "host": self.host.to_json(), "default_hidden": self.default_hidden}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "CostModel":
+        return cls({n: BackendModel.from_json(n, m) for n, m in obj["backends"].items()},
+                   HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)))
+
+
+# --- fitting -----------------------------------------------------------------------------------------------------
+def record_features(rec: dict, dtype_bytes: int) -> np.ndarray:
+    """(calls, experts, GFLOP, MB) of one record: what the backend did during the timed call."""
+    kind = rec["kind"]
+    if kind == "ffn":
+        g, mb = ffn_work(rec["tokens"], rec["hidden"], rec["ffn"], dtype_bytes)
+        return np.array([0.0, 1.0, g, mb])
+    if kind in ("group", "call"):
+        caps = np.asarray(rec["capacities"], dtype=np.float64)
+        g, mb = ffn_work(caps, rec["hidden"], rec["ffn"], dtype_bytes)
+        return np.array([1.0, len(caps), g.sum(), mb.sum()])
+    if kind == "matmul":
+        g, mb = matmul_work(rec["m"], rec["n"], rec["k"], dtype_bytes)
+        return np.array([1.0, 0.0, g, mb])
+    raise ValueError(f"record kind {kind!r} has no backend features")
+
+
+def predict_record(model: BackendModel, rec: dict) -> float:
+    """The model's latency (ms) for what a record timed."""
+    kind = rec["kind"]
+    if kind == "ffn":
+        return float(model.ffn_ms(rec["tokens"], rec["hidden"], rec["ffn"]))
+    if kind in ("group", "call"):
+        return model.call_ms + float(np.sum(model.ffn_ms(np.asarray(rec["capacities"]), rec["hidden"], rec["ffn"])))
+    return float(model.analytic(*record_features(rec, model.dtype_bytes)))
+
+
+def _positive_lsq(A: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on relative error (rows divided by the measured time)."""
+    from sklearn.linear_model import LinearRegression
+
+    reg = LinearRegression(fit_intercept=False, positive=True)
+    reg.fit(A / t[:, None], np.ones_like(t))
+    return reg.coef_
+
+
+def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_cpu: bool | None = None,
+                fixed: dict[str, float] | None = None, residual: bool = True, power_w: float | None = None,
+                power_source: str | None = None) -> BackendModel:
+    """Fit one backend's analytic form to its records, then the residual learner on single-expert records.
+
+    `fixed` pins coefficients (e.g. a cited fixed cost per call) instead of fitting them."""
+    fixed = fixed or {}
+    A = np.stack([record_features(r, dtype_bytes) for r in records])
+    t = np.array([r["median_ms"] for r in records], dtype=np.float64)
+    free = [i for i, f in enumerate(FEATURES) if f not in fixed and A[:, i].any()]
+    pinned = np.array([fixed.get(f, 0.0) for f in FEATURES])
+    rest = np.maximum(t - A @ pinned, 1e-6 * t)
+    coef = pinned.copy()
+    if free:
+        coef[free] = _positive_lsq(A[:, free], rest)
+    model = BackendModel(name, float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), dtype_bytes,
+                         name in OVERLAPPING if overlaps_cpu is None else overlaps_cpu, power_w, power_source)
+    if residual:
+        X, y = [], []
+        for r in records:
+            caps = r.get("capacities") or []
+            if r["kind"] == "ffn" or (r["kind"] == "group" and len(caps) == 1):
+                m = r["tokens"] if r["kind"] == "ffn" else caps[0]
+                compute = r["median_ms"] - (model.call_ms if r["kind"] == "group" else 0.0)
+                base = float(model.ffn_ms(m, r["hidden"], r["ffn"]))
+                if compute > 0 and base > 0:
+                    X.append([np.log2(max(m, 1)), np.log2(r["hidden"]), np.log2(r["ffn"])])
+                    y.append(np.log(compute / base))
+        if len(y) >= 2:
+            model.residual = Residual(np.array(X), np.array(y))
+    return model
+
+
+def fit_host(records: list[dict]) -> tuple[float, float, float] | None:
+    """fixed + per-assignment + per-(assignment x hidden) host cost from pack/exact_host records."""
+    if not records:
+        return None
+    a = np.array([r["assignments"] for r in records], dtype=np.float64)
+    h = np.array([r["hidden"] for r in records], dtype=np.float64)
+    t = np.array([r["median_ms"] for r in records], dtype=np.float64)
+    A = np.stack([np.ones_like(a), a, a * h / 1000.0], axis=1)
+    return tuple(float(c) for c in _positive_lsq(A, t))
+
+
+def _host_predict(coef: tuple[float, float, float], rec: dict) -> float:
+    return float(HostCosts._eval(coef, rec["assignments"], rec["hidden"]))
+
+
+def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:
+    """Fit every backend found in `records` (plus host costs from pack/exact_host records)."""
+    backend_options = backend_options or {}
+    by_backend: dict[str, list[dict]] = {}
+    for r in records:
+        if r["kind"] not in ("pack", "exact_host") and not r.get("excluded"):
+            by_backend.setdefault(r["backend"], []).append(r)
+    models = {b: fit_backend(b, rs, **backend_options.get(b, {})) for b, rs in sorted(by_backend.items())}
+    host = HostCosts(pack=fit_host([r for r in records if r["kind"] == "pack"]),
+                     exact=fit_host([r for r in records if r["kind"] == "exact_host"]))
+    hiddens = sorted({int(r["hidden"]) for r in records if "hidden" in r})
+    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024)
+
+
+def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None = None, folds: int = 5,
+                   seed: int = 0) -> dict:
+    """Mean absolute percentage error of each part of the model on records it was not fitted to (k-fold).
+
+    Returns {"method", "mape": {name: MAPE or None}, "n": {name: records}}; per record the held-out prediction is
+    written into the record as `heldout_pred_ms`."""
+    from sklearn.model_selection import KFold
+
+    backend_options = backend_options or {}
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("excluded"):
+            continue
+        key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
+        groups.setdefault(key, []).append(r)
+    mape: dict[str, float | None] = {}
+    for key, rs in sorted(groups.items()):
+        k = min(folds, len(rs))
+        if k < 2:
+            mape[key] = None
+            continue
+        errs = []
+        for train, test in KFold(k, shuffle=True, random_state=seed).split(rs):
+            tr = [rs[i] for i in train]
+            if key.startswith("host-"):
+                coef = fit_host(tr)
+                preds = [_host_predict(coef, rs[i]) for i in test]
+            else:
+                model = fit_backend(key, tr, **backend_options.get(key, {}))
+                preds = [predict_record(model, rs[i]) for i in test]
+            for i, p in zip(test, preds):
+                rs[i]["heldout_pred_ms"] = round(p, 6)
+                errs.append(abs(p - rs[i]["median_ms"]) / rs[i]["median_ms"])
+        mape[key] = float(np.mean(errs))
+    return {"method": f"{folds}-fold cross-validation per backend: each record predicted by a model fitted "
+                      f"without it; MAPE = mean |predicted - measured| / measured",
+            "mape": mape, "n": {k: len(v) for k, v in groups.items()}}
+
+
+def load_profile(path_or_name: str):  # noqa: F811 - re-exported for callers of the cost model
+    """A profile (file path, shipped name like `apple-m2-ultra-published`, or `host`); see autotune.profile."""
+    from .profile import load_profile as _load
+
+    return _load(path_or_name)
+
+
+def host_profile_path():
+    """Where this host's saved profile lives (override the root with NPUMOE_CACHE)."""
+    from .profile import host_profile_path as _path
+
+    return _path()

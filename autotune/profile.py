@@ -1,0 +1,249 @@
+"""The profile file `npumoe.profile/1`: host facts, raw benchmark records, the fitted cost model, its held-out error.
+
+Measured profiles are written by `autotune profile-device`; shipped ones live in `profiles/` (one is built from
+published Apple figures and says so). Loading validates the structure and raises one `FileFormatError` naming the
+field; a profile from another host loads with a `ProfileHostWarning` that names both hosts.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import socket
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+
+from runtime.errors import FileFormatError
+from runtime.fileio import atomic_write_json, check_schema, read_versioned_json
+
+from .costmodel import CostModel
+
+SCHEMA = "npumoe.profile/1"
+KIND, VERSION = "profile", 1
+REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+PACKAGE_PROFILES = Path(__file__).resolve().parent / "profiles"
+RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host")
+
+
+class ProfileHostWarning(UserWarning):
+    """The profile was measured (or compiled) for another host than the one loading it."""
+
+
+# --- validation schema ---------------------------------------------------------------------------------------------
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Host(_Loose):
+    id: StrictStr
+    description: StrictStr
+
+
+class _Record(_Loose):
+    kind: Literal["ffn", "group", "call", "matmul", "pack", "exact_host"]
+    backend: StrictStr
+    median_ms: float = Field(gt=0)
+
+
+class _Residual(_Loose):
+    kind: Literal["knn"]
+    X: list[list[float]]
+    y: list[float]
+
+
+class _BackendModel(_Loose):
+    call_ms: float = Field(ge=0)
+    expert_ms: float = Field(ge=0)
+    ms_per_gflop: float = Field(ge=0)
+    ms_per_mb: float = Field(ge=0)
+    dtype_bytes: int = Field(4, gt=0)
+    overlaps_cpu: bool = False
+    power_w: float | None = Field(None, gt=0)
+    residual: _Residual | None = None
+
+
+class _CostModel(_Loose):
+    backends: dict[str, _BackendModel] = Field(min_length=1)
+    host: dict[str, Any] | None = None
+
+
+class _Heldout(_Loose):
+    method: StrictStr
+    mape: dict[str, float | None]
+
+
+class _Profile(_Loose):
+    schema_: Literal["npumoe.profile/1"] = Field(alias="schema")
+    measured_by: StrictStr
+    host: _Host
+    records: list[_Record]
+    cost_model: _CostModel
+    heldout: _Heldout
+
+
+def _field_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "profile"
+
+
+# --- host facts ----------------------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        import subprocess
+
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or "unknown CPU"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "transformers", "scikit-learn", "coremltools", "zeus-apple-silicon", "npumoe"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def host_id(cpu: str | None = None, cores: int | None = None) -> str:
+    """The hardware a profile describes: OS, architecture, CPU model and core count (not the hostname, which
+    containers change at will)."""
+    cpu = cpu or _cpu_model()
+    cores = cores or os.cpu_count() or 1
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{platform.system()}-{platform.machine()}-{cpu}-{cores}c".lower()).strip("-")
+    return slug[:80]
+
+
+def host_facts(threads: int | None = None) -> dict:
+    cpu, cores = _cpu_model(), os.cpu_count() or 1
+    facts = {"id": host_id(cpu, cores), "description": f"{cpu}, {cores} cores, {platform.system()} {platform.machine()}",
+             "hostname": socket.gethostname(), "cpu_model": cpu, "logical_cores": cores,
+             "os": f"{platform.system()} {platform.release()}", "platform": platform.platform(),
+             "machine": platform.machine(), "libraries": _versions()}
+    if threads is not None:
+        facts["threads"] = threads
+    return facts
+
+
+def host_profile_path() -> Path:
+    """Where this host's measured profile is saved: $NPUMOE_CACHE/profiles/<host-id>.json
+    (default ~/.cache/npumoe)."""
+    root = Path(os.environ.get("NPUMOE_CACHE") or Path.home() / ".cache" / "npumoe")
+    return root / "profiles" / f"{host_id()}.json"
+
+
+def shipped_profiles() -> dict[str, Path]:
+    """Profiles shipped with npumoe, by name (file stem)."""
+    out: dict[str, Path] = {}
+    for d in (PACKAGE_PROFILES, REPO_PROFILES):
+        if d.is_dir():
+            out.update({p.stem: p for p in sorted(d.glob("*.json"))})
+    return out
+
+
+# --- the profile ---------------------------------------------------------------------------------------------------
+@dataclass
+class Profile:
+    host: dict
+    cost_model: CostModel
+    records: list[dict]
+    heldout: dict  # {"method": str, "mape": {backend: float | None}, ...}
+    measured_by: str
+    settings: dict = field(default_factory=dict)
+    energy: dict = field(default_factory=dict)
+    created: str = ""
+    path: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def heldout_mape(self) -> dict[str, float | None]:
+        return dict(self.heldout.get("mape", {}))
+
+    @property
+    def published(self) -> bool:
+        return not self.measured_by.startswith("autotune profile-device")
+
+    def to_json(self) -> dict:
+        out = {"schema": SCHEMA, "measured_by": self.measured_by, "created": self.created or _now(),
+               "host": self.host, "settings": self.settings, "energy": self.energy,
+               "cost_model": self.cost_model.to_json(), "heldout": self.heldout, "records": self.records}
+        out.update(self.extra)
+        return out
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Profile:
+    """Validate a decoded profile; raises FileFormatError naming the first bad field."""
+    check_schema(obj, KIND, VERSION, path)
+    try:
+        _Profile.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
+        raise FileFormatError(KIND, path, _field_path(tuple(err["loc"])),
+                              err["msg"] + (f" (got {got})" if got else "")) from None
+    try:
+        cost_model = CostModel.from_json(obj["cost_model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise FileFormatError(KIND, path, "cost_model", f"cannot rebuild the cost model: {e}") from None
+    known = {"schema", "measured_by", "created", "host", "settings", "energy", "cost_model", "heldout", "records"}
+    prof = Profile(host=obj["host"], cost_model=cost_model, records=obj["records"], heldout=obj["heldout"],
+                   measured_by=obj["measured_by"], settings=obj.get("settings") or {},
+                   energy=obj.get("energy") or {}, created=obj.get("created", ""), path=path,
+                   extra={k: v for k, v in obj.items() if k not in known})
+    if check_host:
+        here = host_id()
+        if prof.host["id"] != here:
+            warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "
+                          f"({prof.host['description']}), not this host {here!r} "
+                          f"({host_facts()['description']}): its figures describe that host",
+                          ProfileHostWarning, stacklevel=3)
+    return prof
+
+
+def load_profile(path_or_name: str | os.PathLike, check_host: bool = True) -> Profile:
+    """A profile from a file path, a shipped profile's name (e.g. `apple-m2-ultra-published`), or `host`
+    (this host's saved profile)."""
+    p = Path(path_or_name)
+    if str(path_or_name) == "host":
+        p = host_profile_path()
+        if not p.exists():
+            from runtime.errors import NpumoeError
+
+            raise NpumoeError(f"this host has no saved profile at {p}; run `autotune profile-device` first")
+    elif not p.exists() and str(path_or_name) in shipped_profiles():
+        p = shipped_profiles()[str(path_or_name)]
+    elif not p.exists() and p.suffix == "" and p.name == str(path_or_name):
+        from runtime.errors import NpumoeError
+
+        names = ", ".join(sorted(shipped_profiles())) or "none"
+        raise NpumoeError(f"no profile file {str(path_or_name)!r} and no shipped profile of that name "
+                          f"(shipped: {names}; `host` is this host's saved profile)")
+    return profile_from_json(read_versioned_json(p, KIND, VERSION), str(p), check_host=check_host)
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    atomic_write_json(path, profile.to_json())
+
