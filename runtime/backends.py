@@ -6,6 +6,7 @@ per-expert batches with no padding. `cpu-static` is the reference for what an AN
 """
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -66,6 +67,8 @@ def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int
 
 
 _STATIC_BACKENDS: dict[str, Callable[[], StaticBackend]] = {"cpu-static": CpuStaticBackend}
+# Built-in backends in their own modules register on first use, so a plain import stays light.
+_BUILTIN_MODULES = {"ane": ".ane"}
 
 
 def register_static_backend(name: str, factory: Callable[[], StaticBackend]) -> None:
@@ -75,6 +78,8 @@ def register_static_backend(name: str, factory: Callable[[], StaticBackend]) -> 
 def resolve_static_backend(name: str, instances: dict[str, StaticBackend] | None = None) -> StaticBackend:
     """The backend to run `name` on: the given or registered one if available, else `cpu-static` (said once)."""
     backend = (instances or {}).get(name)
+    if backend is None and name not in _STATIC_BACKENDS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name], __package__)
     if backend is None and name in _STATIC_BACKENDS:
         backend = _STATIC_BACKENDS[name]()
     reason = f"backend {name!r} is not implemented here"

@@ -1,0 +1,62 @@
+"""`autotune build`: the plan's ANE groups as one Core ML multifunction package, linted and checked on the host."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runtime.coreml_build import COMPRESSIONS, LAYOUTS, build_package, quiet_coremltools_import
+from runtime.mil_eval import TOLERANCE
+from runtime.models import load_model, model_spec, moe_layers
+from runtime.plan import check_plan_matches, load_plan
+
+from .common import add_model_argument, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("build", help="build the Core ML package of a plan's ANE groups (one function per group)")
+    add_model_argument(p)
+    p.add_argument("--plan", required=True, metavar="P")
+    p.add_argument("--layout", choices=LAYOUTS, default="matmul",
+                   help="matmul: [slots, H] with linear layers; conv1x1: [1, H, 1, slots] with 1x1 convolutions "
+                        "(the ml-ane-transformers form). Default matmul")
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
+                   help="weights: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means tables). "
+                        "Numeric-check tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
+    p.add_argument("--out", metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
+    p.add_argument("--cache-dir", metavar="D", help="converted-function cache (default $NPUMOE_CACHE/coreml, "
+                                                    "else ~/.cache/npumoe/coreml)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.set_defaults(func=run)
+
+
+def _progress_factory(enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return lambda stage, total: tqdm(total=total, desc=stage, unit="fn", file=sys.stderr, dynamic_ncols=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_coremltools_import()
+    plan = load_plan(args.plan)
+    model, _ = load_model(args.model)
+    check_plan_matches(plan, model_spec(model), args.plan)
+    out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
+    layers = {layer.index: layer.experts for layer in moe_layers(model)}
+    result = build_package(layers, plan, out, args.layout, args.compress, args.cache_dir,
+                           _progress_factory(not args.no_progress))
+    ratio = result.package_bytes / result.unique_weight_bytes
+    print(f"wrote {result.package}: {len(result.functions)} functions ({result.cached} from the cache), "
+          f"layout {result.layout}, weights {result.compress}, {result.build_seconds:.1f} s")
+    print(f"package {result.package_bytes:,} bytes = {ratio:.3f} x the unique expert weights in fp16 "
+          f"({result.unique_weight_bytes:,} bytes); lint passed")
+    print(f"host evaluation of every function vs cpu-static: max relative error {result.max_rel_error:.2e} "
+          f"(tolerance {TOLERANCE[result.compress]:g})")
+    print_json({"package": result.package, "package_bytes": result.package_bytes,
+                "unique_weight_bytes": result.unique_weight_bytes, "size_ratio": round(ratio, 4),
+                "max_rel_error": result.max_rel_error, "tolerance": TOLERANCE[result.compress],
+                "functions": len(result.functions), "cached_functions": result.cached, "layout": result.layout,
+                "compress": result.compress, "build_seconds": round(result.build_seconds, 2)})
+    return 0

@@ -1,0 +1,244 @@
+"""The `ane` backend: each planned expert group is one function of a Core ML multifunction package.
+
+On macOS the package is compiled once, each group's function is loaded once and kept resident
+(`compute_units=CPU_AND_NE`), and a call feeds the packed buffer as fp16 in the package's layout. The executor
+runs the exact CPU path on a worker thread meanwhile (`overlaps_cpu`). Energy windows come from
+`zeus-apple-silicon` when installed; on macOS 14.4+ `MLComputePlan` tells whether a group's ops are placed on the
+Neural Engine. Elsewhere the backend says it is unavailable and the runtime runs the groups on `cpu-static`.
+
+Layouts (what a function's input `x` and output `y` look like for a packed buffer of S rows of width H):
+- `matmul`: `[S, H]`, linear layers;
+- `conv1x1`: `[1, H, 1, S]`, channels first with 1x1 convolutions (apple/ml-ane-transformers).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import sys
+import tempfile
+import threading
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .backends import GroupFn, GroupSpec, register_static_backend
+from .errors import NpumoeError
+
+log = logging.getLogger("npumoe")
+
+LAYOUTS = ("matmul", "conv1x1")
+INPUT_NAME, OUTPUT_NAME = "x", "y"
+META_KEY = "npumoe.build"  # user-defined metadata: JSON with layout, compression and per-function provenance
+ENERGY_FIELDS = ("ane_mj", "cpu_total_mj", "gpu_mj", "dram_mj")
+
+
+def function_name(layer: int, group: int) -> str:
+    """The package function that computes group `group` of MoE layer `layer` (builder and runtime agree here)."""
+    return f"layer{layer}_group{group}"
+
+
+def to_layout(packed: np.ndarray, layout: str) -> np.ndarray:
+    """Packed rows `[S, H]` -> the function's input shape."""
+    if layout == "matmul":
+        return packed
+    if layout == "conv1x1":
+        return np.ascontiguousarray(packed.T)[None, :, None, :]
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
+def from_layout(y: np.ndarray, layout: str) -> np.ndarray:
+    """The function's output -> packed rows `[S, H]`."""
+    if layout == "matmul":
+        return y
+    if layout == "conv1x1":
+        return np.ascontiguousarray(y[0, :, 0, :].T)
+    raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+
+
+def expert_weights_fp16(module: torch.nn.Module, expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's (gate_up `[2F, H]`, down `[H, F]`) as fp16 arrays, what a package stores for it."""
+    gate_up = module.gate_up_proj[expert].detach().to(torch.float16).contiguous().numpy()
+    down = module.down_proj[expert].detach().to(torch.float16).contiguous().numpy()
+    return gate_up, down
+
+
+def weights_digest(module: torch.nn.Module, experts: tuple[int, ...] | list[int]) -> str:
+    """sha256 of the fp16 weights of `experts`, in order: ties a package function to a checkpoint."""
+    h = hashlib.sha256()
+    for e in experts:
+        for w in expert_weights_fp16(module, e):
+            h.update(str(w.shape).encode())
+            h.update(w.tobytes())
+    return h.hexdigest()
+
+
+def _macos_version() -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in platform.mac_ver()[0].split("."))
+    except ValueError:
+        return ()
+
+
+class AneBackend:
+    """Runs static groups as functions of a built Core ML package on the Neural Engine (macOS only)."""
+    name = "ane"
+    overlaps_cpu = True
+
+    def __init__(self, package_path: str | None) -> None:
+        self.package_path = package_path
+        self.energy: dict[str, Counter] = defaultdict(Counter)  # per function: summed mJ per field, and calls
+        self._compiled: str | None = None
+        self._functions: dict[str, object] = {}  # function name -> resident CompiledMLModel
+        self._meta: dict | None = None
+        self._lock = threading.Lock()
+        self._monitor = None
+        self._compute_plan = None
+
+    def available(self) -> tuple[bool, str]:
+        if sys.platform != "darwin":
+            return False, f"Core ML prediction needs macOS; this host runs {sys.platform}"
+        if not self.package_path:
+            return False, "no Core ML package given: build one with `autotune build` and pass --package"
+        if not Path(self.package_path).is_dir():
+            return False, f"Core ML package {self.package_path} does not exist"
+        try:
+            import coremltools  # noqa: F401
+        except ImportError as e:
+            return False, f"coremltools is not installed ({e})"
+        return True, f"Core ML on the Neural Engine ({self.package_path})"
+
+    # --- macOS only below: everything here needs Core ML's runtime ---
+
+    def metadata(self) -> dict:
+        """The build record the builder stored in the package (layout, compression, functions)."""
+        if self._meta is None:
+            import coremltools as ct
+
+            spec = ct.utils.load_spec(self.package_path)
+            raw = spec.description.metadata.userDefined.get(META_KEY)
+            if raw is None:
+                raise NpumoeError(f"{self.package_path} was not built by `autotune build` (no {META_KEY} metadata)")
+            self._meta = json.loads(raw)
+        return self._meta
+
+    def prepare(self, group: GroupSpec) -> GroupFn:
+        ok, reason = self.available()
+        if not ok:
+            raise NpumoeError(f"the ane backend is unavailable: {reason}")
+        name = function_name(group.layer, group.index)
+        self._check_function(name, group)
+        layout = self.metadata()["layout"]
+        model = self._load(name)
+        self._warn_if_not_on_ane(name)
+
+        def run(packed: torch.Tensor) -> torch.Tensor:
+            x = to_layout(packed.detach().to(torch.float16).numpy(), layout)
+            with self._energy_window(name):
+                y = model.predict({INPUT_NAME: x})[OUTPUT_NAME]
+            return torch.from_numpy(from_layout(np.asarray(y), layout)).to(packed.dtype)
+
+        return run
+
+    def _check_function(self, name: str, group: GroupSpec) -> None:
+        """Refuse a package built for another plan or checkpoint, naming the group."""
+        fn = self.metadata()["functions"].get(name)
+        where = f"layer {group.layer} group {group.index}"
+        if fn is None:
+            raise NpumoeError(f"{self.package_path} has no function {name} for {where}; rebuild it with "
+                              "`autotune build` for this plan")
+        if fn["experts"] != list(group.experts) or fn["capacities"] != list(group.capacities):
+            raise NpumoeError(f"{self.package_path}: function {name} was built for experts {fn['experts']} with "
+                              f"capacities {fn['capacities']}, but the plan's {where} has experts "
+                              f"{list(group.experts)} with capacities {list(group.capacities)}; rebuild it")
+        if fn["weights_sha256"] != weights_digest(group.module, group.experts):
+            raise NpumoeError(f"{self.package_path}: function {name} holds other weights than this model's "
+                              f"{where} (built from another checkpoint); rebuild it")
+
+    def _load(self, name: str):
+        import coremltools as ct
+
+        with self._lock:
+            if self._compiled is None:
+                # Compile the whole package once; every function then loads from the same .mlmodelc.
+                out = Path(tempfile.mkdtemp(prefix="npumoe-ane-")) / "package.mlmodelc"
+                self._compiled = ct.models.utils.compile_model(self.package_path, str(out))
+            if name not in self._functions:
+                self._functions[name] = ct.models.CompiledMLModel(
+                    self._compiled, compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=name)
+            return self._functions[name]
+
+    def _warn_if_not_on_ane(self, name: str) -> None:
+        """MLComputePlan (macOS 14.4+): warn, naming the group, when any compute op is not placed on the ANE."""
+        if _macos_version() < (14, 4):
+            return
+        try:
+            off = ops_not_on_ane(self._plan(), name)
+        except Exception as e:  # the placement check is advice; never fail a run on it
+            log.warning("could not read MLComputePlan for %s: %s", name, e)
+            return
+        if off:
+            shown = ", ".join(f"{op} on {dev}" for op, dev in off[:5])
+            log.warning("function %s: %d op(s) not placed on the Neural Engine: %s", name, len(off), shown)
+
+    def _plan(self):
+        from coremltools.models.compute_plan import MLComputePlan
+        import coremltools as ct
+
+        if self._compute_plan is None:
+            self._compute_plan = MLComputePlan.load_from_path(self._compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
+        return self._compute_plan
+
+    @contextmanager
+    def _energy_window(self, name: str) -> Iterator[None]:
+        """Energy of one call through zeus-apple-silicon (optional); windows are per thread and call."""
+        monitor = self._energy_monitor()
+        if monitor is None:
+            yield
+            return
+        label = f"{name}@{threading.get_ident()}"
+        monitor.begin_window(label, restart=True)
+        try:
+            yield
+        finally:
+            metrics = monitor.end_window(label)
+            totals = self.energy[name]
+            totals["calls"] += 1
+            for field in ENERGY_FIELDS:
+                value = getattr(metrics, field, None)
+                if value is not None:
+                    totals[field] += value
+
+    def _energy_monitor(self):
+        if self._monitor is None:
+            try:
+                from zeus_apple_silicon import AppleEnergyMonitor
+            except ImportError:
+                self._monitor = False  # not installed: no energy figures, and say nothing made one up
+            else:
+                self._monitor = AppleEnergyMonitor()
+        return self._monitor or None
+
+
+def ops_not_on_ane(compute_plan, name: str) -> list[tuple[str, str]]:
+    """(op type, preferred device) for each non-const op of function `name` not preferred on the Neural Engine."""
+    from coremltools.models.compute_device import MLNeuralEngineComputeDevice
+
+    function = compute_plan.model_structure.program.functions[name]
+    off = []
+    for op in function.block.operations:
+        if op.operator_name.startswith("const"):
+            continue
+        usage = compute_plan.get_compute_device_usage_for_mlprogram_operation(op)
+        device = usage.preferred_compute_device if usage is not None else None
+        if not isinstance(device, MLNeuralEngineComputeDevice):
+            off.append((op.operator_name, type(device).__name__ if device is not None else "unknown device"))
+    return off
+
+
+register_static_backend("ane", lambda: AneBackend(None))

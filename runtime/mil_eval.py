@@ -1,0 +1,141 @@
+"""Evaluate built ML program functions on the host, and compare them with the `cpu-static` torch computation.
+
+Core ML cannot predict on Linux, so this is how a Linux build knows the package computes what the plan means.
+Each op runs through coremltools' own `value_inference` where the op has one (linear, matmul, mul, slices,
+concat, weight decompression ...); the few it lacks (silu, conv) are written out here. Values are carried in
+fp32 and rounded to fp16 after every fp16 op: fp16 storage between ops, wider accumulation inside them, which
+is how the Neural Engine computes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
+from .backends import CpuStaticBackend, GroupSpec
+from .errors import NpumoeError
+
+# Tolerances of the numeric check, on max|y - ref| / max|ref| per function against the fp32 torch reference.
+# fp16 weights and activations: ~1e-3 typical. int8 per-channel weights: ~1e-2. 4-bit palettes (16 values per
+# 16 output channels): the weights themselves move by several per cent.
+TOLERANCE = {"none": 1e-2, "int8": 3e-2, "palettize4": 2.5e-1}
+
+
+class _Held:
+    """Stands in for a Var's symbolic value while an op's value_inference runs (keeps fp32, unlike types)."""
+    __slots__ = ("val",)
+
+    def __init__(self, val: np.ndarray) -> None:
+        self.val = val
+
+
+def _silu(op, value: Callable) -> np.ndarray:
+    x = value(op.x)
+    return x / (1.0 + np.exp(-x))
+
+
+def _conv(op, value: Callable) -> np.ndarray:
+    """1x1 convolution, stride 1, no padding, one group: a matmul over channels of `[N, C, H, W]`."""
+    w = value(op.weight)
+    for arg, ok in (("strides", 1), ("dilations", 1)):
+        v = getattr(op, arg, None)
+        if v is not None and v.val is not None and np.any(v.val != ok):
+            raise NpumoeError(f"host evaluation of conv {op.name}: only {arg}=1 is implemented")
+    groups = getattr(op, "groups", None)
+    if w.ndim != 4 or w.shape[2:] != (1, 1) or (groups is not None and groups.val not in (None, 1)):
+        raise NpumoeError(f"host evaluation of conv {op.name}: only 1x1 kernels with one group are implemented")
+    pad = getattr(op, "pad", None)
+    if pad is not None and pad.val is not None and np.any(pad.val != 0):
+        raise NpumoeError(f"host evaluation of conv {op.name}: padding is not implemented")
+    y = np.einsum("oi,nihw->nohw", w[:, :, 0, 0], value(op.x), optimize=True)
+    if op.bias is not None:
+        y = y + value(op.bias)[None, :, None, None]
+    return y
+
+
+HAND_EVALUATED: dict[str, Callable] = {"silu": _silu, "conv": _conv}
+
+
+def _input_vars(op) -> list:
+    out = []
+    for v in op.inputs.values():
+        out.extend(v if isinstance(v, (list, tuple)) else [v])
+    return out
+
+
+def evaluate_function(function, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run one pymil function on the host; returns its outputs by name (fp32 arrays holding fp16 values)."""
+    from coremltools.converters.mil.mil import types
+
+    env: dict[str, np.ndarray] = {name: np.asarray(inputs[name], dtype=np.float32) for name in function.inputs}
+
+    def value(var) -> np.ndarray:
+        if var.name in env:
+            return env[var.name]
+        if var.val is not None:
+            return np.asarray(var.val, dtype=np.float32) if types.is_float(var.dtype) else np.asarray(var.val)
+        raise NpumoeError(f"host evaluation: {var.name} has no value (op order?)")
+
+    for op in function.operations:
+        if op.op_type == "const":
+            continue  # read from the var when used
+        if op.op_type.startswith("constexpr_"):
+            result = op.materialized_val_inference()  # weight decompression, coremltools' own
+        elif op.op_type in HAND_EVALUATED:
+            result = HAND_EVALUATED[op.op_type](op, value)
+        else:
+            result = _coremltools_eval(op, value)
+        outs = result if isinstance(result, tuple) else (result,)
+        for var, y in zip(op.outputs, outs):
+            y = np.asarray(y)
+            if types.is_float(var.dtype):
+                y = y.astype(np.float16 if var.dtype == types.fp16 else np.float32).astype(np.float32)
+            if tuple(y.shape) != tuple(var.shape):
+                raise NpumoeError(f"host evaluation of {op.op_type} {op.name}: got shape {y.shape}, the program "
+                                  f"says {tuple(var.shape)}")
+            env[var.name] = y
+    return {var.name: env[var.name] for var in function.outputs}
+
+
+def _coremltools_eval(op, value: Callable):
+    """coremltools' own op semantics: bind runtime values to the op's inputs, call value_inference, unbind."""
+    bound = [v for v in _input_vars(op) if v.val is None]
+    saved = [v._sym_val for v in bound]
+    try:
+        for v in bound:
+            v._sym_val = _Held(value(v))
+        try:
+            return op.value_inference()
+        except NotImplementedError:
+            raise NpumoeError(f"host evaluation: coremltools has no evaluation for op {op.op_type} ({op.name}) "
+                              "and npumoe has none either") from None
+    finally:
+        for v, s in zip(bound, saved):
+            v._sym_val = s
+
+
+def max_rel_error(y: np.ndarray, ref: np.ndarray) -> float:
+    """max|y - ref| / max|ref|: elementwise errors relative to the output's scale (no blow-up near zeros)."""
+    scale = float(np.max(np.abs(ref)))
+    return float(np.max(np.abs(y - ref))) / scale if scale > 0 else float(np.max(np.abs(y - ref)))
+
+
+@dataclass(frozen=True)
+class FunctionCheck:
+    function: str
+    max_rel_error: float
+
+
+def check_function(function, name: str, group: GroupSpec, layout: str, seed: int = 0) -> FunctionCheck:
+    """Evaluate `function` on a random packed buffer and compare with cpu-static on the same fp16 inputs."""
+    rng = np.random.default_rng(seed)
+    hidden = group.module.gate_up_proj.shape[-1]
+    packed = rng.standard_normal((sum(group.capacities), hidden)).astype(np.float16)
+    y = evaluate_function(function, {INPUT_NAME: to_layout(packed, layout)})
+    got = from_layout(y[OUTPUT_NAME] if OUTPUT_NAME in y else next(iter(y.values())), layout)
+    with torch.no_grad():
+        ref = CpuStaticBackend().prepare(group)(torch.from_numpy(packed.astype(np.float32))).numpy()
+    return FunctionCheck(name, max_rel_error(got, ref))
