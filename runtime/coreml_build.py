@@ -106,11 +106,11 @@ def function_program(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.n
             return mb.slice_by_index(x=x, begin=[0, start, 0, 0], end=[1, stop, 1, n])
         return mb.slice_by_index(x=x, begin=[0, start], end=[n, stop])
 
-    def project(x, w: np.ndarray, name: str):
+    def project(x, w: np.ndarray, const_name: str, **name):
         # One const per expert matrix, named by expert: functions sharing an expert share these bytes.
         if conv:
-            return mb.conv(x=x, weight=mb.const(val=w[:, :, None, None], name=name))
-        return mb.linear(x=x, weight=mb.const(val=w, name=name))
+            return mb.conv(x=x, weight=mb.const(val=w[:, :, None, None], name=const_name), **name)
+        return mb.linear(x=x, weight=mb.const(val=w, name=const_name), **name)
 
     @mb.program(input_specs=[mb.TensorSpec(shape=fs.input_shape(layout), dtype=types.fp16)],
                 opset_version=ct.target.macOS15)
@@ -122,10 +122,9 @@ def function_program(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.n
             start += c
             gate_up = project(xe, gate_up_w, f"layer{fs.layer}_expert{e}_gate_up")
             gated = mb.mul(x=mb.silu(x=channels(gate_up, 0, f, c)), y=channels(gate_up, f, 2 * f, c))
-            outs.append(project(gated, down_w, f"layer{fs.layer}_expert{e}_down"))
-        axis = 3 if conv else 0
-        return mb.concat(values=outs, axis=axis, name=OUTPUT_NAME) if len(outs) > 1 else \
-            mb.identity(x=outs[0], name=OUTPUT_NAME)
+            last = {"name": OUTPUT_NAME} if len(fs.experts) == 1 else {}
+            outs.append(project(gated, down_w, f"layer{fs.layer}_expert{e}_down", **last))
+        return mb.concat(values=outs, axis=3 if conv else 0, name=OUTPUT_NAME) if len(outs) > 1 else outs[0]
 
     return prog
 
@@ -177,8 +176,13 @@ def convert_function(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.n
         mlmodel = _compress(mlmodel, compress)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
         mlmodel.save(str(tmp))
-    os.replace(tmp, dest)
-    shutil.rmtree(tmp.parent, ignore_errors=True)
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        if not dest.is_dir():  # else a concurrent build stored the same function first: keep that one
+            raise
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
 
 
 def cache_key(fs: FunctionSpec, digest: str, layout: str, compress: str) -> str:
@@ -215,7 +219,7 @@ class BuildResult:
         return max((c.max_rel_error for c in self.checks), default=float("nan"))
 
 
-def _merge(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: dict) -> None:
+def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: dict) -> None:
     """Merge single-function packages into one multifunction package with deduplicated weights, plus metadata."""
     import coremltools as ct
     from coremltools.models.utils import _try_get_weights_dir_path
@@ -232,6 +236,9 @@ def _merge(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: dict) -> No
     spec.description.metadata.shortDescription = "npumoe: planned MoE expert groups, one function per group"
     ct.utils.save_spec(spec, str(dest), weights_dir=_try_get_weights_dir_path(str(staging)))
     shutil.rmtree(staging, ignore_errors=True)
+    for p in Path(dest).rglob("*"):  # save_spec leaves the model file owner-only; a package is shared
+        if p.is_file():
+            p.chmod(0o644)
 
 
 def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str | os.PathLike,
@@ -281,7 +288,7 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
         meta = dict(layout=layout, compress=compress, hidden=functions[0].hidden, ffn=functions[0].ffn,
                     model_fingerprint=plan.model.fingerprint, functions=meta_functions)
         staged = work / out.name
-        _merge(parts, staged, meta)
+        merge_functions(parts, staged, meta)
         checks = verify_package(staged, functions, model_layers, layout, compress, progress, seed)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()

@@ -13,7 +13,7 @@ from .errors import NpumoeError
 
 ALLOWED_OPS = frozenset({
     "const", "linear", "matmul", "conv", "silu", "sigmoid", "mul", "add", "reshape", "transpose",
-    "slice_by_index", "slice_by_size", "concat", "stack", "cast", "identity",
+    "slice_by_index", "slice_by_size", "concat", "stack", "cast",
 })
 # Weight decompression from `--compress`: constants that Core ML expands at load time, not runtime compute.
 CONSTEXPR_OPS = frozenset({

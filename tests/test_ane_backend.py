@@ -1,0 +1,143 @@
+"""The `ane` backend: unavailable off macOS (the runtime falls back to cpu-static and says so once); on macOS,
+prediction parity with cpu-static, op placement on the Neural Engine, and energy windows."""
+import logging
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from autotune.templates import template_plan
+from runtime.ane import AneBackend, from_layout, function_name, to_layout
+from runtime.backends import GroupSpec, resolve_static_backend
+from runtime.executor import PlanExecutor
+from runtime.models import model_spec, moe_layers
+from runtime.prefill import max_rel_diff, prefill_logits
+
+from conftest import random_model
+
+MODEL = "random:qwen3_moe"
+CHUNK = 16
+macos_only = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS (and its ANE)")
+
+
+def _ids(tok, n=40):
+    return torch.tensor(tok.encode("Experts on the neural engine, the rest on the CPU. " * 4)[:n])
+
+
+@pytest.mark.parametrize("layout", ["matmul", "conv1x1"])
+def test_layouts_round_trip(layout):
+    packed = np.arange(12, dtype=np.float16).reshape(4, 3)
+    x = to_layout(packed, layout)
+    assert x.shape == ((4, 3) if layout == "matmul" else (1, 3, 1, 4))
+    assert np.array_equal(from_layout(x, layout), packed)
+
+
+def test_function_names_are_per_layer_and_group():
+    assert function_name(3, 1) != function_name(1, 3)
+    assert function_name(0, 0).isidentifier()
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS answer")
+def test_unavailable_off_macos_with_the_reason():
+    for backend in (AneBackend(None), AneBackend("whatever.mlpackage")):
+        ok, reason = backend.available()
+        assert not ok and "needs macOS" in reason
+    assert AneBackend(None).overlaps_cpu and AneBackend(None).name == "ane"
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS fallback")
+@pytest.mark.parametrize("given", [False, True])
+def test_plan_naming_ane_runs_on_cpu_static_and_says_so_once(given, caplog, tmp_path):
+    model, tok = random_model(MODEL)
+    ids = _ids(tok)
+    ref = prefill_logits(model, ids, CHUNK)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK)
+    backends = {"ane": AneBackend(str(tmp_path / "g.mlpackage"))} if given else None
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        with PlanExecutor(model, plan, backends) as ex:
+            got = prefill_logits(model, ids, CHUNK)
+    said = [r.getMessage() for r in caplog.records if "'ane'" in r.getMessage()]
+    assert len(said) == 1 and "needs macOS" in said[0] and "cpu-static" in said[0]
+    assert ex.fallbacks == {"ane": "cpu-static"}
+    total = ex.stats.total()
+    assert total.tokens_per_backend["cpu-static"] == total.assignments and "ane" not in total.tokens_per_backend
+    assert max_rel_diff(got, ref) <= 1e-5
+
+
+def test_registered_ane_resolves_without_a_package(caplog):
+    """A plan naming `ane` with no package resolves through the registry to AneBackend, which declines."""
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        backend = resolve_static_backend("ane")
+    assert backend.name == "cpu-static"
+    reason = "needs macOS" if sys.platform != "darwin" else "no Core ML package given"
+    assert reason in caplog.text and "not implemented" not in caplog.text
+
+
+# --- macOS only: these need Core ML's runtime and the Neural Engine ---
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from runtime.coreml_build import build_package
+
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK)
+    out = tmp_path_factory.mktemp("ane") / "g.mlpackage"
+    build_package({l.index: l.experts for l in moe_layers(model)}, plan, out,
+                  cache_dir=tmp_path_factory.mktemp("cache"))
+    return model, plan, str(out)
+
+
+@macos_only
+def test_macos_predict_parity_with_cpu_static(built):
+    model, plan, package = built
+    layer = moe_layers(model)[0]
+    group = plan.layers[0].groups[0]
+    spec = GroupSpec(layer.index, 0, tuple(group.experts), tuple(group.capacities), layer.experts)
+    packed = torch.randn(group.slots, model.config.hidden_size)
+    got = AneBackend(package).prepare(spec)(packed)
+    from runtime.backends import CpuStaticBackend
+
+    ref = CpuStaticBackend().prepare(spec)(packed)
+    assert max_rel_diff(got, ref) <= 1e-2
+
+
+@macos_only
+def test_macos_plan_runs_on_the_ane(built):
+    model, plan, package = built
+    _, tok = random_model(MODEL)
+    ids = _ids(tok)
+    ref = prefill_logits(model, ids, CHUNK)
+    with PlanExecutor(model, plan, {"ane": AneBackend(package)}) as ex:
+        got = prefill_logits(model, ids, CHUNK)
+    assert ex.fallbacks == {}
+    assert ex.stats.total().tokens_per_backend["ane"] > 0
+    assert max_rel_diff(got, ref) <= 2e-2
+
+
+@macos_only
+def test_macos_ops_are_placed_on_the_neural_engine(built):
+    import platform
+
+    from runtime.ane import _macos_version, ops_not_on_ane
+
+    if _macos_version() < (14, 4):
+        pytest.skip(f"MLComputePlan needs macOS 14.4+, this is {platform.mac_ver()[0]}")
+    model, plan, package = built
+    backend = AneBackend(package)
+    backend._load(function_name(plan.layers[0].layer, 0))
+    assert ops_not_on_ane(backend._plan(), function_name(plan.layers[0].layer, 0)) == []
+
+
+@macos_only
+def test_macos_energy_windows(built):
+    pytest.importorskip("zeus_apple_silicon", reason="energy needs zeus-apple-silicon on macOS (extra: energy)")
+    model, plan, package = built
+    layer = moe_layers(model)[0]
+    group = plan.layers[0].groups[0]
+    backend = AneBackend(package)
+    fn = backend.prepare(GroupSpec(layer.index, 0, tuple(group.experts), tuple(group.capacities), layer.experts))
+    for _ in range(20):
+        fn(torch.randn(group.slots, model.config.hidden_size))
+    totals = backend.energy[function_name(layer.index, 0)]
+    assert totals["calls"] == 20 and "ane_mj" in totals

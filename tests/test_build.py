@@ -1,0 +1,196 @@
+"""`autotune build` on Linux: the package, its lint, the host numeric check, weight sharing, the cache, limits."""
+import json
+
+import numpy as np
+import pytest
+
+from autotune.cli import main
+from autotune.templates import template_plan
+from runtime.ane import function_name
+from runtime.coreml_build import (ANE_MAX_AXIS, FunctionSpec, build_package, convert_function, merge_functions,
+                                  package_bytes, quiet_coremltools_import)
+from runtime.errors import NpumoeError
+from runtime.models import TINY_MOE_DIR, load_model, model_spec, moe_layers
+from runtime.plan import Group, save_plan
+
+from conftest import random_model
+
+quiet_coremltools_import()
+MODEL = "random:qwen3_moe"
+
+
+def _layers(model):
+    return {layer.index: layer.experts for layer in moe_layers(model)}
+
+
+def _one_ane_group(plan):
+    """The plan with only layer 0 group 0 on `ane` (one function: fast tests); every other group on cpu-static."""
+    layers = []
+    for li, lp in enumerate(plan.layers):
+        groups = [g.model_copy(update={"backend": "ane" if (li, gi) == (0, 0) else "cpu-static"})
+                  for gi, g in enumerate(lp.groups)]
+        layers.append(lp.model_copy(update={"groups": groups}))
+    return plan.model_copy(update={"layers": layers})
+
+
+def test_cli_build_all_ane_lints_checks_and_prints_json_last(tmp_path, capsys):
+    model, _ = random_model(MODEL)
+    plan_path = tmp_path / "plan.json"
+    save_plan(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16), plan_path)
+    out = tmp_path / "g.mlpackage"
+    rc = main(["build", "--model", MODEL, "--plan", str(plan_path), "--out", str(out), "--no-progress",
+               "--cache-dir", str(tmp_path / "cache")])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert report["functions"] == 8  # 4 layers x 2 groups of 4 experts
+    assert report["max_rel_error"] <= 1e-2
+    assert report["package_bytes"] == package_bytes(out)
+    assert report["unique_weight_bytes"] == 4 * 8 * 3 * 64 * 48 * 2
+    # Random models are small: the program text is a visible share; weights themselves are stored once.
+    assert report["package_bytes"] <= 1.25 * report["unique_weight_bytes"]
+
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(str(out))
+    names = {f.name for f in spec.description.functions}
+    assert names == {function_name(layer, g) for layer in range(4) for g in range(2)}
+    for f in spec.description.functions:
+        assert list(f.input[0].type.multiArrayType.shape) == [64, 64]  # 4 experts x capacity 16, hidden 64
+        assert f.input[0].type.multiArrayType.dataType == ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
+
+
+def test_conv1x1_layout_and_cache(tmp_path):
+    model, _ = random_model(MODEL)
+    plan = _one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
+    cache = tmp_path / "cache"
+    first = build_package(_layers(model), plan, tmp_path / "a.mlpackage", "conv1x1", cache_dir=cache)
+    assert len(first.functions) == 1 and first.cached == 0
+    assert first.max_rel_error <= 1e-2
+    import coremltools as ct
+
+    shape = list(ct.utils.load_spec(str(tmp_path / "a.mlpackage")).description.functions[0].input[0]
+                 .type.multiArrayType.shape)
+    assert shape == [1, 64, 1, 32]  # channels first [1, H, 1, slots]
+    again = build_package(_layers(model), plan, tmp_path / "b.mlpackage", "conv1x1", cache_dir=cache)
+    assert again.cached == 1 and again.max_rel_error == first.max_rel_error
+    other = build_package(_layers(model), plan, tmp_path / "c.mlpackage", "matmul", cache_dir=cache)
+    assert other.cached == 0  # the layout is part of the cache key
+
+
+def test_int8_build_is_smaller_and_within_its_tolerance(tmp_path):
+    from runtime.mil_eval import TOLERANCE
+
+    model, _ = random_model(MODEL)
+    plan = _one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
+    result = build_package(_layers(model), plan, tmp_path / "q.mlpackage", compress="int8",
+                           cache_dir=tmp_path / "cache")
+    assert result.max_rel_error <= TOLERANCE["int8"]
+    assert result.package_bytes < result.unique_weight_bytes
+
+
+def test_functions_sharing_an_expert_store_it_once(tmp_path):
+    model, _ = random_model(MODEL)
+    module = moe_layers(model)[0].experts
+    from runtime.ane import expert_weights_fp16
+
+    weights = {e: expert_weights_fp16(module, e) for e in range(3)}
+    a = FunctionSpec(0, 0, (0, 1), (4, 8), 64, 48)
+    b = FunctionSpec(0, 1, (1, 2), (16, 8), 64, 48)  # expert 1 again, with another capacity
+    parts = []
+    for fs in (a, b):
+        path = tmp_path / f"{fs.name}.mlpackage"
+        convert_function(fs, {e: weights[e] for e in fs.experts}, "matmul", "none", path)
+        parts.append((fs, path))
+    merged = tmp_path / "shared.mlpackage"
+    merge_functions(parts, merged, {"layout": "matmul"})
+    weight_bin = sum(p.stat().st_size for p in merged.rglob("weight.bin"))
+    three_experts = 3 * 3 * 64 * 48 * 2
+    assert three_experts <= weight_bin <= 1.02 * three_experts  # four expert uses, three stored
+
+
+def test_group_over_an_ane_axis_limit_is_refused_before_conversion(tmp_path):
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16)
+    big = Group(backend="ane", experts=[4, 5, 6, 7], capacities=[20_000] * 4)
+    layers = [plan.layers[0], plan.layers[1].model_copy(update={"groups": [plan.layers[1].groups[0], big]}),
+              *plan.layers[2:]]
+    plan = plan.model_copy(update={"layers": layers})
+    cache = tmp_path / "cache"
+    with pytest.raises(NpumoeError, match=r"layer 1 group 1 .*80,000.*65,536"):
+        build_package(_layers(model), plan, tmp_path / "x.mlpackage", cache_dir=cache)
+    assert not cache.exists() or not any(cache.iterdir())  # nothing was converted
+    assert ANE_MAX_AXIS == 65_536
+
+
+def test_plan_without_ane_groups_is_refused(tmp_path):
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=16)
+    with pytest.raises(NpumoeError, match="no group on the ane backend"):
+        build_package(_layers(model), plan, tmp_path / "x.mlpackage", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(),
+                    reason=f"the embedded model tiny-moe is missing ({TINY_MOE_DIR}); random models cover the rest")
+def test_tiny_moe_all_ane_build(tmp_path):
+    model, _ = load_model("tiny-moe")
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
+    result = build_package(_layers(model), plan, tmp_path / "tiny.mlpackage", cache_dir=tmp_path / "cache")
+    assert result.max_rel_error <= 1e-2
+    assert result.package_bytes <= 1.05 * result.unique_weight_bytes
+
+
+def _program(body, shape=(8, 16)):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=shape, dtype=types.fp16)], opset_version=ct.target.macOS15)
+    def prog(x):
+        return body(mb, x)
+
+    return prog
+
+
+def test_lint_names_a_disallowed_op_and_its_function():
+    from runtime.mil_lint import LintError, lint_program
+
+    prog = _program(lambda mb, x: mb.topk(x=x, k=2, axis=-1)[0])
+    issues = lint_program(prog)
+    assert [(i.function, i.op_type) for i in issues] == [("main", "topk")]
+    with pytest.raises(LintError, match=r"function main: op '.*' \(topk\): op is not in the ANE allow-list"):
+        raise LintError(issues)
+
+
+def test_lint_rejects_non_static_shapes():
+    from coremltools.converters.mil.mil import get_new_symbol
+
+    from runtime.mil_lint import lint_program
+
+    prog = _program(lambda mb, x: mb.silu(x=x), shape=(get_new_symbol(), 16))
+    messages = [str(i) for i in lint_program(prog)]
+    assert any("input" in m and "non-static shape" in m for m in messages)
+    assert any("silu" in m and "non-static shape" in m for m in messages)
+
+
+def test_lint_accepts_the_allowed_ops():
+    from runtime.mil_lint import lint_program
+
+    def body(mb, x):
+        y = mb.add(x=mb.mul(x=mb.sigmoid(x=x), y=x), y=x)
+        y = mb.reshape(x=mb.transpose(x=y, perm=[1, 0]), shape=[16, 8])
+        return mb.concat(values=[mb.slice_by_index(x=y, begin=[0, 0], end=[8, 8]), y], axis=0)
+
+    assert lint_program(_program(body)) == []
+
+
+def test_host_evaluation_of_hand_written_ops_matches_numpy():
+    from runtime.mil_eval import evaluate_function
+
+    w = (np.random.default_rng(1).standard_normal((4, 16, 1, 1)) * 0.2).astype(np.float16)
+    prog = _program(lambda mb, x: mb.conv(x=mb.silu(x=x), weight=w), shape=(1, 16, 1, 8))
+    x = np.random.default_rng(2).standard_normal((1, 16, 1, 8)).astype(np.float16)
+    got = next(iter(evaluate_function(prog.functions["main"], {"x": x}).values()))
+    xs = x.astype(np.float32)
+    ref = np.einsum("oi,nihw->nohw", w[:, :, 0, 0].astype(np.float32), xs / (1 + np.exp(-xs)))
+    assert np.max(np.abs(got - ref)) <= 2e-3 * np.max(np.abs(ref))
