@@ -23,6 +23,7 @@ import numpy as np
 OVERLAPPING = {"ane"}
 CPU_BACKENDS = ("cpu-exact", "cpu-static")
 FEATURES = ("calls", "experts", "gflop", "mb")
+PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # the coefficient of each feature
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
 
 
@@ -44,7 +45,8 @@ def matmul_work(m: Any, n: int, k: int, dtype_bytes: int) -> tuple[np.ndarray, n
 
 @dataclass
 class Residual:
-    """Multiplicative correction exp(r) learned from log(measured / analytic) by k-nearest neighbours."""
+    """Multiplicative correction exp(r) of the compute time, learned from log(measured / analytic) by k-nearest
+    neighbours (distance-weighted: an exact match returns its own record)."""
     X: np.ndarray  # [n, 3]: log2 tokens, log2 hidden, log2 ffn
     y: np.ndarray  # [n]: log(measured / analytic)
     k: int = 3
@@ -95,10 +97,10 @@ class BackendModel:
     def ffn_ms(self, tokens: Any, hidden: int, ffn: int) -> np.ndarray:
         m = np.asarray(tokens, dtype=np.float64)
         gflop, mb = ffn_work(m, hidden, ffn, self.dtype_bytes)
-        t = self.analytic(0.0, 1.0, gflop, mb)
-        if self.residual is not None:
-            t = t * self.residual(m, hidden, ffn).reshape(m.shape)
-        return np.where(m > 0, t, 0.0)
+        compute = self.analytic(0.0, 0.0, gflop, mb)
+        if self.residual is not None:  # corrects the compute; the per-expert launch cost stays additive
+            compute = compute * self.residual(m, hidden, ffn).reshape(m.shape)
+        return np.where(m > 0, self.expert_ms + compute, 0.0)
 
     def to_json(self) -> dict:
         out = {"call_ms": self.call_ms, "expert_ms": self.expert_ms, "ms_per_gflop": self.ms_per_gflop,
@@ -119,33 +121,47 @@ class BackendModel:
                    note=obj.get("note"))
 
 
+HOST_TERMS = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms", "per_slot_kelem_ms",
+              "per_assignment_kelem_large_ms", "per_slot_kelem_large_ms")
+# glibc serves allocations of 32 MiB and more by mmap every time (its dynamic threshold stops there), so buffers that
+# large pay page faults on each chunk: a separate, steeper per-element cost.
+LARGE_ELEMENTS = 32 * 2**20 // 4
+
+
+def host_features(assignments: Any, hidden: Any, slots: Any = 0) -> np.ndarray:
+    """[..., 6]: 1, A, A x H / 1000, S x H / 1000, and the last two again for buffers of LARGE_ELEMENTS or more
+    (gather/scatter per assignment; zeroing and copying padded slots)."""
+    a, h, s = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (assignments, hidden, slots)))
+    ah, sh = a * h, s * h
+    return np.stack([np.ones_like(a), a, ah / 1e3, sh / 1e3, np.where(ah >= LARGE_ELEMENTS, ah, 0.0) / 1e3,
+                     np.where(sh >= LARGE_ELEMENTS, sh, 0.0) / 1e3], axis=-1)
+
+
 @dataclass
 class HostCosts:
     """Host-side work of the executor, per chunk: packing for static groups, the exact path's gather/scatter.
 
-    Each is `fixed_ms + per_assignment_ms * A + per_assignment_kelem_ms * A * hidden / 1000`. None when the
-    profile has no measurement (published figures): the cost is then left out (0), and the profile says so.
+    Each is linear in `host_features`. None when the profile has no measurement (published figures): the cost
+    is then left out (0), and the profile says so.
     """
-    pack: tuple[float, float, float] | None = None
-    exact: tuple[float, float, float] | None = None
+    pack: tuple[float, ...] | None = None
+    exact: tuple[float, ...] | None = None
 
     @staticmethod
-    def _eval(coef: tuple[float, float, float] | None, assignments: Any, hidden: int) -> np.ndarray:
+    def _eval(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0) -> np.ndarray:
         a = np.asarray(assignments, dtype=np.float64)
         if coef is None:
             return np.zeros_like(a)
-        return np.where(a > 0, coef[0] + coef[1] * a + coef[2] * a * hidden / 1000.0, 0.0)
+        return np.where(a > 0, host_features(a, hidden, slots) @ np.asarray(coef), 0.0)
 
     def to_json(self) -> dict:
-        names = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms")
-        return {k: (dict(zip(names, v)) if v is not None else None) for k, v in
+        return {k: (dict(zip(HOST_TERMS, v)) if v is not None else None) for k, v in
                 (("pack", self.pack), ("exact", self.exact))}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "HostCosts":
         obj = obj or {}
-        get = lambda d: None if not d else (float(d["fixed_ms"]), float(d["per_assignment_ms"]),
-                                            float(d["per_assignment_kelem_ms"]))
+        get = lambda d: None if not d else tuple(float(d.get(k, 0.0)) for k in HOST_TERMS)
         return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")))
 
 
@@ -200,9 +216,11 @@ class CostModel:
         t = np.where(a > 0, t + self.call_ms("cpu-exact"), 0.0) + HostCosts._eval(self.host.exact, a, hidden)
         return float(t) if np.ndim(t) == 0 else t
 
-    def pack_ms(self, assignments: Any, hidden: int | None = None) -> Any:
-        """Host-side pack/unpack of one chunk's static groups for this many assignments."""
-        t = HostCosts._eval(self.host.pack, assignments, hidden or self.default_hidden)
+    def pack_ms(self, assignments: Any, hidden: int | None = None, slots: Any = 0) -> Any:
+        """Host-side pack/unpack of one chunk's static groups: routing bookkeeping, gathering `assignments` rows
+        into `slots` padded rows (the groups' summed capacities) and the weighted combine. `hidden` defaults to
+        the profile's middle measured hidden size."""
+        t = HostCosts._eval(self.host.pack, assignments, hidden or self.default_hidden, slots)
         return float(t) if np.ndim(t) == 0 else t
 
     def power_w(self, backend: str) -> float | None:
@@ -221,7 +239,8 @@ class CostModel:
             if overflow == "spill":
                 idx, caps = list(g.experts), np.asarray(g.capacities)
                 exact_counts[..., idx] = np.maximum(c[..., idx] - caps, 0)
-        pack = self.pack_ms(c.sum(axis=-1), hidden) if layer_plan.groups else np.zeros(c.shape[:-1])
+        slots = sum(sum(g.capacities) for g in layer_plan.groups)
+        pack = self.pack_ms(c.sum(axis=-1), hidden, slots) if layer_plan.groups else np.zeros(c.shape[:-1])
         return {"static": static, "exact": np.asarray(self.exact_ms(exact_counts, hidden, ffn)),
                 "pack": np.asarray(pack)}
 
@@ -241,7 +260,7 @@ class CostModel:
         """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
         p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
         cpu_power = self.models["cpu-exact"].power_w if "cpu-exact" in self.models else None
-        e = 0.0
+        e = np.zeros(np.shape(p["exact"]))  # per chunk, like the latency: static calls run in every chunk
         for b, t in p["static"].items():
             if self.models[b].power_w is None:
                 return None
@@ -314,8 +333,11 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
     fixed = fixed or {}
     A = np.stack([record_features(r, dtype_bytes) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
-    free = [i for i, f in enumerate(FEATURES) if f not in fixed and A[:, i].any()]
-    pinned = np.array([fixed.get(f, 0.0) for f in FEATURES])
+    unknown = set(fixed) - set(PARAMS)
+    if unknown:
+        raise ValueError(f"cannot pin {sorted(unknown)}: the parameters are {PARAMS}")
+    free = [i for i, p in enumerate(PARAMS) if p not in fixed and A[:, i].any()]
+    pinned = np.array([fixed.get(p, 0.0) for p in PARAMS])
     rest = np.maximum(t - A @ pinned, 1e-6 * t)
     coef = pinned.copy()
     if free:
@@ -328,8 +350,8 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
             caps = r.get("capacities") or []
             if r["kind"] == "ffn" or (r["kind"] == "group" and len(caps) == 1):
                 m = r["tokens"] if r["kind"] == "ffn" else caps[0]
-                compute = r["median_ms"] - (model.call_ms if r["kind"] == "group" else 0.0)
-                base = float(model.ffn_ms(m, r["hidden"], r["ffn"]))
+                compute = r["median_ms"] - model.expert_ms - (model.call_ms if r["kind"] == "group" else 0.0)
+                base = float(model.ffn_ms(m, r["hidden"], r["ffn"])) - model.expert_ms
                 if compute > 0 and base > 0:
                     X.append([np.log2(max(m, 1)), np.log2(r["hidden"]), np.log2(r["ffn"])])
                     y.append(np.log(compute / base))
@@ -338,19 +360,20 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
     return model
 
 
-def fit_host(records: list[dict]) -> tuple[float, float, float] | None:
-    """fixed + per-assignment + per-(assignment x hidden) host cost from pack/exact_host records."""
+def fit_host(records: list[dict]) -> tuple[float, ...] | None:
+    """Host cost coefficients (HOST_TERMS) from pack/exact_host records."""
     if not records:
         return None
-    a = np.array([r["assignments"] for r in records], dtype=np.float64)
-    h = np.array([r["hidden"] for r in records], dtype=np.float64)
+    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0)) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
-    A = np.stack([np.ones_like(a), a, a * h / 1000.0], axis=1)
-    return tuple(float(c) for c in _positive_lsq(A, t))
+    used = [i for i in range(A.shape[1]) if A[:, i].any()]
+    coef = np.zeros(A.shape[1])
+    coef[used] = _positive_lsq(A[:, used], t)
+    return tuple(float(c) for c in coef)
 
 
-def _host_predict(coef: tuple[float, float, float], rec: dict) -> float:
-    return float(HostCosts._eval(coef, rec["assignments"], rec["hidden"]))
+def _host_predict(coef: tuple[float, ...], rec: dict) -> float:
+    return float(HostCosts._eval(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
 
 
 def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:

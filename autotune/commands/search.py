@@ -1,0 +1,133 @@
+"""`autotune search`: tune a plan for a model on a device profile against routing traces."""
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+from runtime.errors import NpumoeError
+from runtime.fileio import atomic_write_json
+from runtime.models import load_model, model_spec
+from runtime.plan import save_plan
+
+from ..profile import ProfileHostWarning, host_profile_path, load_profile, save_profile
+from ..report import format_report, plot_pareto, plot_plan_map, search_report, sidecar
+from ..search import solution_plan, timed_search
+from ..space import LayerData, Scorer
+from ..texts import DEFAULT_CALIB_TEXT
+from ..traces import default_traces_path, load_traces
+from .common import add_model_argument, add_threads_argument, apply_threads, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="search tiers, groups and residency for a model on a device profile")
+    add_model_argument(p)
+    p.add_argument("--profile", metavar="P", help="profile file or shipped name (e.g. apple-m2-ultra-published); "
+                                                  "default: this host's saved profile (made quickly if missing)")
+    p.add_argument("--traces", metavar="T", help="traces file (default traces/<model>.npz, calibrated if missing)")
+    p.add_argument("--drop-budget", type=float, default=0.10, metavar="X",
+                   help="max share of assignments dropped on held-out traces (default 0.10)")
+    p.add_argument("--objective", choices=["latency", "energy", "both"], default="latency")
+    p.add_argument("--trials", type=int, default=120, metavar="N", help="Optuna trials per MoE layer (default 120)")
+    p.add_argument("--storage", metavar="URL", help="Optuna storage to resume from: sqlite:///file.db (one worker) "
+                                                    "or journal:FILE (JournalStorage, several processes)")
+    p.add_argument("--resident-mb", type=float, default=16384, metavar="MB",
+                   help="device budget for resident expert weights, fp16, all layers (default 16384)")
+    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="PLAN", help="plan file (default plans/<model>@<profile>.json)")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _storage(url: str | None):
+    if url is None:
+        return None
+    import optuna
+
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+    return url
+
+
+def _profile(name: str | None, quiet: bool):
+    if name:
+        return load_profile(name), name
+    path = host_profile_path()
+    if not path.exists():
+        from ..profiling import profile_device
+
+        print(f"autotune search: no saved profile for this host; measuring a quick one into {path} "
+              "(autotune profile-device --quick)", flush=True)
+        save_profile(profile_device(quick=True, progress=not quiet), path)
+    return load_profile(path), "host"
+
+
+def _traces(args, spec) -> tuple[object, str]:
+    path = Path(args.traces) if args.traces else default_traces_path(args.model)
+    if path.exists():
+        traces = load_traces(path)
+        if traces.spec["fingerprint"] == spec.fingerprint:
+            return traces, str(path)
+        if args.traces:
+            raise NpumoeError(f"traces {path} are for another model (fingerprint {traces.spec['fingerprint']}, "
+                              f"model {spec.fingerprint})")
+    from .calibrate import calibrate
+
+    print(f"autotune search: no traces for {args.model}; calibrating on {DEFAULT_CALIB_TEXT} into {path}",
+          flush=True)
+    calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 65536, str(path), progress=not args.json)
+    return load_traces(path), str(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    apply_threads(args.threads)
+    if not 0.0 <= args.drop_budget < 1.0:
+        raise NpumoeError(f"--drop-budget must be in [0, 1), got {args.drop_budget}")
+    model, _ = load_model(args.model)
+    spec = model_spec(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileHostWarning)
+        profile, profile_name = _profile(args.profile, args.json)
+    for w in caught:
+        print(f"autotune search: warning: {w.message}", flush=True)
+    traces, traces_path = _traces(args, spec)
+    cost = profile.cost_model
+    backend = "ane" if "ane" in cost.backends else "cpu-static"
+    layers = LayerData.from_traces(traces)
+    scorer = Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend,
+                    args.resident_mb * 1e6 / len(layers))
+    outcome, seconds = timed_search(layers, scorer, objective=args.objective, drop_budget=args.drop_budget,
+                                    trials=args.trials, storage=_storage(args.storage),
+                                    study_prefix=f"npumoe:{spec.fingerprint[7:19]}:{args.objective}",
+                                    seed=args.seed, chunk_tokens=traces.header["chunk_tokens"],
+                                    progress=not args.json)
+    calib_chunks = int(layers[0].calib.shape[0])
+    heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
+    out = Path(args.out or Path("plans") / f"{Path(args.model).name.replace(':', '_')}@{profile_name}.json")
+    context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
+               "objective": args.objective, "drop_budget": args.drop_budget,
+               "chunk_tokens": traces.header["chunk_tokens"]}
+    report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
+    predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate")}
+    predicted["label"] = "predicted by the cost model of profile " + profile_name
+    plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), traces.header["chunk_tokens"],
+                         args.saliency, predicted,
+                         {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
+                          "drop_budget": args.drop_budget, "objective": args.objective,
+                          "decisions": [c.to_json() for c in outcome.best.configs]})
+    save_plan(plan, out)
+    atomic_write_json(sidecar(out, ".report.json"), report)
+    plot_plan_map(plan, sidecar(out, ".map.png"))
+    if args.objective == "both":
+        plot_pareto(report, sidecar(out, ".pareto.png"))
+    if args.json:
+        print_json(report)
+    else:
+        print(format_report(report))
+        print(f"wrote {out} (+ {sidecar(out, '.report.json').name}, {sidecar(out, '.map.png').name}) "
+              f"in {seconds:.1f} s")
+    return 0

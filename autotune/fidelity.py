@@ -1,0 +1,46 @@
+"""What a plan costs in fidelity, measured: the planned model against the unmodified one on the same prompts."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from runtime.executor import PlanExecutor
+from runtime.plan import Plan
+from runtime.prefill import max_rel_diff, prefill_logits
+
+
+def evaluate_plan(model: torch.nn.Module, plan: Plan, ids: torch.Tensor, prompt_tokens: int,
+                  backends: dict | None = None, progress: bool = True) -> dict:
+    """Perplexity of both models, top-1 next-token agreement, logits' max relative difference, and the executor's
+    measured drop and spill rates, over prompts of `prompt_tokens` prefilled in the plan's chunks."""
+    executor = PlanExecutor(model, plan, backends)
+    nll_ref = nll_plan = 0.0
+    agree = predicted = 0
+    worst = 0.0
+    starts = list(range(0, ids.numel() - 1, prompt_tokens))
+    for start in tqdm(starts, desc="evaluate", unit="prompt", disable=not progress):
+        prompt = ids[start:start + prompt_tokens]
+        if prompt.numel() < 2:
+            continue
+        ref = prefill_logits(model, prompt, plan.chunk_tokens)
+        with executor:
+            got = prefill_logits(model, prompt, plan.chunk_tokens)
+        target = prompt[1:]
+        nll_ref += float(F.cross_entropy(ref[:-1], target, reduction="sum"))
+        nll_plan += float(F.cross_entropy(got[:-1], target, reduction="sum"))
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        predicted += prompt.numel()
+        worst = max(worst, max_rel_diff(got, ref))
+    n = predicted - len(starts)  # next-token targets
+    total = executor.stats.total()
+    ppl_ref, ppl_plan = math.exp(nll_ref / n), math.exp(nll_plan / n)
+    return {"tokens": int(predicted), "prompts": len(starts), "ppl_reference": ppl_ref, "ppl_plan": ppl_plan,
+            "ppl_delta_rel": ppl_plan / ppl_ref - 1.0, "top1_agreement": agree / predicted,
+            "max_rel_diff_vs_reference": worst,
+            "drop_rate": total.dropped / max(1, total.assignments),
+            "spill_rate": total.spilled / max(1, total.assignments),
+            "padding_fraction": total.padding_fraction, "assignments": total.assignments,
+            "tokens_per_backend": dict(total.tokens_per_backend), "backend_fallbacks": executor.fallbacks}

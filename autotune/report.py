@@ -1,0 +1,120 @@
+"""The search report: the plan against the baselines (all figures predicted by the cost model), and its plots."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from runtime.plan import Plan
+
+from .search import SearchOutcome, Solution
+
+BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
+                   "naive_coreml": "naive Core ML (one ANE graph per expert, uniform capacity)",
+                   "uniform_grouped": "uniform capacity, groups of 4",
+                   "paper_heuristic": "paper heuristic (popularity tiers, groups of 4, hot resident)"}
+
+
+def solution_summary(sol: Solution, calib_chunks: int, heldout_assignments: int) -> dict:
+    return {"predicted_latency_ms": sol.latency_ms / calib_chunks,
+            "predicted_energy_mj": None if sol.energy_mj is None else sol.energy_mj / calib_chunks,
+            "heldout_drop_rate": sol.heldout_drops / max(1, heldout_assignments)}
+
+
+def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments: int, seconds: float,
+                  context: dict) -> dict:
+    """The JSON report (and what `search --json` prints). Latency/energy are per calibration chunk, all MoE
+    layers, predicted by the profile's cost model; drop rates are on held-out traces."""
+    best = solution_summary(outcome.best, calib_chunks, heldout_assignments)
+    base = {n: solution_summary(s, calib_chunks, heldout_assignments) for n, s in outcome.baselines.items()}
+    return {**best,
+            "figures": "predicted by the cost model (per calibration chunk, all MoE layers); drop rates on held-out "
+                       "traces",
+            "baselines": {n: b["predicted_latency_ms"] for n, b in base.items()},
+            "baseline_details": base,
+            "speedup_vs": {n: b["predicted_latency_ms"] / best["predicted_latency_ms"] for n, b in base.items()},
+            "gap_vs_exact": outcome.gap_vs_exact, "exact_layers": outcome.exact_layers,
+            "trials": outcome.trials, "search_seconds": seconds,
+            "pareto_front": [solution_summary(s, calib_chunks, heldout_assignments) for s in outcome.front],
+            **context}
+
+
+def format_report(r: dict) -> str:
+    energy = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"{'design':<64} {'latency ms':>11} {'energy mJ':>10} {'held-out drops':>15}",
+             f"{'tuned plan':<64} {r['predicted_latency_ms']:>11.4f} {energy(r['predicted_energy_mj']):>10} "
+             f"{r['heldout_drop_rate']:>15.2%}"]
+    for name, b in r["baseline_details"].items():
+        lines.append(f"{BASELINE_LABELS.get(name, name):<64} {b['predicted_latency_ms']:>11.4f} "
+                     f"{energy(b['predicted_energy_mj']):>10} {b['heldout_drop_rate']:>15.2%}")
+    lines.append("latency and energy: predicted by the cost model of profile "
+                 f"{r.get('profile', '?')}, per chunk of {r.get('chunk_tokens', '?')} tokens over all MoE layers")
+    if r.get("gap_vs_exact") is not None:
+        lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
+    return "\n".join(lines)
+
+
+def plot_plan_map(plan: Plan, path: str | os.PathLike) -> None:
+    """Layer x expert map: colour = tier (or cpu-exact), hatching-free labels = group index, title = backends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_layers, n_experts = len(plan.layers), plan.model.num_experts
+    tier = np.full((n_layers, n_experts), -1.0)
+    group = np.full((n_layers, n_experts), -1)
+    caps = np.zeros((n_layers, n_experts), dtype=int)
+    for li, lp in enumerate(plan.layers):
+        for gi, g in enumerate(lp.groups):
+            for j, (e, c) in enumerate(zip(g.experts, g.capacities)):
+                tier[li, e] = g.tier[j] if g.tier else 0
+                group[li, e], caps[li, e] = gi, c
+    fig, ax = plt.subplots(figsize=(max(6, n_experts * 0.35), max(2.5, n_layers * 0.35 + 1.5)))
+    cmap = plt.get_cmap("viridis", int(tier.max()) + 2)
+    im = ax.imshow(tier, cmap=cmap, vmin=-1.5, vmax=tier.max() + 0.5, aspect="auto")
+    if n_experts * n_layers <= 2048:
+        for li in range(n_layers):
+            for e in range(n_experts):
+                txt = "cpu" if group[li, e] < 0 else f"g{group[li, e]}\n{caps[li, e]}"
+                ax.text(e, li, txt, ha="center", va="center", fontsize=5, color="white" if tier[li, e] < 1 else "k")
+    cbar = fig.colorbar(im, ax=ax, ticks=np.arange(-1, tier.max() + 1))
+    cbar.ax.set_yticklabels(["cpu-exact"] + [f"tier {int(t)}" for t in range(int(tier.max()) + 1)])
+    backends = sorted({g.backend for lp in plan.layers for g in lp.groups}) or ["none"]
+    ax.set_title(f"plan map: static groups on {', '.join(backends)} (cell: group, capacity); overflow "
+                 f"{plan.overflow}", fontsize=9)
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(n_layers), [str(lp.layer) for lp in plan.layers])
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot_pareto(report: dict, path: str | os.PathLike) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    front = report["pareto_front"]
+    ax.plot([p["predicted_latency_ms"] for p in front], [p["predicted_energy_mj"] for p in front], "o-",
+            label="searched Pareto front")
+    ax.plot([report["predicted_latency_ms"]], [report["predicted_energy_mj"]], "r*", ms=14, label="chosen plan")
+    for name, b in report["baseline_details"].items():
+        if b["predicted_energy_mj"] is not None:
+            ax.plot([b["predicted_latency_ms"]], [b["predicted_energy_mj"]], "s", label=BASELINE_LABELS.get(name, name))
+    ax.set_xlabel("predicted latency per chunk (ms)")
+    ax.set_ylabel("predicted energy per chunk (mJ)")
+    ax.set_title("latency vs energy (predicted by the cost model)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def sidecar(plan_path: str | os.PathLike, suffix: str) -> Path:
+    p = Path(plan_path)
+    return p.with_name(p.stem + suffix)
