@@ -1,0 +1,36 @@
+"""`autotune profile-device`: microbenchmark this host's backends, fit the cost model, save the profile."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..profile import host_profile_path, save_profile
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile-device", help="measure this host's backends and fit the cost model")
+    p.add_argument("--backends", default=None, metavar="LIST",
+                   help="comma-separated backends to profile (default: every one this host has: "
+                        "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and runs: within 5 minutes on 2 cores")
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help=f"where to write the profile (default: this host's cache, {host_profile_path()})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..profiling import profile_device
+    from .show_profile import print_summary
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    t0 = time.perf_counter()
+    profile = profile_device(backends, args.quick, args.threads, progress=not args.no_progress)
+    out = args.out or host_profile_path()
+    save_profile(profile, out)
+    profile.path = str(out)
+    print_summary(profile)
+    print(f"wrote {out} ({len(profile.records)} records, {time.perf_counter() - t0:.0f} s, "
+          f"{profile.settings['threads']} thread(s))")
+    return 0
