@@ -265,7 +265,7 @@ class CostModel:
             if self.models[b].power_w is None:
                 return None
             e = e + self.models[b].power_w * t
-        if np.any(p["exact"] + p["pack"] > 0):
+        if layer_plan.groups or np.any(p["exact"] > 0):  # packing and the exact path are CPU work
             if cpu_power is None:
                 return None
             e = e + cpu_power * (p["exact"] + p["pack"])

@@ -68,6 +68,24 @@ def settings(quick: bool) -> Settings:
                     min_time_s=0.4, max_runs=100)
 
 
+def parse_shapes(text: str) -> dict[str, tuple[int, int]]:
+    """`tiny-moe,2048x768` -> {name: (hidden, ffn)}."""
+    from runtime.errors import NpumoeError
+
+    out = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if item in SHAPES:
+            out[item] = SHAPES[item]
+            continue
+        try:
+            h, f = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise NpumoeError(f"--shapes: {item!r} is neither a named size ({', '.join(SHAPES)}) nor HIDDENxFFN") \
+                from None
+        out[f"{h}x{f}"] = (h, f)
+    return out
+
+
 # --- timing and energy ---------------------------------------------------------------------------------------------
 class EnergyMeter(Protocol):
     name: str
@@ -84,8 +102,8 @@ class RaplMeter:
     def __init__(self, root: str | Path = "/sys/class/powercap") -> None:
         self.domains = sorted(Path(root).glob("intel-rapl:[0-9]"))
         self.source = f"RAPL package counters under {root} (whole socket: other processes included)"
-        self.wrap = {d: float((d / "max_energy_range_uj").read_text()) / 1e3 if (d / "max_energy_range_uj").exists()
-                     else float("inf") for d in self.domains}
+        self.wrap = {d.name: float((d / "max_energy_range_uj").read_text()) / 1e3
+                     if (d / "max_energy_range_uj").exists() else None for d in self.domains}
 
     @classmethod
     def available(cls, root: str | Path = "/sys/class/powercap") -> tuple[bool, str]:
@@ -103,7 +121,8 @@ class RaplMeter:
         return {d.name: float((d / "energy_uj").read_text()) / 1e3 for d in self.domains}
 
     def delta_mj(self, a: dict[str, float], b: dict[str, float]) -> float:
-        return sum((b[k] - a[k]) % self.wrap[Path(k)] if Path(k) in self.wrap else b[k] - a[k] for k in a)
+        """Energy between two readings; a counter that passed its maximum wrapped around to 0."""
+        return sum((b[k] - a[k]) % self.wrap[k] if self.wrap.get(k) else b[k] - a[k] for k in a)
 
 
 class ZeusMeter:

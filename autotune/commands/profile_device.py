@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from ..profile import host_profile_path, save_profile
@@ -16,17 +17,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help=f"where to write the profile (default: this host's cache, {host_profile_path()})")
+    p.add_argument("--shapes", default=None, metavar="LIST",
+                   help="comma-separated model sizes to measure, by name (tiny-moe, bench-layer, qwen3-30b-a3b) or as "
+                        "HIDDENxFFN (default: all three named sizes)")
+    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
+                   help="what a record's median times: auto = this process's CPU time for one-thread CPU work "
+                        "(other processes on a shared host don't count), wall clock otherwise")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..profiling import profile_device
+    from ..profiling import parse_shapes, profile_device, settings
     from .show_profile import print_summary
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    s = settings(args.quick)
+    if args.shapes:
+        s = dataclasses.replace(s, shapes=parse_shapes(args.shapes))
     t0 = time.perf_counter()
-    profile = profile_device(backends, args.quick, args.threads, progress=not args.no_progress)
+    profile = profile_device(backends, args.quick, args.threads, progress=not args.no_progress, s=s,
+                             clock=args.clock)
     out = args.out or host_profile_path()
     save_profile(profile, out)
     profile.path = str(out)

@@ -1,0 +1,178 @@
+"""The profile file: round trip, one clear error for bad files, other-host warning, the shipped Apple profile,
+a tiny real profile-device run, energy meters."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from autotune.cli import main
+from autotune.costmodel import BackendModel, CostModel
+from autotune.profile import (ProfileHostWarning, host_id, host_profile_path, load_profile, save_profile,
+                              shipped_profiles)
+from autotune.profiling import RaplMeter, Settings, build_profile, profile_device
+from runtime.errors import FileFormatError
+from runtime.plan import Group, LayerPlan
+
+from test_costmodel import synthetic_records
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    from autotune.profile import host_facts
+
+    recs = synthetic_records("cpu-exact") + synthetic_records("cpu-static", seed=1)
+    prof = build_profile(recs, host_facts(1), "autotune profile-device --quick", {"threads": 1}, {"method": "none"})
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    return path
+
+
+def test_round_trip_keeps_model_and_heldout_error(profile_path):
+    prof = load_profile(profile_path)
+    assert set(prof.heldout_mape) == {"cpu-exact", "cpu-static"}
+    assert all(0 <= v < 0.1 for v in prof.heldout_mape.values())
+    assert prof.cost_model.backends == ["cpu-exact", "cpu-static"]
+    obj = json.loads(profile_path.read_text())
+    assert obj["schema"] == "npumoe.profile/1" and len(obj["records"]) == len(prof.records)
+    again = CostModel.from_json(obj["cost_model"])
+    assert again.ffn_ms("cpu-exact", 37, 1024, 2048) == pytest.approx(prof.cost_model.ffn_ms("cpu-exact", 37, 1024,
+                                                                                                  2048))
+
+
+def _expect_one_error(path, field: str):
+    with pytest.raises(FileFormatError) as e:
+        load_profile(path)
+    assert e.value.field == field and str(e.value).count("profile") >= 1
+    return e.value
+
+
+def test_truncated_and_malformed_files_give_one_clear_error(profile_path, tmp_path):
+    raw = profile_path.read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text(raw[: len(raw) // 2])  # truncated mid-write
+    assert "not valid JSON" in str(_expect_one_error(bad, "file"))
+    bad.write_text("")
+    _expect_one_error(bad, "file")
+    obj = json.loads(raw)
+    for mutate, field in [
+        (lambda o: o.update(schema="npumoe.plan/1"), "schema"),
+        (lambda o: o.update(schema="npumoe.profile/9"), "schema"),
+        (lambda o: o.pop("cost_model"), "cost_model"),
+        (lambda o: o["records"][3].pop("median_ms"), "records[3].median_ms"),
+        (lambda o: o["records"][0].update(median_ms=-1.0), "records[0].median_ms"),
+        (lambda o: o["cost_model"]["backends"]["cpu-exact"].update(ms_per_gflop="fast"),
+         "cost_model.backends.cpu-exact.ms_per_gflop"),
+        (lambda o: o["cost_model"].update(backends={}), "cost_model.backends"),
+        (lambda o: o["host"].pop("id"), "host.id"),
+    ]:
+        o = json.loads(raw)
+        mutate(o)
+        bad.write_text(json.dumps(o))
+        _expect_one_error(bad, field)
+    bad.write_text(json.dumps(obj))
+    load_profile(bad)  # the unmutated copy is fine
+
+
+def test_profile_from_another_host_loads_with_a_warning_naming_both(profile_path):
+    obj = json.loads(profile_path.read_text())
+    obj["host"]["id"], obj["host"]["description"] = "darwin-arm64-apple-m3-max-16c", "Apple M3 Max, 16 cores"
+    profile_path.write_text(json.dumps(obj))
+    with pytest.warns(ProfileHostWarning) as w:
+        prof = load_profile(profile_path)
+    msg = str(w[0].message)
+    assert "darwin-arm64-apple-m3-max-16c" in msg and host_id() in msg
+    assert prof.cost_model.call_ms("cpu-exact") >= 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(profile_path, check_host=False)
+
+
+def test_host_profile_path_follows_npumoe_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
+    assert host_profile_path() == tmp_path / "profiles" / f"{host_id()}.json"
+
+
+def test_shipped_apple_profile_plans_for_the_ane_from_linux():
+    assert "apple-m2-ultra-published" in shipped_profiles()
+    with pytest.warns(ProfileHostWarning):
+        prof = load_profile("apple-m2-ultra-published")
+    cm = prof.cost_model
+    assert {"ane", "cpu-exact", "cpu-static"} <= set(cm.backends)
+    assert cm.call_ms("ane") == pytest.approx(0.095)
+    assert cm.models["ane"].overlaps_cpu and cm.power_w("ane") == pytest.approx(2.8)
+    assert cm.power_w("cpu-exact") is None and not cm.has_energy
+    assert prof.published and "not measured" in prof.measured_by
+    for r in prof.records:
+        assert r["source"] and r["measured_by_npumoe"] is False
+    # the paper's rows are reproduced by the fit within its reported held-out error
+    for r in prof.records:
+        if not r.get("excluded"):
+            pred = cm.models[r["backend"]].analytic(*__import__("autotune.costmodel", fromlist=["x"])
+                                                    .record_features(r, cm.models[r["backend"]].dtype_bytes))
+            assert abs(pred / r["median_ms"] - 1) < 0.1
+    assert cm.group_call_ms("ane", [64] * 8, 2048, 768) > cm.call_ms("ane")
+    assert max(prof.heldout_mape.values()) < 0.1
+    # energy: ANE-only work has no CPU power behind packing, so no energy is claimed
+    lp = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[8, 8])], cpu_exact=[2])
+    assert cm.layer_energy_mj(lp, np.array([5, 9, 3]), 2048, 768, "spill") is None
+
+
+def test_tiny_real_profile_device_run_and_show_profile(tmp_path, capsys):
+    s = Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32], num_experts=4,
+                 warmup=1, min_runs=3, max_runs=3, min_time_s=0.0)
+    prof = profile_device(["cpu-exact", "cpu-static"], quick=True, threads=1, progress=False, s=s)
+    kinds = {r["kind"] for r in prof.records}
+    assert {"call", "group", "pack", "exact_host"} <= kinds
+    for r in prof.records:
+        assert r["runs"] == 3 and r["median_ms"] > 0 and r["p25_ms"] <= r["p75_ms"] and r["clock"] == "cpu"
+    assert prof.settings["threads"] == 1 and prof.host["libraries"]["torch"]
+    assert set(prof.heldout_mape) >= {"cpu-exact", "cpu-static", "host-pack", "host-exact"}
+    if prof.energy["method"] == "none":
+        assert not any("power_w" in r for r in prof.records) and not prof.cost_model.has_energy
+    path = tmp_path / "tiny.json"
+    save_profile(prof, path)
+    assert main(["show-profile", str(path), "--json", "--plot", str(tmp_path / "fit.png")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["backends"]) == {"cpu-exact", "cpu-static"}
+    assert all("heldout_mape" in b for b in out["backends"].values())
+    assert (tmp_path / "fit.png").stat().st_size > 1000
+
+
+def test_show_profile_on_a_truncated_file_exits_2(tmp_path, capsys):
+    p = tmp_path / "t.json"
+    p.write_text('{"schema": "npumoe.profile/1", "host": {')
+    assert main(["show-profile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error") == 1 and "not valid JSON" in err
+
+
+def test_rapl_meter_reads_counters_and_handles_wraparound(tmp_path):
+    d = tmp_path / "intel-rapl:0"
+    d.mkdir()
+    (d / "energy_uj").write_text("999000000\n")
+    (d / "max_energy_range_uj").write_text("1000000000\n")
+    assert RaplMeter.available(tmp_path)[0]
+    m = RaplMeter(tmp_path)
+    a = m.read_mj()
+    (d / "energy_uj").write_text("1000000\n")  # wrapped: 1 J after the max, +2 J in all
+    assert m.delta_mj(a, m.read_mj()) == pytest.approx(2000.0)
+    assert not RaplMeter.available(tmp_path / "none")[0]
+
+
+def test_energy_is_power_times_busy_time_only_where_power_was_measured():
+    kw = dict(call_ms=0.1, expert_ms=0.0, ms_per_gflop=1.0, ms_per_mb=0.0)
+    models = {"ane": BackendModel("ane", overlaps_cpu=True, power_w=2.0, **kw),
+              "cpu-exact": BackendModel("cpu-exact", power_w=10.0, **kw),
+              "cpu-static": BackendModel("cpu-static", power_w=10.0, **kw)}
+    cm = CostModel(models)
+    lp = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0], capacities=[100])], cpu_exact=[1])
+    counts = np.array([50, 40])
+    ane = cm.group_call_ms("ane", [100], 64, 64)
+    exact = cm.exact_ms(np.array([0, 40]), 64, 64)
+    assert cm.layer_ms(lp, counts, 64, 64, "drop") == pytest.approx(max(ane, exact))  # overlap, no host costs
+    assert cm.layer_energy_mj(lp, counts, 64, 64, "drop") == pytest.approx(2.0 * ane + 10.0 * exact)
+    models["cpu-exact"].power_w = None
+    assert cm.layer_energy_mj(lp, counts, 64, 64, "drop") is None and not cm.has_energy
