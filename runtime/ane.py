@@ -103,6 +103,8 @@ class AneBackend:
     def available(self) -> tuple[bool, str]:
         if sys.platform != "darwin":
             return False, f"Core ML prediction needs macOS; this host runs {sys.platform}"
+        if _macos_version() < (15,):
+            return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
         if not self.package_path:
             return False, "no Core ML package given: build one with `autotune build` and pass --package"
         if not Path(self.package_path).is_dir():

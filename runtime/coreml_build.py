@@ -24,13 +24,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .ane import (INPUT_NAME, LAYOUTS, META_KEY, OUTPUT_NAME, expert_weights_fp16, function_name, to_layout,
-                  weights_digest)
+from .ane import LAYOUTS, META_KEY, OUTPUT_NAME, expert_weights_fp16, function_name, weights_digest
 from .backends import GroupSpec
 from .errors import NpumoeError
 from .plan import Plan
-
-log = logging.getLogger("npumoe")
 
 COMPRESSIONS = ("none", "int8", "palettize4")
 ANE_MAX_AXIS = 65_536  # per-axis size limit of the Neural Engine

@@ -19,9 +19,11 @@ from .backends import CpuStaticBackend, GroupSpec
 from .errors import NpumoeError
 
 # Tolerances of the numeric check, on max|y - ref| / max|ref| per function against the fp32 torch reference.
-# fp16 weights and activations: ~1e-3 typical. int8 per-channel weights: ~1e-2. 4-bit palettes (16 values per
-# 16 output channels): the weights themselves move by several per cent.
-TOLERANCE = {"none": 1e-2, "int8": 3e-2, "palettize4": 2.5e-1}
+# fp16 weights and activations: ~1e-3 measured. int8 per-channel weights: ~1.5e-2 measured. 4-bit palettes
+# (16 values per 16 output channels) move each weight by ~10% RMS, the optimum for 16 levels, and outputs by
+# up to ~0.4 of their scale: there the check catches a wrong graph (wrong expert or slice: errors >= 1), while
+# the quality of a compressed model is a perplexity question, not this check's.
+TOLERANCE = {"none": 1e-2, "int8": 3e-2, "palettize4": 0.5}
 
 
 class _Held:
