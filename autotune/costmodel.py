@@ -406,8 +406,10 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
         key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
         groups.setdefault(key, []).append(r)
     mape: dict[str, float | None] = {}
+    used_k: set[str] = set()
     for key, rs in sorted(groups.items()):
         k = min(folds, len(rs))
+        used_k.add("leave-one-out" if k == len(rs) else f"{k}-fold")
         if k < 2:
             mape[key] = None
             continue
@@ -424,8 +426,8 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
                 rs[i]["heldout_pred_ms"] = round(p, 6)
                 errs.append(abs(p - rs[i]["median_ms"]) / rs[i]["median_ms"])
         mape[key] = float(np.mean(errs))
-    return {"method": f"{folds}-fold cross-validation per backend: each record predicted by a model fitted "
-                      f"without it; MAPE = mean |predicted - measured| / measured",
+    return {"method": f"cross-validation per backend ({' / '.join(sorted(used_k)) or 'none'}): each record "
+                      "predicted by a model fitted without it; MAPE = mean |predicted - measured| / measured",
             "mape": mape, "n": {k: len(v) for k, v in groups.items()}}
 
 

@@ -31,6 +31,7 @@ log = logging.getLogger("npumoe")
 SHAPES = {"tiny-moe": (256, 256), "bench-layer": (1024, 2048), "qwen3-30b-a3b": (2048, 768)}
 CPU_BACKENDS = ("cpu-exact", "cpu-static")
 COREML_BACKENDS = ("ane", "coreml-cpu")
+MAX_PACK_ELEMENTS = 2**26  # padded buffers up to 256 MB (fp32): larger ones only measure this host's page faults
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def settings(quick: bool) -> Settings:
         tokens = [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 256, 320, 384, 512, 640,
                   768, 1024, 1536, 2048]
         return Settings(SHAPES, tokens=tokens, groups=[(4, 16), (4, 64), (8, 32), (4, 256), (16, 64)],
-                        pack_tokens=[32, 64, 128, 256, 512, 1024, 2048])
+                        pack_tokens=[32, 64, 128, 256, 512, 1024, 2048, 4096])
     tokens = sorted({*range(1, 33), *(int(round(2 ** (i / 4))) for i in range(20, 49))})  # ... 4096
     return Settings(SHAPES, tokens=tokens,
                     groups=[(2, 8), (4, 16), (4, 64), (8, 32), (4, 256), (8, 128), (16, 64), (16, 16), (4, 1024)],
@@ -383,8 +384,9 @@ def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
             tasks += [Task("group", b, name, h, f, [c] * g) for g, c in s.groups if g <= s.num_experts]
         if "cpu-exact" in backends or "cpu-static" in backends:
             for t in s.pack_tokens:
-                tasks += [Task("pack", "host", name, h, f, [pack_capacity(t, s.top_k, s.num_experts, ample)], t)
-                          for ample in (True, False)]
+                caps = [pack_capacity(t, s.top_k, s.num_experts, ample) for ample in (True, False)]
+                tasks += [Task("pack", "host", name, h, f, [c], t) for c in caps
+                          if s.num_experts * c * h <= MAX_PACK_ELEMENTS]
                 tasks.append(Task("exact_host", "host", name, h, f, tokens=t))
     return tasks
 

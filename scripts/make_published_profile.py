@@ -65,7 +65,7 @@ def main() -> None:
                            power_source=ANE_POWER),
                "cpu-exact": dict(dtype_bytes=4, residual=False)}
     heldout = heldout_errors(recs, options)  # 5 records per backend: leave-one-out
-    heldout["method"] = "leave-one-out over the published records in the fit (5 per backend); " + heldout["method"]
+    heldout["method"] += "; over the 5 published records per backend that the fit uses"
     models = {b: fit_backend(b, [r for r in recs if r["backend"] == b and not r.get("excluded")], **options[b])
               for b in options}
     models["ane"].note = f"call_ms pinned to {ANE_CALL_MS} ms: {M4_BLOG}; compute fitted to the CPU+ANE column"

@@ -46,3 +46,48 @@ def test_heldout_error_is_small_on_clean_analytic_records():
     err = heldout_errors(recs)
     assert err["mape"]["cpu-static"] < 0.05
     assert all("heldout_pred_ms" in r for r in recs)
+
+
+def _cpu_model() -> CostModel:
+    recs = synthetic_records("cpu-exact") + synthetic_records("cpu-static", seed=1)
+    cm = fit_cost_model(recs)
+    cm.host = HostCosts(pack=(0.05, 0.001, 0.0, 0.002, 0.0, 0.0), exact=(0.03, 0.0005, 0.0, 0.0, 0.0, 0.0))
+    return cm
+
+
+def test_layer_composes_calls_exact_path_and_packing():
+    cm = _cpu_model()
+    h, f = 1024, 2048
+    lp = LayerPlan(layer=0, groups=[Group(backend="cpu-static", experts=[0, 1], capacities=[32, 16])],
+                   cpu_exact=[2, 3])
+    counts = np.array([40, 10, 7, 0])
+    static = cm.group_call_ms("cpu-static", [32, 16], h, f)
+    pack = cm.pack_ms(57, h, slots=48)
+    # drop: expert 0's 8 overflowing assignments vanish; the exact path runs expert 2 only (3 has no tokens)
+    exact_drop = cm.exact_ms(np.array([0, 0, 7, 0]), h, f)
+    assert exact_drop == pytest.approx(cm.call_ms("cpu-exact") + cm.ffn_ms("cpu-exact", 7, h, f)
+                                       + 0.03 + 0.0005 * 7)
+    assert cm.layer_ms(lp, counts, h, f, "drop") == pytest.approx(pack + static + exact_drop)  # all on the CPU
+    # spill: they run exactly instead
+    exact_spill = cm.exact_ms(np.array([8, 0, 7, 0]), h, f)
+    assert cm.layer_ms(lp, counts, h, f, "spill") == pytest.approx(pack + static + exact_spill)
+    assert exact_spill > exact_drop
+    # vectorised over chunks: one row per chunk gives the per-chunk values
+    many = np.array([[40, 10, 7, 0], [0, 0, 0, 0], [3, 30, 0, 9]])
+    got = cm.layer_ms(lp, many, h, f, "spill")
+    assert got.shape == (3,)
+    np.testing.assert_allclose(got, [cm.layer_ms(lp, row, h, f, "spill") for row in many])
+    # a plan naming `ane` on a device without one is priced as cpu-static, as the runtime runs it
+    lp_ane = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[32, 16])], cpu_exact=[2, 3])
+    assert cm.layer_ms(lp_ane, counts, h, f, "drop") == pytest.approx(cm.layer_ms(lp, counts, h, f, "drop"))
+    # no measured power: no energy
+    assert cm.layer_energy_mj(lp, counts, h, f, "drop") is None and not cm.has_energy
+
+
+def test_ffn_ms_is_vectorised_and_zero_tokens_cost_nothing():
+    cm = _cpu_model()
+    m = np.array([0, 1, 5, 100, 9000])
+    out = cm.ffn_ms("cpu-exact", m, 256, 256)
+    assert out.shape == (5,) and out[0] == 0.0 and np.all(np.diff(out[1:]) > 0)
+    assert cm.ffn_ms("cpu-exact", 5, 256, 256) == pytest.approx(out[2])
+    assert cm.exact_ms(np.zeros(8, dtype=int), 256, 256) == 0.0

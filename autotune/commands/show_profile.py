@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 
 from ..costmodel import predict_record
-from ..profile import Profile, load_profile
+from ..profile import Profile, ProfileHostWarning, load_profile
 from .common import print_json
 
 
@@ -91,7 +93,11 @@ def plot(profile: Profile, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    profile = load_profile(args.profile)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileHostWarning)
+        profile = load_profile(args.profile)
+    for w in caught:
+        print(f"autotune show-profile: warning: {w.message}", file=sys.stderr)
     if args.plot:
         plot(profile, args.plot)
     if args.json:
