@@ -112,10 +112,10 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
     if len(complete()) < explore_n:
         study.optimize(run_trial, n_trials=explore_n - len(complete()))
     expanded: set[LayerConfig] = set()
-    while len(complete()) < n_trials:
+    while len(done := complete()) < n_trials:
         # best-first: expand the cheapest unexpanded decision among the front and the cheapest few
-        seen = {_config_from_params(t.params, n_experts) for t in study.get_trials(deepcopy=False)}
-        cheapest = sorted(complete(), key=lambda t: t.values[0])[:8]  # the front alone can hide a cheap basin
+        seen = {_config_from_params(t.params, n_experts) for t in done}
+        cheapest = sorted(done, key=lambda t: t.values[0])[:8]  # the front alone can hide a cheap basin
         parents = sorted({t.number: t for t in cheapest + study.best_trials}.values(), key=lambda t: t.values[0])
         proposals: dict[LayerConfig, dict] = {}
         for t in parents:
@@ -129,9 +129,9 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
             if proposals:
                 break
         if not proposals:  # a local optimum everywhere: spend what is left on TPE
-            study.optimize(run_trial, n_trials=n_trials - len(complete()))
+            study.optimize(run_trial, n_trials=n_trials - len(done))
             break
-        todo = list(proposals.values())[:n_trials - len(complete())]
+        todo = list(proposals.values())[:n_trials - len(done)]
         for q in todo:
             study.enqueue_trial(q)
         study.optimize(run_trial, n_trials=len(todo))

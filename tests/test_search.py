@@ -1,0 +1,141 @@
+"""The search: exact yardstick on a small instance, the DP combination, resumable storage, refusals."""
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optuna
+import pytest
+
+from autotune.cli import main
+from autotune.costmodel import BackendModel, CostModel
+from autotune.profile import Profile, save_profile
+from autotune.search import combine, run_search
+from autotune.space import Evaluated, LayerConfig, LayerData, Score, Scorer
+from autotune.traces import synthetic_traces
+from runtime.errors import NpumoeError
+from runtime.plan import load_plan
+
+
+def apple_like(power: bool = True) -> CostModel:
+    """An ANE-like device: 0.095 ms fixed cost per call, twice the CPU's throughput."""
+    w = lambda x: x if power else None  # noqa: E731
+    return CostModel({"ane": BackendModel("ane", 0.095, 0.0, 0.3, 0.0, 2, True, w(2.0)),
+                      "cpu-exact": BackendModel("cpu-exact", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0)),
+                      "cpu-static": BackendModel("cpu-static", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0))})
+
+
+SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
+             hidden_size=1024, expert_ffn_size=512, fingerprint="small")
+
+
+def test_small_instance_within_1pct_of_exact():
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2))
+    scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
+    out = run_search(layers, scorer, trials=100, chunk_tokens=256, progress=False)
+    assert out.exact_layers == 2
+    assert 0.0 <= out.gap_vs_exact <= 0.01
+    heldout = sum(int(d.heldout.sum()) for d in layers)
+    assert out.best.heldout_drops <= 0.10 * heldout
+    assert out.best.latency_ms <= out.baselines["paper_heuristic"].latency_ms
+    assert out.best.latency_ms < out.baselines["naive_coreml"].latency_ms
+
+
+def test_combine_is_exact_against_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        cands = [[Evaluated(LayerConfig(i), Score(float(rng.uniform(1, 10)), None, int(rng.integers(0, 30)), 0.0))
+                  for i in range(5)] for _ in range(3)]
+        budget = int(rng.integers(0, 60))
+        got = combine(cands, budget, (1.0, 0.0))
+        feasible = [c for c in itertools.product(range(5), repeat=3)
+                    if sum(cands[l][i].score.heldout_drops for l, i in enumerate(c)) <= budget]
+        if not feasible:
+            assert got is None
+            continue
+        best = min(sum(cands[l][i].score.latency_ms for l, i in enumerate(c)) for c in feasible)
+        assert sum(cands[l][i].score.latency_ms for l, i in enumerate(got)) == pytest.approx(best)
+
+
+def test_energy_objective_refused_without_power():
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64))
+    with pytest.raises(NpumoeError, match="power"):
+        run_search(layers, Scorer(apple_like(power=False), 1024, 512, "ane", 1e12), objective="energy",
+                   progress=False)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A profile file and calibrated traces of a random model, shared by the CLI tests."""
+    d = tmp_path_factory.mktemp("search")
+    save_profile(Profile(host={"id": "test-device", "description": "hand-made ANE-like device"},
+                         cost_model=apple_like(), records=[], heldout={"method": "none", "mape": {}},
+                         measured_by="hand-made for tests"), d / "profile.json")
+    text = d / "text.txt"
+    text.write_text("Routing skews toward a few experts; the rest idle. " * 300)
+    assert main(["calibrate", "--model", "random:qwen3_moe", "--text", str(text), "--chunk", "64",
+                 "--prompt-tokens", "256", "--out", str(d / "traces.npz"), "--json"]) == 0
+    return d
+
+
+def _search_args(d, *extra):
+    return ["search", "--model", "random:qwen3_moe", "--profile", str(d / "profile.json"), "--traces",
+            str(d / "traces.npz"), *extra]
+
+
+def test_search_cli_plan_runs(workdir, capsys):
+    out = workdir / "plan.json"
+    assert main(_search_args(workdir, "--trials", "30", "--out", str(out), "--json")) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("predicted_latency_ms", "baselines", "heldout_drop_rate", "search_seconds"):
+        assert key in report
+    assert report["heldout_drop_rate"] <= 0.10
+    assert set(report["baselines"]) == {"cpu_only", "naive_coreml", "uniform_grouped", "paper_heuristic"}
+    assert report["predicted_latency_ms"] <= report["baselines"]["paper_heuristic"] + 1e-9
+    plan = load_plan(out)
+    assert plan.predicted["label"].startswith("predicted")
+    assert (workdir / "plan.map.png").stat().st_size > 1000
+    assert main(["run", "--model", "random:qwen3_moe", "--plan", str(out), "--text", str(workdir / "text.txt"),
+                 "--max-tokens", "256", "--json"]) == 0
+
+
+def _completed(storage: str) -> dict[str, set]:
+    out = {}
+    for s in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=s.study_name, storage=storage)
+        out[s.study_name] = {t.number for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    return out
+
+
+def test_killed_search_resumes_without_losing_trials(workdir):
+    db = workdir / "study.db"
+    storage = f"sqlite:///{db}"
+    args = _search_args(workdir, "--trials", "60", "--storage", storage, "--out", str(workdir / "p2.json"),
+                        "--json")
+    proc = subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    before: dict = {}
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        if db.exists():
+            try:
+                before = _completed(storage)
+            except Exception:  # the database is being created
+                continue
+            if sum(map(len, before.values())) >= 40:
+                break
+    assert proc.poll() is None, "the search finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = _completed(storage)
+    assert sum(map(len, before.values())) >= 40
+    assert main(_search_args(workdir, "--trials", "60", "--storage", storage, "--out", str(workdir / "p2.json"),
+                             "--json")) == 0
+    after = _completed(storage)
+    for name, trials in before.items():
+        assert trials <= after[name]  # every finished trial survived
+        assert len(after[name]) == 60  # and the rerun only ran what was missing
