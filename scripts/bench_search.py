@@ -1,0 +1,82 @@
+"""The search against the exact optimum on a small instance, and its wall time at Qwen3-30B-A3B's shape.
+
+1. Small instance: 8 experts, 2 layers, synthetic skewed traces. The Optuna search alone (exact enumeration off)
+   against the exact optimum of the same space and cost model: `gap_vs_exact` (relative; 0 = optimal).
+2. Qwen3-30B-A3B shape: 48 layers, 128 experts, top-8, hidden 2048, expert FFN 768, Zipf-skewed synthetic
+   traces; the full search's wall time: `search_seconds_qwen3_30b` (goal <= 120 s on a 2-core machine).
+Both on the published-figures M2 Ultra profile (predicted costs). Prints, last, one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from autotune.profile import load_profile
+from autotune.search import _best_over_overflow, exact_layer, optuna_layer, run_search
+from autotune.space import LayerData, Scorer
+from autotune.traces import synthetic_traces
+
+SMALL = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8,
+             top_k=2, hidden_size=1024, expert_ffn_size=512, fingerprint="synthetic-small")
+QWEN3_30B = dict(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", num_layers=48,
+                 moe_layers=list(range(48)), num_experts=128, top_k=8, hidden_size=2048, expert_ffn_size=768,
+                 fingerprint="synthetic-qwen3-30b-a3b")
+
+
+def small_gap(cost, trials: int, seeds: int) -> dict:
+    """Mean and worst gap of the Optuna-only search over several seeds and trace draws."""
+    gaps = []
+    for seed in range(seeds):
+        layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2, seed=seed))
+        scorer = Scorer(cost, SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)
+        budget = int(0.10 * sum(int(d.heldout.sum()) for d in layers))
+        searched = [optuna_layer(d, scorer, "latency", trials, None, f"small{seed}:L{d.layer}", seed + d.layer)
+                    for d in layers]
+        exact = [exact_layer(d, scorer) for d in layers]
+        w = (1.0, 0.0)
+        found = _best_over_overflow(searched, layers, scorer, budget, w)
+        best = _best_over_overflow(exact, layers, scorer, budget, w)
+        gaps.append(found.latency_ms / best.latency_ms - 1.0)
+    return {"gap_vs_exact": max(gaps), "gap_vs_exact_mean": sum(gaps) / len(gaps), "seeds": seeds}
+
+
+def qwen3_search(cost, trials: int) -> dict:
+    t0 = time.perf_counter()
+    traces = synthetic_traces(QWEN3_30B, 20, 512, skew=1.1)
+    layers = LayerData.from_traces(traces)
+    scorer = Scorer(cost, QWEN3_30B["hidden_size"], QWEN3_30B["expert_ffn_size"], "ane", 64e9 / 48)
+    out = run_search(layers, scorer, trials=trials, chunk_tokens=512, progress=True)
+    seconds = time.perf_counter() - t0
+    n = layers[0].calib.shape[0]
+    base = {k: v.latency_ms / n for k, v in out.baselines.items()}
+    return {"search_seconds_qwen3_30b": seconds, "qwen3_30b_predicted_latency_ms": out.best.latency_ms / n,
+            "qwen3_30b_baselines_ms": base,
+            "qwen3_30b_heldout_drop_rate": out.best.heldout_drops / sum(int(d.heldout.sum()) for d in layers)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="apple-m2-ultra-published")
+    ap.add_argument("--trials", type=int, default=100, help="Optuna trials per layer (default 100)")
+    ap.add_argument("--seeds", type=int, default=3)
+    args = ap.parse_args()
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cost = load_profile(args.profile).cost_model
+    small = small_gap(cost, args.trials, args.seeds)
+    print(f"small instance (8 experts, 2 layers): Optuna alone vs exact optimum: worst gap "
+          f"{small['gap_vs_exact']:+.3%}, mean {small['gap_vs_exact_mean']:+.3%} over {args.seeds} seeds")
+    big = qwen3_search(cost, args.trials)
+    print(f"Qwen3-30B-A3B shape (48 x 128 experts, top-8): search took {big['search_seconds_qwen3_30b']:.1f} s; "
+          f"predicted {big['qwen3_30b_predicted_latency_ms']:.2f} ms per chunk vs " +
+          ", ".join(f"{k} {v:.2f}" for k, v in big["qwen3_30b_baselines_ms"].items()) + " (predicted)")
+    print(json.dumps({**small, **big, "profile": args.profile, "trials_per_layer": args.trials}))
+
+
+if __name__ == "__main__":
+    main()
