@@ -14,6 +14,7 @@ Each record keeps warm-up count, runs, median and spread; energy comes from an `
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import platform
 import statistics
@@ -318,34 +319,25 @@ def coreml_available() -> tuple[bool, str]:
     return True, "Core ML"
 
 
-class _GroupModule(torch.nn.Module):
-    """The static group graph for Core ML: per expert a gated FFN over its fixed slice (fp16 on the device)."""
-
-    def __init__(self, module: torch.nn.Module, experts: list[int], caps: list[int]) -> None:
-        super().__init__()
-        self.caps = caps
-        self.gate_up = torch.nn.ParameterList([module.gate_up_proj[e].detach().clone() for e in experts])
-        self.down = torch.nn.ParameterList([module.down_proj[e].detach().clone() for e in experts])
-        self.act = module.act_fn
-
-    def forward(self, packed: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for x, gu, d in zip(packed.split(self.caps), self.gate_up, self.down):
-            gate, up = torch.nn.functional.linear(x, gu).chunk(2, dim=-1)
-            outs.append(torch.nn.functional.linear(self.act(gate) * up, d))
-        return torch.cat(outs)
-
-
-def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int) -> Callable[[], object]:
+def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
+                   layout: str = "matmul") -> Callable[[], object]:
+    """One call of a group function exactly as `autotune build` emits it (runtime.coreml_build), run through Core ML
+    with CPU_AND_NE (`ane`) or CPU_ONLY (`coreml-cpu`), fed as the runtime's ane backend feeds it."""
     import coremltools as ct
 
-    graph = _GroupModule(module, list(range(len(caps))), caps).eval()
-    example = torch.randn(sum(caps), hidden)
-    traced = torch.jit.trace(graph, example)
+    from runtime.ane import INPUT_NAME, expert_weights_fp16, to_layout
+    from runtime.coreml_build import FunctionSpec, function_program
+
+    experts = tuple(range(len(caps)))
+    fs = FunctionSpec(0, 0, experts, tuple(caps), hidden, module.intermediate_dim)
+    weights = {e: expert_weights_fp16(module, e) for e in experts}
     units = ct.ComputeUnit.CPU_AND_NE if backend == "ane" else ct.ComputeUnit.CPU_ONLY
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=example.shape)], convert_to="mlprogram",
-                         compute_precision=ct.precision.FLOAT16, compute_units=units)
-    feed = {"x": example.numpy().astype(np.float32)}
+    with contextlib.redirect_stderr(io.StringIO()):  # coremltools draws a bar per pass pipeline
+        mlmodel = ct.convert(function_program(fs, weights, layout), convert_to="mlprogram",
+                             minimum_deployment_target=ct.target.macOS15, compute_precision=ct.precision.FLOAT16,
+                             compute_units=units)
+    feed = {INPUT_NAME: to_layout(np.random.default_rng(0).standard_normal((fs.slots, hidden)).astype(np.float16),
+                                  layout)}
     return lambda: mlmodel.predict(feed)
 
 
@@ -380,7 +372,9 @@ def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
         tasks += [Task("call", b, "tiny-call", 16, 16, [1] * g) for g in (4, 16) if g <= s.num_experts]
     for name, (h, f) in s.shapes.items():
         for b in backends:
-            tasks += [Task("group", b, name, h, f, [m]) for m in s.tokens]
+            # Core ML: every shape is a conversion and a compile (seconds), so powers of two only
+            tokens = [m for m in s.tokens if b not in COREML_BACKENDS or m & (m - 1) == 0]
+            tasks += [Task("group", b, name, h, f, [m]) for m in tokens]
             tasks += [Task("group", b, name, h, f, [c] * g) for g, c in s.groups if g <= s.num_experts]
         if "cpu-exact" in backends or "cpu-static" in backends:
             for t in s.pack_tokens:
@@ -501,4 +495,5 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
     settings_json = {"quick": quick, "threads": torch.get_num_threads(), "backends": backends, "clock": clock,
                      "wall_s": round(wall, 1), **s.to_json()}
     cmd = "autotune profile-device" + (" --quick" if quick else "")
-    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy)
+    fp16 = {b: {"dtype_bytes": 2} for b in backends if b in COREML_BACKENDS}  # Core ML computes in fp16
+    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, fp16)
