@@ -81,6 +81,19 @@ def check_ane_limits(functions: list[FunctionSpec]) -> None:
                               f"{ANE_MAX_OPS:,} a Neural Engine program can hold; split the group")
 
 
+def check_expert_form(module: torch.nn.Module, layer: int) -> None:
+    """The builder emits `down(silu(gate) * up)` without biases; refuse experts of another form, by behaviour."""
+    f = module.down_proj.shape[-1]
+    probe = torch.randn(3, 2 * f, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gated = module._apply_gate(probe)
+    silu_gated = torch.nn.functional.silu(probe[:, :f]) * probe[:, f:]
+    if (getattr(module, "has_bias", False) or getattr(module, "is_transposed", False)
+            or not getattr(module, "has_gate", True) or not torch.allclose(gated, silu_gated, atol=1e-6)):
+        raise NpumoeError(f"layer {layer}: experts {type(module).__name__} are not bias-free silu-gated FFNs "
+                          "with [out, in] weights, the only form the Core ML builder emits")
+
+
 def function_program(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str):
     """The MIL program of one group: slice each expert's rows, gated FFN, concat. Static shapes, fp16."""
     import coremltools as ct
@@ -256,6 +269,8 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     if not functions:
         raise NpumoeError("the plan puts no group on the ane backend: nothing to build")
     check_ane_limits(functions)  # before any conversion
+    for layer in sorted({fs.layer for fs in functions}):
+        check_expert_form(model_layers[layer], layer)
 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
