@@ -17,7 +17,7 @@ import optuna
 from tqdm import tqdm
 
 from runtime.errors import NpumoeError
-from runtime.plan import ModelRef, Plan
+from runtime.plan import ModelRef, Plan, plan_from_json
 
 from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, enumerate_configs, group_sizes,
                     heuristic_config, layer_plan)
@@ -260,6 +260,8 @@ def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "lat
     ref = base["cpu_only"]
     norm = (1.0 / max(ref.latency_ms, 1e-9), 1.0 / max(ref.energy_mj or 1.0, 1e-9))
     pool = [s + e for s, e in zip(searched, exact)] if small else searched
+    # the heuristic is every study's first trial; adding it here too keeps "never worse than the heuristic" true
+    # for studies resumed from a storage that another search version filled
     heuristic = [Evaluated(c, scorer.score(d, c)) for d, c in zip(layers, (heuristic_config(d) for d in layers))]
     pool = [p + [h] for p, h in zip(pool, heuristic)]
     weight_sets = {"latency": [(norm[0], 0.0)], "energy": [(0.0, norm[1])],
@@ -296,8 +298,6 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
     obj = {"schema": "npumoe.plan/1", "model": ModelRef(**model).model_dump(), "chunk_tokens": chunk_tokens,
            "overflow": overflow, "saliency": saliency,
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}
-    from runtime.plan import plan_from_json
-
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 
 
