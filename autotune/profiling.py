@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import platform
 import statistics
 import time
@@ -48,12 +49,13 @@ class Settings:
     min_runs: int = 5
     max_runs: int = 50
     min_time_s: float = 0.15  # keep repeating small calls until this much time has passed
+    quick: bool = False
 
     def to_json(self) -> dict:
         return {"shapes": {k: list(v) for k, v in self.shapes.items()}, "tokens": self.tokens,
                 "groups": [list(g) for g in self.groups], "pack_tokens": self.pack_tokens, "top_k": self.top_k,
                 "num_experts": self.num_experts, "warmup": self.warmup, "min_runs": self.min_runs,
-                "max_runs": self.max_runs, "min_time_s": self.min_time_s}
+                "max_runs": self.max_runs, "min_time_s": self.min_time_s, "quick": self.quick}
 
 
 def settings(quick: bool) -> Settings:
@@ -62,7 +64,7 @@ def settings(quick: bool) -> Settings:
         tokens = [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 256, 320, 384, 512, 640,
                   768, 1024, 1536, 2048]
         return Settings(SHAPES, tokens=tokens, groups=[(4, 16), (4, 64), (8, 32), (4, 256), (16, 64)],
-                        pack_tokens=[32, 64, 128, 256, 512, 1024, 2048, 4096])
+                        pack_tokens=[32, 64, 128, 256, 512, 1024, 2048, 4096], quick=True)
     tokens = sorted({*range(1, 33), *(int(round(2 ** (i / 4))) for i in range(20, 49))})  # ... 4096
     return Settings(SHAPES, tokens=tokens,
                     groups=[(2, 8), (4, 16), (4, 64), (8, 32), (4, 256), (8, 128), (16, 64), (16, 16), (4, 1024)],
@@ -372,10 +374,14 @@ def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
         tasks += [Task("call", b, "tiny-call", 16, 16, [1] * g) for g in (4, 16) if g <= s.num_experts]
     for name, (h, f) in s.shapes.items():
         for b in backends:
-            # Core ML: every shape is a conversion and a compile (seconds), so powers of two only
-            tokens = [m for m in s.tokens if b not in COREML_BACKENDS or m & (m - 1) == 0]
+            tokens, groups = s.tokens, s.groups
+            if b in COREML_BACKENDS:
+                # every Core ML shape is a conversion and an ANE compile (seconds): powers of two (quick: of four)
+                base = 4 if s.quick else 2
+                tokens = [m for m in s.tokens if m == base ** round(math.log(m, base))]
+                groups = s.groups[:2] if s.quick else s.groups
             tasks += [Task("group", b, name, h, f, [m]) for m in tokens]
-            tasks += [Task("group", b, name, h, f, [c] * g) for g, c in s.groups if g <= s.num_experts]
+            tasks += [Task("group", b, name, h, f, [c] * g) for g, c in groups if g <= s.num_experts]
         if "cpu-exact" in backends or "cpu-static" in backends:
             for t in s.pack_tokens:
                 caps = [pack_capacity(t, s.top_k, s.num_experts, ample) for ample in (True, False)]
