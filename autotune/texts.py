@@ -4,6 +4,8 @@ The built-in texts are derived at run time from the running Python installation 
 committed), and are deterministic for a given Python version:
 - `builtin:pydoc-calib` / `builtin:pydoc-heldout`: a fixed disjoint split of `pydoc_data.topics` by topic.
   A topic goes to held-out when sha256(key) % 4 == 0, so a key's side never changes across Python versions.
+  Topics quote each other (the "compound" topic holds the "if" statement's), so the calibration side also
+  drops every paragraph that occurs in a held-out topic: no held-out paragraph is in calibration/training.
 - `builtin:stdlib-code`: a fixed selection of standard-library `.py` files (a shifted domain: code, not
   prose), chosen by sha256(relative path) % 16 == 0, so the selection is also stable across versions.
 The embedded model `tiny-moe` was trained without `pydoc-heldout` and without the files that
@@ -60,6 +62,21 @@ def pydoc_split() -> tuple[list[str], list[str]]:
     return [k for k in keys if not is_heldout_topic(k)], [k for k in keys if is_heldout_topic(k)]
 
 
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in text.strip().split(_SEPARATOR) if p.strip()]
+
+
+def pydoc_documents(heldout: bool) -> list[str]:
+    """One document per topic of a side of the split; calibration topics without held-out paragraphs."""
+    topics = pydoc_topics()
+    calib, held = pydoc_split()
+    if heldout:
+        return [topics[k].strip() for k in held]
+    seen = {p for k in held for p in _paragraphs(topics[k])}
+    docs = (_SEPARATOR.join(p for p in _paragraphs(topics[k]) if p not in seen) for k in calib)
+    return [d for d in docs if d]
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
@@ -93,10 +110,7 @@ def builtin_text(name: str) -> str:
     """The text of a built-in name (with or without the `builtin:` prefix)."""
     spec = name if name.startswith(BUILTIN_PREFIX) else BUILTIN_PREFIX + name
     if spec in (DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT):
-        topics = pydoc_topics()
-        calib, heldout = pydoc_split()
-        keys = calib if spec == DEFAULT_CALIB_TEXT else heldout
-        return _SEPARATOR.join(topics[k].strip() for k in keys)
+        return _SEPARATOR.join(pydoc_documents(heldout=spec == DEFAULT_EVAL_TEXT))
     if spec == SHIFTED_TEXT:
         files = stdlib_code_files()
         if not files:
