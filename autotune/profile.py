@@ -30,6 +30,12 @@ PACKAGE_PROFILES = Path(__file__).resolve().parent / "profiles"
 RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host")
 
 
+# What each kind of record must carry, besides kind, backend and median_ms: the shape the cost model predicts.
+_RECORD_FIELDS = {"ffn": ("tokens", "hidden", "ffn"), "group": ("capacities", "hidden", "ffn"),
+                  "call": ("capacities", "hidden", "ffn"), "matmul": ("m", "n", "k"),
+                  "pack": ("assignments", "hidden", "slots"), "exact_host": ("assignments", "hidden")}
+
+
 class ProfileHostWarning(UserWarning):
     """The profile was measured (or compiled) for another host than the one loading it."""
 
@@ -204,6 +210,11 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
         got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
         raise FileFormatError(KIND, path, _field_path(tuple(err["loc"])),
                               err["msg"] + (f" (got {got})" if got else "")) from None
+    for i, rec in enumerate(obj["records"]):
+        for name in _RECORD_FIELDS[rec["kind"]]:
+            if not isinstance(rec.get(name), (int, float, list)) or isinstance(rec.get(name), bool):
+                raise FileFormatError(KIND, path, f"records[{i}].{name}",
+                                      f"missing or not a number (a {rec['kind']} record needs {name})")
     try:
         cost_model = CostModel.from_json(obj["cost_model"])
     except (KeyError, TypeError, ValueError) as e:

@@ -67,6 +67,8 @@ def test_truncated_and_malformed_files_give_one_clear_error(profile_path, tmp_pa
          "cost_model.backends.cpu-exact.ms_per_gflop"),
         (lambda o: o["cost_model"].update(backends={}), "cost_model.backends"),
         (lambda o: o["host"].pop("id"), "host.id"),
+        (lambda o: o["records"][5].pop("hidden"), "records[5].hidden"),
+        (lambda o: o["records"][0].update(kind="bogus"), "records[0].kind"),
     ]:
         o = json.loads(raw)
         mutate(o)
