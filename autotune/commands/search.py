@@ -79,7 +79,7 @@ def _traces(args, spec) -> tuple[object, str]:
 
     print(f"autotune search: no traces for {args.model}; calibrating on {DEFAULT_CALIB_TEXT} into {path}",
           flush=True)
-    calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 65536, str(path), progress=not args.json)
+    calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 32768, str(path), progress=not args.json)
     return load_traces(path), str(path)
 
 
