@@ -7,9 +7,9 @@ Per backend the analytic part is linear in four features, fitted by non-negative
 `calls` counts backend invocations (dispatch + sync), `experts` counts per-expert op launches inside a call (the
 CPU backends launch two matmuls and a gate per expert; a compiled ANE graph launches nothing per expert), FLOPs and
 bytes are those of the expert's gated FFN (gate_up [2F, H], down [H, F]; weights read once per call). Where the
-analytic form misfits (small-M kernel inefficiency, cache effects) a scikit-learn k-nearest-neighbours learner
-over (log2 M, log2 H, log2 F) corrects it multiplicatively; its training points live in the profile, so the model
-is rebuilt exactly from JSON. Energy = measured power x busy time; without measured power it is None, never
+analytic form misfits (GEMM kernels switch with M, so time is not even monotonic in M; weights in cache or not) a
+scikit-learn k-nearest-neighbours learner over (log2 M, log2 H, log2 F) corrects the compute part multiplicatively;
+its training points live in the profile, so the model is rebuilt exactly from JSON. Energy = measured power x busy time; without measured power it is None, never
 guessed.
 """
 from __future__ import annotations
