@@ -17,6 +17,7 @@ import contextlib
 import io
 import logging
 import math
+import os
 import platform
 import statistics
 import time
@@ -474,6 +475,13 @@ def build_profile(records: list[dict], host: dict, measured_by: str, settings_js
                    settings=settings_json, energy=energy, created=_now())
 
 
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def profile_device(backends: list[str] | None = None, quick: bool = False, threads: int = 1,
                    progress: bool = True, s: Settings | None = None, clock: str = "auto"):
     """Measure this host's backends and fit the cost model: the whole `autotune profile-device`."""
@@ -493,13 +501,17 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
     torch.set_num_threads(max(1, threads))
     s = s or settings(quick)
     meter, why = energy_meter()
+    load_start = _loadavg()
     t0 = time.perf_counter()
     records = run_tasks(plan_tasks(backends, s), s, meter, progress, clock)
     wall = time.perf_counter() - t0
     energy = {"method": meter.name if meter else "none", "source": meter.source if meter else None,
               "note": why if meter is None else None}
     settings_json = {"quick": quick, "threads": torch.get_num_threads(), "backends": backends, "clock": clock,
-                     "wall_s": round(wall, 1), **s.to_json()}
+                     "wall_s": round(wall, 1), "loadavg_1min": {"start": load_start, "end": _loadavg()},
+                     "load_note": "other processes sharing the cores slow even CPU-time figures (SMT, caches, "
+                                  "memory bandwidth): a profile describes the host under the load it had",
+                     **s.to_json()}
     cmd = "autotune profile-device" + (" --quick" if quick else "")
     fp16 = {b: {"dtype_bytes": 2} for b in backends if b in COREML_BACKENDS}  # Core ML computes in fp16
     return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, fp16)
