@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def _profile(name: str | None, quiet: bool):
         from ..profiling import profile_device
 
         print(f"autotune search: no saved profile for this host; measuring a quick one into {path} "
-              "(autotune profile-device --quick)", flush=True)
+              "(autotune profile-device --quick)", file=sys.stderr)
         save_profile(profile_device(quick=True, progress=not quiet), path)
     return load_profile(path), "host"
 
@@ -78,7 +79,7 @@ def _traces(args, spec) -> tuple[object, str]:
     from .calibrate import calibrate
 
     print(f"autotune search: no traces for {args.model}; calibrating on {DEFAULT_CALIB_TEXT} into {path}",
-          flush=True)
+          file=sys.stderr)
     calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 32768, str(path), progress=not args.json)
     return load_traces(path), str(path)
 
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("always", ProfileHostWarning)
         profile, profile_name = _profile(args.profile, args.json)
     for w in caught:
-        print(f"autotune search: warning: {w.message}", flush=True)
+        print(f"autotune search: warning: {w.message}", file=sys.stderr)
     traces, traces_path = _traces(args, spec)
     cost = profile.cost_model
     backend = "ane" if "ane" in cost.backends else "cpu-static"
