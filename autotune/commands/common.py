@@ -33,3 +33,27 @@ def print_json(obj: dict) -> None:
     """One JSON object on one line of stdout: what scripts read."""
     print(json.dumps(obj, sort_keys=False))
     sys.stdout.flush()
+
+
+def add_package_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+
+
+def planned_inputs(args: argparse.Namespace) -> tuple:
+    """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
+    --max-tokens/--package."""
+    from runtime.models import load_model
+    from runtime.plan import load_plan
+
+    from ..workload import encode_text
+
+    apply_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    plan = load_plan(args.plan)
+    ids = encode_text(tokenizer, args.text, args.max_tokens)
+    backends = None
+    if args.package:
+        from runtime.ane import AneBackend
+
+        backends = {"ane": AneBackend(args.package)}
+    return model, plan, ids, backends

@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.models import load_model
-from runtime.plan import load_plan
-
 from ..fidelity import evaluate_plan
 from ..texts import DEFAULT_EVAL_TEXT
-from ..workload import encode_text
-from .common import add_model_argument, add_text_argument, add_threads_argument, apply_threads, print_json
+from .common import (add_model_argument, add_package_argument, add_text_argument, add_threads_argument,
+                     planned_inputs, print_json)
 
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
 
@@ -22,22 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=8192, metavar="N", help="use at most N tokens (default 8192)")
     p.add_argument("--prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompts of N tokens, each prefilled from an empty cache (default 1024)")
-    p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+    add_package_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    plan = load_plan(args.plan)
-    ids = encode_text(tokenizer, args.text, args.max_tokens)
-    backends = None
-    if args.package:
-        from runtime.ane import AneBackend
-
-        backends = {"ane": AneBackend(args.package)}
+    model, plan, ids, backends = planned_inputs(args)
     result = {"model": args.model, "plan": args.plan, "text": args.text,
               **evaluate_plan(model, plan, ids, args.prompt_tokens, backends, progress=not args.json)}
     budget = (plan.meta or {}).get("drop_budget")

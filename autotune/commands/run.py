@@ -6,12 +6,10 @@ import statistics
 import time
 
 from runtime.executor import PlanExecutor
-from runtime.models import load_model
-from runtime.plan import load_plan
 from runtime.prefill import max_rel_diff, prefill_logits
 
-from ..workload import encode_text
-from .common import add_model_argument, add_text_argument, add_threads_argument, apply_threads, print_json
+from .common import (add_model_argument, add_package_argument, add_text_argument, add_threads_argument,
+                     planned_inputs, print_json)
 
 DEFAULT_TEXT = "builtin:pydoc-heldout"
 
@@ -24,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="cut the text to N tokens (default 1024)")
     p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
     p.add_argument("--repeat", type=int, default=1, metavar="R", help="time R runs, report the median (default 1)")
-    p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+    add_package_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -40,14 +38,7 @@ def _timed(fn, repeat: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    plan = load_plan(args.plan)
-    ids = encode_text(tokenizer, args.text, args.max_tokens)
-    backends = None
-    if args.package:
-        from runtime.ane import AneBackend
-        backends = {"ane": AneBackend(args.package)}
+    model, plan, ids, backends = planned_inputs(args)
     executor = PlanExecutor(model, plan, backends, args.plan)
     result = {"model": args.model, "plan": args.plan, "text": args.text, "tokens": int(ids.numel()),
               "chunk_tokens": plan.chunk_tokens, "overflow": plan.overflow}
