@@ -378,11 +378,17 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         f"| least-used expert's share on pydoc-calib | {_fmt(metrics['min_share_calib'], 4)} |",
         f"| TV(pydoc-heldout, stdlib-code) | {_fmt(metrics['tv_heldout_vs_code'], 3)} |",
         "",
+        f"What npumoe requires of it (tests/test_tiny_moe.py checks the same on shorter slices): held-out "
+        f"perplexity / unigram perplexity = {metrics['ppl_heldout'] / metrics['unigram_ppl_heldout']:.3f} "
+        f"(at most 0.5); smallest per-layer skew on pydoc-calib {min(metrics['skew_calib']):.2f} (at least 1.5); "
+        f"layers with TV ≥ 0.1: {sum(t >= 0.1 for t in metrics['tv_heldout_vs_code'])} of {len(layers)} "
+        "(at least half).",
+        "",
         "## Licences",
         "",
         "The weights and tokenizer are released with npumoe (Apache-2.0). Training text: Python documentation "
         "and sources under the PSF License; the King James Bible and Shakespeare's works are in the public domain "
-        "(the Gutenberg headers and licence footers were stripped; Project Gutenberg's trademark does not apply).",
+        "(the Project Gutenberg headers and licence footers were stripped before training).",
         "",
     ]
     (out / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")

@@ -1,0 +1,173 @@
+"""The embedded model `tiny-moe` and the built-in texts: offline loading, quality, skewed and shifting routing.
+
+Quality and routing are measured on the first tokens of each text (caps below) to keep this file fast on a
+2-core CI machine; the model card reports the same figures on longer slices (scripts/train_tiny_moe.py).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from autotune import cli, modelstats, texts
+from runtime.errors import NpumoeError
+from runtime.models import TINY_MOE_DIR, load_model, model_spec
+
+PPL_TOKENS = 8192  # held-out slice for the perplexity comparison
+ROUTING_TOKENS = 12288  # slice of each text for the routing figures
+MAX_SHIPPED_BYTES = 30_000_000
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def ids(tiny):
+    _, tokenizer = tiny
+    return {name: modelstats.encode(tokenizer, texts.read_text(name)) for name in texts.BUILTIN_TEXTS}
+
+
+@pytest.fixture(scope="module")
+def shares(tiny, ids):
+    model, _ = tiny
+    return {n: modelstats.shares(modelstats.expert_counts(model, v[:ROUTING_TOKENS])) for n, v in ids.items()}
+
+
+# --------------------------------------------------------------------------------------- built-in texts
+def test_pydoc_split_is_disjoint_complete_and_fixed():
+    calib, heldout = texts.pydoc_split()
+    assert not set(calib) & set(heldout)
+    assert sorted(calib + heldout) == sorted(texts.pydoc_topics())
+    assert 0.15 < len(heldout) / (len(calib) + len(heldout)) < 0.35
+    # The split is a function of the topic name only, so it is the same on every Python version.
+    assert texts.pydoc_split() == (calib, heldout)
+    assert all(texts.is_heldout_topic(k) for k in heldout) and not any(texts.is_heldout_topic(k) for k in calib)
+
+
+def test_builtin_texts_are_deterministic_sized_and_disjoint():
+    got = {n: texts.read_text(n) for n in texts.BUILTIN_TEXTS}
+    assert got == {n: texts.read_text(n) for n in texts.BUILTIN_TEXTS}
+    calib, heldout, code = (got[texts.DEFAULT_CALIB_TEXT], got[texts.DEFAULT_EVAL_TEXT], got[texts.SHIFTED_TEXT])
+    assert 100_000 < len(calib) < 1_000_000 and 30_000 < len(heldout) < 500_000
+    assert 50_000 < len(code) <= texts.STDLIB_CODE_MAX_CHARS
+    topics = texts.pydoc_topics()
+    for key in texts.pydoc_split()[1]:
+        assert topics[key].strip() in heldout
+    # Topics quote each other; not one held-out paragraph may reach the calibration (= training) side.
+    held_paragraphs = {p for p in heldout.split("\n\n") if p.strip()}
+    calib_paragraphs = {p for p in calib.split("\n\n") if p.strip()}
+    assert len(held_paragraphs) > 300 and len(calib_paragraphs) > 1000
+    assert not held_paragraphs & calib_paragraphs
+    assert "def " in code and "import " in code  # source code, a different domain from the prose topics
+
+
+def test_stdlib_code_selection_is_fixed_and_left_out_of_training_files():
+    selected = texts.stdlib_code_files()
+    assert len(selected) >= 5
+    assert all(texts.is_stdlib_code_file(f) for f in selected)
+    training = [f for f in texts.stdlib_files() if not texts.is_stdlib_code_file(f)]
+    assert not set(selected) & set(training) and len(training) > 10 * len(selected)
+    assert not any("/test" in "/" + f for f in selected)
+
+
+def test_read_text_errors_and_files(tmp_path):
+    with pytest.raises(NpumoeError, match="unknown built-in text"):
+        texts.read_text("builtin:nope")
+    with pytest.raises(NpumoeError, match="cannot read"):
+        texts.read_text(str(tmp_path / "missing.txt"))
+    (tmp_path / "t.txt").write_text("hello")
+    assert texts.read_text(str(tmp_path / "t.txt")) == "hello"
+
+
+# ------------------------------------------------------------------------------------- the shipped files
+def test_shipped_model_is_small_bf16_and_complete():
+    files = {p.name: p.stat().st_size for p in TINY_MOE_DIR.rglob("*") if p.is_file()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= set(files)
+    assert sum(files.values()) <= MAX_SHIPPED_BYTES, files
+    with safe_open(str(TINY_MOE_DIR / "model.safetensors"), "pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes <= {"BF16", "F16"}, dtypes
+    config = json.loads((TINY_MOE_DIR / "config.json").read_text())
+    assert config["num_experts"] == 16 and config["num_experts_per_tok"] == 2
+    card = (TINY_MOE_DIR / "MODEL_CARD.md").read_text()
+    for needle in ("parameters", "perplexity", "skew", "TV", "public domain", "PSF"):
+        assert needle in card
+
+
+def test_loads_offline_as_fp32_with_the_expected_shape(tiny):
+    model, tokenizer = tiny
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    spec = model_spec(model)
+    assert (spec.architecture, spec.num_layers, spec.num_experts, spec.top_k, spec.hidden_size) == \
+        ("Qwen3MoeForCausalLM", 4, 16, 2, 256)
+    assert spec.moe_layers == [0, 1, 2, 3]
+    n = sum(p.numel() for p in model.parameters())
+    assert 12e6 < n < 15e6
+    assert all(p.dtype.is_floating_point and p.element_size() == 4 for p in model.parameters())
+    assert tokenizer.vocab_size == 4096
+
+
+def test_tokenizer_round_trips_and_adds_no_special_tokens(tiny):
+    _, tokenizer = tiny
+    for name in texts.BUILTIN_TEXTS:
+        sample = texts.read_text(name)[:5000]
+        ids = tokenizer.encode(sample)  # what autotune.workload calls
+        assert tokenizer.decode(ids) == sample
+        assert ids == modelstats.encode(tokenizer, sample)
+    sample = "π ≈ 3.14159 — naïve café\n\tdef f(x): return x ** 2\n"
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+
+
+# -------------------------------------------------------------------------------------- quality, routing
+def test_heldout_perplexity_is_at_most_half_the_unigram(tiny, ids):
+    model, tokenizer = tiny
+    heldout = ids[texts.DEFAULT_EVAL_TEXT][:PPL_TOKENS]
+    ppl = modelstats.perplexity(model, heldout)
+    unigram = modelstats.unigram_perplexity(ids[texts.DEFAULT_CALIB_TEXT], heldout, tokenizer.vocab_size)
+    print(f"held-out perplexity {ppl:.2f}, unigram {unigram:.2f}")
+    assert unigram > 50  # the baseline is a real one, not a degenerate fit
+    assert ppl <= 0.5 * unigram
+
+
+def test_routing_is_skewed_in_every_layer_on_the_calibration_text(shares):
+    share = shares[texts.DEFAULT_CALIB_TEXT]
+    assert np.allclose(share.sum(axis=1), 1.0)
+    skew = modelstats.skew(share)
+    print("skew per layer on pydoc-calib:", np.round(skew, 2))
+    assert (skew >= 1.5).all(), skew
+
+
+def test_shifted_text_moves_routing_in_at_least_half_the_layers(shares):
+    tv = modelstats.tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.SHIFTED_TEXT])
+    print("TV(pydoc-heldout, stdlib-code) per layer:", np.round(tv, 3))
+    assert (tv >= 0.1).sum() >= len(tv) / 2, tv
+    # ...while the two halves of the same domain stay close: the shift is the domain, not noise.
+    same = modelstats.tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.DEFAULT_CALIB_TEXT])
+    assert same.mean() < tv.mean()
+
+
+def test_modelstats_on_a_known_routing():
+    counts = np.array([[6, 1, 1, 0], [2, 2, 2, 2]])
+    share = modelstats.shares(counts)
+    assert np.allclose(modelstats.skew(share), [3.0, 1.0])
+    assert np.allclose(modelstats.tv_distance(share, share[::-1]), [0.5, 0.5])
+    assert modelstats.unigram_perplexity([0, 0, 1], [0, 1], 2) == pytest.approx((3 / 5 * 2 / 5) ** -0.5)
+
+
+def test_models_command_lists_tiny_moe_with_its_load_shares(capsys):
+    assert cli.main(["models", "--model", "tiny-moe", "--max-tokens", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (m,) = out["models"]
+    assert (m["name"], m["layers"], m["experts"], m["top_k"]) == ("tiny-moe", 4, 16, 2)
+    assert out["text"] == texts.DEFAULT_CALIB_TEXT and m["tokens"] == 1024
+    assert 12e6 < m["parameters"] < 15e6
+    assert len(m["expert_shares"]) == 4 and all(len(r) == 16 for r in m["expert_shares"].values())
+    assert all(abs(sum(r) - 1) < 1e-3 for r in m["expert_shares"].values())
+
+
+def test_models_command_rejects_unknown_models(capsys):
+    assert cli.main(["models", "--model", "gpt-5"]) == 2
+    assert "not a built-in model" in capsys.readouterr().err
