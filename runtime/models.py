@@ -111,6 +111,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
 
     path = _resolve_dir(name)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
