@@ -139,3 +139,29 @@ def test_killed_search_resumes_without_losing_trials(workdir):
     for name, trials in before.items():
         assert trials <= after[name]  # every finished trial survived
         assert len(after[name]) == 60  # and the rerun only ran what was missing
+
+
+def test_both_objectives_give_a_pareto_front_and_plot(workdir, capsys):
+    out = workdir / "both.json"
+    assert main(_search_args(workdir, "--objective", "both", "--trials", "20", "--out", str(out), "--json")) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    front = report["pareto_front"]
+    assert front and report["predicted_energy_mj"] is not None
+    lat = [p["predicted_latency_ms"] for p in front]
+    energy = [p["predicted_energy_mj"] for p in front]
+    assert lat == sorted(lat) and energy == sorted(energy, reverse=True)  # a real front: no point dominated
+    assert (workdir / "both.pareto.png").stat().st_size > 1000
+
+
+def test_journal_storage_resumes(workdir, capsys):
+    storage = f"journal:{workdir / 'journal.log'}"
+    for trials in ("12", "20"):
+        assert main(_search_args(workdir, "--trials", trials, "--storage", storage, "--out",
+                                 str(workdir / "j.json"), "--json")) == 0
+    capsys.readouterr()
+    from optuna.storages.journal import JournalFileBackend
+
+    st = optuna.storages.JournalStorage(JournalFileBackend(str(workdir / "journal.log")))
+    counts = [sum(t.state == optuna.trial.TrialState.COMPLETE for t in optuna.load_study(study_name=s.study_name,
+              storage=st).trials) for s in optuna.get_all_study_summaries(st)]
+    assert counts and all(c == 20 for c in counts)  # the second run added 8 per layer to the first run's 12

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -84,6 +86,13 @@ def _traces(args, spec) -> tuple[object, str]:
     return load_traces(path), str(path)
 
 
+def _study_prefix(spec, cost, traces, args) -> str:
+    """Studies resume only for the same model, cost model, traces, backend limits and objective: trials scored
+    under another profile or other traces would mislead the sampler."""
+    key = json.dumps([cost.to_json(), traces.header, args.resident_mb], sort_keys=True, default=str)
+    return f"npumoe:{spec.fingerprint[7:19]}:{hashlib.sha256(key.encode()).hexdigest()[:12]}:{args.objective}"
+
+
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     if not 0.0 <= args.drop_budget < 1.0:
@@ -103,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                     args.resident_mb * 1e6 / len(layers))
     outcome, seconds = timed_search(layers, scorer, objective=args.objective, drop_budget=args.drop_budget,
                                     trials=args.trials, storage=_storage(args.storage),
-                                    study_prefix=f"npumoe:{spec.fingerprint[7:19]}:{args.objective}",
+                                    study_prefix=_study_prefix(spec, cost, traces, args),
                                     seed=args.seed, chunk_tokens=traces.header["chunk_tokens"],
                                     progress=not args.json)
     calib_chunks = int(layers[0].calib.shape[0])
