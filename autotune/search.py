@@ -115,8 +115,11 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
     while len(done := complete()) < n_trials:
         # best-first: expand the cheapest unexpanded decision among the front and the cheapest few
         seen = {_config_from_params(t.params, n_experts) for t in done}
-        cheapest = sorted(done, key=lambda t: t.values[0])[:8]  # the front alone can hide a cheap basin
-        parents = sorted({t.number: t for t in cheapest + study.best_trials}.values(), key=lambda t: t.values[0])
+        # cost objectives (all but the last, drops) normalised and summed: one order for one or two objectives
+        scale = np.maximum(np.max([t.values[:-1] for t in done], axis=0), 1e-12)
+        cost = lambda t: float(np.sum(np.asarray(t.values[:-1]) / scale))  # noqa: E731
+        cheapest = sorted(done, key=cost)[:8]  # the front alone can hide a cheap basin
+        parents = sorted({t.number: t for t in cheapest + study.best_trials}.values(), key=cost)
         proposals: dict[LayerConfig, dict] = {}
         for t in parents:
             cfg = _config_from_params(t.params, n_experts)

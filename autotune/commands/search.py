@@ -138,6 +138,6 @@ def run(args: argparse.Namespace) -> int:
         print_json(report)
     else:
         print(format_report(report))
-        print(f"wrote {out} (+ {sidecar(out, '.report.json').name}, {sidecar(out, '.map.png').name}) "
-              f"in {seconds:.1f} s")
+        extras = [".report.json", ".map.png"] + ([".pareto.png"] if args.objective == "both" else [])
+        print(f"wrote {out} (+ {', '.join(sidecar(out, e).name for e in extras)}) in {seconds:.1f} s")
     return 0
