@@ -20,7 +20,7 @@ from runtime.errors import NpumoeError
 from runtime.plan import ModelRef, Plan, plan_from_json
 
 from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, enumerate_configs, group_sizes,
-                    heuristic_config, layer_plan)
+                    heuristic_config, layer_plan, space_size)
 
 EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
@@ -252,8 +252,7 @@ def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "lat
     heldout_total = sum(int(d.heldout.sum()) for d in layers)
     budget = int(math.floor(drop_budget * heldout_total))
     searched, exact = [], []
-    small = len(enumerate_configs(layers[0].calib.shape[1])) <= exact_limit if layers[0].calib.shape[1] <= 32 \
-        else False
+    small = space_size(layers[0].calib.shape[1]) <= exact_limit
     for d in tqdm(layers, desc="search", unit="layer", disable=not progress):
         searched.append(optuna_layer(d, scorer, objective, trials, storage, f"{study_prefix}:L{d.layer}",
                                      seed + d.layer))

@@ -174,6 +174,7 @@ def enumerate_configs(n_experts: int) -> list[LayerConfig]:
 
 
 def space_size(n_experts: int) -> int:
+    """Decisions in one layer's space; past 32 experts it is far beyond enumeration, so it is not counted."""
     return len(enumerate_configs(n_experts)) if n_experts <= 32 else 10 ** 9
 
 
