@@ -84,9 +84,16 @@ class Plan(_Strict):
 
 
 def _field_path(loc: tuple) -> str:
+    """`layers[0].groups[1]`; a key that is no plain name (an unknown key, say) is quoted, so the error stays
+    on one line."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).isidentifier():
+            out += f"[{str(part)!r}]"
+        else:
+            out += f".{part}" if out else str(part)
     return out or "plan"
 
 
