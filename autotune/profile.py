@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from runtime.errors import FileFormatError
-from runtime.fileio import atomic_write_json, check_schema, read_versioned_json
+from runtime.fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
 
 from .costmodel import CostModel
 
@@ -90,13 +90,6 @@ class _Profile(_Loose):
     records: list[_Record]
     cost_model: _CostModel
     heldout: _Heldout
-
-
-def _field_path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "profile"
 
 
 # --- host facts ----------------------------------------------------------------------------------------------------
@@ -206,10 +199,7 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
     try:
         _Profile.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
-        got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
-        raise FileFormatError(KIND, path, _field_path(tuple(err["loc"])),
-                              err["msg"] + (f" (got {got})" if got else "")) from None
+        raise validation_error(KIND, path, e) from None
     for i, rec in enumerate(obj["records"]):
         for name in _RECORD_FIELDS[rec["kind"]]:
             if not isinstance(rec.get(name), (int, float, list)) or isinstance(rec.get(name), bool):

@@ -65,3 +65,25 @@ def check_schema(obj: Any, kind: str, version: int, path: str = "") -> None:
                               f"{schema} is newer than this npumoe reads ({prefix}{version}); upgrade npumoe")
     if n < 1:
         raise FileFormatError(kind, path, "schema", f"bad version in {schema!r}")
+
+
+def _field_path(loc: tuple, root: str) -> str:
+    """`layers[0].groups[1]`; a key with blanks or control characters (an unknown key, say) is quoted, so the
+    error stays on one line."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).isprintable() or not str(part) or any(c.isspace() for c in str(part)):
+            out += f"[{str(part)!r}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or root
+
+
+def validation_error(kind: str, path: str, error: Any) -> FileFormatError:
+    """The first pydantic error as one FileFormatError that names the field and shows the bad value."""
+    err = error.errors()[0]
+    got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
+    msg = err["msg"] + (f" (got {got})" if got else "")
+    return FileFormatError(kind, path, _field_path(tuple(err["loc"]), kind), msg)

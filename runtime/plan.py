@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from .errors import FileFormatError
-from .fileio import atomic_write_json, check_schema, read_versioned_json
+from .fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
 
 SCHEMA = "npumoe.plan/1"
 KIND, VERSION = "plan", 1
@@ -83,20 +83,6 @@ class Plan(_Strict):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-def _field_path(loc: tuple) -> str:
-    """`layers[0].groups[1]`; a key that is no plain name (an unknown key, say) is quoted, so the error stays
-    on one line."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not str(part).isidentifier():
-            out += f"[{str(part)!r}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "plan"
-
-
 def _check_layers(plan: Plan) -> tuple[str, str] | None:
     """Cross-field rules pydantic can't express: expert ids, placement, layer coverage. Returns (field, msg)."""
     n_experts = plan.model.num_experts
@@ -141,10 +127,7 @@ def plan_from_json(obj: Any, path: str = "") -> Plan:
     try:
         plan = Plan.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
-        got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
-        msg = err["msg"] + (f" (got {got})" if got else "")
-        raise FileFormatError(KIND, path, _field_path(tuple(err["loc"])), msg) from None
+        raise validation_error(KIND, path, e) from None
     bad = _check_layers(plan)
     if bad:
         raise FileFormatError(KIND, path, *bad)
