@@ -14,6 +14,7 @@ Each record keeps warm-up count, runs, median and spread; energy comes from an `
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import math
@@ -35,6 +36,17 @@ SHAPES = {"tiny-moe": (256, 256), "bench-layer": (1024, 2048), "qwen3-30b-a3b": 
 CPU_BACKENDS = ("cpu-exact", "cpu-static")
 COREML_BACKENDS = ("ane", "coreml-cpu")
 MAX_PACK_ELEMENTS = 2**26  # padded buffers up to 256 MB (fp32): larger ones only measure this host's page faults
+
+
+def _macos_module(module: str, not_macos: str, missing: str, ok: str) -> tuple[bool, str]:
+    """(available, reason) for a macOS-only facility that needs `module` importable."""
+    if platform.system() != "Darwin":
+        return False, not_macos
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False, missing
+    return True, ok
 
 
 @dataclass(frozen=True)
@@ -143,13 +155,8 @@ class ZeusMeter:
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
-        if platform.system() != "Darwin":
-            return False, "zeus-apple-silicon is macOS only"
-        try:
-            import zeus_apple_silicon  # noqa: F401
-        except ImportError:
-            return False, "zeus-apple-silicon is not installed (pip install 'npumoe[energy]')"
-        return True, "zeus-apple-silicon"
+        return _macos_module("zeus_apple_silicon", "zeus-apple-silicon is macOS only",
+                             "zeus-apple-silicon is not installed (pip install 'npumoe[energy]')", "zeus-apple-silicon")
 
     @contextlib.contextmanager
     def window(self) -> Iterator[dict]:
@@ -313,13 +320,7 @@ def host_caller(kind: str, module: torch.nn.Module, tokens: int, top_k: int,
 
 # --- Core ML (macOS) -----------------------------------------------------------------------------------------------
 def coreml_available() -> tuple[bool, str]:
-    if platform.system() != "Darwin":
-        return False, "Core ML prediction needs macOS"
-    try:
-        import coremltools  # noqa: F401
-    except ImportError:
-        return False, "coremltools is not installed"
-    return True, "Core ML"
+    return _macos_module("coremltools", "Core ML prediction needs macOS", "coremltools is not installed", "Core ML")
 
 
 def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,

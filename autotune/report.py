@@ -56,7 +56,7 @@ def format_report(r: dict) -> str:
 
 
 def plot_plan_map(plan: Plan, path: str | os.PathLike) -> None:
-    """Layer x expert map: colour = tier (or cpu-exact), hatching-free labels = group index, title = backends."""
+    """Layer x expert map: colour = tier (or cpu-exact), cell text = group and capacity, title = backends."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -82,27 +82,26 @@ class Evaluated:
     score: Score
 
 
-def tier_capacities(data: LayerData, cfg: LayerConfig) -> list[int]:
-    """Per-expert capacity of the resident experts (in rank order), from their tier's load quantile."""
+def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
+    """(capacity, tier index) of each resident expert, in rank order: tier t is the t-th contiguous popularity
+    band, sized by its load quantile (a uniform `capacity` makes one tier)."""
     if cfg.capacity is not None:
-        return [cfg.capacity] * cfg.resident
-    caps = []
-    for band, q in zip(np.array_split(np.arange(cfg.resident), min(cfg.tiers, cfg.resident)), cfg.quantiles):
+        return [cfg.capacity] * cfg.resident, [0] * cfg.resident
+    caps, tier_of = [], []
+    bands = np.array_split(np.arange(cfg.resident), min(cfg.tiers, cfg.resident))
+    for t, (band, q) in enumerate(zip(bands, cfg.quantiles)):
         caps += [data.band_capacity(int(band[0]), int(band[-1]) + 1, q)] * len(band)
-    return caps
+        tier_of += [t] * len(band)
+    return caps, tier_of
 
 
 def layer_plan(data: LayerData, cfg: LayerConfig, backend: str) -> LayerPlan:
     """The plan entry a decision means (pydantic objects built without re-validation: inputs are ours)."""
     resident = [int(e) for e in data.rank[:cfg.resident]]
-    caps = tier_capacities(data, cfg) if resident else []
-    bands = np.array_split(np.arange(len(resident)), min(cfg.tiers, max(1, len(resident))))
-    tier_of = np.zeros(len(resident), dtype=int)
-    for t, band in enumerate(bands):
-        tier_of[band] = t
+    caps, tier_of = tiers(data, cfg) if resident else ([], [])
     groups = [Group.model_construct(backend=backend, experts=resident[i:i + cfg.group_size],
                                     capacities=caps[i:i + cfg.group_size],
-                                    tier=[int(t) for t in tier_of[i:i + cfg.group_size]])
+                                    tier=tier_of[i:i + cfg.group_size])
               for i in range(0, len(resident), cfg.group_size)]
     cold = sorted(int(e) for e in data.rank[cfg.resident:])
     return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=cold)

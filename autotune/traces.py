@@ -7,6 +7,7 @@ to one split, so held-out chunks come from text the calibration part never saw.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -121,8 +122,6 @@ def synthetic_traces(spec: dict, n_chunks: int, chunk_tokens: int, skew: float =
 
 
 def save_traces(traces: Traces, path: str | os.PathLike) -> None:
-    import io
-
     arrays = {"header": np.frombuffer(json.dumps(traces.header).encode(), dtype=np.uint8),
               "heldout_chunks": traces.heldout_chunks}
     if traces.chunk is not None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from .backends import GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from .backends import GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
 from .models import model_spec, moe_layers
 from .plan import LayerPlan, Plan, check_plan_matches
 from .stats import LayerStats, RunStats
@@ -30,7 +30,7 @@ class LayerExecutor:
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
         self.cap = torch.zeros(n, dtype=torch.long)
         self.group_of = torch.full((n,), -1, dtype=torch.long)
-        self.groups: list[tuple[str, callable, int, int]] = []  # (backend name, fn, first row, end row)
+        self.groups: list[tuple[str, GroupFn, int, int]] = []  # (backend name, fn, first row, end row)
         row = 0
         for gi, g in enumerate(layer_plan.groups):
             backend = backends[g.backend]

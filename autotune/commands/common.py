@@ -35,8 +35,16 @@ def print_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
-def add_package_argument(p: argparse.ArgumentParser) -> None:
+def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tokens_default: int) -> None:
+    """The options `planned_inputs` reads, shared by every command that runs a plan on a text."""
+    add_model_argument(p)
+    p.add_argument("--plan", required=True, metavar="P")
+    add_text_argument(p, text_default)
+    p.add_argument("--max-tokens", type=int, default=max_tokens_default, metavar="N",
+                   help=f"use at most N tokens of the text (default {max_tokens_default})")
     p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+    add_threads_argument(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def planned_inputs(args: argparse.Namespace) -> tuple:

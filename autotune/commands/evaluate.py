@@ -5,23 +5,16 @@ import argparse
 
 from ..fidelity import evaluate_plan
 from ..texts import DEFAULT_EVAL_TEXT
-from .common import (add_model_argument, add_package_argument, add_text_argument, add_threads_argument,
-                     planned_inputs, print_json)
+from .common import add_planned_arguments, planned_inputs, print_json
 
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="measure a plan's drop/spill rates, perplexity and top-1 agreement")
-    add_model_argument(p)
-    p.add_argument("--plan", required=True, metavar="P")
-    add_text_argument(p, DEFAULT_EVAL_TEXT)
-    p.add_argument("--max-tokens", type=int, default=8192, metavar="N", help="use at most N tokens (default 8192)")
+    add_planned_arguments(p, DEFAULT_EVAL_TEXT, 8192)
     p.add_argument("--prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompts of N tokens, each prefilled from an empty cache (default 1024)")
-    add_package_argument(p)
-    add_threads_argument(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 

@@ -8,23 +8,16 @@ import time
 from runtime.executor import PlanExecutor
 from runtime.prefill import max_rel_diff, prefill_logits
 
-from .common import (add_model_argument, add_package_argument, add_text_argument, add_threads_argument,
-                     planned_inputs, print_json)
+from .common import add_planned_arguments, planned_inputs, print_json
 
 DEFAULT_TEXT = "builtin:pydoc-heldout"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run prefill of a text under a plan and report what the executor did")
-    add_model_argument(p)
-    p.add_argument("--plan", required=True, metavar="P")
-    add_text_argument(p, DEFAULT_TEXT)
-    p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="cut the text to N tokens (default 1024)")
+    add_planned_arguments(p, DEFAULT_TEXT, 1024)
     p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
     p.add_argument("--repeat", type=int, default=1, metavar="R", help="time R runs, report the median (default 1)")
-    add_package_argument(p)
-    add_threads_argument(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
