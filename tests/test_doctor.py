@@ -1,0 +1,61 @@
+"""`autotune doctor`: on Linux every macOS check is skipped with its reason and the rest pass (exit 0); the
+version and macOS checks fail where they should; on macOS the whole ANE path passes."""
+import json
+import sys
+
+import pytest
+
+from autotune import doctor
+from autotune.cli import main
+
+MACOS_CHECKS = {"chip", "macos_version", "ane", "placement", "ane_parity", "predict_overhead", "matmul_throughput",
+                "energy"}
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS answer")
+def test_doctor_json_on_linux_skips_macos_checks_and_passes_the_rest(capsys):
+    rc = main(["doctor", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["ok"]
+    checks = {c["name"]: c for c in out["checks"]}
+    assert set(checks) == {name for name, _ in doctor.CHECKS} and MACOS_CHECKS < set(checks)
+    for name, c in checks.items():
+        assert c["status"] == ("skip" if name in MACOS_CHECKS else "pass"), c
+        assert c["detail"]
+    assert all("macOS" in checks[n]["detail"] or "Mac" in checks[n]["detail"] for n in MACOS_CHECKS)
+    # the group function really was built and evaluated on the host
+    assert "max relative error" in checks["coreml_build"]["detail"]
+
+
+def test_a_library_outside_the_declared_range_fails(monkeypatch):
+    monkeypatch.setattr(doctor, "_project_requirements", lambda: {"torch": ["<1.0"]})
+    with pytest.raises(doctor.Failed, match="does not satisfy <1.0"):
+        doctor.library_check("torch")(doctor.Probe())
+
+
+@pytest.mark.parametrize("version,message", [((14, 6), "need macOS 15"), ((26, 3), "deadlock")])
+def test_too_old_and_known_bad_macos_fail(monkeypatch, version, message):
+    monkeypatch.setattr(doctor, "on_macos", lambda: True)
+    monkeypatch.setattr(doctor, "macos_version", lambda: version)
+    with pytest.raises(doctor.Failed, match=message):
+        doctor.check_macos_version(doctor.Probe())
+    monkeypatch.setattr(doctor, "macos_version", lambda: (26, 4))
+    assert "26.4" in doctor.check_macos_version(doctor.Probe())
+
+
+def test_a_crashing_check_is_a_failure_with_exit_1(monkeypatch, capsys):
+    def broken(_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(doctor, "CHECKS", [("os", doctor.check_os), ("broken", broken)])
+    assert main(["doctor", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [c["status"] for c in out["checks"]] == ["pass", "fail"] and "boom" in out["checks"][1]["detail"]
+
+
+@pytest.mark.macos
+@pytest.mark.skipif(sys.platform != "darwin", reason="the ANE path needs macOS")
+def test_macos_doctor_passes_the_ane_path():
+    checks = {c.name: c for c in doctor.run_checks()}
+    for name in ("macos_version", "ane", "coreml_build", "ane_parity", "predict_overhead", "matmul_throughput"):
+        assert checks[name].status == "pass", checks[name]
