@@ -5,8 +5,11 @@ import argparse
 import importlib
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from runtime.errors import NpumoeError
+
+from .commands.argtypes import OneLineParser
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
@@ -14,7 +17,8 @@ COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autotune", description=__doc__)
+    parser = OneLineParser(prog="autotune", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         try:
@@ -27,13 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    try:
+        return version("npumoe")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"autotune {args.command}: %(message)s")
     try:
         return int(args.func(args) or 0)
     except NpumoeError as e:
-        print(f"autotune {args.command}: error: {e}", file=sys.stderr)
+        print(f"autotune {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
         return 2
     except KeyboardInterrupt:
         print(f"autotune {args.command}: interrupted", file=sys.stderr)

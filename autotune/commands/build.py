@@ -10,21 +10,22 @@ from runtime.mil_eval import TOLERANCE
 from runtime.models import load_model, model_spec, moe_layers
 from runtime.plan import check_plan_matches, load_plan
 
+from .argtypes import directory, input_file, output_package
 from .common import add_model_argument, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build the Core ML package of a plan's ANE groups (one function per group)")
     add_model_argument(p)
-    p.add_argument("--plan", required=True, metavar="P")
+    p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     p.add_argument("--layout", choices=LAYOUTS, default="matmul",
                    help="matmul: [slots, H] with linear layers; conv1x1: [1, H, 1, slots] with 1x1 convolutions "
                         "(the ml-ane-transformers form). Default matmul")
     p.add_argument("--compress", choices=COMPRESSIONS, default="none",
                    help="weights: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means tables). "
                         "Numeric-check tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
-    p.add_argument("--out", metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
-    p.add_argument("--cache-dir", metavar="D", help="converted-function cache (default $NPUMOE_CACHE/coreml, "
+    p.add_argument("--out", type=output_package, metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
+    p.add_argument("--cache-dir", type=directory, metavar="D", help="converted-function cache (default $NPUMOE_CACHE/coreml, "
                                                     "else ~/.cache/npumoe/coreml)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run)

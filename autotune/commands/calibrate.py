@@ -10,6 +10,7 @@ from runtime.models import load_model
 from ..texts import DEFAULT_CALIB_TEXT
 from ..traces import default_traces_path, record_traces, save_traces
 from ..workload import encode_text
+from .argtypes import output_file, positive_int
 from .common import add_model_argument, add_text_argument, add_threads_argument, apply_threads, print_json
 
 
@@ -17,11 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="record routing traces of a model on real text")
     add_model_argument(p)
     add_text_argument(p, DEFAULT_CALIB_TEXT)
-    p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, metavar="N",
+    p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
                    help="the text is cut into prompts of N tokens, each prefilled from an empty cache (default 1024)")
-    p.add_argument("--max-tokens", type=int, default=32768, metavar="N", help="use at most N tokens (default 32768)")
-    p.add_argument("--out", metavar="FILE", help="traces file (default traces/<model>.npz)")
+    p.add_argument("--max-tokens", type=positive_int, default=32768, metavar="N", help="use at most N tokens (default 32768)")
+    p.add_argument("--out", type=output_file(), metavar="FILE", help="traces file (default traces/<model>.npz)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.set_defaults(func=run)

@@ -9,6 +9,8 @@ import torch
 
 from runtime.models import BUILTIN_MODELS
 
+from .argtypes import input_file, input_package, positive_int
+
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="M",
@@ -21,12 +23,13 @@ def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: torch's)")
 
 
 def apply_threads(n: int | None) -> None:
     if n is not None:
-        torch.set_num_threads(max(1, n))
+        torch.set_num_threads(n)
 
 
 def print_json(obj: dict) -> None:
@@ -38,11 +41,11 @@ def print_json(obj: dict) -> None:
 def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tokens_default: int) -> None:
     """The options `planned_inputs` reads, shared by every command that runs a plan on a text."""
     add_model_argument(p)
-    p.add_argument("--plan", required=True, metavar="P")
+    p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     add_text_argument(p, text_default)
-    p.add_argument("--max-tokens", type=int, default=max_tokens_default, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",
                    help=f"use at most N tokens of the text (default {max_tokens_default})")
-    p.add_argument("--package", metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage", help="Core ML package from `autotune build` for `ane` groups")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -5,6 +5,7 @@ import argparse
 
 from ..fidelity import evaluate_plan
 from ..texts import DEFAULT_EVAL_TEXT
+from .argtypes import positive_int
 from .common import add_planned_arguments, planned_inputs, print_json
 
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
@@ -13,7 +14,7 @@ SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop r
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="measure a plan's drop/spill rates, perplexity and top-1 agreement")
     add_planned_arguments(p, DEFAULT_EVAL_TEXT, 8192)
-    p.add_argument("--prompt-tokens", type=int, default=1024, metavar="N",
+    p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
                    help="prompts of N tokens, each prefilled from an empty cache (default 1024)")
     p.set_defaults(func=run)
 

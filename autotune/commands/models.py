@@ -10,6 +10,7 @@ from runtime.models import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
 
 from .. import modelstats
 from ..texts import DEFAULT_CALIB_TEXT, read_text
+from .argtypes import positive_int
 from .common import add_text_argument, add_threads_argument, apply_threads, print_json
 
 _ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", metavar="M",
                    help=f"only these models (repeatable; default: all of {', '.join(BUILTIN_MODELS)})")
     add_text_argument(p, DEFAULT_CALIB_TEXT)
-    p.add_argument("--max-tokens", type=int, default=16384, metavar="N",
+    p.add_argument("--max-tokens", type=positive_int, default=16384, metavar="N",
                    help="measure load shares on the first N tokens of the text (default 16384)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -7,6 +7,7 @@ from runtime.models import load_model, model_spec
 from runtime.plan import save_plan
 
 from ..templates import template_plan
+from .argtypes import output_file, positive_int
 from .common import add_model_argument
 
 
@@ -15,11 +16,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--capacity", choices=["ample", "tight"], default="ample",
                    help="ample: capacity >= chunk tokens (nothing can overflow); tight: a quarter of the mean load")
-    p.add_argument("--overflow", choices=["drop", "spill"], default="drop")
-    p.add_argument("--backend", choices=["cpu-static", "ane"], default="cpu-static")
-    p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
-    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight")
-    p.add_argument("--out", required=True, metavar="P")
+    p.add_argument("--overflow", choices=["drop", "spill"], default="drop",
+                   help="what happens to tokens beyond a group's capacity: drop them (the router's other experts "
+                        "still count) or spill them to cpu-exact (default drop)")
+    p.add_argument("--backend", choices=["cpu-static", "ane"], default="cpu-static",
+                   help="backend of every group (default cpu-static)")
+    p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
+    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight",
+                   help="which assignments a full group drops first: lowest router weight, or lowest router "
+                        "weight x hidden-state norm (default router_weight)")
+    p.add_argument("--out", required=True, type=output_file(), metavar="P", help="plan file to write")
     p.set_defaults(func=run)
 
 

@@ -6,18 +6,19 @@ import dataclasses
 import time
 
 from ..profile import host_profile_path, save_profile
+from .argtypes import non_empty_list, output_file, positive_int, shape_list
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-device", help="measure this host's backends and fit the cost model")
-    p.add_argument("--backends", default=None, metavar="LIST",
+    p.add_argument("--backends", type=non_empty_list, default=None, metavar="LIST",
                    help="comma-separated backends to profile (default: every one this host has: "
                         "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and runs: within 5 minutes on 2 cores")
-    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
-    p.add_argument("--out", default=None, metavar="FILE",
+    p.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
+    p.add_argument("--out", type=output_file(), default=None, metavar="FILE",
                    help=f"where to write the profile (default: this host's cache, {host_profile_path()})")
-    p.add_argument("--shapes", default=None, metavar="LIST",
+    p.add_argument("--shapes", type=shape_list, default=None, metavar="LIST",
                    help="comma-separated model sizes to measure, by name (tiny-moe, bench-layer, qwen3-30b-a3b) or as "
                         "HIDDENxFFN (default: all three named sizes)")
     p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
@@ -31,12 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from ..profiling import parse_shapes, profile_device, settings
     from .show_profile import print_summary
 
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     s = settings(args.quick)
     if args.shapes:
         s = dataclasses.replace(s, shapes=parse_shapes(args.shapes))
     t0 = time.perf_counter()
-    profile = profile_device(backends, args.quick, args.threads, progress=not args.no_progress, s=s,
+    profile = profile_device(args.backends, args.quick, args.threads, progress=not args.no_progress, s=s,
                              clock=args.clock)
     out = args.out or host_profile_path()
     save_profile(profile, out)

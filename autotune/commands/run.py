@@ -8,6 +8,7 @@ import time
 from runtime.executor import PlanExecutor
 from runtime.prefill import max_rel_diff, prefill_logits
 
+from .argtypes import positive_int
 from .common import add_planned_arguments, planned_inputs, print_json
 
 DEFAULT_TEXT = "builtin:pydoc-heldout"
@@ -17,13 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run prefill of a text under a plan and report what the executor did")
     add_planned_arguments(p, DEFAULT_TEXT, 1024)
     p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
-    p.add_argument("--repeat", type=int, default=1, metavar="R", help="time R runs, report the median (default 1)")
+    p.add_argument("--repeat", type=positive_int, default=1, metavar="R", help="time R runs, report the median (default 1)")
     p.set_defaults(func=run)
 
 
 def _timed(fn, repeat: int):
     times, out = [], None
-    for _ in range(max(1, repeat)):
+    for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()
         times.append((time.perf_counter() - t0) * 1e3)

@@ -19,6 +19,8 @@ from ..search import solution_plan, timed_search
 from ..space import LayerData, Scorer
 from ..texts import DEFAULT_CALIB_TEXT
 from ..traces import default_traces_path, load_traces
+from .argtypes import (fraction_below_one, non_negative_int, output_file, positive_float, positive_int,
+                       storage_url, traces_file)
 from .common import add_model_argument, add_threads_argument, apply_threads, print_json
 
 
@@ -27,18 +29,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--profile", metavar="P", help="profile file or shipped name (e.g. apple-m2-ultra-published); "
                                                   "default: this host's saved profile (made quickly if missing)")
-    p.add_argument("--traces", metavar="T", help="traces file (default traces/<model>.npz, calibrated if missing)")
-    p.add_argument("--drop-budget", type=float, default=0.10, metavar="X",
+    p.add_argument("--traces", type=traces_file, metavar="T", help="traces file (default traces/<model>.npz, calibrated if missing)")
+    p.add_argument("--drop-budget", type=fraction_below_one, default=0.10, metavar="X",
                    help="max share of assignments dropped on held-out traces (default 0.10)")
-    p.add_argument("--objective", choices=["latency", "energy", "both"], default="latency")
-    p.add_argument("--trials", type=int, default=120, metavar="N", help="Optuna trials per MoE layer (default 120)")
-    p.add_argument("--storage", metavar="URL", help="Optuna storage to resume from: sqlite:///file.db (one worker) "
+    p.add_argument("--objective", choices=["latency", "energy", "both"], default="latency",
+                   help="what the search minimises (predicted by the profile's cost model); both: the Pareto front "
+                        "of latency and energy (default latency)")
+    p.add_argument("--trials", type=positive_int, default=120, metavar="N", help="Optuna trials per MoE layer (default 120)")
+    p.add_argument("--storage", type=storage_url, metavar="URL", help="Optuna storage to resume from: sqlite:///file.db (one worker) "
                                                     "or journal:FILE (JournalStorage, several processes)")
-    p.add_argument("--resident-mb", type=float, default=16384, metavar="MB",
+    p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
                    help="device budget for resident expert weights, fp16, all layers (default 16384)")
-    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", metavar="PLAN", help="plan file (default plans/<model>@<profile>.json)")
+    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight",
+                   help="which assignments a full group drops first: lowest router weight, or lowest router "
+                        "weight x hidden-state norm (default router_weight)")
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampler seed (default 0)")
+    p.add_argument("--out", type=output_file(), metavar="PLAN", help="plan file (default plans/<model>@<profile>.json)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -95,8 +101,6 @@ def _study_prefix(spec, cost, traces, args) -> str:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    if not 0.0 <= args.drop_budget < 1.0:
-        raise NpumoeError(f"--drop-budget must be in [0, 1), got {args.drop_budget}")
     model, _ = load_model(args.model)
     spec = model_spec(model)
     with warnings.catch_warnings(record=True) as caught:

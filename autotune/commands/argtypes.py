@@ -1,0 +1,280 @@
+"""Argparse value types: every option is checked where it is parsed, so bad input fails in one line before work.
+
+Each type takes the option's string and returns the parsed value or raises `argparse.ArgumentTypeError`, whose
+message argparse prints as `autotune <cmd>: error: argument --x: <message>` and exits 2 (see `OneLineParser`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (`autotune <cmd>: error: ...`, exit 2), without the
+    usage block: scripts and people read the one line; `--help` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _fail(message: str) -> NoReturn:
+    raise argparse.ArgumentTypeError(message)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        _fail(f"expected an integer, got {text!r}")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, token numbers, thread numbers)."""
+    n = _int(text)
+    if n < 1:
+        _fail(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (seeds)."""
+    n = _int(text)
+    if n < 0:
+        _fail(f"must be a non-negative integer, got {text!r}")
+    return n
+
+
+def _float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        _fail(f"expected a number, got {text!r}")
+    if x != x or x in (float("inf"), float("-inf")):
+        _fail(f"must be a finite number, got {text!r}")
+    return x
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (budgets in MB)."""
+    x = _float(text)
+    if x <= 0:
+        _fail(f"must be a positive number, got {text!r}")
+    return x
+
+
+def fraction_below_one(text: str) -> float:
+    """A share in [0, 1) (a drop budget: 0 allowed, 1 would allow dropping everything)."""
+    x = _float(text)
+    if not 0.0 <= x < 1.0:
+        _fail(f"must be in [0, 1), got {text!r}")
+    return x
+
+
+def open_fraction(text: str) -> float:
+    """A share in (0, 1)."""
+    x = _float(text)
+    if not 0.0 < x < 1.0:
+        _fail(f"must be in (0, 1), got {text!r}")
+    return x
+
+
+def input_file(text: str) -> str:
+    """An existing, readable regular file."""
+    p = Path(text)
+    if not p.exists():
+        _fail(f"no such file: {text}")
+    if p.is_dir():
+        _fail(f"{text} is a directory, not a file")
+    if not os.access(p, os.R_OK):
+        _fail(f"{text} is not readable")
+    return text
+
+
+def input_package(text: str) -> str:
+    """An existing Core ML package folder (X.mlpackage) or a split build's X.manifest.json."""
+    p = Path(text)
+    if not p.exists():
+        _fail(f"no such package: {text}")
+    if p.name.endswith(".mlpackage") and not p.is_dir():
+        _fail(f"{text} is not a package folder")
+    if not p.name.endswith((".mlpackage", ".json")):
+        _fail(f"{text} is neither an .mlpackage folder nor a .json manifest")
+    return text
+
+
+def traces_file(text: str) -> str:
+    """An existing traces file, or where `search` may calibrate missing traces into."""
+    return input_file(text) if Path(text).exists() else check_output_file(text)
+
+
+def _nearest_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _check_writable_dir(d: Path, text: str) -> None:
+    """`d` is an existing directory we can create files in: tried for real (root ignores permission bits, but
+    not read-only mounts, and os.access says nothing about those)."""
+    if not d.is_dir():
+        _fail(f"{text}: {d} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".npumoe-write-check.", dir=d)
+    except OSError as e:
+        _fail(f"{text}: cannot write in {d} ({e.strerror or e})")
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_output_file(text: str, suffix: str | None = None) -> str:
+    """A file we can write: not a directory, with `suffix` when given, its folder writable. A missing folder is
+    fine when the nearest existing one is writable: the writer creates it (as for the default output paths)."""
+    p = Path(text)
+    if suffix and not p.name.endswith(suffix):
+        _fail(f"{text} must end in {suffix}")
+    if p.is_dir():
+        _fail(f"{text} is a directory; give a file name")
+    _check_writable_dir(_nearest_existing(p.parent), text)
+    return text
+
+
+def output_file(suffix: str | None = None) -> Callable[[str], str]:
+    """The argparse type of an output file (see `check_output_file`)."""
+    def check(text: str) -> str:
+        return check_output_file(text, suffix)
+    return check
+
+
+# What matplotlib's savefig writes by file suffix (it appends .png to a name without one).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def plot_file(text: str) -> str:
+    """A figure to write: a file name ending in one of PLOT_SUFFIXES in a writable folder."""
+    if not text.lower().endswith(PLOT_SUFFIXES):
+        _fail(f"{text} must end in one of {', '.join(PLOT_SUFFIXES)}")
+    return check_output_file(text)
+
+
+def output_package(text: str) -> str:
+    """A Core ML package to (over)write: ends in .mlpackage, is not a file, its folder writable."""
+    p = Path(text)
+    if not p.name.endswith(".mlpackage") or p.name == ".mlpackage":
+        _fail(f"{text} must end in .mlpackage")
+    if p.exists() and not p.is_dir():
+        _fail(f"{text} exists and is not a package folder")
+    _check_writable_dir(_nearest_existing(p.parent), text)
+    return text
+
+
+def directory(text: str) -> str:
+    """A directory that exists or can be created: not a file, the nearest existing ancestor writable."""
+    p = Path(text)
+    if p.exists() and not p.is_dir():
+        _fail(f"{text} is a file, not a directory")
+    _check_writable_dir(_nearest_existing(p), text)
+    return text
+
+
+def _check_sqlite(text: str, path: str) -> None:
+    p = Path(path)
+    if not path:
+        _fail(f"{text}: no file name; use sqlite:///path/to/file.db")
+    if not p.parent.is_dir():
+        _fail(f"{text}: no such directory: {p.parent}")
+    if p.is_dir():
+        _fail(f"{text}: {path} is a directory")
+    if p.exists() and p.stat().st_size > 0:
+        with open(p, "rb") as f:
+            if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+                _fail(f"{text}: {path} is not an SQLite database")
+    else:
+        _check_writable_dir(p.parent, text)
+
+
+def _check_journal(text: str, path: str) -> None:
+    p = Path(path)
+    if not path:
+        _fail(f"{text}: no file name; use journal:path/to/file.log")
+    if not p.parent.is_dir():
+        _fail(f"{text}: no such directory: {p.parent}")
+    if p.is_dir():
+        _fail(f"{text}: {path} is a directory")
+    if p.exists() and p.stat().st_size > 0:
+        with open(p, "rb") as f:
+            first = f.readline()
+        try:
+            ok = isinstance(json.loads(first), dict) and "op_code" in json.loads(first)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ok = False
+        if not ok:
+            _fail(f"{text}: {path} is not an Optuna journal file")
+    else:
+        _check_writable_dir(p.parent, text)
+
+
+def _check_database_driver(text: str) -> None:
+    """Other SQLAlchemy URLs (postgresql://, mysql://...): the dialect and its driver must be installed. Nothing
+    connects here; a server that is down still fails when the search opens the storage."""
+    try:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+    except ImportError:
+        _fail(f"{text}: database storage needs sqlalchemy; use sqlite:///FILE or journal:FILE")
+    try:
+        url = make_url(text)
+        url.get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ValueError):
+        _fail(f"{text}: not a storage URL; use sqlite:///FILE, journal:FILE or a SQLAlchemy database URL")
+    except ImportError as e:
+        _fail(f"{text}: the database driver is not installed ({getattr(e, 'name', None) or e}); "
+              "use sqlite:///FILE or journal:FILE")
+
+
+def storage_url(text: str) -> str:
+    """An Optuna storage: `sqlite:///FILE` (its folder exists; an existing file is an SQLite database),
+    `journal:FILE` (its folder exists; an existing file is an Optuna journal) or a database URL whose driver is
+    installed."""
+    if text.startswith("sqlite:///"):
+        _check_sqlite(text, text[len("sqlite:///"):])
+    elif text.startswith("journal:"):
+        _check_journal(text, text[len("journal:"):])
+    elif "://" in text:
+        _check_database_driver(text)
+    else:
+        _fail(f"{text!r} is not a storage URL; use sqlite:///FILE or journal:FILE")
+    return text
+
+
+def shape_list(text: str) -> str:
+    """`--shapes`: named sizes or HIDDENxFFN with positive sizes (parsed again by profiling.parse_shapes)."""
+    from runtime.errors import NpumoeError
+
+    from ..profiling import parse_shapes
+
+    try:
+        shapes = parse_shapes(text)
+    except NpumoeError as e:
+        _fail(str(e).removeprefix("--shapes: "))
+    if not shapes:
+        _fail("must name at least one size")
+    bad = [name for name, (h, f) in shapes.items() if h < 1 or f < 1]
+    if bad:
+        _fail(f"sizes must be positive, got {', '.join(bad)}")
+    return text
+
+
+def non_empty_list(text: str) -> list[str]:
+    """A comma-separated list with at least one item."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        _fail("must name at least one item (comma-separated)")
+    return items
