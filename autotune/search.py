@@ -19,8 +19,8 @@ from tqdm import tqdm
 from runtime.errors import NpumoeError
 from runtime.plan import ModelRef, Plan, plan_from_json
 
-from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, enumerate_configs, group_sizes,
-                    heuristic_config, layer_plan, space_size)
+from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, calibration, enumerate_configs,
+                    group_sizes, heuristic_config, layer_plan, space_size)
 
 EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
@@ -294,9 +294,10 @@ def _pareto_solutions(sols: list[Solution]) -> list[Solution]:
 
 def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model: dict, chunk_tokens: int,
                   saliency: str = "router_weight", predicted: dict | None = None, meta: dict | None = None) -> Plan:
-    """The validated plan file a solution means."""
+    """The validated plan file a solution means, with each layer's calibration statistics."""
     overflow = next((c.overflow for c in sol.configs if c.resident), "drop")
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
+    entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
     obj = {"schema": "npumoe.plan/1", "model": ModelRef(**model).model_dump(), "chunk_tokens": chunk_tokens,
            "overflow": overflow, "saliency": saliency,
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.plan import Group, LayerPlan
+from runtime.plan import Group, LayerCalibration, LayerPlan
 
 from .costmodel import CostModel
 from .traces import Traces
@@ -107,6 +107,25 @@ def layer_plan(data: LayerData, cfg: LayerConfig, backend: str) -> LayerPlan:
     return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=cold)
 
 
+def overflow(lp: LayerPlan, loads: np.ndarray) -> int:
+    """Assignments past their expert's capacity, summed over chunks of `loads` ([chunks, E])."""
+    if not lp.groups:
+        return 0
+    experts = [e for g in lp.groups for e in g.experts]
+    caps = np.array([c for g in lp.groups for c in g.capacities])
+    return int(np.maximum(loads[:, experts] - caps, 0).sum())
+
+
+SHARE_DIGITS = 6
+
+
+def calibration(data: LayerData, lp: LayerPlan) -> LayerCalibration:
+    """The layer's calibration load shares and its overflow rate on held-out chunks, for the plan file."""
+    shares = data.calib.sum(0) / max(1, data.calib.sum())
+    return LayerCalibration(load_shares=np.round(shares, SHARE_DIGITS).tolist(),
+                            heldout_overflow_rate=overflow(lp, data.heldout) / max(1, int(data.heldout.sum())))
+
+
 def violation(lp: LayerPlan, backend: str, expert_bytes: int, resident_bytes_budget: float) -> float:
     """How far a layer plan is past the hard limits (0 when within them)."""
     v = 0.0
@@ -139,11 +158,7 @@ class Scorer:
             lp = layer_plan(data, cfg, self.backend)
             lat = float(np.sum(self.cost.layer_ms(lp, data.calib, self.hidden, self.ffn, cfg.overflow)))
             energy = self.energy(data, cfg) if self.with_energy else None
-            drops = 0
-            if cfg.overflow == "drop" and lp.groups:
-                experts = [e for g in lp.groups for e in g.experts]
-                caps = np.array([c for g in lp.groups for c in g.capacities])
-                drops = int(np.maximum(data.heldout[:, experts] - caps, 0).sum())
+            drops = overflow(lp, data.heldout) if cfg.overflow == "drop" else 0
             v = violation(lp, self.backend, self.expert_bytes, self.resident_bytes_per_layer)
             self._cache[key] = Score(lat, energy, drops, v)
         return self._cache[key]

@@ -24,6 +24,8 @@ SALIENCY_RULES = ("router_weight", "weight_x_norm")
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+SHARE_SUM_TOLERANCE = 1e-3  # load shares are written rounded; they must still sum to 1 within this
 
 
 class _Strict(BaseModel):
@@ -55,10 +57,20 @@ class Group(_Strict):
         return sum(self.capacities)
 
 
+class LayerCalibration(_Strict):
+    """What the search saw on this layer's traces (optional; plans made before it lack it). The runtime's drift
+    monitor compares a run's routing against it."""
+    load_shares: list[Fraction] = Field(min_length=1)  # each expert's share of the calibration assignments
+    # share of held-out assignments past their expert's capacity: dropped under `overflow: drop`, spilled under
+    # `overflow: spill`
+    heldout_overflow_rate: Fraction
+
+
 class LayerPlan(_Strict):
     layer: NonNegInt
     groups: list[Group]
     cpu_exact: list[NonNegInt]
+    calibration: LayerCalibration | None = None
 
 
 class Plan(_Strict):
@@ -72,6 +84,17 @@ class Plan(_Strict):
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether every layer carries calibration statistics (what the drift monitor compares against)."""
+        return all(lp.calibration is not None for lp in self.layers)
+
+    def heldout_overflow_rate(self) -> float | None:
+        """The plan-wide expected overflow rate on held-out traces (layers weigh equally: each sees every token)."""
+        if not self.calibrated:
+            return None
+        return sum(lp.calibration.heldout_overflow_rate for lp in self.layers) / len(self.layers)
 
     def layer(self, index: int) -> LayerPlan:
         for lp in self.layers:
@@ -115,6 +138,12 @@ def _check_layers(plan: Plan) -> tuple[str, str] | None:
         missing = sorted(set(range(n_experts)) - set(placed))
         if missing:
             return where, f"experts {missing} are in no group and not in cpu_exact"
+        if lp.calibration is not None:
+            shares = lp.calibration.load_shares
+            if len(shares) != n_experts:
+                return f"{where}.calibration.load_shares", f"has {len(shares)} entries for {n_experts} experts"
+            if abs(sum(shares) - 1.0) > SHARE_SUM_TOLERANCE:
+                return f"{where}.calibration.load_shares", f"sums to {sum(shares):.4f}, not 1"
     absent = sorted(set(plan.model.moe_layers) - seen_layers)
     if absent:
         return "layers", f"MoE layers {absent} have no entry"

@@ -64,6 +64,27 @@ def test_bad_plan_names_field(good, path, value, field):
     assert e.value.field == field, str(e.value)
 
 
+def _calibrated(good, shares=None, rate=0.05):
+    n = good["model"]["num_experts"]
+    cal = {"load_shares": shares if shares is not None else [1 / n] * n, "heldout_overflow_rate": rate}
+    return _mutate(good, ["layers"], [{**lp, "calibration": cal} for lp in good["layers"]])
+
+
+def test_calibration_fields_are_optional_and_checked(good):
+    old = plan_from_json(good)  # a plan written before calibration statistics existed still loads
+    assert not old.calibrated and old.heldout_overflow_rate() is None
+    new = plan_from_json(_calibrated(good, rate=0.04))
+    assert new.calibrated and new.heldout_overflow_rate() == pytest.approx(0.04)
+    assert plan_from_json(new.to_json()) == new
+    n = good["model"]["num_experts"]
+    for bad, field in [(_calibrated(good, shares=[1.0]), "layers[0].calibration.load_shares"),
+                       (_calibrated(good, shares=[0.5 / n] * n), "layers[0].calibration.load_shares"),
+                       (_calibrated(good, rate=1.5), "layers[0].calibration.heldout_overflow_rate")]:
+        with pytest.raises(FileFormatError) as e:
+            plan_from_json(bad, "p.json")
+        assert e.value.field == field, str(e.value)
+
+
 def test_plan_for_other_model_refused(good):
     model, _ = random_model("random:olmoe")
     bad = plan_from_json(_mutate(good, ["model", "fingerprint"], "sha256:00"))

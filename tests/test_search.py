@@ -97,6 +97,10 @@ def test_search_cli_plan_runs(workdir, capsys):
     assert report["predicted_latency_ms"] <= report["baselines"]["paper_heuristic"] + 1e-9
     plan = load_plan(out)
     assert plan.predicted["label"].startswith("predicted")
+    assert plan.calibrated  # each layer carries its calibration shares and held-out overflow rate
+    assert all(sum(lp.calibration.load_shares) == pytest.approx(1.0, abs=1e-4) for lp in plan.layers)
+    if plan.overflow == "drop":  # per-layer held-out overflow rates add up to the search's held-out drop rate
+        assert plan.heldout_overflow_rate() == pytest.approx(report["heldout_drop_rate"], rel=1e-9)
     assert (workdir / "plan.map.png").stat().st_size > 1000
     assert main(["run", "--model", "random:qwen3_moe", "--plan", str(out), "--text", str(workdir / "text.txt"),
                  "--max-tokens", "256", "--json"]) == 0
