@@ -9,8 +9,8 @@ CPU backends launch two matmuls and a gate per expert; a compiled ANE graph laun
 bytes are those of the expert's gated FFN (gate_up [2F, H], down [H, F]; weights read once per call). Where the
 analytic form misfits (GEMM kernels switch with M, so time is not even monotonic in M; weights in cache or not) a
 scikit-learn k-nearest-neighbours learner over (log2 M, log2 H, log2 F) corrects the compute part multiplicatively;
-its training points live in the profile, so the model is rebuilt exactly from JSON. Energy = measured power x busy time; without measured power it is None, never
-guessed.
+its training points live in the profile, so the model is rebuilt exactly from JSON. Energy = measured power x busy
+time; without measured power it is None, never guessed.
 """
 from __future__ import annotations
 
@@ -161,7 +161,10 @@ class HostCosts:
     @classmethod
     def from_json(cls, obj: dict | None) -> "HostCosts":
         obj = obj or {}
-        get = lambda d: None if not d else tuple(float(d.get(k, 0.0)) for k in HOST_TERMS)
+
+        def get(d: dict | None) -> tuple | None:
+            return None if not d else tuple(float(d.get(k, 0.0)) for k in HOST_TERMS)
+
         return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")))
 
 

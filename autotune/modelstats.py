@@ -26,7 +26,8 @@ def encode(tokenizer: object, text: str) -> list[int]:
 
 
 def _chunks(ids: Sequence[int], chunk: int) -> list[torch.Tensor]:
-    return [torch.tensor(ids[i:i + chunk], dtype=torch.long) for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) > 1]
+    return [torch.tensor(ids[i:i + chunk], dtype=torch.long) for i in range(0, len(ids), chunk)
+            if len(ids[i:i + chunk]) > 1]
 
 
 @torch.no_grad()

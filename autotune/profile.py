@@ -1,8 +1,9 @@
 """The profile file `npumoe.profile/1`: host facts, raw benchmark records, the fitted cost model, its held-out error.
 
-Measured profiles are written by `autotune profile-device`; shipped ones live in `profiles/` (one is built from
-published Apple figures and says so). Loading validates the structure and raises one `FileFormatError` naming the
-field; a profile from another host loads with a `ProfileHostWarning` that names both hosts.
+Measured profiles are written by `autotune profile-device`; shipped ones are package data in `autotune/profiles/`
+(one is built from published Apple figures and says so), so an installed wheel finds them. Loading validates the
+structure and raises one `FileFormatError` naming the field; a profile from another host loads with a
+`ProfileHostWarning` that names both hosts.
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ from .costmodel import CostModel
 
 SCHEMA = "npumoe.profile/1"
 KIND, VERSION = "profile", 1
-REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
-PACKAGE_PROFILES = Path(__file__).resolve().parent / "profiles"
+SHIPPED_PROFILES = Path(__file__).resolve().parent / "profiles"
 RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host")
 
 
@@ -134,7 +134,8 @@ def host_id(cpu: str | None = None, cores: int | None = None) -> str:
 
 def host_facts(threads: int | None = None) -> dict:
     cpu, cores = _cpu_model(), os.cpu_count() or 1
-    facts = {"id": host_id(cpu, cores), "description": f"{cpu}, {cores} cores, {platform.system()} {platform.machine()}",
+    description = f"{cpu}, {cores} cores, {platform.system()} {platform.machine()}"
+    facts = {"id": host_id(cpu, cores), "description": description,
              "hostname": socket.gethostname(), "cpu_model": cpu, "logical_cores": cores,
              "os": f"{platform.system()} {platform.release()}", "platform": platform.platform(),
              "machine": platform.machine(), "libraries": _versions()}
@@ -152,11 +153,7 @@ def host_profile_path() -> Path:
 
 def shipped_profiles() -> dict[str, Path]:
     """Profiles shipped with npumoe, by name (file stem)."""
-    out: dict[str, Path] = {}
-    for d in (PACKAGE_PROFILES, REPO_PROFILES):
-        if d.is_dir():
-            out.update({p.stem: p for p in sorted(d.glob("*.json"))})
-    return out
+    return {p.stem: p for p in sorted(SHIPPED_PROFILES.glob("*.json"))}
 
 
 # --- the profile ---------------------------------------------------------------------------------------------------

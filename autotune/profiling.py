@@ -201,7 +201,10 @@ def time_call(fn: Callable[[], object], s: Settings, meter=None, ane: bool = Fal
         energy = zeus.get("ane_mj" if ane else "cpu_total_mj")
     times = cpu if clock == "cpu" else wall
     q = np.percentile(times, [10, 25, 75, 90])
-    r = lambda v: round(float(v), 6)
+
+    def r(v) -> float:
+        return round(float(v), 6)
+
     rec = {"median_ms": r(statistics.median(times)), "p10_ms": r(q[0]), "p25_ms": r(q[1]), "p75_ms": r(q[2]),
            "p90_ms": r(q[3]), "min_ms": r(min(times)), "clock": clock, "wall_median_ms": r(statistics.median(wall)),
            "cpu_median_ms": r(statistics.median(cpu)), "runs": len(times), "warmup": s.warmup}

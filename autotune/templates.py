@@ -24,8 +24,8 @@ def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "dro
                   chunk_tokens: int = 256, saliency: str = "router_weight") -> Plan:
     cap = template_capacity(spec, chunk_tokens, capacity)
     experts = list(range(spec.num_experts))
-    groups = [Group(backend=backend, experts=experts[i:i + GROUP_SIZE], capacities=[cap] * len(experts[i:i + GROUP_SIZE]))
-              for i in range(0, len(experts), GROUP_SIZE)]
+    chunks = [experts[i:i + GROUP_SIZE] for i in range(0, len(experts), GROUP_SIZE)]
+    groups = [Group(backend=backend, experts=chunk, capacities=[cap] * len(chunk)) for chunk in chunks]
     layers = [LayerPlan(layer=i, groups=groups, cpu_exact=[]) for i in spec.moe_layers]
     return Plan(model=ModelRef(**spec.to_json()), chunk_tokens=chunk_tokens, overflow=overflow, saliency=saliency,
                 layers=layers, meta={"made_by": f"autotune plan-template --capacity {capacity}"})

@@ -79,7 +79,8 @@ def _random_model(family: str) -> torch.nn.Module:
     config_name, extra = _RANDOM_FAMILIES[family]
     config = getattr(transformers, config_name)(
         vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, tie_word_embeddings=False, **extra)
+        head_dim=16, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=4096, tie_word_embeddings=False, **extra)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Larger router weights than the init default, so that random models route decisively (more skew).

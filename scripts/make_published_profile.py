@@ -1,4 +1,5 @@
-"""Build profiles/apple-m2-ultra-published.json from figures others published (nothing here is measured by npumoe).
+"""Build autotune/profiles/apple-m2-ultra-published.json from figures others published (nothing here is measured
+by npumoe).
 
 - NPUMoE (Benazir & Lin, arXiv:2604.18788), dense matmul latency on M2 Ultra, Core ML CPU-only vs CPU+ANE, per
   (M, N, K). The ANE backend is fitted to the CPU+ANE column, the CPU backends (`cpu-exact`, and `cpu-static`, which
@@ -10,7 +11,7 @@
   M2 Ultra under this workload was found, so CPU power is left out and the layer energy is None for any plan with CPU
   work: the search then has no energy objective on this profile rather than an invented one.
 
-Run: python scripts/make_published_profile.py [--out profiles/apple-m2-ultra-published.json]
+Run: python scripts/make_published_profile.py [--out autotune/profiles/apple-m2-ultra-published.json]
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def records() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="profiles/apple-m2-ultra-published.json")
+    ap.add_argument("--out", default="autotune/profiles/apple-m2-ultra-published.json")
     args = ap.parse_args()
     recs = records()
     options = {"ane": dict(dtype_bytes=2, fixed={"call_ms": ANE_CALL_MS}, residual=False, power_w=ANE_POWER_W,

@@ -354,7 +354,7 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         "",
         "## Measured (fp32, chunks of 512 tokens)",
         "",
-        f"Built-in text sizes in tokens: "
+        "Built-in text sizes in tokens: "
         + ", ".join(f"`{k}` {v:,}" for k, v in metrics["tokens"].items()) + ".",
         "",
         "| text | perplexity |",

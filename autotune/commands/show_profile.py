@@ -41,7 +41,10 @@ def print_summary(profile: Profile) -> None:
     from rich.table import Table
 
     s = summary(profile)
-    fmt = lambda v, p="{:.4g}": "-" if v is None else p.format(v)
+
+    def fmt(v, p="{:.4g}"):
+        return "-" if v is None else p.format(v)
+
     table = Table(title=f"{profile.path or 'profile'}: {s['host_description']} ({s['measured_by']})")
     for col in ("backend", "records", "call ms", "per-expert ms", "GFLOP/s (analytic)", "ms/MB", "residual",
                 "power W", "held-out MAPE"):
