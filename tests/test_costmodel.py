@@ -4,28 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autotune.costmodel import (BackendModel, CostModel, HostCosts, fit_backend, fit_cost_model, heldout_errors,
-                                record_features)
+from autotune.costmodel import BackendModel, CostModel, HostCosts, fit_backend, fit_cost_model, heldout_errors
 from runtime.plan import Group, LayerPlan
 
-TRUE = {"call_ms": 0.05, "expert_ms": 0.012, "ms_per_gflop": 6.0, "ms_per_mb": 0.02}
-SHAPES = [(256, 256), (1024, 2048), (2048, 768)]
-
-
-def synthetic_records(backend: str, noise: float = 0.02, seed: int = 0) -> list[dict]:
-    """Records timed on a fake device whose cost is exactly TRUE, with multiplicative noise."""
-    rng = np.random.default_rng(seed)
-    truth = BackendModel(backend, **TRUE)
-    recs = []
-    for h, f in SHAPES:
-        for m in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]:
-            recs.append({"kind": "ffn", "backend": backend, "tokens": m, "hidden": h, "ffn": f})
-        for g, c in [(1, 1), (4, 16), (8, 64), (4, 256)]:
-            recs.append({"kind": "group", "backend": backend, "capacities": [c] * g, "hidden": h, "ffn": f})
-    recs.append({"kind": "call", "backend": backend, "capacities": [1], "hidden": 8, "ffn": 8})
-    for r in recs:
-        r["median_ms"] = float(truth.analytic(*record_features(r, 4))) * float(np.exp(rng.normal(0, noise)))
-    return recs
+from helpers import SHAPES, TRUE, synthetic_records
 
 
 def test_fit_recovers_known_analytic_cost_within_5_percent():
@@ -91,3 +73,19 @@ def test_ffn_ms_is_vectorised_and_zero_tokens_cost_nothing():
     assert out.shape == (5,) and out[0] == 0.0 and np.all(np.diff(out[1:]) > 0)
     assert cm.ffn_ms("cpu-exact", 5, 256, 256) == pytest.approx(out[2])
     assert cm.exact_ms(np.zeros(8, dtype=int), 256, 256) == 0.0
+
+
+def test_energy_is_power_times_busy_time_only_where_power_was_measured():
+    kw = dict(call_ms=0.1, expert_ms=0.0, ms_per_gflop=1.0, ms_per_mb=0.0)
+    models = {"ane": BackendModel("ane", overlaps_cpu=True, power_w=2.0, **kw),
+              "cpu-exact": BackendModel("cpu-exact", power_w=10.0, **kw),
+              "cpu-static": BackendModel("cpu-static", power_w=10.0, **kw)}
+    cm = CostModel(models)
+    lp = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0], capacities=[100])], cpu_exact=[1])
+    counts = np.array([50, 40])
+    ane = cm.group_call_ms("ane", [100], 64, 64)
+    exact = cm.exact_ms(np.array([0, 40]), 64, 64)
+    assert cm.layer_ms(lp, counts, 64, 64, "drop") == pytest.approx(max(ane, exact))  # overlap, no host costs
+    assert cm.layer_energy_mj(lp, counts, 64, 64, "drop") == pytest.approx(2.0 * ane + 10.0 * exact)
+    models["cpu-exact"].power_w = None
+    assert cm.layer_energy_mj(lp, counts, 64, 64, "drop") is None and not cm.has_energy

@@ -9,7 +9,7 @@ from runtime.plan import Group, LayerPlan
 from runtime.prefill import max_rel_diff, prefill_logits
 from runtime.stats import LayerStats
 
-from conftest import random_model
+from helpers import random_model
 
 CHUNK = 64
 

@@ -13,7 +13,7 @@ from runtime.executor import PlanExecutor
 from runtime.models import model_spec
 from runtime.plan import Plan, load_plan, plan_from_json, save_plan
 
-from conftest import random_model
+from helpers import random_model
 
 
 @pytest.fixture(scope="module")

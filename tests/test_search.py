@@ -11,7 +11,6 @@ import optuna
 import pytest
 
 from autotune.cli import main
-from autotune.costmodel import BackendModel, CostModel
 from autotune.profile import Profile, save_profile
 from autotune.search import combine, run_search
 from autotune.space import Evaluated, LayerConfig, LayerData, Score, Scorer
@@ -19,13 +18,7 @@ from autotune.traces import synthetic_traces
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
 
-
-def apple_like(power: bool = True) -> CostModel:
-    """An ANE-like device: 0.095 ms fixed cost per call, twice the CPU's throughput."""
-    w = lambda x: x if power else None  # noqa: E731
-    return CostModel({"ane": BackendModel("ane", 0.095, 0.0, 0.3, 0.0, 2, True, w(2.0)),
-                      "cpu-exact": BackendModel("cpu-exact", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0)),
-                      "cpu-static": BackendModel("cpu-static", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0))})
+from helpers import apple_like
 
 
 SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
@@ -86,6 +79,7 @@ def _search_args(d, *extra):
             str(d / "traces.npz"), *extra]
 
 
+@pytest.mark.slow
 def test_search_cli_plan_runs(workdir, capsys):
     out = workdir / "plan.json"
     assert main(_search_args(workdir, "--trials", "30", "--out", str(out), "--json")) == 0
@@ -114,6 +108,7 @@ def _completed(storage: str) -> dict[str, set]:
     return out
 
 
+@pytest.mark.slow
 def test_killed_search_resumes_without_losing_trials(workdir):
     db = workdir / "study.db"
     storage = f"sqlite:///{db}"
@@ -145,6 +140,7 @@ def test_killed_search_resumes_without_losing_trials(workdir):
         assert len(after[name]) == 60  # and the rerun only ran what was missing
 
 
+@pytest.mark.slow
 def test_both_objectives_give_a_pareto_front_and_plot(workdir, capsys):
     out = workdir / "both.json"
     assert main(_search_args(workdir, "--objective", "both", "--trials", "20", "--out", str(out), "--json")) == 0
@@ -157,6 +153,7 @@ def test_both_objectives_give_a_pareto_front_and_plot(workdir, capsys):
     assert (workdir / "both.pareto.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_journal_storage_resumes(workdir, capsys):
     storage = f"journal:{workdir / 'journal.log'}"
     for trials in ("12", "20"):

@@ -1,4 +1,4 @@
-"""The embedded model `tiny-moe` and the built-in texts: offline loading, quality, skewed and shifting routing.
+"""The embedded model `tiny-moe`: offline loading, quality, skewed and shifting routing on the built-in texts.
 
 Quality and routing are measured on the first tokens of each text (caps below) to keep this file fast on a
 2-core CI machine; the model card reports the same figures on longer slices (scripts/train_tiny_moe.py).
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from autotune import cli, modelstats, texts
-from runtime.errors import NpumoeError
+from autotune import modelstats, texts
 from runtime.models import TINY_MOE_DIR, load_model, model_spec
 
 PPL_TOKENS = 8192  # held-out slice for the perplexity comparison
@@ -36,53 +35,9 @@ def shares(tiny, ids):
     return {n: modelstats.shares(modelstats.expert_counts(model, v[:ROUTING_TOKENS])) for n, v in ids.items()}
 
 
-# --------------------------------------------------------------------------------------- built-in texts
-def test_pydoc_split_is_disjoint_complete_and_fixed():
-    calib, heldout = texts.pydoc_split()
-    assert not set(calib) & set(heldout)
-    assert sorted(calib + heldout) == sorted(texts.pydoc_topics())
-    assert 0.15 < len(heldout) / (len(calib) + len(heldout)) < 0.35
-    # The split is a function of the topic name only, so it is the same on every Python version.
-    assert texts.pydoc_split() == (calib, heldout)
-    assert all(texts.is_heldout_topic(k) for k in heldout) and not any(texts.is_heldout_topic(k) for k in calib)
-
-
-def test_builtin_texts_are_deterministic_sized_and_disjoint():
-    got = {n: texts.read_text(n) for n in texts.BUILTIN_TEXTS}
-    assert got == {n: texts.read_text(n) for n in texts.BUILTIN_TEXTS}
-    calib, heldout, code = (got[texts.DEFAULT_CALIB_TEXT], got[texts.DEFAULT_EVAL_TEXT], got[texts.SHIFTED_TEXT])
-    assert 100_000 < len(calib) < 1_000_000 and 30_000 < len(heldout) < 500_000
-    assert 50_000 < len(code) <= texts.STDLIB_CODE_MAX_CHARS
-    topics = texts.pydoc_topics()
-    for key in texts.pydoc_split()[1]:
-        assert topics[key].strip() in heldout
-    # Topics quote each other; not one held-out paragraph may reach the calibration (= training) side.
-    held_paragraphs = {p for p in heldout.split("\n\n") if p.strip()}
-    calib_paragraphs = {p for p in calib.split("\n\n") if p.strip()}
-    assert len(held_paragraphs) > 300 and len(calib_paragraphs) > 1000
-    assert not held_paragraphs & calib_paragraphs
-    assert "def " in code and "import " in code  # source code, a different domain from the prose topics
-
-
-def test_stdlib_code_selection_is_fixed_and_left_out_of_training_files():
-    selected = texts.stdlib_code_files()
-    assert len(selected) >= 5
-    assert all(texts.is_stdlib_code_file(f) for f in selected)
-    training = [f for f in texts.stdlib_files() if not texts.is_stdlib_code_file(f)]
-    assert not set(selected) & set(training) and len(training) > 10 * len(selected)
-    assert not any("/test" in "/" + f for f in selected)
-
-
-def test_read_text_errors_and_files(tmp_path):
-    with pytest.raises(NpumoeError, match="unknown built-in text"):
-        texts.read_text("builtin:nope")
-    with pytest.raises(NpumoeError, match="cannot read"):
-        texts.read_text(str(tmp_path / "missing.txt"))
-    (tmp_path / "t.txt").write_text("hello")
-    assert texts.read_text(str(tmp_path / "t.txt")) == "hello"
-
-
 # ------------------------------------------------------------------------------------- the shipped files
+
+
 def test_shipped_model_is_small_bf16_and_complete():
     files = {p.name: p.stat().st_size for p in TINY_MOE_DIR.rglob("*") if p.is_file()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "MODEL_CARD.md"} <= set(files)
@@ -122,6 +77,8 @@ def test_tokenizer_round_trips_and_adds_no_special_tokens(tiny):
 
 
 # -------------------------------------------------------------------------------------- quality, routing
+
+
 def test_heldout_perplexity_is_at_most_half_the_unigram(tiny, ids):
     model, tokenizer = tiny
     heldout = ids[texts.DEFAULT_EVAL_TEXT][:PPL_TOKENS]
@@ -132,6 +89,7 @@ def test_heldout_perplexity_is_at_most_half_the_unigram(tiny, ids):
     assert ppl <= 0.5 * unigram
 
 
+@pytest.mark.slow
 def test_routing_is_skewed_in_every_layer_on_the_calibration_text(shares):
     share = shares[texts.DEFAULT_CALIB_TEXT]
     assert np.allclose(share.sum(axis=1), 1.0)
@@ -140,6 +98,7 @@ def test_routing_is_skewed_in_every_layer_on_the_calibration_text(shares):
     assert (skew >= 1.5).all(), skew
 
 
+@pytest.mark.slow
 def test_shifted_text_moves_routing_in_at_least_half_the_layers(shares):
     tv = modelstats.tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.SHIFTED_TEXT])
     print("TV(pydoc-heldout, stdlib-code) per layer:", np.round(tv, 3))
@@ -149,25 +108,3 @@ def test_shifted_text_moves_routing_in_at_least_half_the_layers(shares):
     assert same.mean() < tv.mean()
 
 
-def test_modelstats_on_a_known_routing():
-    counts = np.array([[6, 1, 1, 0], [2, 2, 2, 2]])
-    share = modelstats.shares(counts)
-    assert np.allclose(modelstats.skew(share), [3.0, 1.0])
-    assert np.allclose(modelstats.tv_distance(share, share[::-1]), [0.5, 0.5])
-    assert modelstats.unigram_perplexity([0, 0, 1], [0, 1], 2) == pytest.approx((3 / 5 * 2 / 5) ** -0.5)
-
-
-def test_models_command_lists_tiny_moe_with_its_load_shares(capsys):
-    assert cli.main(["models", "--model", "tiny-moe", "--max-tokens", "1024", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    (m,) = out["models"]
-    assert (m["name"], m["layers"], m["experts"], m["top_k"]) == ("tiny-moe", 4, 16, 2)
-    assert out["text"] == texts.DEFAULT_CALIB_TEXT and m["tokens"] == 1024
-    assert 12e6 < m["parameters"] < 15e6
-    assert len(m["expert_shares"]) == 4 and all(len(r) == 16 for r in m["expert_shares"].values())
-    assert all(abs(sum(r) - 1) < 1e-3 for r in m["expert_shares"].values())
-
-
-def test_models_command_rejects_unknown_models(capsys):
-    assert cli.main(["models", "--model", "gpt-5"]) == 2
-    assert "not a built-in model" in capsys.readouterr().err

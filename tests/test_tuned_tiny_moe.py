@@ -10,11 +10,12 @@ from autotune.fidelity import evaluate_plan
 from autotune.templates import template_plan
 from runtime.models import TINY_MOE_DIR, model_spec
 
-from conftest import random_model
+from helpers import random_model
 
 needs_tiny = pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(), reason="tiny-moe asset missing")
 
 
+@pytest.mark.slow
 @needs_tiny
 def test_tuned_plan_beats_heuristic_and_naive_coreml(tmp_path, capsys):
     traces, plan = tmp_path / "traces.npz", tmp_path / "plan.json"

@@ -14,11 +14,10 @@ from runtime.executor import PlanExecutor
 from runtime.models import model_spec, moe_layers
 from runtime.prefill import max_rel_diff, prefill_logits
 
-from conftest import random_model
+from helpers import random_model
 
 MODEL = "random:qwen3_moe"
 CHUNK = 16
-macos_only = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS (and its ANE)")
 
 
 def _ids(tok, n=40):
@@ -88,7 +87,7 @@ def built(tmp_path_factory):
     return model, plan, str(out)
 
 
-@macos_only
+@pytest.mark.macos
 def test_macos_predict_parity_with_cpu_static(built):
     model, plan, package = built
     layer = moe_layers(model)[0]
@@ -102,7 +101,7 @@ def test_macos_predict_parity_with_cpu_static(built):
     assert max_rel_diff(got, ref) <= 1e-2
 
 
-@macos_only
+@pytest.mark.macos
 def test_macos_plan_runs_on_the_ane(built):
     model, plan, package = built
     _, tok = random_model(MODEL)
@@ -115,7 +114,7 @@ def test_macos_plan_runs_on_the_ane(built):
     assert max_rel_diff(got, ref) <= 2e-2
 
 
-@macos_only
+@pytest.mark.macos
 def test_macos_ops_are_placed_on_the_neural_engine(built):
     import platform
 
@@ -129,7 +128,7 @@ def test_macos_ops_are_placed_on_the_neural_engine(built):
     assert ops_not_on_ane(backend._plan(), function_name(plan.layers[0].layer, 0)) == []
 
 
-@macos_only
+@pytest.mark.macos
 def test_macos_energy_windows(built):
     pytest.importorskip("zeus_apple_silicon", reason="energy needs zeus-apple-silicon on macOS (extra: energy)")
     model, plan, package = built

@@ -1,7 +1,6 @@
 """`autotune build` on Linux: the package, its lint, the host numeric check, weight sharing, the cache, limits."""
 import json
 
-import numpy as np
 import pytest
 
 from autotune.cli import main
@@ -13,7 +12,7 @@ from runtime.errors import NpumoeError
 from runtime.models import TINY_MOE_DIR, load_model, model_spec, moe_layers
 from runtime.plan import Group, save_plan
 
-from conftest import random_model
+from helpers import random_model
 
 quiet_coremltools_import()
 MODEL = "random:qwen3_moe"
@@ -33,6 +32,7 @@ def _one_ane_group(plan):
     return plan.model_copy(update={"layers": layers})
 
 
+@pytest.mark.slow
 def test_cli_build_all_ane_lints_checks_and_prints_json_last(tmp_path, capsys):
     model, _ = random_model(MODEL)
     plan_path = tmp_path / "plan.json"
@@ -134,6 +134,9 @@ def test_plan_without_ane_groups_is_refused(tmp_path):
 
 @pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(),
                     reason=f"the embedded model tiny-moe is missing ({TINY_MOE_DIR}); random models cover the rest")
+
+
+@pytest.mark.slow
 def test_tiny_moe_all_ane_build(tmp_path):
     model, _ = load_model("tiny-moe")
     plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
@@ -142,57 +145,3 @@ def test_tiny_moe_all_ane_build(tmp_path):
     assert result.package_bytes <= 1.05 * result.unique_weight_bytes
 
 
-def _program(body, shape=(8, 16)):
-    import coremltools as ct
-    from coremltools.converters.mil import Builder as mb
-    from coremltools.converters.mil.mil import types
-
-    @mb.program(input_specs=[mb.TensorSpec(shape=shape, dtype=types.fp16)], opset_version=ct.target.macOS15)
-    def prog(x):
-        return body(mb, x)
-
-    return prog
-
-
-def test_lint_names_a_disallowed_op_and_its_function():
-    from runtime.mil_lint import LintError, lint_program
-
-    prog = _program(lambda mb, x: mb.topk(x=x, k=2, axis=-1)[0])
-    issues = lint_program(prog)
-    assert [(i.function, i.op_type) for i in issues] == [("main", "topk")]
-    with pytest.raises(LintError, match=r"function main: op '.*' \(topk\): op is not in the ANE allow-list"):
-        raise LintError(issues)
-
-
-def test_lint_rejects_non_static_shapes():
-    from coremltools.converters.mil.mil import get_new_symbol
-
-    from runtime.mil_lint import lint_program
-
-    prog = _program(lambda mb, x: mb.silu(x=x), shape=(get_new_symbol(), 16))
-    messages = [str(i) for i in lint_program(prog)]
-    assert any("input" in m and "non-static shape" in m for m in messages)
-    assert any("silu" in m and "non-static shape" in m for m in messages)
-
-
-def test_lint_accepts_the_allowed_ops():
-    from runtime.mil_lint import lint_program
-
-    def body(mb, x):
-        y = mb.add(x=mb.mul(x=mb.sigmoid(x=x), y=x), y=x)
-        y = mb.reshape(x=mb.transpose(x=y, perm=[1, 0]), shape=[16, 8])
-        return mb.concat(values=[mb.slice_by_index(x=y, begin=[0, 0], end=[8, 8]), y], axis=0)
-
-    assert lint_program(_program(body)) == []
-
-
-def test_host_evaluation_of_hand_written_ops_matches_numpy():
-    from runtime.mil_eval import evaluate_function
-
-    w = (np.random.default_rng(1).standard_normal((4, 16, 1, 1)) * 0.2).astype(np.float16)
-    prog = _program(lambda mb, x: mb.conv(x=mb.silu(x=x), weight=w), shape=(1, 16, 1, 8))
-    x = np.random.default_rng(2).standard_normal((1, 16, 1, 8)).astype(np.float16)
-    got = next(iter(evaluate_function(prog.functions["main"], {"x": x}).values()))
-    xs = x.astype(np.float32)
-    ref = np.einsum("oi,nihw->nohw", w[:, :, 0, 0].astype(np.float32), xs / (1 + np.exp(-xs)))
-    assert np.max(np.abs(got - ref)) <= 2e-3 * np.max(np.abs(ref))

@@ -1,0 +1,56 @@
+"""Helpers shared by several test files (test modules never import each other)."""
+from __future__ import annotations
+
+import numpy as np
+
+from autotune.costmodel import BackendModel, CostModel, record_features
+from runtime.models import load_model
+
+_MODELS: dict = {}
+
+
+def random_model(name: str):
+    """Random models are seeded; cache them per session (they are only read)."""
+    if name not in _MODELS:
+        _MODELS[name] = load_model(name)
+    return _MODELS[name]
+
+
+TRUE = {"call_ms": 0.05, "expert_ms": 0.012, "ms_per_gflop": 6.0, "ms_per_mb": 0.02}
+SHAPES = [(256, 256), (1024, 2048), (2048, 768)]
+
+
+def synthetic_records(backend: str, noise: float = 0.02, seed: int = 0) -> list[dict]:
+    """Records timed on a fake device whose cost is exactly TRUE, with multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    truth = BackendModel(backend, **TRUE)
+    recs = []
+    for h, f in SHAPES:
+        for m in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]:
+            recs.append({"kind": "ffn", "backend": backend, "tokens": m, "hidden": h, "ffn": f})
+        for g, c in [(1, 1), (4, 16), (8, 64), (4, 256)]:
+            recs.append({"kind": "group", "backend": backend, "capacities": [c] * g, "hidden": h, "ffn": f})
+    recs.append({"kind": "call", "backend": backend, "capacities": [1], "hidden": 8, "ffn": 8})
+    for r in recs:
+        r["median_ms"] = float(truth.analytic(*record_features(r, 4))) * float(np.exp(rng.normal(0, noise)))
+    return recs
+
+
+def apple_like(power: bool = True) -> CostModel:
+    """An ANE-like device: 0.095 ms fixed cost per call, twice the CPU's throughput."""
+    w = lambda x: x if power else None  # noqa: E731
+    return CostModel({"ane": BackendModel("ane", 0.095, 0.0, 0.3, 0.0, 2, True, w(2.0)),
+                      "cpu-exact": BackendModel("cpu-exact", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0)),
+                      "cpu-static": BackendModel("cpu-static", 0.01, 0.005, 0.6, 0.0, 2, False, w(20.0))})
+
+
+def mil_program(body, shape=(8, 16)):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=shape, dtype=types.fp16)], opset_version=ct.target.macOS15)
+    def prog(x):
+        return body(mb, x)
+
+    return prog

@@ -1,0 +1,44 @@
+"""Profiling this host: a tiny real profile-device run (and show-profile on its output), energy meters."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autotune.cli import main
+from autotune.profile import save_profile
+from autotune.profiling import RaplMeter, Settings, profile_device
+
+
+def test_tiny_real_profile_device_run_and_show_profile(tmp_path, capsys):
+    s = Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32], num_experts=4,
+                 warmup=1, min_runs=3, max_runs=3, min_time_s=0.0)
+    prof = profile_device(["cpu-exact", "cpu-static"], quick=True, threads=1, progress=False, s=s)
+    kinds = {r["kind"] for r in prof.records}
+    assert {"call", "group", "pack", "exact_host"} <= kinds
+    for r in prof.records:
+        assert r["runs"] == 3 and r["median_ms"] > 0 and r["p25_ms"] <= r["p75_ms"] and r["clock"] == "cpu"
+    assert prof.settings["threads"] == 1 and prof.host["libraries"]["torch"]
+    assert set(prof.heldout_mape) >= {"cpu-exact", "cpu-static", "host-pack", "host-exact"}
+    if prof.energy["method"] == "none":
+        assert not any("power_w" in r for r in prof.records) and not prof.cost_model.has_energy
+    path = tmp_path / "tiny.json"
+    save_profile(prof, path)
+    assert main(["show-profile", str(path), "--json", "--plot", str(tmp_path / "fit.png")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["backends"]) == {"cpu-exact", "cpu-static"}
+    assert all("heldout_mape" in b for b in out["backends"].values())
+    assert (tmp_path / "fit.png").stat().st_size > 1000
+
+
+def test_rapl_meter_reads_counters_and_handles_wraparound(tmp_path):
+    d = tmp_path / "intel-rapl:0"
+    d.mkdir()
+    (d / "energy_uj").write_text("999000000\n")
+    (d / "max_energy_range_uj").write_text("1000000000\n")
+    assert RaplMeter.available(tmp_path)[0]
+    m = RaplMeter(tmp_path)
+    a = m.read_mj()
+    (d / "energy_uj").write_text("1000000\n")  # wrapped: 1 J after the max, +2 J in all
+    assert m.delta_mj(a, m.read_mj()) == pytest.approx(2000.0)
+    assert not RaplMeter.available(tmp_path / "none")[0]
