@@ -48,7 +48,8 @@ class Probe:
     group: object = None  # runtime.backends.GroupSpec of the built function
     backend: object = None  # runtime.ane.AneBackend over the package (macOS)
     fn: object = None  # its prepared group function
-    tmp: tempfile.TemporaryDirectory = field(default_factory=lambda: tempfile.TemporaryDirectory(prefix="npumoe-doctor-"))
+    tmp: tempfile.TemporaryDirectory = field(
+        default_factory=lambda: tempfile.TemporaryDirectory(prefix="npumoe-doctor-"))
 
 
 class Skip(Exception):
