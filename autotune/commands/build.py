@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weights: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means tables). "
                         "Numeric-check tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
     p.add_argument("--out", type=output_package, metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
-    p.add_argument("--cache-dir", type=directory, metavar="D", help="converted-function cache (default $NPUMOE_CACHE/coreml, "
-                                                    "else ~/.cache/npumoe/coreml)")
+    p.add_argument("--cache-dir", type=directory, metavar="D",
+                   help="converted-function cache (default $NPUMOE_CACHE/coreml, else ~/.cache/npumoe/coreml)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run)
 

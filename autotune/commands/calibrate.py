@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
                    help="the text is cut into prompts of N tokens, each prefilled from an empty cache (default 1024)")
-    p.add_argument("--max-tokens", type=positive_int, default=32768, metavar="N", help="use at most N tokens (default 32768)")
+    p.add_argument("--max-tokens", type=positive_int, default=32768, metavar="N",
+                   help="use at most N tokens (default 32768)")
     p.add_argument("--out", type=output_file(), metavar="FILE", help="traces file (default traces/<model>.npz)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary object")

@@ -29,15 +29,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--profile", metavar="P", help="profile file or shipped name (e.g. apple-m2-ultra-published); "
                                                   "default: this host's saved profile (made quickly if missing)")
-    p.add_argument("--traces", type=traces_file, metavar="T", help="traces file (default traces/<model>.npz, calibrated if missing)")
+    p.add_argument("--traces", type=traces_file, metavar="T",
+                   help="traces file (default traces/<model>.npz, calibrated if missing)")
     p.add_argument("--drop-budget", type=fraction_below_one, default=0.10, metavar="X",
                    help="max share of assignments dropped on held-out traces (default 0.10)")
     p.add_argument("--objective", choices=["latency", "energy", "both"], default="latency",
                    help="what the search minimises (predicted by the profile's cost model); both: the Pareto front "
                         "of latency and energy (default latency)")
-    p.add_argument("--trials", type=positive_int, default=120, metavar="N", help="Optuna trials per MoE layer (default 120)")
-    p.add_argument("--storage", type=storage_url, metavar="URL", help="Optuna storage to resume from: sqlite:///file.db (one worker) "
-                                                    "or journal:FILE (JournalStorage, several processes)")
+    p.add_argument("--trials", type=positive_int, default=120, metavar="N",
+                   help="Optuna trials per MoE layer (default 120)")
+    p.add_argument("--storage", type=storage_url, metavar="URL",
+                   help="Optuna storage to resume from: sqlite:///file.db (one worker) "
+                        "or journal:FILE (JournalStorage, several processes)")
     p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
                    help="device budget for resident expert weights, fp16, all layers (default 16384)")
     p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight",

@@ -15,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show-profile", help="show a profile's cost-model fit and held-out error")
     p.add_argument("profile", metavar="FILE", help="a profile file, a shipped profile's name, or `host`")
     p.add_argument("--json", action="store_true", help="print one JSON object (per backend: heldout_mape, fit)")
-    p.add_argument("--plot", type=plot_file, default=None, metavar="PNG", help="write measured vs predicted per backend")
+    p.add_argument("--plot", type=plot_file, default=None, metavar="PNG",
+                   help="write measured vs predicted per backend")
     p.set_defaults(func=run)
 
 
