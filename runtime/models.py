@@ -35,6 +35,12 @@ _RANDOM_FAMILIES: dict[str, tuple[str, dict]] = {
 RANDOM_MODELS = [RANDOM_PREFIX + f for f in _RANDOM_FAMILIES]
 BUILTIN_MODELS = ["tiny-moe", *RANDOM_MODELS]
 
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype (config.json `dtype` / `torch_dtype`)
+# Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
+# transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
+_ROUTER_KEY_FORMS = (".mlp.gate.", ".mlp.router.", ".block_sparse_moe.gate.", ".block_sparse_moe.router.")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -103,8 +109,38 @@ def _resolve_dir(name: str) -> Path:
     return path
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
-    """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network."""
+def _read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise NpumoeError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def checkpoint_dtype(name: str) -> torch.dtype:
+    """The dtype a model's weights are stored in: config.json's `dtype` (or older `torch_dtype`); random
+    models are made in float32. Unknown or absent: float32."""
+    if name.startswith(RANDOM_PREFIX):
+        return torch.float32
+    config = _read_config(_resolve_dir(name))
+    return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+
+
+def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
+    """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to load in."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return checkpoint_dtype(name)
+    if dtype not in DTYPES:
+        raise NpumoeError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
+
+
+def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
+    """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
+
+    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy."""
+    dtype = resolve_dtype(name, dtype)
     if name.startswith(RANDOM_PREFIX):
         model = _random_model(name[len(RANDOM_PREFIX):])
         return model.to(dtype), ByteTokenizer(model.config.vocab_size)
@@ -135,16 +171,79 @@ def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
     return layers
 
 
-def model_spec(model: torch.nn.Module) -> ModelSpec:
-    """Shape and fingerprint (config shape + router weights) of an MoE model."""
-    cfg = model.config
-    layers = moe_layers(model)
-    first = layers[0].experts
-    spec = dict(architecture=type(model).__name__, model_type=cfg.model_type, num_layers=cfg.num_hidden_layers,
+def _spec_fields(model: torch.nn.Module, layers: list[MoELayer]) -> dict:
+    cfg, first = model.config, layers[0].experts
+    return dict(architecture=type(model).__name__, model_type=cfg.model_type, num_layers=cfg.num_hidden_layers,
                 moe_layers=[l.index for l in layers], num_experts=int(first.num_experts),
                 top_k=int(cfg.num_experts_per_tok), hidden_size=int(first.hidden_dim),
                 expert_ffn_size=int(first.intermediate_dim))
-    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
-    for layer in layers:
-        h.update(layer.router.weight.detach().to(torch.float32).contiguous().numpy().tobytes())
-    return ModelSpec(**spec, fingerprint="sha256:" + h.hexdigest()[:32])
+
+
+def _fingerprint(fields: dict, routers: list[torch.Tensor]) -> ModelSpec:
+    """Config shape + router weights. Routers are hashed rounded to bfloat16, so that one checkpoint loaded in
+    any --dtype (and its routers read alone from the files) has one fingerprint."""
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    for w in routers:
+        h.update(w.detach().to(torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
+    return ModelSpec(**fields, fingerprint="sha256:" + h.hexdigest()[:32])
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """Shape and fingerprint (config shape + router weights) of a loaded MoE model."""
+    layers = moe_layers(model)
+    return _fingerprint(_spec_fields(model, layers), [l.router.weight for l in layers])
+
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the .safetensors file holding it (single file or a sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        return {k: path / v for k, v in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _read_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for old in _ROUTER_KEY_FORMS:
+        if old not in module_key:
+            continue
+        for new in _ROUTER_KEY_FORMS:
+            key = module_key.replace(old, new)
+            if key in files:
+                with safe_open(files[key], "pt") as f:
+                    return f.get_tensor(key)
+    return None
+
+
+def read_model_spec(name: str) -> ModelSpec:
+    """The same ModelSpec as `model_spec(load_model(name)[0])`, reading only config.json and the router weights
+    (tensor by tensor from the safetensors files): what plan-template and search need, at a fraction of the
+    memory. Falls back to a full load where the routers cannot be found in safetensors files."""
+    if name.startswith(RANDOM_PREFIX):
+        return model_spec(load_model(name)[0])
+    import transformers
+
+    path = _resolve_dir(name)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):  # the module tree without memory: names and shapes only
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+    layers = moe_layers(skeleton)
+    if not layers:
+        raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    files = _safetensors_files(path)
+    routers = [_read_router(files, names[id(l.router.weight)]) for l in layers]
+    if any(r is None for r in routers):
+        return model_spec(load_model(name, "auto")[0])
+    return _fingerprint(_spec_fields(skeleton, layers), routers)

@@ -11,12 +11,13 @@ from runtime.models import load_model, model_spec, moe_layers
 from runtime.plan import check_plan_matches, load_plan
 
 from .argtypes import directory, input_file, output_package
-from .common import add_model_argument, print_json
+from .common import add_dtype_argument, add_model_argument, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="build the Core ML package of a plan's ANE groups (one function per group)")
     add_model_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     p.add_argument("--layout", choices=LAYOUTS, default="matmul",
                    help="matmul: [slots, H] with linear layers; conv1x1: [1, H, 1, slots] with 1x1 convolutions "
@@ -42,7 +43,7 @@ def _progress_factory(enabled: bool):
 def run(args: argparse.Namespace) -> int:
     quiet_coremltools_import()
     plan = load_plan(args.plan)
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, args.dtype)
     check_plan_matches(plan, model_spec(model), args.plan)
     out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
     layers = {layer.index: layer.experts for layer in moe_layers(model)}

@@ -11,12 +11,14 @@ from ..texts import DEFAULT_CALIB_TEXT
 from ..traces import default_traces_path, record_traces, save_traces
 from ..workload import encode_text
 from .argtypes import output_file, positive_int
-from .common import add_model_argument, add_text_argument, add_threads_argument, apply_threads, print_json
+from .common import (add_dtype_argument, add_model_argument, add_text_argument, add_threads_argument, apply_threads,
+                     print_json)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="record routing traces of a model on real text")
     add_model_argument(p)
+    add_dtype_argument(p)
     add_text_argument(p, DEFAULT_CALIB_TEXT)
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
@@ -30,9 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def calibrate(model_name: str, text: str, chunk: int, prompt_tokens: int, max_tokens: int, out: str | None,
-              progress: bool = True) -> tuple[str, dict]:
+              progress: bool = True, dtype: str = "auto") -> tuple[str, dict]:
     """Record and save traces; returns (path, summary). Used by `search` when traces are missing."""
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype)
     ids = encode_text(tokenizer, text, max_tokens)
     traces = record_traces(model, ids, chunk, prompt_tokens, text, progress=progress)
     path = str(out or default_traces_path(model_name))
@@ -50,7 +52,7 @@ def calibrate(model_name: str, text: str, chunk: int, prompt_tokens: int, max_to
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     path, summary = calibrate(args.model, args.text, args.chunk, args.prompt_tokens, args.max_tokens, args.out,
-                              progress=not args.json)
+                              progress=not args.json, dtype=args.dtype)
     if args.json:
         print_json(summary)
     else:

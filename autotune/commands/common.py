@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from runtime.models import BUILTIN_MODELS
+from runtime.models import BUILTIN_MODELS, DTYPE_CHOICES
 
 from .argtypes import input_file, input_package, positive_int
 
@@ -15,6 +15,12 @@ from .argtypes import input_file, input_package, positive_int
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="M",
                    help=f"a local transformers model directory or a built-in name ({', '.join(BUILTIN_MODELS)})")
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="dtype to load the model in and compute with (default auto: the checkpoint's own dtype, "
+                        "bfloat16 for tiny-moe, float32 for the random models)")
 
 
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
@@ -41,6 +47,7 @@ def print_json(obj: dict) -> None:
 def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tokens_default: int) -> None:
     """The options `planned_inputs` reads, shared by every command that runs a plan on a text."""
     add_model_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     add_text_argument(p, text_default)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",
@@ -60,7 +67,7 @@ def planned_inputs(args: argparse.Namespace) -> tuple:
     from ..workload import encode_text
 
     apply_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, args.dtype)
     plan = load_plan(args.plan)
     ids = encode_text(tokenizer, args.text, args.max_tokens)
     backends = None

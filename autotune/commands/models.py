@@ -11,7 +11,7 @@ from runtime.models import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
 from .. import modelstats
 from ..texts import DEFAULT_CALIB_TEXT, read_text
 from .argtypes import positive_int
-from .common import add_text_argument, add_threads_argument, apply_threads, print_json
+from .common import add_dtype_argument, add_text_argument, add_threads_argument, apply_threads, print_json
 
 _ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
 
@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the built-in models with their MoE shape and expert load shares")
     p.add_argument("--model", action="append", metavar="M",
                    help=f"only these models (repeatable; default: all of {', '.join(BUILTIN_MODELS)})")
+    add_dtype_argument(p)
     add_text_argument(p, DEFAULT_CALIB_TEXT)
     p.add_argument("--max-tokens", type=positive_int, default=16384, metavar="N",
                    help="measure load shares on the first N tokens of the text (default 16384)")
@@ -28,9 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def describe(name: str, text: str, max_tokens: int) -> dict:
+def describe(name: str, text: str, max_tokens: int, dtype: str = "auto") -> dict:
     """Shape, size and per-layer expert load shares of one model on the first `max_tokens` tokens of `text`."""
-    model, tokenizer = load_model(name)
+    model, tokenizer = load_model(name, dtype)
     spec = model_spec(model)
     ids = modelstats.encode(tokenizer, read_text(text))[:max_tokens]
     if len(ids) < 2:
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     models = []
     for name in names:
         try:
-            models.append(describe(name, args.text, args.max_tokens))
+            models.append(describe(name, args.text, args.max_tokens, args.dtype))
         except NpumoeError as e:
             if len(names) == 1:
                 raise

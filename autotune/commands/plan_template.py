@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.models import load_model, model_spec
+from runtime.models import read_model_spec
 from runtime.plan import save_plan
 
 from ..templates import template_plan
@@ -30,8 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, _ = load_model(args.model)
-    plan = template_plan(model_spec(model), args.capacity, args.overflow, args.backend, args.chunk, args.saliency)
+    plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk, args.saliency)
     save_plan(plan, args.out)
     print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
           f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json
-from runtime.models import load_model, model_spec
+from runtime.models import read_model_spec
 from runtime.plan import save_plan
 
 from ..profile import ProfileHostWarning, host_profile_path, load_profile, save_profile
@@ -21,12 +21,13 @@ from ..texts import DEFAULT_CALIB_TEXT
 from ..traces import default_traces_path, load_traces
 from .argtypes import (fraction_below_one, non_negative_int, output_file, positive_float, positive_int,
                        storage_url, traces_file)
-from .common import add_model_argument, add_threads_argument, apply_threads, print_json
+from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search tiers, groups and residency for a model on a device profile")
     add_model_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--profile", metavar="P", help="profile file or shipped name (e.g. apple-m2-ultra-published); "
                                                   "default: this host's saved profile (made quickly if missing)")
     p.add_argument("--traces", type=traces_file, metavar="T",
@@ -91,7 +92,8 @@ def _traces(args, spec) -> tuple[object, str]:
 
     print(f"autotune search: no traces for {args.model}; calibrating on {DEFAULT_CALIB_TEXT} into {path}",
           file=sys.stderr)
-    calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 32768, str(path), progress=not args.json)
+    calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 32768, str(path), progress=not args.json,
+              dtype=args.dtype)
     return load_traces(path), str(path)
 
 
@@ -104,8 +106,7 @@ def _study_prefix(spec, cost, traces, args) -> str:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
-    model, _ = load_model(args.model)
-    spec = model_spec(model)
+    spec = read_model_spec(args.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileHostWarning)
         profile, profile_name = _profile(args.profile, args.json)
