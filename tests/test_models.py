@@ -9,8 +9,7 @@ import transformers
 from autotune.cli import main
 from autotune.templates import template_plan
 from runtime.executor import PlanExecutor
-from runtime.models import (RANDOM_MODELS, TINY_MOE_DIR, checkpoint_dtype, load_model, model_spec, moe_layers,
-                            read_model_spec)
+from runtime.models import (RANDOM_MODELS, TINY_MOE_DIR, checkpoint_dtype, load_model, model_spec, read_model_spec)
 from runtime.plan import check_plan_matches
 from runtime.prefill import max_rel_diff, prefill_logits
 

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk, args.saliency)
+    plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk,
+                         args.saliency)
     save_plan(plan, args.out)
     print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
           f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}")
