@@ -23,7 +23,7 @@ from .traces import Traces
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
-ANE_MAX_AXIS = 65_536  # per-axis size limit of an ANE tensor (DESIGN.md)
+ANE_MAX_AXIS = 65_536  # per-axis size limit of an ANE tensor (docs/ane-facts.md)
 ANE_MAX_OPS = 18_000  # MIL ops per program, with margin below the ~18-21K ceiling
 OPS_PER_EXPERT = 8  # slice, 2 matmuls, split, silu, mul, concat share: what the builder emits per expert
 

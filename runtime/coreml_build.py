@@ -31,7 +31,7 @@ from .plan import Plan
 
 COMPRESSIONS = ("none", "int8", "palettize4")
 ANE_MAX_AXIS = 65_536  # per-axis size limit of the Neural Engine
-ANE_MAX_OPS = 18_000  # MIL ops per program; the ANE compiler gives up around 18-21K (DESIGN.md)
+ANE_MAX_OPS = 18_000  # MIL ops per program; the ANE compiler gives up around 18-21K (docs/ane-facts.md)
 OPS_PER_EXPERT = 7  # slice, linear, 2 slices, silu, mul, linear (consts not counted)
 BUILDER_VERSION = 1  # bump when the emitted program changes: invalidates the function cache
 
