@@ -432,17 +432,3 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
     return {"method": f"cross-validation per backend ({' / '.join(sorted(used_k)) or 'none'}): each record "
                       "predicted by a model fitted without it; MAPE = mean |predicted - measured| / measured",
             "mape": mape, "n": {k: len(v) for k, v in groups.items()}}
-
-
-def load_profile(path_or_name: str):  # noqa: F811 - re-exported for callers of the cost model
-    """A profile (file path, shipped name like `apple-m2-ultra-published`, or `host`); see autotune.profile."""
-    from .profile import load_profile as _load
-
-    return _load(path_or_name)
-
-
-def host_profile_path():
-    """Where this host's saved profile lives (override the root with NPUMOE_CACHE)."""
-    from .profile import host_profile_path as _path
-
-    return _path()

@@ -30,12 +30,24 @@ class GroupSpec:
 
 
 class StaticBackend(Protocol):
-    name: str
-    overlaps_cpu: bool  # True when calls run off the CPU, so the exact CPU path can run concurrently
+    """What a static backend implements (docs/backends.md). Lifecycle, for one `PlanExecutor`:
+    `available()` once, then `prepare()` once per planned group, both on the installing thread before the first
+    forward pass; then the prepared functions, once per group per chunk, on the forward pass's thread."""
 
-    def available(self) -> tuple[bool, str]: ...
+    name: str  # the name plans use (`Group.backend`) and run statistics count under
+    overlaps_cpu: bool  # True when calls run off the CPU: the chunk's exact path then runs meanwhile on a worker
 
-    def prepare(self, group: GroupSpec) -> GroupFn: ...
+    def available(self) -> tuple[bool, str]:
+        """(usable on this host, why): called once when a plan is installed, before any `prepare`. Cheap, and
+        never raises for a missing platform: False makes the runtime run the groups on cpu-static, said once."""
+        ...
+
+    def prepare(self, group: GroupSpec) -> GroupFn:
+        """The group's function over a packed buffer `[sum(capacities), H]` -> outputs of the same shape (expert i
+        owns rows offsets[i]:offsets[i+1]; padding rows are zeros and their outputs are ignored). Loading,
+        compiling and weight conversion belong here, not in the call. The function is called from the forward
+        pass's thread while the exact path may run on another thread, never from two threads at once."""
+        ...
 
 
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +85,14 @@ _BUILTIN_MODULES = {"ane": ".ane"}
 
 def register_static_backend(name: str, factory: Callable[[], StaticBackend]) -> None:
     _STATIC_BACKENDS[name] = factory
+
+
+def registered_static_backends() -> dict[str, Callable[[], StaticBackend]]:
+    """Every static backend a plan can name, by name, built-in ones included (their modules imported)."""
+    for name, module in _BUILTIN_MODULES.items():
+        if name not in _STATIC_BACKENDS:
+            importlib.import_module(module, __package__)
+    return dict(_STATIC_BACKENDS)
 
 
 def resolve_static_backend(name: str, instances: dict[str, StaticBackend] | None = None) -> StaticBackend:

@@ -40,8 +40,20 @@ class LayerExecutor:
                 row += c
             self.groups.append((backend.name, fn, row - g.slots, row))
         self.slots = row
-        overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-exact") if overlap else None
+        # Where a group runs off the CPU, the chunk's exact path runs meanwhile on one worker thread.
+        self.overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
+        self.pool: ThreadPoolExecutor | None = None
+        self.open()
+
+    def open(self) -> None:
+        """Start the exact-path worker (where groups overlap the CPU); `close` stops it."""
+        if self.overlap and self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-exact")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.chunk:
@@ -137,6 +149,7 @@ class PlanExecutor:
 
     def install(self) -> "PlanExecutor":
         for layer in moe_layers(self.model):
+            self.layers[layer.index].open()
             layer.experts._npumoe_executor = self.layers[layer.index]
         self._previous = self.model.config._experts_implementation
         self.model.set_experts_implementation(IMPLEMENTATION)
@@ -146,6 +159,7 @@ class PlanExecutor:
         self.model.set_experts_implementation(self._previous or "grouped_mm")
         for layer in moe_layers(self.model):
             layer.experts._npumoe_executor = None
+            self.layers[layer.index].close()
 
     def __enter__(self) -> "PlanExecutor":
         return self.install()
