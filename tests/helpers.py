@@ -54,3 +54,29 @@ def mil_program(body, shape=(8, 16)):
         return body(mb, x)
 
     return prog
+
+
+def shape_twin_script():
+    """scripts/make_shape_twin.py as a module (scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_shape_twin.py"
+    spec = importlib.util.spec_from_file_location("make_shape_twin", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A twin's real config with every width shrunk: the same code paths (per-expert keys, shards, tokenizer) in seconds.
+TINY_SHAPES = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def tiny_twin(path, like: str = "qwen3-30b-a3b", layers: int = 2, **overrides):
+    """A tiny twin-like checkpoint at `path` (bf16 safetensors shards, BPE tokenizer): never a big twin in tests."""
+    twin = shape_twin_script()
+    wanted = {**TINY_SHAPES, **overrides}
+    shapes = {k: v for k, v in wanted.items() if k in twin.TWINS[like] or k in ("head_dim", *overrides)}
+    twin.make_twin(like, layers, path, progress=False, **shapes)
+    return path

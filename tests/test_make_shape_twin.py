@@ -1,0 +1,29 @@
+"""scripts/make_shape_twin.py on shrunken configs: loadable without missing weights, decisive routing, bf16."""
+import pytest
+import torch
+import transformers
+
+from runtime.models import load_model, model_spec, moe_layers, read_model_spec
+
+from helpers import shape_twin_script, tiny_twin
+
+
+@pytest.mark.parametrize("like", ["qwen3-30b-a3b", "phi-3.5-moe", "mixtral-8x7b", "olmoe-1b-7b"])
+def test_twin_loads_whole_in_bf16(tmp_path, like):
+    path = tiny_twin(tmp_path / "twin", like, layers=2)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model, tok = load_model(str(path), "auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.model_type == shape_twin_script().TWINS[like]["model_type"]
+    assert len(moe_layers(model)) == 2
+    assert 0.4 < float(moe_layers(model)[0].router.weight.detach().float().std()) < 0.6  # decisive routing
+    assert len(tok.encode("def f(x): return x")) > 1
+    assert read_model_spec(str(path)) == model_spec(model)
+
+
+def test_twin_config_is_the_published_one_but_the_layers():
+    twin = shape_twin_script()
+    cfg = twin.twin_config("qwen3-30b-a3b", 2)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size) == (2, 128, 768, 2048)
+    assert twin.twin_config("phi-3.5-moe", 1).intermediate_size == 6400
