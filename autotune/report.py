@@ -22,6 +22,14 @@ def solution_summary(sol: Solution, calib_chunks: int, heldout_assignments: int)
             "heldout_drop_rate": sol.heldout_drops / max(1, heldout_assignments)}
 
 
+def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:
+    """Each baseline's predicted energy over the plan's (> 1: the plan uses less); None without power figures."""
+    if best["predicted_energy_mj"] is None:
+        return None
+    return {n: b["predicted_energy_mj"] / best["predicted_energy_mj"] for n, b in base.items()
+            if b["predicted_energy_mj"] is not None}
+
+
 def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments: int, seconds: float,
                   context: dict) -> dict:
     """The JSON report (and what `search --json` prints). Latency/energy are per calibration chunk, all MoE
@@ -34,6 +42,7 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
             "baselines": {n: b["predicted_latency_ms"] for n, b in base.items()},
             "baseline_details": base,
             "speedup_vs": {n: b["predicted_latency_ms"] / best["predicted_latency_ms"] for n, b in base.items()},
+            "energy_ratio_vs": energy_ratios(best, base),
             "gap_vs_exact": outcome.gap_vs_exact, "exact_layers": outcome.exact_layers,
             "trials": outcome.trials, "search_seconds": seconds,
             "pareto_front": [solution_summary(s, calib_chunks, heldout_assignments) for s in outcome.front],

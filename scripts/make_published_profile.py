@@ -1,15 +1,21 @@
 """Build autotune/profiles/apple-m2-ultra-published.json from figures others published (nothing here is measured
 by npumoe).
 
-- NPUMoE (Benazir & Lin, arXiv:2604.18788), dense matmul latency on M2 Ultra, Core ML CPU-only vs CPU+ANE, per
-  (M, N, K). The ANE backend is fitted to the CPU+ANE column, the CPU backends (`cpu-exact`, and `cpu-static`, which
-  on that device is the same CPU) to the CPU-only column.
-- ANE fixed cost per evaluation ~0.095 ms (XPC + IOKit dispatch, measured on an M4 Mac mini through _ANEClient):
-  maderix, "Inside the M4 Apple Neural Engine, Part 2: ANE Benchmarks". Pinned as the ANE's call_ms.
-- ANE power: 2.8 W peak (same M4 series: "6.6 TFLOPS/W at a peak power of 2.8 W"); M1 ANE 4.4 W package power on a
-  4096-square matmul against 32.5 W for the GPU (ane-guide, "Power and efficiency"). No CPU power figure for the
-  M2 Ultra under this workload was found, so CPU power is left out and the layer energy is None for any plan with CPU
-  work: the search then has no energy objective on this profile rather than an invented one.
+Revision 2 (`settings.revision`): the fixed cost per ANE call is the Core ML `predict()` path's, the path the
+runtime takes, and CPU and ANE power are given, so `--objective energy|both` works on this profile. Every figure
+names its source in `sources` and says whether it was read at the source (`seen: primary`) or only quoted by
+another page (`seen: second-hand`).
+
+- Matmul latency: NPUMoE (Benazir & Lin, arXiv:2604.18788), dense matmul on M2 Ultra, Core ML CPU-only vs CPU+ANE,
+  per (M, N, K). The ANE backend is fitted to the CPU+ANE column, the CPU backends (`cpu-exact`, and `cpu-static`,
+  which on that device is the same CPU) to the CPU-only column.
+- ANE fixed cost per call: 0.095 ms through the private `_ANEClient` (M4; maderix) is not the runtime's path. Core
+  ML adds 2-4x on small ops (maderix's M4 series), i.e. 0.19-0.38 ms; a tiny Core ML head measured 0.38 ms
+  (aosama/astronomical issue 540); M1's floor is ~0.23 ms (ane-guide). Pinned at 0.27 ms, the geometric middle of
+  0.19-0.38 ms, so that the robustness cases (x0.5, x2) span the whole reported range.
+- Power: ANE ~1.58 W during ANE prefill on an M2 Ultra (atomgradient hybrid-ane-mlx-bench); CPU ~61 W under CPU
+  load, M2 Ultra Mac Studio (Ars Technica's review, as quoted). Apple's 295 W maximum is the whole system at the
+  wall (CPU + GPU + everything): kept as a bound, not used as the CPU's power.
 
 Run: python scripts/make_published_profile.py [--out autotune/profiles/apple-m2-ultra-published.json]
 """
@@ -21,24 +27,70 @@ import copy
 from autotune.costmodel import fit_backend, heldout_errors, predict_record, CostModel, HostCosts
 from autotune.profile import Profile, _now, save_profile
 
+REVISION = 2
 PAPER = ("NPUMoE: Benazir & Lin, 'Efficient Mixture-of-Experts LLM Inference with Apple Silicon NPUs', "
          "arXiv:2604.18788 (2026), dense matmul table, M2 Ultra, Core ML CPU-only vs CPU+ANE (figures as transcribed "
          "in npumoe issue 4)")
-M4_BLOG = ("maderix, 'Inside the M4 Apple Neural Engine, Part 2: ANE Benchmarks', "
-           "https://maderix.substack.com/p/inside-the-m4-apple-neural-engine-615 (M4 Mac mini, _ANEClient, "
-           "256x256 matmul 0.101 ms of which ~0.095 ms XPC + IOKit dispatch)")
-ANE_POWER = ("ANE peak power 2.8 W (M4, '6.6 TFLOPS/W at a peak power of 2.8 W', maderix M4 ANE series); "
-             "M1 ANE 4.4 W vs GPU 32.5 W package power on a 4096-square matmul "
-             "(https://ane-guide.readthedocs.io/en/latest/part-3-performance/10-power-efficiency.html). "
-             "Issue 4 quotes 1.6-2.8 W under load; the 1.6 W end was not located, 2.8 W is used.")
+ANE_CALL_MS = 0.27
+ANE_POWER_W = 1.58
+CPU_POWER_W = 61.0
+
+
+def cite(source: str, seen: str, says: str) -> dict:
+    return {"source": source, "seen": seen, "says": says}
+
+
+SOURCES = {
+    "matmul_table": {"value": "6 (M, N, K) rows", "cites": [cite(PAPER, "primary", "CPU-only and CPU+ANE latency")]},
+    "ane_call_ms": {
+        "value": ANE_CALL_MS, "unit": "ms",
+        "how": "geometric middle of 0.19-0.38 ms (2-4x the private path's 0.095 ms); the tiny-head and M1 figures "
+               "fall inside it; x0.5 and x2 (the robustness cases) cover the whole range",
+        "cites": [
+            cite("maderix, 'Inside the M4 Apple Neural Engine, Part 2: ANE Benchmarks', "
+                 "https://maderix.substack.com/p/inside-the-m4-apple-neural-engine-615", "primary",
+                 "M4 Mac mini, direct _ANEClient (no Core ML): 256x256 matmul 0.101 ms, ~0.095 ms of it XPC + IOKit "
+                 "dispatch; the private path, which npumoe's runtime does not take"),
+            cite("maderix's M4 ANE series, as summarised at https://thedailyscout.com/s/MiOrc7QUH0o", "second-hand",
+                 "Core ML adds 2-4x overhead for small operations over the direct path"),
+            cite("aosama/astronomical issue 540, https://github.com/aosama/astronomical/issues/540", "primary",
+                 "a 1.4M-FLOP Core ML head loaded CPU_AND_NE: 0.38 ms per predict after buffer reuse (CPU 0.33 ms)"),
+            cite("ane-guide (ane-guide.readthedocs.io), as quoted in npumoe issue 14", "second-hand",
+                 "M1 Core ML floor ~0.23 ms per call"),
+        ]},
+    "ane_power_w": {
+        "value": ANE_POWER_W, "unit": "W",
+        "cites": [cite("atomgradient, hybrid-ane-mlx-bench, https://atomgradient.github.io/hybrid-ane-mlx-bench/",
+                       "primary", "M2 Ultra 192 GB: ANE power ~1.58 W (+ ~0.22 W GPU) during ANE prefill, measured "
+                       "through the private-API ANE-LM path; Core ML CPU_AND_NE deadlocked on macOS 26.3")]},
+    "cpu_power_w": {
+        "value": CPU_POWER_W, "unit": "W",
+        "cites": [cite("Ars Technica, 'M2 Ultra Mac Studio review: Who needs a Mac Pro, anyway?' (A. Cunningham, "
+                       "2023-06), as quoted at https://smallformfactor.net/news/ars-technica-reviews-m2-ultra-"
+                       "powered-mac-studio", "second-hand",
+                       "the M2 Ultra Mac Studio 'only uses 61 watts under CPU load' (the primary page was found "
+                       "but its power figure was not in the text read)")]},
+    "system_power_max_w": {
+        "value": 295.0, "unit": "W", "used": False,
+        "cites": [cite("Apple, 'Mac Studio power consumption and thermal output (BTU) information', "
+                       "https://support.apple.com/102027", "primary",
+                       "M2 Ultra 24-core CPU, 76-core GPU, 192 GB: idle 10 W, max 295 W, measured at the wall, "
+                       "whole system under a compute-intensive test: an upper bound, not the CPU's power")]},
+}
+SUPERSEDED = {"ane_call_ms": "revision 1 pinned 0.095 ms (the private _ANEClient path on an M4)",
+              "ane_power_w": "revision 1 used 2.8 W (M4 ANE peak, maderix)", "cpu_power_w": "revision 1 had none"}
+
+
+def _said(key: str) -> str:
+    s = SOURCES[key]
+    return f"{s['value']} {s.get('unit', '')}: " + "; ".join(f"{c['source']} ({c['seen']})" for c in s["cites"])
+
 
 # (M, N, K), CPU-only ms, CPU+ANE ms
 TABLE = [((64, 4096, 4096), 1.27, 1.24), ((256, 4096, 4096), 3.80, 2.67), ((512, 4096, 4096), 7.33, 3.80),
          ((1024, 4096, 4096), 15.20, 7.22), ((2048, 4096, 4096), 30.78, 13.15),
          ((32048, 4096, 14336), 3322.26, 3201.00)]
 EXCLUDE_M = 32048  # its throughput is 4x below the 2048 row's: outside the fixed + per-FLOP form; kept as a record
-ANE_CALL_MS = 0.095
-ANE_POWER_W = 2.8
 
 
 def records() -> list[dict]:
@@ -63,14 +115,16 @@ def main() -> None:
     args = ap.parse_args()
     recs = records()
     options = {"ane": dict(dtype_bytes=2, fixed={"call_ms": ANE_CALL_MS}, residual=False, power_w=ANE_POWER_W,
-                           power_source=ANE_POWER),
-               "cpu-exact": dict(dtype_bytes=4, residual=False)}
+                           power_source=_said("ane_power_w")),
+               "cpu-exact": dict(dtype_bytes=4, residual=False, power_w=CPU_POWER_W,
+                                 power_source=_said("cpu_power_w"))}
     heldout = heldout_errors(recs, options)  # 5 records per backend: leave-one-out
     heldout["method"] += "; over the 5 published records per backend that the fit uses"
     models = {b: fit_backend(b, [r for r in recs if r["backend"] == b and not r.get("excluded")], **options[b])
               for b in options}
-    models["ane"].note = f"call_ms pinned to {ANE_CALL_MS} ms: {M4_BLOG}; compute fitted to the CPU+ANE column"
-    models["cpu-exact"].note = "fitted to the CPU-only column (Core ML CPU_ONLY); the CPU's power is not published"
+    models["ane"].note = (f"call_ms pinned to {ANE_CALL_MS} ms, the Core ML predict() path's (see sources."
+                          "ane_call_ms); compute fitted to the CPU+ANE column")
+    models["cpu-exact"].note = "fitted to the CPU-only column (Core ML CPU_ONLY); power: see sources.cpu_power_w"
     models["cpu-static"] = copy.deepcopy(models["cpu-exact"])
     models["cpu-static"].name = "cpu-static"
     models["cpu-static"].note = "the same CPU as cpu-exact (a padded static call on the CPU): same fit"
@@ -83,12 +137,14 @@ def main() -> None:
               "chip": "Apple M2 Ultra", "os": "macOS"},
         cost_model=CostModel(models, HostCosts(), 2048), records=recs, heldout=heldout,
         measured_by="published figures: not measured by npumoe's profile-device (see sources)",
-        settings={"note": "built by scripts/make_published_profile.py"},
-        energy={"method": "published", "source": ANE_POWER, "cpu_power_w": None},
+        settings={"note": "built by scripts/make_published_profile.py", "revision": REVISION},
+        energy={"method": "published", "cpu_power_w": CPU_POWER_W, "ane_power_w": ANE_POWER_W,
+                "source": "see sources.cpu_power_w and sources.ane_power_w; energy = power x predicted busy time"},
         created=_now(),
-        extra={"sources": {"matmul_table": PAPER, "ane_fixed_cost": M4_BLOG, "ane_power": ANE_POWER},
+        extra={"sources": SOURCES, "superseded": SUPERSEDED,
                "not_measured": ["host-side pack/unpack and exact-path bookkeeping (0 in predictions)",
-                                "per-expert launch cost inside a CPU call (0)", "CPU power (energy is None)"]})
+                                "per-expert launch cost inside a CPU call (0)",
+                                "idle and uncore power (energy counts busy backends only)"]})
     save_profile(profile, args.out)
     print(f"wrote {args.out}: held-out MAPE " + ", ".join(f"{k} {v:.1%}" for k, v in heldout["mape"].items()))
 

@@ -101,9 +101,15 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
         prof = load_profile("apple-m2-ultra-published")
     cm = prof.cost_model
     assert {"ane", "cpu-exact", "cpu-static"} <= set(cm.backends)
-    assert cm.call_ms("ane") == pytest.approx(0.095)
-    assert cm.models["ane"].overlaps_cpu and cm.power_w("ane") == pytest.approx(2.8)
-    assert cm.power_w("cpu-exact") is None and not cm.has_energy
+    # revision 2: the Core ML predict() path's fixed cost, and cited CPU and ANE power
+    assert prof.settings["revision"] == 2
+    assert cm.call_ms("ane") == pytest.approx(0.27)
+    assert cm.models["ane"].overlaps_cpu and cm.power_w("ane") == pytest.approx(1.58)
+    assert cm.power_w("cpu-exact") == cm.power_w("cpu-static") == pytest.approx(61.0) and cm.has_energy
+    for key in ("ane_call_ms", "ane_power_w", "cpu_power_w"):
+        cites = prof.extra["sources"][key]["cites"]
+        assert cites and all(c["seen"] in ("primary", "second-hand") and c["source"] for c in cites)
+    assert prof.extra["sources"]["cpu_power_w"]["cites"][0]["seen"] == "second-hand"  # Ars, as quoted
     assert prof.published and "not measured" in prof.measured_by
     for r in prof.records:
         assert r["source"] and r["measured_by_npumoe"] is False
@@ -115,6 +121,26 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
             assert abs(pred / r["median_ms"] - 1) < 0.1
     assert cm.group_call_ms("ane", [64] * 8, 2048, 768) > cm.call_ms("ane")
     assert max(prof.heldout_mape.values()) < 0.1
-    # energy: ANE-only work has no CPU power behind packing, so no energy is claimed
+    # energy = power x busy time: the ANE's calls at 1.58 W, the CPU's exact path (spilled + cold) at 61 W
     lp = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[8, 8])], cpu_exact=[2])
-    assert cm.layer_energy_mj(lp, np.array([5, 9, 3]), 2048, 768, "spill") is None
+    ane_ms = cm.group_call_ms("ane", [8, 8], 2048, 768)
+    exact_ms = cm.exact_ms(np.array([0, 1, 3]), 2048, 768)  # expert 1 spills 1 of its 9, expert 2 is cold
+    assert cm.layer_energy_mj(lp, np.array([5, 9, 3]), 2048, 768, "spill") == pytest.approx(1.58 * ane_ms
+                                                                                          + 61.0 * exact_ms)
+
+
+def test_a_revision_1_profile_still_loads(tmp_path):
+    """Revision 2 added optional fields only (settings.revision, structured sources, CPU power): a profile
+    without them, like revision 1, loads and has no energy."""
+    obj = json.loads(shipped_profiles()["apple-m2-ultra-published"].read_text())
+    obj["settings"].pop("revision")
+    obj["sources"] = {"ane_fixed_cost": "a string, as revision 1 wrote it"}
+    obj.pop("superseded")
+    for b in ("cpu-exact", "cpu-static"):
+        obj["cost_model"]["backends"][b]["power_w"] = None
+    obj["cost_model"]["backends"]["ane"]["call_ms"] = 0.095
+    (tmp_path / "v1.json").write_text(json.dumps(obj))
+    with pytest.warns(ProfileHostWarning):
+        prof = load_profile(tmp_path / "v1.json")
+    assert prof.cost_model.call_ms("ane") == pytest.approx(0.095) and not prof.cost_model.has_energy
+

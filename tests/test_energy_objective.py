@@ -1,0 +1,46 @@
+"""Energy on the published Apple profile (revision 2): --objective energy|both runs, and the report gives the
+predicted energy of the plan and of every baseline (power x predicted busy time, with the cited powers)."""
+import warnings
+
+import pytest
+
+from autotune.profile import load_profile
+from autotune.report import format_report, search_report
+from autotune.search import run_search
+from autotune.space import LayerData, Scorer
+from autotune.traces import synthetic_traces
+
+SPEC = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
+            hidden_size=2048, expert_ffn_size=768, fingerprint="energy")
+
+
+def _apple():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_profile("apple-m2-ultra-published").cost_model
+
+
+@pytest.mark.parametrize("objective", ["energy", "both"])
+def test_energy_objectives_run_on_the_apple_profile(objective):
+    cost = _apple()
+    layers = LayerData.from_traces(synthetic_traces(SPEC, 30, 512, skew=1.2))
+    scorer = Scorer(cost, SPEC["hidden_size"], SPEC["expert_ffn_size"], "ane", 1e12)
+    out = run_search(layers, scorer, objective=objective, trials=30, chunk_tokens=512, exact_limit=0,
+                     progress=False)
+    chunks = layers[0].calib.shape[0]
+    report = search_report(out, chunks, sum(int(d.heldout.sum()) for d in layers), 0.0, {"profile": "apple"})
+    assert report["predicted_energy_mj"] > 0
+    details = report["baseline_details"]
+    assert all(b["predicted_energy_mj"] > 0 for b in details.values())
+    # CPU only: every expert on the exact path, so its energy is the CPU's 61 W x its predicted time
+    cpu = details["cpu_only"]
+    assert cpu["predicted_energy_mj"] == pytest.approx(61.0 * cpu["predicted_latency_ms"])
+    for name, ratio in report["energy_ratio_vs"].items():
+        assert ratio == pytest.approx(details[name]["predicted_energy_mj"] / report["predicted_energy_mj"])
+    if objective == "energy":  # all-CPU is in the searched space and within any drop budget
+        assert report["predicted_energy_mj"] <= cpu["predicted_energy_mj"]
+        assert report["energy_ratio_vs"]["cpu_only"] > 1.5  # the ANE's 1.58 W against the CPU's 61 W
+    else:
+        assert len(report["pareto_front"]) >= 2
+    table = format_report(report)
+    assert f"{report['predicted_energy_mj']:.3f}" in table and f"{cpu['predicted_energy_mj']:.3f}" in table
