@@ -21,9 +21,7 @@ import numpy as np
 
 # Static backends whose calls run off the CPU: the exact CPU path runs concurrently with them (see the executor).
 OVERLAPPING = {"ane"}
-CPU_BACKENDS = ("cpu-exact", "cpu-static")
-FEATURES = ("calls", "experts", "gflop", "mb")
-PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # the coefficient of each feature
+PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
 
 

@@ -165,14 +165,14 @@ def check_coreml_build(probe: Probe) -> str:
     from runtime.backends import GroupSpec
     from runtime.coreml_build import build_package, quiet_coremltools_import
     from runtime.models import load_model, model_spec, moe_layers
-    from runtime.plan import Group, LayerPlan, ModelRef, Plan
+    from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 
     quiet_coremltools_import()
     model, _ = load_model(PROBE_MODEL)
     spec = model_spec(model)
     layer = moe_layers(model)[0]
     experts = list(range(PROBE_EXPERTS))
-    plan = Plan(model=ModelRef(**spec.to_json()), chunk_tokens=16, overflow="drop", saliency="router_weight",
+    plan = Plan(model=ModelSpec(**spec.to_json()), chunk_tokens=16, overflow="drop", saliency="router_weight",
                 layers=[LayerPlan(layer=layer.index, cpu_exact=list(range(PROBE_EXPERTS, spec.num_experts)),
                                   groups=[Group(backend="ane", experts=experts,
                                                 capacities=[PROBE_CAPACITY] * PROBE_EXPERTS)])])

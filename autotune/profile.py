@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from runtime.errors import FileFormatError
-from runtime.fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
+from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
 
 from .costmodel import CostModel
 
@@ -51,7 +51,7 @@ class _Host(_Loose):
 
 
 class _Record(_Loose):
-    kind: Literal["ffn", "group", "call", "matmul", "pack", "exact_host"]
+    kind: Literal[RECORD_KINDS]
     backend: StrictStr
     median_ms: float = Field(gt=0)
 
@@ -147,8 +147,7 @@ def host_facts(threads: int | None = None) -> dict:
 def host_profile_path() -> Path:
     """Where this host's measured profile is saved: $NPUMOE_CACHE/profiles/<host-id>.json
     (default ~/.cache/npumoe)."""
-    root = Path(os.environ.get("NPUMOE_CACHE") or Path.home() / ".cache" / "npumoe")
-    return root / "profiles" / f"{host_id()}.json"
+    return cache_root() / "profiles" / f"{host_id()}.json"
 
 
 def shipped_profiles() -> dict[str, Path]:

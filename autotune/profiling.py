@@ -275,14 +275,14 @@ class _NullStatic:
 
 def _layer_executor(module: torch.nn.Module, static: bool, tokens: int, top_k: int, capacity: int):
     from runtime.executor import LayerExecutor
-    from runtime.plan import Group, LayerPlan, ModelRef, Plan
+    from runtime.plan import Group, LayerPlan, ModelSpec, Plan
     from runtime.stats import LayerStats
 
     e, h, f = module.num_experts, module.hidden_dim, module.intermediate_dim
     groups = [Group(backend="cpu-static", experts=list(range(i, min(i + 4, e))),
                     capacities=[capacity] * len(range(i, min(i + 4, e)))) for i in range(0, e, 4)]
     lp = LayerPlan(layer=0, groups=groups if static else [], cpu_exact=[] if static else list(range(e)))
-    ref = ModelRef(architecture="profile", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=e,
+    ref = ModelSpec(architecture="profile", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=e,
                    top_k=top_k, hidden_size=h, expert_ffn_size=f, fingerprint="profile")
     plan = Plan(model=ref, chunk_tokens=tokens, overflow="drop", saliency="router_weight", layers=[lp])
     return LayerExecutor(lp, module, plan, LayerStats(), {"cpu-static": _NullStatic()})

@@ -17,7 +17,7 @@ import optuna
 from tqdm import tqdm
 
 from runtime.errors import NpumoeError
-from runtime.plan import ModelRef, Plan, plan_from_json
+from runtime.plan import ModelSpec, Plan, plan_from_json
 
 from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, calibration, enumerate_configs,
                     group_sizes, heuristic_config, layer_plan, space_size)
@@ -298,7 +298,7 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
     overflow = next((c.overflow for c in sol.configs if c.resident), "drop")
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
-    obj = {"schema": "npumoe.plan/1", "model": ModelRef(**model).model_dump(), "chunk_tokens": chunk_tokens,
+    obj = {"schema": "npumoe.plan/1", "model": ModelSpec(**model).model_dump(), "chunk_tokens": chunk_tokens,
            "overflow": overflow, "saliency": saliency,
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from runtime.models import ModelSpec
-from runtime.plan import Group, LayerPlan, ModelRef, Plan
+from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 
 GROUP_SIZE = 4
+CAPACITIES = ("ample", "tight")
 
 
 def template_capacity(spec: ModelSpec, chunk_tokens: int, capacity: str) -> int:
@@ -17,7 +17,7 @@ def template_capacity(spec: ModelSpec, chunk_tokens: int, capacity: str) -> int:
         return chunk_tokens
     if capacity == "tight":
         return max(1, math.floor(chunk_tokens * spec.top_k / spec.num_experts / 4))
-    raise ValueError(f"capacity must be 'ample' or 'tight', got {capacity!r}")
+    raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
 
 
 def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "drop", backend: str = "cpu-static",
@@ -27,5 +27,5 @@ def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "dro
     chunks = [experts[i:i + GROUP_SIZE] for i in range(0, len(experts), GROUP_SIZE)]
     groups = [Group(backend=backend, experts=chunk, capacities=[cap] * len(chunk)) for chunk in chunks]
     layers = [LayerPlan(layer=i, groups=groups, cpu_exact=[]) for i in spec.moe_layers]
-    return Plan(model=ModelRef(**spec.to_json()), chunk_tokens=chunk_tokens, overflow=overflow, saliency=saliency,
+    return Plan(model=spec, chunk_tokens=chunk_tokens, overflow=overflow, saliency=saliency,
                 layers=layers, meta={"made_by": f"autotune plan-template --capacity {capacity}"})

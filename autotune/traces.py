@@ -1,6 +1,6 @@
 """Routing traces `npumoe.traces/1`: what the router chose on real text, per layer and chunk.
 
-Stored as a numpy `.npz` (no pickle): a JSON header (schema, model spec, text, chunking, split) and per MoE layer
+Stored as a numpy `.npz` (no pickle): a JSON header (schema, the `ModelSpec`, text, chunking, split) and per MoE layer
 every assignment's expert id, router weight and the token's hidden-state norm (the inputs of both saliency
 rules), with the chunk each token belongs to and whether that chunk is calibration or held-out. Whole prompts go
 to one split, so held-out chunks come from text the calibration part never saw.
@@ -17,9 +17,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pydantic import ValidationError
+
 from runtime.errors import FileFormatError
-from runtime.fileio import atomic_write_bytes, check_schema
-from runtime.models import ModelSpec, model_spec, moe_layers
+from runtime.fileio import atomic_write_bytes, check_schema, validation_error
+from runtime.models import model_spec, moe_layers
+from runtime.plan import ModelSpec
 
 SCHEMA, KIND, VERSION = "npumoe.traces/1", "traces", 1
 HELDOUT_EVERY = 5  # every 5th prompt is held out
@@ -153,6 +156,10 @@ def load_traces(path: str | os.PathLike) -> Traces:
     for name in ("model", "n_chunks", "chunk_tokens"):
         if name not in header:
             raise FileFormatError(KIND, p, f"header.{name}", "missing")
+    try:
+        ModelSpec.model_validate(header["model"])  # the header's model is the plan's model spec
+    except ValidationError as e:
+        raise validation_error(KIND, p, e, within=("header", "model")) from None
     layers: dict[int, dict[str, np.ndarray]] = {}
     for key, a in data.items():
         if key.startswith("L"):

@@ -27,6 +27,7 @@ import torch
 from .ane import LAYOUTS, META_KEY, OUTPUT_NAME, expert_weights_fp16, function_name, weights_digest
 from .backends import GroupSpec
 from .errors import NpumoeError
+from .fileio import cache_root
 from .plan import Plan
 
 COMPRESSIONS = ("none", "int8", "palettize4")
@@ -205,7 +206,7 @@ def cache_key(fs: FunctionSpec, digest: str, layout: str, compress: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("NPUMOE_CACHE") or Path.home() / ".cache" / "npumoe") / "coreml"
+    return cache_root() / "coreml"
 
 
 def package_bytes(path: str | os.PathLike) -> int:

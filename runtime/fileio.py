@@ -10,6 +10,12 @@ from typing import Any
 from .errors import FileFormatError
 
 
+def cache_root() -> Path:
+    """Where npumoe keeps what it can rebuild (host profiles, converted functions): $NPUMOE_CACHE, else
+    ~/.cache/npumoe."""
+    return Path(os.environ.get("NPUMOE_CACHE") or Path.home() / ".cache" / "npumoe")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, then rename over `path`: readers never see half a file."""
     path = Path(path)
@@ -81,9 +87,10 @@ def _field_path(loc: tuple, root: str) -> str:
     return out or root
 
 
-def validation_error(kind: str, path: str, error: Any) -> FileFormatError:
-    """The first pydantic error as one FileFormatError that names the field and shows the bad value."""
+def validation_error(kind: str, path: str, error: Any, within: tuple = ()) -> FileFormatError:
+    """The first pydantic error as one FileFormatError that names the field and shows the bad value (`within`:
+    where the validated object sits in the file)."""
     err = error.errors()[0]
     got = repr(err.get("input"))[:60] if err["type"] != "missing" else ""
     msg = err["msg"] + (f" (got {got})" if got else "")
-    return FileFormatError(kind, path, _field_path(tuple(err["loc"]), kind), msg)
+    return FileFormatError(kind, path, _field_path(within + tuple(err["loc"]), kind), msg)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import NpumoeError
+from .plan import ModelSpec
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MOE_DIR = ASSETS / "tiny-moe"
@@ -40,23 +41,6 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype (config.js
 # Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
 # transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
 _ROUTER_KEY_FORMS = (".mlp.gate.", ".mlp.router.", ".block_sparse_moe.gate.", ".block_sparse_moe.router.")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The MoE shape of a model, as the plan records it."""
-    architecture: str
-    model_type: str
-    num_layers: int
-    moe_layers: list[int]
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    expert_ffn_size: int
-    fingerprint: str
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

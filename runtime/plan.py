@@ -32,8 +32,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelRef(_Strict):
-    """The model a plan was made for; checked against the loaded model before running."""
+class ModelSpec(_Strict):
+    """The MoE shape and fingerprint of a model: what a plan (and a traces header) records, checked against the
+    loaded model before running. `runtime.models.model_spec` computes it."""
     architecture: StrictStr
     model_type: StrictStr
     num_layers: PositiveInt
@@ -44,10 +45,13 @@ class ModelRef(_Strict):
     expert_ffn_size: PositiveInt
     fingerprint: StrictStr
 
+    def to_json(self) -> dict:
+        return self.model_dump(mode="json")
+
 
 class Group(_Strict):
     """Experts fused into one static graph: expert i gets a slice of `capacities[i]` token rows."""
-    backend: Literal["ane", "cpu-static"]
+    backend: Literal[STATIC_BACKENDS]
     experts: list[NonNegInt] = Field(min_length=1)
     capacities: list[PositiveInt] = Field(min_length=1)
     tier: list[NonNegInt] | None = None  # optional tier label per expert, for reports
@@ -75,10 +79,10 @@ class LayerPlan(_Strict):
 
 class Plan(_Strict):
     schema_: Literal["npumoe.plan/1"] = Field(SCHEMA, alias="schema")
-    model: ModelRef
+    model: ModelSpec
     chunk_tokens: PositiveInt
-    overflow: Literal["drop", "spill"]
-    saliency: Literal["router_weight", "weight_x_norm"]
+    overflow: Literal[OVERFLOW_POLICIES]
+    saliency: Literal[SALIENCY_RULES]
     layers: list[LayerPlan] = Field(min_length=1)
     predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
@@ -175,7 +179,7 @@ def check_plan_matches(plan: Plan, spec: Any, path: str = "") -> None:
     """Refuse a plan made for another model: shape fields first (clearer), then the fingerprint."""
     got = spec.to_json()
     for name in ("architecture", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size",
-                 "expert_ffn_size", "fingerprint"):
+                 "expert_ffn_size", "fingerprint"):  # shape fields first, then the fingerprint; not model_type
         want = getattr(plan.model, name)
         if want != got[name]:
             raise FileFormatError(KIND, path, f"model.{name}",

@@ -30,7 +30,7 @@ from autotune.profile import load_profile, save_profile  # noqa: E402
 from autotune.profiling import make_experts, profile_device  # noqa: E402
 from runtime.backends import CpuStaticBackend  # noqa: E402
 from runtime.executor import LayerExecutor  # noqa: E402
-from runtime.plan import Group, LayerPlan, ModelRef, Plan  # noqa: E402
+from runtime.plan import Group, LayerPlan, ModelSpec, Plan  # noqa: E402
 from runtime.stats import LayerStats  # noqa: E402
 
 H, F, E, K, T = 1024, 2048, 16, 2, 512
@@ -50,7 +50,7 @@ def plans(counts: np.ndarray) -> dict[str, tuple[Plan, LayerPlan]]:
     mean = T * K // E  # 64
     by_load = [int(e) for e in np.argsort(-counts, kind="stable")]
     hot, cold = sorted(by_load[:8]), sorted(by_load[8:])
-    ref = ModelRef(architecture="bench", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=E,
+    ref = ModelSpec(architecture="bench", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=E,
                    top_k=K, hidden_size=H, expert_ffn_size=F, fingerprint="bench")
 
     def groups(experts: list[int], cap: int) -> list[Group]:

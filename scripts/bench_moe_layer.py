@@ -18,7 +18,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from runtime.backends import CpuStaticBackend
 from runtime.executor import LayerExecutor
-from runtime.plan import Group, LayerPlan, ModelRef, Plan
+from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats
 
 H, F, E, K, T = 1024, 2048, 16, 2, 512
@@ -46,7 +46,7 @@ def make_routing(load: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def make_plan(static: bool) -> tuple[Plan, LayerPlan]:
     groups = [Group(backend="cpu-static", experts=list(range(i, i + 4)), capacities=[T] * 4) for i in range(0, E, 4)]
     lp = LayerPlan(layer=0, groups=groups if static else [], cpu_exact=[] if static else list(range(E)))
-    ref = ModelRef(architecture="bench", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=E, top_k=K,
+    ref = ModelSpec(architecture="bench", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=E, top_k=K,
                    hidden_size=H, expert_ffn_size=F, fingerprint="bench")
     return Plan(model=ref, chunk_tokens=T, overflow="drop", saliency="router_weight", layers=[lp]), lp
 

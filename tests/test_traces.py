@@ -108,3 +108,12 @@ def test_missing_and_non_npz_files_are_file_errors(tmp_path):
 def test_default_path_is_safe_for_any_model_name():
     assert default_traces_path("random:qwen3_moe") == Path("traces") / "random_qwen3_moe.npz"
     assert default_traces_path("org/model") == Path("traces") / "org_model.npz"
+
+
+def test_header_model_is_a_model_spec(tmp_path):
+    bad = dict(SPEC, num_experts="three")
+    arrays = {"header": _header(model=bad), "L0_counts": np.zeros((2, 3), int), "L1_counts": np.zeros((2, 3), int),
+              "heldout_chunks": np.zeros(2, bool)}
+    with pytest.raises(FileFormatError) as e:
+        load_traces(_npz(tmp_path / "bad.npz", **arrays))
+    assert e.value.field == "header.model.num_experts"

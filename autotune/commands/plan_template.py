@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 
 from runtime.models import read_model_spec
-from runtime.plan import save_plan
+from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, STATIC_BACKENDS, save_plan
 
-from ..templates import template_plan
+from ..templates import CAPACITIES, template_plan
 from .argtypes import output_file, positive_int
 from .common import add_model_argument
 
@@ -14,15 +14,15 @@ from .common import add_model_argument
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan-template", help="write a template plan (uniform capacity, groups of four)")
     add_model_argument(p)
-    p.add_argument("--capacity", choices=["ample", "tight"], default="ample",
+    p.add_argument("--capacity", choices=CAPACITIES, default="ample",
                    help="ample: capacity >= chunk tokens (nothing can overflow); tight: a quarter of the mean load")
-    p.add_argument("--overflow", choices=["drop", "spill"], default="drop",
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="drop",
                    help="what happens to tokens beyond a group's capacity: drop them (the router's other experts "
                         "still count) or spill them to cpu-exact (default drop)")
-    p.add_argument("--backend", choices=["cpu-static", "ane"], default="cpu-static",
+    p.add_argument("--backend", choices=STATIC_BACKENDS, default="cpu-static",
                    help="backend of every group (default cpu-static)")
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
-    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight",
+    p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         "weight x hidden-state norm (default router_weight)")
     p.add_argument("--out", required=True, type=output_file(), metavar="P", help="plan file to write")

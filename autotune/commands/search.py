@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json
 from runtime.models import read_model_spec
-from runtime.plan import save_plan
+from runtime.plan import SALIENCY_RULES, save_plan
 
 from ..profile import ProfileHostWarning, host_profile_path, load_profile, save_profile
 from ..report import format_report, plot_pareto, plot_plan_map, search_report, sidecar
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "or journal:FILE (JournalStorage, several processes)")
     p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
                    help="device budget for resident expert weights, fp16, all layers (default 16384)")
-    p.add_argument("--saliency", choices=["router_weight", "weight_x_norm"], default="router_weight",
+    p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         "weight x hidden-state norm (default router_weight)")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampler seed (default 0)")
