@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from pydantic import ValidationError
 
-from runtime.errors import FileFormatError
+from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import atomic_write_bytes, check_schema, validation_error
 from runtime.models import model_spec, moe_layers
 from runtime.plan import ModelSpec
@@ -63,41 +63,78 @@ class Traces:
         return self._counts[key]
 
 
+class RoutingRecorder:
+    """Records every MoE layer's routing through forward pre-hooks on its experts module, one model forward per
+    chunk: each assignment's expert id and router weight, and the token's hidden-state norm. Works under any
+    experts implementation (the plan's executor included), so a run records the routing it saw."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.spec = model, model_spec(model)
+        self.layers = moe_layers(model)
+        self.rec: dict[int, dict[str, list]] = {l.index: {"idx": [], "weight": [], "norm": []} for l in self.layers}
+        self.chunk_ids: list[np.ndarray] = []
+        self.enabled = True
+        self._hooks: list = []
+
+    def _hook(self, mod, args, kwargs, i: int) -> None:
+        if not self.enabled:
+            return
+        x, idx, w = args if len(args) == 3 else (kwargs["hidden_states"], kwargs["top_k_index"],
+                                                  kwargs["top_k_weights"])
+        if i == self.layers[0].index:  # the first MoE layer opens a new chunk
+            self.chunk_ids.append(np.full(idx.shape[0], len(self.chunk_ids), dtype=np.int32))
+        self.rec[i]["idx"].append(idx.to(torch.int16).numpy().copy())
+        self.rec[i]["weight"].append(w.float().numpy().copy())
+        self.rec[i]["norm"].append(x.float().norm(dim=-1).numpy().copy())
+
+    def __enter__(self) -> "RoutingRecorder":
+        self._hooks = [layer.experts.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=layer.index: self._hook(mod, args, kwargs, i), with_kwargs=True)
+            for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_ids)
+
+    def traces(self, heldout: np.ndarray, header: dict) -> Traces:
+        """The recorded chunks as traces; `heldout[c]` says whether chunk c is held out; `header` adds to the
+        schema, model, chunk count and token count."""
+        if self.n_chunks == 0:
+            raise NpumoeError("no routing was recorded (no tokens went through the model)")
+        chunk = np.concatenate(self.chunk_ids)
+        full = {"schema": SCHEMA, "model": self.spec.to_json(), "tokens": int(chunk.size),
+                "n_chunks": self.n_chunks, **header}
+        arrays = {i: {k: np.concatenate(v) for k, v in r.items()} for i, r in self.rec.items()}
+        return Traces(full, arrays, chunk, np.asarray(heldout, dtype=bool))
+
+
 def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int,
                   text: str, progress: bool = True) -> Traces:
     """Prefill `ids` as prompts of `prompt_tokens`, chunk by chunk, recording every layer's routing."""
-    spec: ModelSpec = model_spec(model)
-    layers = moe_layers(model)
-    rec: dict[int, dict[str, list]] = {l.index: {"idx": [], "weight": [], "norm": []} for l in layers}
-    hooks = []
-    for layer in layers:
-        def hook(mod, args, kwargs, i=layer.index):
-            x, idx, w = args if len(args) == 3 else (kwargs["hidden_states"], kwargs["top_k_index"],
-                                                      kwargs["top_k_weights"])
-            rec[i]["idx"].append(idx.to(torch.int16).numpy().copy())
-            rec[i]["weight"].append(w.float().numpy().copy())
-            rec[i]["norm"].append(x.float().norm(dim=-1).numpy().copy())
-        hooks.append(layer.experts.register_forward_pre_hook(hook, with_kwargs=True))
-    chunk_ids, heldout = [], []
+    heldout = []
     starts = range(0, ids.numel(), prompt_tokens)
-    try:
-        with torch.inference_mode():
-            for p, start in enumerate(tqdm(starts, desc="calibrate", unit="prompt", disable=not progress)):
-                prompt = ids[start:start + prompt_tokens].reshape(1, -1)
-                cache = None
-                for s in range(0, prompt.shape[1], chunk_tokens):
-                    piece = prompt[:, s:s + chunk_tokens]
-                    cache = model(input_ids=piece, cache=cache, use_cache=True).cache
-                    chunk_ids.append(np.full(piece.shape[1], len(heldout), dtype=np.int32))
-                    heldout.append(p % HELDOUT_EVERY == HELDOUT_EVERY - 1)
-    finally:
-        for h in hooks:
-            h.remove()
-    header = {"schema": SCHEMA, "model": spec.to_json(), "text": text, "chunk_tokens": chunk_tokens,
-              "prompt_tokens": prompt_tokens, "tokens": int(ids.numel()), "n_chunks": len(heldout),
-              "heldout_rule": f"every {HELDOUT_EVERY}th prompt"}
-    arrays = {i: {k: np.concatenate(v) for k, v in r.items()} for i, r in rec.items()}
-    return Traces(header, arrays, np.concatenate(chunk_ids), np.asarray(heldout, dtype=bool))
+    with RoutingRecorder(model) as recorder, torch.inference_mode():
+        for p, start in enumerate(tqdm(starts, desc="calibrate", unit="prompt", disable=not progress)):
+            prompt = ids[start:start + prompt_tokens].reshape(1, -1)
+            cache = None
+            for s in range(0, prompt.shape[1], chunk_tokens):
+                cache = model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
+                heldout.append(p % HELDOUT_EVERY == HELDOUT_EVERY - 1)
+    return recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
+                                     "heldout_rule": f"every {HELDOUT_EVERY}th prompt"})
+
+
+CHUNK_HELDOUT_RULE = f"every {HELDOUT_EVERY}th chunk"
+
+
+def heldout_every_nth_chunk(n_chunks: int) -> np.ndarray:
+    """The held-out rule for a run's recording (one long prompt is common there): every HELDOUT_EVERY-th chunk."""
+    return np.arange(n_chunks) % HELDOUT_EVERY == HELDOUT_EVERY - 1
 
 
 def synthetic_traces(spec: dict, n_chunks: int, chunk_tokens: int, skew: float = 1.1, heldout_every: int = 5,

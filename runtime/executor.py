@@ -7,11 +7,13 @@ then combine with the router weights. Registered as a transformers experts imple
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from .backends import GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from .drift import DriftMonitor
 from .models import model_spec, moe_layers
 from .plan import LayerPlan, Plan, check_plan_matches
 from .stats import LayerStats, RunStats
@@ -68,16 +70,14 @@ class LayerExecutor:
         grouped = self.base[eid] >= 0
         out = torch.zeros_like(x)
         st = self.stats
-        st.tokens += x.shape[0]
-        st.assignments += eid.numel()
+        loads = torch.bincount(eid, minlength=self.base.numel())
 
-        exact = ~grouped
+        exact, n_over = ~grouped, 0
         if self.groups:
-            kept, rows, overflow = self._pack_rows(x, eid, w, tok, grouped)
+            kept, rows, overflow = self._pack_rows(x, eid, w, tok, grouped, loads)
             exact = exact | overflow if self.spill else exact
             n_over = int(overflow.sum())
-            st.spilled += n_over if self.spill else 0
-            st.dropped += 0 if self.spill else n_over
+        st.record_chunk(x.shape[0], loads, n_over, self.spill)
         future = self.pool.submit(self._exact, x, eid, w, tok, exact) if self.pool else None
         if self.groups:
             packed = x.new_zeros(self.slots, x.shape[1])
@@ -95,13 +95,12 @@ class LayerExecutor:
             out.index_add_(0, *exact_out)
         return out
 
-    def _pack_rows(self, x, eid, w, tok, grouped):
+    def _pack_rows(self, x, eid, w, tok, grouped, loads):
         """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""
         saliency = w if self.rule == "router_weight" else w * x.norm(dim=-1)[tok]
         order = torch.argsort(saliency, descending=True, stable=True)
         order = order[torch.argsort(eid[order], stable=True)]  # by expert, then by saliency
-        counts = torch.bincount(eid, minlength=self.base.numel())
-        starts = counts.cumsum(0) - counts
+        starts = loads.cumsum(0) - loads
         rank = torch.empty_like(eid)
         rank[order] = torch.arange(eid.numel()) - starts[eid[order]]
         kept = grouped & (rank < self.cap[eid])
@@ -145,7 +144,15 @@ class PlanExecutor:
         self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
                                               self.backends) for l in moe_layers(model)}
+        self.drift = DriftMonitor(plan)
+        for index in self.layers:
+            self.stats.layer(index).watcher = partial(self.drift.observe, index)
         self._previous: str | None = None
+
+    def reset(self) -> None:
+        """Start counting afresh (run statistics and the drift monitor), as before a repeated run."""
+        self.stats.reset()
+        self.drift.reset()
 
     def install(self) -> "PlanExecutor":
         for layer in moe_layers(self.model):

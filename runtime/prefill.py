@@ -16,6 +16,15 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
     return torch.cat(logits)
 
 
+def prefill_prompts_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
+                           prompt_tokens: int | None = None) -> torch.Tensor:
+    """Logits `[T, vocab]` with the sequence cut into prompts of `prompt_tokens` (default: one prompt), each
+    prefilled from an empty cache: a long text stays within the model's context."""
+    step = prompt_tokens or input_ids.numel()
+    return torch.cat([prefill_logits(model, input_ids[s:s + step], chunk_tokens)
+                      for s in range(0, input_ids.numel(), step)])
+
+
 def max_rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref|: relative to the reference's scale, so near-zero entries don't blow it up."""
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))

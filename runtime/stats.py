@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
 
 
 @dataclass
@@ -15,6 +19,18 @@ class LayerStats:
     filled: int = 0  # static slice rows that held a real assignment
     tokens_per_backend: Counter = field(default_factory=Counter)  # assignments computed per backend
     calls_per_backend: Counter = field(default_factory=Counter)
+    watcher: Callable[[np.ndarray, int], None] | None = None  # sees each chunk's expert loads (drift monitor)
+
+    def record_chunk(self, tokens: int, loads: torch.Tensor, overflow: int, spill: bool) -> None:
+        """Count one chunk's routing: `loads[e]` assignments chose expert e, `overflow` of them did not fit."""
+        self.tokens += tokens
+        self.assignments += int(loads.sum())
+        if spill:
+            self.spilled += overflow
+        else:
+            self.dropped += overflow
+        if self.watcher is not None:
+            self.watcher(loads.numpy(), overflow)
 
     @property
     def padding_fraction(self) -> float:
@@ -50,7 +66,7 @@ class RunStats:
 
     def reset(self) -> None:
         for s in self.layers.values():  # in place: executors hold references to their LayerStats
-            s.__init__()
+            s.__init__(watcher=s.watcher)
 
     def to_json(self) -> dict:
         out = self.total().to_json()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -37,14 +38,31 @@ def run(args: argparse.Namespace) -> int:
     executor = PlanExecutor(model, plan, backends, args.plan)
     result = {"model": args.model, "plan": args.plan, "text": args.text, "tokens": int(ids.numel()),
               "chunk_tokens": plan.chunk_tokens, "overflow": plan.overflow}
+    prefill = lambda: prefill_prompts_logits(model, ids, plan.chunk_tokens, args.prompt_tokens)  # noqa: E731
     if args.reference:
-        ref, result["reference_latency_ms"] = _timed(lambda: prefill_logits(model, ids, plan.chunk_tokens),
-                                                     args.repeat)
-    with executor:
-        logits, result["latency_ms"] = _timed(lambda: (executor.stats.reset(),
-                                                       prefill_logits(model, ids, plan.chunk_tokens))[1], args.repeat)
+        ref, result["reference_latency_ms"] = _timed(prefill, args.repeat)
+    recorder = RoutingRecorder(model) if args.record_traces else None
+
+    def planned():
+        executor.reset()
+        out = prefill()
+        if recorder:
+            recorder.enabled = False  # the first pass is the one recorded
+        return out
+
+    with executor, recorder or contextlib.nullcontext():
+        logits, result["latency_ms"] = _timed(planned, args.repeat)
     result.update(executor.stats.to_json())
     result["backend_fallbacks"] = executor.fallbacks
+    result["drift"] = executor.drift.report()
+    if recorder:
+        traces = recorder.traces(heldout_every_nth_chunk(recorder.n_chunks),
+                                 {"text": args.text, "chunk_tokens": plan.chunk_tokens,
+                                  "prompt_tokens": args.prompt_tokens or int(ids.numel()),
+                                  "heldout_rule": CHUNK_HELDOUT_RULE, "recorded_by": f"autotune run --plan {args.plan}"})
+        save_traces(traces, args.record_traces)
+        result["traces"] = {"path": args.record_traces, "chunks": traces.n_chunks,
+                            "heldout_chunks": int(traces.heldout_chunks.sum())}
     if args.reference:
         result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
     if args.json:
@@ -64,3 +82,11 @@ def _print_summary(r: dict) -> None:
         print(f"note: plan names {name}, which is unavailable here; ran on {used}")
     if "max_rel_diff_vs_reference" in r:
         print(f"max relative difference vs the unmodified model: {r['max_rel_diff_vs_reference']:.2e}")
+    if "traces" in r:
+        print(f"wrote {r['traces']['path']}: {r['traces']['chunks']} chunks ({r['traces']['heldout_chunks']} held out)")
+    d = r["drift"]
+    if d["calibrated"]:
+        print(f"drift over the last {d['chunks_in_window']} chunks: {d['overflow']} rate {d['rate']:.2%} "
+              f"(plan expects {d['expected_rate']:.2%}, alert past {d['rate_limit']:.2%}), largest load-share "
+              f"distance TV {d['tv_max']:.3f} (alert past {d['tv_threshold']}): "
+              + ("ALERT" if d["alert"] else "no alert"))
