@@ -45,7 +45,8 @@ def write_texts(out: Path) -> None:
     (out / "csv-b.txt").write_text(csv_records(2))
     files = stdlib_code_files()
     for name, part in (("stdlib-a.txt", files[0::2]), ("stdlib-b.txt", files[1::2])):
-        (out / name).write_text("\n\n".join((stdlib_root() / f).read_text(encoding="utf-8", errors="replace").strip() for f in part)[:HALF_CHARS])
+        sources = ((stdlib_root() / f).read_text(encoding="utf-8", errors="replace").strip() for f in part)
+        (out / name).write_text("\n\n".join(sources)[:HALF_CHARS])
 
 
 def windows(model, plan, ids: torch.Tensor, prompt_tokens: int, window: int) -> list[dict]:
@@ -89,7 +90,8 @@ def main() -> None:
         ws = windows(model, plan, encode_text(tokenizer, text, args.max_tokens), args.prompt_tokens, args.window)
         rates = np.array([w["rate"] for w in ws])
         tv = np.array([w["tv"] for w in ws])
-        print(json.dumps({"text": text, "window": args.window, "windows": len(ws), "expected_rate": plan.heldout_overflow_rate(),
+        print(json.dumps({"text": text, "window": args.window, "windows": len(ws),
+                          "expected_rate": plan.heldout_overflow_rate(),
                           "rate_median": float(np.median(rates)), "rate_max": float(rates.max()),
                           "tv_max_per_layer": tv.max(0).round(4).tolist(),
                           "tv_median_per_layer": np.median(tv, 0).round(4).tolist(),

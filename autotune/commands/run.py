@@ -7,9 +7,10 @@ import statistics
 import time
 
 from runtime.executor import PlanExecutor
-from runtime.prefill import max_rel_diff, prefill_logits
+from runtime.prefill import max_rel_diff, prefill_prompts_logits
 
-from .argtypes import positive_int
+from ..traces import CHUNK_HELDOUT_RULE, RoutingRecorder, heldout_every_nth_chunk, save_traces
+from .argtypes import output_file, positive_int
 from .common import add_planned_arguments, planned_inputs, print_json
 
 DEFAULT_TEXT = "builtin:pydoc-heldout"
@@ -21,6 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
     p.add_argument("--repeat", type=positive_int, default=1, metavar="R",
                    help="time R runs, report the median (default 1)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
+                   help="cut the text into prompts of N tokens, each prefilled from an empty cache "
+                        "(default: the whole text is one prompt)")
+    p.add_argument("--record-traces", type=output_file(), metavar="T",
+                   help="write the routing the planned run saw as traces (npumoe.traces/1, every 5th chunk held "
+                        "out) for `autotune search --traces T`")
     p.set_defaults(func=run)
 
 
@@ -56,13 +63,7 @@ def run(args: argparse.Namespace) -> int:
     result["backend_fallbacks"] = executor.fallbacks
     result["drift"] = executor.drift.report()
     if recorder:
-        traces = recorder.traces(heldout_every_nth_chunk(recorder.n_chunks),
-                                 {"text": args.text, "chunk_tokens": plan.chunk_tokens,
-                                  "prompt_tokens": args.prompt_tokens or int(ids.numel()),
-                                  "heldout_rule": CHUNK_HELDOUT_RULE, "recorded_by": f"autotune run --plan {args.plan}"})
-        save_traces(traces, args.record_traces)
-        result["traces"] = {"path": args.record_traces, "chunks": traces.n_chunks,
-                            "heldout_chunks": int(traces.heldout_chunks.sum())}
+        result["traces"] = _save_recording(recorder, args, plan.chunk_tokens, int(ids.numel()))
     if args.reference:
         result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
     if args.json:
@@ -70,6 +71,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(result)
     return 0
+
+
+def _save_recording(recorder: RoutingRecorder, args: argparse.Namespace, chunk_tokens: int, tokens: int) -> dict:
+    """The routing the planned run saw, as traces a search can re-tune on."""
+    traces = recorder.traces(heldout_every_nth_chunk(recorder.n_chunks),
+                             {"text": args.text, "chunk_tokens": chunk_tokens,
+                              "prompt_tokens": args.prompt_tokens or tokens, "heldout_rule": CHUNK_HELDOUT_RULE,
+                              "recorded_by": f"autotune run --plan {args.plan}"})
+    save_traces(traces, args.record_traces)
+    return {"path": args.record_traces, "chunks": traces.n_chunks, "heldout_chunks": int(traces.heldout_chunks.sum())}
 
 
 def _print_summary(r: dict) -> None:
