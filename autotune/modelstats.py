@@ -17,14 +17,6 @@ from runtime.models import moe_layers
 DEFAULT_CHUNK = 512
 
 
-def encode(tokenizer: object, text: str) -> list[int]:
-    """Token ids of `text` without special tokens (works for HF tokenizers and the random models' stand-in)."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:
-        return list(tokenizer.encode(text))
-
-
 def _chunks(ids: Sequence[int], chunk: int) -> list[torch.Tensor]:
     return [torch.tensor(ids[i:i + chunk], dtype=torch.long) for i in range(0, len(ids), chunk)
             if len(ids[i:i + chunk]) > 1]

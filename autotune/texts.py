@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 from runtime.errors import NpumoeError
 
@@ -37,6 +38,7 @@ STDLIB_CODE_MAX_CHARS = 300_000
 _EXCLUDED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo",
                    "ensurepip", "encodings", "__pycache__", "idle_test"}
 _SEPARATOR = "\n\n"
+PIECE_CHARS = 1 << 20  # texts are tokenised a piece at a time: a large file costs what one piece costs
 
 
 def _bucket(name: str, modulus: int) -> int:
@@ -121,10 +123,38 @@ def builtin_text(name: str) -> str:
 
 def read_text(spec: str) -> str:
     """Return the text named by `spec`: a built-in name or a UTF-8 file path."""
+    return "".join(iter_text(spec, piece_chars=None))
+
+
+def _whole_lines(pieces: Iterator[str]) -> Iterator[str]:
+    """Re-cut pieces so each ends at a line end (a token never spans two pieces when lines don't share one)."""
+    rest = ""
+    for piece in pieces:
+        piece = rest + piece
+        cut = piece.rfind("\n") + 1
+        if cut == 0:
+            rest = piece
+            continue
+        rest = piece[cut:]
+        yield piece[:cut]
+    if rest:
+        yield rest
+
+
+def iter_text(spec: str, piece_chars: int | None = PIECE_CHARS) -> Iterator[str]:
+    """The text named by `spec` in pieces of about `piece_chars` characters cut at line ends (None: one piece),
+    read from the file as they are asked for: a consumer that stops early never reads the rest."""
     if spec.startswith(BUILTIN_PREFIX):
-        return builtin_text(spec)
+        text = builtin_text(spec)
+        step = piece_chars or max(1, len(text))
+        yield from _whole_lines(text[i:i + step] for i in range(0, len(text), step))
+        return
     try:
-        return Path(spec).read_text(encoding="utf-8")
+        with open(spec, encoding="utf-8") as f:
+            if piece_chars is None:
+                yield f.read()
+                return
+            yield from _whole_lines(iter(lambda: f.read(piece_chars), ""))
     except OSError as e:
         raise NpumoeError(f"cannot read text file {spec!r}: {e.strerror or e}") from None
     except UnicodeDecodeError:

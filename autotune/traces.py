@@ -123,7 +123,9 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
             prompt = ids[start:start + prompt_tokens].reshape(1, -1)
             cache = None
             for s in range(0, prompt.shape[1], chunk_tokens):
-                cache = model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
+                # The decoder stack only: routing is all calibration records, so the LM head's full-vocabulary
+                # logits (most of the time on a large-vocabulary model) are never computed.
+                cache = model.model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
                 heldout.append(p % HELDOUT_EVERY == HELDOUT_EVERY - 1)
     return recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
                                      "heldout_rule": f"every {HELDOUT_EVERY}th prompt"})

@@ -48,3 +48,21 @@ def test_read_text_errors_and_files(tmp_path):
         texts.read_text(str(tmp_path / "missing.txt"))
     (tmp_path / "t.txt").write_text("hello")
     assert texts.read_text(str(tmp_path / "t.txt")) == "hello"
+
+
+def test_large_text_is_read_only_as_far_as_needed(tmp_path, monkeypatch):
+    """Tokenising as read: a text far larger than one piece costs one piece when few tokens are used."""
+    from autotune import workload
+    from runtime.models import ByteTokenizer
+
+    big = tmp_path / "big.txt"
+    line = "static capacity tiers and grouped experts\n"
+    big.write_text(line * (3 * texts.PIECE_CHARS // len(line)))
+    seen = []
+    real = workload.encode
+    monkeypatch.setattr(workload, "encode", lambda tok, piece: seen.append(len(piece)) or real(tok, piece))
+    ids = workload.encode_text(ByteTokenizer(256), str(big), 256)
+    assert len(ids) == 256 and len(seen) == 1 and seen[0] <= texts.PIECE_CHARS
+    assert ids.tolist() == ByteTokenizer(256).encode(line * 7)[:256]
+    pieces = list(texts.iter_text(str(big)))
+    assert len(pieces) >= 3 and all(p.endswith("\n") for p in pieces) and "".join(pieces) == big.read_text()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from autotune import modelstats, texts
+from autotune import modelstats, texts, workload
 from runtime.models import TINY_MOE_DIR, load_model, model_spec
 
 PPL_TOKENS = 8192  # held-out slice for the perplexity comparison
@@ -26,7 +26,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def ids(tiny):
     _, tokenizer = tiny
-    return {name: modelstats.encode(tokenizer, texts.read_text(name)) for name in texts.BUILTIN_TEXTS}
+    return {name: workload.encode(tokenizer, texts.read_text(name)) for name in texts.BUILTIN_TEXTS}
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ def test_tokenizer_round_trips_and_adds_no_special_tokens(tiny):
     _, tokenizer = tiny
     for name in texts.BUILTIN_TEXTS:
         sample = texts.read_text(name)[:5000]
-        ids = tokenizer.encode(sample)  # what autotune.workload calls
+        ids = tokenizer.encode(sample)  # the plain call equals workload.encode (no special tokens)
         assert tokenizer.decode(ids) == sample
-        assert ids == modelstats.encode(tokenizer, sample)
+        assert ids == workload.encode(tokenizer, sample)
     sample = "π ≈ 3.14159 — naïve café\n\tdef f(x): return x ** 2\n"
     assert tokenizer.decode(tokenizer.encode(sample)) == sample
 

@@ -69,6 +69,22 @@ def test_record_traces_on_a_random_model_counts_every_assignment():
         assert t.layers[layer]["norm"].shape == (60,)
 
 
+def test_record_traces_never_computes_the_lm_head_and_sees_what_a_full_forward_routes():
+    from autotune.modelstats import expert_counts
+
+    model, tok = random_model("random:olmoe")
+    ids = torch.tensor(tok.encode("the LM head's logits are not what calibration records " * 4)[:64])
+    calls = []
+    handle = model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        t = record_traces(model, ids, chunk_tokens=64, prompt_tokens=64, text="inline", progress=False)
+    finally:
+        handle.remove()
+    assert calls == []
+    full = expert_counts(model, ids.tolist(), chunk=64)  # routing seen through the whole CausalLM forward
+    np.testing.assert_array_equal(np.stack([t.counts(l, "all").sum(0) for l in model_spec(model).moe_layers]), full)
+
+
 def _npz(path: Path, **arrays) -> Path:
     buf = io.BytesIO()
     np.savez(buf, **arrays)

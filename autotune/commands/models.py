@@ -9,7 +9,8 @@ from runtime.errors import NpumoeError
 from runtime.models import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
 
 from .. import modelstats
-from ..texts import DEFAULT_CALIB_TEXT, read_text
+from ..texts import DEFAULT_CALIB_TEXT
+from ..workload import encode_text
 from .argtypes import positive_int
 from .common import add_dtype_argument, add_text_argument, add_threads_argument, apply_threads, print_json
 
@@ -33,7 +34,7 @@ def describe(name: str, text: str, max_tokens: int, dtype: str = "auto") -> dict
     """Shape, size and per-layer expert load shares of one model on the first `max_tokens` tokens of `text`."""
     model, tokenizer = load_model(name, dtype)
     spec = model_spec(model)
-    ids = modelstats.encode(tokenizer, read_text(text))[:max_tokens]
+    ids = encode_text(tokenizer, text, max_tokens).tolist()
     if len(ids) < 2:
         raise NpumoeError(f"--text {text!r} holds too few tokens")
     shares = modelstats.shares(modelstats.expert_counts(model, ids))
