@@ -276,7 +276,7 @@ def check_matmul_throughput(_: Probe) -> str:
 
 
 def check_energy(_: Probe) -> str:
-    from .profiling import ZeusMeter
+    from .profiling.energy import ZeusMeter
 
     ok, reason = ZeusMeter.available()
     if not on_macos():

@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import socket
+import statistics
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
 
-from .costmodel import CostModel
+from .costmodel import CostModel, fit_cost_model, heldout_errors
 
 SCHEMA = "npumoe.profile/1"
 KIND, VERSION = "profile", 1
@@ -187,6 +188,32 @@ class Profile:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def power_by_backend(records: list[dict]) -> dict[str, float | None]:
+    """Median measured power per backend (W), None where no record carries power."""
+    out: dict[str, float | None] = {}
+    for r in records:
+        out.setdefault(r["backend"], None)
+    for b in out:
+        p = [r["power_w"] for r in records if r["backend"] == b and r.get("power_w")]
+        out[b] = float(statistics.median(p)) if p else None
+    return out
+
+
+def build_profile(records: list[dict], host: dict, measured_by: str, settings_json: dict, energy: dict,
+                  backend_options: dict[str, dict] | None = None) -> Profile:
+    """Fit the cost model to the records, measure its held-out error, and wrap it all as a Profile."""
+    power = power_by_backend(records)
+    options = {b: dict(backend_options.get(b, {}) if backend_options else {}) for b in power if b != "host"}
+    for b, opt in options.items():
+        if power[b] is not None:
+            opt.setdefault("power_w", power[b])
+            opt.setdefault("power_source", energy.get("source"))
+    heldout = heldout_errors(records, options)
+    model = fit_cost_model(records, options)
+    return Profile(host=host, cost_model=model, records=records, heldout=heldout, measured_by=measured_by,
+                   settings=settings_json, energy=energy, created=_now())
 
 
 def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Profile:

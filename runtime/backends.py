@@ -17,6 +17,8 @@ import torch.nn.functional as F
 log = logging.getLogger("npumoe")
 
 GroupFn = Callable[[torch.Tensor], torch.Tensor]
+# The exact path's compute: (experts module, rows grouped by expert, expert ids, rows per expert) -> outputs.
+ExactFn = Callable[[torch.nn.Module, torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)

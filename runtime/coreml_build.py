@@ -175,15 +175,24 @@ def _quiet() -> None:
         yield
 
 
+def to_mlmodel(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str,
+               compute_units=None):
+    """One function as an ML program, converted as every build converts it. With `compute_units` (a
+    `ct.ComputeUnit`) the model is loaded for prediction (macOS); without, it is only converted."""
+    import coremltools as ct
+
+    load = {"skip_model_load": True} if compute_units is None else {"compute_units": compute_units}
+    with _quiet():
+        return ct.convert(function_program(fs, weights, layout), convert_to="mlprogram",
+                          minimum_deployment_target=ct.target.macOS15, compute_precision=ct.precision.FLOAT16,
+                          **load)
+
+
 def convert_function(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str,
                      compress: str, dest: Path) -> None:
     """Convert one function to a single-function .mlpackage at `dest` (written whole, then renamed)."""
-    import coremltools as ct
-
+    mlmodel = to_mlmodel(fs, weights, layout)
     with _quiet():
-        mlmodel = ct.convert(function_program(fs, weights, layout), convert_to="mlprogram",
-                             minimum_deployment_target=ct.target.macOS15, compute_precision=ct.precision.FLOAT16,
-                             skip_model_load=True)
         mlmodel = _compress(mlmodel, compress)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
         mlmodel.save(str(tmp))

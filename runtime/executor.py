@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from .backends import GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from .backends import ExactFn, GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
 from .drift import DriftMonitor
 from .models import model_spec, moe_layers
 from .plan import LayerPlan, Plan, check_plan_matches
@@ -25,8 +25,9 @@ class LayerExecutor:
     """One MoE layer under its plan: lookup tables from expert id to slice, and the prepared group calls."""
 
     def __init__(self, layer_plan: LayerPlan, module: torch.nn.Module, plan: Plan, stats: LayerStats,
-                 backends: dict[str, StaticBackend]) -> None:
+                 backends: dict[str, StaticBackend], exact: ExactFn = run_exact) -> None:
         n = module.num_experts
+        self.exact = exact  # the exact path's compute (the profiler swaps in identity to time host work alone)
         self.module, self.stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
@@ -114,7 +115,7 @@ class LayerExecutor:
         sel = sel[torch.argsort(eid[sel], stable=True)]
         counts = torch.bincount(eid[sel], minlength=self.base.numel())
         experts = counts.nonzero().squeeze(1).tolist()
-        y = run_exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
+        y = self.exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
         self.stats.tokens_per_backend["cpu-exact"] += sel.numel()
         self.stats.calls_per_backend["cpu-exact"] += len(experts)
         return tok[sel], y * w[sel, None]

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.costmodel import fit_cost_model  # noqa: E402
 from autotune.profile import load_profile, save_profile  # noqa: E402
-from autotune.profiling import make_experts, profile_device  # noqa: E402
+from autotune.profiling.device import profile_device  # noqa: E402
+from autotune.profiling.callers import make_experts  # noqa: E402
 from runtime.backends import CpuStaticBackend  # noqa: E402
 from runtime.executor import LayerExecutor  # noqa: E402
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan  # noqa: E402

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from autotune.costmodel import CostModel
-from autotune.profile import (ProfileHostWarning, host_id, host_profile_path, load_profile, save_profile,
-                              shipped_profiles)
-from autotune.profiling import build_profile
+from autotune.profile import (ProfileHostWarning, build_profile, host_id, host_profile_path, load_profile,
+                              save_profile, shipped_profiles)
 from runtime.errors import FileFormatError
 from runtime.plan import Group, LayerPlan
 

@@ -1,13 +1,17 @@
 """Profiling this host: a tiny real profile-device run (and show-profile on its output), energy meters."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 
 from autotune.cli import main
 from autotune.profile import save_profile
-from autotune.profiling import RaplMeter, Settings, profile_device
+from autotune.profiling.device import profile_device
+from autotune.profiling.energy import RaplMeter
+from autotune.profiling.settings import Settings
+from autotune.profiling.timing import time_call
 
 
 def test_tiny_real_profile_device_run_and_show_profile(tmp_path, capsys):
@@ -42,3 +46,32 @@ def test_rapl_meter_reads_counters_and_handles_wraparound(tmp_path):
     (d / "energy_uj").write_text("1000000\n")  # wrapped: 1 J after the max, +2 J in all
     assert m.delta_mj(a, m.read_mj()) == pytest.approx(2000.0)
     assert not RaplMeter.available(tmp_path / "none")[0]
+
+
+def test_rapl_window_is_the_energy_spent_inside_the_block(tmp_path):
+    d = tmp_path / "intel-rapl:0"
+    d.mkdir()
+    (d / "energy_uj").write_text("5000000\n")
+    (d / "max_energy_range_uj").write_text("1000000000\n")
+    with RaplMeter(tmp_path).window() as spent:
+        (d / "energy_uj").write_text("8000000\n")
+    assert spent == {"cpu_total_mj": pytest.approx(3000.0)}
+
+
+class _FixedMeter:
+    """Any meter that implements the protocol's window: 1 J of CPU and 0.5 J of ANE per window."""
+    name, source = "fixed", "test"
+
+    @contextlib.contextmanager
+    def window(self):
+        out = {}
+        yield out
+        out.update(cpu_total_mj=1000.0, ane_mj=500.0)
+
+
+@pytest.mark.parametrize("ane,mj", [(False, 1000.0), (True, 500.0)])
+def test_time_call_takes_energy_from_any_meter_window(ane, mj):
+    s = Settings({}, tokens=[], groups=[], pack_tokens=[], warmup=0, min_runs=4, max_runs=4, min_time_s=0.0)
+    rec = time_call(lambda: sum(range(1000)), s, _FixedMeter(), ane=ane, clock="wall")
+    assert rec["runs"] == 4 and rec["energy_mj_per_run"] == pytest.approx(mj / 4)
+    assert rec["power_w"] > 0

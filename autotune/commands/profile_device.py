@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from ..profile import host_profile_path, save_profile
+from ..profiling.settings import CLOCKS, parse_shapes, settings_for
 from .argtypes import non_empty_list, output_file, positive_int, shape_list
 
 
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", type=shape_list, default=None, metavar="LIST",
                    help="comma-separated model sizes to measure, by name (tiny-moe, bench-layer, qwen3-30b-a3b) or as "
                         "HIDDENxFFN (default: all three named sizes)")
-    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
+    p.add_argument("--clock", choices=CLOCKS, default="auto",
                    help="what a record's median times: auto = this process's CPU time for one-thread CPU work "
                         "(other processes on a shared host don't count), wall clock otherwise")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -29,10 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..profiling import parse_shapes, profile_device, settings
+    from ..profiling.device import profile_device
     from .show_profile import print_summary
 
-    s = settings(args.quick)
+    s = settings_for(args.quick)
     if args.shapes:
         s = dataclasses.replace(s, shapes=parse_shapes(args.shapes))
     t0 = time.perf_counter()

@@ -71,7 +71,7 @@ def _profile(name: str | None, quiet: bool):
         return load_profile(name), name
     path = host_profile_path()
     if not path.exists():
-        from ..profiling import profile_device
+        from ..profiling.device import profile_device
 
         print(f"autotune search: no saved profile for this host; measuring a quick one into {path} "
               "(autotune profile-device --quick)", file=sys.stderr)

@@ -1,0 +1,135 @@
+"""Benchmark callers: each returns a zero-argument function that makes one call of runtime code (a static group, an
+exact-path call, the executor's host-side work for a chunk, a Core ML prediction), for `timing.time_call`."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from runtime.backends import CpuStaticBackend, ExactFn, GroupSpec, run_exact
+from runtime.executor import LayerExecutor
+from runtime.plan import Group, LayerPlan, ModelSpec, Plan
+from runtime.stats import LayerStats
+
+from .macos import macos_module
+
+COREML_BACKENDS = ("ane", "coreml-cpu")
+
+
+def make_experts(hidden: int, ffn: int, num_experts: int, seed: int = 0) -> torch.nn.Module:
+    """A transformers Qwen3Moe fused-experts module (the layout every MoE family uses) with random weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=ffn, num_experts=num_experts,
+                            num_experts_per_tok=2)
+    module = Qwen3MoeExperts(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=gen) * 0.02)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=gen) * 0.02)
+    return module.eval().requires_grad_(False)
+
+
+class _Rotor:
+    """Cycles through experts between runs, so weights come from memory as in a real layer, not a warm cache."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, 0
+
+    def next(self, g: int = 1) -> list[int]:
+        out = [(self.i + j) % self.n for j in range(g)]
+        self.i = (self.i + g) % self.n
+        return out
+
+
+def group_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
+                 rotor: _Rotor) -> Callable[[], object]:
+    """One call of `backend` over len(caps) experts, as the executor makes it."""
+    g = len(caps)
+    x = torch.randn(sum(caps), hidden)
+    if backend == "cpu-exact":
+        return lambda: run_exact(module, x, rotor.next(g), caps)
+    if backend == "cpu-static":
+        n_sets = max(1, module.num_experts // g)
+        fns = [CpuStaticBackend().prepare(GroupSpec(0, i, tuple(range(i * g, i * g + g)), tuple(caps), module))
+               for i in range(n_sets)]
+        return lambda: fns[rotor.next()[0] % n_sets](x)
+    if backend in COREML_BACKENDS:
+        return _coreml_caller(backend, module, caps, hidden)
+    raise ValueError(f"no microbenchmark for backend {backend!r}")
+
+
+class _NullStatic:
+    """A static backend that computes nothing (identity): isolates the executor's host-side work."""
+    name = "cpu-static"
+    overlaps_cpu = False
+
+    def available(self) -> tuple[bool, str]:
+        return True, "null"
+
+    def prepare(self, group):
+        return lambda packed: packed
+
+
+def _layer_executor(module: torch.nn.Module, static: bool, tokens: int, top_k: int, capacity: int,
+                    exact: ExactFn = run_exact) -> LayerExecutor:
+    e, h, f = module.num_experts, module.hidden_dim, module.intermediate_dim
+    groups = [Group(backend="cpu-static", experts=list(range(i, min(i + 4, e))),
+                    capacities=[capacity] * len(range(i, min(i + 4, e)))) for i in range(0, e, 4)]
+    lp = LayerPlan(layer=0, groups=groups if static else [], cpu_exact=[] if static else list(range(e)))
+    ref = ModelSpec(architecture="profile", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=e,
+                   top_k=top_k, hidden_size=h, expert_ffn_size=f, fingerprint="profile")
+    plan = Plan(model=ref, chunk_tokens=tokens, overflow="drop", saliency="router_weight", layers=[lp])
+    return LayerExecutor(lp, module, plan, LayerStats(), {"cpu-static": _NullStatic()}, exact=exact)
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.multinomial(torch.ones(tokens, num_experts), top_k, replacement=False, generator=gen)
+    return idx, torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+
+
+def pack_capacity(tokens: int, top_k: int, num_experts: int, ample: bool) -> int:
+    """Per-expert capacity of a pack record: the chunk (ample: nothing overflows, padding is large) or twice the
+    mean load (little padding, little overflow), so that slots and assignments vary apart."""
+    return tokens if ample else max(1, 2 * tokens * top_k // num_experts)
+
+
+def host_caller(kind: str, module: torch.nn.Module, tokens: int, top_k: int,
+                capacity: int = 0) -> Callable[[], object]:
+    """The executor's host-side work for one chunk: `pack` (static path) or `exact_host` (exact path, its expert
+    compute replaced by identity, so only the sorting, gathering and scattering are timed)."""
+    ex = _layer_executor(module, kind == "pack", tokens, top_k, capacity or tokens, exact=_no_compute)
+    x = torch.randn(tokens, module.hidden_dim)
+    idx, w = random_routing(tokens, module.num_experts, top_k)
+    return lambda: ex(x, idx, w)
+
+
+def _no_compute(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int], counts: list[int]
+                ) -> torch.Tensor:
+    return x_sorted
+
+
+def coreml_available() -> tuple[bool, str]:
+    return macos_module("coremltools", "Core ML prediction needs macOS", "coremltools is not installed", "Core ML")
+
+
+def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
+                   layout: str = "matmul") -> Callable[[], object]:
+    """One call of a group function exactly as `autotune build` emits it (runtime.coreml_build), run through Core ML
+    with CPU_AND_NE (`ane`) or CPU_ONLY (`coreml-cpu`), fed as the runtime's ane backend feeds it."""
+    import coremltools as ct
+
+    from runtime.ane import INPUT_NAME, expert_weights_fp16, to_layout
+    from runtime.coreml_build import FunctionSpec, to_mlmodel
+
+    experts = tuple(range(len(caps)))
+    fs = FunctionSpec(0, 0, experts, tuple(caps), hidden, module.intermediate_dim)
+    weights = {e: expert_weights_fp16(module, e) for e in experts}
+    units = ct.ComputeUnit.CPU_AND_NE if backend == "ane" else ct.ComputeUnit.CPU_ONLY
+    mlmodel = to_mlmodel(fs, weights, layout, compute_units=units)
+    feed = {INPUT_NAME: to_layout(np.random.default_rng(0).standard_normal((fs.slots, hidden)).astype(np.float16),
+                                  layout)}
+    return lambda: mlmodel.predict(feed)

@@ -1,0 +1,140 @@
+"""Profiling this host: plan the benchmark tasks, run them, fit the cost model (`autotune profile-device`)."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from runtime.errors import NpumoeError
+
+from ..profile import Profile, build_profile, host_facts
+from .callers import COREML_BACKENDS, _Rotor, coreml_available, group_caller, host_caller, make_experts, pack_capacity
+from .energy import EnergyMeter, energy_meter
+from .settings import MAX_PACK_ELEMENTS, Settings, settings_for
+from .timing import clock_for, time_call
+
+
+@dataclass
+class Task:
+    kind: str
+    backend: str
+    shape: str
+    hidden: int
+    ffn: int
+    capacities: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind, "backend": self.backend, "shape": self.shape, "hidden": self.hidden,
+               "ffn": self.ffn}
+        if self.kind in ("pack", "exact_host"):
+            out["tokens"] = self.tokens
+            if self.kind == "pack":
+                out["capacity"] = self.capacities[0]
+        else:
+            out["capacities"] = self.capacities
+            out["experts"] = len(self.capacities)
+        return out
+
+
+def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
+    tasks = []
+    for b in backends:
+        tasks.append(Task("call", b, "tiny-call", 16, 16, [1]))  # dispatch + sync: the smallest real call
+        tasks += [Task("call", b, "tiny-call", 16, 16, [1] * g) for g in (4, 16) if g <= s.num_experts]
+    for name, (h, f) in s.shapes.items():
+        for b in backends:
+            tokens, groups = s.tokens, s.groups
+            if b in COREML_BACKENDS:
+                # every Core ML shape is a conversion and an ANE compile (seconds): powers of two (quick: of four)
+                base = 4 if s.quick else 2
+                tokens = [m for m in s.tokens if m == base ** round(math.log(m, base))]
+                groups = s.groups[:2] if s.quick else s.groups
+            tasks += [Task("group", b, name, h, f, [m]) for m in tokens]
+            tasks += [Task("group", b, name, h, f, [c] * g) for g, c in groups if g <= s.num_experts]
+        if "cpu-exact" in backends or "cpu-static" in backends:
+            for t in s.pack_tokens:
+                caps = [pack_capacity(t, s.top_k, s.num_experts, ample) for ample in (True, False)]
+                tasks += [Task("pack", "host", name, h, f, [c], t) for c in caps
+                          if s.num_experts * c * h <= MAX_PACK_ELEMENTS]
+                tasks.append(Task("exact_host", "host", name, h, f, tokens=t))
+    return tasks
+
+
+def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, progress: bool = True,
+              clock: str = "auto") -> list[dict]:
+    """Measure every task; modules are built once per shape (and dropped after) to bound memory."""
+    records = []
+    modules: dict[str, torch.nn.Module] = {}
+    bar = tqdm(tasks, desc="profile-device", unit="rec", disable=not progress, dynamic_ncols=True)
+    with torch.inference_mode():
+        for task in bar:
+            bar.set_postfix_str(f"{task.backend} {task.shape} {task.kind}", refresh=False)
+            key = f"{task.hidden}x{task.ffn}"
+            if key not in modules:
+                modules.clear()  # one shape at a time
+                modules[key] = make_experts(task.hidden, task.ffn, s.num_experts)
+            module = modules[key]
+            if task.kind in ("pack", "exact_host"):
+                fn = host_caller(task.kind, module, task.tokens, s.top_k,
+                                 task.capacities[0] if task.capacities else 0)
+            else:
+                fn = group_caller(task.backend, module, task.capacities, task.hidden, _Rotor(s.num_experts))
+            rec = task.describe()
+            if task.kind in ("pack", "exact_host"):
+                rec["assignments"] = task.tokens * s.top_k
+                rec["slots"] = s.num_experts * task.capacities[0] if task.kind == "pack" else 0
+            elif len(task.capacities) == 1:
+                rec["tokens"] = task.capacities[0]
+            which = clock_for(task.backend, torch.get_num_threads()) if clock == "auto" else clock
+            rec.update(time_call(fn, s, meter, ane=task.backend == "ane", clock=which))
+            records.append(rec)
+    return records
+
+
+def available_backends() -> dict[str, tuple[bool, str]]:
+    ok_ml = coreml_available()
+    return {"cpu-exact": (True, "torch on the CPU"), "cpu-static": (True, "torch on the CPU"),
+            "ane": ok_ml, "coreml-cpu": ok_ml}
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def profile_device(backends: list[str] | None = None, quick: bool = False, threads: int = 1,
+                   progress: bool = True, s: Settings | None = None, clock: str = "auto") -> Profile:
+    """Measure this host's backends and fit the cost model: the whole `autotune profile-device`."""
+    avail = available_backends()
+    if backends is None:
+        backends = [b for b, (ok, _) in avail.items() if ok]
+    for b in backends:
+        if b not in avail:
+            raise NpumoeError(f"unknown backend {b!r}; choose from {', '.join(avail)}")
+        ok, why = avail[b]
+        if not ok:
+            raise NpumoeError(f"backend {b!r} is not available on this host: {why}")
+    torch.set_num_threads(max(1, threads))
+    s = s or settings_for(quick)
+    meter, why = energy_meter()
+    load_start = _loadavg()
+    t0 = time.perf_counter()
+    records = run_tasks(plan_tasks(backends, s), s, meter, progress, clock)
+    wall = time.perf_counter() - t0
+    energy = {"method": meter.name if meter else "none", "source": meter.source if meter else None,
+              "note": why if meter is None else None}
+    settings_json = {"quick": quick, "threads": torch.get_num_threads(), "backends": backends, "clock": clock,
+                     "wall_s": round(wall, 1), "loadavg_1min": {"start": load_start, "end": _loadavg()},
+                     "load_note": "other processes sharing the cores slow even CPU-time figures (SMT, caches, "
+                                  "memory bandwidth): a profile describes the host under the load it had",
+                     **s.to_json()}
+    cmd = "autotune profile-device" + (" --quick" if quick else "")
+    fp16 = {b: {"dtype_bytes": 2} for b in backends if b in COREML_BACKENDS}  # Core ML computes in fp16
+    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, fp16)

@@ -1,0 +1,57 @@
+"""Timing one benchmark call: warm-up, repetitions until both a run count and a time are met, median and spread,
+on the wall clock or this process's CPU clock, with energy from a meter's window where one is readable."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+from .energy import EnergyMeter
+from .settings import Settings
+
+CPU_BACKENDS = ("cpu-exact", "cpu-static")
+
+
+def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None = None, ane: bool = False,
+              clock: str = "wall") -> dict:
+    """Warm up, then repeat until min_runs and min_time_s are both met (or max_runs): median and spread in ms.
+
+    Each run is timed twice: wall clock, and this process's CPU time. `clock` says which one `median_ms` (what
+    the fit uses) reports: `cpu` excludes the time other processes on a shared host preempt us (right for
+    one-thread CPU work, where CPU time is the latency of an unloaded host); `wall` is needed whenever work
+    runs off the CPU (Core ML, the ANE) or on several threads."""
+    for _ in range(s.warmup):
+        fn()
+    wall: list[float] = []
+    cpu: list[float] = []
+    window = meter.window() if meter is not None else contextlib.nullcontext({})
+    t_start = time.perf_counter()
+    with window as spent:
+        while len(wall) < s.max_runs and (len(wall) < s.min_runs or time.perf_counter() - t_start < s.min_time_s):
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+    wall_ms = (time.perf_counter() - t_start) * 1e3
+    energy = spent.get("ane_mj" if ane else "cpu_total_mj")
+    times = cpu if clock == "cpu" else wall
+    q = np.percentile(times, [10, 25, 75, 90])
+
+    def r(v) -> float:
+        return round(float(v), 6)
+
+    rec = {"median_ms": r(statistics.median(times)), "p10_ms": r(q[0]), "p25_ms": r(q[1]), "p75_ms": r(q[2]),
+           "p90_ms": r(q[3]), "min_ms": r(min(times)), "clock": clock, "wall_median_ms": r(statistics.median(wall)),
+           "cpu_median_ms": r(statistics.median(cpu)), "runs": len(times), "warmup": s.warmup}
+    if energy is not None and wall_ms > 0:
+        rec["energy_mj_per_run"] = r(energy / len(times))
+        rec["power_w"] = round(energy / wall_ms, 4)  # mJ / ms = W
+    return rec
+
+
+def clock_for(backend: str, threads: int) -> str:
+    """CPU time for one-thread torch work (immune to other processes on a shared host), wall clock otherwise."""
+    return "cpu" if threads == 1 and backend in (*CPU_BACKENDS, "host") else "wall"
