@@ -4,7 +4,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from runtime.errors import NpumoeError
@@ -38,17 +42,41 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class Terminated(BaseException):
+    """SIGTERM as an exception, so `finally` blocks remove temp files as they do on Ctrl-C."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"autotune {args.command}: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        with _sigterm_raises():
+            return int(args.func(args) or 0)
     except NpumoeError as e:
         print(f"autotune {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
         return 2
     except KeyboardInterrupt:
         print(f"autotune {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"autotune {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

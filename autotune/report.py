@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.errors import NpumoeError
 from runtime.plan import Plan
 
 from .search import SearchOutcome, Solution
@@ -19,7 +20,7 @@ BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
 def solution_summary(sol: Solution, calib_chunks: int, heldout_assignments: int) -> dict:
     return {"predicted_latency_ms": sol.latency_ms / calib_chunks,
             "predicted_energy_mj": None if sol.energy_mj is None else sol.energy_mj / calib_chunks,
-            "heldout_drop_rate": sol.heldout_drops / max(1, heldout_assignments)}
+            "heldout_drop_rate": sol.heldout_drops / heldout_assignments}
 
 
 def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:
@@ -34,6 +35,8 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
                   context: dict) -> dict:
     """The JSON report (and what `search --json` prints). Latency/energy are per calibration chunk, all MoE
     layers, predicted by the profile's cost model; drop rates are on held-out traces."""
+    if heldout_assignments < 1:  # a drop rate over no held-out data would read as "no drops"
+        raise NpumoeError("no held-out assignments in the traces: held-out drop rates need held-out chunks")
     best = solution_summary(outcome.best, calib_chunks, heldout_assignments)
     base = {n: solution_summary(s, calib_chunks, heldout_assignments) for n, s in outcome.baselines.items()}
     return {**best,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,21 +178,30 @@ def save_traces(traces: Traces, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def load_traces(path: str | os.PathLike) -> Traces:
+ZIP_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive of .npy arrays
+RECORDED = ("idx", "weight", "norm")  # per-layer arrays of recorded traces
+SYNTHETIC = ("counts",)  # per-layer array of synthetic (counts-only) traces
+
+
+def _read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     p = str(path)
     try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
+        with open(path, "rb") as f:
+            magic = f.read(len(ZIP_MAGIC))
     except FileNotFoundError:
         raise FileFormatError(KIND, p, "file", "no such file") from None
-    except (OSError, ValueError, EOFError) as e:
-        raise FileFormatError(KIND, p, "file", f"not a readable .npz ({str(e)[:80]})") from None
-    if "header" not in data:
-        raise FileFormatError(KIND, p, "header", "missing")
+    except OSError as e:
+        raise FileFormatError(KIND, p, "file", f"cannot read: {e.strerror or e}") from None
+    if magic != ZIP_MAGIC:
+        raise FileFormatError(KIND, p, "file", "not a traces file (expected an .npz archive from autotune calibrate)")
     try:
-        header = json.loads(data.pop("header").tobytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise FileFormatError(KIND, p, "header", "not valid JSON") from None
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise FileFormatError(KIND, p, "file", f"truncated or corrupt .npz ({str(e)[:80]})") from None
+
+
+def _check_header(header: object, p: str) -> None:
     check_schema(header, KIND, VERSION, p)
     for name in ("model", "n_chunks", "chunk_tokens"):
         if name not in header:
@@ -199,18 +210,101 @@ def load_traces(path: str | os.PathLike) -> Traces:
         ModelSpec.model_validate(header["model"])  # the header's model is the plan's model spec
     except ValidationError as e:
         raise validation_error(KIND, p, e, within=("header", "model")) from None
-    layers: dict[int, dict[str, np.ndarray]] = {}
-    for key, a in data.items():
-        if key.startswith("L"):
-            li, name = key[1:].split("_", 1)
-            layers.setdefault(int(li), {})[name] = a
-    missing = sorted(set(header["model"]["moe_layers"]) - set(layers))
-    if missing:
-        raise FileFormatError(KIND, p, "layers", f"MoE layers {missing} have no trace")
+    for name in ("n_chunks", "chunk_tokens"):
+        if not isinstance(header[name], int) or header[name] < 1:
+            raise FileFormatError(KIND, p, f"header.{name}", f"must be a positive integer, got {header[name]!r}")
+    prompt = header.get("prompt_tokens")
+    if isinstance(prompt, int) and header["chunk_tokens"] > prompt:
+        raise FileFormatError(KIND, p, "header.chunk_tokens",
+                              f"{header['chunk_tokens']} exceeds prompt_tokens {prompt}: no chunk can be that long")
+
+
+def _split_arrays(data: dict[str, np.ndarray], header: dict, p: str) -> dict[int, dict[str, np.ndarray]]:
+    """The per-layer arrays `L<layer>_<name>`: every MoE layer has either all of RECORDED or SYNTHETIC, and
+    nothing else is in the file."""
+    expected = {f"L{i}_{n}": (i, n) for i in header["model"]["moe_layers"] for n in RECORDED + SYNTHETIC}
+    extra = sorted(set(data) - set(expected) - {"chunk", "heldout_chunks"})
+    if extra:
+        raise FileFormatError(KIND, p, extra[0], "unexpected array (not a layer of header.model.moe_layers)")
+    layers: dict[int, dict[str, np.ndarray]] = {i: {} for i in header["model"]["moe_layers"]}
+    for key, (i, name) in expected.items():
+        if key in data:
+            layers[i][name] = data[key]
+    for i, arrays in layers.items():
+        kind = SYNTHETIC if "counts" in arrays else RECORDED
+        missing = [n for n in kind if n not in arrays]
+        if missing or set(arrays) - set(kind):
+            what = f"missing array L{i}_{missing[0]}" if missing else "holds both recorded and counts arrays"
+            raise FileFormatError(KIND, p, f"layers.L{i}", what)
+    return layers
+
+
+def _check_recorded(layers: dict, chunk: np.ndarray | None, header: dict, p: str) -> None:
+    e, k, n_chunks = header["model"]["num_experts"], header["model"]["top_k"], header["n_chunks"]
+    if chunk is None:
+        raise FileFormatError(KIND, p, "chunk", "missing (recorded traces name each token's chunk)")
+    n = chunk.shape[0]
+    if chunk.ndim != 1 or not np.issubdtype(chunk.dtype, np.integer) or (n and (chunk.min() < 0 or
+                                                                               chunk.max() >= n_chunks)):
+        raise FileFormatError(KIND, p, "chunk", f"must be 1-D chunk ids in [0, {n_chunks})")
+    sizes = np.bincount(chunk, minlength=n_chunks)
+    if sizes.max(initial=0) > header["chunk_tokens"]:
+        raise FileFormatError(KIND, p, "chunk", f"a chunk holds {int(sizes.max())} tokens, more than "
+                                                f"header.chunk_tokens {header['chunk_tokens']}")
+    for i, a in layers.items():
+        where = f"L{i}"
+        if a["idx"].shape != (n, k) or not np.issubdtype(a["idx"].dtype, np.integer):
+            raise FileFormatError(KIND, p, f"{where}_idx", f"must be integer [{n}, {k}], got {a['idx'].dtype} "
+                                                           f"{list(a['idx'].shape)}")
+        if n and (a["idx"].min() < 0 or a["idx"].max() >= e):
+            raise FileFormatError(KIND, p, f"{where}_idx", f"expert ids must be in [0, {e}), got "
+                                                           f"{int(a['idx'].min())}..{int(a['idx'].max())}")
+        if a["weight"].shape != (n, k) or not np.isfinite(a["weight"]).all():
+            raise FileFormatError(KIND, p, f"{where}_weight", f"must be [{n}, {k}] finite router weights")
+        if a["norm"].shape != (n,) or not np.isfinite(a["norm"]).all() or (a["norm"] < 0).any():
+            raise FileFormatError(KIND, p, f"{where}_norm", f"must be [{n}] finite, non-negative norms")
+
+
+def _check_counts(layers: dict, header: dict, p: str) -> None:
+    shape = (header["n_chunks"], header["model"]["num_experts"])
+    for i, a in layers.items():
+        c = a["counts"]
+        if c.shape != shape or not np.issubdtype(c.dtype, np.integer) or (c < 0).any():
+            raise FileFormatError(KIND, p, f"L{i}_counts", f"must be non-negative integer counts {list(shape)}")
+
+
+def load_traces(path: str | os.PathLike) -> Traces:
+    """Read and validate a traces file: every error names the file and the array or header field."""
+    p = str(path)
+    data = _read_npz(path)
+    if "header" not in data:
+        raise FileFormatError(KIND, p, "header", "missing")
+    try:
+        header = json.loads(data.pop("header").tobytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FileFormatError(KIND, p, "header", "not valid JSON") from None
+    _check_header(header, p)
+    layers = _split_arrays(data, header, p)
+    synthetic = {i for i, a in layers.items() if "counts" in a}
+    if synthetic and len(synthetic) < len(layers):
+        raise FileFormatError(KIND, p, "layers", "mixes counts-only and recorded layers")
+    if synthetic:
+        _check_counts(layers, header, p)
+    else:
+        _check_recorded(layers, data.get("chunk"), header, p)
     heldout = data.get("heldout_chunks")
     if heldout is None or heldout.shape != (header["n_chunks"],):
         raise FileFormatError(KIND, p, "heldout_chunks", "missing or of the wrong length")
     return Traces(header, layers, data.get("chunk"), heldout.astype(bool))
+
+
+def require_heldout(traces: Traces, path: str) -> None:
+    """Held-out drop rates need held-out chunks: refuse traces without them, saying how to get some."""
+    if not traces.heldout_chunks.any():
+        prompts = traces.header.get("prompt_tokens", traces.header["chunk_tokens"])
+        raise FileFormatError(KIND, path, "heldout_chunks",
+                              f"none held out ({traces.n_chunks} chunks, {traces.header.get('heldout_rule')}): "
+                              f"calibrate on a longer text or with --max-tokens >= {HELDOUT_EVERY * prompts}")
 
 
 def default_traces_path(model_name: str) -> Path:

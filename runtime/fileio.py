@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,41 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextmanager
+def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
+    """Write a command's outputs as one set: yields a temp path beside each target (same suffix, for writers that
+    go by it); when the block succeeds all are renamed into place, when it fails or is interrupted none is, and
+    the temps (and any folder made for them) are removed."""
+    targets = [Path(p) for p in paths]
+    made = [d for t in targets for d in (t.parent, *t.parent.parents) if not d.exists()]
+    for t in targets:
+        t.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+    temps = [t.with_name(f".{t.name}.{tag}.tmp{t.suffix}") for t in targets]
+    done = False
+    try:
+        yield temps
+        for tmp, target in zip(temps, targets):
+            os.replace(tmp, target)
+        done = True
+    finally:
+        for tmp in temps:
+            _remove(tmp)
+        if not done:
+            for d in sorted(set(made), key=lambda d: len(d.parts), reverse=True):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
 
 
 def read_versioned_json(path: str | os.PathLike, kind: str, version: int) -> dict:

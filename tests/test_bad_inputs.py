@@ -4,27 +4,90 @@ Each case runs `autotune.cli.main` in-process on argv with `{placeholders}` fill
 once per module; the working directory is a fresh empty folder, so the default output paths land there too."""
 from __future__ import annotations
 
-import os
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import random_model
 
 from autotune.cli import main
+from autotune.profile import host_id
+from autotune.templates import template_plan
+from runtime.models import model_spec
+from runtime.plan import save_plan
 
 M = ["--model", "random:qwen3_moe"]
+S = ["search", *M, "--profile", "{profile}", "--trials", "2"]
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def _bad_traces(d: Path, good: Path) -> dict[str, str]:
+    """Variants of a good traces file, each broken in one way."""
+    with np.load(good) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(arrays["header"].tobytes())
+    layer = header["model"]["moe_layers"][0]
+
+    def variant(name: str, **changes) -> str:
+        a = {**arrays, **changes}
+        return _write_npz(d / f"{name}.npz", {k: v for k, v in a.items() if v is not None})
+
+    def with_header(**fields) -> np.ndarray:
+        return np.frombuffer(json.dumps({**header, **fields}).encode(), dtype=np.uint8)
+
+    idx = arrays[f"L{layer}_idx"].copy()
+    idx[0, 0] = header["model"]["num_experts"]
+    weight = arrays[f"L{layer}_weight"].copy()
+    weight[3, 1] = np.nan
+    norm = arrays[f"L{layer}_norm"].copy()
+    norm[0] = np.inf
+    raw = good.read_bytes()
+    (d / "truncated.npz").write_bytes(raw[: len(raw) // 2])
+    (d / "json.npz").write_text(json.dumps(header))
+    return {
+        "t_idx": variant("idx", **{f"L{layer}_idx": idx}),
+        "t_nan": variant("nan", **{f"L{layer}_weight": weight}),
+        "t_norm": variant("norm", **{f"L{layer}_norm": norm}),
+        "t_missing": variant("missing", **{f"L{layer}_norm": None}),
+        "t_extra": variant("extra", L99_idx=idx),
+        "t_chunk": variant("chunk", header=with_header(chunk_tokens=header["chunk_tokens"] // 2)),
+        "t_prompt": variant("prompt", header=with_header(chunk_tokens=2 * header["prompt_tokens"])),
+        "t_noheldout": variant("noheldout", heldout_chunks=np.zeros_like(arrays["heldout_chunks"])),
+        "t_schema": variant("schema", header=with_header(schema="npumoe.plan/1")),
+        "t_truncated": str(d / "truncated.npz"),
+        "t_json": str(d / "json.npz"),
+    }
 
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory) -> dict[str, str]:
-    """Paths of the bad (and a few good) input files the cases name."""
+    """Paths of the bad (and a few good) input files the cases name, made once for the module."""
     d = tmp_path_factory.mktemp("bad")
     (d / "adir").mkdir()
     (d / "notes.txt").write_text("not a plan\n")
-    (d / "garbage.bin").write_bytes(os.urandom(256))
-    paths = {"adir": str(d / "adir"), "notes": str(d / "notes.txt"), "garbage": str(d / "garbage.bin")}
-    paths["dir"] = str(d)
-    paths["missing"] = str(d / "missing" / "deeper")
+    (d / "garbage.bin").write_bytes(np.random.default_rng(0).bytes(256))
+    (d / "text.txt").write_text("Routing skews toward a few experts; the rest idle. " * 8)
+    paths = {"adir": str(d / "adir"), "notes": str(d / "notes.txt"), "garbage": str(d / "garbage.bin"),
+             "text": str(d / "text.txt"), "dir": str(d), "missing": str(d / "missing" / "deeper")}
+    shipped = json.loads((Path(__file__).parents[1] / "profiles" / "apple-m2-ultra-published.json").read_text())
+    shipped["host"]["id"] = host_id()  # this host's, so that loading it warns of nothing
+    (d / "profile.json").write_text(json.dumps(shipped))
+    paths["profile"] = str(d / "profile.json")
+    good = d / "good.npz"
+    assert main(["calibrate", *M, "--text", paths["text"], "--chunk", "32", "--prompt-tokens", "64",
+                 "--out", str(good), "--json"]) == 0
+    paths["traces"] = str(good)
+    paths.update(_bad_traces(d, good))
+    other = template_plan(model_spec(random_model("random:mixtral")[0]), "ample", "drop", "cpu-static", 64,
+                          "router_weight")
+    save_plan(other, d / "other-model.json")
+    paths["other_plan"] = str(d / "other-model.json")
     return paths
 
 
@@ -79,6 +142,26 @@ CASES = [
      "no such package"),
     ("plot-no-suffix", ["show-profile", "apple-m2-ultra-published", "--plot", "{adir}"], "must end in"),
     ("plot-read-only", ["show-profile", "apple-m2-ultra-published", "--plot", "/proc/p.png"], "cannot write"),
+    ("traces-expert-out-of-range", [*S, "--traces", "{t_idx}"], "expert ids"),
+    ("traces-nan-weight", [*S, "--traces", "{t_nan}"], "finite router weights"),
+    ("traces-inf-norm", [*S, "--traces", "{t_norm}"], "norms"),
+    ("traces-missing-array", [*S, "--traces", "{t_missing}"], "missing array"),
+    ("traces-extra-array", [*S, "--traces", "{t_extra}"], "unexpected array"),
+    ("traces-chunk-longer-than-header", [*S, "--traces", "{t_chunk}"], "chunk_tokens"),
+    ("traces-chunk-longer-than-prompt", [*S, "--traces", "{t_prompt}"], "prompt_tokens"),
+    ("traces-no-heldout", [*S, "--traces", "{t_noheldout}"], "--max-tokens"),
+    ("traces-wrong-schema", [*S, "--traces", "{t_schema}"], "schema"),
+    ("traces-truncated", [*S, "--traces", "{t_truncated}"], "truncated"),
+    ("traces-json", [*S, "--traces", "{t_json}"], "not a traces file"),
+    ("traces-garbage", [*S, "--traces", "{garbage}"], "not a traces file"),
+    ("traces-other-model", ["search", "--model", "random:mixtral", "--profile", "{profile}",
+                            "--traces", "{traces}"], "another model"),
+    ("calibrate-chunk-over-prompt", ["calibrate", *M, "--text", "{text}", "--chunk", "512", "--prompt-tokens",
+                                     "256"], "--prompt-tokens"),
+    ("calibrate-no-heldout", ["calibrate", *M, "--text", "{text}", "--prompt-tokens", "256"], "held-out"),
+    ("calibrate-text-missing", ["calibrate", *M, "--text", "{missing}/t.txt"], "cannot read"),
+    ("plan-other-model", ["run", *M, "--plan", "{other_plan}", "--text", "{text}"], "other-model.json"),
+    ("plan-not-json", ["run", *M, "--plan", "{notes}", "--text", "{text}"], "notes.txt"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
+
+from runtime.errors import NpumoeError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -56,7 +59,7 @@ def _float(text: str) -> float:
         x = float(text)
     except ValueError:
         _fail(f"expected a number, got {text!r}")
-    if x != x or x in (float("inf"), float("-inf")):
+    if not math.isfinite(x):
         _fail(f"must be a finite number, got {text!r}")
     return x
 
@@ -175,6 +178,14 @@ def output_package(text: str) -> str:
     return text
 
 
+def require_output(path: str | os.PathLike, option: str, package: bool = False) -> None:
+    """Check an output path after parsing (a default the parser never saw), before any work starts."""
+    try:
+        (output_package if package else check_output_file)(str(path))
+    except argparse.ArgumentTypeError as e:
+        raise NpumoeError(f"{option}: {e}") from None
+
+
 def directory(text: str) -> str:
     """A directory that exists or can be created: not a file, the nearest existing ancestor writable."""
     p = Path(text)
@@ -256,8 +267,6 @@ def storage_url(text: str) -> str:
 
 def shape_list(text: str) -> str:
     """`--shapes`: named sizes or HIDDENxFFN with positive sizes (parsed again by profiling.settings.parse_shapes)."""
-    from runtime.errors import NpumoeError
-
     from ..profiling.settings import parse_shapes
 
     try:

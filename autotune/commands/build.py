@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from runtime.coreml_build import COMPRESSIONS, LAYOUTS, build_package, quiet_coremltools_import
@@ -10,7 +13,7 @@ from runtime.mil_eval import TOLERANCE
 from runtime.models import load_model, model_spec, moe_layers
 from runtime.plan import check_plan_matches, load_plan
 
-from .argtypes import directory, input_file, output_package
+from .argtypes import directory, input_file, output_package, require_output
 from .common import add_dtype_argument, add_model_argument, print_json
 
 
@@ -40,15 +43,29 @@ def _progress_factory(enabled: bool):
     return lambda stage, total: tqdm(total=total, desc=stage, unit="fn", file=sys.stderr, dynamic_ncols=True)
 
 
+@contextmanager
+def private_tempdir() -> Iterator[None]:
+    """Point `tempfile` at a folder of our own for the block and remove it after, interrupted or not."""
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="npumoe-build-") as d:
+        tempfile.tempdir = d
+        try:
+            yield
+        finally:
+            tempfile.tempdir = previous
+
+
 def run(args: argparse.Namespace) -> int:
+    out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
+    require_output(out, "--out", package=True)
     quiet_coremltools_import()
     plan = load_plan(args.plan)
     model, _ = load_model(args.model, args.dtype)
     check_plan_matches(plan, model_spec(model), args.plan)
-    out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
     layers = {layer.index: layer.experts for layer in moe_layers(model)}
-    result = build_package(layers, plan, out, args.layout, args.compress, args.cache_dir,
-                           _progress_factory(not args.no_progress))
+    with private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
+        result = build_package(layers, plan, out, args.layout, args.compress, args.cache_dir,
+                               _progress_factory(not args.no_progress))
     ratio = result.package_bytes / result.unique_weight_bytes
     print(f"wrote {result.package}: {len(result.functions)} functions ({result.cached} from the cache), "
           f"layout {result.layout}, weights {result.compress}, {result.build_seconds:.1f} s")

@@ -5,12 +5,13 @@ import argparse
 
 import numpy as np
 
+from runtime.errors import NpumoeError
 from runtime.models import load_model
 
 from ..texts import DEFAULT_CALIB_TEXT
-from ..traces import default_traces_path, record_traces, save_traces
+from ..traces import HELDOUT_EVERY, default_traces_path, record_traces, save_traces
 from ..workload import encode_text
-from .argtypes import output_file, positive_int
+from .argtypes import output_file, positive_int, require_output
 from .common import (add_dtype_argument, add_model_argument, add_text_argument, add_threads_argument, apply_threads,
                      print_json)
 
@@ -34,10 +35,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 def calibrate(model_name: str, text: str, chunk: int, prompt_tokens: int, max_tokens: int, out: str | None,
               progress: bool = True, dtype: str = "auto") -> tuple[str, dict]:
     """Record and save traces; returns (path, summary). Used by `search` when traces are missing."""
+    if chunk > prompt_tokens:
+        raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
+                          "chunks of at most its length; give --chunk <= --prompt-tokens")
+    path = str(out or default_traces_path(model_name))
+    require_output(path, "--out")
     model, tokenizer = load_model(model_name, dtype)
     ids = encode_text(tokenizer, text, max_tokens)
+    prompts = -(-len(ids) // prompt_tokens)
+    if prompts < HELDOUT_EVERY:
+        raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
+                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
+                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
+                          "smaller --prompt-tokens)")
     traces = record_traces(model, ids, chunk, prompt_tokens, text, progress=progress)
-    path = str(out or default_traces_path(model_name))
     save_traces(traces, path)
     first = traces.header["model"]["moe_layers"][0]
     shares = {str(l): (traces.counts(l, "calib").sum(0) / max(1, traces.counts(l, "calib").sum())).round(4).tolist()

@@ -61,14 +61,15 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
 def planned_inputs(args: argparse.Namespace) -> tuple:
     """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
     --max-tokens/--package."""
-    from runtime.models import load_model
-    from runtime.plan import load_plan
+    from runtime.models import load_model, model_spec
+    from runtime.plan import check_plan_matches, load_plan
 
     from ..workload import encode_text
 
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, args.dtype)
     plan = load_plan(args.plan)
+    check_plan_matches(plan, model_spec(model), args.plan)  # names the plan file, before any text is read
     ids = encode_text(tokenizer, args.text, args.max_tokens)
     backends = None
     if args.package:

@@ -7,7 +7,7 @@ import time
 
 from ..profile import host_profile_path, save_profile
 from ..profiling.settings import CLOCKS, parse_shapes, settings_for
-from .argtypes import non_empty_list, output_file, positive_int, shape_list
+from .argtypes import non_empty_list, output_file, positive_int, require_output, shape_list
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,10 +36,11 @@ def run(args: argparse.Namespace) -> int:
     s = settings_for(args.quick)
     if args.shapes:
         s = dataclasses.replace(s, shapes=parse_shapes(args.shapes))
+    out = args.out or host_profile_path()
+    require_output(out, "--out")
     t0 = time.perf_counter()
     profile = profile_device(args.backends, args.quick, args.threads, progress=not args.no_progress, s=s,
                              clock=args.clock)
-    out = args.out or host_profile_path()
     save_profile(profile, out)
     profile.path = str(out)
     print_summary(profile)

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from runtime.errors import NpumoeError
-from runtime.fileio import atomic_write_json
+from runtime.fileio import atomic_write_json, output_set
 from runtime.models import read_model_spec
 from runtime.plan import SALIENCY_RULES, save_plan
 
@@ -18,9 +21,9 @@ from ..report import format_report, plot_pareto, plot_plan_map, search_report, s
 from ..search import solution_plan, timed_search
 from ..space import LayerData, Scorer
 from ..texts import DEFAULT_CALIB_TEXT
-from ..traces import default_traces_path, load_traces
+from ..traces import default_traces_path, load_traces, require_heldout
 from .argtypes import (fraction_below_one, non_negative_int, output_file, positive_float, positive_int,
-                       storage_url, traces_file)
+                       require_output, storage_url, traces_file)
 from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
 
 
@@ -40,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=positive_int, default=120, metavar="N",
                    help="Optuna trials per MoE layer (default 120)")
     p.add_argument("--storage", type=storage_url, metavar="URL",
-                   help="Optuna storage to resume from: sqlite:///file.db (one worker) "
-                        "or journal:FILE (JournalStorage, several processes)")
+                   help="Optuna storage to resume from: sqlite:///file.db (one search "
+                        "at a time; a second is refused) or journal:FILE (JournalStorage, several processes)")
     p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
                    help="device budget for resident expert weights, fp16, all layers (default 16384)")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
@@ -84,6 +87,7 @@ def _traces(args, spec) -> tuple[object, str]:
     if path.exists():
         traces = load_traces(path)
         if traces.spec["fingerprint"] == spec.fingerprint:
+            require_heldout(traces, str(path))
             return traces, str(path)
         if args.traces:
             raise NpumoeError(f"traces {path} are for another model (fingerprint {traces.spec['fingerprint']}, "
@@ -94,7 +98,9 @@ def _traces(args, spec) -> tuple[object, str]:
           file=sys.stderr)
     calibrate(args.model, DEFAULT_CALIB_TEXT, 256, 1024, 32768, str(path), progress=not args.json,
               dtype=args.dtype)
-    return load_traces(path), str(path)
+    traces = load_traces(path)
+    require_heldout(traces, str(path))
+    return traces, str(path)
 
 
 def _study_prefix(spec, cost, traces, args) -> str:
@@ -104,9 +110,38 @@ def _study_prefix(spec, cost, traces, args) -> str:
     return f"npumoe:{spec.fingerprint[7:19]}:{hashlib.sha256(key.encode()).hexdigest()[:12]}:{args.objective}"
 
 
+def _default_out(model: str, profile: str | None) -> Path:
+    """plans/<model>@<profile>.json, the profile named as `_profile` names it."""
+    return Path("plans") / f"{Path(model).name.replace(':', '_')}@{profile or 'host'}.json"
+
+
+@contextmanager
+def _one_search_per_sqlite(url: str | None) -> Iterator[None]:
+    """SQLite storage serves one search at a time: two at once race on creating its tables and on the trials
+    they enqueue. A second search on it is refused (pointing to journal:, which is made for several processes)
+    by an exclusive lock on <file>.lock, held for the whole search."""
+    if not url or not url.startswith("sqlite:///"):
+        yield
+        return
+    with open(url[len("sqlite:///"):] + ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
+                              "time: run concurrent searches on --storage journal:FILE") from None
+        yield
+
+
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
+    with _one_search_per_sqlite(args.storage):
+        return _search(args)
+
+
+def _search(args: argparse.Namespace) -> int:
     spec = read_model_spec(args.model)
+    out = Path(args.out) if args.out else _default_out(args.model, args.profile)
+    require_output(out, "--out")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileHostWarning)
         profile, profile_name = _profile(args.profile, args.json)
@@ -125,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
                                     progress=not args.json)
     calib_chunks = int(layers[0].calib.shape[0])
     heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
-    out = Path(args.out or Path("plans") / f"{Path(args.model).name.replace(':', '_')}@{profile_name}.json")
     context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
                "objective": args.objective, "drop_budget": args.drop_budget,
                "chunk_tokens": traces.header["chunk_tokens"]}
@@ -137,15 +171,16 @@ def run(args: argparse.Namespace) -> int:
                          {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                           "drop_budget": args.drop_budget, "objective": args.objective,
                           "decisions": [c.to_json() for c in outcome.best.configs]})
-    save_plan(plan, out)
-    atomic_write_json(sidecar(out, ".report.json"), report)
-    plot_plan_map(plan, sidecar(out, ".map.png"))
-    if args.objective == "both":
-        plot_pareto(report, sidecar(out, ".pareto.png"))
+    extras = [".report.json", ".map.png"] + ([".pareto.png"] if args.objective == "both" else [])
+    with output_set(out, *(sidecar(out, e) for e in extras)) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
+        save_plan(plan, plan_tmp)
+        atomic_write_json(report_tmp, report)
+        plot_plan_map(plan, map_tmp)
+        for path in pareto_tmp:
+            plot_pareto(report, path)
     if args.json:
         print_json(report)
     else:
         print(format_report(report))
-        extras = [".report.json", ".map.png"] + ([".pareto.png"] if args.objective == "both" else [])
         print(f"wrote {out} (+ {', '.join(sidecar(out, e).name for e in extras)}) in {seconds:.1f} s")
     return 0
