@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_model
+from helpers import random_model
 
 from autotune.cli import main
-from autotune.profile import host_id
+from autotune.profile import ProfileHostWarning, host_id, load_profile, save_profile
 from autotune.templates import template_plan
 from runtime.models import model_spec
 from runtime.plan import save_plan
@@ -75,9 +76,11 @@ def bad(tmp_path_factory) -> dict[str, str]:
     (d / "text.txt").write_text("Routing skews toward a few experts; the rest idle. " * 8)
     paths = {"adir": str(d / "adir"), "notes": str(d / "notes.txt"), "garbage": str(d / "garbage.bin"),
              "text": str(d / "text.txt"), "dir": str(d), "missing": str(d / "missing" / "deeper")}
-    shipped = json.loads((Path(__file__).parents[1] / "profiles" / "apple-m2-ultra-published.json").read_text())
-    shipped["host"]["id"] = host_id()  # this host's, so that loading it warns of nothing
-    (d / "profile.json").write_text(json.dumps(shipped))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProfileHostWarning)
+        shipped = load_profile("apple-m2-ultra-published")
+    shipped.host["id"] = host_id()  # this host's, so that loading it warns of nothing
+    save_profile(shipped, d / "profile.json")
     paths["profile"] = str(d / "profile.json")
     good = d / "good.npz"
     assert main(["calibrate", *M, "--text", paths["text"], "--chunk", "32", "--prompt-tokens", "64",
