@@ -20,7 +20,7 @@ BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
 def solution_summary(sol: Solution, calib_chunks: int, heldout_assignments: int) -> dict:
     return {"predicted_latency_ms": sol.latency_ms / calib_chunks,
             "predicted_energy_mj": None if sol.energy_mj is None else sol.energy_mj / calib_chunks,
-            "heldout_drop_rate": sol.heldout_drops / heldout_assignments}
+            "heldout_drop_rate": sol.heldout_drops / max(1, heldout_assignments)}
 
 
 def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:

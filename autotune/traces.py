@@ -178,7 +178,7 @@ def save_traces(traces: Traces, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-ZIP_MAGIC = b"PK\x03\x04"  # an .npz is a zip archive of .npy arrays
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # an .npz is a zip archive of .npy arrays (the second: empty)
 RECORDED = ("idx", "weight", "norm")  # per-layer arrays of recorded traces
 SYNTHETIC = ("counts",)  # per-layer array of synthetic (counts-only) traces
 
@@ -187,13 +187,14 @@ def _read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     p = str(path)
     try:
         with open(path, "rb") as f:
-            magic = f.read(len(ZIP_MAGIC))
+            magic = f.read(4)
     except FileNotFoundError:
         raise FileFormatError(KIND, p, "file", "no such file") from None
     except OSError as e:
         raise FileFormatError(KIND, p, "file", f"cannot read: {e.strerror or e}") from None
-    if magic != ZIP_MAGIC:
-        raise FileFormatError(KIND, p, "file", "not a traces file (expected an .npz archive from autotune calibrate)")
+    if magic not in ZIP_MAGICS:
+        raise FileFormatError(KIND, p, "file", "not a traces file: not a readable .npz archive (as autotune "
+                                               "calibrate writes)")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
@@ -234,8 +235,8 @@ def _split_arrays(data: dict[str, np.ndarray], header: dict, p: str) -> dict[int
         kind = SYNTHETIC if "counts" in arrays else RECORDED
         missing = [n for n in kind if n not in arrays]
         if missing or set(arrays) - set(kind):
-            what = f"missing array L{i}_{missing[0]}" if missing else "holds both recorded and counts arrays"
-            raise FileFormatError(KIND, p, f"layers.L{i}", what)
+            what = f"missing array L{i}_{missing[0]}" if missing else f"L{i} holds both recorded and counts arrays"
+            raise FileFormatError(KIND, p, "layers", f"MoE layer {i}: {what}")
     return layers
 
 
@@ -285,6 +286,9 @@ def load_traces(path: str | os.PathLike) -> Traces:
         raise FileFormatError(KIND, p, "header", "not valid JSON") from None
     _check_header(header, p)
     layers = _split_arrays(data, header, p)
+    heldout = data.get("heldout_chunks")
+    if heldout is None or heldout.shape != (header["n_chunks"],):
+        raise FileFormatError(KIND, p, "heldout_chunks", "missing or of the wrong length")
     synthetic = {i for i, a in layers.items() if "counts" in a}
     if synthetic and len(synthetic) < len(layers):
         raise FileFormatError(KIND, p, "layers", "mixes counts-only and recorded layers")
@@ -292,9 +296,6 @@ def load_traces(path: str | os.PathLike) -> Traces:
         _check_counts(layers, header, p)
     else:
         _check_recorded(layers, data.get("chunk"), header, p)
-    heldout = data.get("heldout_chunks")
-    if heldout is None or heldout.shape != (header["n_chunks"],):
-        raise FileFormatError(KIND, p, "heldout_chunks", "missing or of the wrong length")
     return Traces(header, layers, data.get("chunk"), heldout.astype(bool))
 
 
