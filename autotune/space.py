@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime import ane_limits
 from runtime.plan import Group, LayerCalibration, LayerPlan
 
 from .costmodel import CostModel
@@ -23,9 +24,6 @@ from .traces import Traces
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
-ANE_MAX_AXIS = 65_536  # per-axis size limit of an ANE tensor (docs/ane-facts.md)
-ANE_MAX_OPS = 18_000  # MIL ops per program, with margin below the ~18-21K ceiling
-OPS_PER_EXPERT = 8  # slice, 2 matmuls, split, silu, mul, concat share: what the builder emits per expert
 
 
 @dataclass(frozen=True)
@@ -126,13 +124,13 @@ def calibration(data: LayerData, lp: LayerPlan) -> LayerCalibration:
                             heldout_overflow_rate=overflow(lp, data.heldout) / max(1, int(data.heldout.sum())))
 
 
-def violation(lp: LayerPlan, backend: str, expert_bytes: int, resident_bytes_budget: float) -> float:
-    """How far a layer plan is past the hard limits (0 when within them)."""
+def violation(lp: LayerPlan, backend: str, expert_bytes: int, resident_bytes_budget: float, hidden: int = 0,
+              ffn: int = 0, function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> float:
+    """How far a layer plan is past the hard limits (0 when within them): on the ANE, each group's program against
+    runtime.ane_limits (axes, ops, weight bytes per function, as the builder checks them); the resident budget."""
     v = 0.0
     if backend == "ane":
-        for g in lp.groups:
-            v += max(0, sum(g.capacities) - ANE_MAX_AXIS) / ANE_MAX_AXIS
-            v += max(0, OPS_PER_EXPERT * len(g.experts) - ANE_MAX_OPS) / ANE_MAX_OPS
+        v += sum(ane_limits.group_usage(g.capacities, hidden, ffn).violation(function_weight_bytes) for g in lp.groups)
     resident = sum(len(g.experts) for g in lp.groups) * expert_bytes
     return v + max(0.0, resident - resident_bytes_budget) / max(1.0, resident_bytes_budget)
 
@@ -150,7 +148,7 @@ class Scorer:
 
     @property
     def expert_bytes(self) -> int:
-        return 3 * self.hidden * self.ffn * 2  # gate, up, down in fp16
+        return ane_limits.expert_weight_bytes(self.hidden, self.ffn)  # gate, up, down in fp16
 
     def score(self, data: LayerData, cfg: LayerConfig) -> Score:
         key = (data.layer, cfg)
@@ -159,7 +157,7 @@ class Scorer:
             lat = float(np.sum(self.cost.layer_ms(lp, data.calib, self.hidden, self.ffn, cfg.overflow)))
             energy = self.energy(data, cfg) if self.with_energy else None
             drops = overflow(lp, data.heldout) if cfg.overflow == "drop" else 0
-            v = violation(lp, self.backend, self.expert_bytes, self.resident_bytes_per_layer)
+            v = violation(lp, self.backend, self.expert_bytes, self.resident_bytes_per_layer, self.hidden, self.ffn)
             self._cache[key] = Score(lat, energy, drops, v)
         return self._cache[key]
 

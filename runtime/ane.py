@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import sys
 import tempfile
@@ -22,18 +23,20 @@ import threading
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from .backends import GroupFn, GroupSpec, register_static_backend
-from .errors import NpumoeError
+from .errors import FileFormatError, NpumoeError
+from .fileio import read_versioned_json
 
 log = logging.getLogger("npumoe")
 
 LAYOUTS = ("matmul", "conv1x1")
 INPUT_NAME, OUTPUT_NAME = "x", "y"
+MANIFEST_SCHEMA = "npumoe.manifest/1"  # <out>.manifest.json: the packages of one build, their functions
 META_KEY = "npumoe.build"  # user-defined metadata: JSON with layout, compression and per-function provenance
 ENERGY_FIELDS = ("ane_mj", "cpu_total_mj", "gpu_mj", "dram_mj")
 
@@ -70,9 +73,14 @@ def expert_weights_fp16(module: torch.nn.Module, expert: int) -> tuple[np.ndarra
 
 def weights_digest(module: torch.nn.Module, experts: tuple[int, ...] | list[int]) -> str:
     """sha256 of the fp16 weights of `experts`, in order: ties a package function to a checkpoint."""
+    return arrays_digest(expert_weights_fp16(module, e) for e in experts)
+
+
+def arrays_digest(expert_arrays: Iterable[tuple[np.ndarray, np.ndarray]]) -> str:
+    """`weights_digest` of experts already converted by `expert_weights_fp16` (the builder has them at hand)."""
     h = hashlib.sha256()
-    for e in experts:
-        for w in expert_weights_fp16(module, e):
+    for pair in expert_arrays:
+        for w in pair:
             h.update(str(w.shape).encode())
             h.update(w.tobytes())
     return h.hexdigest()
@@ -91,14 +99,15 @@ class AneBackend:
     overlaps_cpu = True
 
     def __init__(self, package_path: str | None) -> None:
-        self.package_path = package_path
+        self.package_path = package_path  # one .mlpackage, or the <out>.manifest.json of a build split in several
         self.energy: dict[str, Counter] = defaultdict(Counter)  # per function: summed mJ per field, and calls
-        self._compiled: str | None = None
+        self._compiled: dict[str, str] = {}  # package path -> its compiled .mlmodelc
         self._functions: dict[str, object] = {}  # function name -> resident CompiledMLModel
-        self._meta: dict | None = None
+        self._meta: dict[str, dict] = {}  # package path -> its build metadata
+        self._packages: dict[str, str] | None = None  # function name -> the package that holds it
         self._lock = threading.Lock()
         self._monitor = None
-        self._compute_plan = None
+        self._compute_plan: dict[str, object] = {}  # package path -> its MLComputePlan
 
     def available(self) -> tuple[bool, str]:
         if sys.platform != "darwin":
@@ -107,7 +116,7 @@ class AneBackend:
             return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
         if not self.package_path:
             return False, "no Core ML package given: build one with `autotune build` and pass --package"
-        if not Path(self.package_path).is_dir():
+        if not (Path(self.package_path).is_dir() or Path(self.package_path).is_file()):
             return False, f"Core ML package {self.package_path} does not exist"
         try:
             import coremltools  # noqa: F401
@@ -115,29 +124,65 @@ class AneBackend:
             return False, f"coremltools is not installed ({e})"
         return True, f"Core ML on the Neural Engine ({self.package_path})"
 
-    # --- macOS only below: everything here needs Core ML's runtime ---
+    # --- metadata: read with coremltools' protobuf reader, on any host ---
 
-    def metadata(self) -> dict:
-        """The build record the builder stored in the package (layout, compression, functions)."""
-        if self._meta is None:
+    def metadata(self, package: str | None = None) -> dict:
+        """The build record the builder stored in a package (layout, compression, functions); by default the
+        package holding the first function."""
+        package = package or next(iter(self.packages().values()))
+        if package not in self._meta:
             import coremltools as ct
 
-            spec = ct.utils.load_spec(self.package_path)
+            spec = ct.utils.load_spec(package)
             raw = spec.description.metadata.userDefined.get(META_KEY)
             if raw is None:
-                raise NpumoeError(f"{self.package_path} was not built by `autotune build` (no {META_KEY} metadata)")
-            self._meta = json.loads(raw)
-        return self._meta
+                raise NpumoeError(f"{package} was not built by `autotune build` (no {META_KEY} metadata)")
+            self._meta[package] = json.loads(raw)
+        return self._meta[package]
+
+    def packages(self) -> dict[str, str]:
+        """Function name -> path of the package holding it (one package, or every package of a manifest)."""
+        if self._packages is None:
+            if not self.package_path:
+                raise NpumoeError("no Core ML package given: build one with `autotune build` and pass --package")
+            if str(self.package_path).endswith(".json"):
+                self._packages = read_manifest(self.package_path)
+            else:
+                self._packages = {name: self.package_path for name in self.metadata(self.package_path)["functions"]}
+        return self._packages
+
+    def check(self, group: GroupSpec) -> str:
+        """Refuse a package built for another plan or checkpoint, naming the group; returns the function's package."""
+        name = function_name(group.layer, group.index)
+        where = f"layer {group.layer} group {group.index}"
+        package = self.packages().get(name)
+        if package is None:
+            raise NpumoeError(f"{self.package_path} has no function {name} for {where}; rebuild it with "
+                              "`autotune build` for this plan")
+        fn = self.metadata(package)["functions"].get(name)
+        if fn is None:
+            raise NpumoeError(f"{package} has no function {name} for {where}, though {self.package_path} says it "
+                              "does; rebuild it")
+        if fn["experts"] != list(group.experts) or fn["capacities"] != list(group.capacities):
+            raise NpumoeError(f"{package}: function {name} was built for experts {fn['experts']} with "
+                              f"capacities {fn['capacities']}, but the plan's {where} has experts "
+                              f"{list(group.experts)} with capacities {list(group.capacities)}; rebuild it")
+        if fn["weights_sha256"] != weights_digest(group.module, group.experts):
+            raise NpumoeError(f"{package}: function {name} holds other weights than this model's "
+                              f"{where} (built from another checkpoint); rebuild it")
+        return package
+
+    # --- macOS only below: everything here needs Core ML's runtime ---
 
     def prepare(self, group: GroupSpec) -> GroupFn:
         ok, reason = self.available()
         if not ok:
             raise NpumoeError(f"the ane backend is unavailable: {reason}")
         name = function_name(group.layer, group.index)
-        self._check_function(name, group)
-        layout = self.metadata()["layout"]
-        model = self._load(name)
-        self._warn_if_not_on_ane(name)
+        package = self.check(group)
+        layout = self.metadata(package)["layout"]
+        model = self._load(name, package)
+        self._warn_if_not_on_ane(name, package)
 
         def run(packed: torch.Tensor) -> torch.Tensor:
             x = to_layout(packed.detach().to(torch.float16).numpy(), layout)
@@ -147,40 +192,25 @@ class AneBackend:
 
         return run
 
-    def _check_function(self, name: str, group: GroupSpec) -> None:
-        """Refuse a package built for another plan or checkpoint, naming the group."""
-        fn = self.metadata()["functions"].get(name)
-        where = f"layer {group.layer} group {group.index}"
-        if fn is None:
-            raise NpumoeError(f"{self.package_path} has no function {name} for {where}; rebuild it with "
-                              "`autotune build` for this plan")
-        if fn["experts"] != list(group.experts) or fn["capacities"] != list(group.capacities):
-            raise NpumoeError(f"{self.package_path}: function {name} was built for experts {fn['experts']} with "
-                              f"capacities {fn['capacities']}, but the plan's {where} has experts "
-                              f"{list(group.experts)} with capacities {list(group.capacities)}; rebuild it")
-        if fn["weights_sha256"] != weights_digest(group.module, group.experts):
-            raise NpumoeError(f"{self.package_path}: function {name} holds other weights than this model's "
-                              f"{where} (built from another checkpoint); rebuild it")
-
-    def _load(self, name: str):
+    def _load(self, name: str, package: str):
         import coremltools as ct
 
         with self._lock:
-            if self._compiled is None:
-                # Compile the whole package once; every function then loads from the same .mlmodelc.
+            if package not in self._compiled:
+                # Compile each package once; its functions then load from the same .mlmodelc.
                 out = Path(tempfile.mkdtemp(prefix="npumoe-ane-")) / "package.mlmodelc"
-                self._compiled = ct.models.utils.compile_model(self.package_path, str(out))
+                self._compiled[package] = ct.models.utils.compile_model(package, str(out))
             if name not in self._functions:
                 self._functions[name] = ct.models.CompiledMLModel(
-                    self._compiled, compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=name)
+                    self._compiled[package], compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=name)
             return self._functions[name]
 
-    def _warn_if_not_on_ane(self, name: str) -> None:
+    def _warn_if_not_on_ane(self, name: str, package: str) -> None:
         """MLComputePlan (macOS 14.4+): warn, naming the group, when any compute op is not placed on the ANE."""
         if _macos_version() < (14, 4):
             return
         try:
-            off = ops_not_on_ane(self._plan(), name)
+            off = ops_not_on_ane(self._plan(package), name)
         except Exception as e:  # the placement check is advice; never fail a run on it
             log.warning("could not read MLComputePlan for %s: %s", name, e)
             return
@@ -188,13 +218,15 @@ class AneBackend:
             shown = ", ".join(f"{op} on {dev}" for op, dev in off[:5])
             log.warning("function %s: %d op(s) not placed on the Neural Engine: %s", name, len(off), shown)
 
-    def _plan(self):
+    def _plan(self, package: str | None = None):
         from coremltools.models.compute_plan import MLComputePlan
         import coremltools as ct
 
-        if self._compute_plan is None:
-            self._compute_plan = MLComputePlan.load_from_path(self._compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-        return self._compute_plan
+        package = package or next(iter(self._compiled))
+        if package not in self._compute_plan:
+            self._compute_plan[package] = MLComputePlan.load_from_path(self._compiled[package],
+                                                                       compute_units=ct.ComputeUnit.CPU_AND_NE)
+        return self._compute_plan[package]
 
     @contextmanager
     def _energy_window(self, name: str) -> Iterator[None]:
@@ -225,6 +257,28 @@ class AneBackend:
             else:
                 self._monitor = AppleEnergyMonitor()
         return self._monitor or None
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, str]:
+    """Function name -> package path (beside the manifest) from a build's `<out>.manifest.json`; validated, with an
+    error that names the field."""
+    obj = read_versioned_json(path, "manifest", 1)
+    packages = obj.get("packages")
+    if not isinstance(packages, list) or not packages:
+        raise FileFormatError("manifest", str(path), "packages", "must be a non-empty list")
+    out: dict[str, str] = {}
+    for i, pk in enumerate(packages):
+        if not isinstance(pk, dict) or not isinstance(pk.get("path"), str) or not isinstance(pk.get("functions"), list):
+            raise FileFormatError("manifest", str(path), f"packages[{i}]", "needs a path and a list of functions")
+        where = Path(path).parent / pk["path"]
+        if not where.is_dir():
+            raise FileFormatError("manifest", str(path), f"packages[{i}].path", f"{where} does not exist")
+        for name in pk["functions"]:
+            if name in out:
+                raise FileFormatError("manifest", str(path), f"packages[{i}].functions",
+                                      f"function {name} is also in {out[name]}")
+            out[str(name)] = str(where)
+    return out
 
 
 def ops_not_on_ane(compute_plan, name: str) -> list[tuple[str, str]]:

@@ -24,16 +24,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .ane import LAYOUTS, META_KEY, OUTPUT_NAME, expert_weights_fp16, function_name, weights_digest
+from . import ane_limits
+from .ane import LAYOUTS, MANIFEST_SCHEMA, META_KEY, OUTPUT_NAME, arrays_digest, expert_weights_fp16, function_name
 from .backends import GroupSpec
 from .errors import NpumoeError
-from .fileio import cache_root
+from .fileio import atomic_write_json, cache_root
 from .plan import Plan
 
 COMPRESSIONS = ("none", "int8", "palettize4")
-ANE_MAX_AXIS = 65_536  # per-axis size limit of the Neural Engine
-ANE_MAX_OPS = 18_000  # MIL ops per program; the ANE compiler gives up around 18-21K (docs/ane-facts.md)
-OPS_PER_EXPERT = 7  # slice, linear, 2 slices, silu, mul, linear (consts not counted)
 BUILDER_VERSION = 1  # bump when the emitted program changes: invalidates the function cache
 
 
@@ -55,6 +53,9 @@ class FunctionSpec:
     def slots(self) -> int:
         return sum(self.capacities)
 
+    def usage(self, compress: str = "none") -> ane_limits.Usage:
+        return ane_limits.group_usage(self.capacities, self.hidden, self.ffn, compress)
+
     def input_shape(self, layout: str) -> tuple[int, ...]:
         return (self.slots, self.hidden) if layout == "matmul" else (1, self.hidden, 1, self.slots)
 
@@ -66,20 +67,50 @@ def ane_functions(plan: Plan) -> list[FunctionSpec]:
             for lp in plan.layers for gi, g in enumerate(lp.groups) if g.backend == "ane"]
 
 
-def check_ane_limits(functions: list[FunctionSpec]) -> None:
-    """Refuse, before any conversion, a group whose graph would break a Neural Engine limit; name the group."""
+def check_ane_limits(functions: list[FunctionSpec], compress: str = "none",
+                     function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> None:
+    """Refuse, before any conversion, a group whose program would break a Neural Engine limit (runtime.ane_limits):
+    one line naming the group, the limit and what to change."""
     for fs in functions:
-        where = f"layer {fs.layer} group {fs.group} (function {fs.name})"
-        axes = {"packed slots (sum of capacities)": fs.slots, "hidden size": fs.hidden,
-                "gate_up width (2 x expert FFN size)": 2 * fs.ffn}
-        for axis, size in axes.items():
-            if size > ANE_MAX_AXIS:
-                raise NpumoeError(f"{where}: {axis} is {size:,}, over the Neural Engine's per-axis limit of "
-                                  f"{ANE_MAX_AXIS:,}; split the group or lower its capacities")
-        ops = OPS_PER_EXPERT * len(fs.experts) + 1
-        if ops > ANE_MAX_OPS:
-            raise NpumoeError(f"{where}: {len(fs.experts)} experts make about {ops:,} MIL ops, over the "
-                              f"{ANE_MAX_OPS:,} a Neural Engine program can hold; split the group")
+        over = fs.usage(compress).over(function_weight_bytes)
+        if over:
+            what, value, limit, advice = over[0]
+            if what == "weight bytes":
+                value_s, limit_s = f"{value / 1e6:,.1f} MB ({len(fs.experts)} experts)", f"{limit / 1e6:,.1f} MB"
+            else:
+                value_s, limit_s = f"{value:,}", f"{limit:,}"
+            raise NpumoeError(f"layer {fs.layer} group {fs.group} (function {fs.name}): {what} is {value_s}, over "
+                              f"the Neural Engine's limit of {limit_s} per program; {advice}")
+
+
+def split_packages(functions: list[FunctionSpec], compress: str, package_weight_bytes: float
+                   ) -> list[list[FunctionSpec]]:
+    """Functions in plan order, cut into packages of at most `package_weight_bytes` of distinct expert weights (an
+    expert shared by two functions of one package is stored once)."""
+    packages: list[list[FunctionSpec]] = [[]]
+    experts: set[tuple[int, int]] = set()
+    for fs in functions:
+        new = {(fs.layer, e) for e in fs.experts} - experts
+        per_expert = ane_limits.expert_weight_bytes(fs.hidden, fs.ffn, compress)
+        if packages[-1] and (len(experts) + len(new)) * per_expert > package_weight_bytes:
+            packages.append([])
+            experts = set()
+            new = {(fs.layer, e) for e in fs.experts}
+        packages[-1].append(fs)
+        experts |= new
+    return packages
+
+
+def package_paths(out: Path, n: int) -> list[Path]:
+    """`out` itself for a plan that fits one package, else `<stem>.part<i>.mlpackage` beside it."""
+    if n == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}.part{i + 1}{out.suffix}") for i in range(n)]
+
+
+def manifest_path(out: str | os.PathLike) -> Path:
+    """The manifest the builder writes beside `out`: `<out without .mlpackage>.manifest.json`."""
+    return Path(out).with_suffix(".manifest.json")
 
 
 def check_expert_form(module: torch.nn.Module, layer: int) -> None:
@@ -224,15 +255,19 @@ def package_bytes(path: str | os.PathLike) -> int:
 
 @dataclass
 class BuildResult:
-    package: str
+    package: str  # the manifest's first package (the only one when the plan fits one package)
     functions: list[FunctionSpec]
     layout: str
     compress: str
-    package_bytes: int
-    unique_weight_bytes: int  # the distinct expert matrices the package needs, counted in fp16
+    package_bytes: int  # all packages together, on disk
+    unique_weight_bytes: int  # the distinct expert matrices the packages need, counted in fp16
     cached: int  # functions taken from the cache instead of converted
     build_seconds: float
     checks: list = field(default_factory=list)  # per-function numeric checks (runtime.mil_eval.FunctionCheck)
+    packages: list[dict] = field(default_factory=list)  # per package: path, functions, weight_bytes, bytes
+    manifest: str = ""
+    largest_function_weight_bytes: int = 0
+    seconds: dict = field(default_factory=dict)  # where the time went: convert, merge, verify
 
     @property
     def max_rel_error(self) -> float:
@@ -263,12 +298,18 @@ def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: di
 
 def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str | os.PathLike,
                   layout: str = "matmul", compress: str = "none", cache_dir: str | os.PathLike | None = None,
-                  progress: Callable[[str, int], object] | None = None, seed: int = 0) -> BuildResult:
-    """Build `out` from the plan's ANE groups; `model_layers` maps MoE layer index -> fused experts module.
+                  progress: Callable[[str, int], object] | None = None, seed: int = 0,
+                  function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES,
+                  package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES) -> BuildResult:
+    """Build the plan's ANE groups into `out` (or, past `package_weight_bytes`, into several packages beside it)
+    and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module.
 
-    The merged package is linted and every function evaluated on the host against `cpu-static` before it
-    replaces `out`; a lint failure raises LintError, an error over `TOLERANCE[compress]` raises NpumoeError.
-    `progress(stage, total)` returns an object with `update(n)` and `close()` (a tqdm bar), or None.
+    A group past a Neural Engine limit (runtime.ane_limits, `function_weight_bytes` included) is refused before any
+    conversion. Each package is linted and every function evaluated on the host against `cpu-static` before the
+    packages replace earlier ones; a lint failure raises LintError, an error over `TOLERANCE[compress]` raises
+    NpumoeError. Functions are converted one at a time (one expert's fp16 copy each) into the cache; a build whose
+    packages exceed CACHE_KEEP_BYTES removes its cache entries once merged, so the cache never doubles a large
+    package on disk. `progress(stage, total)` returns an object with `update(n)` and `close()` (a tqdm bar), or None.
     """
     t0 = time.perf_counter()
     if layout not in LAYOUTS:
@@ -278,7 +319,7 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     functions = ane_functions(plan)
     if not functions:
         raise NpumoeError("the plan puts no group on the ane backend: nothing to build")
-    check_ane_limits(functions)  # before any conversion
+    check_ane_limits(functions, compress, min(function_weight_bytes, package_weight_bytes))  # before conversion
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(model_layers[layer], layer)
 
@@ -286,41 +327,87 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     cache.mkdir(parents=True, exist_ok=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    groups = split_packages(functions, compress, package_weight_bytes)
+    paths = package_paths(out, len(groups))
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    seconds = {"convert": 0.0, "merge": 0.0, "verify": 0.0}
+    cached, used, checks, packages = 0, [], [], []
     bar = progress("converting functions", len(functions)) if progress else None
-    parts, cached, meta_functions, unique = [], 0, {}, set()
     try:
-        for fs in functions:
-            module = model_layers[fs.layer]
-            weights = {e: expert_weights_fp16(module, e) for e in fs.experts}
-            unique.update((fs.layer, e) for e in fs.experts)
-            digest = weights_digest(module, fs.experts)
-            path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
-            if path.is_dir():
-                cached += 1
-            else:
-                convert_function(fs, weights, layout, compress, path)
-            parts.append((fs, path))
-            meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
-                                           capacities=list(fs.capacities), weights_sha256=digest)
-            if bar:
-                bar.update(1)
+        for group, path in zip(groups, paths):
+            parts, meta_functions = [], {}
+            for fs in group:
+                t = time.perf_counter()
+                hit, digest, cpath = _convert_cached(fs, model_layers[fs.layer], layout, compress, cache)
+                cached += hit
+                used.append(cpath)
+                parts.append((fs, cpath))
+                meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
+                                               capacities=list(fs.capacities), weights_sha256=digest)
+                seconds["convert"] += time.perf_counter() - t
+                if bar:
+                    bar.update(1)
+            t = time.perf_counter()
+            meta = dict(layout=layout, compress=compress, hidden=functions[0].hidden, ffn=functions[0].ffn,
+                        model_fingerprint=plan.model.fingerprint, functions=meta_functions)
+            staged = work / path.name
+            merge_functions(parts, staged, meta)
+            seconds["merge"] += time.perf_counter() - t
+            t = time.perf_counter()
+            checks += verify_package(staged, group, model_layers, layout, compress, None, seed)
+            seconds["verify"] += time.perf_counter() - t
+            experts = {(fs.layer, e) for fs in group for e in fs.experts}
+            packages.append(dict(path=path.name, functions=[fs.name for fs in group],
+                                 weight_bytes=len(experts) * ane_limits.expert_weight_bytes(
+                                     group[0].hidden, group[0].ffn, compress),
+                                 bytes=package_bytes(staged)))
         if bar:
             bar.close()
-        meta = dict(layout=layout, compress=compress, hidden=functions[0].hidden, ffn=functions[0].ffn,
-                    model_fingerprint=plan.model.fingerprint, functions=meta_functions)
-        staged = work / out.name
-        merge_functions(parts, staged, meta)
-        checks = verify_package(staged, functions, model_layers, layout, compress, progress, seed)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(staged, out)
+        for path in (out, *paths, *_stale_parts(out)):
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in paths:
+            os.replace(work / path.name, path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    total = sum(pk["bytes"] for pk in packages)
+    if total > CACHE_KEEP_BYTES:
+        for cpath in used:
+            shutil.rmtree(cpath, ignore_errors=True)
+    manifest = manifest_path(out)
+    atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
+                                 "layout": layout, "compress": compress,
+                                 "function_weight_limit_bytes": int(function_weight_bytes),
+                                 "package_weight_limit_bytes": int(package_weight_bytes), "packages": packages})
     h, f = functions[0].hidden, functions[0].ffn
-    return BuildResult(package=str(out), functions=functions, layout=layout, compress=compress,
-                       package_bytes=package_bytes(out), unique_weight_bytes=len(unique) * 3 * h * f * 2,
-                       cached=cached, build_seconds=time.perf_counter() - t0, checks=checks)
+    unique = {(fs.layer, e) for fs in functions for e in fs.experts}
+    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=compress,
+                       package_bytes=total, unique_weight_bytes=len(unique) * 3 * h * f * 2, cached=cached,
+                       build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
+                       manifest=str(manifest),
+                       largest_function_weight_bytes=max(fs.usage(compress).weight_bytes for fs in functions),
+                       seconds={k: round(v, 2) for k, v in seconds.items()})
+
+
+CACHE_KEEP_BYTES = 256 * 2**20  # builds past this keep no converted functions: the cache must not double them
+
+
+def _stale_parts(out: Path) -> list[Path]:
+    """Packages an earlier build of `out` split into, which this build replaces."""
+    return sorted(out.parent.glob(f"{out.stem}.part*{out.suffix}"))
+
+
+def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, compress: str, cache: Path
+                    ) -> tuple[bool, str, Path]:
+    """(taken from the cache, weights digest, converted package) of one function; its experts are held in fp16
+    only while it converts."""
+    weights = {e: expert_weights_fp16(module, e) for e in fs.experts}
+    digest = arrays_digest(weights[e] for e in fs.experts)
+    path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
+    if path.is_dir():
+        return True, digest, path
+    convert_function(fs, weights, layout, compress, path)
+    return False, digest, path
 
 
 def verify_package(path: Path, functions: list[FunctionSpec], model_layers: dict[int, torch.nn.Module],

@@ -73,6 +73,45 @@ def test_registered_ane_resolves_without_a_package(caplog):
     assert reason in caplog.text and "not implemented" not in caplog.text
 
 
+def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
+    """A build past the package limit is split; the backend finds each group's function in its package and checks
+    its metadata (experts, capacities, weights) here on Linux; prediction itself stays macOS-only."""
+    import json
+
+    from runtime.coreml_build import build_package, quiet_coremltools_import
+    from runtime.errors import NpumoeError
+
+    quiet_coremltools_import()
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK)
+    layers = [lp.model_copy(update={"groups": [g.model_copy(update={"backend": "ane" if li < 2 and gi == 0
+                                                                    else "cpu-static"})
+                                               for gi, g in enumerate(lp.groups)]})
+              for li, lp in enumerate(plan.layers)]
+    plan = plan.model_copy(update={"layers": layers})  # two ANE functions: layer 0 group 0, layer 1 group 0
+    group_bytes = 4 * 3 * 64 * 48 * 2
+    result = build_package({l.index: l.experts for l in moe_layers(model)}, plan, tmp_path / "g.mlpackage",
+                           cache_dir=tmp_path / "cache", package_weight_bytes=1.5 * group_bytes)
+    manifest = json.loads((tmp_path / "g.manifest.json").read_text())
+    assert manifest["schema"] == "npumoe.manifest/1" and result.manifest == str(tmp_path / "g.manifest.json")
+    assert [pk["path"] for pk in manifest["packages"]] == ["g.part1.mlpackage", "g.part2.mlpackage"]
+    assert [pk["functions"] for pk in manifest["packages"]] == [["layer0_group0"], ["layer1_group0"]]
+    assert all(pk["weight_bytes"] == group_bytes for pk in manifest["packages"])
+    assert not (tmp_path / "g.mlpackage").exists()
+    backend = AneBackend(result.manifest)
+    for li in (0, 1):
+        layer = moe_layers(model)[li]
+        g = plan.layers[li].groups[0]
+        spec = GroupSpec(layer.index, 0, tuple(g.experts), tuple(g.capacities), layer.experts)
+        assert backend.check(spec) == str(tmp_path / f"g.part{li + 1}.mlpackage")
+        assert backend.metadata(backend.check(spec))["functions"][function_name(li, 0)]["experts"] == g.experts
+    wrong = GroupSpec(0, 0, tuple(g.experts), tuple(c + 1 for c in g.capacities), moe_layers(model)[0].experts)
+    with pytest.raises(NpumoeError, match="g.part1.mlpackage: function layer0_group0 was built for"):
+        backend.check(wrong)
+    with pytest.raises(NpumoeError, match="has no function layer2_group0"):
+        backend.check(GroupSpec(2, 0, tuple(g.experts), tuple(g.capacities), moe_layers(model)[2].experts))
+
+
 # --- macOS only: these need Core ML's runtime and the Neural Engine ---
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ import pytest
 from autotune.cli import main
 from autotune.templates import template_plan
 from runtime.ane import function_name
-from runtime.coreml_build import (ANE_MAX_AXIS, FunctionSpec, build_package, convert_function, merge_functions,
+from runtime.coreml_build import (FunctionSpec, build_package, convert_function, merge_functions,
                                   package_bytes, quiet_coremltools_import)
+from runtime.ane_limits import MAX_AXIS
 from runtime.errors import NpumoeError
 from runtime.models import TINY_MOE_DIR, load_model, model_spec, moe_layers
 from runtime.plan import Group, save_plan
@@ -122,7 +123,22 @@ def test_group_over_an_ane_axis_limit_is_refused_before_conversion(tmp_path):
     with pytest.raises(NpumoeError, match=r"layer 1 group 1 .*80,000.*65,536"):
         build_package(_layers(model), plan, tmp_path / "x.mlpackage", cache_dir=cache)
     assert not cache.exists() or not any(cache.iterdir())  # nothing was converted
-    assert ANE_MAX_AXIS == 65_536
+    assert MAX_AXIS == 65_536
+
+
+def test_cli_refuses_a_group_past_the_function_weight_limit_in_one_line(tmp_path, capsys):
+    model, _ = random_model(MODEL)
+    plan_path, out, cache = tmp_path / "plan.json", tmp_path / "g.mlpackage", tmp_path / "cache"
+    save_plan(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16), plan_path)
+    group_mb = 4 * 3 * 64 * 48 * 2 / 1e6  # groups of four experts: 0.074 MB of fp16 weights
+    rc = main(["build", "--model", MODEL, "--plan", str(plan_path), "--out", str(out), "--no-progress",
+               "--cache-dir", str(cache), "--function-weight-mb", str(group_mb / 2)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "layer 0 group 0 (function layer0_group0): weight bytes is 0.1 MB (4 experts)" in err[0]
+    assert "split the group into smaller groups" in err[0]
+    assert not out.exists() and not (tmp_path / "g.manifest.json").exists()
+    assert not cache.exists() or not any(cache.iterdir())  # refused before any conversion
 
 
 def test_plan_without_ane_groups_is_refused(tmp_path):

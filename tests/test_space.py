@@ -3,8 +3,9 @@ enumerated space, the paper heuristic, and scoring against held-out traces."""
 import numpy as np
 import pytest
 
-from autotune.space import (ANE_MAX_AXIS, MAX_TIERS, LayerConfig, LayerData, Scorer, enumerate_configs,
+from autotune.space import (MAX_TIERS, LayerConfig, LayerData, Scorer, enumerate_configs,
                             heuristic_config, layer_plan, space_size, tiers, violation)
+from runtime.ane_limits import MAX_AXIS
 from runtime.plan import Group, LayerPlan
 
 from helpers import apple_like
@@ -45,11 +46,22 @@ def test_layer_plan_groups_residents_in_rank_order_and_leaves_the_rest_exact(dat
 def test_violation_measures_how_far_past_the_ane_axis_and_the_resident_budget():
     within = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[8, 8])], cpu_exact=[])
     assert violation(within, "ane", expert_bytes=10, resident_bytes_budget=100) == 0.0
-    over_axis = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[ANE_MAX_AXIS, 100])],
+    over_axis = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[MAX_AXIS, 100])],
                           cpu_exact=[])
-    assert violation(over_axis, "ane", 10, 100) == pytest.approx(100 / ANE_MAX_AXIS)
+    assert violation(over_axis, "ane", 10, 100) == pytest.approx(100 / MAX_AXIS)
     assert violation(over_axis, "cpu-static", 10, 100) == 0.0  # the axis limit is the ANE's only
     assert violation(within, "ane", expert_bytes=75, resident_bytes_budget=100) == pytest.approx(0.5)
+
+
+def test_a_group_past_the_function_weight_limit_is_a_hard_violation():
+    """The search scores a group against the builder's limits (runtime.ane_limits): weight bytes per function too."""
+    group = LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(8)), capacities=[8] * 8)],
+                      cpu_exact=[])
+    weight = 8 * 3 * 64 * 48 * 2
+    assert violation(group, "ane", 10, 1e9, hidden=64, ffn=48, function_weight_bytes=weight) == 0.0
+    assert violation(group, "ane", 10, 1e9, hidden=64, ffn=48,
+                     function_weight_bytes=weight / 2) == pytest.approx(1.0)
+    assert violation(group, "cpu-static", 10, 1e9, hidden=64, ffn=48, function_weight_bytes=weight / 2) == 0.0
 
 
 def test_enumerated_space_is_complete_without_duplicates():

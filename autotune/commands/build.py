@@ -1,4 +1,5 @@
-"""`autotune build`: the plan's ANE groups as one Core ML multifunction package, linted and checked on the host."""
+"""`autotune build`: the plan's ANE groups as Core ML multifunction packages (one, or several under a manifest when
+the weights pass one package's limit), linted and checked on the host."""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime import ane_limits
 from runtime.coreml_build import COMPRESSIONS, LAYOUTS, build_package, quiet_coremltools_import
 from runtime.mil_eval import TOLERANCE
 from runtime.models import load_model, model_spec, moe_layers
 from runtime.plan import check_plan_matches, load_plan
 
-from .argtypes import directory, input_file, output_package, require_output
+from .argtypes import directory, input_file, output_package, positive_float, require_output
 from .common import add_dtype_argument, add_model_argument, print_json
 
 
@@ -31,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=output_package, metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
     p.add_argument("--cache-dir", type=directory, metavar="D",
                    help="converted-function cache (default $NPUMOE_CACHE/coreml, else ~/.cache/npumoe/coreml)")
+    p.add_argument("--function-weight-mb", type=positive_float, metavar="MB",
+                   default=ane_limits.FUNCTION_WEIGHT_BYTES / 1e6,
+                   help="most weight bytes one function (ANE program) may hold; a group past it is refused "
+                        f"(default {ane_limits.FUNCTION_WEIGHT_BYTES / 1e6:,.0f}: ANEForge PR #45, Anemll issue 28)")
+    p.add_argument("--package-weight-mb", type=positive_float, metavar="MB",
+                   default=ane_limits.PACKAGE_WEIGHT_BYTES / 1e6,
+                   help="most weight bytes per package; a larger plan is split into several packages named in "
+                        f"<out>.manifest.json (default {ane_limits.PACKAGE_WEIGHT_BYTES / 1e6:,.0f}: Anemll issue 28)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run)
 
@@ -65,17 +75,28 @@ def run(args: argparse.Namespace) -> int:
     layers = {layer.index: layer.experts for layer in moe_layers(model)}
     with private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
         result = build_package(layers, plan, out, args.layout, args.compress, args.cache_dir,
-                               _progress_factory(not args.no_progress))
+                               _progress_factory(not args.no_progress),
+                               function_weight_bytes=args.function_weight_mb * 1e6,
+                               package_weight_bytes=args.package_weight_mb * 1e6)
     ratio = result.package_bytes / result.unique_weight_bytes
-    print(f"wrote {result.package}: {len(result.functions)} functions ({result.cached} from the cache), "
-          f"layout {result.layout}, weights {result.compress}, {result.build_seconds:.1f} s")
-    print(f"package {result.package_bytes:,} bytes = {ratio:.3f} x the unique expert weights in fp16 "
-          f"({result.unique_weight_bytes:,} bytes); lint passed")
+    mb_per_s = result.unique_weight_bytes / 1e6 / result.build_seconds
+    names = ", ".join(pk["path"] for pk in result.packages)
+    print(f"wrote {len(result.packages)} package(s) ({names}) and {result.manifest}: {len(result.functions)} "
+          f"functions ({result.cached} from the cache), layout {result.layout}, weights {result.compress}, "
+          f"{result.build_seconds:.1f} s ({mb_per_s:.1f} MB/s of fp16 weights; convert {result.seconds['convert']} s, "
+          f"merge {result.seconds['merge']} s, host check {result.seconds['verify']} s)")
+    print(f"packages {result.package_bytes:,} bytes = {ratio:.3f} x the unique expert weights in fp16 "
+          f"({result.unique_weight_bytes:,} bytes); largest function {result.largest_function_weight_bytes:,} "
+          f"weight bytes (limit {args.function_weight_mb * 1e6:,.0f}); lint passed")
     print(f"host evaluation of every function vs cpu-static: max relative error {result.max_rel_error:.2e} "
           f"(tolerance {TOLERANCE[result.compress]:g})")
     print_json({"package": result.package, "package_bytes": result.package_bytes,
                 "unique_weight_bytes": result.unique_weight_bytes, "size_ratio": round(ratio, 4),
                 "max_rel_error": result.max_rel_error, "tolerance": TOLERANCE[result.compress],
                 "functions": len(result.functions), "cached_functions": result.cached, "layout": result.layout,
-                "compress": result.compress, "build_seconds": round(result.build_seconds, 2)})
+                "compress": result.compress, "build_seconds": round(result.build_seconds, 2),
+                "manifest": result.manifest, "packages": result.packages,
+                "largest_function_weight_bytes": result.largest_function_weight_bytes,
+                "function_weight_limit_bytes": int(args.function_weight_mb * 1e6),
+                "build_mb_per_s": round(mb_per_s, 2), "build_seconds_by_stage": result.seconds})
     return 0

@@ -1,0 +1,67 @@
+"""The Neural Engine's limits on one program (a package function) and one package, each with its source.
+
+The search (autotune/space.py) scores a group past any of them as a hard-limit violation; the builder
+(runtime/coreml_build.py) refuses such a group before converting anything and splits a plan whose weights exceed
+one package into several. Sources are listed in docs/ane-facts.md; the figures marked unverified there are
+community measurements, not Apple documentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Per tensor axis: channels <= 65,536 (width/height <= 16,384). A group's packed slots are one axis of its input.
+MAX_AXIS = 65_536
+# MIL ops per program: the ANE compiler gives up around 18-21K ops; a margin below that.
+MAX_OPS = 18_000
+# What the builder emits per expert (consts not counted): slice rows, linear, 2 channel slices, silu, mul,
+# linear; plus one concat per function.
+OPS_PER_EXPERT = 7
+OPS_PER_FUNCTION = 1
+# Baked weights per program: the ANE compiler took ~1.5 GB and failed at 3.4 GB (ANEForge PR #45); past ~2 GB
+# per file on macOS export succeeds and the output is broken (Anemll issue 28). 1.5 GB is what was seen to work.
+FUNCTION_WEIGHT_BYTES = 1_500_000_000
+# Weights per package (one weights file): ANEMLL keeps ~2 GB per file on macOS (Anemll issue 28), and compile
+# time grows with program size (coremltools issue 1900: ~40 min for one 32-block program, ~7.7 min split).
+PACKAGE_WEIGHT_BYTES = 2_000_000_000
+# Bytes per stored weight by the builder's --compress (fp16, int8 per channel, 4-bit palettes).
+BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "palettize4": 0.5}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one group's program uses, against each limit."""
+    slots: int  # packed rows: the sum of the group's capacities
+    hidden: int
+    gate_up: int  # 2 x expert FFN size
+    ops: int
+    weight_bytes: int
+
+    def over(self, function_weight_bytes: float = FUNCTION_WEIGHT_BYTES) -> list[tuple[str, float, float, str]]:
+        """(what, value, limit, what to change) for every limit this group is past; empty when within all."""
+        out = []
+        for what, size in (("packed slots (sum of capacities)", self.slots), ("hidden size", self.hidden),
+                           ("gate_up width (2 x expert FFN size)", self.gate_up)):
+            if size > MAX_AXIS:
+                out.append((what, size, MAX_AXIS, "split the group or lower its capacities"))
+        if self.ops > MAX_OPS:
+            out.append(("MIL ops", self.ops, MAX_OPS, "split the group into smaller groups"))
+        if self.weight_bytes > function_weight_bytes:
+            out.append(("weight bytes", self.weight_bytes, function_weight_bytes,
+                        "split the group into smaller groups (fewer experts each) or compress its weights"))
+        return out
+
+    def violation(self, function_weight_bytes: float = FUNCTION_WEIGHT_BYTES) -> float:
+        """How far past the limits, summed as fractions of each limit (0 when within all): the search's measure."""
+        return sum((value - limit) / limit for _, value, limit, _ in self.over(function_weight_bytes))
+
+
+def expert_weight_bytes(hidden: int, ffn: int, compress: str = "none") -> int:
+    """Stored bytes of one expert's gate, up and down matrices."""
+    return int(3 * hidden * ffn * BYTES_PER_WEIGHT[compress])
+
+
+def group_usage(capacities: list[int] | tuple[int, ...], hidden: int, ffn: int, compress: str = "none") -> Usage:
+    """The program one static group of experts (one capacity each) becomes."""
+    n = len(capacities)
+    return Usage(slots=int(sum(capacities)), hidden=hidden, gate_up=2 * ffn,
+                 ops=OPS_PER_EXPERT * n + OPS_PER_FUNCTION, weight_bytes=n * expert_weight_bytes(hidden, ffn, compress))
