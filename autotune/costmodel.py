@@ -256,6 +256,21 @@ class CostModel:
         t = p["pack"] + on_cpu + np.maximum(off_cpu, p["exact"])
         return float(t) if np.ndim(t) == 0 else t
 
+    def static_break_even(self, layer_plans: Sequence[Any], mean_counts: Sequence[np.ndarray], chunk_tokens: int,
+                          hidden: int, ffn: int, overflow: str) -> int:
+        """Smallest chunk (tokens) at which the plans' static groups are predicted to beat running every assignment
+        exactly, summed over layers; a chunk of n tokens gets n/chunk_tokens of each expert's mean load. At least 2
+        (a decode step never calls a static group), at most `chunk_tokens` (full chunks run the plan)."""
+        n = np.arange(1, chunk_tokens + 1)
+        static = np.zeros(n.size)
+        exact = np.zeros(n.size)
+        for lp, mean in zip(layer_plans, mean_counts):
+            counts = np.rint(np.outer(n, np.asarray(mean, dtype=float) / chunk_tokens)).astype(np.int64)
+            static += self.layer_ms(lp, counts, hidden, ffn, overflow)
+            exact += self.exact_ms(counts, hidden, ffn)
+        pays = np.nonzero(static <= exact)[0]
+        return int(max(2, min(n[pays[0]] if pays.size else chunk_tokens, chunk_tokens)))
+
     def layer_energy_mj(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int,
                         overflow: str) -> Any | None:
         """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""

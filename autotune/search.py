@@ -298,8 +298,10 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
     overflow = next((c.overflow for c in sol.configs if c.resident), "drop")
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
+    exact_below = scorer.cost.static_break_even(entries, [d.calib.mean(0) for d in layers], chunk_tokens,
+                                                scorer.hidden, scorer.ffn, overflow)
     obj = {"schema": "npumoe.plan/1", "model": ModelSpec(**model).model_dump(), "chunk_tokens": chunk_tokens,
-           "overflow": overflow, "saliency": saliency,
+           "overflow": overflow, "saliency": saliency, "exact_below_tokens": exact_below,
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 

@@ -3,6 +3,10 @@
 Per layer and chunk: rank each expert's assignments by saliency, pack the ones that fit into the group's
 fixed slices, run each group in one static call, run cold experts (and spilled overflow) exactly on the CPU,
 then combine with the router weights. Registered as a transformers experts implementation.
+
+Decode policy: a chunk with fewer tokens than the plan's `exact_below` (every decode step) runs wholly on the exact
+path, through transformers' own grouped kernel: no static call, no padding, no drop, no overhead where static
+groups cannot pay off.
 """
 from __future__ import annotations
 
@@ -10,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import torch
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
 from .backends import ExactFn, GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
 from .drift import DriftMonitor
 from .models import model_spec, moe_layers
 from .plan import LayerPlan, Plan, check_plan_matches
-from .stats import LayerStats, RunStats
+from .stats import PHASES, LayerStats, RunStats
 
 IMPLEMENTATION = "npumoe"
 
@@ -30,6 +34,7 @@ class LayerExecutor:
         self.exact = exact  # the exact path's compute (the profiler swaps in identity to time host work alone)
         self.module, self.stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
+        self.exact_below = plan.exact_below
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
         self.cap = torch.zeros(n, dtype=torch.long)
         self.group_of = torch.full((n,), -1, dtype=torch.long)
@@ -59,6 +64,8 @@ class LayerExecutor:
             self.pool = None
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.exact_below:
+            return self._all_exact(x, top_k_index, top_k_weights)
         if x.shape[0] <= self.chunk:
             return self._chunk(x, top_k_index, top_k_weights)
         return torch.cat([self._chunk(x[s:s + self.chunk], top_k_index[s:s + self.chunk],
@@ -95,6 +102,16 @@ class LayerExecutor:
         if exact_out is not None:
             out.index_add_(0, *exact_out)
         return out
+
+    def _all_exact(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every assignment exact, in one grouped call: what transformers computes, so it costs what it costs.
+        Not shown to the drift monitor: the plan's groups never saw these chunks."""
+        st = self.stats
+        st.tokens += x.shape[0]
+        st.assignments += idx.numel()
+        st.tokens_per_backend["cpu-exact"] += idx.numel()
+        st.calls_per_backend["cpu-exact"] += int(torch.unique(idx).numel())
+        return grouped_mm_experts_forward(self.module, x, idx, weights)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
         """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""
@@ -149,6 +166,29 @@ class PlanExecutor:
         for index in self.layers:
             self.stats.layer(index).watcher = partial(self.drift.observe, index)
         self._previous: str | None = None
+        self.phase, self.pinned = "prefill", False
+        self._hook = None
+
+    def set_phase(self, phase: str, pin: bool = False) -> None:
+        """Count what follows as `phase`; `pin` keeps it until unpinned (else each forward classifies itself)."""
+        assert phase in PHASES, phase
+        self.pinned = pin
+        if phase != self.phase:
+            self.phase = phase
+            for index, layer in self.layers.items():
+                layer.stats = self.stats.layer(index, phase)
+
+    def _classify_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: a decode step feeds one token per sequence onto a cache that already holds some."""
+        if self.pinned:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        decode = (ids is not None and ids.shape[1] == 1 and cache is not None
+                  and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0)
+        self.set_phase("decode" if decode else "prefill")
 
     def reset(self) -> None:
         """Start counting afresh (run statistics and the drift monitor), as before a repeated run."""
@@ -161,6 +201,7 @@ class PlanExecutor:
             layer.experts._npumoe_executor = self.layers[layer.index]
         self._previous = self.model.config._experts_implementation
         self.model.set_experts_implementation(IMPLEMENTATION)
+        self._hook = self.model.register_forward_pre_hook(self._classify_forward, with_kwargs=True)
         return self
 
     def uninstall(self) -> None:
@@ -168,6 +209,9 @@ class PlanExecutor:
         for layer in moe_layers(self.model):
             layer.experts._npumoe_executor = None
             self.layers[layer.index].close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def __enter__(self) -> "PlanExecutor":
         return self.install()

@@ -21,6 +21,10 @@ OVERFLOW_POLICIES = ("drop", "spill")
 # `router_weight`: the assignment's top-k router weight. `weight_x_norm`: router weight x L2 norm of the token's
 # hidden state, an activation-based saliency (the output an assignment adds scales with both).
 SALIENCY_RULES = ("router_weight", "weight_x_norm")
+# Chunks with fewer tokens than `exact_below_tokens` run wholly on cpu-exact (no static call, no padding, no drop).
+# A plan without the field gets 2: decode steps (1 token) never call a static group. `autotune search` writes the
+# cost model's break-even instead; values below 2 are refused, so decode always stays exact.
+DEFAULT_EXACT_BELOW_TOKENS = 2
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
@@ -84,6 +88,7 @@ class Plan(_Strict):
     overflow: Literal[OVERFLOW_POLICIES]
     saliency: Literal[SALIENCY_RULES]
     layers: list[LayerPlan] = Field(min_length=1)
+    exact_below_tokens: Annotated[StrictInt, Field(ge=DEFAULT_EXACT_BELOW_TOKENS)] | None = None
     predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
 
@@ -105,6 +110,11 @@ class Plan(_Strict):
             if lp.layer == index:
                 return lp
         raise KeyError(index)
+
+    @property
+    def exact_below(self) -> int:
+        """The decode policy's threshold: chunks with fewer tokens run exactly."""
+        return self.exact_below_tokens or DEFAULT_EXACT_BELOW_TOKENS
 
     def to_json(self) -> dict:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")

@@ -51,25 +51,47 @@ class LayerStats:
                 "calls_per_backend": dict(self.calls_per_backend)}
 
 
+PHASES = ("prefill", "decode")
+
+
 @dataclass
 class RunStats:
-    layers: dict[int, LayerStats] = field(default_factory=dict)
+    """Per-layer statistics, kept apart for prefill and decode (one new token per sequence on a filled cache)."""
+    layers: dict[int, LayerStats] = field(default_factory=dict)  # prefill
+    decode: dict[int, LayerStats] = field(default_factory=dict)
 
-    def layer(self, index: int) -> LayerStats:
-        return self.layers.setdefault(index, LayerStats())
+    def layer(self, index: int, phase: str = "prefill") -> LayerStats:
+        return (self.decode if phase == "decode" else self.layers).setdefault(index, LayerStats())
 
-    def total(self) -> LayerStats:
+    def total(self, phase: str | None = None) -> LayerStats:
+        """Summed over layers: of one phase, or of both when `phase` is None."""
+        parts = {"prefill": [self.layers], "decode": [self.decode], None: [self.layers, self.decode]}[phase]
         total = LayerStats()
-        for s in self.layers.values():
-            total.merge(s)
+        for layers in parts:
+            for s in layers.values():
+                total.merge(s)
         return total
 
+    def static_calls(self, phase: str | None = None) -> int:
+        """Calls to static groups (every backend but cpu-exact)."""
+        calls = self.total(phase).calls_per_backend
+        return sum(n for name, n in calls.items() if name != "cpu-exact")
+
     def reset(self) -> None:
-        for s in self.layers.values():  # in place: executors hold references to their LayerStats
-            s.__init__(watcher=s.watcher)
+        for layers in (self.layers, self.decode):  # in place: executors hold references to their LayerStats
+            for s in layers.values():
+                s.__init__(watcher=s.watcher)
 
     def to_json(self) -> dict:
         out = self.total().to_json()
         out.pop("tokens")  # per-layer token counts add up to layers x tokens; the run reports tokens itself
-        out["per_layer"] = {str(i): s.to_json() for i, s in sorted(self.layers.items())}
+        per_layer: dict[int, LayerStats] = {}
+        for layers in (self.layers, self.decode):
+            for i, s in layers.items():
+                per_layer.setdefault(i, LayerStats()).merge(s)
+        out["per_layer"] = {str(i): s.to_json() for i, s in sorted(per_layer.items())}
+        for phase in PHASES:
+            part = self.total(phase).to_json()
+            part.pop("tokens")
+            out[phase] = part
         return out
