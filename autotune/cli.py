@@ -17,7 +17,7 @@ from .commands.argtypes import OneLineParser
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
-            "build", "doctor"]
+            "generate", "build", "doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,1 +1,15 @@
-"""npumoe runtime: plan I/O, the MoE executor, its backends and model loading. Never imports `autotune`."""
+"""npumoe runtime: plan I/O, the MoE executor, its backends and model loading. Never imports `autotune`.
+
+The application API (`load`, `generate`, `stream_generate`, from `runtime.generation`) is imported on first use,
+so `import runtime.plan` stays light."""
+from __future__ import annotations
+
+_API = ("load", "generate", "stream_generate", "Loaded")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -60,6 +60,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
+    def decode(self, ids: list[int]) -> str:
+        """Bytes back to text; an incomplete or invalid UTF-8 sequence shows as U+FFFD."""
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
 
 def _random_model(family: str) -> torch.nn.Module:
     import transformers

@@ -1,19 +1,29 @@
 """Chunked prefill: the text goes through the model `chunk_tokens` at a time with a KV cache, as on device."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+
+
+def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
+                   last_logits_only: bool = False) -> Iterator:
+    """The model's outputs, chunk by chunk, for a 1-D sequence of token ids; each output holds the cache so far.
+    `last_logits_only`: each chunk computes logits for its last position only (what generation needs). Callers
+    run it under `torch.inference_mode()`."""
+    ids = input_ids.reshape(1, -1)
+    cache = None
+    keep = {"logits_to_keep": 1} if last_logits_only else {}
+    for start in range(0, ids.shape[1], chunk_tokens):
+        out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)
+        cache = out.cache
+        yield out
 
 
 def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Logits `[T, vocab]` for a 1-D sequence of token ids, computed chunk by chunk."""
-    ids = input_ids.reshape(1, -1)
-    cache, logits = None, []
     with torch.inference_mode():
-        for start in range(0, ids.shape[1], chunk_tokens):
-            out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True)
-            cache = out.cache
-            logits.append(out.logits[0].float())
-    return torch.cat(logits)
+        return torch.cat([out.logits[0].float() for out in prefill_chunks(model, input_ids, chunk_tokens)])
 
 
 def prefill_prompts_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,

@@ -8,7 +8,6 @@ from runtime.errors import FileFormatError
 from runtime.executor import LayerExecutor, PlanExecutor
 from runtime.models import model_spec, moe_layers
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, plan_from_json
-from runtime.prefill import max_rel_diff
 from runtime.stats import LayerStats
 
 from conftest import random_model

@@ -72,6 +72,14 @@ def positive_float(text: str) -> float:
     return x
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a sampling temperature: 0 is greedy)."""
+    x = _float(text)
+    if x < 0:
+        _fail(f"must be a non-negative number, got {text!r}")
+    return x
+
+
 def fraction_below_one(text: str) -> float:
     """A share in [0, 1) (a drop budget: 0 allowed, 1 would allow dropping everything)."""
     x = _float(text)

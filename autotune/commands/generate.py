@@ -1,0 +1,81 @@
+"""`autotune generate`: text from a prompt under a plan (or the unmodified model), streamed, then measured figures.
+
+A thin parser over the runtime API (`runtime.load` / `runtime.generate`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.errors import NpumoeError
+from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
+
+from ..texts import read_text
+from .argtypes import input_file, input_package, non_negative_float, non_negative_int, positive_int
+from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt under a plan: stream it, then report time to "
+                                        "first token, prefill and generation speed, peak memory")
+    add_model_argument(p)
+    p.add_argument("--plan", type=input_file, metavar="P",
+                   help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage",
+                   help="Core ML package from `autotune build` for the plan's `ane` groups")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="S", help="the prompt text")
+    prompt.add_argument("--prompt-file", metavar="F",
+                        help="read the prompt from a UTF-8 file (or a built-in text name, e.g. builtin:pydoc-heldout)")
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"generate at most N tokens (default {DEFAULT_MAX_TOKENS}; stops earlier at end of text)")
+    p.add_argument("--temp", type=non_negative_float, default=0.0, metavar="T",
+                   help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampling seed (default 0)")
+    add_dtype_argument(p)
+    add_threads_argument(p)
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the tokenizer's chat template (says so on stderr when it has none)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the unmodified model on the same prompt: speed ratios and whether the tokens match")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (figures and text) instead of streaming the text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.package and not args.plan:
+        raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+    prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    apply_threads(args.threads)
+    loaded = load(args.model, args.plan, args.package, args.dtype)
+    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    result = generate(loaded, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed, chat=args.chat,
+                      compare=args.compare, on_text=stream)
+    result = {"model": args.model, "plan": args.plan, **result}
+    if args.json:
+        print_json(result)
+    else:
+        print(flush=True)
+        _print_summary(result)
+    return 0
+
+
+def _print_summary(r: dict) -> None:
+    """The measured figures, on stderr so that stdout holds only the text."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    gen = f"{r['generation_tok_s']:.1f} tokens/s" if r["generation_tok_s"] is not None else "n/a (one token)"
+    say("=" * 10)
+    say(f"prompt: {r['prompt_tokens']} tokens, {r['prefill_tok_s']:.1f} tokens/s "
+        f"(prefill in chunks of {r['chunk_tokens']}); time to first token {r['ttft_ms']:.1f} ms")
+    say(f"generation: {r['generated_tokens']} tokens, {gen} (stopped: {r['finish_reason']})")
+    say(f"peak memory: {r['peak_rss_mb']:.0f} MB (process peak RSS)")
+    if r["plan"]:
+        say(f"dropped {r['dropped']}, spilled {r['spilled']}; static calls: prefill {r['prefill_static_calls']}, "
+            f"decode {r['decode_static_calls']}")
+    if "same_tokens" in r:
+        ratio = r["generation_speedup"]
+        say(f"unmodified model: time to first token {r['reference_ttft_ms']:.1f} ms; prefill speedup "
+            f"{r['prefill_speedup']:.2f}x, generation speedup {'n/a' if ratio is None else f'{ratio:.2f}x'}; "
+            f"same tokens: {'yes' if r['same_tokens'] else 'no'}")

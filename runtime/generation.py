@@ -1,0 +1,265 @@
+"""Text generation under a plan: the runtime's application API, after mlx-lm's `load` / `generate` /
+`stream_generate`.
+
+Prefill feeds the prompt in the plan's chunks (as `autotune run` does), so static groups see the chunk sizes they
+were tuned for; decode feeds one token a step, which the executor's decode policy runs exactly. Everything
+reported is measured here: time to first token (prefill + first sample), prefill and generation tokens per second,
+the process's peak RSS, and the executor's statistics (prefill and decode apart).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import NpumoeError
+from .executor import PlanExecutor
+from .models import load_model
+from .plan import Plan, load_plan
+from .prefill import prefill_chunks
+from .stats import RunStats
+
+log = logging.getLogger("npumoe")
+
+DEFAULT_MAX_TOKENS = 100
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate. `.model` has the plan installed, so `.model.generate()` runs under it too."""
+    model: torch.nn.Module
+    tokenizer: object
+    plan: Plan | None = None
+    executor: PlanExecutor | None = None
+    _no_stats: RunStats = field(default_factory=RunStats, repr=False)
+
+    @property
+    def stats(self) -> RunStats:
+        """What the executor did (prefill and decode apart); empty without a plan."""
+        return self.executor.stats if self.executor else self._no_stats
+
+    @contextmanager
+    def unmodified(self) -> Iterator[None]:
+        """The model without the plan for the duration (a reference run)."""
+        if self.executor is None:
+            yield
+            return
+        self.executor.uninstall()
+        try:
+            yield
+        finally:
+            self.executor.install()
+
+
+def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
+         dtype: str = "auto") -> Loaded:
+    """Load `model` (a built-in name or a local transformers directory) and install `plan` on it, if given.
+    `package`: the Core ML package `autotune build` made for the plan's `ane` groups."""
+    m, tokenizer = load_model(model, dtype)
+    if plan is None:
+        if package:
+            raise NpumoeError("a package runs a plan's ane groups: give the plan too")
+        return Loaded(m, tokenizer)
+    p = plan if isinstance(plan, Plan) else load_plan(plan)
+    backends = None
+    if package:
+        from .ane import AneBackend
+
+        backends = {"ane": AneBackend(package)}
+    executor = PlanExecutor(m, p, backends, "" if isinstance(plan, Plan) else str(plan)).install()
+    return Loaded(m, tokenizer, p, executor)
+
+
+def chat_prompt(tokenizer: object, prompt: str) -> str | None:
+    """The prompt wrapped in the tokenizer's chat template as one user turn; None when it has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def _prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool) -> torch.Tensor:
+    if not isinstance(prompt, str):  # token ids already
+        ids = list(prompt)
+        if chat:
+            raise NpumoeError("chat needs the prompt as text, not token ids")
+        if not ids:
+            raise NpumoeError("the prompt holds no tokens")
+        return torch.tensor(ids, dtype=torch.long)
+    text = chat_prompt(loaded.tokenizer, prompt) if chat else None
+    if chat and text is None:
+        log.warning("the tokenizer has no chat template; the prompt is used as it is")
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False) if text is not None else \
+        loaded.tokenizer.encode(prompt)
+    if len(ids) == 0:
+        raise NpumoeError("the prompt holds no tokens")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _eos_ids(loaded: Loaded) -> set[int]:
+    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = loaded.model.config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator) -> int:
+    if temp <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float() / temp, dim=-1), 1, generator=gen))
+
+
+def _decode(tokenizer: object, ids: list[int]) -> str:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:  # the random models' byte tokenizer takes no options
+        return tokenizer.decode(ids)
+
+
+class _Run:
+    """One generation: produces tokens, then text pieces, and keeps the measured timings."""
+
+    def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
+                 chunk_tokens: int | None) -> None:
+        if max_tokens < 1:
+            raise NpumoeError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.loaded, self.ids, self.max_tokens, self.temp = loaded, ids, max_tokens, temp
+        self.gen = torch.Generator().manual_seed(seed)
+        self.chunk = chunk_tokens or ids.numel()
+        self.tokens: list[int] = []
+        self.ttft_s = self.decode_s = 0.0
+        self.finish_reason = "length"
+
+    def _phase(self, phase: str) -> None:
+        if self.loaded.executor:
+            self.loaded.executor.set_phase(phase, pin=True)
+
+    def token_ids(self) -> Iterator[int]:
+        model, eos, ex = self.loaded.model, _eos_ids(self.loaded), self.loaded.executor
+        try:
+            self._phase("prefill")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for out in prefill_chunks(model, self.ids, self.chunk, last_logits_only=True):
+                    pass
+                tok = _sample(out.logits[0, -1], self.temp, self.gen)
+            t1 = time.perf_counter()
+            self.ttft_s = t1 - t0
+            self._phase("decode")
+            cache = out.cache
+            while True:
+                if tok in eos:
+                    self.finish_reason = "eos"
+                    return
+                self.tokens.append(tok)
+                self.decode_s = time.perf_counter() - t1
+                yield tok
+                if len(self.tokens) >= self.max_tokens:
+                    return
+                with torch.inference_mode():
+                    out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
+                    tok = _sample(out.logits[0, -1], self.temp, self.gen)
+                cache = out.cache
+        finally:
+            if ex:
+                ex.pinned = False
+
+    def pieces(self) -> Iterator[str]:
+        """Incremental detokenisation: yield the new text after each token, holding back a trailing incomplete
+        character (U+FFFD) until the bytes that finish it arrive."""
+        shown = ""
+        for _ in self.token_ids():
+            text = _decode(self.loaded.tokenizer, self.tokens)
+            if text.endswith("\ufffd") or len(text) <= len(shown):
+                continue
+            yield text[len(shown):]
+            shown = text
+        text = _decode(self.loaded.tokenizer, self.tokens)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+
+    def result(self, text: str) -> dict:
+        stats = self.loaded.stats
+        total = stats.total()
+        n = len(self.tokens)
+        return {"prompt_tokens": int(self.ids.numel()), "generated_tokens": n,
+                "ttft_ms": self.ttft_s * 1e3, "prefill_tok_s": self.ids.numel() / self.ttft_s,
+                "generation_tok_s": (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None,
+                "peak_rss_mb": peak_rss_mb(), "dropped": total.dropped, "spilled": total.spilled,
+                "prefill_static_calls": stats.static_calls("prefill"),
+                "decode_static_calls": stats.static_calls("decode"), "finish_reason": self.finish_reason,
+                "chunk_tokens": self.chunk, "token_ids": list(self.tokens), "text": text}
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int, chat: bool) -> _Run:
+    ids = _prompt_ids(loaded, prompt, chat)
+    return _Run(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
+
+
+def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS,
+                    temp: float = 0.0, seed: int = 0, chat: bool = False) -> Iterator[str]:
+    """Yield the generated text piece by piece as it comes (greedy when `temp` is 0). `prompt`: text or token
+    ids."""
+    run = _start(loaded, prompt, max_tokens, temp, seed, chat)
+    loaded.stats.reset()
+    yield from run.pieces()
+
+
+def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = 0.0,
+             seed: int = 0, chat: bool = False, compare: bool = False,
+             on_text: Callable[[str], None] | None = None) -> dict:
+    """Generate from `prompt`; returns the measured figures and the text (see `autotune generate --json`).
+
+    `on_text` receives each text piece as it comes. `compare` also runs the unmodified model on the same prompt
+    (same prefill chunks) after an untimed warm-up of both, and reports its timings, the speed ratios and whether
+    the tokens match."""
+    run = _start(loaded, prompt, max_tokens, temp, seed, chat)
+    if compare:
+        _warm_up(loaded, run.ids, run.chunk)
+    loaded.stats.reset()
+    pieces = []
+    for piece in run.pieces():
+        pieces.append(piece)
+        if on_text is not None:
+            on_text(piece)
+    result = run.result("".join(pieces))
+    if compare:
+        with loaded.unmodified():
+            ref = _Run(loaded, run.ids, max_tokens, temp, seed, run.chunk)
+            for _ in ref.token_ids():
+                pass
+        result.update(reference_ttft_ms=ref.ttft_s * 1e3, reference_prefill_tok_s=run.ids.numel() / ref.ttft_s,
+                      reference_generation_tok_s=(len(ref.tokens) - 1) / ref.decode_s
+                      if len(ref.tokens) > 1 and ref.decode_s > 0 else None,
+                      prefill_speedup=ref.ttft_s / run.ttft_s,
+                      generation_speedup=_ratio(result["generation_tok_s"], ref.decode_s, len(ref.tokens)),
+                      same_tokens=ref.tokens == run.tokens)
+    return result
+
+
+def _ratio(ours_tok_s: float | None, ref_decode_s: float, ref_tokens: int) -> float | None:
+    """Our generation speed over the reference's (>1: ours is faster)."""
+    if ours_tok_s is None or ref_tokens < 2 or ref_decode_s <= 0:
+        return None
+    return ours_tok_s / ((ref_tokens - 1) / ref_decode_s)
+
+
+def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:
+    """One short untimed generation each way, so neither measured run pays first-call costs."""
+    for ctx in (loaded.unmodified, nullcontext):
+        with ctx():
+            for _ in _Run(loaded, ids, 2, 0.0, 0, chunk).token_ids():
+                pass
