@@ -45,6 +45,11 @@ class Loaded:
         """What the executor did (prefill and decode apart); empty without a plan."""
         return self.executor.stats if self.executor else self._no_stats
 
+    def reset(self) -> None:
+        """Count afresh: run statistics and the drift monitor."""
+        if self.executor:
+            self.executor.reset()
+
     @contextmanager
     def unmodified(self) -> Iterator[None]:
         """The model without the plan for the duration (a reference run)."""
@@ -96,8 +101,7 @@ def _prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool) -> torc
     text = chat_prompt(loaded.tokenizer, prompt) if chat else None
     if chat and text is None:
         log.warning("the tokenizer has no chat template; the prompt is used as it is")
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False) if text is not None else \
-        loaded.tokenizer.encode(prompt)
+    ids = loaded.tokenizer.encode(prompt if text is None else text, add_special_tokens=False)
     if len(ids) == 0:
         raise NpumoeError("the prompt holds no tokens")
     return torch.tensor(ids, dtype=torch.long)
@@ -117,10 +121,7 @@ def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator) -> int:
 
 
 def _decode(tokenizer: object, ids: list[int]) -> str:
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    except TypeError:  # the random models' byte tokenizer takes no options
-        return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class _Run:
@@ -214,7 +215,7 @@ def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int
     """Yield the generated text piece by piece as it comes (greedy when `temp` is 0). `prompt`: text or token
     ids."""
     run = _start(loaded, prompt, max_tokens, temp, seed, chat)
-    loaded.stats.reset()
+    loaded.reset()
     yield from run.pieces()
 
 
@@ -229,7 +230,7 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
     run = _start(loaded, prompt, max_tokens, temp, seed, chat)
     if compare:
         _warm_up(loaded, run.ids, run.chunk)
-    loaded.stats.reset()
+    loaded.reset()
     pieces = []
     for piece in run.pieces():
         pieces.append(piece)

@@ -57,10 +57,11 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """UTF-8 bytes; there are no special tokens to add (the option is there to match HF tokenizers)."""
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Bytes back to text; an incomplete or invalid UTF-8 sequence shows as U+FFFD."""
         return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 

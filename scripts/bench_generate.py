@@ -23,7 +23,7 @@ import torch
 import runtime
 from runtime.generation import peak_rss_mb
 from runtime.models import model_spec
-from runtime.plan import LayerPlan, ModelRef, Plan, load_plan
+from runtime.plan import LayerPlan, Plan, load_plan
 
 DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
 
@@ -32,14 +32,14 @@ def all_exact_plan(model: torch.nn.Module, chunk_tokens: int) -> Plan:
     """Every expert on cpu-exact: the runtime where static groups cannot help."""
     spec = model_spec(model)
     layers = [LayerPlan(layer=i, groups=[], cpu_exact=list(range(spec.num_experts))) for i in spec.moe_layers]
-    return Plan(model=ModelRef(**spec.to_json()), chunk_tokens=chunk_tokens, overflow="spill",
+    return Plan(model=spec, chunk_tokens=chunk_tokens, overflow="spill",
                 saliency="router_weight", layers=layers)
 
 
 def prompt_ids(tokenizer: object, tokens: int) -> list[int]:
-    from autotune.texts import read_text
+    from autotune.workload import encode_text
 
-    ids = tokenizer.encode(read_text("builtin:pydoc-heldout"))[:tokens]
+    ids = encode_text(tokenizer, "builtin:pydoc-heldout", tokens).tolist()
     if len(ids) < tokens:
         sys.exit(f"bench_generate: the built-in text has only {len(ids)} tokens")
     return ids
