@@ -8,6 +8,7 @@ Where a layer's space is small it is also enumerated exactly; that yardstick is 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,10 @@ import optuna
 from tqdm import tqdm
 
 from runtime.errors import NpumoeError
-from runtime.plan import ModelSpec, Plan, plan_from_json
+from runtime.plan import OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 
-from .space import (QUANTILES, Evaluated, LayerConfig, LayerData, Scorer, calibration, enumerate_configs,
-                    group_sizes, heuristic_config, layer_plan, space_size)
+from .space import (Evaluated, LayerConfig, LayerData, Scorer, calibration, config_from_params, enumerate_configs,
+                    group_sizes, heuristic_config, layer_plan, neighbours, params_of, space_size, suggest)
 
 EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
@@ -45,38 +46,10 @@ class SearchOutcome:
     exact_layers: int = 0
 
 
-def _config_from_params(p: dict, n_experts: int) -> LayerConfig:
-    r = int(p["resident"])
-    if r == 0:
-        return LayerConfig(0, overflow=p["overflow"])
-    g = min(int(p["group_size"]), 2 ** math.ceil(math.log2(r)))
-    t = min(int(p["tiers"]), r)
-    return LayerConfig(r, g, t, tuple(float(p[f"q{i}"]) for i in range(t)), p["overflow"])
-
-
-def _params_of(cfg: LayerConfig) -> dict:
-    qs = list(cfg.quantiles) + [1.0] * 3
-    return {"resident": cfg.resident, "group_size": cfg.group_size, "tiers": max(1, cfg.tiers),
-            "q0": qs[0], "q1": qs[1], "q2": qs[2], "overflow": cfg.overflow}
-
-
 def _objectives(score, objective: str) -> tuple:
     costs = {"latency": (score.latency_ms,), "energy": (score.energy_mj,),
              "both": (score.latency_ms, score.energy_mj)}[objective]
     return (*costs, float(score.heldout_drops))
-
-
-def _neighbours(p: dict, n_experts: int) -> list[dict]:
-    """Decisions one step away from `p` along each parameter (the local-polish phase's proposals)."""
-    steps = {"resident": list(range(n_experts + 1)), "group_size": group_sizes(n_experts), "tiers": [1, 2, 3],
-             **{f"q{i}": list(QUANTILES) for i in range(3)}, "overflow": ["drop", "spill"]}
-    out = []
-    for name, values in steps.items():
-        i = values.index(p[name])
-        for j in (i - 1, i + 1):
-            if 0 <= j < len(values):
-                out.append({**p, name: values[j]})
-    return out
 
 
 def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int, storage: object | None,
@@ -93,15 +66,10 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
     if not study.trials:  # fresh study: seed it (a resumed one already holds its seeds, run or waiting)
         for cfg in (heuristic_config(data), LayerConfig(0),
                     LayerConfig(n_experts, group_sizes(n_experts)[-1], 1, (1.0,), "drop")):
-            study.enqueue_trial(_params_of(cfg), skip_if_exists=True)
+            study.enqueue_trial(params_of(cfg), skip_if_exists=True)
 
     def run_trial(trial: optuna.Trial) -> tuple:
-        p = {"resident": trial.suggest_int("resident", 0, n_experts),
-             "group_size": trial.suggest_categorical("group_size", group_sizes(n_experts)),
-             "tiers": trial.suggest_int("tiers", 1, 3),
-             **{f"q{i}": trial.suggest_categorical(f"q{i}", QUANTILES) for i in range(3)},
-             "overflow": trial.suggest_categorical("overflow", ["drop", "spill"])}
-        score = scorer.score(data, _config_from_params(p, n_experts))
+        score = scorer.score(data, config_from_params(suggest(trial, n_experts), n_experts))
         trial.set_constraint("hard_limits", score.violation)
         return _objectives(score, objective)
 
@@ -114,7 +82,7 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
     expanded: set[LayerConfig] = set()
     while len(done := complete()) < n_trials:
         # best-first: expand the cheapest unexpanded decision among the front and the cheapest few
-        seen = {_config_from_params(t.params, n_experts) for t in done}
+        seen = {config_from_params(t.params, n_experts) for t in done}
         # cost objectives (all but the last, drops) normalised and summed: one order for one or two objectives
         scale = np.maximum(np.max([t.values[:-1] for t in done], axis=0), 1e-12)
         cost = lambda t: float(np.sum(np.asarray(t.values[:-1]) / scale))  # noqa: E731
@@ -122,12 +90,12 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
         parents = sorted({t.number: t for t in cheapest + study.best_trials}.values(), key=cost)
         proposals: dict[LayerConfig, dict] = {}
         for t in parents:
-            cfg = _config_from_params(t.params, n_experts)
+            cfg = config_from_params(t.params, n_experts)
             if cfg in expanded:
                 continue
             expanded.add(cfg)
-            for q in _neighbours(_params_of(cfg), n_experts):
-                if (c := _config_from_params(q, n_experts)) not in seen:
+            for q in neighbours(params_of(cfg), n_experts):
+                if (c := config_from_params(q, n_experts)) not in seen:
                     proposals.setdefault(c, q)
             if proposals:
                 break
@@ -139,17 +107,18 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
             study.enqueue_trial(q)
         study.optimize(run_trial, n_trials=len(todo))
     return [Evaluated(cfg, scorer.score(data, cfg)) for cfg in
-            {_config_from_params(t.params, n_experts) for t in complete()}]
+            {config_from_params(t.params, n_experts) for t in complete()}]
 
 
 def exact_layer(data: LayerData, scorer: Scorer) -> list[Evaluated]:
     return [Evaluated(cfg, scorer.score(data, cfg)) for cfg in enumerate_configs(data.calib.shape[1])]
 
 
-def _cost(ev: Evaluated, weights: tuple[float, float]) -> float:
-    """Scalar cost of a decision: weights on (latency, energy), each already normalised by the caller."""
+def weighted_cost(latency_ms: float, energy_mj: float | None, weights: tuple[float, float]) -> float:
+    """The scalar cost of a decision or a plan: weights on (latency, energy), each normalised by the caller
+    (energy counts only where it is weighted: it may be None otherwise)."""
     wl, we = weights
-    return wl * ev.score.latency_ms + (we * ev.score.energy_mj if we else 0.0)
+    return wl * latency_ms + (we * energy_mj if we else 0.0)
 
 
 def _pareto(points: list[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
@@ -170,7 +139,8 @@ def combine(candidates: list[list[Evaluated]], drop_budget: int, weights: tuple[
     dp = np.zeros(budget + 1)
     choices = []
     for cands in candidates:
-        front = _pareto([(_cost(ev, weights), ev.score.heldout_drops, i) for i, ev in enumerate(cands)
+        front = _pareto([(weighted_cost(ev.score.latency_ms, ev.score.energy_mj, weights), ev.score.heldout_drops, i)
+                         for i, ev in enumerate(cands)
                          if ev.score.violation == 0])
         new = np.full(budget + 1, np.inf)
         pick = np.full(budget + 1, -1, dtype=np.int64)
@@ -205,13 +175,13 @@ def _best_over_overflow(candidates: list[list[Evaluated]], layers, scorer, budge
                         weights: tuple[float, float]) -> Solution | None:
     """The plan has one overflow policy: solve for each and keep the cheaper."""
     best = None
-    for ov in ("drop", "spill"):
+    for ov in OVERFLOW_POLICIES:
         per_layer = [[ev for ev in c if ev.config.overflow == ov or ev.config.resident == 0] for c in candidates]
         chosen = combine(per_layer, budget, weights)
         if chosen is None:
             continue
         sol = _solution([per_layer[l][i].config for l, i in enumerate(chosen)], layers, scorer)
-        cost = weights[0] * sol.latency_ms + (weights[1] * sol.energy_mj if weights[1] else 0.0)
+        cost = weighted_cost(sol.latency_ms, sol.energy_mj, weights)
         if best is None or cost < best[0]:
             best = (cost, sol)
     return best[1] if best else None
@@ -248,7 +218,7 @@ def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "lat
         raise NpumoeError(f"--objective {objective} needs power figures, and this profile has none "
                           "(it measured no energy); use --objective latency or a profile with energy")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    scorer.with_energy = objective in ("energy", "both")
+    scorer = dataclasses.replace(scorer, with_energy=objective in ("energy", "both"))  # the caller's is left as is
     heldout_total = sum(int(d.heldout.sum()) for d in layers)
     budget = int(math.floor(drop_budget * heldout_total))
     searched, exact = [], []
@@ -277,8 +247,8 @@ def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "lat
     if small:
         only = _best_over_overflow(searched, layers, scorer, budget, mid)
         yard = _best_over_overflow(exact, layers, scorer, budget, mid)
-        cost = lambda s: mid[0] * s.latency_ms + (mid[1] * s.energy_mj if mid[1] else 0.0)  # noqa: E731
-        gap = cost(only) / cost(yard) - 1.0 if only and yard else None
+        gap = (weighted_cost(only.latency_ms, only.energy_mj, mid) / weighted_cost(yard.latency_ms, yard.energy_mj, mid)
+               - 1.0 if only and yard else None)
     return SearchOutcome(best, base, _pareto_solutions(front) if objective == "both" else [], gap,
                          trials * len(layers), len(exact))
 

@@ -6,7 +6,9 @@ A decision (`LayerConfig`) for one MoE layer, with experts ranked by calibration
 - `tiers` + `quantiles`: the resident experts split into `tiers` contiguous popularity bands; each band's
   capacity is the `quantile` of its experts' per-chunk loads on calibration traces (static capacity tiers);
 - `overflow`: drop (lowest saliency first) or spill to cpu-exact.
-The same space is searched by Optuna and, where small, enumerated exactly (the yardstick).
+The space is declared once, as Optuna distributions over named parameters (`distributions`); Optuna's trials
+suggest from it, the local polish steps along it (`neighbours`), the exact yardstick enumerates it
+(`enumerate_configs`), and `config_from_params` / `params_of` map between parameters and decisions.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
 from runtime import ane_limits
-from runtime.plan import Group, LayerCalibration, LayerPlan
+from runtime.plan import OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan
 
 from .costmodel import CostModel
 from .traces import Traces
@@ -28,6 +32,7 @@ MAX_TIERS = 3
 
 @dataclass(frozen=True)
 class LayerConfig:
+    """One layer's decision (see the module docstring); `tiers` quantiles, one per tier."""
     resident: int
     group_size: int = 1
     tiers: int = 1
@@ -144,7 +149,7 @@ class Scorer:
     backend: str  # the static backend: "ane" where the device has one, else "cpu-static"
     resident_bytes_per_layer: float
     with_energy: bool = False  # score energy too (the energy objectives); else only `energy()` computes it
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)  # a copy (dataclasses.replace) starts empty
 
     @property
     def expert_bytes(self) -> int:
@@ -171,16 +176,75 @@ def group_sizes(n_experts: int) -> list[int]:
     return [2 ** i for i in range(int(math.log2(n_experts)) + 1)]
 
 
+def distributions(n_experts: int) -> dict[str, BaseDistribution]:
+    """The decision space of one layer with `n_experts` experts, as Optuna distributions by parameter name."""
+    return {"resident": IntDistribution(0, n_experts),
+            "group_size": CategoricalDistribution(group_sizes(n_experts)),
+            "tiers": IntDistribution(1, MAX_TIERS),
+            **{f"q{i}": CategoricalDistribution(QUANTILES) for i in range(MAX_TIERS)},
+            "overflow": CategoricalDistribution(OVERFLOW_POLICIES)}
+
+
+def values(dist: BaseDistribution) -> list:
+    """A distribution's values in order (the space is finite: integer ranges and categories)."""
+    if isinstance(dist, IntDistribution):
+        return list(range(dist.low, dist.high + 1, dist.step))
+    return list(dist.choices)
+
+
+def suggest(trial: optuna.Trial, n_experts: int) -> dict:
+    """A trial's parameters, suggested from the space."""
+    out = {}
+    for name, dist in distributions(n_experts).items():
+        if isinstance(dist, IntDistribution):
+            out[name] = trial.suggest_int(name, dist.low, dist.high, step=dist.step)
+        else:
+            out[name] = trial.suggest_categorical(name, dist.choices)
+    return out
+
+
+def config_from_params(p: dict, n_experts: int) -> LayerConfig:
+    """The decision a point of the space means: parameters past what the decision uses are ignored (a group
+    larger than the residents, tiers beyond the residents, quantiles of tiers not used)."""
+    r = int(p["resident"])
+    if r == 0:
+        return LayerConfig(0, overflow=p["overflow"])
+    g = min(int(p["group_size"]), 2 ** math.ceil(math.log2(r)))
+    t = min(int(p["tiers"]), r)
+    return LayerConfig(r, g, t, tuple(float(p[f"q{i}"]) for i in range(t)), p["overflow"])
+
+
+def params_of(cfg: LayerConfig) -> dict:
+    """A point of the space that means `cfg` (unused quantiles at 1.0)."""
+    qs = list(cfg.quantiles) + [1.0] * MAX_TIERS
+    return {"resident": cfg.resident, "group_size": cfg.group_size, "tiers": max(1, cfg.tiers),
+            **{f"q{i}": qs[i] for i in range(MAX_TIERS)}, "overflow": cfg.overflow}
+
+
+def neighbours(p: dict, n_experts: int) -> list[dict]:
+    """Points one step away from `p` along each parameter (the local-polish phase's proposals)."""
+    out = []
+    for name, dist in distributions(n_experts).items():
+        steps = values(dist)
+        i = steps.index(p[name])
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(steps):
+                out.append({**p, name: steps[j]})
+    return out
+
+
 def enumerate_configs(n_experts: int) -> list[LayerConfig]:
-    """Every decision of the space (without duplicates that differ only in ignored fields)."""
-    out = [LayerConfig(0, overflow="drop")]
-    for r in range(1, n_experts + 1):
-        for g in group_sizes(n_experts):
+    """Every decision of the space once: the distinct `config_from_params` over all its points (no residents:
+    one decision, whatever the overflow)."""
+    d = {name: values(dist) for name, dist in distributions(n_experts).items()}
+    out = [LayerConfig(0, overflow=d["overflow"][0])]
+    for r in d["resident"][1:]:
+        for g in d["group_size"]:
             if g > r and g // 2 >= r:
                 continue  # only one size above r: every larger one yields the same single group
-            for t in range(1, min(MAX_TIERS, r) + 1):
-                for qs in itertools.product(QUANTILES, repeat=t):
-                    for ov in ("drop", "spill"):
+            for t in (t for t in d["tiers"] if t <= r):
+                for qs in itertools.product(*(d[f"q{i}"] for i in range(t))):
+                    for ov in d["overflow"]:
                         out.append(LayerConfig(r, g, t, qs, ov))
     return out
 
@@ -190,11 +254,11 @@ def space_size(n_experts: int) -> int:
     return len(enumerate_configs(n_experts)) if n_experts <= 32 else 10 ** 9
 
 
-def heuristic_config(data: LayerData, coverage: float = 0.8, group_size: int = 4, quantile: float = 0.9
-                     ) -> LayerConfig:
+def heuristic_config(data: LayerData, coverage: float = 0.8, group_size: int = 4, quantile: float = 0.9,
+                     tiers: int = MAX_TIERS) -> LayerConfig:
     """The paper's heuristic: rank by popularity, hot experts (covering `coverage` of assignments) resident in
     fixed groups of four, three tiers at the 0.9 load quantile, overflow dropped."""
     share = np.cumsum(data.calib.sum(0)[data.rank]) / max(1, data.calib.sum())
     hot = int(np.searchsorted(share, coverage) + 1)
     hot = min(len(share), int(math.ceil(hot / group_size) * group_size))
-    return LayerConfig(hot, min(group_size, hot), min(3, hot), (quantile,) * min(3, hot), "drop")
+    return LayerConfig(hot, min(group_size, hot), min(tiers, hot), (quantile,) * min(tiers, hot), "drop")

@@ -25,6 +25,13 @@ SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=
              hidden_size=1024, expert_ffn_size=512, fingerprint="small")
 
 
+def test_run_search_leaves_its_scorer_as_given():
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
+    scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
+    run_search(layers, scorer, objective="energy", trials=12, chunk_tokens=64, progress=False)
+    assert scorer.with_energy is False and scorer._cache == {}
+
+
 def test_small_instance_within_1pct_of_exact():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2))
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)

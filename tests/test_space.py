@@ -1,10 +1,14 @@
 """The per-layer decision space: tier capacities from load quantiles, the plan a decision means, hard limits, the
 enumerated space, the paper heuristic, and scoring against held-out traces."""
+import itertools
+
 import numpy as np
+import optuna
 import pytest
 
-from autotune.space import (MAX_TIERS, LayerConfig, LayerData, Scorer, enumerate_configs,
-                            heuristic_config, layer_plan, space_size, tiers, violation)
+from autotune.space import (MAX_TIERS, LayerConfig, LayerData, Scorer, config_from_params, distributions,
+                            enumerate_configs, heuristic_config, layer_plan, neighbours, params_of, space_size,
+                            suggest, tiers, values, violation)
 from runtime.ane_limits import MAX_AXIS
 from runtime.plan import Group, LayerPlan
 
@@ -88,3 +92,27 @@ def test_scorer_counts_heldout_drops_and_caches(data):
     assert scorer.score(data, drop) is s
     assert scorer.score(data, LayerConfig(4, 4, 1, (0.5,), "spill")).heldout_drops == 0
     assert scorer.energy(data, drop) > 0  # apple_like has power figures for every backend
+
+
+def test_enumeration_is_the_distinct_decisions_of_the_declared_space():
+    space = {name: values(d) for name, d in distributions(4).items()}
+    every = {config_from_params(dict(zip(space, point)), 4) for point in itertools.product(*space.values())}
+    every.discard(LayerConfig(0, overflow="spill"))  # no residents: one decision whatever the overflow
+    assert set(enumerate_configs(4)) == every
+
+
+def test_params_round_trip_and_neighbours_step_along_each_parameter():
+    for cfg in enumerate_configs(4)[::37]:
+        assert config_from_params(params_of(cfg), 4) == cfg
+    p = params_of(LayerConfig(2, 2, 1, (0.9,), "drop"))
+    steps = {(k, q[k]) for q in neighbours(p, 4) for k in q if q[k] != p[k]}
+    assert steps == {("resident", 1), ("resident", 3), ("group_size", 1), ("group_size", 4), ("tiers", 2),
+                     ("q0", 0.75), ("q0", 0.95), ("q1", 0.99), ("q2", 0.99), ("overflow", "spill")}
+    assert len(p) == len(distributions(4)) == 3 + MAX_TIERS + 1
+
+
+def test_trials_suggest_from_the_declared_space():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.optimize(lambda t: float(len(suggest(t, 8))), n_trials=5)
+    assert all(t.distributions == distributions(8) for t in study.trials)
