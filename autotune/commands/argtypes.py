@@ -194,6 +194,13 @@ def require_output(path: str | os.PathLike, option: str, package: bool = False) 
         raise NpumoeError(f"{option}: {e}") from None
 
 
+def input_directory(text: str) -> str:
+    """An existing directory to read from."""
+    if not Path(text).is_dir():
+        _fail(f"{text} is not an existing directory")
+    return text
+
+
 def directory(text: str) -> str:
     """A directory that exists or can be created: not a file, the nearest existing ancestor writable."""
     p = Path(text)

@@ -58,22 +58,28 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def planned_inputs(args: argparse.Namespace) -> tuple:
-    """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
-    --max-tokens/--package."""
+def planned_model(args: argparse.Namespace) -> tuple:
+    """(model, tokenizer, plan, static backends) from --model/--dtype/--plan/--package/--threads; the plan is
+    checked against the model before any work."""
     from runtime.models import load_model, model_spec
     from runtime.plan import check_plan_matches, load_plan
-
-    from ..workload import encode_text
 
     apply_threads(args.threads)
     model, tokenizer = load_model(args.model, args.dtype)
     plan = load_plan(args.plan)
     check_plan_matches(plan, model_spec(model), args.plan)  # names the plan file, before any text is read
-    ids = encode_text(tokenizer, args.text, args.max_tokens)
     backends = None
     if args.package:
         from runtime.ane import AneBackend
 
         backends = {"ane": AneBackend(args.package)}
-    return model, plan, ids, backends
+    return model, tokenizer, plan, backends
+
+
+def planned_inputs(args: argparse.Namespace) -> tuple:
+    """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
+    --max-tokens/--package."""
+    from ..workload import encode_text
+
+    model, tokenizer, plan, backends = planned_model(args)
+    return model, plan, encode_text(tokenizer, args.text, args.max_tokens), backends

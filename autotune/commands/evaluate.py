@@ -5,8 +5,8 @@ import argparse
 
 from ..fidelity import evaluate_plan
 from ..texts import DEFAULT_EVAL_TEXT
-from .argtypes import positive_int
-from .common import add_planned_arguments, planned_inputs, print_json
+from .argtypes import input_directory, non_negative_int, positive_int
+from .common import add_planned_arguments, planned_inputs, planned_model, print_json
 
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
 
@@ -16,10 +16,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_planned_arguments(p, DEFAULT_EVAL_TEXT, 8192)
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
                    help="prompts of N tokens, each prefilled from an empty cache (default 1024)")
+    p.add_argument("--tasks", type=task_list, metavar="T1,T2",
+                   help="instead of the text: lm-evaluation-harness tasks (needs the extra: pip install -e "
+                        "'.[eval]'), accuracy of the plan vs the unmodified model on the same examples; "
+                        "builtin:pydoc-nextsent is built in, others need their datasets cached or local")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="with --tasks: at most N examples per task")
+    p.add_argument("--num-fewshot", type=non_negative_int, metavar="K",
+                   help="with --tasks: K few-shot examples (default: each task's own)")
+    p.add_argument("--include-path", type=input_directory, metavar="DIR",
+                   help="with --tasks: a folder of extra lm-eval task YAMLs (local datasets)")
     p.set_defaults(func=run)
 
 
+def task_list(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError(f"expected task names separated by commas, got {text!r}")
+    return tasks
+
+
+def run_tasks(args: argparse.Namespace) -> int:
+    from ..harness import run_tasks as run_harness
+
+    model, tokenizer, plan, backends = planned_model(args)
+    result = {"model": args.model, "plan": args.plan, "limit": args.limit, "num_fewshot": args.num_fewshot,
+              **run_harness(model, tokenizer, plan, args.tasks, args.limit, args.num_fewshot, args.include_path,
+                            backends)}
+    if args.json:
+        print_json(result)
+        return 0
+    print(f"lm-evaluation-harness, metric {result['metric']} (measured; delta = plan - reference, paired stderr):")
+    for name, t in result["tasks"].items():
+        print(f"  {name}: reference {t['accuracy_reference']:.2%}, plan {t['accuracy_plan']:.2%}, "
+              f"delta {100 * t['delta']:+.2f} +- {100 * t['stderr']:.2f} points, n {t['n']}")
+    print(f"plan on the tasks' text: drop rate {result['drop_rate']:.2%}, spill rate {result['spill_rate']:.2%}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.tasks:
+        return run_tasks(args)
     model, plan, ids, backends = planned_inputs(args)
     result = {"model": args.model, "plan": args.plan, "text": args.text,
               **evaluate_plan(model, plan, ids, args.prompt_tokens, backends, progress=not args.json)}

@@ -1,0 +1,97 @@
+"""lm-evaluation-harness tasks on the planned model and on the unmodified one, over the same examples.
+
+Both runs wrap the same model object in lm-eval's HFLM (batch size 1, so a chunk of the plan never mixes two
+requests' tokens or padding); the plan's executor is installed for the second. Accuracy is paired per example:
+the delta's standard error is that of the per-example differences, not of two independent accuracies. Hub and
+dataset downloads are switched off: a task runs from local files or the datasets cache, or fails.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from runtime.errors import NpumoeError
+from runtime.executor import PlanExecutor
+from runtime.plan import Plan
+
+from . import nextsent
+
+OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+BUILTIN_TASKS = {nextsent.NAME: nextsent.write_task}
+METRIC = "acc"
+
+
+def _lm_eval():
+    os.environ.update(OFFLINE_ENV)  # before datasets is imported: it reads these once
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on passing a model object are not ours
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise NpumoeError(f"--tasks needs lm-evaluation-harness ({e.name} is missing): "
+                          "pip install -e '.[eval]'") from None
+    return lm_eval, HFLM, TaskManager
+
+
+def _per_example(samples: list[dict]) -> dict[int, float]:
+    return {int(s["doc_id"]): float(s[METRIC]) for s in samples if METRIC in s}
+
+
+def paired(reference: dict[int, float], plan: dict[int, float]) -> dict:
+    """Accuracy of each over the shared examples, the delta (points of accuracy, plan - reference) and its
+    standard error from the per-example differences."""
+    ids = sorted(set(reference) & set(plan))
+    ref = np.array([reference[i] for i in ids])
+    got = np.array([plan[i] for i in ids])
+    d = got - ref
+    n = len(ids)
+    stderr = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"accuracy_plan": float(got.mean()), "accuracy_reference": float(ref.mean()),
+            "delta": float(d.mean()), "stderr": stderr, "n": n}
+
+
+def _task_manager(TaskManager, include: list[str], names: list[str]):
+    """Local task folders first; lm-eval's own ~15K task files are indexed (tens of seconds) only when a task is
+    not found there."""
+    manager = TaskManager(include_path=include, include_defaults=False)
+    if any(t not in manager.all_tasks for t in names):
+        manager = TaskManager(include_path=include, include_defaults=True)
+    unknown = [t for t in names if t not in manager.all_tasks]
+    if unknown:
+        raise NpumoeError(f"--tasks: unknown task {', '.join(unknown)} (lm-eval's tasks, the built-in "
+                          f"{', '.join(BUILTIN_TASKS)}, or a task YAML under --include-path)")
+    return manager
+
+
+def run_tasks(model: torch.nn.Module, tokenizer: object, plan: Plan, tasks: list[str], limit: int | None,
+              num_fewshot: int | None, include_path: str | None, backends: dict | None = None) -> dict:
+    """{task: paired accuracies} for every task lm-eval ran (a group's subtasks each), plus what the executor did
+    on the tasks' text (drop and spill rates)."""
+    if not hasattr(tokenizer, "pad_token_id"):
+        raise NpumoeError("--tasks needs a model with a transformers tokenizer (tiny-moe or a model directory), "
+                          "not a random: model")
+    executor = PlanExecutor(model, plan, backends)  # checks the plan against the model before any work
+    lm_eval, HFLM, TaskManager = _lm_eval()
+    with tempfile.TemporaryDirectory(prefix="npumoe-tasks-") as tmp:
+        names = [BUILTIN_TASKS[t](tmp) if t in BUILTIN_TASKS else t for t in tasks]
+        manager = _task_manager(TaskManager, [tmp] + ([include_path] if include_path else []), names)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+
+        def evaluate() -> dict:
+            out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                          num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=0)
+            return {t: _per_example(s) for t, s in out["samples"].items()}
+
+        reference = evaluate()
+        with executor:
+            planned = evaluate()
+    total = executor.stats.total()
+    results = {t: paired(reference[t], planned[t]) for t in reference if reference[t]}
+    return {"tasks": results, "metric": METRIC, "drop_rate": total.dropped / max(1, total.assignments),
+            "spill_rate": total.spilled / max(1, total.assignments), "backend_fallbacks": executor.fallbacks}
