@@ -133,12 +133,15 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
                                      "heldout_rule": f"every {HELDOUT_EVERY}th prompt"})
 
 
-CHUNK_HELDOUT_RULE = f"every {HELDOUT_EVERY}th chunk"
-
-
-def heldout_every_nth_chunk(n_chunks: int) -> np.ndarray:
-    """The held-out rule for a run's recording (one long prompt is common there): every HELDOUT_EVERY-th chunk."""
-    return np.arange(n_chunks) % HELDOUT_EVERY == HELDOUT_EVERY - 1
+def save_recording(recorder: RoutingRecorder, path: str | os.PathLike, text: str, chunk_tokens: int,
+                   prompt_tokens: int, recorded_by: str) -> dict:
+    """Save the routing a planned run saw as traces a search can re-tune on. A run is often one long prompt, so
+    every HELDOUT_EVERY-th chunk (not prompt) is held out. Returns the summary `--json` prints."""
+    heldout = np.arange(recorder.n_chunks) % HELDOUT_EVERY == HELDOUT_EVERY - 1
+    traces = recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
+                                       "heldout_rule": f"every {HELDOUT_EVERY}th chunk", "recorded_by": recorded_by})
+    save_traces(traces, path)
+    return {"path": str(path), "chunks": traces.n_chunks, "heldout_chunks": int(heldout.sum())}
 
 
 def synthetic_traces(spec: dict, n_chunks: int, chunk_tokens: int, skew: float = 1.1, heldout_every: int = 5,

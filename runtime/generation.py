@@ -90,7 +90,8 @@ def chat_prompt(tokenizer: object, prompt: str) -> str | None:
                                          tokenize=False)
 
 
-def _prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool) -> torch.Tensor:
+def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) -> torch.Tensor:
+    """The prompt's token ids as generation feeds them (chat template applied when asked)."""
     if not isinstance(prompt, str):  # token ids already
         ids = list(prompt)
         if chat:
@@ -206,7 +207,7 @@ def peak_rss_mb() -> float:
 
 
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int, chat: bool) -> _Run:
-    ids = _prompt_ids(loaded, prompt, chat)
+    ids = prompt_ids(loaded, prompt, chat)
     return _Run(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
 
 

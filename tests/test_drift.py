@@ -126,3 +126,17 @@ def test_retune_on_recorded_traces_holds_on_fresh_text_of_that_kind(tmp_path, ca
     assert held["rate"] <= 0.10 and held["tv_max"] < TV_THRESHOLD
     prose = _run_json(capsys, "--plan", str(tuned), "--text", "builtin:pydoc-heldout")["drift"]
     assert prose["alert"] and prose["tv_max"] > TV_THRESHOLD
+
+
+@pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(), reason="tiny-moe asset missing")
+def test_generate_reports_drift_and_records_the_prompt(tmp_path, capsys):
+    prompt, plan, traces = tmp_path / "csv.txt", tmp_path / "plan.json", tmp_path / "prompt.npz"
+    prompt.write_text(_csv(3, 60))
+    assert main(["plan-template", "--model", "tiny-moe", "--capacity", "tight", "--chunk", "64",
+                 "--out", str(plan)]) == 0
+    assert main(["generate", "--model", "tiny-moe", "--plan", str(plan), "--prompt-file", str(prompt),
+                 "--max-tokens", "2", "--record-traces", str(traces), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    chunks = -(-r["prompt_tokens"] // 64)
+    assert r["drift"]["chunks_seen"] == chunks and r["drift"]["rate"] > 0  # a tight plan drops on its prefill
+    assert r["traces"]["chunks"] == chunks and load_traces(traces).header["tokens"] == r["prompt_tokens"]

@@ -7,10 +7,14 @@ import argparse
 import sys
 
 from runtime.errors import NpumoeError
-from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
+import torch
+
+from runtime.generation import DEFAULT_MAX_TOKENS, Loaded, generate, load, prompt_ids
+from runtime.prefill import prefill_chunks
 
 from ..texts import read_text
-from .argtypes import input_file, input_package, non_negative_float, non_negative_int, positive_int
+from ..traces import RoutingRecorder, save_recording
+from .argtypes import input_file, input_package, non_negative_float, non_negative_int, output_file, positive_int
 from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
 
 
@@ -37,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="wrap the prompt in the tokenizer's chat template (says so on stderr when it has none)")
     p.add_argument("--compare", action="store_true",
                    help="also run the unmodified model on the same prompt: speed ratios and whether the tokens match")
+    p.add_argument("--record-traces", type=output_file(), metavar="T",
+                   help="with --plan: write the prompt's routing under the plan as traces (npumoe.traces/1, every "
+                        "5th chunk held out) for `autotune search --traces T`")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (figures and text) instead of streaming the text")
     p.set_defaults(func=run)
@@ -45,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+    if args.record_traces and not args.plan:
+        raise NpumoeError("--record-traces records the routing under a plan: give --plan too")
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     apply_threads(args.threads)
     loaded = load(args.model, args.plan, args.package, args.dtype)
@@ -52,12 +61,27 @@ def run(args: argparse.Namespace) -> int:
     result = generate(loaded, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed, chat=args.chat,
                       compare=args.compare, on_text=stream)
     result = {"model": args.model, "plan": args.plan, **result}
+    if loaded.executor:
+        result["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
+    if args.record_traces:
+        result["traces"] = _record_prompt(loaded, prompt, args)
     if args.json:
         print_json(result)
     else:
         print(flush=True)
         _print_summary(result)
     return 0
+
+
+def _record_prompt(loaded: Loaded, prompt: str, args: argparse.Namespace) -> dict:
+    """The prompt's prefill again under the plan, untimed and after the measured run, with its routing recorded."""
+    ids = prompt_ids(loaded, prompt, args.chat)
+    chunk = loaded.plan.chunk_tokens
+    with RoutingRecorder(loaded.model) as recorder, torch.inference_mode():
+        for _ in prefill_chunks(loaded.model, ids, chunk, last_logits_only=True):
+            pass
+    return save_recording(recorder, args.record_traces, args.prompt_file or "--prompt", chunk, int(ids.numel()),
+                          f"autotune generate --plan {args.plan}")
 
 
 def _print_summary(r: dict) -> None:
@@ -74,6 +98,10 @@ def _print_summary(r: dict) -> None:
     if r["plan"]:
         say(f"dropped {r['dropped']}, spilled {r['spilled']}; static calls: prefill {r['prefill_static_calls']}, "
             f"decode {r['decode_static_calls']}")
+    if "traces" in r:
+        say(f"wrote {r['traces']['path']}: {r['traces']['chunks']} chunks ({r['traces']['heldout_chunks']} held out)")
+    if r.get("drift", {}).get("alert"):
+        say(f"drift: {r['drift']['reason']}")
     if "same_tokens" in r:
         ratio = r["generation_speedup"]
         say(f"unmodified model: time to first token {r['reference_ttft_ms']:.1f} ms; prefill speedup "

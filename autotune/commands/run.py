@@ -9,7 +9,7 @@ import time
 from runtime.executor import PlanExecutor
 from runtime.prefill import max_rel_diff, prefill_prompts_logits
 
-from ..traces import CHUNK_HELDOUT_RULE, RoutingRecorder, heldout_every_nth_chunk, save_traces
+from ..traces import RoutingRecorder, save_recording
 from .argtypes import output_file, positive_int
 from .common import add_planned_arguments, planned_inputs, print_json
 
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     result["backend_fallbacks"] = executor.fallbacks
     result["drift"] = executor.drift.report()
     if recorder:
-        result["traces"] = _save_recording(recorder, args, plan.chunk_tokens, int(ids.numel()))
+        result["traces"] = save_recording(recorder, args.record_traces, args.text, plan.chunk_tokens,
+                                          args.prompt_tokens or int(ids.numel()), f"autotune run --plan {args.plan}")
     if args.reference:
         result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
     if args.json:
@@ -71,16 +72,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(result)
     return 0
-
-
-def _save_recording(recorder: RoutingRecorder, args: argparse.Namespace, chunk_tokens: int, tokens: int) -> dict:
-    """The routing the planned run saw, as traces a search can re-tune on."""
-    traces = recorder.traces(heldout_every_nth_chunk(recorder.n_chunks),
-                             {"text": args.text, "chunk_tokens": chunk_tokens,
-                              "prompt_tokens": args.prompt_tokens or tokens, "heldout_rule": CHUNK_HELDOUT_RULE,
-                              "recorded_by": f"autotune run --plan {args.plan}"})
-    save_traces(traces, args.record_traces)
-    return {"path": args.record_traces, "chunks": traces.n_chunks, "heldout_chunks": int(traces.heldout_chunks.sum())}
 
 
 def _print_summary(r: dict) -> None:
