@@ -139,5 +139,6 @@ def check_function(function, name: str, group: GroupSpec, layout: str, seed: int
     y = evaluate_function(function, {INPUT_NAME: to_layout(packed, layout)})
     got = from_layout(y[OUTPUT_NAME] if OUTPUT_NAME in y else next(iter(y.values())), layout)
     with torch.no_grad():
-        ref = CpuStaticBackend().prepare(group)(torch.from_numpy(packed.astype(np.float32))).numpy()
+        x = torch.from_numpy(packed.astype(np.float32)).to(group.module.gate_up_proj.dtype)  # the model's dtype
+        ref = CpuStaticBackend().prepare(group)(x).float().numpy()
     return FunctionCheck(name, max_rel_error(got, ref))
