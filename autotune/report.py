@@ -62,6 +62,12 @@ def format_report(r: dict) -> str:
                      f"{energy(b['predicted_energy_mj']):>10} {b['heldout_drop_rate']:>15.2%}")
     lines.append("latency and energy: predicted by the cost model of profile "
                  f"{r.get('profile', '?')}, per chunk of {r.get('chunk_tokens', '?')} tokens over all MoE layers")
+    if r.get("robustness"):
+        rob = r["robustness"]
+        worst = max(rob["cases"], key=lambda c: c["regret"], default=None)
+        lines.append(f"robustness{' (--robust pick)' if rob['robust_pick'] else ''}: worst-case latency regret "
+                     f"{rob['max_regret']:.2%}" + (f" when {worst['case']}" if worst else "")
+                     + " (predicted, vs the best plan for each perturbed profile)")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
     return "\n".join(lines)

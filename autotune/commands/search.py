@@ -18,6 +18,7 @@ from runtime.plan import SALIENCY_RULES, save_plan
 
 from ..profile import ProfileHostWarning, host_profile_path, load_profile, save_profile
 from ..report import format_report, plot_pareto, plot_plan_map, search_report, sidecar
+from ..robustness import assess
 from ..search import solution_plan, timed_search
 from ..space import LayerData, Scorer
 from ..texts import DEFAULT_CALIB_TEXT
@@ -53,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampler seed (default 0)")
     p.add_argument("--out", type=output_file(), metavar="PLAN", help="plan file (default plans/<model>@<profile>.json)")
     add_threads_argument(p)
+    p.add_argument("--robust", action="store_true",
+                   help="pick the plan with the least worst-case latency regret when the profile is off (ANE call "
+                        "cost x0.5/x2, compute per GFLOP x0.7/x1.3 per backend) instead of the nominal best")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -160,16 +164,18 @@ def _search(args: argparse.Namespace) -> int:
                                     progress=not args.json)
     calib_chunks = int(layers[0].calib.shape[0])
     heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
+    outcome.best, robustness = assess(outcome, layers, scorer, calib_chunks, pick=args.robust)
     context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
                "objective": args.objective, "drop_budget": args.drop_budget,
                "chunk_tokens": traces.header["chunk_tokens"]}
     report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
+    report["robustness"] = robustness.to_json()
     predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate")}
     predicted["label"] = "predicted by the cost model of profile " + profile_name
     plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), traces.header["chunk_tokens"],
                          args.saliency, predicted,
                          {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
-                          "drop_budget": args.drop_budget, "objective": args.objective,
+                          "drop_budget": args.drop_budget, "objective": args.objective, "robust": args.robust,
                           "decisions": [c.to_json() for c in outcome.best.configs]})
     extras = [".report.json", ".map.png"] + ([".pareto.png"] if args.objective == "both" else [])
     with output_set(out, *(sidecar(out, e) for e in extras)) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# First run on a Mac: the whole ANE path in one command, with one JSON report to attach to an issue.
+#
+#   scripts/mac_first_run.sh [REPORT.json]      (default: mac_first_run.json; run inside npumoe's venv)
+#
+# Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's ANE
+# groups (a template plan with every group on the ane backend when the tuned plan puts none there); run on the ane
+# backend against the reference; evaluate. A failing step is recorded with its exit code and output and the run goes
+# on where it can. Off macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
+# `autotune doctor` already covers what a Linux host can check.
+set -uo pipefail
+
+REPORT="${1:-mac_first_run.json}"
+if [ "$(uname -s)" != "Darwin" ]; then
+    echo "mac_first_run.sh: this host runs $(uname -s), not macOS: the ANE path (Core ML prediction) cannot run" \
+         "here, so nothing was run and no report written; use 'autotune doctor' for this host's checks" >&2
+    exit 0
+fi
+PYTHON="${PYTHON:-python3}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/npumoe-first-run.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+MODEL=tiny-moe
+STEPS=()
+
+step() {  # step NAME COMMAND...: run, keep stdout/stderr/exit code/seconds under $WORK/NAME.*
+    local name="$1"; shift
+    echo "== $name: $*" >&2
+    local t0; t0=$("$PYTHON" -c 'import time; print(time.time())')
+    "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+    echo $? >"$WORK/$name.rc"
+    "$PYTHON" -c "import time; print(time.time() - $t0)" >"$WORK/$name.seconds"
+    STEPS+=("$name")
+    tail -n 3 "$WORK/$name.err" >&2
+}
+
+step doctor autotune doctor --json
+step profile autotune profile-device --quick --no-progress --out "$WORK/profile.json"
+step search autotune search --model "$MODEL" --profile "$WORK/profile.json" --trials 40 --out "$WORK/plan.json" --json
+PLAN="$WORK/plan.json"
+step build autotune build --model "$MODEL" --plan "$PLAN" --out "$WORK/plan.mlpackage" --no-progress
+if [ "$(cat "$WORK/build.rc")" != 0 ] && grep -q "no group on the ane backend" "$WORK/build.err"; then
+    PLAN="$WORK/template.json"  # the tuned plan keeps everything on the CPU: exercise the ANE with a template
+    step template autotune plan-template --model "$MODEL" --capacity ample --backend ane --out "$PLAN"
+    step build_template autotune build --model "$MODEL" --plan "$PLAN" --out "$WORK/plan.mlpackage" --no-progress
+fi
+step run autotune run --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --reference --json
+step evaluate autotune evaluate --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --json
+
+"$PYTHON" - "$WORK" "$REPORT" "$PLAN" "${STEPS[@]}" <<'PY'
+"""Gather every step into one JSON report (written whole, then renamed)."""
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from autotune.profile import host_facts
+
+work, report, plan, steps = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+
+
+def parsed(text):
+    lines = [l for l in text.splitlines() if l.startswith("{")]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+
+
+out = {"schema": "npumoe.mac-first-run/1", "host": host_facts(), "macos": platform.mac_ver()[0], "plan_run": plan,
+       "steps": {}}
+for name in steps:
+    text = (work / f"{name}.out").read_text()
+    out["steps"][name] = {"exit_code": int((work / f"{name}.rc").read_text()),
+                          "seconds": round(float((work / f"{name}.seconds").read_text()), 2),
+                          "json": parsed(text), "stdout_tail": text[-2000:],
+                          "stderr_tail": (work / f"{name}.err").read_text()[-4000:]}
+profile = work / "profile.json"
+if profile.exists():
+    obj = json.loads(profile.read_text())
+    out["profile"] = {"heldout": obj["heldout"],
+                      "backends": {b: {k: m[k] for k in ("call_ms", "ms_per_gflop", "power_w")}
+                                   for b, m in obj["cost_model"]["backends"].items()}}
+for name in ("plan.json", "template.json"):
+    if (work / name).exists():
+        out.setdefault("plans", {})[name] = json.loads((work / name).read_text())
+out["ok"] = all(s["exit_code"] == 0 for n, s in out["steps"].items() if not (n == "build" and "template" in steps))
+tmp = report.with_name(report.name + ".tmp")
+tmp.write_text(json.dumps(out, indent=1))
+os.replace(tmp, report)
+print(f"mac_first_run.sh: wrote {report} ({'every step passed' if out['ok'] else 'some steps failed: see steps'}); "
+      "attach it to an issue", file=sys.stderr)
+PY
