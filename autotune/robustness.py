@@ -92,7 +92,7 @@ def solve_cases(pool: list[list[Evaluated]], layers: list[LayerData], scorer: Sc
     out = []
     for case in cases:
         lo, hi = min(1.0, case.factor), max(1.0, case.factor)
-        sc = dataclasses.replace(scorer, cost=case.apply(scorer.cost), with_energy=False, _cache={})
+        sc = dataclasses.replace(scorer, cost=case.apply(scorer.cost), with_energy=False)
         cands = [[Evaluated(e.config, sc.score(d, e.config)) for e in _prune(evs, hi / lo)]
                  for d, evs in zip(layers, pool)]
         best = _best_over_overflow(cands, layers, sc, budget, (1.0, 0.0))

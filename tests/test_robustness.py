@@ -43,7 +43,7 @@ def test_regret_matches_a_brute_force_reoptimisation(searched):
         m = scorer.cost.models[case.backend]
         cost = dataclasses.replace(scorer.cost, models={**scorer.cost.models, case.backend: dataclasses.replace(
             m, **{case.param: getattr(m, case.param) * case.factor})}, _lut={})
-        sc = dataclasses.replace(scorer, cost=cost, _cache={})
+        sc = dataclasses.replace(scorer, cost=cost)
         pool = [[dataclasses.replace(e, score=sc.score(d, e.config)) for e in evs] for d, evs in zip(layers, out.pool)]
         best = _best_over_overflow(pool, layers, sc, out.drop_budget, (1.0, 0.0))
         plan = sum(sc.score(d, c).latency_ms for d, c in zip(layers, out.best.configs))
