@@ -6,7 +6,7 @@ then combine with the router weights. Registered as a transformers experts imple
 
 Decode policy: a chunk with fewer tokens than the plan's `exact_below` (every decode step) runs wholly on the exact
 path, through transformers' own grouped kernel: no static call, no padding, no drop, no overhead where static
-groups cannot pay off.
+groups cannot pay off. A layer without groups runs every chunk that way.
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ class LayerExecutor:
                 row += c
             self.groups.append((backend.name, fn, row - g.slots, row))
         self.slots = row
+        # A layer without groups runs whole chunks through the fused exact call, unless a caller swapped in its
+        # own exact compute (the profiler times the chunked exact path's host work that way).
+        self.fused = not self.groups and exact is run_exact
         # Where a group runs off the CPU, the chunk's exact path runs meanwhile on one worker thread.
         self.overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
         self.pool: ThreadPoolExecutor | None = None
@@ -64,8 +67,8 @@ class LayerExecutor:
             self.pool = None
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.exact_below:
-            return self._all_exact(x, top_k_index, top_k_weights)
+        if x.shape[0] < self.exact_below or self.fused:
+            return self._all_exact(x, top_k_index, top_k_weights, watched=x.shape[0] >= self.exact_below)
         if x.shape[0] <= self.chunk:
             return self._chunk(x, top_k_index, top_k_weights)
         return torch.cat([self._chunk(x[s:s + self.chunk], top_k_index[s:s + self.chunk],
@@ -103,14 +106,18 @@ class LayerExecutor:
             out.index_add_(0, *exact_out)
         return out
 
-    def _all_exact(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _all_exact(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, watched: bool) -> torch.Tensor:
         """Every assignment exact, in one grouped call: what transformers computes, so it costs what it costs.
-        Not shown to the drift monitor: the plan's groups never saw these chunks."""
+        Chunks the decode policy sent here are not `watched` by the drift monitor: the plan never ran them."""
         st = self.stats
-        st.tokens += x.shape[0]
-        st.assignments += idx.numel()
+        loads = torch.bincount(idx.reshape(-1), minlength=self.base.numel())
+        if watched:
+            st.record_chunk(x.shape[0], loads, 0, self.spill)
+        else:
+            st.tokens += x.shape[0]
+            st.assignments += idx.numel()
         st.tokens_per_backend["cpu-exact"] += idx.numel()
-        st.calls_per_backend["cpu-exact"] += int(torch.unique(idx).numel())
+        st.calls_per_backend["cpu-exact"] += int(torch.count_nonzero(loads))
         return grouped_mm_experts_forward(self.module, x, idx, weights)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):

@@ -8,7 +8,7 @@ figures are medians over repetitions, after one untimed warm-up each. Prints a t
 `prefill_ratio_vs_transformers` and `decode_ratio_vs_transformers` for the all-exact plan (their time / ours: >= 1
 means ours is as fast). Peak RSS is the process's, over all three.
 
-    python scripts/bench_generate.py [--plan plans/tiny-moe@apple-m2-ultra-published.json] [--repeats 7]
+    python scripts/bench_generate.py [--plan plans/tiny-moe@apple-m2-ultra-published.json] [--repeats 15]
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default=DEFAULT_PLAN, help=f"the tuned plan (default {DEFAULT_PLAN}, from the "
                                                          "README's main job)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
