@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import ane_limits
+from . import ane_limits, build_cache
 from .ane import LAYOUTS, MANIFEST_SCHEMA, META_KEY, OUTPUT_NAME, arrays_digest, expert_weights_fp16, function_name
 from .backends import GroupSpec
 from .errors import NpumoeError
@@ -404,9 +404,10 @@ def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, comp
     weights = {e: expert_weights_fp16(module, e) for e in fs.experts}
     digest = arrays_digest(weights[e] for e in fs.experts)
     path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
-    if path.is_dir():
+    if build_cache.usable(path):  # whole and matching its checksum; a corrupt entry is removed, said so
         return True, digest, path
     convert_function(fs, weights, layout, compress, path)
+    build_cache.seal(path)
     return False, digest, path
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints import check_checkpoint, check_loading_info, check_tokenizer_files, load_error, quiet_transformers
 from .errors import NpumoeError
 from .plan import ModelSpec
 
@@ -136,13 +137,18 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
     import transformers
 
     path = _resolve_dir(name)
+    check_checkpoint(path)
+    check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with quiet_transformers():
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise load_error(path, e) from None
+    check_loading_info(path, info)
     if not moe_layers(model):
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     return model.eval(), tokenizer
@@ -221,6 +227,7 @@ def read_model_spec(name: str) -> ModelSpec:
     import transformers
 
     path = _resolve_dir(name)
+    check_checkpoint(path)
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):  # the module tree without memory: names and shapes only

@@ -16,6 +16,17 @@ def random_model(name: str):
     return _MODELS[name]
 
 
+def one_ane_group(plan):
+    """The plan with only layer 0 group 0 on `ane` (one function: fast build tests); every other group on
+    cpu-static."""
+    layers = []
+    for li, lp in enumerate(plan.layers):
+        groups = [g.model_copy(update={"backend": "ane" if (li, gi) == (0, 0) else "cpu-static"})
+                  for gi, g in enumerate(lp.groups)]
+        layers.append(lp.model_copy(update={"groups": groups}))
+    return plan.model_copy(update={"layers": layers})
+
+
 TRUE = {"call_ms": 0.05, "expert_ms": 0.012, "ms_per_gflop": 6.0, "ms_per_mb": 0.02}
 SHAPES = [(256, 256), (1024, 2048), (2048, 768)]
 

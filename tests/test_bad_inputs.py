@@ -4,7 +4,9 @@ Each case runs `autotune.cli.main` in-process on argv with `{placeholders}` fill
 once per module; the working directory is a fresh empty folder, so the default output paths land there too."""
 from __future__ import annotations
 
+import fcntl
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -16,7 +18,7 @@ from helpers import random_model
 from autotune.cli import main
 from autotune.profile import ProfileHostWarning, host_id, load_profile, save_profile
 from autotune.templates import template_plan
-from runtime.models import model_spec
+from runtime.models import TINY_MOE_DIR, model_spec
 from runtime.plan import save_plan
 
 M = ["--model", "random:qwen3_moe"]
@@ -66,6 +68,37 @@ def _bad_traces(d: Path, good: Path) -> dict[str, str]:
     }
 
 
+def _bad_checkpoints(d: Path) -> dict[str, str]:
+    """Model directories, each broken in one way, from a saved random model (config.json + model.safetensors) with
+    the tokenizer files of tiny-moe where a case needs them."""
+    good = d / "ck-good"
+    random_model("random:qwen3_moe")[0].save_pretrained(good)
+    config = json.loads((good / "config.json").read_text())
+    weights = (good / "model.safetensors").read_bytes()
+
+    def checkpoint(name: str, config_change: dict | None = None, files: dict[str, bytes] | None = None,
+                   tokenizer: bool = True) -> str:
+        m = d / f"ck-{name}"
+        m.mkdir()
+        (m / "config.json").write_text(json.dumps({**config, **(config_change or {})}))
+        for fname, data in (files if files is not None else {"model.safetensors": weights}).items():
+            (m / fname).write_bytes(data)
+        if tokenizer:
+            for t in TINY_MOE_DIR.glob("tokenizer*"):
+                shutil.copy(t, m / t.name)
+        return str(m)
+
+    return {
+        "ck_pickle": checkpoint("pickle", files={"pytorch_model.bin": b"PK\x03\x04 a pickle, never opened"}),
+        "ck_none": checkpoint("none", files={}),
+        "ck_truncated": checkpoint("truncated", files={"model.safetensors": weights[: len(weights) // 2]}),
+        "ck_garbage": checkpoint("garbage", files={"model.safetensors": b"\xff" * 64}),
+        "ck_shapes": checkpoint("shapes", {"moe_intermediate_size": 2 * config["moe_intermediate_size"]}),
+        "ck_layers": checkpoint("layers", {"num_hidden_layers": config["num_hidden_layers"] + 1}),
+        "ck_notokenizer": checkpoint("notokenizer", tokenizer=False),
+    }
+
+
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory) -> dict[str, str]:
     """Paths of the bad (and a few good) input files the cases name, made once for the module."""
@@ -91,6 +124,7 @@ def bad(tmp_path_factory) -> dict[str, str]:
                           "router_weight")
     save_plan(other, d / "other-model.json")
     paths["other_plan"] = str(d / "other-model.json")
+    paths.update(_bad_checkpoints(d))
     return paths
 
 
@@ -165,6 +199,18 @@ CASES = [
     ("calibrate-text-missing", ["calibrate", *M, "--text", "{missing}/t.txt"], "cannot read"),
     ("plan-other-model", ["run", *M, "--plan", "{other_plan}", "--text", "{text}"], "other-model.json"),
     ("plan-not-json", ["run", *M, "--plan", "{notes}", "--text", "{text}"], "notes.txt"),
+    ("checkpoint-pickle-only", ["calibrate", "--model", "{ck_pickle}"], "safetensors only"),
+    ("template-checkpoint-pickle-only", ["plan-template", "--model", "{ck_pickle}", "--out", "p.json"],
+     "safetensors only"),
+    ("checkpoint-no-weights", ["calibrate", "--model", "{ck_none}"], "no model.safetensors"),
+    ("checkpoint-truncated", ["calibrate", "--model", "{ck_truncated}"], "truncated"),
+    ("template-checkpoint-truncated", ["plan-template", "--model", "{ck_truncated}", "--out", "p.json"],
+     "truncated"),
+    ("checkpoint-garbage", ["calibrate", "--model", "{ck_garbage}"], "not a safetensors file"),
+    ("checkpoint-config-shapes", ["calibrate", "--model", "{ck_shapes}"], "does not match"),
+    ("checkpoint-config-layers", ["calibrate", "--model", "{ck_layers}"], "does not match"),
+    ("checkpoint-no-tokenizer", ["calibrate", "--model", "{ck_notokenizer}"], "no tokenizer files"),
+    ("model-missing", ["calibrate", "--model", "{missing}"], "neither a built-in model"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]
@@ -203,3 +249,32 @@ def test_every_option_has_help():
     missing = [f"{name} {act.option_strings or act.dest}" for name, p in sub.choices.items()
                for act in p._actions if not act.help]
     assert missing == []
+
+
+def test_second_search_on_one_sqlite_storage_is_refused(bad, tmp_path, monkeypatch, capsys):
+    """SQLite storage takes one search at a time (two race on its tables and enqueued trials): the second is
+    refused in one line that points to journal:, which serves several processes."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "study.db"
+    with open(f"{db}.lock", "a") as held:  # what a running search holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        before = listing(tmp_path)
+        code = run_cli([a.format(**bad) for a in S] + ["--traces", bad["traces"], "--storage", f"sqlite:///{db}"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "journal:" in err, err
+    assert listing(tmp_path) == before
+
+
+def test_search_outputs_are_one_set(bad, tmp_path, monkeypatch, capsys):
+    """When the map cannot be drawn, neither the plan nor its report is left behind."""
+    from autotune.commands import search
+    from runtime.errors import NpumoeError
+
+    def fail(*args):
+        raise NpumoeError("cannot draw the map")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(search, "plot_plan_map", fail)
+    code = run_cli([a.format(**bad) for a in S] + ["--traces", bad["traces"], "--out", "sub/plan.json"])
+    assert code == 2 and "cannot draw the map" in capsys.readouterr().err
+    assert listing(tmp_path) == set()  # no plan, no report, no temp file, not even the folder made for them

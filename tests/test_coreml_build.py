@@ -13,7 +13,7 @@ from runtime.errors import NpumoeError
 from runtime.models import TINY_MOE_DIR, load_model, model_spec, moe_layers
 from runtime.plan import Group, save_plan
 
-from helpers import random_model
+from helpers import one_ane_group, random_model
 
 quiet_coremltools_import()
 MODEL = "random:qwen3_moe"
@@ -21,16 +21,6 @@ MODEL = "random:qwen3_moe"
 
 def _layers(model):
     return {layer.index: layer.experts for layer in moe_layers(model)}
-
-
-def _one_ane_group(plan):
-    """The plan with only layer 0 group 0 on `ane` (one function: fast tests); every other group on cpu-static."""
-    layers = []
-    for li, lp in enumerate(plan.layers):
-        groups = [g.model_copy(update={"backend": "ane" if (li, gi) == (0, 0) else "cpu-static"})
-                  for gi, g in enumerate(lp.groups)]
-        layers.append(lp.model_copy(update={"groups": groups}))
-    return plan.model_copy(update={"layers": layers})
 
 
 @pytest.mark.slow
@@ -64,7 +54,7 @@ def test_cli_build_all_ane_lints_checks_and_prints_json_last(tmp_path, capsys):
 
 def test_conv1x1_layout_and_cache(tmp_path):
     model, _ = random_model(MODEL)
-    plan = _one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
+    plan = one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
     cache = tmp_path / "cache"
     first = build_package(_layers(model), plan, tmp_path / "a.mlpackage", "conv1x1", cache_dir=cache)
     assert len(first.functions) == 1 and first.cached == 0
@@ -85,7 +75,7 @@ def test_compressed_build_is_smaller_and_within_its_tolerance(tmp_path, compress
     from runtime.mil_eval import TOLERANCE
 
     model, _ = random_model(MODEL)
-    plan = _one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
+    plan = one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
     result = build_package(_layers(model), plan, tmp_path / "q.mlpackage", compress=compress,
                            cache_dir=tmp_path / "cache")
     assert 1e-3 < result.max_rel_error <= TOLERANCE[compress]  # compression shows, within what it allows

@@ -1,0 +1,112 @@
+"""Checks on a model directory's checkpoint before transformers reads it: safetensors only (no pickle), files
+whole, config and weights in agreement. Each failure is one NpumoeError naming the file."""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import NpumoeError
+
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
+CONVERT_HINT = ("convert it once, where you trust the file, with: python -c \"from transformers import "
+                "AutoModelForCausalLM as M; M.from_pretrained('{d}').save_pretrained('{d}-safetensors')\"")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on its JSON header
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's .safetensors files; refuses a directory that holds only pickled weights (torch.load runs
+    code from the file: npumoe never loads one) or no weights at all."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return sorted({path / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise NpumoeError(f"{index}: not a safetensors index ({e.__class__.__name__}: {str(e)[:80]})") from None
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    pickled = [n for n in PICKLE_NAMES if (path / n).exists()]
+    if pickled:
+        raise NpumoeError(f"{path / pickled[0]}: a pickle checkpoint; npumoe loads safetensors only: "
+                          + CONVERT_HINT.format(d=path))
+    raise NpumoeError(f"{path}: no model.safetensors (or model.safetensors.index.json) beside config.json")
+
+
+def safetensors_header(file: Path) -> dict:
+    """The tensor table of a .safetensors file, after checking that the file holds every byte it names (a
+    truncated download or a copy cut short fails here, in one line, instead of deep inside a load)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise NpumoeError(f"{file}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(MAX_HEADER_BYTES, size - 8):
+                raise NpumoeError(f"{file}: not a safetensors file, or truncated (header of {n} bytes, file of "
+                                  f"{size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise NpumoeError(f"{file}: cannot read: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise NpumoeError(f"{file}: not a safetensors file (its header is not JSON)") from None
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise NpumoeError(f"{file}: corrupt safetensors header (a tensor without data_offsets)") from None
+    if 8 + n + end > size:
+        raise NpumoeError(f"{file}: truncated safetensors file ({size} bytes; its header names {8 + n + end})")
+    return header
+
+
+def check_checkpoint(path: Path) -> list[Path]:
+    """Every safetensors file of the model directory `path` exists and is whole; returns them."""
+    files = safetensors_files(path)
+    for file in files:
+        if not file.exists():
+            raise NpumoeError(f"{file}: missing (named by {path / 'model.safetensors.index.json'})")
+        safetensors_header(file)
+    return files
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Without its files transformers hands back an empty tokenizer that turns every text into no tokens."""
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise NpumoeError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}); copy them from the model's "
+                          "release beside config.json")
+
+
+def check_loading_info(path: Path, info: dict) -> None:
+    """Weights the config asks for but the checkpoint lacks would be left randomly initialised: refuse."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise NpumoeError(f"{path}: config.json does not match the weights: {len(missing)} tensors missing from "
+                          f"the safetensors files (first: {missing[0]})")
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers logs a multi-line load report before it raises on a mismatch; the one line is ours."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def load_error(path: Path, error: Exception) -> NpumoeError:
+    """A transformers load failure as one line naming the checkpoint (a config that does not match its weights
+    surfaces as a size mismatch here)."""
+    first = (str(error).strip().splitlines() or [error.__class__.__name__])[0]
+    if "mismatch" in str(error).lower():
+        return NpumoeError(f"{path}: config.json does not match the weights in its safetensors files (tensor "
+                           "shapes differ)")
+    return NpumoeError(f"cannot load model from {path}: {first[:300]}")
