@@ -22,8 +22,14 @@ def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
 
 def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Logits `[T, vocab]` for a 1-D sequence of token ids, computed chunk by chunk."""
+    logits = None
     with torch.inference_mode():
-        return torch.cat([out.logits[0].float() for out in prefill_chunks(model, input_ids, chunk_tokens)])
+        for start, out in zip(range(0, input_ids.numel(), chunk_tokens),
+                              prefill_chunks(model, input_ids, chunk_tokens)):
+            if logits is None:  # filled in place: no second [T, vocab] copy from concatenating chunks
+                logits = torch.empty(input_ids.numel(), out.logits.shape[-1], dtype=torch.float32)
+            logits[start:start + out.logits.shape[1]] = out.logits[0]
+    return logits
 
 
 def prefill_prompts_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
