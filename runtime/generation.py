@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -137,6 +138,7 @@ class _Run:
         self.chunk = chunk_tokens or ids.numel()
         self.tokens: list[int] = []
         self.ttft_s = self.decode_s = 0.0
+        self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
         self.finish_reason = "length"
 
     def _phase(self, phase: str) -> None:
@@ -165,9 +167,11 @@ class _Run:
                 yield tok
                 if len(self.tokens) >= self.max_tokens:
                     return
+                t = time.perf_counter()
                 with torch.inference_mode():
                     out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
                     tok = _sample(out.logits[0, -1], self.temp, self.gen)
+                self.step_s.append(time.perf_counter() - t)
                 cache = out.cache
         finally:
             if ex:
@@ -194,6 +198,7 @@ class _Run:
         return {"prompt_tokens": int(self.ids.numel()), "generated_tokens": n,
                 "ttft_ms": self.ttft_s * 1e3, "prefill_tok_s": self.ids.numel() / self.ttft_s,
                 "generation_tok_s": (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None,
+                "decode_step_ms": statistics.median(self.step_s) * 1e3 if self.step_s else None,
                 "peak_rss_mb": peak_rss_mb(), "dropped": total.dropped, "spilled": total.spilled,
                 "prefill_static_calls": stats.static_calls("prefill"),
                 "decode_static_calls": stats.static_calls("decode"), "finish_reason": self.finish_reason,
