@@ -309,9 +309,10 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     A group past a Neural Engine limit (runtime.ane_limits, `function_weight_bytes` included) is refused before any
     conversion. Each package is linted and every function evaluated on the host against `cpu-static` before the
     packages replace earlier ones; a lint failure raises LintError, an error over `TOLERANCE[compress]` raises
-    NpumoeError. Functions are converted one at a time (one expert's fp16 copy each) into the cache; a build whose
-    packages exceed CACHE_KEEP_BYTES removes its cache entries once merged, so the cache never doubles a large
-    package on disk. `progress(stage, total)` returns an object with `update(n)` and `close()` (a tqdm bar), or None.
+    NpumoeError. Functions are converted one at a time (only that function's experts in fp16) into the cache; a
+    build of more than CACHE_KEEP_BYTES of weights converts into its work folder instead and drops each package's
+    converted functions once merged, so no second copy of a large build stays on disk. `progress(stage, total)`
+    returns an object with `update(n)` and `close()` (a tqdm bar), or None.
     """
     t0 = time.perf_counter()
     if layout not in LAYOUTS:
@@ -325,24 +326,24 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(model_layers[layer], layer)
 
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     groups = split_packages(functions, compress, package_weight_bytes)
     paths = package_paths(out, len(groups))
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    keep = sum(fs.usage(compress).weight_bytes for fs in functions) <= CACHE_KEEP_BYTES
+    cache = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if keep else work / "functions"
+    cache.mkdir(parents=True, exist_ok=True)
     seconds = {"convert": 0.0, "merge": 0.0, "verify": 0.0}
-    cached, used, checks, packages = 0, [], [], []
+    cached, checks, packages = 0, [], []
     bar = progress("converting functions", len(functions)) if progress else None
     try:
         for group, path in zip(groups, paths):
             parts, meta_functions = [], {}
             for fs in group:
                 t = time.perf_counter()
-                hit, digest, cpath = _convert_cached(fs, model_layers[fs.layer], layout, compress, cache)
+                hit, digest, cpath = _convert_cached(fs, model_layers[fs.layer], layout, compress, cache, keep)
                 cached += hit
-                used.append(cpath)
                 parts.append((fs, cpath))
                 meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
                                                capacities=list(fs.capacities), weights_sha256=digest)
@@ -354,6 +355,9 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
                         model_fingerprint=plan.model.fingerprint, functions=meta_functions)
             staged = work / path.name
             merge_functions(parts, staged, meta)
+            if not keep:
+                for _, cpath in parts:
+                    shutil.rmtree(cpath, ignore_errors=True)
             seconds["merge"] += time.perf_counter() - t
             t = time.perf_counter()
             checks += verify_package(staged, group, model_layers, layout, compress, None, seed)
@@ -373,9 +377,6 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     finally:
         shutil.rmtree(work, ignore_errors=True)
     total = sum(pk["bytes"] for pk in packages)
-    if total > CACHE_KEEP_BYTES:
-        for cpath in used:
-            shutil.rmtree(cpath, ignore_errors=True)
     manifest = manifest_path(out)
     atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
                                  "layout": layout, "compress": compress,
@@ -391,7 +392,7 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
                        seconds={k: round(v, 2) for k, v in seconds.items()})
 
 
-CACHE_KEEP_BYTES = 256 * 2**20  # builds past this keep no converted functions: the cache must not double them
+CACHE_KEEP_BYTES = 256 * 2**20  # builds of more weights keep no converted functions: no second copy on disk
 
 
 def _stale_parts(out: Path) -> list[Path]:
@@ -399,17 +400,18 @@ def _stale_parts(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f"{out.stem}.part*{out.suffix}"))
 
 
-def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, compress: str, cache: Path
-                    ) -> tuple[bool, str, Path]:
+def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, compress: str, cache: Path,
+                    sealed: bool = True) -> tuple[bool, str, Path]:
     """(taken from the cache, weights digest, converted package) of one function; its experts are held in fp16
-    only while it converts."""
+    only while it converts. `sealed`: `cache` is the shared cache (checksummed entries), not a build's own folder."""
     weights = {e: expert_weights_fp16(module, e) for e in fs.experts}
     digest = arrays_digest(weights[e] for e in fs.experts)
     path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
-    if build_cache.usable(path):  # whole and matching its checksum; a corrupt entry is removed, said so
+    if sealed and build_cache.usable(path):  # whole and matching its checksum; a corrupt entry is removed, said so
         return True, digest, path
     convert_function(fs, weights, layout, compress, path)
-    build_cache.seal(path)
+    if sealed:
+        build_cache.seal(path)
     return False, digest, path
 
 

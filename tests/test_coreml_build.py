@@ -151,3 +151,17 @@ def test_tiny_moe_all_ane_build(tmp_path):
     assert result.package_bytes <= 1.05 * result.unique_weight_bytes
 
 
+
+
+def test_a_large_build_leaves_no_second_copy_in_the_cache(tmp_path, monkeypatch):
+    """Past CACHE_KEEP_BYTES the converted functions live in the build's work folder and go once merged."""
+    import runtime.coreml_build as cb
+
+    monkeypatch.setattr(cb, "CACHE_KEEP_BYTES", 1)
+    model, _ = random_model(MODEL)
+    plan = one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16))
+    cache = tmp_path / "cache"
+    result = build_package(_layers(model), plan, tmp_path / "x.mlpackage", cache_dir=cache)
+    assert result.max_rel_error <= 1e-2 and (tmp_path / "x.mlpackage").is_dir()
+    assert not cache.exists() or not any(cache.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.manifest.json", "x.mlpackage"]
