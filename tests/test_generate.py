@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 import runtime
 from autotune.cli import main
@@ -131,3 +132,21 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out
     assert "first token after" in out and "static calls while decoding: 0" in out
+
+
+def test_incremental_detokenisation_holds_back_incomplete_characters():
+    """A multi-byte character arrives byte by byte from the byte tokenizer: no piece carries a half character."""
+    from runtime.generation import _Run
+
+    text = "héllo ✓ naïve"
+    loaded = runtime.load("random:qwen3_moe")
+
+    class Scripted(_Run):
+        def token_ids(self):
+            for b in text.encode("utf-8"):
+                self.tokens.append(b)
+                yield b
+
+    pieces = list(Scripted(loaded, torch.tensor([1]), 50, 0.0, 0, None).pieces())
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert len(pieces) == len(text)  # one piece per character: ✓'s three bytes came out as one piece
