@@ -1,1 +1,28 @@
-"""npumoe auto-tuner: device profiling, cost model, calibration, search, reports. Uses `runtime`."""
+"""npumoe's tuner: measure a device, calibrate a model's routing, search a plan, build its Core ML package.
+
+The pipeline as library functions (`autotune.pipeline`; each `autotune` command is a thin parser over one):
+
+    from autotune import build, calibrate, profile_device, search_plan
+
+    traces = calibrate("tiny-moe", "builtin:pydoc-calib", out="traces/tiny-moe.npz")
+    result = search_plan("tiny-moe", profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
+    package = build("tiny-moe", result.path)  # on a plan with `ane` groups
+
+They load lazily, so importing a light submodule (`autotune.profiling.settings`) stays light.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .pipeline import build, calibrate, profile_device, search_plan
+
+__all__ = ["build", "calibrate", "profile_device", "search_plan"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'autotune' has no attribute {name!r}")

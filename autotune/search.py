@@ -23,6 +23,7 @@ from runtime.plan import OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 from .space import (Evaluated, LayerConfig, LayerData, Scorer, calibration, config_from_params, enumerate_configs,
                     group_sizes, heuristic_config, layer_plan, neighbours, params_of, space_size, suggest)
 
+OBJECTIVES = ("latency", "energy", "both")  # both: the Pareto front of latency and energy
 EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from autotune.cli import main
-from autotune.commands import search as search_command
+from autotune import pipeline
 from autotune.search import timed_search
 from autotune.templates import template_plan
 from autotune.traces import HELDOUT_EVERY, load_traces
@@ -103,7 +103,7 @@ def _run_json(capsys, *args) -> dict:
 def test_retune_on_recorded_traces_holds_on_fresh_text_of_that_kind(tmp_path, capsys, monkeypatch):
     """A CSV-tuned plan: recorded from one set of records, quiet on other records, alerting on prose."""
     # the search's exact yardstick (~30K decisions per layer) is not what this test checks, and costs ~20 s a layer
-    monkeypatch.setattr(search_command, "timed_search", partial(timed_search, exact_limit=0))
+    monkeypatch.setattr(pipeline, "timed_search", partial(timed_search, exact_limit=0))
     seen, fresh = tmp_path / "csv-a.txt", tmp_path / "csv-b.txt"
     seen.write_text(_csv(1, 500))
     fresh.write_text(_csv(2, 500))

@@ -3,18 +3,13 @@ the weights pass one package's limit), linted and checked on the host."""
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from runtime import ane_limits
-from runtime.coreml_build import COMPRESSIONS, LAYOUTS, build_package, quiet_coremltools_import
+from runtime.coreml_build import COMPRESSIONS, LAYOUTS
 from runtime.mil_eval import TOLERANCE
-from runtime.models import load_model, model_spec, moe_layers
-from runtime.plan import check_plan_matches, load_plan
 
+from .. import pipeline
 from .argtypes import directory, input_file, output_package, positive_float, require_output
 from .common import add_dtype_argument, add_model_argument, print_json
 
@@ -45,39 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _progress_factory(enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return lambda stage, total: tqdm(total=total, desc=stage, unit="fn", file=sys.stderr, dynamic_ncols=True)
-
-
-@contextmanager
-def private_tempdir() -> Iterator[None]:
-    """Point `tempfile` at a folder of our own for the block and remove it after, interrupted or not."""
-    previous = tempfile.tempdir
-    with tempfile.TemporaryDirectory(prefix="npumoe-build-") as d:
-        tempfile.tempdir = d
-        try:
-            yield
-        finally:
-            tempfile.tempdir = previous
-
-
 def run(args: argparse.Namespace) -> int:
     out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
     require_output(out, "--out", package=True)
-    quiet_coremltools_import()
-    plan = load_plan(args.plan)
-    model, _ = load_model(args.model, args.dtype)
-    check_plan_matches(plan, model_spec(model), args.plan)
-    layers = {layer.index: layer.experts for layer in moe_layers(model)}
-    with private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
-        result = build_package(layers, plan, out, args.layout, args.compress, args.cache_dir,
-                               _progress_factory(not args.no_progress),
-                               function_weight_bytes=args.function_weight_mb * 1e6,
-                               package_weight_bytes=args.package_weight_mb * 1e6)
+    result = pipeline.build(args.model, args.plan, out=out, layout=args.layout, compress=args.compress,
+                            cache_dir=args.cache_dir, function_weight_bytes=args.function_weight_mb * 1e6,
+                            package_weight_bytes=args.package_weight_mb * 1e6, dtype=args.dtype,
+                            progress=not args.no_progress)
     ratio = result.package_bytes / result.unique_weight_bytes
     mb_per_s = result.unique_weight_bytes / 1e6 / result.build_seconds
     names = ", ".join(pk["path"] for pk in result.packages)

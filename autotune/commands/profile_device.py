@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
-from ..profile import host_profile_path, save_profile
-from ..profiling.settings import CLOCKS, parse_shapes, settings_for
+from .. import pipeline
+from ..profile import host_profile_path
+from ..profile_report import print_summary
+from ..profiling.settings import CLOCKS, parse_shapes
 from .argtypes import non_empty_list, output_file, positive_int, require_output, shape_list
 
 
@@ -30,19 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..profiling.device import profile_device
-    from .show_profile import print_summary
-
-    s = settings_for(args.quick)
-    if args.shapes:
-        s = dataclasses.replace(s, shapes=parse_shapes(args.shapes))
     out = args.out or host_profile_path()
     require_output(out, "--out")
     t0 = time.perf_counter()
-    profile = profile_device(args.backends, args.quick, args.threads, progress=not args.no_progress, s=s,
-                             clock=args.clock)
-    save_profile(profile, out)
-    profile.path = str(out)
+    profile = pipeline.profile_device(args.backends, quick=args.quick, threads=args.threads,
+                                      shapes=parse_shapes(args.shapes) if args.shapes else None, clock=args.clock,
+                                      out=out, progress=not args.no_progress)
     print_summary(profile)
     print(f"wrote {out} ({len(profile.records)} records, {time.perf_counter() - t0:.0f} s, "
           f"{profile.settings['threads']} thread(s))")

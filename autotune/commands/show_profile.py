@@ -5,8 +5,8 @@ import argparse
 import sys
 import warnings
 
-from ..costmodel import predict_record
-from ..profile import Profile, ProfileHostWarning, load_profile
+from ..profile import ProfileHostWarning, load_profile
+from ..profile_report import plot, print_summary, summary
 from .argtypes import plot_file
 from .common import print_json
 
@@ -18,83 +18,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=plot_file, default=None, metavar="PNG",
                    help="write measured vs predicted per backend")
     p.set_defaults(func=run)
-
-
-def summary(profile: Profile) -> dict:
-    mape = profile.heldout_mape
-    out = {"profile": profile.path, "host": profile.host.get("id"), "host_description": profile.host.get("description"),
-           "measured_by": profile.measured_by, "threads": profile.settings.get("threads"),
-           "heldout_method": profile.heldout.get("method"), "backends": {}, "host_costs": {}}
-    for name, m in sorted(profile.cost_model.models.items()):
-        n = sum(1 for r in profile.records if r["backend"] == name and not r.get("excluded"))
-        out["backends"][name] = {"heldout_mape": mape.get(name), "records": n, "call_ms": m.call_ms,
-                                 "expert_ms": m.expert_ms, "ms_per_gflop": m.ms_per_gflop, "ms_per_mb": m.ms_per_mb,
-                                 "gflops": (1e3 / m.ms_per_gflop) if m.ms_per_gflop else None,
-                                 "power_w": m.power_w, "residual": m.residual is not None}
-    for key in ("host-pack", "host-exact"):
-        if key in mape:
-            out["host_costs"][key] = {"heldout_mape": mape[key]}
-    return out
-
-
-def print_summary(profile: Profile) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    s = summary(profile)
-
-    def fmt(v, p="{:.4g}"):
-        return "-" if v is None else p.format(v)
-
-    table = Table(title=f"{profile.path or 'profile'}: {s['host_description']} ({s['measured_by']})")
-    for col in ("backend", "records", "call ms", "per-expert ms", "GFLOP/s (analytic)", "ms/MB", "residual",
-                "power W", "held-out MAPE"):
-        table.add_column(col, justify="left" if col == "backend" else "right")
-    for name, b in s["backends"].items():
-        table.add_row(name, str(b["records"]), fmt(b["call_ms"]), fmt(b["expert_ms"]), fmt(b["gflops"], "{:.1f}"),
-                      fmt(b["ms_per_mb"]), "knn" if b["residual"] else "-",
-                      fmt(b["power_w"], "{:.2f}") if b["power_w"] else "not measured",
-                      fmt(b["heldout_mape"], "{:.1%}"))
-    for name, h in s["host_costs"].items():
-        table.add_row(name, "", "", "", "", "", "", "", fmt(h["heldout_mape"], "{:.1%}"))
-    console = Console(width=max(Console().width, 132))
-    console.print(table)
-    console.print(f"held-out error: {s['heldout_method']}")
-    if profile.published:
-        console.print(f"[bold]not measured by this tool[/bold]: {profile.measured_by}")
-
-
-def plot(profile: Profile, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups: dict[str, list[dict]] = {}
-    for r in profile.records:
-        key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
-        groups.setdefault(key, []).append(r)
-    keys = sorted(groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        rs = groups[key]
-        meas = [r["median_ms"] for r in rs]
-        if key.startswith("host-"):
-            pred = [r.get("heldout_pred_ms", float("nan")) for r in rs]
-        else:
-            model = profile.cost_model.models.get(key)
-            pred = [r.get("heldout_pred_ms", predict_record(model, r) if model else float("nan")) for r in rs]
-        ax.loglog(meas, pred, ".", alpha=0.7)
-        lo, hi = min(meas) * 0.8, max(meas) * 1.25
-        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-        mape = profile.heldout_mape.get(key)
-        ax.set_title(f"{key}" + (f" (held-out MAPE {mape:.1%})" if mape is not None else ""), fontsize=9)
-        ax.set_xlabel("measured ms (median)")
-        ax.set_ylabel("predicted ms (held out)")
-    fig.suptitle(f"{profile.host.get('description')}: measured vs predicted", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:

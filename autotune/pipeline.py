@@ -1,0 +1,279 @@
+"""The tuning pipeline as library functions: measure a device, calibrate routing traces, search a plan, build its
+Core ML package. Each `autotune` command is a thin argparse front over one of them; they show progress on stderr
+(tqdm) and notes through the `npumoe` logger, never on stdout, and raise `NpumoeError` on bad input.
+
+Outputs are written whole (atomically; a search's plan and its sidecars as one set). Checking that an output can be
+written before the work starts is the caller's (the commands do it, naming their option).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import NpumoeError
+from runtime.fileio import atomic_write_json, output_set
+from runtime.models import load_model, model_spec, moe_layers, read_model_spec
+from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
+
+from .profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
+from .report import plot_pareto, plot_plan_map, search_report, sidecar
+from .robustness import assess
+from .search import solution_plan, timed_search
+from .space import LayerData, Scorer
+from .texts import DEFAULT_CALIB_TEXT
+from .traces import HELDOUT_EVERY, Traces, default_traces_path, load_traces, record_traces, require_heldout, \
+    save_traces
+from .workload import encode_text
+
+log = logging.getLogger("npumoe")
+
+# calibration defaults, shared by `calibrate` and the calibration `search` runs when traces are missing
+CHUNK_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 256, 1024, 32768
+
+
+# --- profile --------------------------------------------------------------------------------------------------------
+def profile_device(backends: list[str] | None = None, *, quick: bool = False, threads: int = 1,
+                   shapes: dict[str, tuple[int, int]] | None = None, clock: str = "auto",
+                   out: str | os.PathLike | None = None, progress: bool = True) -> Profile:
+    """Measure this host's backends, fit the cost model and save the profile to `out` (default: this host's cache,
+    `host_profile_path()`); returns it with `path` set."""
+    from .profiling.device import profile_device as measure
+    from .profiling.settings import settings_for
+
+    s = settings_for(quick)
+    if shapes:
+        s = dataclasses.replace(s, shapes=shapes)
+    profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
+    out = out or host_profile_path()
+    save_profile(profile, out)
+    profile.path = str(out)
+    return profile
+
+
+# --- calibrate ------------------------------------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    path: str  # the traces file written
+    traces: Traces
+    summary: dict  # what `calibrate --json` prints
+
+
+def calibrate(model: str, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
+              prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
+              dtype: str = "auto", progress: bool = True) -> Calibration:
+    """Record `model`'s routing on `text` (a file or a built-in text name) and save the traces to `out` (default
+    `traces/<model>.npz`)."""
+    if chunk > prompt_tokens:
+        raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
+                          "chunks of at most its length; give --chunk <= --prompt-tokens")
+    path = str(out or default_traces_path(model))
+    loaded, tokenizer = load_model(model, dtype)
+    ids = encode_text(tokenizer, text, max_tokens)
+    prompts = -(-len(ids) // prompt_tokens)
+    if prompts < HELDOUT_EVERY:
+        raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
+                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
+                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
+                          "smaller --prompt-tokens)")
+    traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
+    save_traces(traces, path)
+    return Calibration(path, traces, _calibration_summary(traces, path))
+
+
+def _calibration_summary(traces: Traces, path: str) -> dict:
+    layers = traces.header["model"]["moe_layers"]
+    shares = {str(l): (traces.counts(l, "calib").sum(0) / max(1, traces.counts(l, "calib").sum())).round(4).tolist()
+              for l in layers}
+    return {"traces": path, "tokens": traces.header["tokens"], "chunks": traces.n_chunks,
+            "heldout_chunks": int(traces.heldout_chunks.sum()),
+            "max_expert_share_x_uniform": {l: float(np.max(s) * len(s)) for l, s in shares.items()},
+            "layer0_shares": shares[str(layers[0])]}
+
+
+# --- search ---------------------------------------------------------------------------------------------------------
+@dataclass
+class SearchResult:
+    plan: Plan
+    report: dict  # what `search --json` prints (figures predicted by the cost model)
+    path: Path  # the plan file
+    sidecars: list[Path]  # report, plan map (and Pareto plot)
+    seconds: float
+
+
+def default_plan_path(model: str, profile: str | None) -> Path:
+    """plans/<model>@<profile>.json (`host` when no profile is named)."""
+    return Path("plans") / f"{Path(model).name.replace(':', '_')}@{profile or 'host'}.json"
+
+
+def search_sidecars(out: str | os.PathLike, objective: str) -> list[Path]:
+    """The files a search writes next to its plan."""
+    extras = [".report.json", ".map.png"] + ([".pareto.png"] if objective == "both" else [])
+    return [sidecar(out, e) for e in extras]
+
+
+def search_plan(model: str, *, profile: str | None = None, traces: str | os.PathLike | None = None,
+           drop_budget: float = 0.10, objective: str = "latency", trials: int = 120, storage: str | None = None,
+           resident_mb: float = 16384, saliency: str = "router_weight", seed: int = 0, robust: bool = False,
+           out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True) -> SearchResult:
+    """Tune a plan for `model` on a device profile (a file, a shipped name, or None: this host's, measured quickly
+    if missing) against routing traces (None: `traces/<model>.npz`, calibrated if missing); write the plan with
+    its report and plots to `out` (default `default_plan_path`). `robust`: keep the plan of least worst-case regret
+    under perturbed profiles instead of the nominal best (the report carries the robustness either way)."""
+    with _one_search_per_sqlite(storage):
+        spec = read_model_spec(model)
+        out = Path(out) if out else default_plan_path(model, profile)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ProfileHostWarning)
+            prof, profile_name = _profile(profile, progress)
+        for w in caught:
+            log.warning("warning: %s", w.message)
+        trs, traces_path = _traces(model, traces, spec, dtype, progress)
+        cost = prof.cost_model
+        backend = "ane" if "ane" in cost.backends else "cpu-static"
+        layers = LayerData.from_traces(trs)
+        scorer = Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / len(layers))
+        chunk_tokens = trs.header["chunk_tokens"]
+        outcome, seconds = timed_search(layers, scorer, objective=objective, drop_budget=drop_budget, trials=trials,
+                                        storage=_storage(storage),
+                                        study_prefix=_study_prefix(spec, cost, trs, resident_mb, objective),
+                                        seed=seed, chunk_tokens=chunk_tokens, progress=progress)
+        calib_chunks = int(layers[0].calib.shape[0])
+        heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
+        outcome.best, robustness = assess(outcome, layers, scorer, calib_chunks, pick=robust)
+        context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
+                   "objective": objective, "drop_budget": drop_budget, "chunk_tokens": chunk_tokens}
+        report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
+        report["robustness"] = robustness.to_json()
+        predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate")}
+        predicted["label"] = "predicted by the cost model of profile " + profile_name
+        plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, saliency, predicted,
+                             {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
+                              "drop_budget": drop_budget, "objective": objective, "robust": robust,
+                              "decisions": [c.to_json() for c in outcome.best.configs]})
+        sidecars = search_sidecars(out, objective)
+        with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
+            save_plan(plan, plan_tmp)
+            atomic_write_json(report_tmp, report)
+            plot_plan_map(plan, map_tmp)
+            for path in pareto_tmp:
+                plot_pareto(report, path)
+    return SearchResult(plan, report, out, sidecars, seconds)
+
+
+def _storage(url: str | None):
+    if url is None:
+        return None
+    import optuna
+
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+    return url
+
+
+def _profile(name: str | None, progress: bool) -> tuple[Profile, str]:
+    if name:
+        return load_profile(name), name
+    path = host_profile_path()
+    if not path.exists():
+        log.warning("no saved profile for this host; measuring a quick one into %s (autotune profile-device "
+                    "--quick)", path)
+        profile_device(quick=True, out=path, progress=progress)
+    return load_profile(path), "host"
+
+
+def _traces(model: str, given: str | os.PathLike | None, spec, dtype: str, progress: bool) -> tuple[Traces, str]:
+    path = Path(given) if given else default_traces_path(model)
+    if path.exists():
+        traces = load_traces(path)
+        if traces.spec["fingerprint"] == spec.fingerprint:
+            require_heldout(traces, str(path))
+            return traces, str(path)
+        if given:
+            raise NpumoeError(f"traces {path} are for another model (fingerprint {traces.spec['fingerprint']}, "
+                              f"model {spec.fingerprint})")
+    log.warning("no traces for %s; calibrating on %s into %s", model, DEFAULT_CALIB_TEXT, path)
+    traces = calibrate(model, DEFAULT_CALIB_TEXT, out=path, dtype=dtype, progress=progress).traces
+    require_heldout(traces, str(path))
+    return traces, str(path)
+
+
+def _study_prefix(spec, cost, traces: Traces, resident_mb: float, objective: str) -> str:
+    """Studies resume only for the same model, cost model, traces, backend limits and objective: trials scored
+    under another profile or other traces would mislead the sampler."""
+    key = json.dumps([cost.to_json(), traces.header, resident_mb], sort_keys=True, default=str)
+    return f"npumoe:{spec.fingerprint[7:19]}:{hashlib.sha256(key.encode()).hexdigest()[:12]}:{objective}"
+
+
+@contextmanager
+def _one_search_per_sqlite(url: str | None) -> Iterator[None]:
+    """SQLite storage serves one search at a time: two at once race on creating its tables and on the trials
+    they enqueue. A second search on it is refused (pointing to journal:, which is made for several processes)
+    by an exclusive lock on <file>.lock, held for the whole search."""
+    if not url or not url.startswith("sqlite:///"):
+        yield
+        return
+    with open(url[len("sqlite:///"):] + ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
+                              "time: run concurrent searches on --storage journal:FILE") from None
+        yield
+
+
+# --- build ----------------------------------------------------------------------------------------------------------
+def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None = None, layout: str = "matmul",
+          compress: str = "none", cache_dir: str | os.PathLike | None = None,
+          function_weight_bytes: float | None = None, package_weight_bytes: float | None = None,
+          dtype: str = "auto", progress: bool = True):
+    """Build the Core ML package(s) of the plan's ANE groups (default `out`: the plan's path with .mlpackage),
+    linted and checked numerically on the host; returns `runtime.coreml_build.BuildResult`."""
+    from runtime import ane_limits
+    from runtime.coreml_build import build_package, quiet_coremltools_import
+
+    out = out or Path(plan).with_suffix(".mlpackage")
+    quiet_coremltools_import()
+    loaded_plan = load_plan(plan)
+    loaded, _ = load_model(model, dtype)
+    check_plan_matches(loaded_plan, model_spec(loaded), str(plan))
+    layers = {layer.index: layer.experts for layer in moe_layers(loaded)}
+    with _private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
+        return build_package(layers, loaded_plan, out, layout, compress, cache_dir, _progress_factory(progress),
+                             function_weight_bytes=function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
+                             package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES)
+
+
+def _progress_factory(enabled: bool):
+    if not enabled:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return lambda stage, total: tqdm(total=total, desc=stage, unit="fn", file=sys.stderr, dynamic_ncols=True)
+
+
+@contextmanager
+def _private_tempdir() -> Iterator[None]:
+    """Point `tempfile` at a folder of our own for the block and remove it after, interrupted or not."""
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="npumoe-build-") as d:
+        tempfile.tempdir = d
+        try:
+            yield
+        finally:
+            tempfile.tempdir = previous

@@ -1,0 +1,41 @@
+"""The pipeline as library functions (what the commands call): calibrate, search a plan, build its package, from
+`import autotune`, on a seeded random model."""
+import json
+
+import pytest
+
+import autotune
+from autotune.templates import template_plan
+from runtime.models import model_spec
+from runtime.plan import load_plan, save_plan
+
+from helpers import random_model
+
+
+def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
+    traces = autotune.calibrate("random:qwen3_moe", text_file, chunk=32, prompt_tokens=64, max_tokens=1024,
+                                out=tmp_path / "t.npz", progress=False)
+    assert traces.path == str(tmp_path / "t.npz") and traces.summary["chunks"] == traces.traces.n_chunks > 0
+    result = autotune.search_plan("random:qwen3_moe", profile="apple-m2-ultra-published", traces=traces.path,
+                                  trials=4, out=tmp_path / "plan.json", progress=False)
+    assert "is for host 'apple-m2-ultra-published'" in caplog.text  # said through the npumoe logger, once
+    assert load_plan(result.path) == result.plan and result.plan.meta["traces"] == traces.path
+    assert json.loads(result.sidecars[0].read_text()) == result.report
+    assert result.report["predicted_latency_ms"] > 0 and result.report["profile"] == "apple-m2-ultra-published"
+
+
+def test_library_build(tmp_path):
+    model, _ = random_model("random:qwen3_moe")
+    plan = template_plan(model_spec(model), "tight", backend="ane", chunk_tokens=16)
+    save_plan(plan.model_copy(update={"layers": plan.layers[:1] + [
+        lp.model_copy(update={"groups": [g.model_copy(update={"backend": "cpu-static"}) for g in lp.groups]})
+        for lp in plan.layers[1:]]}), tmp_path / "plan.json")
+    built = autotune.build("random:qwen3_moe", tmp_path / "plan.json", out=tmp_path / "p.mlpackage",
+                           cache_dir=tmp_path / "cache", progress=False)
+    assert len(built.functions) == len(plan.layers[0].groups) and built.max_rel_error <= 1e-2
+    assert (tmp_path / "p.mlpackage").is_dir()
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        autotune.nope
