@@ -267,14 +267,14 @@ def test_second_search_on_one_sqlite_storage_is_refused(bad, tmp_path, monkeypat
 
 def test_search_outputs_are_one_set(bad, tmp_path, monkeypatch, capsys):
     """When the map cannot be drawn, neither the plan nor its report is left behind."""
-    from autotune.commands import search
+    from autotune import pipeline
     from runtime.errors import NpumoeError
 
     def fail(*args):
         raise NpumoeError("cannot draw the map")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(search, "plot_plan_map", fail)
+    monkeypatch.setattr(pipeline, "plot_plan_map", fail)
     code = run_cli([a.format(**bad) for a in S] + ["--traces", bad["traces"], "--out", "sub/plan.json"])
     assert code == 2 and "cannot draw the map" in capsys.readouterr().err
     assert listing(tmp_path) == set()  # no plan, no report, no temp file, not even the folder made for them

@@ -87,3 +87,10 @@ def test_cycle_finder_finds_a_cycle():
 @pytest.mark.parametrize("module", sorted(m for m in _graph() if m.startswith("runtime")))
 def test_runtime_never_imports_autotune(module):
     assert not {m for m in _graph()[module] if m.split(".")[0] == "autotune"}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _graph() if m.startswith("autotune.commands.")))
+def test_commands_do_not_import_each_other(module):
+    """A command is a thin parser over a library function; commands share only their option helpers."""
+    shared = {"autotune.commands", "autotune.commands.common", "autotune.commands.argtypes"}
+    assert {m for m in _graph()[module] if m.startswith("autotune.commands")} - shared == set()
