@@ -65,8 +65,9 @@ def format_report(r: dict) -> str:
     if r.get("robustness"):
         rob = r["robustness"]
         worst = max(rob["cases"], key=lambda c: c["regret"], default=None)
-        lines.append(f"robustness{' (--robust pick)' if rob['robust_pick'] else ''}: worst-case latency regret "
-                     f"{rob['max_regret']:.2%}" + (f" when {worst['case']}" if worst else "")
+        pick = " (--robust pick)" if rob["robust_pick"] else ""
+        when = f" when {worst['case']}" if worst else ""
+        lines.append(f"robustness{pick}: worst-case {rob['objective']} regret {rob['max_regret']:.2%}{when}"
                      + " (predicted, vs the best plan for each perturbed profile)")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")

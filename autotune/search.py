@@ -47,6 +47,7 @@ class SearchOutcome:
     exact_layers: int = 0
     pool: list[list[Evaluated]] = field(default_factory=list)  # every candidate evaluated, per layer (robustness)
     drop_budget: int = 0  # held-out drops allowed, in assignments
+    weights: tuple[float, float] = (1.0, 0.0)  # the (latency, energy) weights that chose `best`
 
 
 def _objectives(score, objective: str) -> tuple:
@@ -253,7 +254,7 @@ def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "lat
         gap = (weighted_cost(only.latency_ms, only.energy_mj, mid) / weighted_cost(yard.latency_ms, yard.energy_mj, mid)
                - 1.0 if only and yard else None)
     return SearchOutcome(best, base, _pareto_solutions(front) if objective == "both" else [], gap,
-                         trials * len(layers), len(exact), pool, budget)
+                         trials * len(layers), len(exact), pool, budget, mid)
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:

@@ -6,6 +6,7 @@ import pytest
 
 from autotune.profile import load_profile
 from autotune.report import format_report, search_report
+from autotune.robustness import Case, assess
 from autotune.search import run_search
 from autotune.space import LayerData, Scorer
 from autotune.traces import synthetic_traces
@@ -42,5 +43,11 @@ def test_energy_objectives_run_on_the_apple_profile(objective):
         assert report["energy_ratio_vs"]["cpu_only"] > 1.5  # the ANE's 1.58 W against the CPU's 61 W
     else:
         assert len(report["pareto_front"]) >= 2
+    # regret is measured in the objective that chose the plan: 0 when nothing is perturbed, never negative
+    _, same = assess(out, layers, scorer, chunks, cases=[Case("ane", "call_ms", 1.0)])
+    assert same.objective == ("energy" if objective == "energy" else "weighted latency + energy")
+    assert same.max_regret == pytest.approx(0.0, abs=1e-12)
+    _, rob = assess(out, layers, scorer, chunks)
+    assert len(rob.cases) == 8 and all(c["regret"] >= -1e-12 and c["plan_energy_mj"] > 0 for c in rob.cases)
     table = format_report(report)
     assert f"{report['predicted_energy_mj']:.3f}" in table and f"{cpu['predicted_energy_mj']:.3f}" in table
