@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.checkpoints import check_token_ids
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.models import load_model, model_spec, moe_layers, read_model_spec
@@ -81,6 +82,7 @@ def calibrate(model: str, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_
     path = str(out or default_traces_path(model))
     loaded, tokenizer = load_model(model, dtype)
     ids = encode_text(tokenizer, text, max_tokens)
+    check_token_ids(loaded, ids, model)
     prompts = -(-len(ids) // prompt_tokens)
     if prompts < HELDOUT_EVERY:
         raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "

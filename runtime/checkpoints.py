@@ -81,6 +81,15 @@ def check_tokenizer_files(path: Path) -> None:
                           "release beside config.json")
 
 
+def check_token_ids(model: object, ids: object, model_name: str) -> None:
+    """Token ids past the embedding table (tokenizer files of another model) would fail deep inside the model."""
+    rows = model.get_input_embeddings().num_embeddings
+    top = int(ids.max())
+    if top >= rows:
+        raise NpumoeError(f"--model {model_name}: the tokenizer gave token id {top}, past the model's {rows}-row "
+                          "embedding: its tokenizer files belong to another model")
+
+
 def check_loading_info(path: Path, info: dict) -> None:
     """Weights the config asks for but the checkpoint lacks would be left randomly initialised: refuse."""
     missing = sorted(info.get("missing_keys") or [])

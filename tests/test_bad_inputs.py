@@ -96,6 +96,7 @@ def _bad_checkpoints(d: Path) -> dict[str, str]:
         "ck_shapes": checkpoint("shapes", {"moe_intermediate_size": 2 * config["moe_intermediate_size"]}),
         "ck_layers": checkpoint("layers", {"num_hidden_layers": config["num_hidden_layers"] + 1}),
         "ck_notokenizer": checkpoint("notokenizer", tokenizer=False),
+        "ck_othertokenizer": checkpoint("othertokenizer"),  # tiny-moe's 4096 tokens on a 256-row embedding
     }
 
 
@@ -125,6 +126,9 @@ def bad(tmp_path_factory) -> dict[str, str]:
     save_plan(other, d / "other-model.json")
     paths["other_plan"] = str(d / "other-model.json")
     paths.update(_bad_checkpoints(d))
+    spec = model_spec(random_model("random:qwen3_moe")[0])  # the saved checkpoints hold the same weights
+    save_plan(template_plan(spec, "ample", "drop", "cpu-static", 64, "router_weight"), d / "ck-plan.json")
+    paths["ck_plan"] = str(d / "ck-plan.json")
     return paths
 
 
@@ -210,6 +214,10 @@ CASES = [
     ("checkpoint-config-shapes", ["calibrate", "--model", "{ck_shapes}"], "does not match"),
     ("checkpoint-config-layers", ["calibrate", "--model", "{ck_layers}"], "does not match"),
     ("checkpoint-no-tokenizer", ["calibrate", "--model", "{ck_notokenizer}"], "no tokenizer files"),
+    ("checkpoint-other-tokenizer", ["calibrate", "--model", "{ck_othertokenizer}", "--text", "{text}"],
+     "another model"),
+    ("run-other-tokenizer", ["run", "--model", "{ck_othertokenizer}", "--plan", "{ck_plan}", "--text", "{text}"],
+     "another model"),
     ("model-missing", ["calibrate", "--model", "{missing}"], "neither a built-in model"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),

@@ -79,7 +79,11 @@ def planned_model(args: argparse.Namespace) -> tuple:
 def planned_inputs(args: argparse.Namespace) -> tuple:
     """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
     --max-tokens/--package."""
+    from runtime.checkpoints import check_token_ids
+
     from ..workload import encode_text
 
     model, tokenizer, plan, backends = planned_model(args)
-    return model, plan, encode_text(tokenizer, args.text, args.max_tokens), backends
+    ids = encode_text(tokenizer, args.text, args.max_tokens)
+    check_token_ids(model, ids, args.model)
+    return model, plan, ids, backends
