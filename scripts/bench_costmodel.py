@@ -25,14 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.costmodel import fit_cost_model  # noqa: E402
-from autotune.profile import load_profile, save_profile  # noqa: E402
-from autotune.profiling.device import profile_device  # noqa: E402
-from autotune.profiling.callers import make_experts  # noqa: E402
-from runtime.backends import CpuStaticBackend  # noqa: E402
-from runtime.executor import LayerExecutor  # noqa: E402
-from runtime.plan import Group, LayerPlan, ModelSpec, Plan  # noqa: E402
-from runtime.stats import LayerStats  # noqa: E402
+from autotune.costmodel import fit_cost_model
+from autotune.profile import load_profile, save_profile
+from autotune.profiling.device import profile_device
+from autotune.profiling.callers import make_experts
+from runtime.backends import CpuStaticBackend
+from runtime.executor import LayerExecutor
+from runtime.plan import Group, LayerPlan, ModelSpec, Plan
+from runtime.stats import LayerStats
 
 H, F, E, K, T = 1024, 2048, 16, 2, 512
 
