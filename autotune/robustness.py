@@ -91,7 +91,10 @@ class CaseResult:
 
 def _plan_cost(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer,
                weights: tuple[float, float]) -> float:
-    return _cost(_solution(configs, layers, scorer), weights)
+    """From the scorer's cached scores (energy is in them where the objective weighs it)."""
+    scores = [scorer.score(d, c) for d, c in zip(layers, configs)]
+    energy = sum(s.energy_mj for s in scores) if weights[1] else None
+    return weighted_cost(sum(s.latency_ms for s in scores), energy, weights)
 
 
 def solve_cases(pool: list[list[Evaluated]], layers: list[LayerData], scorer: Scorer, budget: int,
