@@ -385,7 +385,8 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     h, f = functions[0].hidden, functions[0].ffn
     unique = {(fs.layer, e) for fs in functions for e in fs.experts}
     return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=compress,
-                       package_bytes=total, unique_weight_bytes=len(unique) * 3 * h * f * 2, cached=cached,
+                       package_bytes=total, unique_weight_bytes=len(unique) * ane_limits.expert_weight_bytes(h, f),
+                       cached=cached,
                        build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
                        manifest=str(manifest),
                        largest_function_weight_bytes=max(fs.usage(compress).weight_bytes for fs in functions),
