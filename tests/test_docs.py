@@ -24,3 +24,11 @@ def test_relative_links_in_readme_and_docs_resolve():
             if not target.startswith(("http://", "https://")) and not (doc.parent / target).exists():
                 broken.append(f"{doc.name} -> {target}")
     assert broken == []
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Run the tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [block] and "ruff check ." in block and "pytest" in block
