@@ -36,9 +36,18 @@ def prefill_prompts_logits(model: torch.nn.Module, input_ids: torch.Tensor, chun
                            prompt_tokens: int | None = None) -> torch.Tensor:
     """Logits `[T, vocab]` with the sequence cut into prompts of `prompt_tokens` (default: one prompt), each
     prefilled from an empty cache: a long text stays within the model's context."""
-    step = prompt_tokens or input_ids.numel()
-    return torch.cat([prefill_logits(model, input_ids[s:s + step], chunk_tokens)
-                      for s in range(0, input_ids.numel(), step)])
+    n = input_ids.numel()
+    step = prompt_tokens or n
+    if step >= n:
+        return prefill_logits(model, input_ids, chunk_tokens)
+    logits = None
+    for s in range(0, n, step):  # each prompt's logits go into one preallocated tensor: no concatenated copy
+        part = prefill_logits(model, input_ids[s:s + step], chunk_tokens)
+        if logits is None:
+            logits = torch.empty(n, part.shape[-1], dtype=part.dtype)
+        logits[s:s + part.shape[0]] = part
+        del part
+    return logits
 
 
 def max_rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -83,3 +83,4 @@ def test_cli_run_in_bf16(tmp_path, text_file, capsys):
                  "--dtype", "bfloat16", "--reference", "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["dropped"] == 0 and r["max_rel_diff_vs_reference"] <= BF16_TOLERANCE
+

@@ -1,0 +1,18 @@
+"""Chunked prefill: several prompts, each from an empty cache, into one logits tensor."""
+import torch
+
+from runtime.models import load_model
+from runtime.prefill import prefill_logits, prefill_prompts_logits
+
+
+def _ids(tok, n):
+    return torch.tensor(tok.encode("Mixture of experts prefill on a neural engine. " * 10)[:n])
+
+
+def test_prefill_of_several_prompts_is_each_prompt_from_an_empty_cache():
+    model, tok = load_model("random:olmoe")
+    ids = _ids(tok, 150)
+    got = prefill_prompts_logits(model, ids, 32, prompt_tokens=64)
+    want = torch.cat([prefill_logits(model, ids[s:s + 64], 32) for s in range(0, 150, 64)])
+    assert got.shape == (150, model.config.vocab_size) and torch.equal(got, want)
+    assert torch.equal(prefill_prompts_logits(model, ids, 32), prefill_logits(model, ids, 32))
