@@ -12,6 +12,9 @@ from runtime.plan import Plan
 from runtime.prefill import prefill_chunks
 
 
+ROWS = 64  # positions whose full-vocabulary logits are compared at once
+
+
 def evaluate_plan(model: torch.nn.Module, plan: Plan, ids: torch.Tensor, prompt_tokens: int,
                   backends: dict | None = None, progress: bool = True) -> dict:
     """Perplexity of both models, top-1 next-token agreement, logits' max relative difference, and the executor's
@@ -33,13 +36,16 @@ def evaluate_plan(model: torch.nn.Module, plan: Plan, ids: torch.Tensor, prompt_
             for s, ref_out in zip(range(0, prompt.numel(), plan.chunk_tokens), ref_chunks):
                 with executor:
                     got_out = next(plan_chunks)
-                ref, got = ref_out.logits[0].float(), got_out.logits[0].float()
-                target = prompt[s + 1:s + 1 + ref.shape[0]]
-                nll_ref += float(F.cross_entropy(ref[:target.numel()], target, reduction="sum"))
-                nll_plan += float(F.cross_entropy(got[:target.numel()], target, reduction="sum"))
-                agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-                diff, scale = max(diff, float((got - ref).abs().max())), max(scale, float(ref.abs().max()))
-                del ref_out, got_out, ref, got
+                n = ref_out.logits.shape[1]
+                for r in range(0, n, ROWS):  # fp32 temporaries for ROWS positions at a time, not the chunk's
+                    ref = ref_out.logits[0, r:r + ROWS].float()
+                    got = got_out.logits[0, r:r + ROWS].float()
+                    target = prompt[s + r + 1:s + min(n, r + ROWS) + 1]
+                    nll_ref += float(F.cross_entropy(ref[:target.numel()], target, reduction="sum"))
+                    nll_plan += float(F.cross_entropy(got[:target.numel()], target, reduction="sum"))
+                    agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+                    diff, scale = max(diff, float((got - ref).abs().max())), max(scale, float(ref.abs().max()))
+                del ref_out, got_out
         predicted += prompt.numel()
         worst = max(worst, diff / max(scale, 1e-30))
     n = predicted - len(starts)  # next-token targets

@@ -82,7 +82,7 @@ def autotune(*args: str) -> list[str]:
 
 def measure_overhead(model_dir: str, tokens: int, chunk: int, threads: int) -> dict:
     """Child mode: the decoder forward with and without routing capture on the same tokens, alternating, best of
-    three each (one process, one model, side by side)."""
+    five each (one process, one model, side by side: the machine's other load hits both alike)."""
     import torch
 
     from autotune.traces import record_traces
@@ -103,7 +103,7 @@ def measure_overhead(model_dir: str, tokens: int, chunk: int, threads: int) -> d
 
     best = {"forward": float("inf"), "record": float("inf")}
     forward()  # warm-up
-    for _ in range(3):
+    for _ in range(5):
         for name, fn in (("forward", forward), ("record", record)):
             t0 = time.perf_counter()
             fn()
