@@ -110,14 +110,16 @@ class LayerExecutor:
         """Every assignment exact, in one grouped call: what transformers computes, so it costs what it costs.
         Chunks the decode policy sent here are not `watched` by the drift monitor: the plan never ran them."""
         st = self.stats
-        loads = torch.bincount(idx.reshape(-1), minlength=self.base.numel())
         if watched:
+            loads = torch.bincount(idx.reshape(-1), minlength=self.base.numel())
             st.record_chunk(x.shape[0], loads, 0, self.spill)
-        else:
+            experts = int(torch.count_nonzero(loads))
+        else:  # a few tokens (a decode step): counting in Python is cheaper than two more torch ops
             st.tokens += x.shape[0]
             st.assignments += idx.numel()
+            experts = len(set(idx.reshape(-1).tolist()))
         st.tokens_per_backend["cpu-exact"] += idx.numel()
-        st.calls_per_backend["cpu-exact"] += int(torch.count_nonzero(loads))
+        st.calls_per_backend["cpu-exact"] += experts
         return grouped_mm_experts_forward(self.module, x, idx, weights)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
