@@ -82,7 +82,7 @@ def calibrate(model: str, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_
     path = str(out or default_traces_path(model))
     loaded, tokenizer = load_model(model, dtype)
     ids = encode_text(tokenizer, text, max_tokens)
-    check_token_ids(loaded, ids, model)
+    check_token_ids(loaded, ids)
     prompts = -(-len(ids) // prompt_tokens)
     if prompts < HELDOUT_EVERY:
         raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "

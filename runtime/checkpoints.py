@@ -81,13 +81,14 @@ def check_tokenizer_files(path: Path) -> None:
                           "release beside config.json")
 
 
-def check_token_ids(model: object, ids: object, model_name: str) -> None:
+def check_token_ids(model: object, ids: object) -> None:
     """Token ids past the embedding table (tokenizer files of another model) would fail deep inside the model."""
     rows = model.get_input_embeddings().num_embeddings
     top = int(ids.max())
     if top >= rows:
-        raise NpumoeError(f"--model {model_name}: the tokenizer gave token id {top}, past the model's {rows}-row "
-                          "embedding: its tokenizer files belong to another model")
+        name = getattr(model.config, "name_or_path", "") or "the model"
+        raise NpumoeError(f"{name}: the tokenizer gave token id {top}, past the model's {rows}-row embedding: its "
+                          "tokenizer files belong to another model")
 
 
 def check_loading_info(path: Path, info: dict) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checkpoints import check_token_ids
 from .errors import NpumoeError
 from .executor import PlanExecutor
 from .models import load_model
@@ -97,16 +98,16 @@ def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) 
         ids = list(prompt)
         if chat:
             raise NpumoeError("chat needs the prompt as text, not token ids")
-        if not ids:
-            raise NpumoeError("the prompt holds no tokens")
-        return torch.tensor(ids, dtype=torch.long)
-    text = chat_prompt(loaded.tokenizer, prompt) if chat else None
-    if chat and text is None:
-        log.warning("the tokenizer has no chat template; the prompt is used as it is")
-    ids = loaded.tokenizer.encode(prompt if text is None else text, add_special_tokens=False)
+    else:
+        text = chat_prompt(loaded.tokenizer, prompt) if chat else None
+        if chat and text is None:
+            log.warning("the tokenizer has no chat template; the prompt is used as it is")
+        ids = loaded.tokenizer.encode(prompt if text is None else text, add_special_tokens=False)
     if len(ids) == 0:
         raise NpumoeError("the prompt holds no tokens")
-    return torch.tensor(ids, dtype=torch.long)
+    tensor = torch.tensor(ids, dtype=torch.long)
+    check_token_ids(loaded.model, tensor)
+    return tensor
 
 
 def _eos_ids(loaded: Loaded) -> set[int]:

@@ -218,6 +218,8 @@ CASES = [
      "another model"),
     ("run-other-tokenizer", ["run", "--model", "{ck_othertokenizer}", "--plan", "{ck_plan}", "--text", "{text}"],
      "another model"),
+    ("generate-other-tokenizer", ["generate", "--model", "{ck_othertokenizer}", "--prompt", "To be, or not"],
+     "another model"),
     ("model-missing", ["calibrate", "--model", "{missing}"], "neither a built-in model"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),

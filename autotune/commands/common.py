@@ -85,5 +85,5 @@ def planned_inputs(args: argparse.Namespace) -> tuple:
 
     model, tokenizer, plan, backends = planned_model(args)
     ids = encode_text(tokenizer, args.text, args.max_tokens)
-    check_token_ids(model, ids, args.model)
+    check_token_ids(model, ids)
     return model, plan, ids, backends
