@@ -8,7 +8,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tests never depend on timing; one thread keeps them steady on shared 2-core hosts
 
-from helpers import random_model  # noqa: E402,F401  (re-exported for tests that import it from conftest)
+from autotune.cli import main  # noqa: E402
+from autotune.profile import Profile, save_profile  # noqa: E402
+
+from helpers import apple_like  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,3 +29,17 @@ def text_file(tmp_path):
     p = tmp_path / "text.txt"
     p.write_text("Static capacity tiers, grouped experts and load-aware residency. " * 40)
     return str(p)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A profile file and calibrated traces of a random model, shared by the CLI tests."""
+    d = tmp_path_factory.mktemp("search")
+    save_profile(Profile(host={"id": "test-device", "description": "hand-made ANE-like device"},
+                         cost_model=apple_like(), records=[], heldout={"method": "none", "mape": {}},
+                         measured_by="hand-made for tests"), d / "profile.json")
+    text = d / "text.txt"
+    text.write_text("Routing skews toward a few experts; the rest idle. " * 300)
+    assert main(["calibrate", "--model", "random:qwen3_moe", "--text", str(text), "--chunk", "64",
+                 "--prompt-tokens", "256", "--out", str(d / "traces.npz"), "--json"]) == 0
+    return d

@@ -91,3 +91,7 @@ def tiny_twin(path, like: str = "qwen3-30b-a3b", layers: int = 2, **overrides):
     shapes = {k: v for k, v in wanted.items() if k in twin.TWINS[like] or k in ("head_dim", *overrides)}
     twin.make_twin(like, layers, path, progress=False, **shapes)
     return path
+
+
+SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
+             hidden_size=1024, expert_ffn_size=512, fingerprint="small")

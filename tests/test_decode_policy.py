@@ -10,7 +10,7 @@ from runtime.models import model_spec, moe_layers
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, plan_from_json
 from runtime.stats import LayerStats
 
-from conftest import random_model
+from helpers import random_model
 
 
 def _layer(threshold: int | None):

@@ -14,7 +14,7 @@ from autotune.templates import template_plan
 from runtime.models import BUILTIN_MODELS, model_spec
 from runtime.plan import save_plan
 
-from conftest import random_model
+from helpers import random_model
 
 JSON_KEYS = {"prompt_tokens", "generated_tokens", "ttft_ms", "prefill_tok_s", "generation_tok_s", "peak_rss_mb",
              "dropped", "spilled", "decode_static_calls", "text"}

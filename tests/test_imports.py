@@ -94,3 +94,14 @@ def test_commands_do_not_import_each_other(module):
     """A command is a thin parser over a library function; commands share only their option helpers."""
     shared = {"autotune.commands", "autotune.commands.common", "autotune.commands.argtypes"}
     assert {m for m in _graph()[module] if m.startswith("autotune.commands")} - shared == set()
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py (and fixtures in conftest.py), never in another test file."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("test_") or n == "conftest"]
+    assert offenders == []

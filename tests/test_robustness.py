@@ -11,7 +11,7 @@ from autotune.search import _best_over_overflow, run_search
 from autotune.space import LayerData, Scorer
 from autotune.traces import synthetic_traces
 
-from test_search import SMALL, apple_like, workdir  # noqa: F401 (a fixture)
+from helpers import SMALL, apple_like
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_robust_pick_has_no_larger_worst_case_regret(searched):
 
 
 @pytest.mark.slow
-def test_search_json_reports_robustness(workdir, capsys):  # noqa: F811 (the fixture)
+def test_search_json_reports_robustness(workdir, capsys):
     assert main(["search", "--model", "random:qwen3_moe", "--profile", str(workdir / "profile.json"), "--traces",
                  str(workdir / "traces.npz"), "--trials", "20", "--robust", "--out", str(workdir / "r.json"),
                  "--json"]) == 0

@@ -11,18 +11,13 @@ import optuna
 import pytest
 
 from autotune.cli import main
-from autotune.profile import Profile, save_profile
 from autotune.search import combine, run_search
 from autotune.space import Evaluated, LayerConfig, LayerData, Score, Scorer
 from autotune.traces import synthetic_traces
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
 
-from helpers import apple_like
-
-
-SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
-             hidden_size=1024, expert_ffn_size=512, fingerprint="small")
+from helpers import SMALL, apple_like
 
 
 def test_run_search_leaves_its_scorer_as_given():
@@ -65,20 +60,6 @@ def test_energy_objective_refused_without_power():
     with pytest.raises(NpumoeError, match="power"):
         run_search(layers, Scorer(apple_like(power=False), 1024, 512, "ane", 1e12), objective="energy",
                    progress=False)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A profile file and calibrated traces of a random model, shared by the CLI tests."""
-    d = tmp_path_factory.mktemp("search")
-    save_profile(Profile(host={"id": "test-device", "description": "hand-made ANE-like device"},
-                         cost_model=apple_like(), records=[], heldout={"method": "none", "mape": {}},
-                         measured_by="hand-made for tests"), d / "profile.json")
-    text = d / "text.txt"
-    text.write_text("Routing skews toward a few experts; the rest idle. " * 300)
-    assert main(["calibrate", "--model", "random:qwen3_moe", "--text", str(text), "--chunk", "64",
-                 "--prompt-tokens", "256", "--out", str(d / "traces.npz"), "--json"]) == 0
-    return d
 
 
 def _search_args(d, *extra):
