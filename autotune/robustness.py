@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.plan import OVERFLOW_POLICIES
+
 from .costmodel import CostModel
 from .search import SearchOutcome, Solution, _best_over_overflow, _solution, weighted_cost
 from .space import Evaluated, LayerConfig, LayerData, Scorer
@@ -66,7 +68,7 @@ def _prune(evs: list[Evaluated], ratio: float, weights: tuple[float, float]) -> 
     """Feasible candidates not beaten by more than `ratio` in cost by one with no more drops, per overflow policy
     (a plan has one policy; all-CPU decisions count for both)."""
     keep: dict = {}
-    for ov in ("drop", "spill"):
+    for ov in OVERFLOW_POLICIES:
         group = [e for e in evs if e.score.violation == 0 and (e.config.overflow == ov or e.config.resident == 0)]
         group.sort(key=lambda e: (e.score.heldout_drops, _cost(e.score, weights)))
         best = np.inf
