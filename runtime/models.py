@@ -126,6 +126,108 @@ def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# Per-expert key layouts of published checkpoints for a fused experts parameter `<layer>.mlp.experts.<leaf>`: the
+# block the experts sit under and the per-expert parts stacked along dim 1, in order (as transformers fuses them).
+_EXPERT_LAYOUTS = {
+    "gate_up_proj": ((".mlp.", ("gate_proj", "up_proj")), (".block_sparse_moe.", ("w1", "w3"))),
+    "down_proj": ((".mlp.", ("down_proj",)), (".block_sparse_moe.", ("w2",))),
+}
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _tensor_sources(name: str, shape: torch.Size, keys: dict[str, Path]) -> list[str] | None:
+    """The checkpoint keys that make module parameter `name`, in the order they fill it; None if not all found."""
+    if name in keys:
+        return [name]
+    for old in _ROUTER_KEY_FORMS:
+        for new in _ROUTER_KEY_FORMS:
+            if old in name and name.replace(old, new) in keys:
+                return [name.replace(old, new)]
+    leaf = name.rsplit(".", 1)[-1]
+    if ".mlp.experts." in name and leaf in _EXPERT_LAYOUTS:
+        for block, parts in _EXPERT_LAYOUTS[leaf]:
+            base = name[:-len(".mlp.experts." + leaf)] + block + "experts"
+            found = [f"{base}.{e}.{part}.weight" for e in range(shape[0]) for part in parts]
+            if all(k in keys for k in found):
+                return found
+    return None
+
+
+def _fits(shape: torch.Size, stored: list[list[int]]) -> bool:
+    """Whether the stored tensors fill a parameter exactly: one of its shape, or per-expert blocks of rows."""
+    if len(stored) == 1:
+        return list(shape) == list(stored[0])
+    parts = len(stored) // shape[0]
+    return len(stored) == parts * shape[0] and all(
+        list(s) == [shape[1] // parts, *shape[2:]] for s in stored) and shape[1] % parts == 0
+
+
+def _read_tensor_into(f, start: int, entry: dict, dest: torch.Tensor) -> None:
+    """Read one stored tensor into `dest` with plain file reads (no mmap: mapped pages would count as resident
+    memory until the file is closed), straight into `dest` when the dtypes agree."""
+    src = _SAFETENSORS_DTYPES[entry["dtype"]]
+    a, b = entry["data_offsets"]
+    f.seek(start + a)
+    if src == dest.dtype and dest.is_contiguous():
+        f.readinto(dest.view(-1).view(torch.uint8).numpy())
+    else:
+        dest.copy_(torch.frombuffer(bytearray(f.read(b - a)), dtype=src).reshape(dest.shape))
+
+
+def _load_weights_by_reading(path: Path, dtype: torch.dtype):
+    """The model with every parameter read from the safetensors files into its place, in `dtype`: memory is the
+    model itself (transformers' loader holds a layer's experts a second time while it fuses them). None where a
+    parameter, or a stored tensor, does not map one to one: the caller then loads with transformers."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    from .checkpoints import safetensors_header
+
+    keys = _safetensors_files(path)
+    if not keys:
+        return None
+    headers = {file: safetensors_header(file) for file in set(keys.values())}
+    if any(t.get("dtype") not in _SAFETENSORS_DTYPES for h in headers.values() for k, t in h.items()
+           if k != "__metadata__"):
+        return None
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ()) if config.get_text_config().tie_word_embeddings \
+        else set()
+    sources = {n: (p, _tensor_sources(n, p.shape, keys)) for n, p in model.named_parameters()}
+    if any(src is None and n not in tied for n, (_, src) in sources.items()):
+        return None
+    if {k for _, src in sources.values() for k in src or ()} != set(keys):
+        return None  # stored tensors the model has no place for: transformers' loader reports them
+    if not all(_fits(p.shape, [headers[keys[k]][k]["shape"] for k in src]) for p, src in sources.values() if src):
+        return None  # shapes that disagree with config.json: transformers' loader reports them
+    starts = {}
+    for file in headers:
+        with open(file, "rb") as f:
+            starts[file] = 8 + int.from_bytes(f.read(8), "little")
+    handles = {file: open(file, "rb") for file in headers}  # noqa: SIM115 (closed below)
+    try:
+        with torch.no_grad():
+            for p, src in sources.values():
+                parts = len(src) // p.shape[0] if len(src or ()) > 1 else 0  # per-expert tensors per expert
+                for i, key in enumerate(src or ()):
+                    entry = headers[keys[key]][key]
+                    if parts:  # expert i // parts, part i % parts: a block of rows of the fused parameter
+                        e, j = divmod(i, parts)
+                        rows = entry["shape"][0]
+                        dest = p[e, j * rows:(j + 1) * rows]
+                    else:
+                        dest = p
+                    _read_tensor_into(handles[keys[key]], starts[keys[key]], entry, dest)
+    finally:
+        for f in handles.values():
+            f.close()
+    if tied:
+        model.tie_weights()
+    return model
+
+
 def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
@@ -142,9 +244,11 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        with quiet_transformers():
-            model, info = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
+        model, info = _load_weights_by_reading(path, dtype), {}
+        if model is None:
+            with quiet_transformers():
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise load_error(path, e) from None

@@ -84,3 +84,32 @@ def test_cli_run_in_bf16(tmp_path, text_file, capsys):
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["dropped"] == 0 and r["max_rel_diff_vs_reference"] <= BF16_TOLERANCE
 
+
+
+@pytest.mark.parametrize("like", ["qwen3-30b-a3b", "phi-3.5-moe"])
+def test_weights_read_in_place_equal_transformers_load(tmp_path, like, monkeypatch):
+    """load_model reads each stored tensor into its parameter (per-expert keys into the fused experts); the model
+    is exactly what transformers' own loader makes, in bf16 and converted to fp32."""
+    from helpers import tiny_twin
+
+    path = tiny_twin(tmp_path / "twin", like, layers=2)
+    for dtype in ("bfloat16", "float32"):
+        ours = load_model(str(path), dtype)[0]
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        assert ours.state_dict().keys() == ref.state_dict().keys()
+        assert all(torch.equal(v, ref.state_dict()[k]) for k, v in ours.state_dict().items())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("fell back to transformers' loader"))
+    load_model(str(path), "auto")
+
+
+def test_a_stored_tensor_without_a_place_goes_to_transformers_loader(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from runtime.models import _load_weights_by_reading
+
+    load_model("random:olmoe")[0].save_pretrained(tmp_path)
+    assert _load_weights_by_reading(tmp_path, torch.float32) is not None
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({**stored, "extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    assert _load_weights_by_reading(tmp_path, torch.float32) is None
