@@ -246,15 +246,23 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     linted and checked numerically on the host; returns `runtime.coreml_build.BuildResult`."""
     from runtime import ane_limits
     from runtime.coreml_build import build_package, quiet_coremltools_import
+    from runtime.expert_weights import CheckpointExperts, ModuleExperts
 
     out = out or Path(plan).with_suffix(".mlpackage")
     quiet_coremltools_import()
     loaded_plan = load_plan(plan)
-    loaded, _ = load_model(model, dtype)
-    check_plan_matches(loaded_plan, model_spec(loaded), str(plan))
-    layers = {layer.index: layer.experts for layer in moe_layers(loaded)}
+    # A safetensors checkpoint is never loaded whole: each function's experts are read when it is converted and
+    # checked (build memory is one function, not the model). Other models (random:) are loaded.
+    source = CheckpointExperts.open(model, dtype)
+    if source is None:
+        loaded, _ = load_model(model, dtype)
+        spec = model_spec(loaded)
+        source = ModuleExperts({layer.index: layer.experts for layer in moe_layers(loaded)})
+    else:
+        spec = read_model_spec(model)
+    check_plan_matches(loaded_plan, spec, str(plan))
     with _private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
-        return build_package(layers, loaded_plan, out, layout, compress, cache_dir, _progress_factory(progress),
+        return build_package(source, loaded_plan, out, layout, compress, cache_dir, _progress_factory(progress),
                              function_weight_bytes=function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
                              package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES)
 

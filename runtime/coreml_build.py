@@ -28,6 +28,7 @@ from . import ane_limits, build_cache
 from .ane import LAYOUTS, MANIFEST_SCHEMA, META_KEY, OUTPUT_NAME, arrays_digest, expert_weights_fp16, function_name
 from .backends import GroupSpec
 from .errors import NpumoeError
+from .expert_weights import ExpertWeights, ModuleExperts
 from .fileio import atomic_write_json, cache_root
 from .plan import Plan
 
@@ -298,13 +299,14 @@ def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: di
             p.chmod(0o644)
 
 
-def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str | os.PathLike,
+def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan: Plan, out: str | os.PathLike,
                   layout: str = "matmul", compress: str = "none", cache_dir: str | os.PathLike | None = None,
                   progress: Callable[[str, int], object] | None = None, seed: int = 0,
                   function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES,
                   package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES) -> BuildResult:
     """Build the plan's ANE groups into `out` (or, past `package_weight_bytes`, into several packages beside it)
-    and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module.
+    and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module, or
+    is an ExpertWeights source (runtime.expert_weights: a checkpoint read a function's experts at a time).
 
     A group past a Neural Engine limit (runtime.ane_limits, `function_weight_bytes` included) is refused before any
     conversion. Each package is linted and every function evaluated on the host against `cpu-static` before the
@@ -323,8 +325,9 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
     if not functions:
         raise NpumoeError("the plan puts no group on the ane backend: nothing to build")
     check_ane_limits(functions, compress, min(function_weight_bytes, package_weight_bytes))  # before conversion
+    source = _expert_source(model_layers)
     for layer in sorted({fs.layer for fs in functions}):
-        check_expert_form(model_layers[layer], layer)
+        check_expert_form(source.experts(layer, (0,))[0], layer)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -342,7 +345,7 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
             parts, meta_functions = [], {}
             for fs in group:
                 t = time.perf_counter()
-                hit, digest, cpath = _convert_cached(fs, model_layers[fs.layer], layout, compress, cache, keep)
+                hit, digest, cpath = _convert_cached(fs, source, layout, compress, cache, keep)
                 cached += hit
                 parts.append((fs, cpath))
                 meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
@@ -360,7 +363,7 @@ def build_package(model_layers: dict[int, torch.nn.Module], plan: Plan, out: str
                     shutil.rmtree(cpath, ignore_errors=True)
             seconds["merge"] += time.perf_counter() - t
             t = time.perf_counter()
-            checks += verify_package(staged, group, model_layers, layout, compress, None, seed)
+            checks += verify_package(staged, group, source, layout, compress, None, seed)
             seconds["verify"] += time.perf_counter() - t
             experts = {(fs.layer, e) for fs in group for e in fs.experts}
             packages.append(dict(path=path.name, functions=[fs.name for fs in group],
@@ -401,11 +404,18 @@ def _stale_parts(out: Path) -> list[Path]:
     return sorted(out.parent.glob(f"{out.stem}.part*{out.suffix}"))
 
 
-def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, compress: str, cache: Path,
+def _expert_source(model_layers: dict[int, torch.nn.Module] | ExpertWeights) -> ExpertWeights:
+    return ModuleExperts(model_layers) if isinstance(model_layers, dict) else model_layers
+
+
+def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, compress: str, cache: Path,
                     sealed: bool = True) -> tuple[bool, str, Path]:
     """(taken from the cache, weights digest, converted package) of one function; its experts are held in fp16
-    only while it converts. `sealed`: `cache` is the shared cache (checksummed entries), not a build's own folder."""
-    weights = {e: expert_weights_fp16(module, e) for e in fs.experts}
+    only while it converts (read from a checkpoint source, they are dropped in the model's dtype first).
+    `sealed`: `cache` is the shared cache (checksummed entries), not a build's own folder."""
+    module, index = source.experts(fs.layer, fs.experts)
+    weights = {e: expert_weights_fp16(module, i) for e, i in zip(fs.experts, index)}
+    del module
     digest = arrays_digest(weights[e] for e in fs.experts)
     path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
     if sealed and build_cache.usable(path):  # whole and matching its checksum; a corrupt entry is removed, said so
@@ -416,19 +426,21 @@ def _convert_cached(fs: FunctionSpec, module: torch.nn.Module, layout: str, comp
     return False, digest, path
 
 
-def verify_package(path: Path, functions: list[FunctionSpec], model_layers: dict[int, torch.nn.Module],
-                   layout: str, compress: str, progress: Callable[[str, int], object] | None = None,
-                   seed: int = 0) -> list:
-    """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval)."""
+def verify_package(path: Path, functions: list[FunctionSpec],
+                   model_layers: dict[int, torch.nn.Module] | ExpertWeights, layout: str, compress: str,
+                   progress: Callable[[str, int], object] | None = None, seed: int = 0) -> list:
+    """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval), with
+    only that function's experts at hand from `model_layers` (see build_package)."""
     from .mil_eval import TOLERANCE, check_function
     from .mil_lint import lint_package, load_package_program
 
     spec, prog = load_package_program(path)
     lint_package(path, prog=prog, spec=spec)
     bar = progress("checking functions on the host", len(functions)) if progress else None
-    checks = []
+    checks, source = [], _expert_source(model_layers)
     for fs in functions:
-        group = GroupSpec(fs.layer, fs.group, fs.experts, fs.capacities, model_layers[fs.layer])
+        module, index = source.experts(fs.layer, fs.experts)
+        group = GroupSpec(fs.layer, fs.group, index, fs.capacities, module)
         checks.append(check_function(prog.functions[fs.name], fs.name, group, layout, seed))
         if bar:
             bar.update(1)
