@@ -38,22 +38,6 @@ def _int(text: str) -> int:
         _fail(f"expected an integer, got {text!r}")
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (counts, token numbers, thread numbers)."""
-    n = _int(text)
-    if n < 1:
-        _fail(f"must be a positive integer, got {text!r}")
-    return n
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (seeds)."""
-    n = _int(text)
-    if n < 0:
-        _fail(f"must be a non-negative integer, got {text!r}")
-    return n
-
-
 def _float(text: str) -> float:
     try:
         x = float(text)
@@ -64,36 +48,29 @@ def _float(text: str) -> float:
     return x
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (budgets in MB)."""
-    x = _float(text)
-    if x <= 0:
-        _fail(f"must be a positive number, got {text!r}")
-    return x
+def _bounded(parse: Callable[[str], float], ok: Callable[[float], bool], requirement: str, name: str,
+             doc: str) -> Callable[[str], float]:
+    """A value type: `parse`, then refuse values outside `ok` with "must be <requirement>"."""
+    def check(text: str):
+        x = parse(text)
+        if not ok(x):
+            _fail(f"must be {requirement}, got {text!r}")
+        return x
+
+    check.__name__, check.__doc__ = name, doc
+    return check
 
 
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0 (a sampling temperature: 0 is greedy)."""
-    x = _float(text)
-    if x < 0:
-        _fail(f"must be a non-negative number, got {text!r}")
-    return x
-
-
-def fraction_below_one(text: str) -> float:
-    """A share in [0, 1) (a drop budget: 0 allowed, 1 would allow dropping everything)."""
-    x = _float(text)
-    if not 0.0 <= x < 1.0:
-        _fail(f"must be in [0, 1), got {text!r}")
-    return x
-
-
-def open_fraction(text: str) -> float:
-    """A share in (0, 1)."""
-    x = _float(text)
-    if not 0.0 < x < 1.0:
-        _fail(f"must be in (0, 1), got {text!r}")
-    return x
+positive_int = _bounded(_int, lambda n: n >= 1, "a positive integer", "positive_int",
+                        "An integer >= 1 (counts, token numbers, thread numbers).")
+non_negative_int = _bounded(_int, lambda n: n >= 0, "a non-negative integer", "non_negative_int",
+                            "An integer >= 0 (seeds).")
+positive_float = _bounded(_float, lambda x: x > 0, "a positive number", "positive_float",
+                          "A finite number > 0 (budgets in MB).")
+non_negative_float = _bounded(_float, lambda x: x >= 0, "a non-negative number", "non_negative_float",
+                              "A finite number >= 0 (a sampling temperature: 0 is greedy).")
+fraction_below_one = _bounded(_float, lambda x: 0.0 <= x < 1.0, "in [0, 1)", "fraction_below_one",
+                              "A share in [0, 1) (a drop budget: 0 allowed, 1 would allow dropping everything).")
 
 
 def input_file(text: str) -> str:
