@@ -187,39 +187,32 @@ def directory(text: str) -> str:
     return text
 
 
-def _check_sqlite(text: str, path: str) -> None:
+def _is_sqlite(f) -> bool:
+    return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+
+
+def _is_journal(f) -> bool:
+    try:
+        first = json.loads(f.readline())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(first, dict) and "op_code" in first
+
+
+def _check_store_file(text: str, path: str, example: str, looks_right: Callable, kind: str) -> None:
+    """A storage file: its folder exists; an existing non-empty file must be `kind` (an empty one is new to both
+    libraries); a new one must be creatable."""
     p = Path(path)
     if not path:
-        _fail(f"{text}: no file name; use sqlite:///path/to/file.db")
+        _fail(f"{text}: no file name; use {example}")
     if not p.parent.is_dir():
         _fail(f"{text}: no such directory: {p.parent}")
     if p.is_dir():
         _fail(f"{text}: {path} is a directory")
     if p.exists() and p.stat().st_size > 0:
         with open(p, "rb") as f:
-            if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
-                _fail(f"{text}: {path} is not an SQLite database")
-    else:
-        _check_writable_dir(p.parent, text)
-
-
-def _check_journal(text: str, path: str) -> None:
-    p = Path(path)
-    if not path:
-        _fail(f"{text}: no file name; use journal:path/to/file.log")
-    if not p.parent.is_dir():
-        _fail(f"{text}: no such directory: {p.parent}")
-    if p.is_dir():
-        _fail(f"{text}: {path} is a directory")
-    if p.exists() and p.stat().st_size > 0:
-        with open(p, "rb") as f:
-            first = f.readline()
-        try:
-            ok = isinstance(json.loads(first), dict) and "op_code" in json.loads(first)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            ok = False
-        if not ok:
-            _fail(f"{text}: {path} is not an Optuna journal file")
+            if not looks_right(f):
+                _fail(f"{text}: {path} is not {kind}")
     else:
         _check_writable_dir(p.parent, text)
 
@@ -247,9 +240,10 @@ def storage_url(text: str) -> str:
     `journal:FILE` (its folder exists; an existing file is an Optuna journal) or a database URL whose driver is
     installed."""
     if text.startswith("sqlite:///"):
-        _check_sqlite(text, text[len("sqlite:///"):])
+        _check_store_file(text, text[len("sqlite:///"):], "sqlite:///path/to/file.db", _is_sqlite, "an SQLite database")
     elif text.startswith("journal:"):
-        _check_journal(text, text[len("journal:"):])
+        _check_store_file(text, text[len("journal:"):], "journal:path/to/file.log", _is_journal,
+                          "an Optuna journal file")
     elif "://" in text:
         _check_database_driver(text)
     else:
