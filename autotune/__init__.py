@@ -15,14 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .pipeline import build, calibrate, profile_device, search_plan
+    from autotune.pipeline import build, calibrate, profile_device, search_plan
 
 __all__ = ["build", "calibrate", "profile_device", "search_plan"]
 
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import pipeline
+        from autotune import pipeline
 
         return getattr(pipeline, name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

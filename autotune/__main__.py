@@ -1,6 +1,6 @@
 """`python -m autotune`: the same command as the `autotune` console script."""
 import sys
 
-from .cli import main
+from autotune.cli import main
 
 sys.exit(main())

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
+from autotune.commands.argtypes import OneLineParser
 from runtime.errors import NpumoeError
-
-from .commands.argtypes import OneLineParser
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",

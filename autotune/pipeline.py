@@ -22,21 +22,27 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.checkpoints import check_token_ids
+from autotune.calibration.texts import DEFAULT_CALIB_TEXT
+from autotune.calibration.traces import (
+    HELDOUT_EVERY,
+    Traces,
+    default_traces_path,
+    load_traces,
+    record_traces,
+    require_heldout,
+    save_traces,
+)
+from autotune.calibration.workload import encode_text
+from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
+from autotune.searching.optimizer import solution_plan, timed_search
+from autotune.searching.report import plot_pareto, plot_plan_map, search_report, sidecar
+from autotune.searching.robustness import assess
+from autotune.searching.space import LayerData, Scorer
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
-from runtime.models import load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
 from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
-
-from .profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
-from .report import plot_pareto, plot_plan_map, search_report, sidecar
-from .robustness import assess
-from .search import solution_plan, timed_search
-from .space import LayerData, Scorer
-from .texts import DEFAULT_CALIB_TEXT
-from .traces import HELDOUT_EVERY, Traces, default_traces_path, load_traces, record_traces, require_heldout, \
-    save_traces
-from .workload import encode_text
 
 log = logging.getLogger("npumoe")
 
@@ -50,8 +56,8 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
                    out: str | os.PathLike | None = None, progress: bool = True) -> Profile:
     """Measure this host's backends, fit the cost model and save the profile to `out` (default: this host's cache,
     `host_profile_path()`); returns it with `path` set."""
-    from .profiling.device import profile_device as measure
-    from .profiling.settings import settings_for
+    from autotune.profiling.device import profile_device as measure
+    from autotune.profiling.settings import settings_for
 
     s = settings_for(quick)
     if shapes:
@@ -243,10 +249,10 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
           function_weight_bytes: float | None = None, package_weight_bytes: float | None = None,
           dtype: str = "auto", progress: bool = True):
     """Build the Core ML package(s) of the plan's ANE groups (default `out`: the plan's path with .mlpackage),
-    linted and checked numerically on the host; returns `runtime.coreml_build.BuildResult`."""
-    from runtime import ane_limits
-    from runtime.coreml_build import build_package, quiet_coremltools_import
-    from runtime.expert_weights import CheckpointExperts, ModuleExperts
+    linted and checked numerically on the host; returns `runtime.coreml.converter.BuildResult`."""
+    from runtime.coreml import ane_limits
+    from runtime.coreml.converter import build_package, quiet_coremltools_import
+    from runtime.loading.expert_weights import CheckpointExperts, ModuleExperts
 
     out = out or Path(plan).with_suffix(".mlpackage")
     quiet_coremltools_import()

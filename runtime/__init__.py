@@ -9,7 +9,7 @@ _API = ("load", "generate", "stream_generate", "Loaded")
 
 def __getattr__(name: str):
     if name in _API:
-        from . import generation
+        from runtime import generation
 
         return getattr(generation, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -82,7 +82,7 @@ def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int
 
 _STATIC_BACKENDS: dict[str, Callable[[], StaticBackend]] = {"cpu-static": CpuStaticBackend}
 # Built-in backends in their own modules register on first use, so a plain import stays light.
-_BUILTIN_MODULES = {"ane": ".ane"}
+_BUILTIN_MODULES = {"ane": "runtime.coreml.ane"}
 
 
 def register_static_backend(name: str, factory: Callable[[], StaticBackend]) -> None:
@@ -93,7 +93,7 @@ def registered_static_backends() -> dict[str, Callable[[], StaticBackend]]:
     """Every static backend a plan can name, by name, built-in ones included (their modules imported)."""
     for name, module in _BUILTIN_MODULES.items():
         if name not in _STATIC_BACKENDS:
-            importlib.import_module(module, __package__)
+            importlib.import_module(module)
     return dict(_STATIC_BACKENDS)
 
 
@@ -101,7 +101,7 @@ def resolve_static_backend(name: str, instances: dict[str, StaticBackend] | None
     """The backend to run `name` on: the given or registered one if available, else `cpu-static` (said once)."""
     backend = (instances or {}).get(name)
     if backend is None and name not in _STATIC_BACKENDS and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name], __package__)
+        importlib.import_module(_BUILTIN_MODULES[name])
     if backend is None and name in _STATIC_BACKENDS:
         backend = _STATIC_BACKENDS[name]()
     reason = f"backend {name!r} is not implemented here"

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from .plan import Plan
+from runtime.plan import Plan
 
 log = logging.getLogger("npumoe.drift")
 

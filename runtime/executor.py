@@ -16,11 +16,11 @@ from functools import partial
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from .backends import ExactFn, GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
-from .drift import DriftMonitor
-from .models import model_spec, moe_layers
-from .plan import LayerPlan, Plan, check_plan_matches
-from .stats import PHASES, LayerStats, RunStats
+from runtime.backends import ExactFn, GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from runtime.drift import DriftMonitor
+from runtime.loading.model_loader import model_spec, moe_layers
+from runtime.plan import LayerPlan, Plan, check_plan_matches
+from runtime.stats import PHASES, LayerStats, RunStats
 
 IMPLEMENTATION = "npumoe"
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import FileFormatError
+from runtime.errors import FileFormatError
 
 
 def cache_root() -> Path:

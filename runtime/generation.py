@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoints import check_token_ids
-from .errors import NpumoeError
-from .executor import PlanExecutor
-from .models import load_model
-from .plan import Plan, load_plan
-from .prefill import prefill_chunks
-from .stats import RunStats
+from runtime.errors import NpumoeError
+from runtime.executor import PlanExecutor
+from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.model_loader import load_model
+from runtime.plan import Plan, load_plan
+from runtime.prefill import prefill_chunks
+from runtime.stats import RunStats
 
 log = logging.getLogger("npumoe")
 
@@ -77,7 +77,7 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     p = plan if isinstance(plan, Plan) else load_plan(plan)
     backends = None
     if package:
-        from .ane import AneBackend
+        from runtime.coreml.ane import AneBackend
 
         backends = {"ane": AneBackend(package)}
     executor = PlanExecutor(m, p, backends, "" if isinstance(plan, Plan) else str(plan)).install()

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from .errors import FileFormatError
-from .fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
+from runtime.errors import FileFormatError
+from runtime.fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
 
 SCHEMA = "npumoe.plan/1"
 KIND, VERSION = "plan", 1
@@ -38,7 +38,7 @@ class _Strict(BaseModel):
 
 class ModelSpec(_Strict):
     """The MoE shape and fingerprint of a model: what a plan (and a traces header) records, checked against the
-    loaded model before running. `runtime.models.model_spec` computes it."""
+    loaded model before running. `runtime.loading.model_loader.model_spec` computes it."""
     architecture: StrictStr
     model_type: StrictStr
     num_layers: PositiveInt

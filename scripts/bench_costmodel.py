@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.costmodel import fit_cost_model
-from autotune.profile import load_profile, save_profile
-from autotune.profiling.device import profile_device
+from autotune.costing.costmodel import fit_cost_model
 from autotune.profiling.callers import make_experts
+from autotune.profiling.device import profile_device
+from autotune.profiling.profile import load_profile, save_profile
 from runtime.backends import CpuStaticBackend
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan

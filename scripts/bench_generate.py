@@ -23,7 +23,7 @@ import torch
 
 import runtime
 from runtime.generation import peak_rss_mb
-from runtime.models import model_spec
+from runtime.loading.model_loader import model_spec
 from runtime.plan import LayerPlan, Plan, load_plan
 
 DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
@@ -38,7 +38,7 @@ def all_exact_plan(model: torch.nn.Module, chunk_tokens: int) -> Plan:
 
 
 def prompt_ids(tokenizer: object, tokens: int) -> list[int]:
-    from autotune.workload import encode_text
+    from autotune.calibration.workload import encode_text
 
     ids = encode_text(tokenizer, "builtin:pydoc-heldout", tokens).tolist()
     if len(ids) < tokens:

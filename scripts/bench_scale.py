@@ -85,9 +85,9 @@ def measure_overhead(model_dir: str, tokens: int, chunk: int, threads: int) -> d
     five each (one process, one model, side by side: the machine's other load hits both alike)."""
     import torch
 
-    from autotune.traces import record_traces
-    from autotune.workload import encode_text
-    from runtime.models import load_model
+    from autotune.calibration.traces import record_traces
+    from autotune.calibration.workload import encode_text
+    from runtime.loading.model_loader import load_model
 
     torch.set_num_threads(threads)
     model, tok = load_model(model_dir, "auto")

@@ -4,7 +4,7 @@
    against the exact optimum of the same space and cost model: `gap_vs_exact` (relative; 0 = optimal).
 2. Qwen3-30B-A3B shape: 48 layers, 128 experts, top-8, hidden 2048, expert FFN 768, Zipf-skewed synthetic
    traces; the full search's wall time: `search_seconds_qwen3_30b` (goal <= 120 s on a 2-core machine).
-   Then its regret under perturbed profiles (autotune.robustness), and the energy ratios against the baselines
+   Then its regret under perturbed profiles (autotune.searching.robustness), and the energy ratios against the baselines
    where the profile has power (the paper reports 1.81-7.37x better energy efficiency, measured).
 Both on the published-figures M2 Ultra profile (predicted costs). Prints, last, one JSON line.
 """
@@ -15,11 +15,11 @@ import json
 import time
 from collections import Counter
 
-from autotune.profile import load_profile
-from autotune.robustness import assess
-from autotune.search import _best_over_overflow, exact_layer, optuna_layer, run_search
-from autotune.space import LayerData, Scorer
-from autotune.traces import synthetic_traces
+from autotune.calibration.traces import synthetic_traces
+from autotune.profiling.profile import load_profile
+from autotune.searching.optimizer import _best_over_overflow, exact_layer, optuna_layer, run_search
+from autotune.searching.robustness import assess
+from autotune.searching.space import LayerData, Scorer
 
 SMALL = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8,
              top_k=2, hidden_size=1024, expert_ffn_size=512, fingerprint="synthetic-small")

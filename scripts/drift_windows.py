@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autotune.texts import stdlib_code_files, stdlib_root
-from autotune.workload import encode_text
+from autotune.calibration.texts import stdlib_code_files, stdlib_root
+from autotune.calibration.workload import encode_text
 from runtime.drift import WINDOW_CHUNKS, DriftMonitor
 from runtime.executor import PlanExecutor
-from runtime.models import load_model
+from runtime.loading.model_loader import load_model
 from runtime.plan import load_plan
 from runtime.prefill import prefill_logits
 

@@ -54,7 +54,7 @@ import platform
 import sys
 from pathlib import Path
 
-from autotune.profile import host_facts
+from autotune.profiling.profile import host_facts
 
 work, report, plan, steps = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 

@@ -1,4 +1,4 @@
-"""Build autotune/profiles/apple-m2-ultra-published.json from figures others published (nothing here is measured
+"""Build profiles/apple-m2-ultra-published.json from figures others published (nothing here is measured
 by npumoe).
 
 Revision 2 (`settings.revision`): the fixed cost per ANE call is the Core ML `predict()` path's, the path the
@@ -17,15 +17,15 @@ another page (`seen: second-hand`).
   load, M2 Ultra Mac Studio (Ars Technica's review, as quoted). Apple's 295 W maximum is the whole system at the
   wall (CPU + GPU + everything): kept as a bound, not used as the CPU's power.
 
-Run: python scripts/make_published_profile.py [--out autotune/profiles/apple-m2-ultra-published.json]
+Run: python scripts/make_published_profile.py [--out profiles/apple-m2-ultra-published.json]
 """
 from __future__ import annotations
 
 import argparse
 import copy
 
-from autotune.costmodel import fit_backend, heldout_errors, predict_record, CostModel, HostCosts
-from autotune.profile import Profile, _now, save_profile
+from autotune.costing.costmodel import CostModel, HostCosts, fit_backend, heldout_errors, predict_record
+from autotune.profiling.profile import Profile, _now, save_profile
 
 REVISION = 2
 PAPER = ("NPUMoE: Benazir & Lin, 'Efficient Mixture-of-Experts LLM Inference with Apple Silicon NPUs', "
@@ -111,7 +111,7 @@ def records() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="autotune/profiles/apple-m2-ultra-published.json")
+    ap.add_argument("--out", default="profiles/apple-m2-ultra-published.json")
     args = ap.parse_args()
     recs = records()
     options = {"ane": dict(dtype_bytes=2, fixed={"call_ms": ANE_CALL_MS}, residual=False, power_w=ANE_POWER_W,

@@ -179,7 +179,7 @@ def write_tokenizer(out: Path, vocab: int = TOKENIZER_VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from autotune.texts import DEFAULT_CALIB_TEXT, read_text
+    from autotune.calibration.texts import DEFAULT_CALIB_TEXT, read_text
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -7,7 +7,7 @@ saved as bf16 safetensors (< 30 MB with its tokenizer and card).
 
 Training text (none of it is committed; all of it is public domain or under the PSF licence):
 - Python's own documentation: `pydoc_data.topics`, the `builtin:pydoc-calib` split only. The
-  `builtin:pydoc-heldout` topics are kept out (autotune/texts.py defines the split).
+  `builtin:pydoc-heldout` topics are kept out (autotune/calibration/texts.py defines the split).
 - Python standard-library sources of the running interpreter, minus the files `builtin:stdlib-code` selects.
 - The King James Bible: Debian's `bible-kjv-text` (compressed data) read with Debian's `bible-kjv` program,
   both fetched with `apt-get download` and unpacked with `dpkg -x` (never installed).
@@ -46,8 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from autotune import modelstats, texts  # noqa: E402
-from runtime.models import TINY_MOE_DIR  # noqa: E402
+from autotune.calibration import modelstats, texts  # noqa: E402
+from runtime.loading.model_loader import TINY_MOE_DIR  # noqa: E402
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 4096
@@ -350,7 +350,7 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         src_rows,
         "",
         "Kept out of training: `builtin:pydoc-heldout` (a quarter of the pydoc topics) and the "
-        "standard-library files of `builtin:stdlib-code` (see autotune/texts.py).",
+        "standard-library files of `builtin:stdlib-code` (see autotune/calibration/texts.py).",
         "",
         "## Measured (fp32, chunks of 512 tokens)",
         "",
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     available = [s for s in sources if s.documents]
 
     if args.eval_only:
-        from runtime.models import load_model
+        from runtime.loading.model_loader import load_model
         model, tokenizer = load_model(str(args.out)) if args.out != TINY_MOE_DIR else load_model("tiny-moe")
         prev = json.loads((args.out / "training.json").read_text())
         training = prev["training"]
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "training.json").write_text(json.dumps(
             {"training": training, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}},
             indent=1) + "\n")
-        from runtime.models import load_model
+        from runtime.loading.model_loader import load_model
         model, tokenizer = load_model(str(args.out))  # measure what ships: bf16 weights read back as fp32
 
     metrics = evaluate(model, tokenizer, args.eval_tokens)

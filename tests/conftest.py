@@ -8,10 +8,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tests never depend on timing; one thread keeps them steady on shared 2-core hosts
 
-from autotune.cli import main  # noqa: E402
-from autotune.profile import Profile, save_profile  # noqa: E402
-
 from helpers import apple_like  # noqa: E402
+
+from autotune.cli import main  # noqa: E402
+from autotune.profiling.profile import Profile, save_profile  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

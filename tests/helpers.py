@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autotune.costmodel import BackendModel, CostModel, record_features
-from runtime.models import load_model
+from autotune.costing.costmodel import BackendModel, CostModel, record_features
+from runtime.loading.model_loader import load_model
 
 _MODELS: dict = {}
 

@@ -6,15 +6,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from autotune.templates import template_plan
-from runtime.ane import AneBackend, from_layout, function_name, to_layout
-from runtime.backends import GroupSpec, resolve_static_backend
-from runtime.executor import PlanExecutor
-from runtime.models import model_spec, moe_layers
-from runtime.prefill import max_rel_diff, prefill_logits
-
 from helpers import random_model
+
+from autotune.searching.templates import template_plan
+from runtime.backends import GroupSpec, resolve_static_backend
+from runtime.coreml.ane import AneBackend, from_layout, function_name, to_layout
+from runtime.executor import PlanExecutor
+from runtime.loading.model_loader import model_spec, moe_layers
+from runtime.prefill import max_rel_diff, prefill_logits
 
 MODEL = "random:qwen3_moe"
 CHUNK = 16
@@ -78,7 +77,7 @@ def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
     its metadata (experts, capacities, weights) here on Linux; prediction itself stays macOS-only."""
     import json
 
-    from runtime.coreml_build import build_package, quiet_coremltools_import
+    from runtime.coreml.converter import build_package, quiet_coremltools_import
     from runtime.errors import NpumoeError
 
     quiet_coremltools_import()
@@ -116,7 +115,7 @@ def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from runtime.coreml_build import build_package
+    from runtime.coreml.converter import build_package
 
     model, _ = random_model(MODEL)
     plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK)
@@ -157,7 +156,7 @@ def test_macos_plan_runs_on_the_ane(built):
 def test_macos_ops_are_placed_on_the_neural_engine(built):
     import platform
 
-    from runtime.ane import _macos_version, ops_not_on_ane
+    from runtime.coreml.ane import _macos_version, ops_not_on_ane
 
     if _macos_version() < (14, 4):
         pytest.skip(f"MLComputePlan needs macOS 14.4+, this is {platform.mac_ver()[0]}")

@@ -5,15 +5,14 @@ import threading
 
 import pytest
 import torch
+from helpers import random_model
 
-from autotune.templates import template_plan
+from autotune.searching.templates import template_plan
 from runtime.backends import CpuStaticBackend, GroupSpec, expert_ffn, registered_static_backends
 from runtime.executor import PlanExecutor
-from runtime.models import model_spec, moe_layers
+from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import STATIC_BACKENDS
 from runtime.prefill import max_rel_diff, prefill_logits
-
-from helpers import random_model
 
 MODEL = "random:qwen3_moe"
 CAPS = (5, 3, 8)
@@ -28,8 +27,8 @@ def _group(model) -> GroupSpec:
 
 def _backend(name: str, model, tmp_path):
     if name == "ane":  # the registered factory has no package: build the group's package (macOS only)
-        from runtime.ane import AneBackend
-        from runtime.coreml_build import build_package
+        from runtime.coreml.ane import AneBackend
+        from runtime.coreml.converter import build_package
 
         plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16)
         out = tmp_path / "g.mlpackage"

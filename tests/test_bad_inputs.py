@@ -16,9 +16,9 @@ import pytest
 from helpers import random_model
 
 from autotune.cli import main
-from autotune.profile import ProfileHostWarning, host_id, load_profile, save_profile
-from autotune.templates import template_plan
-from runtime.models import TINY_MOE_DIR, model_spec
+from autotune.profiling.profile import ProfileHostWarning, host_id, load_profile, save_profile
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import TINY_MOE_DIR, model_spec
 from runtime.plan import save_plan
 
 M = ["--model", "random:qwen3_moe"]

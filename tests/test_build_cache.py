@@ -10,8 +10,8 @@ import time
 from helpers import one_ane_group, random_model
 
 from autotune.cli import main
-from autotune.templates import template_plan
-from runtime.models import model_spec
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import model_spec
 from runtime.plan import save_plan
 
 MODEL = "random:qwen3_moe"

@@ -4,7 +4,8 @@ import json
 import subprocess
 import sys
 
-from autotune import cli, texts
+from autotune import cli
+from autotune.calibration import texts
 
 
 def test_python_m_autotune_help_lists_every_command():

@@ -2,18 +2,23 @@
 import json
 
 import pytest
+from helpers import one_ane_group, random_model
 
 from autotune.cli import main
-from autotune.templates import template_plan
-from runtime.ane import function_name
-from runtime.coreml_build import (FunctionSpec, build_package, convert_function, merge_functions,
-                                  package_bytes, quiet_coremltools_import)
-from runtime.ane_limits import MAX_AXIS
+from autotune.searching.templates import template_plan
+from runtime.coreml.ane import function_name
+from runtime.coreml.ane_limits import MAX_AXIS
+from runtime.coreml.converter import (
+    FunctionSpec,
+    build_package,
+    convert_function,
+    merge_functions,
+    package_bytes,
+    quiet_coremltools_import,
+)
 from runtime.errors import NpumoeError
-from runtime.models import TINY_MOE_DIR, load_model, model_spec, moe_layers
+from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec, moe_layers
 from runtime.plan import Group, save_plan
-
-from helpers import one_ane_group, random_model
 
 quiet_coremltools_import()
 MODEL = "random:qwen3_moe"
@@ -72,7 +77,7 @@ def test_conv1x1_layout_and_cache(tmp_path):
 
 @pytest.mark.parametrize("compress", ["int8", "palettize4"])
 def test_compressed_build_is_smaller_and_within_its_tolerance(tmp_path, compress):
-    from runtime.mil_eval import TOLERANCE
+    from runtime.coreml.mil_eval import TOLERANCE
 
     model, _ = random_model(MODEL)
     plan = one_ane_group(template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8))
@@ -85,7 +90,7 @@ def test_compressed_build_is_smaller_and_within_its_tolerance(tmp_path, compress
 def test_functions_sharing_an_expert_store_it_once(tmp_path):
     model, _ = random_model(MODEL)
     module = moe_layers(model)[0].experts
-    from runtime.ane import expert_weights_fp16
+    from runtime.coreml.ane import expert_weights_fp16
 
     weights = {e: expert_weights_fp16(module, e) for e in range(3)}
     a = FunctionSpec(0, 0, (0, 1), (4, 8), 64, 48)
@@ -155,7 +160,7 @@ def test_tiny_moe_all_ane_build(tmp_path):
 
 def test_a_large_build_leaves_no_second_copy_in_the_cache(tmp_path, monkeypatch):
     """Past CACHE_KEEP_BYTES the converted functions live in the build's work folder and go once merged."""
-    import runtime.coreml_build as cb
+    import runtime.coreml.converter as cb
 
     monkeypatch.setattr(cb, "CACHE_KEEP_BYTES", 1)
     model, _ = random_model(MODEL)

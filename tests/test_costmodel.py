@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from autotune.costmodel import BackendModel, CostModel, HostCosts, fit_backend, fit_cost_model, heldout_errors
-from runtime.plan import Group, LayerPlan
-
 from helpers import SHAPES, TRUE, synthetic_records
+
+from autotune.costing.costmodel import BackendModel, CostModel, HostCosts, fit_backend, fit_cost_model, heldout_errors
+from runtime.plan import Group, LayerPlan
 
 
 def test_fit_recovers_known_analytic_cost_within_5_percent():

@@ -2,15 +2,14 @@
 import numpy as np
 import pytest
 import torch
+from helpers import random_model
 
-from autotune.templates import template_plan
+from autotune.searching.templates import template_plan
 from runtime.errors import FileFormatError
 from runtime.executor import LayerExecutor, PlanExecutor
-from runtime.models import model_spec, moe_layers
+from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, plan_from_json
 from runtime.stats import LayerStats
-
-from helpers import random_model
 
 
 def _layer(threshold: int | None):
@@ -87,7 +86,7 @@ def test_pinned_phase_wins_over_the_forward_classifier():
 
 
 def test_static_break_even_is_clamped_and_found():
-    from autotune.profile import load_profile
+    from autotune.profiling.profile import load_profile
 
     model, _ = random_model("random:qwen3_moe")
     spec = model_spec(model)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from autotune import doctor
 from autotune.cli import main
+from autotune.profiling import host_checks as doctor
 
 MACOS_CHECKS = {"chip", "macos_version", "ane", "placement", "ane_parity", "predict_overhead", "matmul_throughput",
                 "energy"}

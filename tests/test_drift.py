@@ -7,17 +7,16 @@ from functools import partial
 
 import numpy as np
 import pytest
-
-from autotune.cli import main
-from autotune import pipeline
-from autotune.search import timed_search
-from autotune.templates import template_plan
-from autotune.traces import HELDOUT_EVERY, load_traces
-from runtime.drift import RATE_FACTOR, TV_THRESHOLD, DriftMonitor
-from runtime.models import TINY_MOE_DIR, model_spec
-from runtime.plan import load_plan, plan_from_json
-
 from helpers import random_model
+
+from autotune import pipeline
+from autotune.calibration.traces import HELDOUT_EVERY, load_traces
+from autotune.cli import main
+from autotune.searching.optimizer import timed_search
+from autotune.searching.templates import template_plan
+from runtime.drift import RATE_FACTOR, TV_THRESHOLD, DriftMonitor
+from runtime.loading.model_loader import TINY_MOE_DIR, model_spec
+from runtime.plan import load_plan, plan_from_json
 
 N_EXPERTS, WINDOW, CHUNK_ASSIGNMENTS, EXPECTED = 8, 4, 800, 0.04
 

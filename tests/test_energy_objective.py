@@ -4,12 +4,12 @@ import warnings
 
 import pytest
 
-from autotune.profile import load_profile
-from autotune.report import format_report, search_report
-from autotune.robustness import Case, assess
-from autotune.search import run_search
-from autotune.space import LayerData, Scorer
-from autotune.traces import synthetic_traces
+from autotune.calibration.traces import synthetic_traces
+from autotune.profiling.profile import load_profile
+from autotune.searching.optimizer import run_search
+from autotune.searching.report import format_report, search_report
+from autotune.searching.robustness import Case, assess
+from autotune.searching.space import LayerData, Scorer
 
 SPEC = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
             hidden_size=2048, expert_ffn_size=768, fingerprint="energy")

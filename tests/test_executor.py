@@ -1,15 +1,14 @@
 """The executor against the transformers reference, drop/spill accounting, and saliency order."""
 import pytest
 import torch
+from helpers import random_model
 
-from autotune.templates import template_plan
+from autotune.searching.templates import template_plan
 from runtime.executor import LayerExecutor, PlanExecutor
-from runtime.models import RANDOM_MODELS, model_spec, moe_layers
+from runtime.loading.model_loader import RANDOM_MODELS, model_spec, moe_layers
 from runtime.plan import Group, LayerPlan
 from runtime.prefill import max_rel_diff, prefill_logits
 from runtime.stats import LayerStats
-
-from helpers import random_model
 
 CHUNK = 64
 

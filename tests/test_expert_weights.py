@@ -6,17 +6,16 @@ import coremltools as ct
 import pytest
 import torch
 import transformers
-
-import runtime.models
-from autotune.cli import main
-from autotune.templates import template_plan
-from runtime.ane import META_KEY
-from runtime.coreml_build import build_package, quiet_coremltools_import
-from runtime.expert_weights import CheckpointExperts, ModuleExperts
-from runtime.models import load_model, model_spec, moe_layers
-from runtime.plan import save_plan
-
 from helpers import tiny_twin
+
+import runtime.loading.model_loader
+from autotune.cli import main
+from autotune.searching.templates import template_plan
+from runtime.coreml.ane import META_KEY
+from runtime.coreml.converter import build_package, quiet_coremltools_import
+from runtime.loading.expert_weights import CheckpointExperts, ModuleExperts
+from runtime.loading.model_loader import load_model, model_spec, moe_layers
+from runtime.plan import save_plan
 
 quiet_coremltools_import()
 
@@ -50,7 +49,7 @@ def test_checkpoint_experts_build_equals_loaded_model_build(tmp_path, layout, mo
     def refuse(*a, **k):
         pytest.fail("the checkpoint reader loaded the whole model")
 
-    monkeypatch.setattr(runtime.models, "_load_weights_by_reading", refuse)
+    monkeypatch.setattr(runtime.loading.model_loader, "_load_weights_by_reading", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     source = CheckpointExperts.open(str(path), "bfloat16")
     assert source is not None

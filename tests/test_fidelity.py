@@ -4,14 +4,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from autotune.fidelity import evaluate_plan
-from autotune.templates import template_plan
-from runtime.executor import PlanExecutor
-from runtime.models import model_spec
-from runtime.prefill import max_rel_diff, prefill_logits
-
 from helpers import random_model
+
+from autotune.evaluation.fidelity import evaluate_plan
+from autotune.searching.templates import template_plan
+from runtime.executor import PlanExecutor
+from runtime.loading.model_loader import model_spec
+from runtime.prefill import max_rel_diff, prefill_logits
 
 
 def test_chunked_figures_equal_the_whole_prompt_ones():

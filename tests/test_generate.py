@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import random_model
 
 import runtime
 from autotune.cli import main
-from autotune.templates import template_plan
-from runtime.models import BUILTIN_MODELS, model_spec
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import BUILTIN_MODELS, model_spec
 from runtime.plan import save_plan
-
-from helpers import random_model
 
 JSON_KEYS = {"prompt_tokens", "generated_tokens", "ttft_ms", "prefill_tok_s", "generation_tok_s", "peak_rss_mb",
              "dropped", "spilled", "decode_static_calls", "text"}

@@ -6,9 +6,9 @@ import socket
 import pytest
 
 from autotune.cli import main
-from autotune.harness import paired
-from autotune.nextsent import CHOICES, items
-from runtime.models import TINY_MOE_DIR
+from autotune.evaluation.harness import paired
+from autotune.evaluation.nextsent import CHOICES, items
+from runtime.loading.model_loader import TINY_MOE_DIR
 
 needs_tiny = pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(), reason="tiny-moe asset missing")
 

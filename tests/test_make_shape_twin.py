@@ -2,10 +2,9 @@
 import pytest
 import torch
 import transformers
-
-from runtime.models import load_model, model_spec, moe_layers, read_model_spec
-
 from helpers import shape_twin_script, tiny_twin
+
+from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
 
 
 @pytest.mark.parametrize("like", ["qwen3-30b-a3b", "phi-3.5-moe", "mixtral-8x7b", "olmoe-1b-7b"])

@@ -1,15 +1,14 @@
 """Host evaluation of MIL programs against numpy."""
 import numpy as np
-
-from runtime.coreml_build import quiet_coremltools_import
-
 from helpers import mil_program
+
+from runtime.coreml.converter import quiet_coremltools_import
 
 quiet_coremltools_import()
 
 
 def test_host_evaluation_of_hand_written_ops_matches_numpy():
-    from runtime.mil_eval import evaluate_function
+    from runtime.coreml.mil_eval import evaluate_function
 
     w = (np.random.default_rng(1).standard_normal((4, 16, 1, 1)) * 0.2).astype(np.float16)
     prog = mil_program(lambda mb, x: mb.conv(x=mb.silu(x=x), weight=w), shape=(1, 16, 1, 8))

@@ -1,15 +1,14 @@
 """The MIL lint: disallowed ops named with their function, non-static shapes refused, the allow-list accepted."""
 import pytest
-
-from runtime.coreml_build import quiet_coremltools_import
-
 from helpers import mil_program
+
+from runtime.coreml.converter import quiet_coremltools_import
 
 quiet_coremltools_import()
 
 
 def test_lint_names_a_disallowed_op_and_its_function():
-    from runtime.mil_lint import LintError, lint_program
+    from runtime.coreml.mil_lint import LintError, lint_program
 
     prog = mil_program(lambda mb, x: mb.topk(x=x, k=2, axis=-1)[0])
     issues = lint_program(prog)
@@ -21,7 +20,7 @@ def test_lint_names_a_disallowed_op_and_its_function():
 def test_lint_rejects_non_static_shapes():
     from coremltools.converters.mil.mil import get_new_symbol
 
-    from runtime.mil_lint import lint_program
+    from runtime.coreml.mil_lint import lint_program
 
     prog = mil_program(lambda mb, x: mb.silu(x=x), shape=(get_new_symbol(), 16))
     messages = [str(i) for i in lint_program(prog)]
@@ -30,7 +29,7 @@ def test_lint_rejects_non_static_shapes():
 
 
 def test_lint_accepts_the_allowed_ops():
-    from runtime.mil_lint import lint_program
+    from runtime.coreml.mil_lint import lint_program
 
     def body(mb, x):
         y = mb.add(x=mb.mul(x=mb.sigmoid(x=x), y=x), y=x)

@@ -7,9 +7,16 @@ import torch
 import transformers
 
 from autotune.cli import main
-from autotune.templates import template_plan
+from autotune.searching.templates import template_plan
 from runtime.executor import PlanExecutor
-from runtime.models import (RANDOM_MODELS, TINY_MOE_DIR, checkpoint_dtype, load_model, model_spec, read_model_spec)
+from runtime.loading.model_loader import (
+    RANDOM_MODELS,
+    TINY_MOE_DIR,
+    checkpoint_dtype,
+    load_model,
+    model_spec,
+    read_model_spec,
+)
 from runtime.plan import check_plan_matches
 from runtime.prefill import max_rel_diff, prefill_logits
 
@@ -106,7 +113,7 @@ def test_weights_read_in_place_equal_transformers_load(tmp_path, like, monkeypat
 def test_a_stored_tensor_without_a_place_goes_to_transformers_loader(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from runtime.models import _load_weights_by_reading
+    from runtime.loading.model_loader import _load_weights_by_reading
 
     load_model("random:olmoe")[0].save_pretrained(tmp_path)
     assert _load_weights_by_reading(tmp_path, torch.float32) is not None

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from autotune import modelstats
+from autotune.calibration import modelstats
 
 
 def test_modelstats_on_a_known_routing():

@@ -3,13 +3,12 @@
 import json
 
 import pytest
+from helpers import random_model
 
 import autotune
-from autotune.templates import template_plan
-from runtime.models import model_spec
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import model_spec
 from runtime.plan import load_plan, save_plan
-
-from helpers import random_model
 
 
 def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):

@@ -3,17 +3,16 @@ import copy
 import json
 
 import pytest
+from helpers import random_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autotune.cli import main
-from autotune.templates import template_plan
+from autotune.searching.templates import template_plan
 from runtime.errors import FileFormatError
 from runtime.executor import PlanExecutor
-from runtime.models import model_spec
+from runtime.loading.model_loader import model_spec
 from runtime.plan import Plan, load_plan, plan_from_json, save_plan
-
-from helpers import random_model
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Chunked prefill: several prompts, each from an empty cache, into one logits tensor."""
 import torch
 
-from runtime.models import load_model
+from runtime.loading.model_loader import load_model
 from runtime.prefill import prefill_logits, prefill_prompts_logits
 
 

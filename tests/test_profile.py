@@ -6,19 +6,25 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import synthetic_records
 
-from autotune.costmodel import CostModel
-from autotune.profile import (ProfileHostWarning, build_profile, host_id, host_profile_path, load_profile,
-                              save_profile, shipped_profiles)
+from autotune.costing.costmodel import CostModel
+from autotune.profiling.profile import (
+    ProfileHostWarning,
+    build_profile,
+    host_id,
+    host_profile_path,
+    load_profile,
+    save_profile,
+    shipped_profiles,
+)
 from runtime.errors import FileFormatError
 from runtime.plan import Group, LayerPlan
-
-from helpers import synthetic_records
 
 
 @pytest.fixture
 def profile_path(tmp_path):
-    from autotune.profile import host_facts
+    from autotune.profiling.profile import host_facts
 
     recs = synthetic_records("cpu-exact") + synthetic_records("cpu-static", seed=1)
     prof = build_profile(recs, host_facts(1), "autotune profile-device --quick", {"threads": 1}, {"method": "none"})
@@ -115,7 +121,7 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
     # the paper's rows are reproduced by the fit within its reported held-out error
     for r in prof.records:
         if not r.get("excluded"):
-            pred = cm.models[r["backend"]].analytic(*__import__("autotune.costmodel", fromlist=["x"])
+            pred = cm.models[r["backend"]].analytic(*__import__("autotune.costing.costmodel", fromlist=["x"])
                                                     .record_features(r, cm.models[r["backend"]].dtype_bytes))
             assert abs(pred / r["median_ms"] - 1) < 0.1
     assert cm.group_call_ms("ane", [64] * 8, 2048, 768) > cm.call_ms("ane")

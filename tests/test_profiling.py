@@ -7,9 +7,9 @@ import json
 import pytest
 
 from autotune.cli import main
-from autotune.profile import save_profile
 from autotune.profiling.device import profile_device
 from autotune.profiling.energy import RaplMeter
+from autotune.profiling.profile import save_profile
 from autotune.profiling.settings import Settings
 from autotune.profiling.timing import time_call
 

@@ -2,13 +2,19 @@
 from pathlib import Path
 
 import pytest
-
-from autotune.report import format_report, plot_pareto, plot_plan_map, search_report, sidecar, solution_summary
-from autotune.search import SearchOutcome, Solution
-from autotune.space import LayerConfig
-from runtime.plan import Group, LayerPlan, Plan
-
 from helpers import random_model
+
+from autotune.searching.optimizer import SearchOutcome, Solution
+from autotune.searching.report import (
+    format_report,
+    plot_pareto,
+    plot_plan_map,
+    search_report,
+    sidecar,
+    solution_summary,
+)
+from autotune.searching.space import LayerConfig
+from runtime.plan import Group, LayerPlan, Plan
 
 
 def _outcome() -> SearchOutcome:
@@ -48,8 +54,8 @@ def test_format_report_labels_baselines_and_says_predicted():
 
 def test_plots_are_written(tmp_path):
     model, _ = random_model("random:qwen3_moe")
-    from autotune.templates import template_plan
-    from runtime.models import model_spec
+    from autotune.searching.templates import template_plan
+    from runtime.loading.model_loader import model_spec
 
     plan: Plan = template_plan(model_spec(model), "tight")
     lp = plan.layers[0]

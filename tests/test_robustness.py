@@ -4,14 +4,13 @@ import dataclasses
 import json
 
 import pytest
-
-from autotune.cli import main
-from autotune.robustness import Case, assess, default_cases, solve_cases
-from autotune.search import _best_over_overflow, run_search
-from autotune.space import LayerData, Scorer
-from autotune.traces import synthetic_traces
-
 from helpers import SMALL, apple_like
+
+from autotune.calibration.traces import synthetic_traces
+from autotune.cli import main
+from autotune.searching.optimizer import _best_over_overflow, run_search
+from autotune.searching.robustness import Case, assess, default_cases, solve_cases
+from autotune.searching.space import LayerData, Scorer
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,14 @@ import time
 import numpy as np
 import optuna
 import pytest
+from helpers import SMALL, apple_like
 
+from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
-from autotune.search import combine, run_search
-from autotune.space import Evaluated, LayerConfig, LayerData, Score, Scorer
-from autotune.traces import synthetic_traces
+from autotune.searching.optimizer import combine, run_search
+from autotune.searching.space import Evaluated, LayerConfig, LayerData, Score, Scorer
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
-
-from helpers import SMALL, apple_like
 
 
 def test_run_search_leaves_its_scorer_as_given():

@@ -5,14 +5,28 @@ import itertools
 import numpy as np
 import optuna
 import pytest
-
-from autotune.space import (MAX_TIERS, LayerConfig, LayerData, Scorer, config_from_params, distributions,
-                            enumerate_configs, heuristic_config, layer_plan, neighbours, params_of, space_size,
-                            suggest, tiers, values, violation)
-from runtime.ane_limits import MAX_AXIS
-from runtime.plan import Group, LayerPlan
-
 from helpers import apple_like
+
+from autotune.searching.space import (
+    MAX_TIERS,
+    LayerConfig,
+    LayerData,
+    Scorer,
+    config_from_params,
+    distributions,
+    enumerate_configs,
+    heuristic_config,
+    layer_plan,
+    neighbours,
+    params_of,
+    space_size,
+    suggest,
+    tiers,
+    values,
+    violation,
+)
+from runtime.coreml.ane_limits import MAX_AXIS
+from runtime.plan import Group, LayerPlan
 
 # 3 calibration chunks x 4 experts: popularity 0 (12) > 2 (6) > 3 (3) > 1 (1)
 CALIB = np.array([[4, 0, 2, 1], [6, 1, 0, 1], [2, 0, 4, 1]])
@@ -58,7 +72,7 @@ def test_violation_measures_how_far_past_the_ane_axis_and_the_resident_budget():
 
 
 def test_a_group_past_the_function_weight_limit_is_a_hard_violation():
-    """The search scores a group against the builder's limits (runtime.ane_limits): weight bytes per function too."""
+    """The search scores a group against the builder's limits (ane_limits): weight bytes per function too."""
     group = LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(8)), capacities=[8] * 8)],
                       cpu_exact=[])
     weight = 8 * 3 * 64 * 48 * 2

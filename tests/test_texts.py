@@ -1,7 +1,7 @@
 """The built-in texts: the fixed pydoc split, deterministic sizes, disjoint calibration/held-out/code texts."""
 import pytest
 
-from autotune import texts
+from autotune.calibration import texts
 from runtime.errors import NpumoeError
 
 
@@ -52,8 +52,8 @@ def test_read_text_errors_and_files(tmp_path):
 
 def test_large_text_is_read_only_as_far_as_needed(tmp_path, monkeypatch):
     """Tokenising as read: a text far larger than one piece costs one piece when few tokens are used."""
-    from autotune import workload
-    from runtime.models import ByteTokenizer
+    from autotune.calibration import workload
+    from runtime.loading.model_loader import ByteTokenizer
 
     big = tmp_path / "big.txt"
     line = "static capacity tiers and grouped experts\n"

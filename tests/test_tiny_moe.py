@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from autotune import modelstats, texts, workload
-from runtime.models import TINY_MOE_DIR, load_model, model_spec
+from autotune.calibration import modelstats, texts, workload
+from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec
 
 PPL_TOKENS = 8192  # held-out slice for the perplexity comparison
 ROUTING_TOKENS = 12288  # slice of each text for the routing figures

@@ -7,13 +7,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from autotune.traces import (HELDOUT_EVERY, SCHEMA, Traces, default_traces_path, load_traces, record_traces,
-                             save_traces, synthetic_traces)
-from runtime.errors import FileFormatError
-from runtime.models import model_spec
-
 from helpers import random_model
+
+from autotune.calibration.traces import (
+    HELDOUT_EVERY,
+    SCHEMA,
+    Traces,
+    default_traces_path,
+    load_traces,
+    record_traces,
+    save_traces,
+    synthetic_traces,
+)
+from runtime.errors import FileFormatError
+from runtime.loading.model_loader import model_spec
 
 SPEC = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=3, top_k=2,
             hidden_size=8, expert_ffn_size=4, fingerprint="t")
@@ -70,7 +77,7 @@ def test_record_traces_on_a_random_model_counts_every_assignment():
 
 
 def test_record_traces_never_computes_the_lm_head_and_sees_what_a_full_forward_routes():
-    from autotune.modelstats import expert_counts
+    from autotune.calibration.modelstats import expert_counts
 
     model, tok = random_model("random:olmoe")
     ids = torch.tensor(tok.encode("the LM head's logits are not what calibration records " * 4)[:64])

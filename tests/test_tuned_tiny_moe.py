@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from helpers import random_model
 
 from autotune.cli import main
-from autotune.fidelity import evaluate_plan
-from autotune.templates import template_plan
-from runtime.models import TINY_MOE_DIR, model_spec
-
-from helpers import random_model
+from autotune.evaluation.fidelity import evaluate_plan
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import TINY_MOE_DIR, model_spec
 
 needs_tiny = pytest.mark.skipif(not (TINY_MOE_DIR / "config.json").exists(), reason="tiny-moe asset missing")
 

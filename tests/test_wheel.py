@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "autotune", "runtime")
+SOURCES = ("pyproject.toml", "README.md", "autotune", "runtime", "profiles")
 
 
 def _run(cmd: list, cwd: Path, env: dict, timeout: int = 600) -> str:

@@ -253,7 +253,7 @@ def storage_url(text: str) -> str:
 
 def shape_list(text: str) -> str:
     """`--shapes`: named sizes or HIDDENxFFN with positive sizes (parsed again by profiling.settings.parse_shapes)."""
-    from ..profiling.settings import parse_shapes
+    from autotune.profiling.settings import parse_shapes
 
     try:
         shapes = parse_shapes(text)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime import ane_limits
-from runtime.coreml_build import COMPRESSIONS, LAYOUTS
-from runtime.mil_eval import TOLERANCE
-
-from .. import pipeline
-from .argtypes import directory, input_file, output_package, positive_float, require_output
-from .common import add_dtype_argument, add_model_argument, print_json
+from autotune import pipeline
+from autotune.commands.argtypes import directory, input_file, output_package, positive_float, require_output
+from autotune.commands.common import add_dtype_argument, add_model_argument, print_json
+from runtime.coreml import ane_limits
+from runtime.coreml.converter import COMPRESSIONS, LAYOUTS
+from runtime.coreml.mil_eval import TOLERANCE
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import argparse
 
-from .. import pipeline
-from ..texts import DEFAULT_CALIB_TEXT
-from ..traces import default_traces_path
-from .argtypes import output_file, positive_int, require_output
-from .common import (add_dtype_argument, add_model_argument, add_text_argument, add_threads_argument, apply_threads,
-                     print_json)
+from autotune import pipeline
+from autotune.calibration.texts import DEFAULT_CALIB_TEXT
+from autotune.calibration.traces import default_traces_path
+from autotune.commands.argtypes import output_file, positive_int, require_output
+from autotune.commands.common import (
+    add_dtype_argument,
+    add_model_argument,
+    add_text_argument,
+    add_threads_argument,
+    apply_threads,
+    print_json,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,9 +7,8 @@ import sys
 
 import torch
 
-from runtime.models import BUILTIN_MODELS, DTYPE_CHOICES
-
-from .argtypes import input_file, input_package, positive_int
+from autotune.commands.argtypes import input_file, input_package, positive_int
+from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -61,7 +60,7 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
 def planned_model(args: argparse.Namespace) -> tuple:
     """(model, tokenizer, plan, static backends) from --model/--dtype/--plan/--package/--threads; the plan is
     checked against the model before any work."""
-    from runtime.models import load_model, model_spec
+    from runtime.loading.model_loader import load_model, model_spec
     from runtime.plan import check_plan_matches, load_plan
 
     apply_threads(args.threads)
@@ -70,7 +69,7 @@ def planned_model(args: argparse.Namespace) -> tuple:
     check_plan_matches(plan, model_spec(model), args.plan)  # names the plan file, before any text is read
     backends = None
     if args.package:
-        from runtime.ane import AneBackend
+        from runtime.coreml.ane import AneBackend
 
         backends = {"ane": AneBackend(args.package)}
     return model, tokenizer, plan, backends
@@ -79,9 +78,8 @@ def planned_model(args: argparse.Namespace) -> tuple:
 def planned_inputs(args: argparse.Namespace) -> tuple:
     """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
     --max-tokens/--package."""
-    from runtime.checkpoints import check_token_ids
-
-    from ..workload import encode_text
+    from autotune.calibration.workload import encode_text
+    from runtime.loading.checkpoints import check_token_ids
 
     model, tokenizer, plan, backends = planned_model(args)
     ids = encode_text(tokenizer, args.text, args.max_tokens)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..doctor import report, run_checks
-from .common import print_json
+from autotune.commands.common import print_json
+from autotune.profiling.host_checks import report, run_checks
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..fidelity import evaluate_plan
-from ..texts import DEFAULT_EVAL_TEXT
-from .argtypes import input_directory, non_negative_int, positive_int
-from .common import add_planned_arguments, planned_inputs, planned_model, print_json
+from autotune.calibration.texts import DEFAULT_EVAL_TEXT
+from autotune.commands.argtypes import input_directory, non_negative_int, positive_int
+from autotune.commands.common import add_planned_arguments, planned_inputs, planned_model, print_json
+from autotune.evaluation.fidelity import evaluate_plan
 
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
 
@@ -36,7 +36,7 @@ def task_list(text: str) -> list[str]:
 
 
 def run_tasks(args: argparse.Namespace) -> int:
-    from ..harness import run_tasks as run_harness
+    from autotune.evaluation.harness import run_tasks as run_harness
 
     model, tokenizer, plan, backends = planned_model(args)
     result = {"model": args.model, "plan": args.plan, "limit": args.limit, "num_fewshot": args.num_fewshot,

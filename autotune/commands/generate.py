@@ -6,16 +6,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.errors import NpumoeError
 import torch
 
+from autotune.calibration.texts import read_text
+from autotune.calibration.traces import RoutingRecorder, save_recording
+from autotune.commands.argtypes import (
+    input_file,
+    input_package,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_int,
+)
+from autotune.commands.common import (
+    add_dtype_argument,
+    add_model_argument,
+    add_threads_argument,
+    apply_threads,
+    print_json,
+)
+from runtime.errors import NpumoeError
 from runtime.generation import DEFAULT_MAX_TOKENS, Loaded, generate, load, prompt_ids
 from runtime.prefill import prefill_chunks
-
-from ..texts import read_text
-from ..traces import RoutingRecorder, save_recording
-from .argtypes import input_file, input_package, non_negative_float, non_negative_int, output_file, positive_int
-from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,14 +5,19 @@ import argparse
 
 import numpy as np
 
+from autotune.calibration import modelstats
+from autotune.calibration.texts import DEFAULT_CALIB_TEXT
+from autotune.calibration.workload import encode_text
+from autotune.commands.argtypes import positive_int
+from autotune.commands.common import (
+    add_dtype_argument,
+    add_text_argument,
+    add_threads_argument,
+    apply_threads,
+    print_json,
+)
 from runtime.errors import NpumoeError
-from runtime.models import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
-
-from .. import modelstats
-from ..texts import DEFAULT_CALIB_TEXT
-from ..workload import encode_text
-from .argtypes import positive_int
-from .common import add_dtype_argument, add_text_argument, add_threads_argument, apply_threads, print_json
+from runtime.loading.model_loader import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
 
 _ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
 

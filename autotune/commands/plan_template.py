@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.models import read_model_spec
+from autotune.commands.argtypes import output_file, positive_int
+from autotune.commands.common import add_model_argument
+from autotune.searching.templates import CAPACITIES, template_plan
+from runtime.loading.model_loader import read_model_spec
 from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, STATIC_BACKENDS, save_plan
-
-from ..templates import CAPACITIES, template_plan
-from .argtypes import output_file, positive_int
-from .common import add_model_argument
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import pipeline
-from ..profile import host_profile_path
-from ..profile_report import print_summary
-from ..profiling.settings import CLOCKS, parse_shapes
-from .argtypes import non_empty_list, output_file, positive_int, require_output, shape_list
+from autotune import pipeline
+from autotune.commands.argtypes import non_empty_list, output_file, positive_int, require_output, shape_list
+from autotune.profiling.profile import host_profile_path
+from autotune.profiling.profile_report import print_summary
+from autotune.profiling.settings import CLOCKS, parse_shapes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

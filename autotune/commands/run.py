@@ -6,12 +6,11 @@ import contextlib
 import statistics
 import time
 
+from autotune.calibration.traces import RoutingRecorder, save_recording
+from autotune.commands.argtypes import output_file, positive_int
+from autotune.commands.common import add_planned_arguments, planned_inputs, print_json
 from runtime.executor import PlanExecutor
 from runtime.prefill import max_rel_diff, prefill_prompts_logits
-
-from ..traces import RoutingRecorder, save_recording
-from .argtypes import output_file, positive_int
-from .common import add_planned_arguments, planned_inputs, print_json
 
 DEFAULT_TEXT = "builtin:pydoc-heldout"
 

@@ -4,15 +4,28 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from autotune import pipeline
+from autotune.calibration.traces import default_traces_path
+from autotune.commands.argtypes import (
+    fraction_below_one,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+    require_output,
+    storage_url,
+    traces_file,
+)
+from autotune.commands.common import (
+    add_dtype_argument,
+    add_model_argument,
+    add_threads_argument,
+    apply_threads,
+    print_json,
+)
+from autotune.searching.optimizer import OBJECTIVES
+from autotune.searching.report import format_report
 from runtime.plan import SALIENCY_RULES
-
-from .. import pipeline
-from ..report import format_report
-from ..search import OBJECTIVES
-from ..traces import default_traces_path
-from .argtypes import (fraction_below_one, non_negative_int, output_file, positive_float, positive_int,
-                       require_output, storage_url, traces_file)
-from .common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:

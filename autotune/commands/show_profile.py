@@ -5,10 +5,10 @@ import argparse
 import sys
 import warnings
 
-from ..profile import ProfileHostWarning, load_profile
-from ..profile_report import plot, print_summary, summary
-from .argtypes import plot_file
-from .common import print_json
+from autotune.commands.argtypes import plot_file
+from autotune.commands.common import print_json
+from autotune.profiling.profile import ProfileHostWarning, load_profile
+from autotune.profiling.profile_report import plot, print_summary, summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,12 +7,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from autotune.profiling.macos import macos_module
 from runtime.backends import CpuStaticBackend, ExactFn, GroupSpec, run_exact
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats
-
-from .macos import macos_module
 
 COREML_BACKENDS = ("ane", "coreml-cpu")
 
@@ -118,12 +117,12 @@ def coreml_available() -> tuple[bool, str]:
 
 def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
                    layout: str = "matmul") -> Callable[[], object]:
-    """One call of a group function exactly as `autotune build` emits it (runtime.coreml_build), run through Core ML
+    """One call of a group function exactly as `autotune build` emits it (runtime.coreml.converter), run through Core ML
     with CPU_AND_NE (`ane`) or CPU_ONLY (`coreml-cpu`), fed as the runtime's ane backend feeds it."""
     import coremltools as ct
 
-    from runtime.ane import INPUT_NAME, expert_weights_fp16, to_layout
-    from runtime.coreml_build import FunctionSpec, to_mlmodel
+    from runtime.coreml.ane import INPUT_NAME, expert_weights_fp16, to_layout
+    from runtime.coreml.converter import FunctionSpec, to_mlmodel
 
     experts = tuple(range(len(caps)))
     fs = FunctionSpec(0, 0, experts, tuple(caps), hidden, module.intermediate_dim)

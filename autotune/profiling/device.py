@@ -9,13 +9,20 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from autotune.profiling.callers import (
+    COREML_BACKENDS,
+    _Rotor,
+    coreml_available,
+    group_caller,
+    host_caller,
+    make_experts,
+    pack_capacity,
+)
+from autotune.profiling.energy import EnergyMeter, energy_meter
+from autotune.profiling.profile import Profile, build_profile, host_facts
+from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
+from autotune.profiling.timing import clock_for, time_call
 from runtime.errors import NpumoeError
-
-from ..profile import Profile, build_profile, host_facts
-from .callers import COREML_BACKENDS, _Rotor, coreml_available, group_caller, host_caller, make_experts, pack_capacity
-from .energy import EnergyMeter, energy_meter
-from .settings import MAX_PACK_ELEMENTS, Settings, settings_for
-from .timing import clock_for, time_call
 
 
 @dataclass

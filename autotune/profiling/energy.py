@@ -6,9 +6,8 @@ import contextlib
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
-from runtime.ane import ENERGY_FIELDS
-
-from .macos import macos_module
+from autotune.profiling.macos import macos_module
+from runtime.coreml.ane import ENERGY_FIELDS
 
 
 class EnergyMeter(Protocol):

@@ -9,8 +9,8 @@ from typing import Callable
 
 import numpy as np
 
-from .energy import EnergyMeter
-from .settings import Settings
+from autotune.profiling.energy import EnergyMeter
+from autotune.profiling.settings import Settings
 
 CPU_BACKENDS = ("cpu-exact", "cpu-static")
 

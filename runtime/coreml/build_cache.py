@@ -8,7 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from .fileio import atomic_write_bytes
+from runtime.fileio import atomic_write_bytes
 
 log = logging.getLogger("npumoe.build_cache")
 

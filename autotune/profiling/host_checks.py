@@ -1,7 +1,7 @@
 """`autotune doctor`: can this host run the whole ANE path? Each check passes, fails or is skipped, with a reason.
 
 Host checks (OS, Python and library versions against what npumoe declares) run everywhere. The small grouped
-expert function is built with the real builder (`runtime.coreml_build.build_package`: convert, merge, lint, host
+expert function is built with the real builder (`runtime.coreml.converter.build_package`: convert, merge, lint, host
 evaluation against cpu-static), which coremltools can do on Linux too. What needs Core ML's runtime (the ANE,
 MLComputePlan placement, parity of a real prediction, predict() overhead, matmul throughput, energy counters) is
 checked on macOS only and skipped elsewhere with the reason: nothing here is simulated.
@@ -26,7 +26,7 @@ MIN_MACOS = (15,)  # multifunction Core ML packages (one function per group) nee
 # macOS versions with a reported breakage of the path the runtime takes, and where it was reported.
 KNOWN_BAD_MACOS = {(26, 3): "CPU_AND_NE is reported to deadlock the ANE daemon on macOS 26.3 "
                             "(atomgradient/hybrid-ane-mlx-bench, M2 Ultra)"}
-CONSTRAINTS = Path(__file__).resolve().parent.parent / "constraints-linux.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints-linux.txt"
 PROBE_MODEL = "random:qwen3_moe"  # a tiny seeded random MoE: its group function converts in seconds
 PROBE_EXPERTS, PROBE_CAPACITY = 4, 8
 MATMUL_MNK = (512, 1024, 1024)  # one fp16 matmul, big enough that compute outweighs the call's fixed cost
@@ -46,7 +46,7 @@ class Probe:
     package: str | None = None
     module: object = None
     group: object = None  # runtime.backends.GroupSpec of the built function
-    backend: object = None  # runtime.ane.AneBackend over the package (macOS)
+    backend: object = None  # runtime.coreml.ane.AneBackend over the package (macOS)
     fn: object = None  # its prepared group function
     tmp: tempfile.TemporaryDirectory = field(
         default_factory=lambda: tempfile.TemporaryDirectory(prefix="npumoe-doctor-"))
@@ -65,7 +65,7 @@ def on_macos() -> bool:
 
 
 def macos_version() -> tuple[int, ...]:
-    from runtime.ane import _macos_version
+    from runtime.coreml.ane import _macos_version
 
     return _macos_version()
 
@@ -81,7 +81,7 @@ def check_os(_: Probe) -> str:
 
 
 def check_chip(_: Probe) -> str:
-    from .profile import _cpu_model
+    from autotune.profiling.profile import _cpu_model
 
     chip = _cpu_model()
     if not on_macos():
@@ -163,8 +163,8 @@ def check_ane(_: Probe) -> str:
 def check_coreml_build(probe: Probe) -> str:
     """Build one group of PROBE_EXPERTS experts with the real builder; host evaluation against cpu-static."""
     from runtime.backends import GroupSpec
-    from runtime.coreml_build import build_package, quiet_coremltools_import
-    from runtime.models import load_model, model_spec, moe_layers
+    from runtime.coreml.converter import build_package, quiet_coremltools_import
+    from runtime.loading.model_loader import load_model, model_spec, moe_layers
     from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 
     quiet_coremltools_import()
@@ -192,7 +192,7 @@ def _need_package(probe: Probe, what: str) -> None:
 
 
 def _ane_fn(probe: Probe):
-    from runtime.ane import AneBackend
+    from runtime.coreml.ane import AneBackend
 
     if probe.fn is None:
         probe.backend = AneBackend(probe.package)
@@ -202,7 +202,7 @@ def _ane_fn(probe: Probe):
 
 def check_placement(probe: Probe) -> str:
     _need_package(probe, "MLComputePlan placement")
-    from runtime.ane import function_name, ops_not_on_ane
+    from runtime.coreml.ane import function_name, ops_not_on_ane
 
     if macos_version() < (14, 4):
         raise Skip("MLComputePlan needs macOS 14.4+")
@@ -219,7 +219,7 @@ def check_ane_parity(probe: Probe) -> str:
     import torch
 
     from runtime.backends import CpuStaticBackend
-    from runtime.mil_eval import TOLERANCE, max_rel_error
+    from runtime.coreml.mil_eval import TOLERANCE, max_rel_error
 
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(
         (sum(probe.group.capacities), probe.module.gate_up_proj.shape[-1])).astype(np.float16).astype(np.float32))
@@ -276,7 +276,7 @@ def check_matmul_throughput(_: Probe) -> str:
 
 
 def check_energy(_: Probe) -> str:
-    from .profiling.energy import ZeusMeter
+    from autotune.profiling.energy import ZeusMeter
 
     ok, reason = ZeusMeter.available()
     if not on_macos():

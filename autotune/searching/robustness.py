@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autotune.costing.costmodel import CostModel
+from autotune.searching.optimizer import SearchOutcome, Solution, _best_over_overflow, _solution, weighted_cost
+from autotune.searching.space import Evaluated, LayerConfig, LayerData, Scorer
 from runtime.plan import OVERFLOW_POLICIES
-
-from .costmodel import CostModel
-from .search import SearchOutcome, Solution, _best_over_overflow, _solution, weighted_cost
-from .space import Evaluated, LayerConfig, LayerData, Scorer
 
 CALL_FACTORS = (0.5, 2.0)  # the ANE's fixed cost per call
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP

@@ -17,11 +17,24 @@ import numpy as np
 import optuna
 from tqdm import tqdm
 
+from autotune.searching.space import (
+    Evaluated,
+    LayerConfig,
+    LayerData,
+    Scorer,
+    calibration,
+    config_from_params,
+    enumerate_configs,
+    group_sizes,
+    heuristic_config,
+    layer_plan,
+    neighbours,
+    params_of,
+    space_size,
+    suggest,
+)
 from runtime.errors import NpumoeError
 from runtime.plan import OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
-
-from .space import (Evaluated, LayerConfig, LayerData, Scorer, calibration, config_from_params, enumerate_configs,
-                    group_sizes, heuristic_config, layer_plan, neighbours, params_of, space_size, suggest)
 
 OBJECTIVES = ("latency", "energy", "both")  # both: the Pareto front of latency and energy
 EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions

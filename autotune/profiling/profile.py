@@ -1,9 +1,9 @@
 """The profile file `npumoe.profile/1`: host facts, raw benchmark records, the fitted cost model, its held-out error.
 
-Measured profiles are written by `autotune profile-device`; shipped ones are package data in `autotune/profiles/`
-(one is built from published Apple figures and says so), so an installed wheel finds them. Loading validates the
-structure and raises one `FileFormatError` naming the field; a profile from another host loads with a
-`ProfileHostWarning` that names both hosts.
+Measured profiles are written by `autotune profile-device`; shipped ones live in the top-level `profiles/` folder,
+installed as package data `autotune/profiles/` (one is built from published Apple figures and says so), so an
+installed wheel finds them. Loading validates the structure and raises one `FileFormatError` naming the field; a
+profile from another host loads with a `ProfileHostWarning` that names both hosts.
 """
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
+from autotune.costing.costmodel import CostModel, fit_cost_model, heldout_errors
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
 
-from .costmodel import CostModel, fit_cost_model, heldout_errors
-
 SCHEMA = "npumoe.profile/1"
 KIND, VERSION = "profile", 1
-SHIPPED_PROFILES = Path(__file__).resolve().parent / "profiles"
+# A wheel installs the top-level profiles/ as autotune/profiles/ (pyproject package-dir); a checkout has it on top.
+SHIPPED_PROFILES = next((d for d in (Path(__file__).resolve().parents[i] / "profiles" for i in (1, 2)) if d.is_dir()),
+                        Path(__file__).resolve().parents[2] / "profiles")
 RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host")
 
 

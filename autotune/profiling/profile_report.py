@@ -2,8 +2,8 @@
 of measured against predicted times."""
 from __future__ import annotations
 
-from .costmodel import predict_record
-from .profile import Profile
+from autotune.costing.costmodel import predict_record
+from autotune.profiling.profile import Profile
 
 
 def summary(profile: Profile) -> dict:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from autotune.calibration.texts import iter_text
 from runtime.errors import NpumoeError
-
-from .texts import iter_text
 
 
 def encode(tokenizer: object, text: str) -> list[int]:

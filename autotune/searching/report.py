@@ -6,10 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from autotune.searching.optimizer import SearchOutcome, Solution
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
-
-from .search import SearchOutcome, Solution
 
 BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
                    "naive_coreml": "naive Core ML (one ANE graph per expert, uniform capacity)",

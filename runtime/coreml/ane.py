@@ -28,9 +28,9 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from .backends import GroupFn, GroupSpec, register_static_backend
-from .errors import FileFormatError, NpumoeError
-from .fileio import read_versioned_json
+from runtime.backends import GroupFn, GroupSpec, register_static_backend
+from runtime.errors import FileFormatError, NpumoeError
+from runtime.fileio import read_versioned_json
 
 log = logging.getLogger("npumoe")
 
@@ -219,8 +219,8 @@ class AneBackend:
             log.warning("function %s: %d op(s) not placed on the Neural Engine: %s", name, len(off), shown)
 
     def _plan(self, package: str | None = None):
-        from coremltools.models.compute_plan import MLComputePlan
         import coremltools as ct
+        from coremltools.models.compute_plan import MLComputePlan
 
         package = package or next(iter(self._compiled))
         if package not in self._compute_plan:

@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
-from .backends import CpuStaticBackend, GroupSpec
-from .errors import NpumoeError
+from runtime.backends import CpuStaticBackend, GroupSpec
+from runtime.coreml.ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
+from runtime.errors import NpumoeError
 
 # Tolerances of the numeric check, on max|y - ref| / max|ref| per function against the fp32 torch reference.
 # fp16 weights and activations: ~1e-3 measured. int8 per-channel weights: ~1.5e-2 measured. 4-bit palettes

@@ -17,9 +17,8 @@ import random
 import re
 from pathlib import Path
 
+from autotune.calibration.texts import pydoc_documents
 from runtime.fileio import atomic_write_bytes
-
-from .texts import pydoc_documents
 
 NAME = "builtin:pydoc-nextsent"
 TASK = "npumoe_pydoc_nextsent"  # the name lm-eval knows it by

@@ -13,10 +13,19 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .checkpoints import check_checkpoint, safetensors_header
-from .errors import NpumoeError
-from .models import (_SAFETENSORS_DTYPES, RANDOM_PREFIX, _fits, _read_tensor_into, _resolve_dir, _safetensors_files,
-                     _tensor_sources, moe_layers, resolve_dtype)
+from runtime.errors import NpumoeError
+from runtime.loading.checkpoints import check_checkpoint, safetensors_header
+from runtime.loading.model_loader import (
+    _SAFETENSORS_DTYPES,
+    RANDOM_PREFIX,
+    _fits,
+    _read_tensor_into,
+    _resolve_dir,
+    _safetensors_files,
+    _tensor_sources,
+    moe_layers,
+    resolve_dtype,
+)
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -40,7 +49,7 @@ class ModuleExperts:
 
 class CheckpointExperts:
     """Experts read from a safetensors checkpoint on demand, through the loader's key mapping
-    (`runtime.models._tensor_sources`: fused tensors, or per-expert keys under `mlp.experts.N` or
+    (`runtime.loading.model_loader._tensor_sources`: fused tensors, or per-expert keys under `mlp.experts.N` or
     `block_sparse_moe.experts.N`), into a module of just those experts in `dtype`. The model tree is built on
     the meta device; only the asked experts' rows are read (plain file reads, as the loader does)."""
 

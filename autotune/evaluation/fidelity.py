@@ -11,7 +11,6 @@ from runtime.executor import PlanExecutor
 from runtime.plan import Plan
 from runtime.prefill import prefill_chunks
 
-
 ROWS = 64  # positions whose full-vocabulary logits are compared at once
 
 

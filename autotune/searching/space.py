@@ -20,11 +20,10 @@ import numpy as np
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
-from runtime import ane_limits
+from autotune.calibration.traces import Traces
+from autotune.costing.costmodel import CostModel
+from runtime.coreml import ane_limits
 from runtime.plan import OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan
-
-from .costmodel import CostModel
-from .traces import Traces
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
@@ -132,7 +131,7 @@ def calibration(data: LayerData, lp: LayerPlan) -> LayerCalibration:
 def violation(lp: LayerPlan, backend: str, expert_bytes: int, resident_bytes_budget: float, hidden: int = 0,
               ffn: int = 0, function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> float:
     """How far a layer plan is past the hard limits (0 when within them): on the ANE, each group's program against
-    runtime.ane_limits (axes, ops, weight bytes per function, as the builder checks them); the resident budget."""
+    ane_limits (axes, ops, weight bytes per function, as the builder checks them); the resident budget."""
     v = 0.0
     if backend == "ane":
         v += sum(ane_limits.group_usage(g.capacities, hidden, ffn).violation(function_weight_bytes) for g in lp.groups)

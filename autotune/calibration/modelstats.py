@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runtime.models import moe_layers
+from runtime.loading.model_loader import moe_layers
 
 DEFAULT_CHUNK = 512
 

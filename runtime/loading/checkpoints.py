@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import NpumoeError
+from runtime.errors import NpumoeError
 
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")

@@ -24,13 +24,21 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import ane_limits, build_cache
-from .ane import LAYOUTS, MANIFEST_SCHEMA, META_KEY, OUTPUT_NAME, arrays_digest, expert_weights_fp16, function_name
-from .backends import GroupSpec
-from .errors import NpumoeError
-from .expert_weights import ExpertWeights, ModuleExperts
-from .fileio import atomic_write_json, cache_root
-from .plan import Plan
+from runtime.backends import GroupSpec
+from runtime.coreml import ane_limits, build_cache
+from runtime.coreml.ane import (
+    LAYOUTS,
+    MANIFEST_SCHEMA,
+    META_KEY,
+    OUTPUT_NAME,
+    arrays_digest,
+    expert_weights_fp16,
+    function_name,
+)
+from runtime.errors import NpumoeError
+from runtime.fileio import atomic_write_json, cache_root
+from runtime.loading.expert_weights import ExpertWeights, ModuleExperts
+from runtime.plan import Plan
 
 COMPRESSIONS = ("none", "int8", "palettize4")
 BUILDER_VERSION = 1  # bump when the emitted program changes: invalidates the function cache
@@ -70,7 +78,7 @@ def ane_functions(plan: Plan) -> list[FunctionSpec]:
 
 def check_ane_limits(functions: list[FunctionSpec], compress: str = "none",
                      function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> None:
-    """Refuse, before any conversion, a group whose program would break a Neural Engine limit (runtime.ane_limits):
+    """Refuse, before any conversion, a group whose program would break a Neural Engine limit (ane_limits):
     one line naming the group, the limit and what to change."""
     for fs in functions:
         over = fs.usage(compress).over(function_weight_bytes)
@@ -266,7 +274,7 @@ class BuildResult:
     unique_weight_bytes: int  # the distinct expert matrices the packages need, counted in fp16
     cached: int  # functions taken from the cache instead of converted
     build_seconds: float
-    checks: list = field(default_factory=list)  # per-function numeric checks (runtime.mil_eval.FunctionCheck)
+    checks: list = field(default_factory=list)  # per-function numeric checks (runtime.coreml.mil_eval.FunctionCheck)
     packages: list[dict] = field(default_factory=list)  # per package: path, functions, weight_bytes, bytes
     manifest: str = ""
     largest_function_weight_bytes: int = 0
@@ -306,9 +314,9 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                   package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES) -> BuildResult:
     """Build the plan's ANE groups into `out` (or, past `package_weight_bytes`, into several packages beside it)
     and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module, or
-    is an ExpertWeights source (runtime.expert_weights: a checkpoint read a function's experts at a time).
+    is an ExpertWeights source (runtime.loading.expert_weights: a checkpoint read a function's experts at a time).
 
-    A group past a Neural Engine limit (runtime.ane_limits, `function_weight_bytes` included) is refused before any
+    A group past a Neural Engine limit (ane_limits, `function_weight_bytes` included) is refused before any
     conversion. Each package is linted and every function evaluated on the host against `cpu-static` before the
     packages replace earlier ones; a lint failure raises LintError, an error over `TOLERANCE[compress]` raises
     NpumoeError. Functions are converted one at a time (only that function's experts in fp16) into the cache; a
@@ -431,8 +439,8 @@ def verify_package(path: Path, functions: list[FunctionSpec],
                    progress: Callable[[str, int], object] | None = None, seed: int = 0) -> list:
     """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval), with
     only that function's experts at hand from `model_layers` (see build_package)."""
-    from .mil_eval import TOLERANCE, check_function
-    from .mil_lint import lint_package, load_package_program
+    from runtime.coreml.mil_eval import TOLERANCE, check_function
+    from runtime.coreml.mil_lint import lint_package, load_package_program
 
     spec, prog = load_package_program(path)
     lint_package(path, prog=prog, spec=spec)

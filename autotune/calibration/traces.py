@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
-
 from pydantic import ValidationError
+from tqdm import tqdm
 
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import atomic_write_bytes, check_schema, validation_error
-from runtime.models import model_spec, moe_layers
+from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import ModelSpec
 
 SCHEMA, KIND, VERSION = "npumoe.traces/1", "traces", 1

@@ -1,7 +1,7 @@
 """The Neural Engine's limits on one program (a package function) and one package, each with its source.
 
-The search (autotune/space.py) scores a group past any of them as a hard-limit violation; the builder
-(runtime/coreml_build.py) refuses such a group before converting anything and splits a plan whose weights exceed
+The search (autotune/searching/space.py) scores a group past any of them as a hard-limit violation; the builder
+(runtime/coreml/converter.py) refuses such a group before converting anything and splits a plan whose weights exceed
 one package into several. Sources are listed in docs/ane-facts.md; the figures marked unverified there are
 community measurements, not Apple documentation.
 """

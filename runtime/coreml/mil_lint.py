@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import NpumoeError
+from runtime.errors import NpumoeError
 
 ALLOWED_OPS = frozenset({
     "const", "linear", "matmul", "conv", "silu", "sigmoid", "mul", "add", "reshape", "transpose",

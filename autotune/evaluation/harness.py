@@ -15,11 +15,10 @@ import tempfile
 import numpy as np
 import torch
 
+from autotune.evaluation import nextsent
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.plan import Plan
-
-from . import nextsent
 
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 BUILTIN_TASKS = {nextsent.NAME: nextsent.write_task}

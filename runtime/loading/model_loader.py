@@ -14,11 +14,17 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import check_checkpoint, check_loading_info, check_tokenizer_files, load_error, quiet_transformers
-from .errors import NpumoeError
-from .plan import ModelSpec
+from runtime.errors import NpumoeError
+from runtime.loading.checkpoints import (
+    check_checkpoint,
+    check_loading_info,
+    check_tokenizer_files,
+    load_error,
+    quiet_transformers,
+)
+from runtime.plan import ModelSpec
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_MOE_DIR = ASSETS / "tiny-moe"
 RANDOM_PREFIX = "random:"
 
@@ -181,7 +187,7 @@ def _load_weights_by_reading(path: Path, dtype: torch.dtype):
     import transformers
     from transformers.initialization import no_init_weights
 
-    from .checkpoints import safetensors_header
+    from runtime.loading.checkpoints import safetensors_header
 
     keys = _safetensors_files(path)
     if not keys:

@@ -1,0 +1,1 @@
+"""costing: see docs/architecture.md."""

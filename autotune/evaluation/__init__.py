@@ -1,0 +1,1 @@
+"""evaluation: see docs/architecture.md."""

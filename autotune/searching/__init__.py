@@ -1,0 +1,1 @@
+"""searching: see docs/architecture.md."""

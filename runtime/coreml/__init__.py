@@ -1,0 +1,1 @@
+"""coreml: see docs/architecture.md."""
