@@ -18,6 +18,8 @@ SCHEMA = "npumoe.plan/1"
 KIND, VERSION = "plan", 1
 STATIC_BACKENDS = ("ane", "cpu-static")
 OVERFLOW_POLICIES = ("drop", "spill")
+# How a static group stores its weights on the ANE (coremltools: fp16, int8 per channel, 4-bit palette).
+COMPRESSIONS = ("none", "int8", "palettize4")
 # `router_weight`: the assignment's top-k router weight. `weight_x_norm`: router weight x L2 norm of the token's
 # hidden state, an activation-based saliency (the output an assignment adds scales with both).
 SALIENCY_RULES = ("router_weight", "weight_x_norm")
@@ -59,6 +61,11 @@ class Group(_Strict):
     experts: list[NonNegInt] = Field(min_length=1)
     capacities: list[PositiveInt] = Field(min_length=1)
     tier: list[NonNegInt] | None = None  # optional tier label per expert, for reports
+    compress: Literal[COMPRESSIONS] | None = None  # optional; absent means "none" (fp16 weights)
+
+    @property
+    def compression(self) -> str:
+        return self.compress or "none"
 
     @property
     def slots(self) -> int:

@@ -9,8 +9,9 @@ from autotune import pipeline
 from autotune.commands.argtypes import directory, input_file, output_package, positive_float, require_output
 from autotune.commands.common import add_dtype_argument, add_model_argument, print_json
 from runtime.coreml import ane_limits
-from runtime.coreml.converter import COMPRESSIONS, LAYOUTS
+from runtime.coreml.converter import LAYOUTS
 from runtime.coreml.mil_eval import TOLERANCE
+from runtime.plan import COMPRESSIONS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -38,9 +38,8 @@ from runtime.coreml.ane import (
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
 from runtime.loading.expert_weights import ExpertWeights, ModuleExperts
-from runtime.plan import Plan
+from runtime.plan import COMPRESSIONS, Plan
 
-COMPRESSIONS = ("none", "int8", "palettize4")
 BUILDER_VERSION = 1  # bump when the emitted program changes: invalidates the function cache
 
 
