@@ -16,7 +16,7 @@ from functools import partial
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from runtime.backends import ExactFn, GroupFn, GroupSpec, StaticBackend, resolve_static_backend, run_exact
+from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry, run_exact
 from runtime.drift import DriftMonitor
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import LayerPlan, Plan, check_plan_matches
@@ -118,8 +118,8 @@ class LayerExecutor:
             st.tokens += x.shape[0]
             st.assignments += idx.numel()
             experts = len(set(idx.reshape(-1).tolist()))
-        st.tokens_per_backend["cpu-exact"] += idx.numel()
-        st.calls_per_backend["cpu-exact"] += experts
+        st.tokens_per_backend[EXACT] += idx.numel()
+        st.calls_per_backend[EXACT] += experts
         return grouped_mm_experts_forward(self.module, x, idx, weights)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
@@ -142,8 +142,8 @@ class LayerExecutor:
         counts = torch.bincount(eid[sel], minlength=self.base.numel())
         experts = counts.nonzero().squeeze(1).tolist()
         y = self.exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
-        self.stats.tokens_per_backend["cpu-exact"] += sel.numel()
-        self.stats.calls_per_backend["cpu-exact"] += len(experts)
+        self.stats.tokens_per_backend[EXACT] += sel.numel()
+        self.stats.calls_per_backend[EXACT] += len(experts)
         return tok[sel], y * w[sel, None]
 
 
@@ -162,12 +162,15 @@ class PlanExecutor:
     """Installs a plan on a transformers MoE model (and uninstalls it); collects run statistics."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
-                 plan_path: str = "") -> None:
+                 plan_path: str = "", options: dict | None = None) -> None:
+        """`backends`: ready backends by name; the others the plan names are made by the registry, with `options`
+        (e.g. `{"package": path}` for the ane backend) given to those that take them."""
         check_plan_matches(plan, model_spec(model), plan_path)
         self.model, self.plan, self.stats = model, plan, RunStats()
+        registry.check_options(options or {})
         # Resolve each named backend once per run, so an unavailable one falls back (and says so) once.
         named = {g.backend for lp in plan.layers for g in lp.groups}
-        self.backends = {name: resolve_static_backend(name, backends) for name in sorted(named)}
+        self.backends = {name: registry.resolve(name, backends, options) for name in sorted(named)}
         self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
                                               self.backends) for l in moe_layers(model)}

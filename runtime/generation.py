@@ -75,12 +75,8 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
             raise NpumoeError("a package runs a plan's ane groups: give the plan too")
         return Loaded(m, tokenizer)
     p = plan if isinstance(plan, Plan) else load_plan(plan)
-    backends = None
-    if package:
-        from runtime.coreml.ane import AneBackend
-
-        backends = {"ane": AneBackend(package)}
-    executor = PlanExecutor(m, p, backends, "" if isinstance(plan, Plan) else str(plan)).install()
+    executor = PlanExecutor(m, p, plan_path="" if isinstance(plan, Plan) else str(plan),
+                            options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
 
 

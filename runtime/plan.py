@@ -1,7 +1,7 @@
 """The plan file `npumoe.plan/1`: the contract between the tuner and the runtime.
 
-A plan says, per MoE layer, which experts run as static groups (on `ane` or `cpu-static`, each expert with a
-fixed token capacity) and which run exactly on the CPU. Loading validates everything and raises one
+A plan says, per MoE layer, which experts run as static groups (on a registered static backend, each expert with
+a fixed token capacity) and which run exactly on the CPU. Loading validates everything and raises one
 `FileFormatError` that names the field.
 """
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
+from runtime.backends.registry import registry
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
 
 SCHEMA = "npumoe.plan/1"
 KIND, VERSION = "plan", 1
-STATIC_BACKENDS = ("ane", "cpu-static")
 OVERFLOW_POLICIES = ("drop", "spill")
 # How a static group stores its weights on the ANE (coremltools: fp16, int8 per channel, 4-bit palette).
 COMPRESSIONS = ("none", "int8", "palettize4")
@@ -57,11 +57,19 @@ class ModelSpec(_Strict):
 
 class Group(_Strict):
     """Experts fused into one static graph: expert i gets a slice of `capacities[i]` token rows."""
-    backend: Literal[STATIC_BACKENDS]
+    backend: StrictStr  # a static backend of the registry (runtime.backends), plugins included
     experts: list[NonNegInt] = Field(min_length=1)
     capacities: list[PositiveInt] = Field(min_length=1)
     tier: list[NonNegInt] | None = None  # optional tier label per expert, for reports
     compress: Literal[COMPRESSIONS] | None = None  # optional; absent means "none" (fp16 weights)
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        names = registry.plannable()
+        if name not in names:
+            raise ValueError(f"unknown backend {name!r}; registered static backends: {', '.join(names)}")
+        return name
 
     @property
     def compression(self) -> str:

@@ -8,6 +8,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from runtime.backends.registry import EXACT
+
 
 @dataclass
 class LayerStats:
@@ -75,7 +77,7 @@ class RunStats:
     def static_calls(self, phase: str | None = None) -> int:
         """Calls to static groups (every backend but cpu-exact)."""
         calls = self.total(phase).calls_per_backend
-        return sum(n for name, n in calls.items() if name != "cpu-exact")
+        return sum(n for name, n in calls.items() if name != EXACT)
 
     def reset(self) -> None:
         for layers in (self.layers, self.decode):  # in place: executors hold references to their LayerStats

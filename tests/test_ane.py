@@ -9,7 +9,7 @@ import torch
 from helpers import random_model
 
 from autotune.searching.templates import template_plan
-from runtime.backends import GroupSpec, resolve_static_backend
+from runtime.backends import GroupSpec, registry
 from runtime.coreml.ane import AneBackend, from_layout, function_name, to_layout
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
@@ -66,7 +66,7 @@ def test_plan_naming_ane_runs_on_cpu_static_and_says_so_once(given, caplog, tmp_
 def test_registered_ane_resolves_without_a_package(caplog):
     """A plan naming `ane` with no package resolves through the registry to AneBackend, which declines."""
     with caplog.at_level(logging.WARNING, logger="npumoe"):
-        backend = resolve_static_backend("ane")
+        backend = registry.resolve("ane")
     assert backend.name == "cpu-static"
     reason = "needs macOS" if sys.platform != "darwin" else "no Core ML package given"
     assert reason in caplog.text and "not implemented" not in caplog.text

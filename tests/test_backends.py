@@ -8,15 +8,14 @@ import torch
 from helpers import random_model
 
 from autotune.searching.templates import template_plan
-from runtime.backends import CpuStaticBackend, GroupSpec, expert_ffn, registered_static_backends
+from runtime.backends import CpuStaticBackend, GroupSpec, expert_ffn, registry
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
-from runtime.plan import STATIC_BACKENDS
 from runtime.prefill import max_rel_diff, prefill_logits
 
 MODEL = "random:qwen3_moe"
 CAPS = (5, 3, 8)
-NAMES = sorted(registered_static_backends())
+NAMES = sorted(registry.plannable())
 TOLERANCE = {"ane": 1e-2}  # fp16 on the Neural Engine; torch backends compute in the model's dtype
 
 
@@ -34,11 +33,11 @@ def _backend(name: str, model, tmp_path):
         out = tmp_path / "g.mlpackage"
         build_package({lay.index: lay.experts for lay in moe_layers(model)}, plan, out, cache_dir=tmp_path / "c")
         return AneBackend(str(out))
-    return registered_static_backends()[name]()
+    return registry.get(name).create()
 
 
-def test_every_backend_a_plan_can_name_is_registered():
-    assert set(STATIC_BACKENDS) <= set(NAMES)
+def test_the_built_in_backends_are_registered():
+    assert {"ane", "cpu-static"} <= set(NAMES) and "cpu-exact" in registry.infos() and "cpu-exact" not in NAMES
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.macos) if n == "ane" else n for n in NAMES])

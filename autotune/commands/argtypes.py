@@ -273,3 +273,24 @@ def non_empty_list(text: str) -> list[str]:
     if not items:
         _fail("must name at least one item (comma-separated)")
     return items
+
+
+def static_backend(text: str) -> str:
+    """A backend a plan's group may name: a registered static backend (built-in or plugin)."""
+    from runtime.backends import registry
+
+    names = registry.plannable()
+    if text not in names:
+        _fail(f"unknown backend {text!r}; choose from {', '.join(names)}")
+    return text
+
+
+def backend_list(text: str) -> list[str]:
+    """A comma-separated list of registered backends (what `profile-device` measures)."""
+    from runtime.backends import registry
+
+    items, names = non_empty_list(text), list(registry.infos())
+    for item in items:
+        if item not in names:
+            _fail(f"unknown backend {item!r}; choose from {', '.join(names)}")
+    return items

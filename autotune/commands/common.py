@@ -60,6 +60,7 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
 def planned_model(args: argparse.Namespace) -> tuple:
     """(model, tokenizer, plan, static backends) from --model/--dtype/--plan/--package/--threads; the plan is
     checked against the model before any work."""
+    from runtime.backends import registry
     from runtime.loading.model_loader import load_model, model_spec
     from runtime.plan import check_plan_matches, load_plan
 
@@ -67,12 +68,7 @@ def planned_model(args: argparse.Namespace) -> tuple:
     model, tokenizer = load_model(args.model, args.dtype)
     plan = load_plan(args.plan)
     check_plan_matches(plan, model_spec(model), args.plan)  # names the plan file, before any text is read
-    backends = None
-    if args.package:
-        from runtime.coreml.ane import AneBackend
-
-        backends = {"ane": AneBackend(args.package)}
-    return model, tokenizer, plan, backends
+    return model, tokenizer, plan, registry.instances(options={"package": args.package})
 
 
 def planned_inputs(args: argparse.Namespace) -> tuple:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from autotune.commands.argtypes import output_file, positive_int
+from autotune.commands.argtypes import output_file, positive_int, static_backend
 from autotune.commands.common import add_model_argument
 from autotune.searching.templates import CAPACITIES, template_plan
+from runtime.backends import REFERENCE
 from runtime.loading.model_loader import read_model_spec
-from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, STATIC_BACKENDS, save_plan
+from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, save_plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="drop",
                    help="what happens to tokens beyond a group's capacity: drop them (the router's other experts "
                         "still count) or spill them to cpu-exact (default drop)")
-    p.add_argument("--backend", choices=STATIC_BACKENDS, default="cpu-static",
-                   help="backend of every group (default cpu-static)")
+    p.add_argument("--backend", type=static_backend, default=REFERENCE, metavar="NAME",
+                   help=f"backend of every group: a registered static backend, plugins included (default {REFERENCE})")
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "

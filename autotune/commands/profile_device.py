@@ -5,7 +5,7 @@ import argparse
 import time
 
 from autotune import pipeline
-from autotune.commands.argtypes import non_empty_list, output_file, positive_int, require_output, shape_list
+from autotune.commands.argtypes import backend_list, output_file, positive_int, require_output, shape_list
 from autotune.profiling.profile import host_profile_path
 from autotune.profiling.profile_report import print_summary
 from autotune.profiling.settings import CLOCKS, parse_shapes
@@ -13,8 +13,8 @@ from autotune.profiling.settings import CLOCKS, parse_shapes
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-device", help="measure this host's backends and fit the cost model")
-    p.add_argument("--backends", type=non_empty_list, default=None, metavar="LIST",
-                   help="comma-separated backends to profile (default: every one this host has: "
+    p.add_argument("--backends", type=backend_list, default=None, metavar="LIST",
+                   help="comma-separated backends to profile, plugins included (default: every one this host has: "
                         "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and runs: within 5 minutes on 2 cores")
     p.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")

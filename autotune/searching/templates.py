@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from runtime.backends import REFERENCE
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 
 GROUP_SIZE = 4
@@ -20,7 +21,7 @@ def template_capacity(spec: ModelSpec, chunk_tokens: int, capacity: str) -> int:
     raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
 
 
-def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "drop", backend: str = "cpu-static",
+def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "drop", backend: str = REFERENCE,
                   chunk_tokens: int = 256, saliency: str = "router_weight") -> Plan:
     cap = template_capacity(spec, chunk_tokens, capacity)
     experts = list(range(spec.num_experts))

@@ -4,7 +4,8 @@ On macOS the package is compiled once, each group's function is loaded once and 
 (`compute_units=CPU_AND_NE`), and a call feeds the packed buffer as fp16 in the package's layout. The executor
 runs the exact CPU path on a worker thread meanwhile (`overlaps_cpu`). Energy windows come from
 `zeus-apple-silicon` when installed; on macOS 14.4+ `MLComputePlan` tells whether a group's ops are placed on the
-Neural Engine. Elsewhere the backend says it is unavailable and the runtime runs the groups on `cpu-static`.
+Neural Engine. Elsewhere the backend says it is unavailable and the runtime runs the groups on its fallback
+(its registry entry, with every fact about it, is in runtime/coreml/coreml_backends.py).
 
 Layouts (what a function's input `x` and output `y` look like for a packed buffer of S rows of width H):
 - `matmul`: `[S, H]`, linear layers;
@@ -28,7 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from runtime.backends import GroupFn, GroupSpec, register_static_backend
+from runtime.backends.protocol import GroupFn, GroupSpec
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 
@@ -93,13 +94,26 @@ def _macos_version() -> tuple[int, ...]:
         return ()
 
 
+def coreml_available() -> tuple[bool, str]:
+    """Whether Core ML can predict here: macOS 15+ (multifunction packages) with coremltools installed."""
+    if sys.platform != "darwin":
+        return False, f"Core ML prediction needs macOS; this host runs {sys.platform}"
+    if _macos_version() < (15,):
+        return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
+    try:
+        import coremltools  # noqa: F401
+    except ImportError as e:
+        return False, f"coremltools is not installed ({e})"
+    return True, "Core ML"
+
+
 class AneBackend:
     """Runs static groups as functions of a built Core ML package on the Neural Engine (macOS only)."""
     name = "ane"
     overlaps_cpu = True
 
-    def __init__(self, package_path: str | None) -> None:
-        self.package_path = package_path  # one .mlpackage, or the <out>.manifest.json of a build split in several
+    def __init__(self, package: str | None = None) -> None:
+        self.package_path = package  # one .mlpackage, or the <out>.manifest.json of a build split in several
         self.energy: dict[str, Counter] = defaultdict(Counter)  # per function: summed mJ per field, and calls
         self._compiled: dict[str, str] = {}  # package path -> its compiled .mlmodelc
         self._functions: dict[str, object] = {}  # function name -> resident CompiledMLModel
@@ -110,18 +124,13 @@ class AneBackend:
         self._compute_plan: dict[str, object] = {}  # package path -> its MLComputePlan
 
     def available(self) -> tuple[bool, str]:
-        if sys.platform != "darwin":
-            return False, f"Core ML prediction needs macOS; this host runs {sys.platform}"
-        if _macos_version() < (15,):
-            return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
+        ok, why = coreml_available()
+        if not ok:
+            return False, why
         if not self.package_path:
             return False, "no Core ML package given: build one with `autotune build` and pass --package"
         if not (Path(self.package_path).is_dir() or Path(self.package_path).is_file()):
             return False, f"Core ML package {self.package_path} does not exist"
-        try:
-            import coremltools  # noqa: F401
-        except ImportError as e:
-            return False, f"coremltools is not installed ({e})"
         return True, f"Core ML on the Neural Engine ({self.package_path})"
 
     # --- metadata: read with coremltools' protobuf reader, on any host ---
@@ -296,5 +305,3 @@ def ops_not_on_ane(compute_plan, name: str) -> list[tuple[str, str]]:
             off.append((op.operator_name, type(device).__name__ if device is not None else "unknown device"))
     return off
 
-
-register_static_backend("ane", lambda: AneBackend(None))

@@ -1,0 +1,199 @@
+"""The backend registry: one `BackendInfo` per backend, holding every fact npumoe needs about it, built-ins and
+plugins alike. Plugins are found through Python entry points (group `npumoe.backends`): a distribution declaring
+
+    [project.entry-points."npumoe.backends"]
+    my-backend = "my_module:MyBackend"
+
+adds `my-backend` with no edit to npumoe. The entry point names a factory called with no arguments (a class
+implementing `StaticBackend`), or a `BackendInfo` for a backend that states more facts (fallback, limits, options).
+Built-ins state theirs in their own modules (`BUILTIN_MODULES`, each holding a `BACKENDS` tuple).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from runtime.errors import NpumoeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.backends.protocol import StaticBackend
+
+log = logging.getLogger("npumoe")
+
+ENTRY_POINT_GROUP = "npumoe.backends"
+BUILTIN_MODULES = ("runtime.backends.cpu", "runtime.coreml.coreml_backends")
+# The two backends with a role of their own: the reference static backend, which is always available and where
+# every other backend's groups end up when nothing in its fallback chain is available; and the exact path.
+REFERENCE, EXACT = "cpu-static", "cpu-exact"
+
+ProfileCall = Callable[["torch.nn.Module", Sequence[int], int], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Everything npumoe knows about one backend, read by the plan's validation, the runtime, the profiler, the
+    cost model and the search; nothing else names a backend."""
+    name: str
+    # Makes the runtime backend (a `StaticBackend`), given as keywords the registry options it declares in
+    # `options`; None for backends that only the profiler runs (the exact path, Core ML on the CPU).
+    factory: Callable[..., StaticBackend] | None
+    overlaps_cpu: bool = False  # calls run off the CPU: the exact path runs meanwhile (executor, cost model)
+    fallback: str | None = REFERENCE  # where its groups run when it is unavailable; None: always available
+    options: tuple[str, ...] = ()  # registry options its factory takes (the ANE: `package`)
+    # Hard limits of one group's program: (capacities, hidden, ffn, compression) -> how far past them, 0 within.
+    limits: Callable[[Sequence[int], int, int, str], float] | None = None
+    exact: bool = False  # the exact path: profiled and costed, never named by a plan's group
+    dtype_bytes: int = 4  # bytes per weight and activation the cost model charges its calls
+    cpu_torch: bool = False  # torch on this process's threads: timed on the CPU clock; profiling it measures the
+    #                          executor's host-side costs too
+    energy_field: str = "cpu_total_mj"  # the energy meter's field that measures its calls
+    # How the profiler times one call; None: through the StaticBackend protocol on synthetic groups.
+    profile_call: ProfileCall | None = None
+    # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
+    profile_available: Callable[[], tuple[bool, str]] | None = None
+    compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
+
+    @property
+    def plannable(self) -> bool:
+        """Whether a plan's group may name it."""
+        return self.factory is not None and not self.exact
+
+    def create(self, options: dict[str, Any] | None = None) -> StaticBackend:
+        """The runtime backend, given the options it declares (absent or None ones left out)."""
+        if self.factory is None:
+            raise NpumoeError(f"backend {self.name!r} is profiled only: nothing runs a plan's groups on it")
+        kwargs = {k: v for k, v in (options or {}).items() if k in self.options and v is not None}
+        return self.factory(**kwargs)
+
+    def available_to_profile(self) -> tuple[bool, str]:
+        if self.profile_available is not None:
+            return self.profile_available()
+        if self.factory is None:
+            return True, "torch on the CPU"
+        return self.create().available()
+
+
+def _info_from_entry_point(name: str, obj: Any) -> BackendInfo:
+    """A plugin's BackendInfo: the object itself, or one made for a factory (its facts read off the class, or off an
+    instance when the class does not state them)."""
+    if isinstance(obj, BackendInfo):
+        info = obj
+    elif callable(obj):
+        probe = obj if hasattr(obj, "name") and hasattr(obj, "overlaps_cpu") else obj()
+        if probe.name != name:
+            raise NpumoeError(f"its backend is named {probe.name!r}, not {name!r}")
+        info = BackendInfo(name, obj, overlaps_cpu=bool(probe.overlaps_cpu))
+    else:
+        raise NpumoeError(f"{obj!r} is neither a backend factory nor a BackendInfo")
+    if info.name != name:
+        raise NpumoeError(f"its BackendInfo is named {info.name!r}, not {name!r}")
+    return info
+
+
+class BackendRegistry:
+    """Built-in backends (imported on first use, so a plain import stays light) and plugins (found again whenever
+    `sys.path` changes)."""
+
+    def __init__(self, builtin_modules: Sequence[str] = BUILTIN_MODULES, group: str = ENTRY_POINT_GROUP) -> None:
+        self._builtin_modules, self._group = tuple(builtin_modules), group
+        self._builtins: dict[str, BackendInfo] | None = None
+        self._plugins: dict[str, BackendInfo] = {}
+        self._plugins_for: tuple[str, ...] | None = None
+
+    def _load_builtins(self) -> dict[str, BackendInfo]:
+        if self._builtins is None:
+            builtins: dict[str, BackendInfo] = {}
+            for module in self._builtin_modules:
+                builtins.update((info.name, info) for info in importlib.import_module(module).BACKENDS)
+            self._builtins = builtins
+        return self._builtins
+
+    def _discover(self) -> dict[str, BackendInfo]:
+        path = tuple(sys.path)
+        if path != self._plugins_for:
+            builtins, plugins = self._load_builtins(), {}
+            for ep in entry_points(group=self._group):
+                if ep.name in builtins or ep.name in plugins:
+                    log.warning("backend plugin %s = %s ignored: a backend of that name is already registered",
+                                ep.name, ep.value)
+                    continue
+                try:
+                    plugins[ep.name] = _info_from_entry_point(ep.name, ep.load())
+                except Exception as e:  # noqa: BLE001 - a broken plugin is reported and left out, never fatal
+                    log.warning("backend plugin %s = %s left out: %s", ep.name, ep.value, e)
+            self._plugins, self._plugins_for = plugins, path
+        return self._plugins
+
+    def infos(self) -> dict[str, BackendInfo]:
+        """Every registered backend by name: built-ins first, then plugins."""
+        return {**self._load_builtins(), **self._discover()}
+
+    def get(self, name: str) -> BackendInfo | None:
+        return self.infos().get(name)
+
+    def plannable(self) -> list[str]:
+        """The backends a plan's group may name."""
+        return [name for name, info in self.infos().items() if info.plannable]
+
+    def fallbacks(self, name: str) -> list[str]:
+        """`name`, then where its groups run when it is unavailable, in order (ends at an always available one)."""
+        chain = [name]
+        info = self.get(name)
+        while info is not None and info.fallback is not None and info.fallback not in chain:
+            chain.append(info.fallback)
+            info = self.get(info.fallback)
+        if info is None or info.fallback is not None:
+            chain.append(REFERENCE)  # an unknown name, or a cycle: the reference is always there
+        return chain
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """Refuse an option no registered backend takes."""
+        known = {o for info in self.infos().values() for o in info.options}
+        for key in options:
+            if key not in known:
+                raise NpumoeError(f"no backend takes the option {key!r} (backends take: "
+                                  f"{', '.join(sorted(known)) or 'none'})")
+
+    def instances(self, options: dict[str, Any] | None = None,
+                  names: Sequence[str] | None = None) -> dict[str, StaticBackend]:
+        """Runtime backends by name, made with `options` (e.g. `{"package": path}`): those named, or by default
+        every backend that takes one of the options given (the rest are made on demand by `resolve`)."""
+        options = {k: v for k, v in (options or {}).items() if v is not None}
+        self.check_options(options)
+        infos = self.infos()
+        if names is None:
+            names = [n for n, info in infos.items() if info.plannable and set(info.options) & set(options)]
+        return {n: infos[n].create(options) for n in names}
+
+    def resolve(self, name: str, given: dict[str, StaticBackend] | None = None,
+                options: dict[str, Any] | None = None) -> StaticBackend:
+        """The backend to run `name`'s groups on: the given or registered one if available, else the first available
+        one along its fallbacks (said once, with the reason)."""
+        given = given or {}
+        reason = ""
+        for candidate in self.fallbacks(name):
+            info = self.get(candidate)
+            if candidate in given:
+                backend = given[candidate]
+            elif info is not None and info.plannable:
+                backend = info.create(options)
+            else:
+                reason = reason or f"backend {candidate!r} is not implemented here"
+                continue
+            ok, why = backend.available()
+            if ok:
+                if candidate != name:
+                    log.warning("plan names backend %r but it is unavailable (%s): running its groups on %s",
+                                name, reason, candidate)
+                return backend
+            reason = reason or why
+        raise NpumoeError(f"no backend to run {name!r} on: {reason}")
+
+
+registry = BackendRegistry()
