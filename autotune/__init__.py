@@ -1,12 +1,15 @@
-"""npumoe's tuner: measure a device, calibrate a model's routing, search a plan, build its Core ML package.
+"""npumoe's tuner: measure a device, calibrate a model's routing, search a plan, build its Core ML package, run
+and evaluate the plan.
 
 The pipeline as library functions (`autotune.pipeline`; each `autotune` command is a thin parser over one):
 
-    from autotune import build, calibrate, profile_device, search_plan
+    from autotune import build, calibrate, evaluate, run_plan, search_plan
 
     traces = calibrate("tiny-moe", "builtin:pydoc-calib", out="traces/tiny-moe.npz")
     result = search_plan("tiny-moe", profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
     package = build("tiny-moe", result.path)  # on a plan with `ane` groups
+    stats = run_plan("tiny-moe", result.path, reference=True)  # what `autotune run --json` prints
+    fidelity = evaluate("tiny-moe", result.path)  # what `autotune evaluate --json` prints
 
 They load lazily, so importing a light submodule (`autotune.profiling.settings`) stays light.
 """
@@ -15,9 +18,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autotune.pipeline import build, calibrate, profile_device, search_plan
+    from autotune.pipeline import (
+        build,
+        calibrate,
+        describe_model,
+        evaluate,
+        evaluate_tasks,
+        profile_device,
+        record_prompt_traces,
+        run_plan,
+        search_plan,
+    )
 
-__all__ = ["build", "calibrate", "profile_device", "search_plan"]
+__all__ = ["build", "calibrate", "describe_model", "evaluate", "evaluate_tasks", "profile_device",
+           "record_prompt_traces", "run_plan", "search_plan"]
 
 
 def __getattr__(name: str):

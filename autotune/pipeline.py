@@ -1,6 +1,7 @@
-"""The tuning pipeline as library functions: measure a device, calibrate routing traces, search a plan, build its
-Core ML package. Each `autotune` command is a thin argparse front over one of them; they show progress on stderr
-(tqdm) and notes through the `npumoe` logger, never on stdout, and raise `NpumoeError` on bad input.
+"""The pipeline as library functions: describe a model, measure a device, calibrate routing traces, search a plan,
+build its Core ML package, run and evaluate a plan. Each `autotune` command is a thin argparse front over one of
+them; they show progress on stderr (tqdm) and notes through the `npumoe` logger, never on stdout, and raise
+`NpumoeError` on bad input. A planned model is loaded by `runtime.load`, the one way to load one.
 
 Outputs are written whole (atomically; a search's plan and its sidecars as one set). Checking that an output can be
 written before the work starts is the caller's (the commands do it, naming their option).
@@ -13,21 +14,26 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import tempfile
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from autotune.calibration.texts import DEFAULT_CALIB_TEXT
+from autotune.calibration import modelstats
+from autotune.calibration.texts import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT
 from autotune.calibration.traces import (
     HELDOUT_EVERY,
     Traces,
     default_traces_path,
     load_traces,
+    record_run_traces,
     record_traces,
     require_heldout,
     save_traces,
@@ -40,14 +46,47 @@ from autotune.searching.robustness import assess
 from autotune.searching.space import LayerData, Scorer
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
+from runtime.generation import Loaded, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
-from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec, moe_layers, read_model_spec
 from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
+from runtime.prefill import max_rel_diff, prefill_prompts_logits
 
 log = logging.getLogger("npumoe")
 
 # calibration defaults, shared by `calibrate` and the calibration `search` runs when traces are missing
 CHUNK_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 256, 1024, 32768
+SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
+_ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
+
+
+# --- models ---------------------------------------------------------------------------------------------------------
+def describe_model(name: str, text: str = DEFAULT_CALIB_TEXT, *, max_tokens: int = 16384,
+                   dtype: str = "auto") -> dict:
+    """Shape, size and per-layer expert load shares of one model on the first `max_tokens` tokens of `text`
+    (one entry of `autotune models --json`)."""
+    model, tokenizer = load_model(name, dtype)
+    spec = model_spec(model)
+    ids = encode_text(tokenizer, text, max_tokens).tolist()
+    if len(ids) < 2:
+        raise NpumoeError(f"--text {text!r} holds too few tokens")
+    shares = modelstats.shares(modelstats.expert_counts(model, ids))
+    return {
+        "name": name,
+        "about": _ABOUT.get(name, "seeded random model of this transformers MoE family (for tests)"),
+        "architecture": spec.architecture,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "layers": spec.num_layers,
+        "moe_layers": spec.moe_layers,
+        "experts": spec.num_experts,
+        "top_k": spec.top_k,
+        "hidden_size": spec.hidden_size,
+        "expert_ffn_size": spec.expert_ffn_size,
+        "text": text,
+        "tokens": len(ids),
+        "max_share_x_uniform": [round(float(x), 3) for x in modelstats.skew(shares)],
+        "expert_shares": {str(l): np.round(row, 4).tolist() for l, row in zip(spec.moe_layers, shares)},
+    }
 
 
 # --- profile --------------------------------------------------------------------------------------------------------
@@ -241,6 +280,98 @@ def _one_search_per_sqlite(url: str | None) -> Iterator[None]:
             raise NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
                               "time: run concurrent searches on --storage journal:FILE") from None
         yield
+
+
+# --- run and evaluate -----------------------------------------------------------------------------------------------
+def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: str, text: str,
+             max_tokens: int) -> tuple[Loaded, torch.Tensor]:
+    """The planned model (the plan checked against it before any text is read) and the text's token ids."""
+    loaded = load(model, plan, package, dtype)
+    ids = encode_text(loaded.tokenizer, text, max_tokens)
+    check_token_ids(loaded.model, ids)
+    return loaded, ids
+
+
+def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float]:
+    """The last result of `repeat` calls and their median time in ms."""
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return out, statistics.median(times)
+
+
+def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
+             prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
+             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> dict:
+    """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
+    prompt), timed as the median of `repeat` runs; returns what `autotune run --json` prints: run statistics,
+    backend fallbacks, the drift monitor's verdict, and with `reference` the unmodified model's latency and the
+    logits' max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
+    executor, chunk = loaded.executor, loaded.plan.chunk_tokens
+    result = {"model": model, "plan": str(plan), "text": text, "tokens": int(ids.numel()), "chunk_tokens": chunk,
+              "overflow": loaded.plan.overflow}
+    prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
+    if reference:
+        with loaded.unmodified():
+            ref, result["reference_latency_ms"] = _timed(prefill, repeat)
+
+    def planned() -> torch.Tensor:
+        loaded.reset()
+        return prefill()
+
+    logits, result["latency_ms"] = _timed(planned, repeat)
+    result.update(executor.stats.to_json())
+    result["backend_fallbacks"] = executor.fallbacks
+    result["drift"] = executor.drift.report()
+    if record_traces:
+        result["traces"] = record_run_traces(loaded.model, ids, chunk, prompt_tokens or int(ids.numel()), text,
+                                             record_traces, f"autotune run --plan {plan}")
+    if reference:
+        result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+    return result
+
+
+def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
+             prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
+             progress: bool = True) -> dict:
+    """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
+    the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
+    within 1.5x the plan's budget; what `autotune evaluate --json` prints."""
+    from autotune.evaluation.fidelity import evaluate_plan
+
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
+    result = {"model": model, "plan": str(plan), "text": text,
+              **evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)}
+    budget = (loaded.plan.meta or {}).get("drop_budget")
+    if budget is not None:
+        result["drop_budget"] = budget
+        result["drop_rate_within_1_5x_budget"] = result["drop_rate"] <= SHIFT_TOLERANCE * budget
+    return result
+
+
+def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,
+                   num_fewshot: int | None = None, include_path: str | None = None, package: str | None = None,
+                   dtype: str = "auto") -> dict:
+    """lm-evaluation-harness `tasks` (extra `eval`) on the plan and the unmodified model: paired accuracies per
+    task; what `autotune evaluate --tasks --json` prints."""
+    from autotune.evaluation.harness import run_tasks
+
+    loaded = load(model, plan, package, dtype)
+    return {"model": model, "plan": str(plan), "limit": limit, "num_fewshot": num_fewshot,
+            **run_tasks(loaded.executor, loaded.tokenizer, tasks, limit, num_fewshot, include_path)}
+
+
+def record_prompt_traces(loaded: Loaded, prompt: str, out: str | os.PathLike, *, chat: bool = False,
+                         text: str = "--prompt", recorded_by: str = "autotune generate") -> dict:
+    """The prompt's prefill under `loaded`'s plan, untimed, with its routing saved to `out` as traces (every
+    HELDOUT_EVERY-th chunk held out); returns the summary `generate --json` prints under `traces`."""
+    if loaded.executor is None:
+        raise NpumoeError("recording traces records the routing under a plan: load the model with a plan")
+    ids = prompt_ids(loaded, prompt, chat)
+    return record_run_traces(loaded.model, ids, loaded.plan.chunk_tokens, int(ids.numel()), text, out, recorded_by)
 
 
 # --- build ----------------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ groups cannot pay off. A layer without groups runs every chunk that way.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -224,6 +226,24 @@ class PlanExecutor:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    @property
+    def installed(self) -> bool:
+        return self._hook is not None
+
+    @contextmanager
+    def applied(self, on: bool) -> Iterator[None]:
+        """The plan installed (`on`) or not for the block; installed or not as before, after it."""
+        was = self.installed
+        if on and not was:
+            self.install()
+        elif was and not on:
+            self.uninstall()
+        try:
+            yield
+        finally:
+            if self.installed != was:
+                (self.install if was else self.uninstall)()
 
     def __enter__(self) -> "PlanExecutor":
         return self.install()

@@ -55,14 +55,8 @@ class Loaded:
     @contextmanager
     def unmodified(self) -> Iterator[None]:
         """The model without the plan for the duration (a reference run)."""
-        if self.executor is None:
+        with self.executor.applied(False) if self.executor else nullcontext():
             yield
-            return
-        self.executor.uninstall()
-        try:
-            yield
-        finally:
-            self.executor.install()
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,

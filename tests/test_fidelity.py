@@ -17,7 +17,7 @@ def test_chunked_figures_equal_the_whole_prompt_ones():
     model, tok = random_model("random:mixtral")
     ids = torch.tensor(tok.encode("Experts that overflow are dropped by saliency. " * 12)[:300])
     plan = template_plan(model_spec(model), "tight", "drop", chunk_tokens=96)  # 96 > ROWS: blocks inside chunks
-    got = evaluate_plan(model, plan, ids, 160, progress=False)
+    got = evaluate_plan(PlanExecutor(model, plan), ids, 160, progress=False)
     nll_ref = nll_plan = 0.0
     agree = worst = 0
     for s in range(0, ids.numel(), 160):

@@ -74,12 +74,9 @@ class RoutingRecorder:
         self.layers = moe_layers(model)
         self.rec: dict[int, dict[str, list]] = {l.index: {"idx": [], "weight": [], "norm": []} for l in self.layers}
         self.chunk_ids: list[np.ndarray] = []
-        self.enabled = True
         self._hooks: list = []
 
     def _hook(self, mod, args, kwargs, i: int) -> None:
-        if not self.enabled:
-            return
         x, idx, w = args if len(args) == 3 else (kwargs["hidden_states"], kwargs["top_k_index"],
                                                   kwargs["top_k_weights"])
         if i == self.layers[0].index:  # the first MoE layer opens a new chunk
@@ -115,8 +112,11 @@ class RoutingRecorder:
 
 
 def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int,
-                  text: str, progress: bool = True) -> Traces:
-    """Prefill `ids` as prompts of `prompt_tokens`, chunk by chunk, recording every layer's routing."""
+                  text: str, progress: bool = True, heldout_per: str = "prompt", **header) -> Traces:
+    """Prefill `ids` as prompts of `prompt_tokens`, chunk by chunk, recording every layer's routing under whatever
+    experts implementation the model has (a plan's executor included). Every HELDOUT_EVERY-th prompt is held out
+    (`heldout_per="chunk"`: every HELDOUT_EVERY-th chunk, for a run that is often one long prompt); `header`
+    adds to the traces header."""
     heldout = []
     starts = range(0, ids.numel(), prompt_tokens)
     with RoutingRecorder(model) as recorder, torch.inference_mode():
@@ -127,20 +127,19 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
                 # The decoder stack only: routing is all calibration records, so the LM head's full-vocabulary
                 # logits (most of the time on a large-vocabulary model) are never computed.
                 cache = model.model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
-                heldout.append(p % HELDOUT_EVERY == HELDOUT_EVERY - 1)
+                heldout.append((p if heldout_per == "prompt" else len(heldout)) % HELDOUT_EVERY == HELDOUT_EVERY - 1)
     return recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
-                                     "heldout_rule": f"every {HELDOUT_EVERY}th prompt"})
+                                     "heldout_rule": f"every {HELDOUT_EVERY}th {heldout_per}", **header})
 
 
-def save_recording(recorder: RoutingRecorder, path: str | os.PathLike, text: str, chunk_tokens: int,
-                   prompt_tokens: int, recorded_by: str) -> dict:
-    """Save the routing a planned run saw as traces a search can re-tune on. A run is often one long prompt, so
-    every HELDOUT_EVERY-th chunk (not prompt) is held out. Returns the summary `--json` prints."""
-    heldout = np.arange(recorder.n_chunks) % HELDOUT_EVERY == HELDOUT_EVERY - 1
-    traces = recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
-                                       "heldout_rule": f"every {HELDOUT_EVERY}th chunk", "recorded_by": recorded_by})
+def record_run_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int, text: str,
+                      path: str | os.PathLike, recorded_by: str) -> dict:
+    """Record the routing of a planned run (untimed) as traces a search can re-tune on, and save them; returns
+    the summary `--json` prints."""
+    traces = record_traces(model, ids, chunk_tokens, prompt_tokens, text, progress=False, heldout_per="chunk",
+                           recorded_by=recorded_by)
     save_traces(traces, path)
-    return {"path": str(path), "chunks": traces.n_chunks, "heldout_chunks": int(heldout.sum())}
+    return {"path": str(path), "chunks": traces.n_chunks, "heldout_chunks": int(traces.heldout_chunks.sum())}
 
 
 def synthetic_traces(spec: dict, n_chunks: int, chunk_tokens: int, skew: float = 1.1, heldout_every: int = 5,

@@ -44,7 +44,7 @@ def print_json(obj: dict) -> None:
 
 
 def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tokens_default: int) -> None:
-    """The options `planned_inputs` reads, shared by every command that runs a plan on a text."""
+    """The options of every command that runs a plan on a text (`run`, `evaluate`)."""
     add_model_argument(p)
     add_dtype_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
@@ -55,29 +55,3 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
                    help="Core ML package from `autotune build` for `ane` groups")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def planned_model(args: argparse.Namespace) -> tuple:
-    """(model, tokenizer, plan, static backends) from --model/--dtype/--plan/--package/--threads; the plan is
-    checked against the model before any work."""
-    from runtime.backends import registry
-    from runtime.loading.model_loader import load_model, model_spec
-    from runtime.plan import check_plan_matches, load_plan
-
-    apply_threads(args.threads)
-    model, tokenizer = load_model(args.model, args.dtype)
-    plan = load_plan(args.plan)
-    check_plan_matches(plan, model_spec(model), args.plan)  # names the plan file, before any text is read
-    return model, tokenizer, plan, registry.instances(options={"package": args.package})
-
-
-def planned_inputs(args: argparse.Namespace) -> tuple:
-    """What `run` and `evaluate` share: (model, plan, token ids, static backends) from --model/--plan/--text/
-    --max-tokens/--package."""
-    from autotune.calibration.workload import encode_text
-    from runtime.loading.checkpoints import check_token_ids
-
-    model, tokenizer, plan, backends = planned_model(args)
-    ids = encode_text(tokenizer, args.text, args.max_tokens)
-    check_token_ids(model, ids)
-    return model, plan, ids, backends

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import argparse
 
+from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import input_directory, non_negative_int, positive_int
-from autotune.commands.common import add_planned_arguments, planned_inputs, planned_model, print_json
-from autotune.evaluation.fidelity import evaluate_plan
-
-SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
+from autotune.commands.common import add_planned_arguments, apply_threads, print_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,43 +33,40 @@ def task_list(text: str) -> list[str]:
     return tasks
 
 
-def run_tasks(args: argparse.Namespace) -> int:
-    from autotune.evaluation.harness import run_tasks as run_harness
-
-    model, tokenizer, plan, backends = planned_model(args)
-    result = {"model": args.model, "plan": args.plan, "limit": args.limit, "num_fewshot": args.num_fewshot,
-              **run_harness(model, tokenizer, plan, args.tasks, args.limit, args.num_fewshot, args.include_path,
-                            backends)}
-    if args.json:
-        print_json(result)
-        return 0
+def _print_tasks(result: dict) -> None:
     print(f"lm-evaluation-harness, metric {result['metric']} (measured; delta = plan - reference, paired stderr):")
     for name, t in result["tasks"].items():
         print(f"  {name}: reference {t['accuracy_reference']:.2%}, plan {t['accuracy_plan']:.2%}, "
               f"delta {100 * t['delta']:+.2f} +- {100 * t['stderr']:.2f} points, n {t['n']}")
     print(f"plan on the tasks' text: drop rate {result['drop_rate']:.2%}, spill rate {result['spill_rate']:.2%}")
-    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_threads(args.threads)
     if args.tasks:
-        return run_tasks(args)
-    model, plan, ids, backends = planned_inputs(args)
-    result = {"model": args.model, "plan": args.plan, "text": args.text,
-              **evaluate_plan(model, plan, ids, args.prompt_tokens, backends, progress=not args.json)}
-    budget = (plan.meta or {}).get("drop_budget")
-    if budget is not None:
-        result["drop_budget"] = budget
-        result["drop_rate_within_1_5x_budget"] = result["drop_rate"] <= SHIFT_TOLERANCE * budget
+        result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,
+                                         num_fewshot=args.num_fewshot, include_path=args.include_path,
+                                         package=args.package, dtype=args.dtype)
+    else:
+        result = pipeline.evaluate(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
+                                   prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
+                                   progress=not args.json)
     if args.json:
         print_json(result)
-        return 0
-    print(f"{result['tokens']} tokens of {args.text} in {result['prompts']} prompts (measured)")
+    elif args.tasks:
+        _print_tasks(result)
+    else:
+        _print_summary(result)
+    return 0
+
+
+def _print_summary(result: dict) -> None:
+    print(f"{result['tokens']} tokens of {result['text']} in {result['prompts']} prompts (measured)")
     print(f"perplexity: reference {result['ppl_reference']:.3f}, plan {result['ppl_plan']:.3f} "
           f"({result['ppl_delta_rel']:+.2%}); top-1 agreement {result['top1_agreement']:.2%}")
     print(f"drop rate {result['drop_rate']:.2%}, spill rate {result['spill_rate']:.2%}, "
           f"padding {result['padding_fraction']:.1%}, max rel. diff {result['max_rel_diff_vs_reference']:.2e}")
+    budget = result.get("drop_budget")
     if budget is not None and not result["drop_rate_within_1_5x_budget"]:
         print(f"warning: the measured drop rate {result['drop_rate']:.2%} exceeds 1.5x the plan's budget "
               f"{budget:.0%}: the routing on this text differs from the calibration text")
-    return 0

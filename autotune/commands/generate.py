@@ -6,10 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
+from autotune import pipeline
 from autotune.calibration.texts import read_text
-from autotune.calibration.traces import RoutingRecorder, save_recording
 from autotune.commands.argtypes import (
     input_file,
     input_package,
@@ -26,8 +24,7 @@ from autotune.commands.common import (
     print_json,
 )
 from runtime.errors import NpumoeError
-from runtime.generation import DEFAULT_MAX_TOKENS, Loaded, generate, load, prompt_ids
-from runtime.prefill import prefill_chunks
+from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,24 +73,15 @@ def run(args: argparse.Namespace) -> int:
     if loaded.executor:
         result["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
     if args.record_traces:
-        result["traces"] = _record_prompt(loaded, prompt, args)
+        result["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
+                                                         text=args.prompt_file or "--prompt",
+                                                         recorded_by=f"autotune generate --plan {args.plan}")
     if args.json:
         print_json(result)
     else:
         print(flush=True)
         _print_summary(result)
     return 0
-
-
-def _record_prompt(loaded: Loaded, prompt: str, args: argparse.Namespace) -> dict:
-    """The prompt's prefill again under the plan, untimed and after the measured run, with its routing recorded."""
-    ids = prompt_ids(loaded, prompt, args.chat)
-    chunk = loaded.plan.chunk_tokens
-    with RoutingRecorder(loaded.model) as recorder, torch.inference_mode():
-        for _ in prefill_chunks(loaded.model, ids, chunk, last_logits_only=True):
-            pass
-    return save_recording(recorder, args.record_traces, args.prompt_file or "--prompt", chunk, int(ids.numel()),
-                          f"autotune generate --plan {args.plan}")
 
 
 def _print_summary(r: dict) -> None:

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from autotune.calibration import modelstats
+from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT
-from autotune.calibration.workload import encode_text
 from autotune.commands.argtypes import positive_int
 from autotune.commands.common import (
     add_dtype_argument,
@@ -17,9 +14,7 @@ from autotune.commands.common import (
     print_json,
 )
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import BUILTIN_MODELS, TINY_MOE_DIR, load_model, model_spec
-
-_ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
+from runtime.loading.model_loader import BUILTIN_MODELS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,32 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def describe(name: str, text: str, max_tokens: int, dtype: str = "auto") -> dict:
-    """Shape, size and per-layer expert load shares of one model on the first `max_tokens` tokens of `text`."""
-    model, tokenizer = load_model(name, dtype)
-    spec = model_spec(model)
-    ids = encode_text(tokenizer, text, max_tokens).tolist()
-    if len(ids) < 2:
-        raise NpumoeError(f"--text {text!r} holds too few tokens")
-    shares = modelstats.shares(modelstats.expert_counts(model, ids))
-    return {
-        "name": name,
-        "about": _ABOUT.get(name, "seeded random model of this transformers MoE family (for tests)"),
-        "architecture": spec.architecture,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "layers": spec.num_layers,
-        "moe_layers": spec.moe_layers,
-        "experts": spec.num_experts,
-        "top_k": spec.top_k,
-        "hidden_size": spec.hidden_size,
-        "expert_ffn_size": spec.expert_ffn_size,
-        "text": text,
-        "tokens": len(ids),
-        "max_share_x_uniform": [round(float(x), 3) for x in modelstats.skew(shares)],
-        "expert_shares": {str(l): np.round(row, 4).tolist() for l, row in zip(spec.moe_layers, shares)},
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     names = args.model or BUILTIN_MODELS
@@ -70,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     models = []
     for name in names:
         try:
-            models.append(describe(name, args.text, args.max_tokens, args.dtype))
+            models.append(pipeline.describe_model(name, args.text, max_tokens=args.max_tokens, dtype=args.dtype))
         except NpumoeError as e:
             if len(names) == 1:
                 raise

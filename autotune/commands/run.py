@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import statistics
-import time
 
-from autotune.calibration.traces import RoutingRecorder, save_recording
+from autotune import pipeline
+from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import output_file, positive_int
-from autotune.commands.common import add_planned_arguments, planned_inputs, print_json
-from runtime.executor import PlanExecutor
-from runtime.prefill import max_rel_diff, prefill_prompts_logits
+from autotune.commands.common import add_planned_arguments, apply_threads, print_json
 
-DEFAULT_TEXT = "builtin:pydoc-heldout"
+DEFAULT_TEXT = DEFAULT_EVAL_TEXT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,42 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _timed(fn, repeat: int):
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return out, statistics.median(times)
-
-
 def run(args: argparse.Namespace) -> int:
-    model, plan, ids, backends = planned_inputs(args)
-    executor = PlanExecutor(model, plan, backends, args.plan)
-    result = {"model": args.model, "plan": args.plan, "text": args.text, "tokens": int(ids.numel()),
-              "chunk_tokens": plan.chunk_tokens, "overflow": plan.overflow}
-    prefill = lambda: prefill_prompts_logits(model, ids, plan.chunk_tokens, args.prompt_tokens)  # noqa: E731
-    if args.reference:
-        ref, result["reference_latency_ms"] = _timed(prefill, args.repeat)
-    recorder = RoutingRecorder(model) if args.record_traces else None
-
-    def planned():
-        executor.reset()
-        out = prefill()
-        if recorder:
-            recorder.enabled = False  # the first pass is the one recorded
-        return out
-
-    with executor, recorder or contextlib.nullcontext():
-        logits, result["latency_ms"] = _timed(planned, args.repeat)
-    result.update(executor.stats.to_json())
-    result["backend_fallbacks"] = executor.fallbacks
-    result["drift"] = executor.drift.report()
-    if recorder:
-        result["traces"] = save_recording(recorder, args.record_traces, args.text, plan.chunk_tokens,
-                                          args.prompt_tokens or int(ids.numel()), f"autotune run --plan {args.plan}")
-    if args.reference:
-        result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+    apply_threads(args.threads)
+    result = pipeline.run_plan(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
+                               prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
+                               reference=args.reference, repeat=args.repeat, record_traces=args.record_traces)
     if args.json:
         print_json(result)
     else:

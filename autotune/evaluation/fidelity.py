@@ -8,17 +8,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from runtime.executor import PlanExecutor
-from runtime.plan import Plan
 from runtime.prefill import prefill_chunks
 
 ROWS = 64  # positions whose full-vocabulary logits are compared at once
 
 
-def evaluate_plan(model: torch.nn.Module, plan: Plan, ids: torch.Tensor, prompt_tokens: int,
-                  backends: dict | None = None, progress: bool = True) -> dict:
-    """Perplexity of both models, top-1 next-token agreement, logits' max relative difference, and the executor's
-    measured drop and spill rates, over prompts of `prompt_tokens` prefilled in the plan's chunks."""
-    executor = PlanExecutor(model, plan, backends)
+def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int, progress: bool = True) -> dict:
+    """Perplexity of the model under `executor`'s plan and without it, top-1 next-token agreement, logits' max
+    relative difference, and the executor's measured drop and spill rates, over prompts of `prompt_tokens`
+    prefilled in the plan's chunks. The plan is installed or not afterwards as it was before."""
+    model, plan = executor.model, executor.plan
     nll_ref = nll_plan = 0.0
     agree = predicted = 0
     worst = 0.0
@@ -32,8 +31,10 @@ def evaluate_plan(model: torch.nn.Module, plan: Plan, ids: torch.Tensor, prompt_
         ref_chunks, plan_chunks = (prefill_chunks(model, prompt, plan.chunk_tokens) for _ in range(2))
         diff = scale = 0.0
         with torch.inference_mode():
-            for s, ref_out in zip(range(0, prompt.numel(), plan.chunk_tokens), ref_chunks):
-                with executor:
+            for s in range(0, prompt.numel(), plan.chunk_tokens):
+                with executor.applied(False):
+                    ref_out = next(ref_chunks)
+                with executor.applied(True):
                     got_out = next(plan_chunks)
                 n = ref_out.logits.shape[1]
                 for r in range(0, n, ROWS):  # fp32 temporaries for ROWS positions at a time, not the chunk's

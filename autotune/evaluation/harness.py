@@ -13,12 +13,10 @@ import os
 import tempfile
 
 import numpy as np
-import torch
 
 from autotune.evaluation import nextsent
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
-from runtime.plan import Plan
 
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 BUILTIN_TASKS = {nextsent.NAME: nextsent.write_task}
@@ -68,14 +66,14 @@ def _task_manager(TaskManager, include: list[str], names: list[str]):
     return manager
 
 
-def run_tasks(model: torch.nn.Module, tokenizer: object, plan: Plan, tasks: list[str], limit: int | None,
-              num_fewshot: int | None, include_path: str | None, backends: dict | None = None) -> dict:
-    """{task: paired accuracies} for every task lm-eval ran (a group's subtasks each), plus what the executor did
-    on the tasks' text (drop and spill rates)."""
+def run_tasks(executor: PlanExecutor, tokenizer: object, tasks: list[str], limit: int | None,
+              num_fewshot: int | None, include_path: str | None) -> dict:
+    """{task: paired accuracies} for every task lm-eval ran (a group's subtasks each) on the model without and
+    with `executor`'s plan, plus what the executor did on the tasks' text (drop and spill rates)."""
     if not hasattr(tokenizer, "pad_token_id"):
         raise NpumoeError("--tasks needs a model with a transformers tokenizer (tiny-moe or a model directory), "
                           "not a random: model")
-    executor = PlanExecutor(model, plan, backends)  # checks the plan against the model before any work
+    model = executor.model
     lm_eval, HFLM, TaskManager = _lm_eval()
     with tempfile.TemporaryDirectory(prefix="npumoe-tasks-") as tmp:
         names = [BUILTIN_TASKS[t](tmp) if t in BUILTIN_TASKS else t for t in tasks]
@@ -87,8 +85,9 @@ def run_tasks(model: torch.nn.Module, tokenizer: object, plan: Plan, tasks: list
                                           num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=0)
             return {t: _per_example(s) for t, s in out["samples"].items()}
 
-        reference = evaluate()
-        with executor:
+        with executor.applied(False):
+            reference = evaluate()
+        with executor.applied(True):
             planned = evaluate()
     total = executor.stats.total()
     results = {t: paired(reference[t], planned[t]) for t in reference if reference[t]}
