@@ -44,7 +44,8 @@ class LayerExecutor:
         row = 0
         for gi, g in enumerate(layer_plan.groups):
             backend = backends[g.backend]
-            fn = backend.prepare(GroupSpec(layer_plan.layer, gi, tuple(g.experts), tuple(g.capacities), module))
+            fn = backend.prepare(GroupSpec(layer_plan.layer, gi, tuple(g.experts), tuple(g.capacities), module,
+                                           g.compression))
             for e, c in zip(g.experts, g.capacities):
                 self.base[e], self.cap[e], self.group_of[e] = row, c, gi
                 row += c

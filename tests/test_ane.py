@@ -1,4 +1,4 @@
-"""The `ane` backend: unavailable off macOS (the runtime falls back to cpu-static and says so once); on macOS,
+"""The `ane` backend: unavailable off macOS (the runtime falls back to ane-sim and says so once); on macOS,
 prediction parity with cpu-static, op placement on the Neural Engine, and energy windows."""
 import logging
 import sys
@@ -46,7 +46,7 @@ def test_unavailable_off_macos_with_the_reason():
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS fallback")
 @pytest.mark.parametrize("given", [False, True])
-def test_plan_naming_ane_runs_on_cpu_static_and_says_so_once(given, caplog, tmp_path):
+def test_plan_naming_ane_runs_on_ane_sim_and_says_so_once(given, caplog, tmp_path):
     model, tok = random_model(MODEL)
     ids = _ids(tok)
     ref = prefill_logits(model, ids, CHUNK)
@@ -56,18 +56,19 @@ def test_plan_naming_ane_runs_on_cpu_static_and_says_so_once(given, caplog, tmp_
         with PlanExecutor(model, plan, backends) as ex:
             got = prefill_logits(model, ids, CHUNK)
     said = [r.getMessage() for r in caplog.records if "'ane'" in r.getMessage()]
-    assert len(said) == 1 and "needs macOS" in said[0] and "cpu-static" in said[0]
-    assert ex.fallbacks == {"ane": "cpu-static"}
+    assert len(said) == 1 and "needs macOS" in said[0] and "ane-sim" in said[0]
+    assert ex.fallbacks == {"ane": "ane-sim"}
     total = ex.stats.total()
-    assert total.tokens_per_backend["cpu-static"] == total.assignments and "ane" not in total.tokens_per_backend
-    assert max_rel_diff(got, ref) <= 1e-5
+    assert total.tokens_per_backend["ane-sim"] == total.assignments and "ane" not in total.tokens_per_backend
+    assert 1e-5 < max_rel_diff(got, ref) <= 1e-2  # fp16 inside the groups, as on the Neural Engine
 
 
 def test_registered_ane_resolves_without_a_package(caplog):
-    """A plan naming `ane` with no package resolves through the registry to AneBackend, which declines."""
+    """A plan naming `ane` with no package resolves through the registry to AneBackend, which declines: its groups
+    run on its fallback, ane-sim."""
     with caplog.at_level(logging.WARNING, logger="npumoe"):
         backend = registry.resolve("ane")
-    assert backend.name == "cpu-static"
+    assert backend.name == "ane-sim"
     reason = "needs macOS" if sys.platform != "darwin" else "no Core ML package given"
     assert reason in caplog.text and "not implemented" not in caplog.text
 

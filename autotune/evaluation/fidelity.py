@@ -57,4 +57,5 @@ def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int,
             "drop_rate": total.dropped / max(1, total.assignments),
             "spill_rate": total.spilled / max(1, total.assignments),
             "padding_fraction": total.padding_fraction, "assignments": total.assignments,
-            "tokens_per_backend": dict(total.tokens_per_backend), "backend_fallbacks": executor.fallbacks}
+            "tokens_per_backend": dict(total.tokens_per_backend), "calls_per_backend": dict(total.calls_per_backend),
+            "backend_fallbacks": executor.fallbacks}

@@ -21,6 +21,7 @@ class GroupSpec:
     experts: tuple[int, ...]
     capacities: tuple[int, ...]
     module: torch.nn.Module  # the transformers experts module (fused gate_up_proj / down_proj, _apply_gate)
+    compress: str = "none"  # how the group stores its weights on the ANE (the plan's `compress`; runtime.plan)
 
 
 class StaticBackend(Protocol):

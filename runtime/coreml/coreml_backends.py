@@ -1,5 +1,6 @@
 """The Core ML backends' registry entries: `ane` (a plan's groups as functions of a Core ML package on the Neural
-Engine, runtime/coreml/ane.py) and `coreml-cpu` (the same functions on Core ML's CPU only, profiled for comparison;
+Engine, runtime/coreml/ane.py), `ane-sim` (what those functions compute, on any host: runtime/coreml/ane_sim.py)
+and `coreml-cpu` (the same functions on Core ML's CPU only, profiled for comparison;
 nothing runs a plan on it). Core ML computes in fp16; each profiled shape is a conversion and a compile."""
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from runtime.backends.registry import REFERENCE, BackendInfo
+from runtime.backends.registry import BackendInfo
 from runtime.coreml import ane_limits
 from runtime.coreml.ane import INPUT_NAME, AneBackend, coreml_available, expert_weights_fp16, to_layout
+from runtime.coreml.ane_sim import AneSimBackend
 
 
 def profile_caller(compute_units: str, layout: str = "matmul") -> Callable[..., Callable[[], object]]:
@@ -39,9 +41,13 @@ def _group_violation(capacities: Sequence[int], hidden: int, ffn: int, compress:
 
 
 BACKENDS = (
-    BackendInfo("ane", AneBackend, overlaps_cpu=True, fallback=REFERENCE, options=("package",),
+    # Off macOS (or without a package) ane's groups run on ane-sim: what the ANE function computes, simulated.
+    BackendInfo("ane", AneBackend, overlaps_cpu=True, fallback=AneSimBackend.name, options=("package",),
                 limits=_group_violation, dtype_bytes=2, energy_field="ane_mj",
                 profile_call=profile_caller("CPU_AND_NE"), profile_available=coreml_available, compiles_per_shape=True),
+    # Always available; not profiled by default (its time says nothing about a device: profile-device's own list).
+    BackendInfo(AneSimBackend.name, AneSimBackend, fallback=None, limits=_group_violation, dtype_bytes=2,
+                cpu_torch=True),
     BackendInfo("coreml-cpu", None, dtype_bytes=2, profile_call=profile_caller("CPU_ONLY"),
                 profile_available=coreml_available, compiles_per_shape=True),
 )
