@@ -28,9 +28,10 @@ RATE_FACTOR = 1.5  # the plan holds while its window overflow rate stays within 
 TV_THRESHOLD = 0.2
 
 
-def tv_distance(p: np.ndarray, q: np.ndarray) -> float:
-    """Total-variation distance between two distributions over the same experts."""
-    return 0.5 * float(np.abs(p - q).sum())
+def tv_distance(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Total-variation distance between distributions over the same experts, along the last axis: one number for
+    two share vectors, one per layer for two [layers, experts] share matrices."""
+    return 0.5 * np.abs(np.asarray(p) - np.asarray(q)).sum(axis=-1)
 
 
 class DriftMonitor:
@@ -68,7 +69,7 @@ class DriftMonitor:
                "spill_rate": rate if self.policy == "spill" else 0.0, "assignments": int(loads.sum())}
         if self.shares is not None:
             out["expected_rate"] = self.expected[layer]
-            out["tv"] = tv_distance(loads / n, self.shares[layer])
+            out["tv"] = float(tv_distance(loads / n, self.shares[layer]))
         return out
 
     def _window(self) -> tuple[dict[int, dict], float]:

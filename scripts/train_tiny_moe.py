@@ -46,7 +46,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from autotune.calibration import modelstats, texts  # noqa: E402
+from autotune.calibration import modelstats, texts, workload  # noqa: E402
+from runtime.drift import tv_distance  # noqa: E402
 from runtime.loading.model_loader import TINY_MOE_DIR  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -259,7 +260,7 @@ def train(model, streams: dict[str, np.ndarray], args) -> dict:
 # ------------------------------------------------------------------------------------------- evaluation
 def evaluate(model, tokenizer, max_eval_tokens: int) -> dict:
     """Perplexities and routing figures on the built-in texts (what the model card and the tests report)."""
-    ids = {n: modelstats.encode(tokenizer, texts.read_text(n)) for n in texts.BUILTIN_TEXTS}
+    ids = {n: workload.encode(tokenizer, texts.read_text(n)) for n in texts.BUILTIN_TEXTS}
     calib, heldout, code = (ids[texts.DEFAULT_CALIB_TEXT], ids[texts.DEFAULT_EVAL_TEXT], ids[texts.SHIFTED_TEXT])
     heldout_text = texts.read_text(texts.DEFAULT_EVAL_TEXT)
     ppl_heldout = modelstats.perplexity(model, heldout)
@@ -275,7 +276,7 @@ def evaluate(model, tokenizer, max_eval_tokens: int) -> dict:
         skew_calib=modelstats.skew(share[texts.DEFAULT_CALIB_TEXT]).tolist(),
         skew_heldout=modelstats.skew(share[texts.DEFAULT_EVAL_TEXT]).tolist(),
         skew_stdlib_code=modelstats.skew(share[texts.SHIFTED_TEXT]).tolist(),
-        tv_heldout_vs_code=modelstats.tv_distance(share[texts.DEFAULT_EVAL_TEXT], share[texts.SHIFTED_TEXT]).tolist(),
+        tv_heldout_vs_code=tv_distance(share[texts.DEFAULT_EVAL_TEXT], share[texts.SHIFTED_TEXT]).tolist(),
         min_share_calib=share[texts.DEFAULT_CALIB_TEXT].min(axis=1).tolist(),
         shares_calib=np.round(share[texts.DEFAULT_CALIB_TEXT], 5).tolist(),
         eval_token_cap=max_eval_tokens,

@@ -11,6 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from autotune.calibration import modelstats, texts, workload
+from runtime.drift import tv_distance
 from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec
 
 PPL_TOKENS = 8192  # held-out slice for the perplexity comparison
@@ -100,11 +101,11 @@ def test_routing_is_skewed_in_every_layer_on_the_calibration_text(shares):
 
 @pytest.mark.slow
 def test_shifted_text_moves_routing_in_at_least_half_the_layers(shares):
-    tv = modelstats.tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.SHIFTED_TEXT])
+    tv = tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.SHIFTED_TEXT])
     print("TV(pydoc-heldout, stdlib-code) per layer:", np.round(tv, 3))
     assert (tv >= 0.1).sum() >= len(tv) / 2, tv
     # ...while the two halves of the same domain stay close: the shift is the domain, not noise.
-    same = modelstats.tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.DEFAULT_CALIB_TEXT])
+    same = tv_distance(shares[texts.DEFAULT_EVAL_TEXT], shares[texts.DEFAULT_CALIB_TEXT])
     assert same.mean() < tv.mean()
 
 

@@ -1,7 +1,8 @@
 """Quality and routing figures of an MoE language model on a text: perplexity, expert load shares, skew.
 
-Routing is read at the experts module's forward (`experts(hidden, top_k_index, top_k_weights)`), the one
-interface every transformers 5.x MoE family shares, so these figures see exactly what the executor sees.
+Routing is read by `traces.RoutingRecorder` at the experts module's forward (`experts(hidden, top_k_index,
+top_k_weights)`), the one interface every transformers 5.x MoE family shares, so these figures see exactly what
+the executor sees.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runtime.loading.model_loader import moe_layers
+from autotune.calibration.traces import RoutingRecorder
 
 DEFAULT_CHUNK = 512
 
@@ -45,24 +46,10 @@ def unigram_perplexity(fit_ids: Sequence[int], eval_ids: Sequence[int], vocab_si
 @torch.no_grad()
 def expert_counts(model: torch.nn.Module, ids: Sequence[int], chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Assignments per (MoE layer, expert) over the text: shape [layers, experts], each row sums to tokens×top-k."""
-    layers = moe_layers(model)
-    num_experts = int(layers[0].experts.num_experts)
-    counts = np.zeros((len(layers), num_experts), dtype=np.int64)
-
-    def hook(row: int):
-        def record(_module, args, kwargs):
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            counts[row] += np.bincount(top_k_index.reshape(-1).numpy(), minlength=num_experts)[:num_experts]
-        return record
-
-    handles = [l.experts.register_forward_pre_hook(hook(i), with_kwargs=True) for i, l in enumerate(layers)]
-    try:
+    with RoutingRecorder(model) as recorder:
         for x in _chunks(ids, chunk):
             model(input_ids=x[None])
-    finally:
-        for h in handles:
-            h.remove()
-    return counts
+    return recorder.expert_counts()
 
 
 def shares(counts: np.ndarray) -> np.ndarray:
@@ -74,7 +61,3 @@ def skew(share: np.ndarray) -> np.ndarray:
     """Per layer: the most-used expert's share as a multiple of the uniform share."""
     return share.max(axis=1) * share.shape[1]
 
-
-def tv_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-layer total-variation distance between two share matrices."""
-    return 0.5 * np.abs(a - b).sum(axis=1)

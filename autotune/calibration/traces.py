@@ -99,6 +99,12 @@ class RoutingRecorder:
     def n_chunks(self) -> int:
         return len(self.chunk_ids)
 
+    def expert_counts(self) -> np.ndarray:
+        """Assignments recorded per (MoE layer, expert): shape [layers, experts]."""
+        e = self.spec.num_experts
+        return np.stack([np.bincount(np.concatenate(r["idx"]).reshape(-1), minlength=e) if r["idx"]
+                         else np.zeros(e, dtype=np.int64) for r in self.rec.values()])
+
     def traces(self, heldout: np.ndarray, header: dict) -> Traces:
         """The recorded chunks as traces; `heldout[c]` says whether chunk c is held out; `header` adds to the
         schema, model, chunk count and token count."""
