@@ -307,8 +307,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> dict:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs; returns what `autotune run --json` prints: run statistics,
-    backend fallbacks, the drift monitor's verdict, and with `reference` the unmodified model's latency and the
-    logits' max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
+    backend fallbacks, the drift monitor's verdict, the measured energy of backends that measure their calls
+    (`energy_per_backend`, of the last run), and with `reference` the unmodified model's latency and the logits'
+    max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     result = {"model": model, "plan": str(plan), "text": text, "tokens": int(ids.numel()), "chunk_tokens": chunk,
@@ -326,6 +327,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     result.update(executor.stats.to_json())
     result["backend_fallbacks"] = executor.fallbacks
     result["drift"] = executor.drift.report()
+    energy = executor.energy()
+    if energy:  # backends that measure their calls (ane with zeus-apple-silicon on macOS)
+        result["energy_per_backend"] = energy
     if record_traces:
         result["traces"] = record_run_traces(loaded.model, ids, chunk, prompt_tokens or int(ids.numel()), text,
                                              record_traces, f"autotune run --plan {plan}")

@@ -10,6 +10,7 @@ groups cannot pay off. A layer without groups runs every chunk that way.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -206,9 +207,29 @@ class PlanExecutor:
         self.set_phase("decode" if decode else "prefill")
 
     def reset(self) -> None:
-        """Start counting afresh (run statistics and the drift monitor), as before a repeated run."""
+        """Start counting afresh (run statistics, the drift monitor, backends' energy), as before a repeated run."""
         self.stats.reset()
         self.drift.reset()
+        for backend in self._energy_backends():
+            backend.energy.clear()
+
+    def _energy_backends(self) -> list[StaticBackend]:
+        """The backends that measure their calls' energy: an `energy` dict (per function: summed mJ per unit and
+        `calls`), e.g. `ane` with zeus-apple-silicon. A backend serving several names is listed once."""
+        unique = {id(b): b for b in self.backends.values()}
+        return [b for b in unique.values() if isinstance(getattr(b, "energy", None), dict)]
+
+    def energy(self) -> dict[str, dict[str, float]]:
+        """Per backend that measured some, the energy of its calls since the last reset: mJ per unit and `calls`
+        (measured by the backend, never estimated)."""
+        out = {}
+        for backend in self._energy_backends():
+            total: Counter = Counter()
+            for per_function in backend.energy.values():
+                total.update(per_function)
+            if total:
+                out[backend.name] = dict(total)
+        return out
 
     def install(self) -> "PlanExecutor":
         for layer in moe_layers(self.model):

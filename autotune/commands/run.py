@@ -46,6 +46,9 @@ def _print_summary(r: dict) -> None:
                                       for b, n in r["tokens_per_backend"].items()))
     for name, used in r["backend_fallbacks"].items():
         print(f"note: plan names {name}, which is unavailable here; ran on {used}")
+    for name, used in r.get("energy_per_backend", {}).items():
+        print(f"energy measured on {name} over {used['calls']:.0f} calls: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in used.items() if k != "calls"))
     if "max_rel_diff_vs_reference" in r:
         print(f"max relative difference vs the unmodified model: {r['max_rel_diff_vs_reference']:.2e}")
     if "traces" in r:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
 from autotune.profiling.macos import macos_module
-from runtime.coreml.ane import ENERGY_FIELDS
+from runtime.apple_energy import energy_window, zeus_monitor
 
 
 class EnergyMeter(Protocol):
@@ -64,9 +64,7 @@ class ZeusMeter:
     source = "zeus-apple-silicon AppleEnergyMonitor windows"
 
     def __init__(self) -> None:
-        from zeus_apple_silicon import AppleEnergyMonitor  # type: ignore
-
-        self.monitor = AppleEnergyMonitor()
+        self.monitor = zeus_monitor()
         self._n = 0
 
     @classmethod
@@ -74,19 +72,9 @@ class ZeusMeter:
         return macos_module("zeus_apple_silicon", "zeus-apple-silicon is macOS only",
                              "zeus-apple-silicon is not installed (pip install 'npumoe[energy]')", "zeus-apple-silicon")
 
-    @contextlib.contextmanager
-    def window(self) -> Iterator[dict[str, float]]:
+    def window(self) -> ContextManager[dict[str, float]]:
         self._n += 1
-        key, out = f"npumoe-{self._n}", {}
-        self.monitor.begin_window(key)
-        try:
-            yield out
-        finally:
-            res = self.monitor.end_window(key)
-            for unit in ENERGY_FIELDS:
-                v = getattr(res, unit, None)
-                if v is not None:
-                    out[unit] = float(v)
+        return energy_window(self.monitor, f"npumoe-{self._n}")
 
 
 def energy_meter() -> tuple[EnergyMeter | None, str]:

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from runtime.apple_energy import energy_window, zeus_monitor
 from runtime.backends.protocol import GroupFn, GroupSpec
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
@@ -39,7 +40,6 @@ LAYOUTS = ("matmul", "conv1x1")
 INPUT_NAME, OUTPUT_NAME = "x", "y"
 MANIFEST_SCHEMA = "npumoe.manifest/1"  # <out>.manifest.json: the packages of one build, their functions
 META_KEY = "npumoe.build"  # user-defined metadata: JSON with layout, compression and per-function provenance
-ENERGY_FIELDS = ("ane_mj", "cpu_total_mj", "gpu_mj", "dram_mj")
 
 
 def function_name(layer: int, group: int) -> str:
@@ -239,33 +239,16 @@ class AneBackend:
 
     @contextmanager
     def _energy_window(self, name: str) -> Iterator[None]:
-        """Energy of one call through zeus-apple-silicon (optional); windows are per thread and call."""
-        monitor = self._energy_monitor()
-        if monitor is None:
+        """Energy of one call through zeus-apple-silicon (optional), added to `energy[name]`; windows are per
+        thread and call."""
+        if self._monitor is None:
+            self._monitor = zeus_monitor() or False  # not installed: no energy figures, and none made up
+        if not self._monitor:
             yield
             return
-        label = f"{name}@{threading.get_ident()}"
-        monitor.begin_window(label, restart=True)
-        try:
+        with energy_window(self._monitor, f"{name}@{threading.get_ident()}") as used:
             yield
-        finally:
-            metrics = monitor.end_window(label)
-            totals = self.energy[name]
-            totals["calls"] += 1
-            for field in ENERGY_FIELDS:
-                value = getattr(metrics, field, None)
-                if value is not None:
-                    totals[field] += value
-
-    def _energy_monitor(self):
-        if self._monitor is None:
-            try:
-                from zeus_apple_silicon import AppleEnergyMonitor
-            except ImportError:
-                self._monitor = False  # not installed: no energy figures, and say nothing made one up
-            else:
-                self._monitor = AppleEnergyMonitor()
-        return self._monitor or None
+        self.energy[name].update(used, calls=1)
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, str]:
