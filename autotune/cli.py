@@ -16,7 +16,7 @@ from runtime.errors import NpumoeError
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
-            "generate", "build", "doctor"]
+            "generate", "serve", "build", "doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -74,12 +74,13 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     return Loaded(m, tokenizer, p, executor)
 
 
-def chat_prompt(tokenizer: object, prompt: str) -> str | None:
-    """The prompt wrapped in the tokenizer's chat template as one user turn; None when it has no template."""
+def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:
+    """The prompt (one user turn, or a list of {"role", "content"} messages) in the tokenizer's chat template, ready
+    for the assistant's turn; None when it has no template."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) -> torch.Tensor:
@@ -107,26 +108,61 @@ def _eos_ids(loaded: Loaded) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
-def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator) -> int:
+def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator, top_p: float = 1.0) -> int:
     if temp <= 0:
         return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits.float() / temp, dim=-1), 1, generator=gen))
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    if top_p < 1.0:  # nucleus: the most likely tokens whose mass reaches top_p (always at least the first)
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        sorted_probs[outside] = 0.0
+        return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def _decode(tokenizer: object, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-class _Run:
-    """One generation: produces tokens, then text pieces, and keeps the measured timings."""
+def context_positions(model: torch.nn.Module) -> int | None:
+    """How many positions the model's context holds (config `max_position_embeddings`); None where unstated."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+    """`max_tokens` bounded by the model's context, prompt + new <= positions (generation past the bound stops
+    with finish_reason "length"); an error when the prompt leaves no room for one new token."""
+    positions = context_positions(model)
+    if positions is None:
+        return max_tokens
+    if prompt_tokens >= positions:
+        raise NpumoeError(f"the prompt holds {prompt_tokens} tokens; the model's context holds {positions} "
+                          "positions, so no token fits after it")
+    return min(max_tokens, positions - prompt_tokens)
+
+
+class Generation:
+    """One generation: produces tokens, then text pieces, and keeps the measured timings.
+
+    `prefix`: a KV cache already holding the prompt's first tokens (a multiple of `chunk_tokens`, fewer than the
+    prompt), so prefill starts after them and meets the same chunk boundaries as without it. `on_prefill_chunk`
+    sees (tokens prefilled so far, the cache) after each prefill chunk. Stopping the iteration early is
+    cancelling: nothing more runs."""
 
     def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
-                 chunk_tokens: int | None) -> None:
+                 chunk_tokens: int | None, top_p: float = 1.0, prefix: object | None = None,
+                 on_prefill_chunk: Callable[[int, object], None] | None = None) -> None:
         if max_tokens < 1:
             raise NpumoeError(f"max_tokens must be at least 1, got {max_tokens}")
-        self.loaded, self.ids, self.max_tokens, self.temp = loaded, ids, max_tokens, temp
+        self.loaded, self.ids, self.temp, self.top_p = loaded, ids, temp, top_p
+        self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens)
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
+        self.prefix, self.on_prefill_chunk = prefix, on_prefill_chunk
+        self.cached = prefix.get_seq_length() if prefix is not None else 0
+        if self.cached % self.chunk or self.cached >= ids.numel():
+            raise NpumoeError(f"a reused prefix must be a whole number of {self.chunk}-token chunks shorter than "
+                              f"the prompt, got {self.cached} of {ids.numel()} tokens")
         self.tokens: list[int] = []
         self.ttft_s = self.decode_s = 0.0
         self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
@@ -141,10 +177,14 @@ class _Run:
         try:
             self._phase("prefill")
             t0 = time.perf_counter()
+            done = self.cached
             with torch.inference_mode():
-                for out in prefill_chunks(model, self.ids, self.chunk, last_logits_only=True):
-                    pass
-                tok = _sample(out.logits[0, -1], self.temp, self.gen)
+                for out in prefill_chunks(model, self.ids[self.cached:], self.chunk, last_logits_only=True,
+                                          cache=self.prefix):
+                    done = min(done + self.chunk, self.ids.numel())
+                    if self.on_prefill_chunk is not None:
+                        self.on_prefill_chunk(done, out.cache)
+                tok = _sample(out.logits[0, -1], self.temp, self.gen, self.top_p)
             t1 = time.perf_counter()
             self.ttft_s = t1 - t0
             self._phase("decode")
@@ -161,7 +201,7 @@ class _Run:
                 t = time.perf_counter()
                 with torch.inference_mode():
                     out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
-                    tok = _sample(out.logits[0, -1], self.temp, self.gen)
+                    tok = _sample(out.logits[0, -1], self.temp, self.gen, self.top_p)
                 self.step_s.append(time.perf_counter() - t)
                 cache = out.cache
         finally:
@@ -187,7 +227,7 @@ class _Run:
         total = stats.total()
         n = len(self.tokens)
         return {"prompt_tokens": int(self.ids.numel()), "generated_tokens": n,
-                "ttft_ms": self.ttft_s * 1e3, "prefill_tok_s": self.ids.numel() / self.ttft_s,
+                "ttft_ms": self.ttft_s * 1e3, "prefill_tok_s": (self.ids.numel() - self.cached) / self.ttft_s,
                 "generation_tok_s": (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None,
                 "decode_step_ms": statistics.median(self.step_s) * 1e3 if self.step_s else None,
                 "peak_rss_mb": peak_rss_mb(), "dropped": total.dropped, "spilled": total.spilled,
@@ -202,9 +242,10 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
-def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int, chat: bool) -> _Run:
+def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,
+           chat: bool) -> Generation:
     ids = prompt_ids(loaded, prompt, chat)
-    return _Run(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
+    return Generation(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
 
 
 def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -236,7 +277,7 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
     result = run.result("".join(pieces))
     if compare:
         with loaded.unmodified():
-            ref = _Run(loaded, run.ids, max_tokens, temp, seed, run.chunk)
+            ref = Generation(loaded, run.ids, max_tokens, temp, seed, run.chunk)
             for _ in ref.token_ids():
                 pass
         result.update(reference_ttft_ms=ref.ttft_s * 1e3, reference_prefill_tok_s=run.ids.numel() / ref.ttft_s,
@@ -259,5 +300,5 @@ def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:
     """One short untimed generation each way, so neither measured run pays first-call costs."""
     for ctx in (loaded.unmodified, nullcontext):
         with ctx():
-            for _ in _Run(loaded, ids, 2, 0.0, 0, chunk).token_ids():
+            for _ in Generation(loaded, ids, 2, 0.0, 0, chunk).token_ids():
                 pass

@@ -7,12 +7,12 @@ import torch
 
 
 def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
-                   last_logits_only: bool = False) -> Iterator:
+                   last_logits_only: bool = False, cache: object | None = None) -> Iterator:
     """The model's outputs, chunk by chunk, for a 1-D sequence of token ids; each output holds the cache so far.
-    `last_logits_only`: each chunk computes logits for its last position only (what generation needs). Callers
-    run it under `torch.inference_mode()`."""
+    `last_logits_only`: each chunk computes logits for its last position only (what generation needs). `cache`:
+    a KV cache holding the tokens before `input_ids` (continued in place). Callers run it under
+    `torch.inference_mode()`."""
     ids = input_ids.reshape(1, -1)
-    cache = None
     keep = {"logits_to_keep": 1} if last_logits_only else {}
     for start in range(0, ids.shape[1], chunk_tokens):
         out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)

@@ -135,12 +135,12 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
 
 def test_incremental_detokenisation_holds_back_incomplete_characters():
     """A multi-byte character arrives byte by byte from the byte tokenizer: no piece carries a half character."""
-    from runtime.generation import _Run
+    from runtime.generation import Generation
 
     text = "héllo ✓ naïve"
     loaded = runtime.load("random:qwen3_moe")
 
-    class Scripted(_Run):
+    class Scripted(Generation):
         def token_ids(self):
             for b in text.encode("utf-8"):
                 self.tokens.append(b)

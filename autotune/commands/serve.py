@@ -1,0 +1,69 @@
+"""`autotune serve`: a model under a plan behind the OpenAI API (FastAPI + uvicorn), on loopback by default.
+
+A thin parser over `runtime.load` and `runtime.serving.server.serve`."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from autotune.commands.argtypes import (
+    input_file,
+    input_package,
+    non_negative_float,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads
+from runtime.errors import NpumoeError
+from runtime.generation import load
+from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
+
+KEY_ENV = "NPUMOE_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model under a plan behind the OpenAI API (/v1/completions, "
+                                     "/v1/chat/completions, streaming; /health, /metrics)")
+    add_model_argument(p)
+    p.add_argument("--plan", type=input_file, metavar="P",
+                   help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs (no prefix cache)")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage",
+                   help="Core ML package from `autotune build` for the plan's `ane` groups")
+    add_dtype_argument(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other than loopback needs --api-key)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
+    p.add_argument("--api-key", metavar="K",
+                   help=f"require `Authorization: Bearer K` on every route but /health (default: ${KEY_ENV}, "
+                        "which keeps the key out of the process list)")
+    p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
+                   help="requests that may wait behind the running one (default 16); past it: HTTP 429")
+    p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
+                   help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
+    p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
+                   help=f"on SIGTERM, how long requests in flight may take to finish (default {DRAIN_S:g})")
+    add_threads_argument(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.package and not args.plan:
+        raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+    api_key = args.api_key or os.environ.get(KEY_ENV) or None
+    check_bind(args.host, api_key)
+    sock = listen(args.host, args.port)  # before loading: a taken port fails at once
+    try:
+        apply_threads(args.threads)
+        loaded = load(args.model, args.plan, args.package, args.dtype)
+        model_id = served_model_id(args.model)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{host}:{sock.getsockname()[1]}/v1"
+
+        def ready(engine: object) -> None:
+            print(f"autotune serve: {model_id} at {url} (SIGTERM or Ctrl-C: finish the requests in flight, exit)",
+                  flush=True)
+        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready)
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`autotune serve`): engine (model, queue, prefix cache), HTTP app, runner."""

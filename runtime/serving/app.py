@@ -1,0 +1,244 @@
+"""The HTTP face of the engine: FastAPI routes for the OpenAI API, /health and /metrics.
+
+Every refusal is an OpenAI error object with a 4xx status: bad JSON and wrong types (400), a missing or wrong key
+(401), an unknown model (404), a body past its bound (413), a full queue (429 with Retry-After). A client that
+leaves, while it waits or while its stream runs, cancels its job: the worker stops at its next token.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from runtime.generation import DEFAULT_MAX_TOKENS
+from runtime.serving.engine import Engine, GenerationRequest, RequestError
+from runtime.serving.openai_schema import ChatRequest, CompletionRequest, Reply, Sampling, error_object, usage
+from runtime.serving.scheduler import Closed, Job, QueueFull
+
+MAX_BODY_BYTES = 4 << 20  # a prompt as long as any context we serve, as JSON, with room to spare
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the runtime's
+DISCONNECT_POLL_S = 0.25  # how often a request that waits checks whether its client is still there
+PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+CLIENT_LEFT = 499  # the status recorded for a client that left before its answer (nginx's convention)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_object(message, type_, param, code), status_code=status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware in front of every route: counts requests by endpoint and status, checks the API key (all
+    but /health) and bounds the body, before any parsing."""
+
+    def __init__(self, app: object, engine: Engine, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.engine, self.max_body_bytes = app, engine, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [CLIENT_LEFT]
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal, receive = await self._check(scope, receive)
+            if refusal is not None:
+                return await refusal(scope, receive, counted)
+            await self.app(scope, receive, counted)
+        finally:
+            path = scope["path"] if scope["path"] in PATHS else "other"
+            self.engine.metrics.requests.labels(path, str(status[0])).inc()
+
+    async def _check(self, scope: dict, receive) -> tuple[Response | None, object]:
+        headers = dict(scope["headers"])
+        if self.expected and scope["path"] != "/health" and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return error_response(401, "a missing or wrong API key: send the header Authorization: Bearer <key>",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), receive
+        too_big = error_response(413, f"the request body is past {self.max_body_bytes} bytes",
+                                 code="request_too_large")
+        if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
+            return too_big, receive
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None, receive  # the client left; the route sees the disconnect
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return too_big, receive
+        replayed = False
+
+        async def replay() -> dict:  # the body once, then the client's own messages (its disconnect)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return None, replay
+
+
+async def next_event(job: Job, request: Request) -> object:
+    """The job's next event; None once the client has left (checked while waiting, every DISCONNECT_POLL_S)."""
+    get = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return get.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        get.cancel()
+
+
+def parse(model: type[Sampling], body: bytes) -> Sampling:
+    """The request body as `model` (JSON whatever the content type says); the first problem as a 400."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = [str(part) for part in first.get("loc", ())]
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        raise RequestError(400, f"{'.'.join(where) + ': ' if where else ''}{message}", where[0] if where else None,
+                           first.get("type")) from None
+
+
+def _usage(done: dict) -> dict:
+    return usage(done["prompt_tokens"], done["completion_tokens"], done["cached_tokens"])
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+async def _stream(engine: Engine, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk(None))
+        while (event := await job.events.get()) is not None:
+            kind, value = event
+            if kind == "text":
+                yield _sse(reply.chunk(value))
+            elif kind == "error":
+                yield _sse(error_object(value.message, value.type, value.param, value.code))
+                return
+            elif kind == "done":
+                yield _sse(reply.chunk(None, value["finish_reason"], npumoe=value["npumoe"]))
+                if include_usage:
+                    yield _sse(reply.usage_chunk(_usage(value), value["npumoe"]))
+                yield _sse("[DONE]")
+    finally:
+        engine.scheduler.cancel(job)  # a no-op once the job is done
+
+
+def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The server's ASGI app. Its shutdown (after uvicorn's drain) stops the engine's worker."""
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(engine.close, 10.0)
+
+    app = FastAPI(title="npumoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, engine=engine, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return engine.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": started,
+                                            "owned_by": "npumoe"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse(CompletionRequest, await request.body())
+        prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"ids": body.prompt}
+        return await _respond(engine, body, request, Reply(False, engine.model_id), COMPLETION_MAX_TOKENS, prompt)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = parse(ChatRequest, await request.body())
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        return await _respond(engine, body, request, Reply(True, engine.model_id), DEFAULT_MAX_TOKENS,
+                              {"messages": messages})
+
+    return app
+
+
+async def _respond(engine: Engine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
+                   prompt: dict) -> Response:
+    if body.model != engine.model_id:
+        raise RequestError(404, f"the model {body.model!r} is not served here (this server serves "
+                                f"{engine.model_id!r})", "model", "model_not_found")
+    max_tokens = body.max_tokens or default_max_tokens
+    if engine.positions is not None and max_tokens > engine.positions:
+        raise RequestError(400, f"max_tokens is {max_tokens}; the model's context holds {engine.positions}",
+                           "max_tokens")
+    job_request = GenerationRequest(max_tokens, body.temperature, body.top_p, body.seed, body.stop, **prompt)
+    try:
+        job = engine.submit(job_request, asyncio.get_running_loop())
+    except QueueFull as e:
+        return error_response(429, str(e), "rate_limit_exceeded", code="queue_full",
+                              headers={"Retry-After": str(e.retry_after_s)})
+    except Closed:
+        return error_response(503, "the server is shutting down", "server_error", code="shutting_down")
+    finished = False
+    try:
+        first = await next_event(job, request)  # ("start", ...) or ("error", ...) once the job has its turn
+        if first is None:
+            return Response(status_code=CLIENT_LEFT)
+        if first[0] == "error":
+            raise first[1]
+        if body.stream:
+            finished = True  # the stream owns the job from here
+            return StreamingResponse(_stream(engine, job, reply, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(engine.scheduler.cancel, job))
+        while (event := await next_event(job, request)) is not None:
+            kind, value = event
+            if kind == "error":
+                raise value
+            elif kind == "done":
+                finished = True
+                return JSONResponse(reply.whole(value["text"], value["finish_reason"], _usage(value),
+                                                value["npumoe"]))
+        return Response(status_code=CLIENT_LEFT)
+    finally:
+        if not finished:
+            engine.scheduler.cancel(job)

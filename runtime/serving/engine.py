@@ -1,0 +1,198 @@
+"""The engine behind the server: one loaded model (under its plan), its prefix cache, its queue and its metrics.
+
+Everything that touches the model or the tokenizer runs on the scheduler's one worker thread, in arrival order:
+encoding the prompt (a chat through the tokenizer's template, or the fallback format below), reusing a cached
+prefix, then `runtime.generation.Generation`: the same prefill chunks, decode steps and sampling as
+`runtime.generate`. Prefill and decode of different requests are never batched together.
+
+Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
+`Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from runtime.errors import NpumoeError
+from runtime.generation import Generation, Loaded, chat_prompt, context_positions, prompt_ids
+from runtime.serving.metrics import Metrics
+from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
+from runtime.serving.scheduler import Job, Scheduler
+from runtime.serving.stop_sequences import StopText
+
+log = logging.getLogger("npumoe.serve")
+
+FALLBACK_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+
+@dataclass
+class GenerationRequest:
+    """One generation request, checked against the schema: exactly one of `text`, `ids`, `messages`."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    text: str | None = None
+    ids: list[int] | None = None
+    messages: list[dict] | None = None
+
+
+def fallback_chat_text(messages: list[dict]) -> str:
+    return "".join(f"{FALLBACK_ROLES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
+
+
+class Engine:
+    def __init__(self, loaded: Loaded, model_id: str, max_queue: int, prefix_cache_mb: float) -> None:
+        self.loaded, self.model_id = loaded, model_id
+        self.positions = context_positions(loaded.model)
+        self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
+        self.prefix_cache, self.prefix_cache_off = None, None
+        if self.chunk is None:
+            self.prefix_cache_off = "no plan: prefill runs the whole prompt at once, so there is no chunk to reuse"
+        elif not supports_prefix_reuse(loaded.model):
+            self.prefix_cache_off = "the model's cache is not plain full attention"
+        elif prefix_cache_mb <= 0:
+            self.prefix_cache_off = "--prefix-cache-mb 0"
+        else:
+            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20))
+        self.scheduler = Scheduler(max_queue)
+        self.metrics = Metrics(lambda: self.scheduler.depth,
+                               lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
+
+    def warm_up(self) -> None:
+        """One short untimed generation, so the first client does not pay first-call costs; then count afresh."""
+        for _ in Generation(self.loaded, prompt_ids(self.loaded, "Hello"), 2, 0.0, 0, self.chunk).token_ids():
+            pass
+        self.loaded.reset()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue `request` (QueueFull, Closed: refused). Its job's events: ("start", prompt tokens) or ("error",
+        RequestError); then ("text", piece)... and ("done", figures); `None` ends them."""
+        job = Job(partial(self._serve, request), loop)
+        self.scheduler.submit(job)
+        return job
+
+    def close(self, timeout_s: float | None = None) -> None:
+        self.scheduler.close(timeout_s)
+
+    def health(self) -> dict:
+        cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
+                 "max_bytes": self.prefix_cache.max_bytes} if self.prefix_cache else {"off": self.prefix_cache_off}
+        return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
+                "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
+
+    def _encode(self, request: GenerationRequest) -> torch.Tensor:
+        if request.messages is not None:
+            try:
+                text = chat_prompt(self.loaded.tokenizer, request.messages)
+            except Exception as e:  # the template's own refusal (roles out of order, ...)
+                raise RequestError(400, f"the chat template refused the messages: {e}", "messages") from e
+            request.text = fallback_chat_text(request.messages) if text is None else text
+        try:
+            ids = prompt_ids(self.loaded, request.text if request.text is not None else request.ids)
+        except NpumoeError as e:
+            raise RequestError(400, str(e), "messages" if request.messages is not None else "prompt") from e
+        if self.positions is not None and ids.numel() >= self.positions:
+            raise RequestError(400, f"the prompt holds {ids.numel()} tokens; the model's context holds "
+                                    f"{self.positions}, so no token fits after it", "prompt",
+                               "context_length_exceeded")
+        return ids
+
+    def _serve(self, request: GenerationRequest, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        try:
+            ids = self._encode(request)
+        except RequestError as e:
+            job.emit(("error", e))
+            return
+        job.emit(("start", ids.numel()))
+        try:
+            self._generate(request, ids, job)
+        except Exception as e:
+            log.exception("generation failed")
+            job.emit(("error", RequestError(500, f"generation failed: {e}", type_="server_error")))
+
+    def _generate(self, request: GenerationRequest, ids: torch.Tensor, job: Job) -> None:
+        self.loaded.stats.reset()  # this request's figures; the drift monitor keeps watching across requests
+        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, self.chunk,
+                         request.top_p, prefix, self._keeper(ids, prefix))
+        stop, texts, finish = StopText(request.stop), [], None
+        pieces = gen.pieces()
+        try:
+            for piece in pieces:
+                if job.cancelled.is_set():
+                    break
+                text, hit = stop.feed(piece)
+                if text:
+                    texts.append(text)
+                    job.emit(("text", text))
+                if hit:
+                    finish = "stop"
+                    break
+            else:
+                texts.append(stop.flush())
+                if texts[-1]:
+                    job.emit(("text", texts[-1]))
+                finish = "stop" if gen.finish_reason == "eos" else "length"
+        finally:
+            pieces.close()
+        if finish is None:  # the client left: nothing more to say to it
+            self.metrics.cancelled.inc()
+            return
+        job.emit(("done", self._figures(gen, job, finish, "".join(texts))))
+
+    def _keeper(self, ids: torch.Tensor, prefix: object | None):
+        """The prefill callback that stores the prompt's last whole chunk in the prefix cache."""
+        if self.prefix_cache is None:
+            return None
+        cached = prefix.get_seq_length() if prefix is not None else 0
+        target = ids.numel() // self.chunk * self.chunk
+
+        def keep(done: int, cache: object) -> None:
+            if done == target > cached:
+                self.prefix_cache.store(ids[:done], cache)
+        return keep
+
+    def _figures(self, gen: Generation, job: Job, finish: str, text: str) -> dict:
+        """What the response reports (usage and the `npumoe` object), and the metrics it adds to."""
+        r = gen.result(text)
+        m = self.metrics
+        m.prompt_tokens.inc(r["prompt_tokens"])
+        m.cached_tokens.inc(gen.cached)
+        m.generated_tokens.inc(r["generated_tokens"])
+        m.ttft.observe(r["ttft_ms"] / 1e3)
+        m.queue_wait.observe(job.started_at - job.queued_at)
+        m.dropped.inc(r["dropped"])
+        m.spilled.inc(r["spilled"])
+        m.static_calls.labels("prefill").inc(r["prefill_static_calls"])
+        m.static_calls.labels("decode").inc(r["decode_static_calls"])
+        drift = None
+        if self.loaded.executor is not None:
+            report = self.loaded.executor.drift.report()
+            drift = {k: report[k] for k in ("alert", "reason", "rate", "chunks_seen")}
+            m.drift_alert.set(int(report["alert"]))
+        npumoe = {"ttft_ms": r["ttft_ms"], "queue_ms": (job.started_at - job.queued_at) * 1e3,
+                  "prefill_tok_s": r["prefill_tok_s"], "generation_tok_s": r["generation_tok_s"],
+                  "cached_tokens": gen.cached, "dropped": r["dropped"], "spilled": r["spilled"],
+                  "prefill_static_calls": r["prefill_static_calls"], "decode_static_calls": r["decode_static_calls"],
+                  "drift": drift}
+        return {"finish_reason": finish, "text": text, "prompt_tokens": r["prompt_tokens"],
+                "completion_tokens": r["generated_tokens"], "cached_tokens": gen.cached, "npumoe": npumoe}

@@ -1,0 +1,310 @@
+"""`autotune serve`: the official `openai` client against the server on a free loopback port (in-process uvicorn on
+a thread; a subprocess for SIGTERM): completions and chat, streaming and not, the greedy tokens of
+`runtime.generate`, the prefix cache, auth, 429, malformed requests, disconnects, the drain."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+import runtime
+from autotune.cli import main
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import model_spec
+from runtime.plan import save_plan
+from runtime.serving.engine import Engine, fallback_chat_text
+from runtime.serving.scheduler import Job
+from runtime.serving.server import listen, make_server
+
+KEY = "test-key"
+CHUNK = 16
+PROMPT = "Static groups for the prompt, the exact path for every new token. " * 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spill_plan(path: Path) -> Path:
+    save_plan(template_plan(model_spec(runtime.load("tiny-moe", dtype="float32").model), "tight", "spill",
+                            chunk_tokens=CHUNK), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """tiny-moe under a spill plan with 16-token chunks, served on a free loopback port from a thread."""
+    plan = _spill_plan(tmp_path_factory.mktemp("serve") / "spill.json")
+    loaded = runtime.load("tiny-moe", plan=plan, dtype="float32")
+    engine = Engine(loaded, "tiny-moe", max_queue=2, prefix_cache_mb=64)
+    engine.warm_up()
+    sock = listen("127.0.0.1", 0)
+    server = make_server(engine, KEY)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:  # waits for a condition, not for a time
+        assert thread.is_alive()
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    yield SimpleNamespace(url=url, client=client, engine=engine, loaded=loaded, plan=plan)
+    server.should_exit = True
+    thread.join()
+    sock.close()
+
+
+def _reference(served, prompt, max_tokens: int) -> dict:
+    """runtime.generate on the same loaded model and plan (the worker is idle between tests)."""
+    return runtime.generate(served.loaded, prompt, max_tokens=max_tokens)
+
+
+def _finish(reference: dict) -> str:
+    return "stop" if reference["finish_reason"] == "eos" else "length"
+
+
+def _metric(served, name: str) -> float:
+    text = httpx.get(served.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_completion_greedy_equals_runtime_generate(served):
+    ref = _reference(served, PROMPT, 8)
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == _finish(ref)
+    assert r.usage.prompt_tokens == ref["prompt_tokens"] and r.usage.completion_tokens == ref["generated_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    extra = r.model_extra["npumoe"]
+    assert extra["prefill_static_calls"] > 0 and extra["decode_static_calls"] == 0 and extra["spilled"] > 0
+    assert extra["ttft_ms"] > 0 and extra["drift"]["alert"] is False
+    assert served.client.models.list().data[0].id == "tiny-moe"
+
+
+def test_streamed_completion_is_the_same_text_with_usage_last(served):
+    ref = _reference(served, PROMPT, 8)
+    chunks = list(served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == ref["text"] and len([t for t in texts if t]) > 1
+    assert chunks[-2].choices[0].finish_reason == _finish(ref)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref["generated_tokens"]
+
+
+def test_chat_uses_the_fallback_format_streamed_or_not(served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}]
+    text = fallback_chat_text(messages)
+    assert text == "System: Be brief.\nUser: To be, or not to be\nAssistant:"
+    ref = _reference(served, text, 6)
+    r = served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == ref["text"] and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == ref["prompt_tokens"]
+    chunks = list(served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6,
+                                                        temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert chunks[-1].choices[0].finish_reason == _finish(ref) and chunks[-1].usage is None
+
+
+def test_prefix_cache_reuses_whole_chunks_and_keeps_the_output(served):
+    """A prompt that shares 40 tokens with an earlier one reuses 32 (two chunks of 16): same tokens as without."""
+    ids = served.loaded.tokenizer.encode(PROMPT * 2, add_special_tokens=False)
+    first, second = ids[:45], ids[:40] + ids[50:58]
+    r1 = served.client.completions.create(model="tiny-moe", prompt=first, max_tokens=4, temperature=0)
+    r2 = served.client.completions.create(model="tiny-moe", prompt=second, max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens == 32
+    assert r2.model_extra["npumoe"]["cached_tokens"] == 32
+    ref1, ref2 = _reference(served, first, 4), _reference(served, second, 4)
+    assert (r1.choices[0].text, r2.choices[0].text) == (ref1["text"], ref2["text"])
+    again = served.client.completions.create(model="tiny-moe", prompt=first, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1["text"]
+
+
+def test_sampling_is_seeded(served):
+    def sample(seed):
+        return served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                                top_p=0.9, seed=seed).choices[0].text
+    assert sample(7) == sample(7)
+
+
+def test_stop_sequence_ends_the_text_before_it(served):
+    full = _reference(served, PROMPT, 12)["text"]
+    at = next(i for i in range(2, len(full) - 3) if full.index(full[i:i + 3]) == i)  # its first occurrence
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=12, temperature=0,
+                                         stop=["never there", full[at:at + 3]])
+    assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
+
+
+def test_new_tokens_stop_at_the_model_context(served):
+    positions = served.loaded.model.config.max_position_embeddings
+    prompt = [5] * (positions - 3)
+    r = served.client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=50, temperature=0)
+    assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_key_is_required_but_not_for_health(served):
+    for key in ("wrong", ""):
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=served.url + "/v1", api_key=key or "x", max_retries=0).models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+    assert httpx.get(served.url + "/v1/models").status_code == 401
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+BAD = [
+    (b"{bad json", 400, None),
+    (b"[1, 2]", 400, None),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": "3"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "temperature": 9}).encode(), 400, "temperature"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "seed": -4}).encode(), 400, "seed"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "stop": [""]}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "stop": [3]}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny-moe", "prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny-moe", "prompt": [10**7]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "logprobs": 2}).encode(), 400, None),
+    (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model"),
+    (json.dumps({"model": "tiny-moe"}).encode(), 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_a_malformed_completion_gets_an_openai_error(served, body, status, param):
+    r = httpx.post(served.url + "/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("messages,status", [([], 400), ([{"role": "wizard", "content": "x"}], 400),
+                                             ([{"role": "user"}], 400), ("hello", 400)])
+def test_a_malformed_chat_gets_an_openai_error(served, messages, status):
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": "tiny-moe", "messages": messages},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status and r.json()["error"]["param"] == "messages"
+
+
+def test_a_long_prompt_or_body_is_refused_and_the_server_stays_up(served):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    positions = served.loaded.model.config.max_position_embeddings
+    r = httpx.post(served.url + "/v1/completions", json={"model": "tiny-moe", "prompt": [5] * positions},
+                   headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(served.url + "/v1/completions", content=b"x" * (5 << 20), headers=auth)
+    assert r.status_code == 413
+    assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
+
+
+class _Gate:
+    """Jobs that hold the worker (or a queue place) until opened: make the queue full without timing."""
+
+    def __init__(self, served):
+        self.opened = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.served = served
+
+    def hold(self, running: bool = False) -> None:
+        started = threading.Event()
+
+        def work(job):
+            started.set()
+            self.opened.wait()
+        self.served.engine.scheduler.submit(Job(work, self.loop))
+        if running:
+            started.wait()
+
+
+def test_a_full_queue_is_429_with_retry_after(served):
+    gate = _Gate(served)
+    gate.hold(running=True)  # the worker is taken
+    gate.hold()
+    gate.hold()  # max_queue 2: the queue is full
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1)
+        assert int(e.value.response.headers["Retry-After"]) >= 1
+        assert e.value.body["code"] == "queue_full"
+    finally:
+        gate.opened.set()
+    assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
+    assert _metric(served, 'npumoe_requests_total{endpoint="/v1/completions",status="429"}') >= 1
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(served):
+    gate = _Gate(served)
+    gate.hold(running=True)
+    generated = _metric(served, "npumoe_generated_tokens_total")
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # it waits behind the gate; the client gives up
+            httpx.post(served.url + "/v1/completions", json={"model": "tiny-moe", "prompt": "x", "max_tokens": 4},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=httpx.Timeout(60, read=0.5))
+        while served.engine.scheduler.depth > 0:  # the server sees the disconnect and drops the job
+            time.sleep(0.05)
+    finally:
+        gate.opened.set()
+    assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
+    assert _metric(served, "npumoe_generated_tokens_total") == generated + 1  # the one above ran; the other never
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(served):
+    cancelled = _metric(served, "npumoe_requests_cancelled_total")
+    stream = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=1500, temperature=0,
+                                              stream=True)
+    next(iter(stream))
+    stream.close()
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.choices[0].text == _reference(served, PROMPT, 2)["text"]  # the next request did not notice
+    assert _metric(served, "npumoe_requests_cancelled_total") == cancelled + 1
+
+
+def test_non_loopback_without_a_key_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("NPUMOE_API_KEY", raising=False)
+    assert main(["serve", "--model", "tiny-moe", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--api-key" in err and "0.0.0.0" in err
+
+
+def test_a_taken_port_is_refused_in_one_line(capsys):
+    sock = listen("127.0.0.1", 0)
+    try:
+        assert main(["serve", "--model", "tiny-moe", "--port", str(sock.getsockname()[1])]) == 2
+    finally:
+        sock.close()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot listen" in err
+
+
+@pytest.mark.slow
+def test_sigterm_lets_the_request_in_flight_finish_then_exits_0(tmp_path):
+    plan = _spill_plan(tmp_path / "spill.json")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", "serve", "--model", "tiny-moe", "--plan", str(plan),
+                             "--port", "0", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = line.split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+        stream = client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=40, temperature=0,
+                                           stream=True)
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)  # the request in flight runs to its end
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(openai.APIConnectionError):
+            client.models.list()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
