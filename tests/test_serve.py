@@ -223,6 +223,12 @@ class _Gate:
         if running:
             started.wait()
 
+    def release(self) -> None:
+        """Open the gate and wait until its jobs have left the queue."""
+        self.opened.set()
+        while self.served.engine.scheduler.depth > 0:
+            time.sleep(0.01)
+
 
 def test_a_full_queue_is_429_with_retry_after(served):
     gate = _Gate(served)
@@ -235,7 +241,7 @@ def test_a_full_queue_is_429_with_retry_after(served):
         assert int(e.value.response.headers["Retry-After"]) >= 1
         assert e.value.body["code"] == "queue_full"
     finally:
-        gate.opened.set()
+        gate.release()
     assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
     assert _metric(served, 'npumoe_requests_total{endpoint="/v1/completions",status="429"}') >= 1
 
@@ -251,7 +257,7 @@ def test_a_client_that_leaves_the_queue_frees_its_place(served):
         while served.engine.scheduler.depth > 0:  # the server sees the disconnect and drops the job
             time.sleep(0.05)
     finally:
-        gate.opened.set()
+        gate.release()
     assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
     assert _metric(served, "npumoe_generated_tokens_total") == generated + 1  # the one above ran; the other never
 

@@ -1,0 +1,257 @@
+"""`autotune serve` against `runtime.generate`, side by side in one run, and the server's behaviour under load.
+
+Starts `autotune serve` on a free loopback port (a subprocess, 1 torch thread by default) and loads the same model
+and plan here for `runtime.generate`; prompts are token ids from builtin:pydoc-heldout, so both sides see the same
+tokens. Checks, each with a bounded number of requests:
+
+1. overhead: the same greedy request through the server (streamed over HTTP, timed by this client: first text,
+   then tokens per second between first and last text) and through `runtime.generate` here, interleaved within each
+   repeat; `overhead_ttft` = median over repeats of server TTFT / runtime TTFT, `overhead_tok_s` = median of
+   runtime tok/s / server tok/s (1.0: no overhead; goal <= 1.05 each);
+2. prefix cache: prompts sharing a 1,024-token prefix: the first request's TTFT over a later one's, median over
+   prefixes (goal >= 5);
+3. concurrency: several clients at once (the queue holds them all), every answer checked against
+   `runtime.generate` (`mismatched`), `lost` (no complete answer), TTFT percentiles (queue wait included);
+4. a client that leaves mid-stream: its generation stops (the server's cancelled count) and the next request
+   is answered as usual (`disconnect_ok`);
+5. SIGTERM with a request in flight: it finishes, then the server exits 0 and takes no new connection
+   (`sigterm_drain_ok`).
+
+Ends with one JSON line. The machine's load average is in it: a shared machine moves every time figure.
+
+    python scripts/bench_serve.py [--quick] [--model M --plan P] [--dtype D] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import runtime  # noqa: E402
+from autotune.calibration.workload import encode_text  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
+PREFIX_TOKENS = 1024
+
+
+class Server:
+    """`autotune serve` in a subprocess, stopped by its pid."""
+
+    def __init__(self, args: argparse.Namespace, model_id: str, max_queue: int) -> None:
+        self.model_id = model_id
+        self.key = secrets.token_hex(16)
+        cmd = [sys.executable, "-m", "autotune", "serve", "--model", args.model, "--plan", args.plan, "--dtype",
+               args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": self.key}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if " at " not in line:
+            self.proc.wait()
+            sys.exit(f"bench_serve: the server did not start (exit {self.proc.returncode})")
+        self.url = line.split(" at ")[1].split()[0].removesuffix("/v1")
+        self.headers = {"Authorization": f"Bearer {self.key}"}
+        self.errors_5xx = 0
+        self.requests = 0
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers=self.headers).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+
+    def stream(self, ids: list[int], max_tokens: int, on_first: Callable[[], bool] | None = None) -> dict:
+        """One streamed greedy completion, timed here: first text, last text, the text, finish and usage.
+        `on_first` runs at the first text; when it says True the client leaves there."""
+        body = {"model": self.model_id, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        out = {"text": "", "finish_reason": None, "usage": None, "done": False, "status": None}
+        self.requests += 1
+        t0 = time.perf_counter()
+        with httpx.Client(timeout=600) as client, \
+                client.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers) as r:
+            out["status"] = r.status_code
+            if r.status_code >= 500:
+                self.errors_5xx += 1
+            if r.status_code != 200:
+                return out
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.errors_5xx += chunk["error"]["type"] == "server_error"
+                    break
+                for choice in chunk["choices"]:
+                    if choice["text"]:
+                        now = time.perf_counter()
+                        if "first_s" not in out:
+                            out["first_s"] = now - t0
+                            if on_first is not None and on_first():
+                                return out  # closing the stream closes the connection
+                        out["last_s"] = now - t0
+                        out["text"] += choice["text"]
+                    out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+                if chunk.get("usage"):
+                    out["usage"] = chunk["usage"]
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+
+def tok_s(r: dict) -> float | None:
+    n = r["usage"]["completion_tokens"] if r.get("usage") else 0
+    span = r.get("last_s", 0) - r.get("first_s", 0)
+    return (n - 1) / span if n > 1 and span > 0 else None
+
+
+def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int, repeats: int) -> dict:
+    ours, theirs = [], []
+    server.stream(prompt, 2)  # warm-up, each side
+    runtime.generate(loaded, prompt, max_tokens=2)
+    for r in range(repeats):
+        pair = {}
+        for side in (("server", "runtime") if r % 2 == 0 else ("runtime", "server")):
+            pair[side] = server.stream(prompt, new) if side == "server" else \
+                runtime.generate(loaded, prompt, max_tokens=new)
+        ours.append(pair["server"])
+        theirs.append(pair["runtime"])
+        print(f"overhead repeat {r + 1}/{repeats}: server ttft {pair['server']['first_s'] * 1e3:.1f} ms, runtime "
+              f"{pair['runtime']['ttft_ms']:.1f} ms", file=sys.stderr)
+    ttft = [s["first_s"] * 1e3 / t["ttft_ms"] for s, t in zip(ours, theirs)]
+    speed = [t["generation_tok_s"] / tok_s(s) for s, t in zip(ours, theirs)
+             if tok_s(s) and t["generation_tok_s"]]
+    return {"overhead_ttft": statistics.median(ttft), "overhead_tok_s": statistics.median(speed) if speed else None,
+            "server_ttft_ms": statistics.median(s["first_s"] * 1e3 for s in ours),
+            "runtime_ttft_ms": statistics.median(t["ttft_ms"] for t in theirs),
+            "server_tok_s": statistics.median(x for x in map(tok_s, ours) if x) if speed else None,
+            "runtime_tok_s": statistics.median(t["generation_tok_s"] for t in theirs if t["generation_tok_s"]),
+            "overhead_mismatched": sum(s["text"] != theirs[0]["text"] for s in ours)}
+
+
+def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -> dict:
+    """Per prefix: a first request (nothing cached), then one with another suffix (the prefix cached)."""
+    ratios, firsts, laters, cached = [], [], [], []
+    for p in range(pairs):
+        base = p * (PREFIX_TOKENS + 2 * suffix)
+        prefix = text_ids[base:base + PREFIX_TOKENS]
+        tail = text_ids[base + PREFIX_TOKENS:base + PREFIX_TOKENS + 2 * suffix]
+        first = server.stream(prefix + tail[:suffix], 2)
+        later = server.stream(prefix + tail[suffix:], 2)
+        cached.append(later["usage"]["prompt_tokens_details"]["cached_tokens"])
+        firsts.append(first["first_s"] * 1e3)
+        laters.append(later["first_s"] * 1e3)
+        ratios.append(firsts[-1] / laters[-1])
+        print(f"prefix {p + 1}/{pairs}: first {firsts[-1]:.1f} ms, later {laters[-1]:.1f} ms (cached {cached[-1]})",
+              file=sys.stderr)
+    return {"prefix_cache_ttft_speedup": statistics.median(ratios), "prefix_tokens": PREFIX_TOKENS,
+            "prefix_cached_tokens": min(cached), "prefix_first_ttft_ms": statistics.median(firsts),
+            "prefix_later_ttft_ms": statistics.median(laters)}
+
+
+def concurrency(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], clients: int, new: int) -> dict:
+    expected = [runtime.generate(loaded, p, max_tokens=new)["text"] for p in prompts]
+    results: list[dict | None] = [None] * len(prompts)
+
+    def client(c: int) -> None:
+        for i in range(c, len(prompts), clients):
+            try:
+                results[i] = server.stream(prompts[i], new)
+            except httpx.HTTPError as e:
+                print(f"request {i}: {e}", file=sys.stderr)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    complete = [r for r in results if r and r["done"] and r["finish_reason"]]
+    ttfts = sorted(r["first_s"] * 1e3 for r in complete if "first_s" in r)
+    return {"concurrent_clients": clients, "concurrent_requests": len(prompts),
+            "lost": len(prompts) - len(complete),
+            "mismatched": sum(r is None or r["text"] != e for r, e in zip(results, expected)),
+            "p50_ttft_ms": statistics.median(ttfts) if ttfts else None,
+            "p99_ttft_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] if ttfts else None}
+
+
+def disconnect(server: Server, loaded: runtime.Loaded, prompt: list[int]) -> bool:
+    cancelled = server.metric("npumoe_requests_cancelled_total")
+    server.stream(prompt, 1000, on_first=lambda: True)
+    after = server.stream(prompt, 4)
+    ok = after["done"] and after["text"] == runtime.generate(loaded, prompt, max_tokens=4)["text"]
+    return bool(ok and server.metric("npumoe_requests_cancelled_total") == cancelled + 1)
+
+
+def sigterm_drain(server: Server, prompt: list[int], new: int) -> bool:
+    """SIGTERM once the request has its first text: it must still finish, then the server exit 0."""
+    result = server.stream(prompt, new, on_first=lambda: server.proc.send_signal(signal.SIGTERM))
+    code = server.proc.wait(timeout=120)
+    try:
+        httpx.get(server.url + "/health", timeout=5)
+        refused = False
+    except httpx.ConnectError:
+        refused = True
+    return bool(result.get("done") and result.get("finish_reason") and code == 0 and refused)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-moe")
+    ap.add_argument("--plan", default=DEFAULT_PLAN, help=f"the plan to serve (default {DEFAULT_PLAN})")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and requests")
+    args = ap.parse_args()
+    if not Path(args.plan).is_file():
+        sys.exit(f"bench_serve: no plan at {args.plan}; make it with `autotune search --model {args.model} --profile "
+                 "apple-m2-ultra-published --out <plan>` and pass --plan")
+    repeats, pairs, clients, per_client = (3, 2, 3, 2) if args.quick else (8, 3, 6, 4)
+    prompt_len, new = (128, 16) if args.quick else (256, 32)
+    torch.set_num_threads(args.threads)
+    loaded = runtime.load(args.model, plan=args.plan, dtype=args.dtype)
+    positions = loaded.model.config.max_position_embeddings
+    need = pairs * (PREFIX_TOKENS + 64) + 2048
+    text_ids = encode_text(loaded.tokenizer, "builtin:pydoc-heldout", need).tolist()
+    if len(text_ids) < need or PREFIX_TOKENS + 32 >= positions:
+        sys.exit(f"bench_serve: needs {need} text tokens and a context past {PREFIX_TOKENS + 32}")
+    server = Server(args, Path(args.model).resolve().name if Path(args.model).is_dir() else args.model, clients)
+    try:
+        prompt = text_ids[:prompt_len]
+        result = {"model": args.model, "plan": args.plan, "dtype": args.dtype, "threads": args.threads,
+                  "quick": args.quick, "chunk_tokens": loaded.plan.chunk_tokens, "prompt_tokens": prompt_len,
+                  "new_tokens": new, "repeats": repeats}
+        result.update(overhead(server, loaded, prompt, new, repeats))
+        result.update(prefix_cache(server, text_ids[prompt_len:], pairs, 16))
+        start = prompt_len + pairs * (PREFIX_TOKENS + 32)
+        prompts = [text_ids[start + 40 * i:start + 40 * i + 24 + i % 16] for i in range(clients * per_client)]
+        result.update(concurrency(server, loaded, prompts, clients, 8))
+        result["disconnect_ok"] = disconnect(server, loaded, prompt)
+        result["sigterm_drain_ok"] = sigterm_drain(server, prompt, new)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    result["mismatched"] += result.pop("overhead_mismatched")
+    result.update(requests=server.requests, errors_5xx=server.errors_5xx, load_average=os.getloadavg())
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
