@@ -262,12 +262,20 @@ def test_a_client_that_leaves_the_queue_frees_its_place(served):
     assert _metric(served, "npumoe_generated_tokens_total") == generated + 1  # the one above ran; the other never
 
 
-def test_a_client_that_leaves_mid_stream_stops_its_generation(served):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_mid_generation_stops_it(served, stream):
+    """1,500 tokens take seconds; the client leaves after its first piece (streamed) or after half a second."""
     cancelled = _metric(served, "npumoe_requests_cancelled_total")
-    stream = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=1500, temperature=0,
-                                              stream=True)
-    next(iter(stream))
-    stream.close()
+    if stream:
+        pieces = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=1500, temperature=0,
+                                                  stream=True)
+        next(iter(pieces))
+        pieces.close()
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny-moe", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0},
+                       timeout=httpx.Timeout(60, read=0.5))
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=2, temperature=0)
     assert r.choices[0].text == _reference(served, PROMPT, 2)["text"]  # the next request did not notice
     assert _metric(served, "npumoe_requests_cancelled_total") == cancelled + 1

@@ -94,18 +94,26 @@ class Guard:
         return None, replay
 
 
-async def next_event(job: Job, request: Request) -> object:
-    """The job's next event; None once the client has left (checked while waiting, every DISCONNECT_POLL_S)."""
-    get = asyncio.ensure_future(job.events.get())
-    try:
-        while True:
-            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return get.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        get.cancel()
+class Waiter:
+    """A job's events for a route that answers once done; None once the client has left (checked at most every
+    DISCONNECT_POLL_S, while events come and while none does)."""
+
+    def __init__(self, job: Job, request: Request) -> None:
+        self.job, self.request, self.checked = job, request, time.monotonic()
+
+    async def next(self) -> object:
+        get = asyncio.ensure_future(self.job.events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() - self.checked >= DISCONNECT_POLL_S:
+                    self.checked = time.monotonic()
+                    if await self.request.is_disconnected():
+                        return None
+                if done:
+                    return get.result()
+        finally:
+            get.cancel()
 
 
 def parse(model: type[Sampling], body: bytes) -> Sampling:
@@ -218,9 +226,9 @@ async def _respond(engine: Engine, body: Sampling, request: Request, reply: Repl
                               headers={"Retry-After": str(e.retry_after_s)})
     except Closed:
         return error_response(503, "the server is shutting down", "server_error", code="shutting_down")
-    finished = False
+    finished, waiter = False, Waiter(job, request)
     try:
-        first = await next_event(job, request)  # ("start", ...) or ("error", ...) once the job has its turn
+        first = await waiter.next()  # ("start", ...) or ("error", ...) once the job has its turn
         if first is None:
             return Response(status_code=CLIENT_LEFT)
         if first[0] == "error":
@@ -230,7 +238,7 @@ async def _respond(engine: Engine, body: Sampling, request: Request, reply: Repl
             return StreamingResponse(_stream(engine, job, reply, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(engine.scheduler.cancel, job))
-        while (event := await next_event(job, request)) is not None:
+        while (event := await waiter.next()) is not None:
             kind, value = event
             if kind == "error":
                 raise value
