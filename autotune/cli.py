@@ -24,13 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"autotune.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"autotune.commands.{name}":
-                continue  # stage not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"autotune.commands.{name}").register(sub)
     return parser
 
 

@@ -134,14 +134,21 @@ def check_expert_form(module: torch.nn.Module, layer: int) -> None:
                           "with [out, in] weights, the only form the Core ML builder emits")
 
 
+def check_build_options(layout: str = LAYOUTS[0], compress: str = "none") -> None:
+    """Refuse an unknown layout or compression, naming the choices: one check for every way into a build."""
+    if layout not in LAYOUTS:
+        raise NpumoeError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    if compress not in COMPRESSIONS:
+        raise NpumoeError(f"unknown compression {compress!r}; choose from {', '.join(COMPRESSIONS)}")
+
+
 def function_program(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str):
     """The MIL program of one group: slice each expert's rows, gated FFN, concat. Static shapes, fp16."""
     import coremltools as ct
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil import types
 
-    if layout not in LAYOUTS:
-        raise NpumoeError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+    check_build_options(layout)
     h, f = fs.hidden, fs.ffn
     conv = layout == "conv1x1"
 
@@ -187,6 +194,7 @@ def compression_config(compress: str):
     """The `OptimizationConfig` every build compresses a function's weights with (`compress` other than none)."""
     import coremltools.optimize.coreml as cto
 
+    check_build_options(compress=compress)
     if compress == "int8":
         cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
                                           weight_threshold=2048)
@@ -194,8 +202,8 @@ def compression_config(compress: str):
         # A 16-entry table per group of 16 output channels: far closer than one table per tensor.
         cfg = cto.OpPalettizerConfig(nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16,
                                      weight_threshold=2048)
-    else:
-        raise NpumoeError(f"unknown compression {compress!r}; choose from {', '.join(COMPRESSIONS)}")
+    else:  # "none" compresses nothing: callers ask only for the others
+        raise ValueError("compression 'none' has no OptimizationConfig")
     return cto.OptimizationConfig(global_config=cfg)
 
 
@@ -347,10 +355,7 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     returns an object with `update(n)` and `close()` (a tqdm bar), or None.
     """
     t0 = time.perf_counter()
-    if layout not in LAYOUTS:
-        raise NpumoeError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    if compress not in COMPRESSIONS:
-        raise NpumoeError(f"unknown compression {compress!r}; choose from {', '.join(COMPRESSIONS)}")
+    check_build_options(layout, compress)
     functions = ane_functions(plan)
     if not functions:
         raise NpumoeError("the plan puts no group on the ane backend: nothing to build")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from runtime.errors import NpumoeError
 
-SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
 CONVERT_HINT = ("convert it once, where you trust the file, with: python -c \"from transformers import "
                 "AutoModelForCausalLM as M; M.from_pretrained('{d}').save_pretrained('{d}-safetensors')\"")
