@@ -49,7 +49,7 @@ def test_checkpoint_experts_build_equals_loaded_model_build(tmp_path, layout, mo
     def refuse(*a, **k):
         pytest.fail("the checkpoint reader loaded the whole model")
 
-    monkeypatch.setattr(runtime.loading.model_loader, "_load_weights_by_reading", refuse)
+    monkeypatch.setattr(runtime.loading.model_loader, "read_weights", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     source = CheckpointExperts.open(str(path), "bfloat16")
     assert source is not None

@@ -113,10 +113,10 @@ def test_weights_read_in_place_equal_transformers_load(tmp_path, like, monkeypat
 def test_a_stored_tensor_without_a_place_goes_to_transformers_loader(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from runtime.loading.model_loader import _load_weights_by_reading
+    from runtime.loading.checkpoint_reader import read_weights
 
     load_model("random:olmoe")[0].save_pretrained(tmp_path)
-    assert _load_weights_by_reading(tmp_path, torch.float32) is not None
+    assert read_weights(tmp_path, torch.float32) is not None
     stored = load_file(tmp_path / "model.safetensors")
     save_file({**stored, "extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"), {"format": "pt"})
-    assert _load_weights_by_reading(tmp_path, torch.float32) is None
+    assert read_weights(tmp_path, torch.float32) is None

@@ -13,19 +13,16 @@ from typing import Protocol, Sequence
 
 import torch
 
-from runtime.errors import NpumoeError
-from runtime.loading.checkpoints import check_checkpoint, safetensors_header
-from runtime.loading.model_loader import (
-    _SAFETENSORS_DTYPES,
-    RANDOM_PREFIX,
-    _fits,
-    _read_tensor_into,
-    _resolve_dir,
-    _safetensors_files,
-    _tensor_sources,
-    moe_layers,
-    resolve_dtype,
+from runtime.loading.checkpoint_reader import (
+    SAFETENSORS_DTYPES,
+    fits,
+    meta_skeleton,
+    read_tensor_into,
+    tensor_index,
+    tensor_sources,
 )
+from runtime.loading.checkpoints import check_checkpoint, safetensors_header
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, moe_layers, resolve_dtype
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -49,7 +46,7 @@ class ModuleExperts:
 
 class CheckpointExperts:
     """Experts read from a safetensors checkpoint on demand, through the loader's key mapping
-    (`runtime.loading.model_loader._tensor_sources`: fused tensors, or per-expert keys under `mlp.experts.N` or
+    (`runtime.loading.checkpoint_reader.tensor_sources`: fused tensors, or per-expert keys under `mlp.experts.N` or
     `block_sparse_moe.experts.N`), into a module of just those experts in `dtype`. The model tree is built on
     the meta device; only the asked experts' rows are read (plain file reads, as the loader does)."""
 
@@ -63,34 +60,27 @@ class CheckpointExperts:
     def open(cls, name: str, dtype: str | torch.dtype) -> CheckpointExperts | None:
         """The reader for model `name`, or None where its experts are not all in safetensors files with the
         shapes config.json gives (the caller then loads the model, whose loader reports what is wrong)."""
-        import transformers
-
         if name.startswith(RANDOM_PREFIX):
             return None
-        path = _resolve_dir(name)
+        path = model_dir(name)
         check_checkpoint(path)
-        files = _safetensors_files(path)
+        files = tensor_index(path)
         if not files:
             return None
-        try:
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-            with torch.device("meta"):
-                skeleton = transformers.AutoModelForCausalLM.from_config(config)
-        except (OSError, ValueError, KeyError) as e:
-            raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+        skeleton = meta_skeleton(path)
         names = {id(p): n for n, p in skeleton.named_parameters()}
         sources = {}
         for layer in moe_layers(skeleton):
             for leaf in _EXPERT_PARAMS:
                 p = getattr(layer.experts, leaf)
-                src = _tensor_sources(names[id(p)], p.shape, files)
+                src = tensor_sources(names[id(p)], p.shape, files)
                 if src is None:
                     return None
                 sources[layer.index, leaf] = src
         reader = cls(skeleton, resolve_dtype(name, dtype), sources, files)
         for (layer, leaf), src in sources.items():
             entries = [reader._entry(k) for k in src]
-            if any(e.get("dtype") not in _SAFETENSORS_DTYPES for e in entries) or not _fits(
+            if any(e.get("dtype") not in SAFETENSORS_DTYPES for e in entries) or not fits(
                     getattr(reader.modules[layer], leaf).shape, [e["shape"] for e in entries]):
                 return None
         return reader
@@ -127,4 +117,4 @@ class CheckpointExperts:
         for key, entry, part in parts:
             with open(self.files[key], "rb") as f:
                 start = 8 + int.from_bytes(f.read(8), "little")
-                _read_tensor_into(f, start, entry, part)
+                read_tensor_into(f, start, entry, part)

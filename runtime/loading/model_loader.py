@@ -1,4 +1,5 @@
-"""Loading MoE models (local directories and built-in names) and describing their MoE shape.
+"""Loading MoE models (local directories and built-in names) and describing their MoE shape. The weights are read
+from the safetensors files by `checkpoint_reader` where they map one to one, else by transformers' loader.
 
 Built-in names:
 - `tiny-moe`: the embedded trained Qwen3Moe shipped in `runtime/assets/tiny-moe` (no network).
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import NpumoeError
+from runtime.loading.checkpoint_reader import meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
     check_checkpoint,
     check_loading_info,
@@ -45,9 +47,6 @@ BUILTIN_MODELS = ["tiny-moe", *RANDOM_MODELS]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype (config.json `dtype` / `torch_dtype`)
-# Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
-# transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
-_ROUTER_KEY_FORMS = (".mlp.gate.", ".mlp.router.", ".block_sparse_moe.gate.", ".block_sparse_moe.router.")
 
 
 @dataclass
@@ -92,7 +91,7 @@ def _random_model(family: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _resolve_dir(name: str) -> Path:
+def model_dir(name: str) -> Path:
     if name == "tiny-moe":
         if not (TINY_MOE_DIR / "config.json").exists():
             raise NpumoeError(f"the built-in model tiny-moe is missing from {TINY_MOE_DIR}; "
@@ -117,7 +116,7 @@ def checkpoint_dtype(name: str) -> torch.dtype:
     models are made in float32. Unknown or absent: float32."""
     if name.startswith(RANDOM_PREFIX):
         return torch.float32
-    config = _read_config(_resolve_dir(name))
+    config = _read_config(model_dir(name))
     return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
 
 
@@ -132,108 +131,6 @@ def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-# Per-expert key layouts of published checkpoints for a fused experts parameter `<layer>.mlp.experts.<leaf>`: the
-# block the experts sit under and the per-expert parts stacked along dim 1, in order (as transformers fuses them).
-_EXPERT_LAYOUTS = {
-    "gate_up_proj": ((".mlp.", ("gate_proj", "up_proj")), (".block_sparse_moe.", ("w1", "w3"))),
-    "down_proj": ((".mlp.", ("down_proj",)), (".block_sparse_moe.", ("w2",))),
-}
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def _tensor_sources(name: str, shape: torch.Size, keys: dict[str, Path]) -> list[str] | None:
-    """The checkpoint keys that make module parameter `name`, in the order they fill it; None if not all found."""
-    if name in keys:
-        return [name]
-    for old in _ROUTER_KEY_FORMS:
-        for new in _ROUTER_KEY_FORMS:
-            if old in name and name.replace(old, new) in keys:
-                return [name.replace(old, new)]
-    leaf = name.rsplit(".", 1)[-1]
-    if ".mlp.experts." in name and leaf in _EXPERT_LAYOUTS:
-        for block, parts in _EXPERT_LAYOUTS[leaf]:
-            base = name[:-len(".mlp.experts." + leaf)] + block + "experts"
-            found = [f"{base}.{e}.{part}.weight" for e in range(shape[0]) for part in parts]
-            if all(k in keys for k in found):
-                return found
-    return None
-
-
-def _fits(shape: torch.Size, stored: list[list[int]]) -> bool:
-    """Whether the stored tensors fill a parameter exactly: one of its shape, or per-expert blocks of rows."""
-    if len(stored) == 1:
-        return list(shape) == list(stored[0])
-    parts = len(stored) // shape[0]
-    return len(stored) == parts * shape[0] and all(
-        list(s) == [shape[1] // parts, *shape[2:]] for s in stored) and shape[1] % parts == 0
-
-
-def _read_tensor_into(f, start: int, entry: dict, dest: torch.Tensor) -> None:
-    """Read one stored tensor into `dest` with plain file reads (no mmap: mapped pages would count as resident
-    memory until the file is closed), straight into `dest` when the dtypes agree."""
-    src = _SAFETENSORS_DTYPES[entry["dtype"]]
-    a, b = entry["data_offsets"]
-    f.seek(start + a)
-    if src == dest.dtype and dest.is_contiguous():
-        f.readinto(dest.view(-1).view(torch.uint8).numpy())
-    else:
-        dest.copy_(torch.frombuffer(bytearray(f.read(b - a)), dtype=src).reshape(dest.shape))
-
-
-def _load_weights_by_reading(path: Path, dtype: torch.dtype):
-    """The model with every parameter read from the safetensors files into its place, in `dtype`: memory is the
-    model itself (transformers' loader holds a layer's experts a second time while it fuses them). None where a
-    parameter, or a stored tensor, does not map one to one: the caller then loads with transformers."""
-    import transformers
-    from transformers.initialization import no_init_weights
-
-    from runtime.loading.checkpoints import safetensors_header
-
-    keys = _safetensors_files(path)
-    if not keys:
-        return None
-    headers = {file: safetensors_header(file) for file in set(keys.values())}
-    if any(t.get("dtype") not in _SAFETENSORS_DTYPES for h in headers.values() for k, t in h.items()
-           if k != "__metadata__"):
-        return None
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    with no_init_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ()) if config.get_text_config().tie_word_embeddings \
-        else set()
-    sources = {n: (p, _tensor_sources(n, p.shape, keys)) for n, p in model.named_parameters()}
-    if any(src is None and n not in tied for n, (_, src) in sources.items()):
-        return None
-    if {k for _, src in sources.values() for k in src or ()} != set(keys):
-        return None  # stored tensors the model has no place for: transformers' loader reports them
-    if not all(_fits(p.shape, [headers[keys[k]][k]["shape"] for k in src]) for p, src in sources.values() if src):
-        return None  # shapes that disagree with config.json: transformers' loader reports them
-    starts = {}
-    for file in headers:
-        with open(file, "rb") as f:
-            starts[file] = 8 + int.from_bytes(f.read(8), "little")
-    handles = {file: open(file, "rb") for file in headers}  # noqa: SIM115 (closed below)
-    try:
-        with torch.no_grad():
-            for p, src in sources.values():
-                parts = len(src) // p.shape[0] if len(src or ()) > 1 else 0  # per-expert tensors per expert
-                for i, key in enumerate(src or ()):
-                    entry = headers[keys[key]][key]
-                    if parts:  # expert i // parts, part i % parts: a block of rows of the fused parameter
-                        e, j = divmod(i, parts)
-                        rows = entry["shape"][0]
-                        dest = p[e, j * rows:(j + 1) * rows]
-                    else:
-                        dest = p
-                    _read_tensor_into(handles[keys[key]], starts[keys[key]], entry, dest)
-    finally:
-        for f in handles.values():
-            f.close()
-    if tied:
-        model.tie_weights()
-    return model
-
-
 def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
@@ -244,13 +141,13 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
         return model.to(dtype), ByteTokenizer(model.config.vocab_size)
     import transformers
 
-    path = _resolve_dir(name)
+    path = model_dir(name)
     check_checkpoint(path)
     check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model, info = _load_weights_by_reading(path, dtype), {}
+        model, info = read_weights(path, dtype), {}
         if model is None:
             with quiet_transformers():
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -299,57 +196,21 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     return _fingerprint(_spec_fields(model, layers), [l.router.weight for l in layers])
 
 
-def _safetensors_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the .safetensors file holding it (single file or a sharded index)."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        return {k: path / v for k, v in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.exists():
-        return {}
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}
-
-
-def _read_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
-    from safetensors import safe_open
-
-    for old in _ROUTER_KEY_FORMS:
-        if old not in module_key:
-            continue
-        for new in _ROUTER_KEY_FORMS:
-            key = module_key.replace(old, new)
-            if key in files:
-                with safe_open(files[key], "pt") as f:
-                    return f.get_tensor(key)
-    return None
-
-
 def read_model_spec(name: str) -> ModelSpec:
     """The same ModelSpec as `model_spec(load_model(name)[0])`, reading only config.json and the router weights
     (tensor by tensor from the safetensors files): what plan-template and search need, at a fraction of the
     memory. Falls back to a full load where the routers cannot be found in safetensors files."""
     if name.startswith(RANDOM_PREFIX):
         return model_spec(load_model(name)[0])
-    import transformers
-
-    path = _resolve_dir(name)
+    path = model_dir(name)
     check_checkpoint(path)
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        with torch.device("meta"):  # the module tree without memory: names and shapes only
-            skeleton = transformers.AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError) as e:
-        raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+    skeleton = meta_skeleton(path)
     layers = moe_layers(skeleton)
     if not layers:
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     names = {id(p): n for n, p in skeleton.named_parameters()}
-    files = _safetensors_files(path)
-    routers = [_read_router(files, names[id(l.router.weight)]) for l in layers]
+    files = tensor_index(path)
+    routers = [read_router(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
     return _fingerprint(_spec_fields(skeleton, layers), routers)

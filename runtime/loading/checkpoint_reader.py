@@ -1,0 +1,156 @@
+"""Reading a transformers MoE model's weights straight from its safetensors files: which stored tensors make each
+module parameter (the key layouts of published checkpoints: fused, per-expert under `mlp.experts.N` or
+`block_sparse_moe.experts.N`, routers under `gate` or `router`), and reading them into place with plain file reads.
+Beside `checkpoints.py`, which checks the files before anything reads them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from runtime.errors import NpumoeError
+from runtime.loading.checkpoints import safetensors_header
+
+# Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
+# transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
+ROUTER_KEY_FORMS = (".mlp.gate.", ".mlp.router.", ".block_sparse_moe.gate.", ".block_sparse_moe.router.")
+# Per-expert key layouts of published checkpoints for a fused experts parameter `<layer>.mlp.experts.<leaf>`: the
+# block the experts sit under and the per-expert parts stacked along dim 1, in order (as transformers fuses them).
+EXPERT_LAYOUTS = {
+    "gate_up_proj": ((".mlp.", ("gate_proj", "up_proj")), (".block_sparse_moe.", ("w1", "w3"))),
+    "down_proj": ((".mlp.", ("down_proj",)), (".block_sparse_moe.", ("w2",))),
+}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def tensor_sources(name: str, shape: torch.Size, keys: dict[str, Path]) -> list[str] | None:
+    """The checkpoint keys that make module parameter `name`, in the order they fill it; None if not all found."""
+    if name in keys:
+        return [name]
+    for old in ROUTER_KEY_FORMS:
+        for new in ROUTER_KEY_FORMS:
+            if old in name and name.replace(old, new) in keys:
+                return [name.replace(old, new)]
+    leaf = name.rsplit(".", 1)[-1]
+    if ".mlp.experts." in name and leaf in EXPERT_LAYOUTS:
+        for block, parts in EXPERT_LAYOUTS[leaf]:
+            base = name[:-len(".mlp.experts." + leaf)] + block + "experts"
+            found = [f"{base}.{e}.{part}.weight" for e in range(shape[0]) for part in parts]
+            if all(k in keys for k in found):
+                return found
+    return None
+
+
+def fits(shape: torch.Size, stored: list[list[int]]) -> bool:
+    """Whether the stored tensors fill a parameter exactly: one of its shape, or per-expert blocks of rows."""
+    if len(stored) == 1:
+        return list(shape) == list(stored[0])
+    parts = len(stored) // shape[0]
+    return len(stored) == parts * shape[0] and all(
+        list(s) == [shape[1] // parts, *shape[2:]] for s in stored) and shape[1] % parts == 0
+
+
+def read_tensor_into(f, start: int, entry: dict, dest: torch.Tensor) -> None:
+    """Read one stored tensor into `dest` with plain file reads (no mmap: mapped pages would count as resident
+    memory until the file is closed), straight into `dest` when the dtypes agree."""
+    src = SAFETENSORS_DTYPES[entry["dtype"]]
+    a, b = entry["data_offsets"]
+    f.seek(start + a)
+    if src == dest.dtype and dest.is_contiguous():
+        f.readinto(dest.view(-1).view(torch.uint8).numpy())
+    else:
+        dest.copy_(torch.frombuffer(bytearray(f.read(b - a)), dtype=src).reshape(dest.shape))
+
+
+def read_weights(path: Path, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The model with every parameter read from the safetensors files into its place, in `dtype`: memory is the
+    model itself (transformers' loader holds a layer's experts a second time while it fuses them). None where a
+    parameter, or a stored tensor, does not map one to one: the caller then loads with transformers."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    keys = tensor_index(path)
+    if not keys:
+        return None
+    headers = {file: safetensors_header(file) for file in set(keys.values())}
+    if any(t.get("dtype") not in SAFETENSORS_DTYPES for h in headers.values() for k, t in h.items()
+           if k != "__metadata__"):
+        return None
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ()) if config.get_text_config().tie_word_embeddings \
+        else set()
+    sources = {n: (p, tensor_sources(n, p.shape, keys)) for n, p in model.named_parameters()}
+    if any(src is None and n not in tied for n, (_, src) in sources.items()):
+        return None
+    if {k for _, src in sources.values() for k in src or ()} != set(keys):
+        return None  # stored tensors the model has no place for: transformers' loader reports them
+    if not all(fits(p.shape, [headers[keys[k]][k]["shape"] for k in src]) for p, src in sources.values() if src):
+        return None  # shapes that disagree with config.json: transformers' loader reports them
+    starts = {}
+    for file in headers:
+        with open(file, "rb") as f:
+            starts[file] = 8 + int.from_bytes(f.read(8), "little")
+    handles = {file: open(file, "rb") for file in headers}  # noqa: SIM115 (closed below)
+    try:
+        with torch.no_grad():
+            for p, src in sources.values():
+                parts = len(src) // p.shape[0] if len(src or ()) > 1 else 0  # per-expert tensors per expert
+                for i, key in enumerate(src or ()):
+                    entry = headers[keys[key]][key]
+                    if parts:  # expert i // parts, part i % parts: a block of rows of the fused parameter
+                        e, j = divmod(i, parts)
+                        rows = entry["shape"][0]
+                        dest = p[e, j * rows:(j + 1) * rows]
+                    else:
+                        dest = p
+                    read_tensor_into(handles[keys[key]], starts[keys[key]], entry, dest)
+    finally:
+        for f in handles.values():
+            f.close()
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def tensor_index(path: Path) -> dict[str, Path]:
+    """Tensor name -> the .safetensors file holding it (single file or a sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        return {k: path / v for k, v in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def read_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
+    from safetensors import safe_open
+
+    for old in ROUTER_KEY_FORMS:
+        if old not in module_key:
+            continue
+        for new in ROUTER_KEY_FORMS:
+            key = module_key.replace(old, new)
+            if key in files:
+                with safe_open(files[key], "pt") as f:
+                    return f.get_tensor(key)
+    return None
+
+
+def meta_skeleton(path: Path) -> torch.nn.Module:
+    """The model's module tree from its config.json on the meta device: parameter names and shapes, no memory."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
