@@ -25,7 +25,7 @@ import argparse
 import copy
 
 from autotune.costing.costmodel import CostModel, HostCosts, fit_backend, heldout_errors, predict_record
-from autotune.profiling.profile import Profile, _now, save_profile
+from autotune.profiling.profile import Profile, save_profile, utc_now
 
 REVISION = 2
 PAPER = ("NPUMoE: Benazir & Lin, 'Efficient Mixture-of-Experts LLM Inference with Apple Silicon NPUs', "
@@ -140,7 +140,7 @@ def main() -> None:
         settings={"note": "built by scripts/make_published_profile.py", "revision": REVISION},
         energy={"method": "published", "cpu_power_w": CPU_POWER_W, "ane_power_w": ANE_POWER_W,
                 "source": "see sources.cpu_power_w and sources.ane_power_w; energy = power x predicted busy time"},
-        created=_now(),
+        created=utc_now(),
         extra={"sources": SOURCES, "superseded": SUPERSEDED,
                "not_measured": ["host-side pack/unpack and exact-path bookkeeping (0 in predictions)",
                                 "per-expert launch cost inside a CPU call (0)",

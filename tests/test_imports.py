@@ -1,5 +1,6 @@
 """Module structure: no import cycle inside `autotune/` or `runtime/` (function-level imports included: a lazy
-import that closes a cycle is still a cycle), and `runtime/` never imports `autotune/`."""
+import that closes a cycle is still a cycle), `runtime/` never imports `autotune/`, no module imports another's
+private names, no two modules share a file name."""
 import ast
 from collections import Counter
 from pathlib import Path
@@ -108,6 +109,31 @@ def test_no_test_module_imports_another():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             offenders += [f"{path.name}: {n}" for n in names if n.startswith("test_") or n == "conftest"]
     assert offenders == []
+
+
+def private_imports(path: Path) -> list[str]:
+    """`module: name` for each private name (`_x`, dunders aside) that `path` imports from a project module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in PACKAGES):
+            found += [f"{node.module}: {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A leading underscore says "this module's own": what another module needs is public, under a name that says
+    what it is (tests and scripts included)."""
+    files = [p for d in (*PACKAGES, "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
+    offenders = [f"{p.relative_to(ROOT)} imports {hit}" for p in sorted(files) for hit in private_imports(p)]
+    assert offenders == []
+
+
+def test_private_imports_are_found(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from runtime.plan import Plan, _x\nfrom . import _y\nfrom os import _exit\n"
+                      "from runtime import __version__\n")
+    assert private_imports(source) == ["runtime.plan: _x", "None: _y"]
 
 
 def test_no_two_modules_share_a_file_name():

@@ -81,9 +81,9 @@ def check_os(_: Probe) -> str:
 
 
 def check_chip(_: Probe) -> str:
-    from autotune.profiling.profile import _cpu_model
+    from autotune.profiling.profile import cpu_model
 
-    chip = _cpu_model()
+    chip = cpu_model()
     if not on_macos():
         raise Skip(f"not a Mac: {chip} has no Neural Engine")
     if platform.machine() != "arm64" or not chip.startswith("Apple"):

@@ -95,7 +95,8 @@ class _Profile(_Loose):
 
 
 # --- host facts ----------------------------------------------------------------------------------------------------
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's marketing name (e.g. "Apple M2 Ultra"), or the platform's processor string."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -128,14 +129,14 @@ def _versions() -> dict[str, str]:
 def host_id(cpu: str | None = None, cores: int | None = None) -> str:
     """The hardware a profile describes: OS, architecture, CPU model and core count (not the hostname, which
     containers change at will)."""
-    cpu = cpu or _cpu_model()
+    cpu = cpu or cpu_model()
     cores = cores or os.cpu_count() or 1
     slug = re.sub(r"[^a-z0-9]+", "-", f"{platform.system()}-{platform.machine()}-{cpu}-{cores}c".lower()).strip("-")
     return slug[:80]
 
 
 def host_facts(threads: int | None = None) -> dict:
-    cpu, cores = _cpu_model(), os.cpu_count() or 1
+    cpu, cores = cpu_model(), os.cpu_count() or 1
     description = f"{cpu}, {cores} cores, {platform.system()} {platform.machine()}"
     facts = {"id": host_id(cpu, cores), "description": description,
              "hostname": socket.gethostname(), "cpu_model": cpu, "logical_cores": cores,
@@ -180,14 +181,15 @@ class Profile:
         return not self.measured_by.startswith("autotune profile-device")
 
     def to_json(self) -> dict:
-        out = {"schema": SCHEMA, "measured_by": self.measured_by, "created": self.created or _now(),
+        out = {"schema": SCHEMA, "measured_by": self.measured_by, "created": self.created or utc_now(),
                "host": self.host, "settings": self.settings, "energy": self.energy,
                "cost_model": self.cost_model.to_json(), "heldout": self.heldout, "records": self.records}
         out.update(self.extra)
         return out
 
 
-def _now() -> str:
+def utc_now() -> str:
+    """Now, in UTC, as the profile's `created` stamp (ISO 8601, seconds)."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -214,7 +216,7 @@ def build_profile(records: list[dict], host: dict, measured_by: str, settings_js
     heldout = heldout_errors(records, options)
     model = fit_cost_model(records, options)
     return Profile(host=host, cost_model=model, records=records, heldout=heldout, measured_by=measured_by,
-                   settings=settings_json, energy=energy, created=_now())
+                   settings=settings_json, energy=energy, created=utc_now())
 
 
 def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Profile:
