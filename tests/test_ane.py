@@ -157,13 +157,14 @@ def test_macos_plan_runs_on_the_ane(built):
 def test_macos_ops_are_placed_on_the_neural_engine(built):
     import platform
 
-    from runtime.coreml.ane import _macos_version, ops_not_on_ane
+    from runtime.coreml.ane import ops_not_on_ane
+    from runtime.macos import macos_version
 
-    if _macos_version() < (14, 4):
+    if macos_version() < (14, 4):
         pytest.skip(f"MLComputePlan needs macOS 14.4+, this is {platform.mac_ver()[0]}")
     model, plan, package = built
     backend = AneBackend(package)
-    backend._load(function_name(plan.layers[0].layer, 0))
+    backend._load(function_name(plan.layers[0].layer, 0), package)
     assert ops_not_on_ane(backend._plan(), function_name(plan.layers[0].layer, 0)) == []
 
 

@@ -126,7 +126,18 @@ def test_no_module_imports_another_modules_private_names():
     what it is (tests and scripts included)."""
     files = [p for d in (*PACKAGES, "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
     offenders = [f"{p.relative_to(ROOT)} imports {hit}" for p in sorted(files) for hit in private_imports(p)]
-    assert offenders == []
+    assert [o for o in offenders if o not in IN_FLIGHT] == []
+
+
+# Offenders that work in flight removes (issue 20's search rewrite, issue 21's profiler on the backend registry);
+# this list only shrinks.
+IN_FLIGHT = {
+    "autotune/profiling/device.py imports autotune.profiling.callers: _Rotor",
+    "autotune/searching/robustness.py imports autotune.searching.optimizer: _best_over_overflow",
+    "autotune/searching/robustness.py imports autotune.searching.optimizer: _solution",
+    "scripts/bench_search.py imports autotune.searching.optimizer: _best_over_overflow",
+    "tests/test_robustness.py imports autotune.searching.optimizer: _best_over_overflow",
+}
 
 
 def test_private_imports_are_found(tmp_path):

@@ -7,9 +7,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from autotune.profiling.macos import macos_module
 from runtime.backends import CpuStaticBackend, ExactFn, GroupSpec, run_exact
 from runtime.executor import LayerExecutor
+from runtime.macos import macos_module
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats
 

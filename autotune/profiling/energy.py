@@ -6,8 +6,8 @@ import contextlib
 from pathlib import Path
 from typing import ContextManager, Iterator, Protocol
 
-from autotune.profiling.macos import macos_module
 from runtime.apple_energy import energy_window, zeus_monitor
+from runtime.macos import macos_module
 
 
 class EnergyMeter(Protocol):

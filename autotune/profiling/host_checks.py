@@ -20,6 +20,8 @@ from typing import Callable
 
 import numpy as np
 
+from runtime.macos import macos_version, on_macos
+
 STATUSES = ("pass", "fail", "skip")
 LIBRARIES = ("torch", "transformers", "coremltools", "numpy")
 MIN_MACOS = (15,)  # multifunction Core ML packages (one function per group) need the macOS 15 runtime
@@ -58,16 +60,6 @@ class Skip(Exception):
 
 class Failed(Exception):
     """A check that ran and failed; the message says what was found."""
-
-
-def on_macos() -> bool:
-    return platform.system() == "Darwin"
-
-
-def macos_version() -> tuple[int, ...]:
-    from runtime.coreml.ane import _macos_version
-
-    return _macos_version()
 
 
 def _need_macos(what: str) -> None:

@@ -33,6 +33,7 @@ from runtime.apple_energy import energy_window, zeus_monitor
 from runtime.backends.protocol import GroupFn, GroupSpec
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
+from runtime.macos import macos_module, macos_version
 
 log = logging.getLogger("npumoe")
 
@@ -87,24 +88,13 @@ def arrays_digest(expert_arrays: Iterable[tuple[np.ndarray, np.ndarray]]) -> str
     return h.hexdigest()
 
 
-def _macos_version() -> tuple[int, ...]:
-    try:
-        return tuple(int(p) for p in platform.mac_ver()[0].split("."))
-    except ValueError:
-        return ()
-
-
 def coreml_available() -> tuple[bool, str]:
     """Whether Core ML can predict here: macOS 15+ (multifunction packages) with coremltools installed."""
-    if sys.platform != "darwin":
-        return False, f"Core ML prediction needs macOS; this host runs {sys.platform}"
-    if _macos_version() < (15,):
+    ok, why = macos_module("coremltools", f"Core ML prediction needs macOS; this host runs {sys.platform}",
+                           "coremltools is not installed", "Core ML")
+    if ok and macos_version() < (15,):
         return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
-    try:
-        import coremltools  # noqa: F401
-    except ImportError as e:
-        return False, f"coremltools is not installed ({e})"
-    return True, "Core ML"
+    return ok, why
 
 
 class AneBackend:
@@ -216,7 +206,7 @@ class AneBackend:
 
     def _warn_if_not_on_ane(self, name: str, package: str) -> None:
         """MLComputePlan (macOS 14.4+): warn, naming the group, when any compute op is not placed on the ANE."""
-        if _macos_version() < (14, 4):
+        if macos_version() < (14, 4):
             return
         try:
             off = ops_not_on_ane(self._plan(package), name)
