@@ -38,3 +38,32 @@ def test_library_build(tmp_path):
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         autotune.nope
+
+
+def test_library_run_evaluate_describe_and_record(tmp_path, text_file):
+    """What `run`, `evaluate`, `models` and `generate --record-traces` print, from the library; the plan loaded by
+    runtime.load. A tight spill plan computes exactly what the unmodified model computes; a tight drop plan does
+    not (so the reference really ran without the plan)."""
+    import numpy as np
+
+    import runtime
+    from autotune.calibration.traces import load_traces
+
+    model, _ = random_model("random:olmoe")
+    save_plan(template_plan(model_spec(model), "tight", "spill", chunk_tokens=32), tmp_path / "plan.json")
+    save_plan(template_plan(model_spec(model), "tight", "drop", chunk_tokens=32), tmp_path / "drop.json")
+    plan = str(tmp_path / "plan.json")
+    run = autotune.run_plan("random:olmoe", tmp_path / "drop.json", text=text_file, max_tokens=200,
+                            reference=True, record_traces=tmp_path / "run.npz")
+    assert run["tokens"] == 200 and run["dropped"] > 0 and run["max_rel_diff_vs_reference"] > 1e-3
+    assert "energy_per_backend" not in run  # no backend here measures energy
+    assert run["traces"]["chunks"] == load_traces(tmp_path / "run.npz").n_chunks == 7  # 200 tokens in chunks of 32
+    fidelity = autotune.evaluate("random:olmoe", plan, text=text_file, max_tokens=200, prompt_tokens=100,
+                                 progress=False)
+    assert fidelity["top1_agreement"] == 1.0 and fidelity["spill_rate"] > 0 and fidelity["prompts"] == 2
+    about = autotune.describe_model("random:olmoe", text_file, max_tokens=300)
+    shares = np.array(list(about["expert_shares"].values()))
+    assert about["experts"] == 8 and about["tokens"] == 300 and np.allclose(shares.sum(axis=1), 1.0, atol=1e-3)
+    loaded = runtime.load("random:olmoe", plan)
+    recorded = autotune.record_prompt_traces(loaded, "Experts overflow and spill. " * 4, tmp_path / "gen.npz")
+    assert recorded["chunks"] == load_traces(tmp_path / "gen.npz").n_chunks >= 2
