@@ -40,6 +40,7 @@ from autotune.calibration.traces import (
 )
 from autotune.calibration.workload import encode_text
 from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
+from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.optimizer import solution_plan, timed_search
 from autotune.searching.report import plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
@@ -188,9 +189,13 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
             log.warning("warning: %s", w.message)
         trs, traces_path = _traces(model, traces, spec, dtype, progress)
         cost = prof.cost_model
-        backend = "ane" if "ane" in cost.backends else "cpu-static"
         layers = LayerData.from_traces(trs)
-        scorer = Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / len(layers))
+
+        def scorer_for(backend: str) -> Scorer:
+            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / len(layers))
+
+        backend = choose_static_backend(cost, layers, scorer_for)
+        scorer = scorer_for(backend)
         chunk_tokens = trs.header["chunk_tokens"]
         outcome, seconds = timed_search(layers, scorer, objective=objective, drop_budget=drop_budget, trials=trials,
                                         storage=_storage(storage),

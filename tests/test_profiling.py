@@ -69,9 +69,9 @@ class _FixedMeter:
         out.update(cpu_total_mj=1000.0, ane_mj=500.0)
 
 
-@pytest.mark.parametrize("ane,mj", [(False, 1000.0), (True, 500.0)])
-def test_time_call_takes_energy_from_any_meter_window(ane, mj):
+@pytest.mark.parametrize("field,mj", [("cpu_total_mj", 1000.0), ("ane_mj", 500.0)])
+def test_time_call_takes_energy_from_any_meter_window(field, mj):
     s = Settings({}, tokens=[], groups=[], pack_tokens=[], warmup=0, min_runs=4, max_runs=4, min_time_s=0.0)
-    rec = time_call(lambda: sum(range(1000)), s, _FixedMeter(), ane=ane, clock="wall")
+    rec = time_call(lambda: sum(range(1000)), s, _FixedMeter(), energy_field=field, clock="wall")
     assert rec["runs"] == 4 and rec["energy_mj_per_run"] == pytest.approx(mj / 4)
     assert rec["power_w"] > 0

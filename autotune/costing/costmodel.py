@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# Static backends whose calls run off the CPU: the exact CPU path runs concurrently with them (see the executor).
-OVERLAPPING = {"ane"}
+from runtime.backends import EXACT, registry
+
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
 
@@ -179,11 +179,13 @@ class CostModel:
         return sorted(self.models)
 
     def _model(self, backend: str) -> BackendModel:
-        """The backend's model; a static backend the device lacks runs on cpu-static, as the runtime does."""
+        """The backend's model; a static backend the device lacks runs on its fallbacks (the registry's), as the
+        runtime does."""
         if backend in self.models:
             return self.models[backend]
-        if backend in ("ane",) and "cpu-static" in self.models:
-            return self.models["cpu-static"]
+        for fallback in registry.fallbacks(backend)[1:]:
+            if fallback in self.models:
+                return self.models[fallback]
         raise KeyError(f"the cost model has no backend {backend!r} (it has {', '.join(self.backends)})")
 
     # --- calls -------------------------------------------------------------------------------------------------
@@ -213,8 +215,8 @@ class CostModel:
         """cpu-exact over per-expert counts ([E] -> float, [chunks, E] -> array), incl. call and host costs."""
         c = np.asarray(counts, dtype=np.int64)
         a = c.sum(axis=-1)
-        t = np.sum(self.ffn_ms("cpu-exact", c, hidden, ffn), axis=-1)
-        t = np.where(a > 0, t + self.call_ms("cpu-exact"), 0.0) + HostCosts._eval(self.host.exact, a, hidden)
+        t = np.sum(self.ffn_ms(EXACT, c, hidden, ffn), axis=-1)
+        t = np.where(a > 0, t + self.call_ms(EXACT), 0.0) + HostCosts._eval(self.host.exact, a, hidden)
         return float(t) if np.ndim(t) == 0 else t
 
     def pack_ms(self, assignments: Any, hidden: int | None = None, slots: Any = 0) -> Any:
@@ -249,7 +251,7 @@ class CostModel:
         """Predicted latency of one MoE layer for one chunk ([E] counts -> float; [chunks, E] -> array).
 
         Static calls run in sequence on the calling thread; the exact CPU path overlaps the calls of an
-        off-CPU backend (ane) but not CPU work (cpu-static calls, packing)."""
+        off-CPU backend (`overlaps_cpu`: the ANE) but not CPU work (cpu-static calls, packing)."""
         p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
         off_cpu = sum(t for b, t in p["static"].items() if self.models[b].overlaps_cpu)
         on_cpu = sum(t for b, t in p["static"].items() if not self.models[b].overlaps_cpu)
@@ -275,7 +277,7 @@ class CostModel:
                         overflow: str) -> Any | None:
         """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
         p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
-        cpu_power = self.models["cpu-exact"].power_w if "cpu-exact" in self.models else None
+        cpu_power = self.models[EXACT].power_w if EXACT in self.models else None
         e = np.zeros(np.shape(p["exact"]))  # per chunk, like the latency: static calls run in every chunk
         for b, t in p["static"].items():
             if self.models[b].power_w is None:
@@ -345,7 +347,8 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
                 power_source: str | None = None) -> BackendModel:
     """Fit one backend's analytic form to its records, then the residual learner on single-expert records.
 
-    `fixed` pins coefficients (e.g. a cited fixed cost per call) instead of fitting them."""
+    `fixed` pins coefficients (e.g. a cited fixed cost per call) instead of fitting them. `overlaps_cpu` defaults
+    to the backend's registry entry (False for a backend not registered here)."""
     fixed = fixed or {}
     A = np.stack([record_features(r, dtype_bytes) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
@@ -359,7 +362,7 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
     if free:
         coef[free] = _positive_lsq(A[:, free], rest)
     model = BackendModel(name, float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), dtype_bytes,
-                         name in OVERLAPPING if overlaps_cpu is None else overlaps_cpu, power_w, power_source)
+                         _overlaps_cpu(name) if overlaps_cpu is None else overlaps_cpu, power_w, power_source)
     if residual:
         X, y = [], []
         for r in records:
@@ -374,6 +377,11 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
         if len(y) >= 2:
             model.residual = Residual(np.array(X), np.array(y))
     return model
+
+
+def _overlaps_cpu(name: str) -> bool:
+    info = registry.get(name)
+    return info is not None and info.overlaps_cpu
 
 
 def fit_host(records: list[dict]) -> tuple[float, ...] | None:

@@ -1,19 +1,16 @@
-"""Benchmark callers: each returns a zero-argument function that makes one call of runtime code (a static group, an
-exact-path call, the executor's host-side work for a chunk, a Core ML prediction), for `timing.time_call`."""
+"""Benchmark callers: each returns a zero-argument function that makes one call of runtime code (a static group
+through its backend's `StaticBackend` protocol, or as its registry entry says to time it; an exact-path call; the
+executor's host-side work for a chunk), for `timing.time_call`."""
 from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
-from runtime.backends import CpuStaticBackend, ExactFn, GroupSpec, run_exact
+from runtime.backends import REFERENCE, BackendInfo, ExactFn, GroupSpec, run_exact
 from runtime.executor import LayerExecutor
-from runtime.macos import macos_module
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats
-
-COREML_BACKENDS = ("ane", "coreml-cpu")
 
 
 def make_experts(hidden: int, ffn: int, num_experts: int, seed: int = 0) -> torch.nn.Module:
@@ -31,7 +28,7 @@ def make_experts(hidden: int, ffn: int, num_experts: int, seed: int = 0) -> torc
     return module.eval().requires_grad_(False)
 
 
-class _Rotor:
+class Rotor:
     """Cycles through experts between runs, so weights come from memory as in a real layer, not a warm cache."""
 
     def __init__(self, n: int) -> None:
@@ -43,26 +40,27 @@ class _Rotor:
         return out
 
 
-def group_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
-                 rotor: _Rotor) -> Callable[[], object]:
-    """One call of `backend` over len(caps) experts, as the executor makes it."""
+def group_caller(info: BackendInfo, module: torch.nn.Module, caps: list[int], hidden: int,
+                 rotor: Rotor) -> Callable[[], object]:
+    """One call of the backend over len(caps) experts, as the executor makes it: the exact path's, the backend's own
+    profiling call where its registry entry has one, else its prepared function of a synthetic group (groups over
+    other experts in turn)."""
     g = len(caps)
     x = torch.randn(sum(caps), hidden)
-    if backend == "cpu-exact":
+    if info.exact:
         return lambda: run_exact(module, x, rotor.next(g), caps)
-    if backend == "cpu-static":
-        n_sets = max(1, module.num_experts // g)
-        fns = [CpuStaticBackend().prepare(GroupSpec(0, i, tuple(range(i * g, i * g + g)), tuple(caps), module))
-               for i in range(n_sets)]
-        return lambda: fns[rotor.next()[0] % n_sets](x)
-    if backend in COREML_BACKENDS:
-        return _coreml_caller(backend, module, caps, hidden)
-    raise ValueError(f"no microbenchmark for backend {backend!r}")
+    if info.profile_call is not None:
+        return info.profile_call(module, caps, hidden)
+    backend = info.create()
+    n_sets = max(1, module.num_experts // g)
+    fns = [backend.prepare(GroupSpec(0, i, tuple(range(i * g, i * g + g)), tuple(caps), module))
+           for i in range(n_sets)]
+    return lambda: fns[rotor.next()[0] % n_sets](x)
 
 
 class _NullStatic:
     """A static backend that computes nothing (identity): isolates the executor's host-side work."""
-    name = "cpu-static"
+    name = REFERENCE
     overlaps_cpu = False
 
     def available(self) -> tuple[bool, str]:
@@ -75,13 +73,13 @@ class _NullStatic:
 def _layer_executor(module: torch.nn.Module, static: bool, tokens: int, top_k: int, capacity: int,
                     exact: ExactFn = run_exact) -> LayerExecutor:
     e, h, f = module.num_experts, module.hidden_dim, module.intermediate_dim
-    groups = [Group(backend="cpu-static", experts=list(range(i, min(i + 4, e))),
+    groups = [Group(backend=REFERENCE, experts=list(range(i, min(i + 4, e))),
                     capacities=[capacity] * len(range(i, min(i + 4, e)))) for i in range(0, e, 4)]
     lp = LayerPlan(layer=0, groups=groups if static else [], cpu_exact=[] if static else list(range(e)))
     ref = ModelSpec(architecture="profile", model_type="qwen3_moe", num_layers=1, moe_layers=[0], num_experts=e,
                    top_k=top_k, hidden_size=h, expert_ffn_size=f, fingerprint="profile")
     plan = Plan(model=ref, chunk_tokens=tokens, overflow="drop", saliency="router_weight", layers=[lp])
-    return LayerExecutor(lp, module, plan, LayerStats(), {"cpu-static": _NullStatic()}, exact=exact)
+    return LayerExecutor(lp, module, plan, LayerStats(), {REFERENCE: _NullStatic()}, exact=exact)
 
 
 def random_routing(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,25 +108,3 @@ def _no_compute(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[i
                 ) -> torch.Tensor:
     return x_sorted
 
-
-def coreml_available() -> tuple[bool, str]:
-    return macos_module("coremltools", "Core ML prediction needs macOS", "coremltools is not installed", "Core ML")
-
-
-def _coreml_caller(backend: str, module: torch.nn.Module, caps: list[int], hidden: int,
-                   layout: str = "matmul") -> Callable[[], object]:
-    """One call of a group function exactly as `autotune build` emits it (runtime.coreml.converter), run through Core ML
-    with CPU_AND_NE (`ane`) or CPU_ONLY (`coreml-cpu`), fed as the runtime's ane backend feeds it."""
-    import coremltools as ct
-
-    from runtime.coreml.ane import INPUT_NAME, expert_weights_fp16, to_layout
-    from runtime.coreml.converter import FunctionSpec, to_mlmodel
-
-    experts = tuple(range(len(caps)))
-    fs = FunctionSpec(0, 0, experts, tuple(caps), hidden, module.intermediate_dim)
-    weights = {e: expert_weights_fp16(module, e) for e in experts}
-    units = ct.ComputeUnit.CPU_AND_NE if backend == "ane" else ct.ComputeUnit.CPU_ONLY
-    mlmodel = to_mlmodel(fs, weights, layout, compute_units=units)
-    feed = {INPUT_NAME: to_layout(np.random.default_rng(0).standard_normal((fs.slots, hidden)).astype(np.float16),
-                                  layout)}
-    return lambda: mlmodel.predict(feed)

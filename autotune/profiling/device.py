@@ -9,19 +9,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from autotune.profiling.callers import (
-    COREML_BACKENDS,
-    _Rotor,
-    coreml_available,
-    group_caller,
-    host_caller,
-    make_experts,
-    pack_capacity,
-)
+from autotune.profiling.callers import Rotor, group_caller, host_caller, make_experts, pack_capacity
 from autotune.profiling.energy import EnergyMeter, energy_meter
 from autotune.profiling.profile import Profile, build_profile, host_facts
 from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
 from autotune.profiling.timing import clock_for, time_call
+from runtime.backends import CPU_ENERGY, registry
 from runtime.errors import NpumoeError
 
 
@@ -49,21 +42,22 @@ class Task:
 
 
 def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
+    infos = [registry.get(b) for b in backends]
     tasks = []
     for b in backends:
         tasks.append(Task("call", b, "tiny-call", 16, 16, [1]))  # dispatch + sync: the smallest real call
         tasks += [Task("call", b, "tiny-call", 16, 16, [1] * g) for g in (4, 16) if g <= s.num_experts]
     for name, (h, f) in s.shapes.items():
-        for b in backends:
+        for info in infos:
             tokens, groups = s.tokens, s.groups
-            if b in COREML_BACKENDS:
-                # every Core ML shape is a conversion and an ANE compile (seconds): powers of two (quick: of four)
+            if info.compiles_per_shape:
+                # every shape is a conversion and a compile (seconds): powers of two (quick: of four)
                 base = 4 if s.quick else 2
                 tokens = [m for m in s.tokens if m == base ** round(math.log(m, base))]
                 groups = s.groups[:2] if s.quick else s.groups
-            tasks += [Task("group", b, name, h, f, [m]) for m in tokens]
-            tasks += [Task("group", b, name, h, f, [c] * g) for g, c in groups if g <= s.num_experts]
-        if "cpu-exact" in backends or "cpu-static" in backends:
+            tasks += [Task("group", info.name, name, h, f, [m]) for m in tokens]
+            tasks += [Task("group", info.name, name, h, f, [c] * g) for g, c in groups if g <= s.num_experts]
+        if any(info.cpu_torch for info in infos):  # the executor's host-side work runs beside torch on the CPU
             for t in s.pack_tokens:
                 caps = [pack_capacity(t, s.top_k, s.num_experts, ample) for ample in (True, False)]
                 tasks += [Task("pack", "host", name, h, f, [c], t) for c in caps
@@ -86,27 +80,30 @@ def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, 
                 modules.clear()  # one shape at a time
                 modules[key] = make_experts(task.hidden, task.ffn, s.num_experts)
             module = modules[key]
-            if task.kind in ("pack", "exact_host"):
+            host = task.kind in ("pack", "exact_host")
+            info = None if host else registry.get(task.backend)
+            if host:
                 fn = host_caller(task.kind, module, task.tokens, s.top_k,
                                  task.capacities[0] if task.capacities else 0)
             else:
-                fn = group_caller(task.backend, module, task.capacities, task.hidden, _Rotor(s.num_experts))
+                fn = group_caller(info, module, task.capacities, task.hidden, Rotor(s.num_experts))
             rec = task.describe()
-            if task.kind in ("pack", "exact_host"):
+            if host:
                 rec["assignments"] = task.tokens * s.top_k
                 rec["slots"] = s.num_experts * task.capacities[0] if task.kind == "pack" else 0
             elif len(task.capacities) == 1:
                 rec["tokens"] = task.capacities[0]
-            which = clock_for(task.backend, torch.get_num_threads()) if clock == "auto" else clock
-            rec.update(time_call(fn, s, meter, ane=task.backend == "ane", clock=which))
+            on_cpu = host or info.cpu_torch
+            which = clock_for(on_cpu, torch.get_num_threads()) if clock == "auto" else clock
+            field = info.energy_field if info is not None else CPU_ENERGY  # host-side work is CPU work
+            rec.update(time_call(fn, s, meter, energy_field=field, clock=which))
             records.append(rec)
     return records
 
 
 def available_backends() -> dict[str, tuple[bool, str]]:
-    ok_ml = coreml_available()
-    return {"cpu-exact": (True, "torch on the CPU"), "cpu-static": (True, "torch on the CPU"),
-            "ane": ok_ml, "coreml-cpu": ok_ml}
+    """Every registered backend (plugins included) with whether the profiler can run it here, and why."""
+    return {name: info.available_to_profile() for name, info in registry.infos().items()}
 
 
 def _loadavg() -> float | None:
@@ -143,5 +140,5 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
                                   "memory bandwidth): a profile describes the host under the load it had",
                      **s.to_json()}
     cmd = "autotune profile-device" + (" --quick" if quick else "")
-    fp16 = {b: {"dtype_bytes": 2} for b in backends if b in COREML_BACKENDS}  # Core ML computes in fp16
-    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, fp16)
+    dtypes = {b: {"dtype_bytes": registry.get(b).dtype_bytes} for b in backends}  # e.g. Core ML computes in fp16
+    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, dtypes)

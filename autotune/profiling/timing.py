@@ -11,18 +11,18 @@ import numpy as np
 
 from autotune.profiling.energy import EnergyMeter
 from autotune.profiling.settings import Settings
+from runtime.backends import CPU_ENERGY
 
-CPU_BACKENDS = ("cpu-exact", "cpu-static")
 
-
-def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None = None, ane: bool = False,
-              clock: str = "wall") -> dict:
+def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None = None,
+              energy_field: str = CPU_ENERGY, clock: str = "wall") -> dict:
     """Warm up, then repeat until min_runs and min_time_s are both met (or max_runs): median and spread in ms.
 
     Each run is timed twice: wall clock, and this process's CPU time. `clock` says which one `median_ms` (what
     the fit uses) reports: `cpu` excludes the time other processes on a shared host preempt us (right for
     one-thread CPU work, where CPU time is the latency of an unloaded host); `wall` is needed whenever work
-    runs off the CPU (Core ML, the ANE) or on several threads."""
+    runs off the CPU (Core ML, the ANE) or on several threads. `energy_field`: the meter's field that measures
+    what `fn` runs on (the backend's, from its registry entry)."""
     for _ in range(s.warmup):
         fn()
     wall: list[float] = []
@@ -36,7 +36,7 @@ def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None =
             wall.append((time.perf_counter() - t0) * 1e3)
             cpu.append((time.process_time() - c0) * 1e3)
     wall_ms = (time.perf_counter() - t_start) * 1e3
-    energy = spent.get("ane_mj" if ane else "cpu_total_mj")
+    energy = spent.get(energy_field)
     times = cpu if clock == "cpu" else wall
     q = np.percentile(times, [10, 25, 75, 90])
 
@@ -52,6 +52,7 @@ def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None =
     return rec
 
 
-def clock_for(backend: str, threads: int) -> str:
-    """CPU time for one-thread torch work (immune to other processes on a shared host), wall clock otherwise."""
-    return "cpu" if threads == 1 and backend in (*CPU_BACKENDS, "host") else "wall"
+def clock_for(cpu_torch: bool, threads: int) -> str:
+    """CPU time for one-thread torch work on this process's threads (immune to other processes on a shared host),
+    wall clock otherwise."""
+    return "cpu" if threads == 1 and cpu_torch else "wall"

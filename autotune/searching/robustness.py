@@ -35,7 +35,7 @@ from autotune.searching.optimizer import SearchOutcome, Solution, _best_over_ove
 from autotune.searching.space import Evaluated, LayerConfig, LayerData, Scorer
 from runtime.plan import OVERFLOW_POLICIES
 
-CALL_FACTORS = (0.5, 2.0)  # the ANE's fixed cost per call
+CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP
 
 
@@ -58,8 +58,9 @@ class Case:
 
 
 def default_cases(cost: CostModel) -> list[Case]:
-    """ANE call cost x0.5 and x2 (where the profile has an ANE), compute per GFLOP x0.7 and x1.3 per backend."""
-    cases = [Case("ane", "call_ms", f) for f in CALL_FACTORS if "ane" in cost.models]
+    """Fixed cost per call x0.5 and x2 for each backend that runs off the CPU (the ANE: its call cost is the least
+    certain figure), compute per GFLOP x0.7 and x1.3 per backend."""
+    cases = [Case(b, "call_ms", f) for b in cost.backends if cost.models[b].overlaps_cpu for f in CALL_FACTORS]
     return cases + [Case(b, "ms_per_gflop", f) for b in cost.backends for f in GFLOP_FACTORS]
 
 

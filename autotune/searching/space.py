@@ -22,6 +22,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from autotune.calibration.traces import Traces
 from autotune.costing.costmodel import CostModel
+from runtime.backends import registry
 from runtime.coreml import ane_limits
 from runtime.plan import OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan
 
@@ -129,12 +130,14 @@ def calibration(data: LayerData, lp: LayerPlan) -> LayerCalibration:
 
 
 def violation(lp: LayerPlan, backend: str, expert_bytes: int, resident_bytes_budget: float, hidden: int = 0,
-              ffn: int = 0, function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> float:
-    """How far a layer plan is past the hard limits (0 when within them): on the ANE, each group's program against
-    ane_limits (axes, ops, weight bytes per function, as the builder checks them); the resident budget."""
+              ffn: int = 0) -> float:
+    """How far a layer plan is past the hard limits (0 when within them): each group's program against its backend's
+    limits (from the backend registry; the ANE's are ane_limits: axes, ops, weight bytes per function, as the
+    builder checks them); the resident budget."""
     v = 0.0
-    if backend == "ane":
-        v += sum(ane_limits.group_usage(g.capacities, hidden, ffn).violation(function_weight_bytes) for g in lp.groups)
+    info = registry.get(backend)
+    if info is not None and info.limits is not None:
+        v += sum(info.limits(g.capacities, hidden, ffn, g.compression) for g in lp.groups)
     resident = sum(len(g.experts) for g in lp.groups) * expert_bytes
     return v + max(0.0, resident - resident_bytes_budget) / max(1.0, resident_bytes_budget)
 
@@ -145,7 +148,7 @@ class Scorer:
     cost: CostModel
     hidden: int
     ffn: int
-    backend: str  # the static backend: "ane" where the device has one, else "cpu-static"
+    backend: str  # the static backend every group runs on (search_plan picks it among the profile's)
     resident_bytes_per_layer: float
     with_energy: bool = False  # score energy too (the energy objectives); else only `energy()` computes it
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # a copy (dataclasses.replace) starts empty

@@ -9,6 +9,7 @@ docs/backends.md.
 from runtime.backends.cpu import CpuStaticBackend, run_exact
 from runtime.backends.protocol import ExactFn, GroupFn, GroupSpec, StaticBackend, expert_ffn
 from runtime.backends.registry import (
+    CPU_ENERGY,
     ENTRY_POINT_GROUP,
     EXACT,
     REFERENCE,
@@ -17,5 +18,6 @@ from runtime.backends.registry import (
     registry,
 )
 
-__all__ = ["ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry", "CpuStaticBackend",
-           "ExactFn", "GroupFn", "GroupSpec", "StaticBackend", "expert_ffn", "registry", "run_exact"]
+__all__ = ["CPU_ENERGY", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
+           "CpuStaticBackend", "ExactFn", "GroupFn", "GroupSpec", "StaticBackend", "expert_ffn", "registry",
+           "run_exact"]

@@ -31,6 +31,7 @@ BUILTIN_MODULES = ("runtime.backends.cpu", "runtime.coreml.coreml_backends")
 # The two backends with a role of their own: the reference static backend, which is always available and where
 # every other backend's groups end up when nothing in its fallback chain is available; and the exact path.
 REFERENCE, EXACT = "cpu-static", "cpu-exact"
+CPU_ENERGY = "cpu_total_mj"  # the energy meters' field for work on the CPU
 
 ProfileCall = Callable[["torch.nn.Module", Sequence[int], int], Callable[[], object]]
 
@@ -52,7 +53,7 @@ class BackendInfo:
     dtype_bytes: int = 4  # bytes per weight and activation the cost model charges its calls
     cpu_torch: bool = False  # torch on this process's threads: timed on the CPU clock; profiling it measures the
     #                          executor's host-side costs too
-    energy_field: str = "cpu_total_mj"  # the energy meter's field that measures its calls
+    energy_field: str = CPU_ENERGY  # the energy meter's field that measures its calls
     # How the profiler times one call; None: through the StaticBackend protocol on synthetic groups.
     profile_call: ProfileCall | None = None
     # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
@@ -102,37 +103,33 @@ class BackendRegistry:
 
     def __init__(self, builtin_modules: Sequence[str] = BUILTIN_MODULES, group: str = ENTRY_POINT_GROUP) -> None:
         self._builtin_modules, self._group = tuple(builtin_modules), group
-        self._builtins: dict[str, BackendInfo] | None = None
-        self._plugins: dict[str, BackendInfo] = {}
-        self._plugins_for: tuple[str, ...] | None = None
+        self._infos: dict[str, BackendInfo] = {}
+        self._found_for: tuple[str, ...] | None = None  # the sys.path the plugins were found on
 
-    def _load_builtins(self) -> dict[str, BackendInfo]:
-        if self._builtins is None:
-            builtins: dict[str, BackendInfo] = {}
-            for module in self._builtin_modules:
-                builtins.update((info.name, info) for info in importlib.import_module(module).BACKENDS)
-            self._builtins = builtins
-        return self._builtins
+    def _builtins(self) -> dict[str, BackendInfo]:
+        return {info.name: info for module in self._builtin_modules
+                for info in importlib.import_module(module).BACKENDS}
 
-    def _discover(self) -> dict[str, BackendInfo]:
-        path = tuple(sys.path)
-        if path != self._plugins_for:
-            builtins, plugins = self._load_builtins(), {}
-            for ep in entry_points(group=self._group):
-                if ep.name in builtins or ep.name in plugins:
-                    log.warning("backend plugin %s = %s ignored: a backend of that name is already registered",
-                                ep.name, ep.value)
-                    continue
-                try:
-                    plugins[ep.name] = _info_from_entry_point(ep.name, ep.load())
-                except Exception as e:  # noqa: BLE001 - a broken plugin is reported and left out, never fatal
-                    log.warning("backend plugin %s = %s left out: %s", ep.name, ep.value, e)
-            self._plugins, self._plugins_for = plugins, path
-        return self._plugins
+    def _plugins(self, taken: dict[str, BackendInfo]) -> dict[str, BackendInfo]:
+        plugins: dict[str, BackendInfo] = {}
+        for ep in entry_points(group=self._group):
+            if ep.name in taken or ep.name in plugins:
+                log.warning("backend plugin %s = %s ignored: a backend of that name is already registered",
+                            ep.name, ep.value)
+                continue
+            try:
+                plugins[ep.name] = _info_from_entry_point(ep.name, ep.load())
+            except Exception as e:  # noqa: BLE001 - a broken plugin is reported and left out, never fatal
+                log.warning("backend plugin %s = %s left out: %s", ep.name, ep.value, e)
+        return plugins
 
     def infos(self) -> dict[str, BackendInfo]:
-        """Every registered backend by name: built-ins first, then plugins."""
-        return {**self._load_builtins(), **self._discover()}
+        """Every registered backend by name: built-ins first, then plugins (found again when sys.path changed)."""
+        path = tuple(sys.path)
+        if path != self._found_for:
+            builtins = self._builtins()
+            self._infos, self._found_for = {**builtins, **self._plugins(builtins)}, path
+        return self._infos
 
     def get(self, name: str) -> BackendInfo | None:
         return self.infos().get(name)
