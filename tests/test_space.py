@@ -25,7 +25,7 @@ from autotune.searching.space import (
     values,
     violation,
 )
-from runtime.coreml.ane_limits import MAX_AXIS
+from runtime.coreml.ane_limits import FUNCTION_WEIGHT_BYTES, MAX_AXIS
 from runtime.plan import Group, LayerPlan
 
 # 3 calibration chunks x 4 experts: popularity 0 (12) > 2 (6) > 3 (3) > 1 (1)
@@ -72,14 +72,19 @@ def test_violation_measures_how_far_past_the_ane_axis_and_the_resident_budget():
 
 
 def test_a_group_past_the_function_weight_limit_is_a_hard_violation():
-    """The search scores a group against the builder's limits (ane_limits): weight bytes per function too."""
-    group = LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(8)), capacities=[8] * 8)],
-                      cpu_exact=[])
-    weight = 8 * 3 * 64 * 48 * 2
-    assert violation(group, "ane", 10, 1e9, hidden=64, ffn=48, function_weight_bytes=weight) == 0.0
-    assert violation(group, "ane", 10, 1e9, hidden=64, ffn=48,
-                     function_weight_bytes=weight / 2) == pytest.approx(1.0)
-    assert violation(group, "cpu-static", 10, 1e9, hidden=64, ffn=48, function_weight_bytes=weight / 2) == 0.0
+    """The search scores a group against the builder's limits (ane_limits, the ane backend's `limits` in the
+    registry): weight bytes per function too."""
+    def group(n: int) -> LayerPlan:
+        return LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(n)), capacities=[8] * n)],
+                         cpu_exact=[])
+
+    hidden, ffn = 4096, 8192  # 201 MB of fp16 weights per expert: 8 of them pass the 1.5 GB per function
+    weight = 8 * 3 * hidden * ffn * 2
+    assert weight > FUNCTION_WEIGHT_BYTES > weight / 2
+    assert violation(group(4), "ane", 10, 1e9, hidden=hidden, ffn=ffn) == 0.0
+    assert violation(group(8), "ane", 10, 1e9, hidden=hidden, ffn=ffn) == pytest.approx(
+        (weight - FUNCTION_WEIGHT_BYTES) / FUNCTION_WEIGHT_BYTES)
+    assert violation(group(8), "cpu-static", 10, 1e9, hidden=hidden, ffn=ffn) == 0.0
 
 
 def test_enumerated_space_is_complete_without_duplicates():
