@@ -14,6 +14,7 @@ from helpers import apple_like
 from autotune.cli import main
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.profiling import settings
+from autotune.profiling.device import default_backends
 from autotune.profiling.profile import load_profile
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.space import LayerData, Scorer
@@ -54,6 +55,8 @@ def test_the_registry_finds_the_plugin_and_gives_it_the_default_facts(plugin):
     assert plugin is not None and plugin.plannable and not plugin.overlaps_cpu and plugin.limits is None
     assert NAME in registry.plannable() and registry.fallbacks(NAME) == [NAME, REFERENCE]
     assert registry.resolve(NAME).name == NAME
+    # profile-device measures it by default, with the built-ins this host can run (not the ANE simulation)
+    assert NAME in default_backends() and "cpu-exact" in default_backends() and "ane-sim" not in default_backends()
 
 
 def test_out_of_tree_backend_is_profiled_planned_and_run(plugin, tmp_path, monkeypatch, capsys):

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from runtime.backends import EXACT, registry
+from runtime.backends import EXACT, REFERENCE, registry
 
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
@@ -179,11 +179,11 @@ class CostModel:
         return sorted(self.models)
 
     def _model(self, backend: str) -> BackendModel:
-        """The backend's model; a static backend the device lacks runs on its fallbacks (the registry's), as the
-        runtime does."""
+        """The backend's model; a static backend the profile lacks is costed as its fallbacks (the registry's: where
+        the runtime would run it), then as the reference cpu-static (what every static group computes on the CPU)."""
         if backend in self.models:
             return self.models[backend]
-        for fallback in registry.fallbacks(backend)[1:]:
+        for fallback in [*registry.fallbacks(backend)[1:], REFERENCE]:
             if fallback in self.models:
                 return self.models[fallback]
         raise KeyError(f"the cost model has no backend {backend!r} (it has {', '.join(self.backends)})")

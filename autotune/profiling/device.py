@@ -106,6 +106,12 @@ def available_backends() -> dict[str, tuple[bool, str]]:
     return {name: info.available_to_profile() for name, info in registry.infos().items()}
 
 
+def default_backends(avail: dict[str, tuple[bool, str]] | None = None) -> list[str]:
+    """What `profile-device` measures without --backends: every backend profiled by default that it can run here."""
+    avail = available_backends() if avail is None else avail
+    return [b for b, (ok, _) in avail.items() if ok and registry.get(b).profiled_by_default]
+
+
 def _loadavg() -> float | None:
     try:
         return round(os.getloadavg()[0], 2)
@@ -118,7 +124,7 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
     """Measure this host's backends and fit the cost model: the whole `autotune profile-device`."""
     avail = available_backends()
     if backends is None:
-        backends = [b for b, (ok, _) in avail.items() if ok]
+        backends = default_backends(avail)
     for b in backends:
         if b not in avail:
             raise NpumoeError(f"unknown backend {b!r}; choose from {', '.join(avail)}")

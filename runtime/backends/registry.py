@@ -59,6 +59,7 @@ class BackendInfo:
     # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
     profile_available: Callable[[], tuple[bool, str]] | None = None
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
+    profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
 
     @property
     def plannable(self) -> bool:

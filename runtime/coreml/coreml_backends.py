@@ -45,9 +45,9 @@ BACKENDS = (
     BackendInfo("ane", AneBackend, overlaps_cpu=True, fallback=AneSimBackend.name, options=("package",),
                 limits=_group_violation, dtype_bytes=2, energy_field="ane_mj",
                 profile_call=profile_caller("CPU_AND_NE"), profile_available=coreml_available, compiles_per_shape=True),
-    # Always available; not profiled by default (its time says nothing about a device: profile-device's own list).
+    # Always available; not profiled by default (its time says nothing about a device).
     BackendInfo(AneSimBackend.name, AneSimBackend, fallback=None, limits=_group_violation, dtype_bytes=2,
-                cpu_torch=True),
+                cpu_torch=True, profiled_by_default=False),
     BackendInfo("coreml-cpu", None, dtype_bytes=2, profile_call=profile_caller("CPU_ONLY"),
                 profile_available=coreml_available, compiles_per_shape=True),
 )
