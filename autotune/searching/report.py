@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from autotune.searching.optimizer import SearchOutcome, Solution
+from runtime.backends import EXACT
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
 
@@ -98,7 +99,7 @@ def plot_plan_map(plan: Plan, path: str | os.PathLike) -> None:
                 txt = "cpu" if group[li, e] < 0 else f"g{group[li, e]}\n{caps[li, e]}"
                 ax.text(e, li, txt, ha="center", va="center", fontsize=5, color="white" if tier[li, e] < 1 else "k")
     cbar = fig.colorbar(im, ax=ax, ticks=np.arange(-1, tier.max() + 1))
-    cbar.ax.set_yticklabels(["cpu-exact"] + [f"tier {int(t)}" for t in range(int(tier.max()) + 1)])
+    cbar.ax.set_yticklabels([EXACT] + [f"tier {int(t)}" for t in range(int(tier.max()) + 1)])
     backends = sorted({g.backend for lp in plan.layers for g in lp.groups}) or ["none"]
     ax.set_title(f"plan map: static groups on {', '.join(backends)} (cell: group, capacity); overflow "
                  f"{plan.overflow}", fontsize=9)
