@@ -208,13 +208,16 @@ class Generation:
             if ex:
                 ex.pinned = False
 
-    def pieces(self) -> Iterator[str]:
+    def pieces(self, every_token: bool = False) -> Iterator[str]:
         """Incremental detokenisation: yield the new text after each token, holding back a trailing incomplete
-        character (U+FFFD) until the bytes that finish it arrive."""
+        character (U+FFFD) until the bytes that finish it arrive. `every_token`: yield "" for a token that adds no
+        text yet (a server's client then sees every token arrive)."""
         shown = ""
         for _ in self.token_ids():
             text = _decode(self.loaded.tokenizer, self.tokens)
             if text.endswith("\ufffd") or len(text) <= len(shown):
+                if every_token:
+                    yield ""
                 continue
             yield text[len(shown):]
             shown = text

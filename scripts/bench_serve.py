@@ -4,14 +4,16 @@ Starts `autotune serve` on a free loopback port (a subprocess, 1 torch thread by
 and plan here for `runtime.generate`; prompts are token ids from builtin:pydoc-heldout, so both sides see the same
 tokens. Checks, each with a bounded number of requests:
 
-1. overhead: the same greedy request through the server (streamed over HTTP, timed by this client: first text,
-   then tokens per second between first and last text) and through `runtime.generate` here, interleaved within each
-   repeat; `overhead_ttft` = median over repeats of server TTFT / runtime TTFT, `overhead_tok_s` = median of
-   runtime tok/s / server tok/s (1.0: no overhead; goal <= 1.05 each);
+1. overhead: the same greedy request through the server (streamed over HTTP, timed by this client: its first
+   token's chunk, then tokens per second between first and last; the server sends a chunk per token, text or not)
+   and through `runtime.generate` here, interleaved within each repeat; `overhead_ttft` = median over repeats of
+   server TTFT / runtime TTFT, `overhead_tok_s` = median of runtime tok/s / server tok/s (1.0: no overhead; goal
+   <= 1.05 each);
 2. prefix cache: prompts sharing a 1,024-token prefix: the first request's TTFT over a later one's, median over
    prefixes (goal >= 5);
-3. concurrency: several clients at once (the queue holds them all), every answer checked against
-   `runtime.generate` (`mismatched`), `lost` (no complete answer), TTFT percentiles (queue wait included);
+3. concurrency: several clients at once (the queue holds them all), every answer's token ids checked against
+   `runtime.generate`'s (`mismatched`; a shape twin's random weights mostly pick ids its small tokenizer
+   cannot spell, so text alone would not tell), `lost` (no complete answer), TTFT percentiles (queue wait included);
 4. a client that leaves mid-stream: its generation stops (the server's cancelled count) and the next request
    is answered as usual (`disconnect_ok`);
 5. SIGTERM with a request in flight: it finishes, then the server exits 0 and takes no new connection
@@ -78,7 +80,7 @@ class Server:
         `on_first` runs at the first text; when it says True the client leaves there."""
         body = {"model": self.model_id, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
-        out = {"text": "", "finish_reason": None, "usage": None, "done": False, "status": None}
+        out = {"text": "", "finish_reason": None, "usage": None, "done": False, "status": None, "npumoe": None}
         self.requests += 1
         t0 = time.perf_counter()
         with self.client.stream("POST", self.url + "/v1/completions", json=body, headers=self.headers) as r:
@@ -98,7 +100,7 @@ class Server:
                     self.errors_5xx += chunk["error"]["type"] == "server_error"
                     break
                 for choice in chunk["choices"]:
-                    if choice["text"]:
+                    if choice["finish_reason"] is None:  # one chunk per token (its text may be empty)
                         now = time.perf_counter()
                         if "first_s" not in out:
                             out["first_s"] = now - t0
@@ -148,7 +150,7 @@ def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int
             "runtime_ttft_ms": statistics.median(t["ttft_ms"] for t in theirs),
             "server_tok_s": statistics.median(x for x in map(tok_s, ours) if x) if speed else None,
             "runtime_tok_s": statistics.median(t["generation_tok_s"] for t in theirs if t["generation_tok_s"]),
-            "overhead_mismatched": sum(s["text"] != theirs[0]["text"] for s in ours)}
+            "overhead_mismatched": sum(s["npumoe"]["token_ids"] != theirs[0]["token_ids"] for s in ours)}
 
 
 def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -> dict:
@@ -172,7 +174,7 @@ def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -
 
 
 def concurrency(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], clients: int, new: int) -> dict:
-    expected = [runtime.generate(loaded, p, max_tokens=new)["text"] for p in prompts]
+    expected = [runtime.generate(loaded, p, max_tokens=new)["token_ids"] for p in prompts]
     results: list[dict | None] = [None] * len(prompts)
 
     def client(c: int) -> None:
@@ -191,7 +193,8 @@ def concurrency(server: Server, loaded: runtime.Loaded, prompts: list[list[int]]
     ttfts = sorted(r["first_s"] * 1e3 for r in complete if "first_s" in r)
     return {"concurrent_clients": clients, "concurrent_requests": len(prompts),
             "lost": len(prompts) - len(complete),
-            "mismatched": sum(r is None or r["text"] != e for r, e in zip(results, expected)),
+            "mismatched": sum(r is None or r["npumoe"] is None or r["npumoe"]["token_ids"] != e
+                              for r, e in zip(results, expected)),
             "p50_ttft_ms": statistics.median(ttfts) if ttfts else None,
             "p99_ttft_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] if ttfts else None}
 
@@ -200,7 +203,7 @@ def disconnect(server: Server, loaded: runtime.Loaded, prompt: list[int]) -> boo
     cancelled = server.metric("npumoe_requests_cancelled_total")
     server.stream(prompt, 1000, on_first=lambda: True)
     after = server.stream(prompt, 4)
-    ok = after["done"] and after["text"] == runtime.generate(loaded, prompt, max_tokens=4)["text"]
+    ok = after["done"] and after["npumoe"]["token_ids"] == runtime.generate(loaded, prompt, max_tokens=4)["token_ids"]
     return bool(ok and server.metric("npumoe_requests_cancelled_total") == cancelled + 1)
 
 

@@ -81,6 +81,7 @@ def test_completion_greedy_equals_runtime_generate(served):
     assert r.usage.prompt_tokens == ref["prompt_tokens"] and r.usage.completion_tokens == ref["generated_tokens"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     extra = r.model_extra["npumoe"]
+    assert extra["token_ids"] == ref["token_ids"]
     assert extra["prefill_static_calls"] > 0 and extra["decode_static_calls"] == 0 and extra["spilled"] > 0
     assert extra["ttft_ms"] > 0 and extra["drift"]["alert"] is False
     assert served.client.models.list().data[0].id == "tiny-moe"

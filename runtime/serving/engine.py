@@ -135,14 +135,14 @@ class Engine:
         gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, self.chunk,
                          request.top_p, prefix, self._keeper(ids, prefix))
         stop, texts, finish = StopText(request.stop), [], None
-        pieces = gen.pieces()
+        pieces = gen.pieces(every_token=True)
         try:
             for piece in pieces:
                 if job.cancelled.is_set():
                     break
                 text, hit = stop.feed(piece)
-                if text:
-                    texts.append(text)
+                texts.append(text)
+                if not hit or text:  # a chunk per token, text or not: the client sees each token arrive
                     job.emit(("text", text))
                 if hit:
                     finish = "stop"
@@ -193,6 +193,6 @@ class Engine:
                   "prefill_tok_s": r["prefill_tok_s"], "generation_tok_s": r["generation_tok_s"],
                   "cached_tokens": gen.cached, "dropped": r["dropped"], "spilled": r["spilled"],
                   "prefill_static_calls": r["prefill_static_calls"], "decode_static_calls": r["decode_static_calls"],
-                  "drift": drift}
+                  "drift": drift, "token_ids": r["token_ids"]}
         return {"finish_reason": finish, "text": text, "prompt_tokens": r["prompt_tokens"],
                 "completion_tokens": r["generated_tokens"], "cached_tokens": gen.cached, "npumoe": npumoe}
