@@ -41,15 +41,23 @@ from autotune.calibration.traces import (
 from autotune.calibration.workload import encode_text
 from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
 from autotune.searching.backend_choice import choose_static_backend
-from autotune.searching.optimizer import solution_plan, timed_search
+from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
 from autotune.searching.report import plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
-from autotune.searching.space import LayerData, Scorer
+from autotune.searching.space import LayerData, Scorer, layer_space
+from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
-from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.model_loader import (
+    TINY_MOE_DIR,
+    context_length,
+    load_model,
+    model_spec,
+    moe_layers,
+    read_model_spec,
+)
 from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_logits
 
@@ -174,11 +182,15 @@ def search_sidecars(out: str | os.PathLike, objective: str) -> list[Path]:
 def search_plan(model: str, *, profile: str | None = None, traces: str | os.PathLike | None = None,
            drop_budget: float = 0.10, objective: str = "latency", trials: int = 120, storage: str | None = None,
            resident_mb: float = 16384, saliency: str = "router_weight", seed: int = 0, robust: bool = False,
+           prompt_tokens: int | None = None, compress: tuple[str, ...] = ("none",),
            out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True) -> SearchResult:
     """Tune a plan for `model` on a device profile (a file, a shipped name, or None: this host's, measured quickly
     if missing) against routing traces (None: `traces/<model>.npz`, calibrated if missing); write the plan with
-    its report and plots to `out` (default `default_plan_path`). `robust`: keep the plan of least worst-case regret
-    under perturbed profiles instead of the nominal best (the report carries the robustness either way)."""
+    its report and plots to `out` (default `default_plan_path`). The plan is for prompts of `prompt_tokens`
+    (default: the traces'); its chunk size is searched (`chunk_candidates`), and each layer's weight storage among
+    `compress` (on a static backend that stores weights compressed: the ANE). `robust`: keep the plan of least
+    worst-case regret under perturbed profiles instead of the nominal best (the report carries the robustness
+    either way)."""
     with _one_search_per_sqlite(storage):
         spec = read_model_spec(model)
         out = Path(out) if out else default_plan_path(model, profile)
@@ -188,24 +200,34 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         for w in caught:
             log.warning("warning: %s", w.message)
         trs, traces_path = _traces(model, traces, spec, dtype, progress)
+        prompt = _prompt_tokens(model, trs, prompt_tokens)
         cost = prof.cost_model
-        layers = LayerData.from_traces(trs)
+        n_layers = len(spec.moe_layers)
 
         def scorer_for(backend: str) -> Scorer:
-            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / len(layers))
+            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / n_layers)
 
-        backend = choose_static_backend(cost, layers, scorer_for)
+        backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
         scorer = scorer_for(backend)
-        chunk_tokens = trs.header["chunk_tokens"]
-        outcome, seconds = timed_search(layers, scorer, objective=objective, drop_budget=drop_budget, trials=trials,
-                                        storage=_storage(storage),
-                                        study_prefix=_study_prefix(spec, cost, trs, resident_mb, objective),
-                                        seed=seed, chunk_tokens=chunk_tokens, progress=progress)
-        calib_chunks = int(layers[0].calib.shape[0])
+        # weights stored compressed are a Core ML function's: the backends with the ANE's limits
+        kinds = tuple(compress) if registry.get(backend).limits is not None else ("none",)
+        chunks = chunk_candidates(prompt, context_length(model)) if trs.chunk is not None else \
+            [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
+        workloads = {c: LayerData.from_traces(trs, c, prompt) for c in chunks}
+        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), objective=objective,
+                                        drop_budget=drop_budget, trials=trials, storage=_storage(storage),
+                                        study_prefix=_study_prefix(spec, cost, trs, resident_mb, objective, prompt),
+                                        seed=seed, progress=progress)
+        outcome.best, robustness = assess(outcome, scorer, pick=robust)
+        chunk_tokens = outcome.best.chunk_tokens
+        layers = outcome.chunks[chunk_tokens].layers
+        calib_chunks = sum(int(t) for t in layers[0].tokens) / chunk_tokens  # figures per chunk of chunk_tokens
         heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
-        outcome.best, robustness = assess(outcome, layers, scorer, calib_chunks, pick=robust)
         context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
-                   "objective": objective, "drop_budget": drop_budget, "chunk_tokens": chunk_tokens}
+                   "objective": objective, "drop_budget": drop_budget, "chunk_tokens": chunk_tokens,
+                   "prompt_tokens": prompt, "chunks_searched": chunks, "compress_allowed": list(kinds),
+                   "compress": compress_counts(outcome.best.configs),
+                   "partial_chunks": "exact" if outcome.best.exact_partial else "static"}
         report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
         report["robustness"] = robustness.to_json()
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate")}
@@ -213,6 +235,7 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, saliency, predicted,
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                               "drop_budget": drop_budget, "objective": objective, "robust": robust,
+                              "prompt_tokens": prompt, "compress_allowed": list(kinds),
                               "decisions": [c.to_json() for c in outcome.best.configs]})
         sidecars = search_sidecars(out, objective)
         with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
@@ -222,6 +245,28 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
             for path in pareto_tmp:
                 plot_pareto(report, path)
     return SearchResult(plan, report, out, sidecars, seconds)
+
+
+def compress_counts(configs) -> dict[str, int]:
+    """How many layers' static groups store their weights each way (layers without residents not counted)."""
+    out: dict[str, int] = {}
+    for c in configs:
+        if c.resident:
+            out[c.compress] = out.get(c.compress, 0) + 1
+    return out
+
+
+def _prompt_tokens(model: str, traces: Traces, given: int | None) -> int:
+    """The prompt length the plan is for: `given` or the traces'; at most the model's context."""
+    prompt = given or traces.prompt_tokens
+    context = context_length(model)
+    if context and prompt > context:
+        raise NpumoeError(f"--prompt-tokens {prompt} is longer than {model}'s context of {context} tokens "
+                          "(config.json max_position_embeddings); give at most that")
+    if traces.chunk is None and given and given != traces.prompt_tokens:
+        raise NpumoeError(f"--prompt-tokens {given}: these traces hold counts per {traces.prompt_tokens}-token "
+                          "prompt only (synthetic); they cannot be cut into other prompts")
+    return prompt
 
 
 def _storage(url: str | None):
@@ -263,10 +308,11 @@ def _traces(model: str, given: str | os.PathLike | None, spec, dtype: str, progr
     return traces, str(path)
 
 
-def _study_prefix(spec, cost, traces: Traces, resident_mb: float, objective: str) -> str:
-    """Studies resume only for the same model, cost model, traces, backend limits and objective: trials scored
-    under another profile or other traces would mislead the sampler."""
-    key = json.dumps([cost.to_json(), traces.header, resident_mb], sort_keys=True, default=str)
+def _study_prefix(spec, cost, traces: Traces, resident_mb: float, objective: str, prompt_tokens: int) -> str:
+    """Studies resume only for the same model, cost model, traces, prompts, backend limits and objective: trials
+    scored under another profile or other traces would mislead the sampler. (The space's digest and the chunk size
+    are added per study by the search.)"""
+    key = json.dumps([cost.to_json(), traces.header, resident_mb, prompt_tokens], sort_keys=True, default=str)
     return f"npumoe:{spec.fingerprint[7:19]}:{hashlib.sha256(key.encode()).hexdigest()[:12]}:{objective}"
 
 

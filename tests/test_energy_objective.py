@@ -9,7 +9,7 @@ from autotune.profiling.profile import load_profile
 from autotune.searching.optimizer import run_search
 from autotune.searching.report import format_report, search_report
 from autotune.searching.robustness import Case, assess
-from autotune.searching.space import LayerData, Scorer
+from autotune.searching.space import LayerData, Scorer, layer_space
 
 SPEC = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
             hidden_size=2048, expert_ffn_size=768, fingerprint="energy")
@@ -26,7 +26,7 @@ def test_energy_objectives_run_on_the_apple_profile(objective):
     cost = _apple()
     layers = LayerData.from_traces(synthetic_traces(SPEC, 30, 512, skew=1.2))
     scorer = Scorer(cost, SPEC["hidden_size"], SPEC["expert_ffn_size"], "ane", 1e12)
-    out = run_search(layers, scorer, objective=objective, trials=30, chunk_tokens=512, exact_limit=0,
+    out = run_search(layers, scorer, layer_space(8), objective=objective, trials=30, exact_limit=0,
                      progress=False)
     chunks = layers[0].calib.shape[0]
     report = search_report(out, chunks, sum(int(d.heldout.sum()) for d in layers), 0.0, {"profile": "apple"})
@@ -44,10 +44,10 @@ def test_energy_objectives_run_on_the_apple_profile(objective):
     else:
         assert len(report["pareto_front"]) >= 2
     # regret is measured in the objective that chose the plan: 0 when nothing is perturbed, never negative
-    _, same = assess(out, layers, scorer, chunks, cases=[Case("ane", "call_ms", 1.0)])
+    _, same = assess(out, scorer, cases=[Case("ane", "call_ms", 1.0)])
     assert same.objective == ("energy" if objective == "energy" else "weighted latency + energy")
     assert same.max_regret == pytest.approx(0.0, abs=1e-12)
-    _, rob = assess(out, layers, scorer, chunks)
+    _, rob = assess(out, scorer)
     assert len(rob.cases) == 8 and all(c["regret"] >= -1e-12 and c["plan_energy_mj"] > 0 for c in rob.cases)
     table = format_report(report)
     assert f"{report['predicted_energy_mj']:.3f}" in table and f"{cpu['predicted_energy_mj']:.3f}" in table

@@ -13,8 +13,8 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
-from autotune.searching.optimizer import combine, run_search
-from autotune.searching.space import Evaluated, LayerConfig, LayerData, Score, Scorer
+from autotune.searching.optimizer import chunk_candidates, combine, ranked_solutions, run_search
+from autotune.searching.space import LayerData, Scorer, layer_space
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
 
@@ -22,14 +22,14 @@ from runtime.plan import load_plan
 def test_run_search_leaves_its_scorer_as_given():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
-    run_search(layers, scorer, objective="energy", trials=12, chunk_tokens=64, progress=False)
+    run_search(layers, scorer, layer_space(8), objective="energy", trials=12, progress=False)
     assert scorer.with_energy is False and scorer._cache == {}
 
 
 def test_small_instance_within_1pct_of_exact():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2))
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
-    out = run_search(layers, scorer, trials=100, chunk_tokens=256, progress=False)
+    out = run_search(layers, scorer, layer_space(8), trials=100, progress=False)
     assert out.exact_layers == 2
     assert 0.0 <= out.gap_vs_exact <= 0.01
     heldout = sum(int(d.heldout.sum()) for d in layers)
@@ -41,24 +41,49 @@ def test_small_instance_within_1pct_of_exact():
 def test_combine_is_exact_against_brute_force():
     rng = np.random.default_rng(3)
     for _ in range(30):
-        cands = [[Evaluated(LayerConfig(i), Score(float(rng.uniform(1, 10)), None, int(rng.integers(0, 30)), 0.0))
-                  for i in range(5)] for _ in range(3)]
+        costs = [rng.uniform(1, 10, 5) for _ in range(3)]
+        costs[0][rng.integers(0, 5)] = np.inf  # not allowed (a hard limit, another overflow policy)
+        drops = [rng.integers(0, 30, 5) for _ in range(3)]
         budget = int(rng.integers(0, 60))
-        got = combine(cands, budget, (1.0, 0.0))
+        got = combine(costs, drops, budget)
         feasible = [c for c in itertools.product(range(5), repeat=3)
-                    if sum(cands[l][i].score.heldout_drops for l, i in enumerate(c)) <= budget]
+                    if sum(drops[l][i] for l, i in enumerate(c)) <= budget and np.isfinite(costs[0][c[0]])]
         if not feasible:
             assert got is None
             continue
-        best = min(sum(cands[l][i].score.latency_ms for l, i in enumerate(c)) for c in feasible)
-        assert sum(cands[l][i].score.latency_ms for l, i in enumerate(got)) == pytest.approx(best)
+        best = min(sum(costs[l][i] for l, i in enumerate(c)) for c in feasible)
+        assert sum(costs[l][i] for l, i in enumerate(got)) == pytest.approx(best)
+
+
+def test_chunk_candidates_are_powers_of_two_up_to_the_prompt_and_the_context():
+    assert chunk_candidates(8192) == [256, 512, 1024, 2048, 4096]
+    assert chunk_candidates(1000) == [256, 512]
+    assert chunk_candidates(8192, context=2048) == [256, 512, 1024, 2048]
+    assert chunk_candidates(100) == [100]
+
+
+def test_chunk_size_is_searched_and_the_partial_chunk_charged():
+    """Prompts of 640 tokens: chunks of 256 leave a 128-token partial chunk, 512 one of 128 too; the search
+    compares every chunk size on the same tokens and the plan's figures count the partial chunk as it runs."""
+    traces = synthetic_traces(SMALL, 25, 640, skew=1.2, tokens=True)
+    workloads = {c: LayerData.from_traces(traces, c, 640) for c in chunk_candidates(640)}
+    assert all(d.partial.sum() == 20 for layers in workloads.values() for d in layers)  # one per calib prompt
+    scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
+    out = run_search(workloads, scorer, layer_space(8), trials=0, progress=False)
+    assert set(out.chunks) == {256, 512}
+    best = {c: s.best.latency_ms for c, s in out.chunks.items()}
+    assert out.best.chunk_tokens == min(best, key=best.get)
+    ranked = ranked_solutions(out, scorer)
+    assert ranked[0].latency_ms == pytest.approx(out.best.latency_ms)
+    assert [s.latency_ms for s in ranked] == sorted(s.latency_ms for s in ranked)
+    assert {s.chunk_tokens for s in ranked} == {256, 512}
 
 
 def test_energy_objective_refused_without_power():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64))
     with pytest.raises(NpumoeError, match="power"):
-        run_search(layers, Scorer(apple_like(power=False), 1024, 512, "ane", 1e12), objective="energy",
-                   progress=False)
+        run_search(layers, Scorer(apple_like(power=False), 1024, 512, "ane", 1e12), layer_space(8),
+                   objective="energy", progress=False)
 
 
 def _search_args(d, *extra):
@@ -103,7 +128,7 @@ def test_killed_search_resumes_without_losing_trials(workdir):
                         "--json")
     proc = subprocess.Popen([sys.executable, "-m", "autotune.cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # the search scores every chunk size before its Optuna trials start
     before: dict = {}
     while time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)

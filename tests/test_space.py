@@ -5,26 +5,21 @@ import itertools
 import numpy as np
 import optuna
 import pytest
-from helpers import apple_like
+from helpers import SMALL, apple_like
 
+from autotune.calibration.traces import synthetic_traces
 from autotune.searching.space import (
     MAX_TIERS,
     LayerConfig,
     LayerData,
     Scorer,
-    config_from_params,
-    distributions,
-    enumerate_configs,
     heuristic_config,
     layer_plan,
-    neighbours,
-    params_of,
-    space_size,
-    suggest,
+    layer_space,
     tiers,
-    values,
     violation,
 )
+from runtime.coreml import ane_limits
 from runtime.coreml.ane_limits import FUNCTION_WEIGHT_BYTES, MAX_AXIS
 from runtime.plan import Group, LayerPlan
 
@@ -62,38 +57,47 @@ def test_layer_plan_groups_residents_in_rank_order_and_leaves_the_rest_exact(dat
 
 
 def test_violation_measures_how_far_past_the_ane_axis_and_the_resident_budget():
+    one = ane_limits.expert_weight_bytes(4, 4)  # 96 bytes of fp16 weights per expert
     within = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[8, 8])], cpu_exact=[])
-    assert violation(within, "ane", expert_bytes=10, resident_bytes_budget=100) == 0.0
+    assert violation(within, "ane", 4, 4, resident_bytes_budget=1000) == 0.0
     over_axis = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[MAX_AXIS, 100])],
                           cpu_exact=[])
-    assert violation(over_axis, "ane", 10, 100) == pytest.approx(100 / MAX_AXIS)
-    assert violation(over_axis, "cpu-static", 10, 100) == 0.0  # the axis limit is the ANE's only
-    assert violation(within, "ane", expert_bytes=75, resident_bytes_budget=100) == pytest.approx(0.5)
+    assert violation(over_axis, "ane", 4, 4, 1000) == pytest.approx(100 / MAX_AXIS)
+    assert violation(over_axis, "cpu-static", 4, 4, 1000) == 0.0  # the axis limit is the ANE's only
+    assert violation(within, "ane", 4, 4, resident_bytes_budget=one * 4 / 3) == pytest.approx(0.5)
+    # the resident budget counts stored bytes: palettized to 4 bits, a quarter of fp16
+    small = LayerPlan(layer=0, groups=[Group(backend="ane", experts=[0, 1], capacities=[8, 8],
+                                             compress="palettize4")], cpu_exact=[])
+    assert violation(small, "ane", 4, 4, resident_bytes_budget=one / 2) == 0.0
 
 
-def test_a_group_past_the_function_weight_limit_is_a_hard_violation():
+def test_a_group_past_the_function_weight_limit_is_a_hard_violation_counting_compressed_bytes():
     """The search scores a group against the builder's limits (ane_limits, the ane backend's `limits` in the
-    registry): weight bytes per function too."""
-    def group(n: int) -> LayerPlan:
-        return LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(n)), capacities=[8] * n)],
-                         cpu_exact=[])
+    registry): stored weight bytes per function too, so int8 weights fit where fp16 ones do not."""
+    def group(n: int, compress: str | None = None) -> LayerPlan:
+        return LayerPlan(layer=0, groups=[Group(backend="ane", experts=list(range(n)), capacities=[8] * n,
+                                                compress=compress)], cpu_exact=[])
 
     hidden, ffn = 4096, 8192  # 201 MB of fp16 weights per expert: 8 of them pass the 1.5 GB per function
     weight = 8 * 3 * hidden * ffn * 2
     assert weight > FUNCTION_WEIGHT_BYTES > weight / 2
-    assert violation(group(4), "ane", 10, 1e9, hidden=hidden, ffn=ffn) == 0.0
-    assert violation(group(8), "ane", 10, 1e9, hidden=hidden, ffn=ffn) == pytest.approx(
+    assert violation(group(4), "ane", hidden, ffn, 1e12) == 0.0
+    assert violation(group(8), "ane", hidden, ffn, 1e12) == pytest.approx(
         (weight - FUNCTION_WEIGHT_BYTES) / FUNCTION_WEIGHT_BYTES)
-    assert violation(group(8), "cpu-static", 10, 1e9, hidden=hidden, ffn=ffn) == 0.0
+    assert violation(group(8, "int8"), "ane", hidden, ffn, 1e12) == 0.0
+    assert violation(group(8), "cpu-static", hidden, ffn, 1e12) == 0.0
 
 
 def test_enumerated_space_is_complete_without_duplicates():
-    configs = enumerate_configs(2)
+    space = layer_space(2)
     # r=0: 1; r=1: group 1 only, 6 quantiles x 2 overflows; r=2: groups 1 and 2, (6 + 36) quantile tuples x 2
-    assert len(configs) == 1 + 12 + 2 * (6 + 36) * 2 == space_size(2)
+    assert len(space.enumerate()) == 1 + 12 + 2 * (6 + 36) * 2 == space.size()
+    assert len(layer_space(2, ("none", "int8")).enumerate()) == 1 + 2 * (12 + 2 * (6 + 36) * 2)
+    configs = [space.config(r) for r in space.enumerate()]
     assert len(set(configs)) == len(configs)
-    assert max(c.tiers for c in enumerate_configs(8)) == MAX_TIERS
-    assert space_size(64) > 10 ** 8  # past enumeration
+    assert max(layer_space(8).config(r).tiers for r in layer_space(8).enumerate()) == MAX_TIERS
+    assert layer_space(64).size() == 197_293
+    assert layer_space(128).size() == layer_space(128).product_size > 10 ** 6  # past enumeration: not counted
 
 
 def test_paper_heuristic_keeps_hot_experts_in_groups_of_four(data):
@@ -113,25 +117,72 @@ def test_scorer_counts_heldout_drops_and_caches(data):
     assert scorer.energy(data, drop) > 0  # apple_like has power figures for every backend
 
 
+def test_compressed_weights_stream_fewer_bytes_on_the_ane():
+    """The weight term of a static call (ms_per_mb) shrinks with the stored bytes: int8 half of fp16's, 4-bit
+    palettes a quarter; the profile has no decompression cost, so nothing is added for it."""
+    cost = apple_like()
+    cost.models["ane"].ms_per_mb = 0.02
+    fp16, int8, pal = (cost.group_call_ms("ane", [16, 16], 1024, 512, k) for k in ("none", "int8", "palettize4"))
+    weights_mb = 2 * 3 * 1024 * 512 * 2 / 1e6
+    assert fp16 - int8 == pytest.approx(0.02 * weights_mb / 2)
+    assert fp16 - pal == pytest.approx(0.02 * weights_mb * 3 / 4)
+
+
+@pytest.mark.parametrize("backend,prompt,ffn,axis", [("ane", 512, 512, None), ("cpu-static", 384, 512, None),
+                                                     ("ane", 384, 65536, 300)])
+def test_bulk_scores_equal_the_plan_entry_through_the_cost_model(backend, prompt, ffn, axis, monkeypatch):
+    """score_rows (numpy over many decisions) against score (the plan entry through the cost model's layer_ms),
+    on sampled decisions of the whole space, compression and partial chunks included; the last case puts groups
+    past the ANE's weight bytes per function and (with a lowered axis limit) its packed slots."""
+    if axis:
+        monkeypatch.setattr(ane_limits, "MAX_AXIS", axis)
+    cost = apple_like()
+    cost.models["ane"].ms_per_mb = 0.01
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 12, 512, skew=1.2, tokens=True), 256, prompt)
+    d = layers[1]
+    assert d.partial.any() == (prompt % 256 != 0)
+    space = layer_space(SMALL["num_experts"], ("none", "int8", "palettize4"))
+    rows = space.enumerate()[::97]
+    scorer = Scorer(cost, 1024, ffn, backend, 3e6 * ffn / 512, with_energy=True)
+    bulk = scorer.score_rows(d, space, rows)
+    for i, row in enumerate(rows):
+        ref, got = scorer.score(d, space.config(row)), bulk.at(i)
+        assert got.latency_ms == pytest.approx(ref.latency_ms, rel=1e-9)
+        assert got.partial_ms == pytest.approx(ref.partial_ms, rel=1e-9, abs=1e-12)
+        assert got.energy_mj == pytest.approx(ref.energy_mj, rel=1e-9)
+        assert (got.heldout_drops, got.violation) == (ref.heldout_drops, pytest.approx(ref.violation))
+    assert (bulk.violation > 0).any() and (bulk.violation == 0).any()  # the resident budget binds some
+
+
 def test_enumeration_is_the_distinct_decisions_of_the_declared_space():
-    space = {name: values(d) for name, d in distributions(4).items()}
-    every = {config_from_params(dict(zip(space, point)), 4) for point in itertools.product(*space.values())}
-    every.discard(LayerConfig(0, overflow="spill"))  # no residents: one decision whatever the overflow
-    assert set(enumerate_configs(4)) == every
+    space = layer_space(4, ("none", "int8"))
+    values = [d.values for _, d in space.params]
+    every = {space.config_from_params(dict(zip([p for p, _ in space.params], point)))
+             for point in itertools.product(*values)}
+    assert {space.config(r) for r in space.enumerate()} == every
 
 
 def test_params_round_trip_and_neighbours_step_along_each_parameter():
-    for cfg in enumerate_configs(4)[::37]:
-        assert config_from_params(params_of(cfg), 4) == cfg
-    p = params_of(LayerConfig(2, 2, 1, (0.9,), "drop"))
-    steps = {(k, q[k]) for q in neighbours(p, 4) for k in q if q[k] != p[k]}
+    space = layer_space(4, ("none", "int8"))
+    for row in space.enumerate()[::37]:
+        cfg = space.config(row)
+        assert space.config_from_params(space.params_of(cfg)) == cfg
+    p = space.params_of(LayerConfig(2, 2, 1, (0.9,), "drop"))
+    steps = {(k, q[k]) for q in space.neighbours(p) for k in q if q[k] != p[k]}
     assert steps == {("resident", 1), ("resident", 3), ("group_size", 1), ("group_size", 4), ("tiers", 2),
-                     ("q0", 0.75), ("q0", 0.95), ("q1", 0.99), ("q2", 0.99), ("overflow", "spill")}
-    assert len(p) == len(distributions(4)) == 3 + MAX_TIERS + 1
+                     ("q0", 0.75), ("q0", 0.95), ("q1", 0.99), ("q2", 0.99), ("overflow", "spill"),
+                     ("compress", "int8")}
+    assert len(p) == len(space.distributions()) == 3 + MAX_TIERS + 2
+
+
+def test_the_space_digest_changes_with_the_space():
+    assert layer_space(8).digest() == layer_space(8).digest()
+    assert len({layer_space(8).digest(), layer_space(16).digest(), layer_space(8, ("none", "int8")).digest()}) == 3
 
 
 def test_trials_suggest_from_the_declared_space():
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    space = layer_space(8, ("none", "palettize4"))
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    study.optimize(lambda t: float(len(suggest(t, 8))), n_trials=5)
-    assert all(t.distributions == distributions(8) for t in study.trials)
+    study.optimize(lambda t: float(len(space.suggest(t))), n_trials=5)
+    assert all(t.distributions == space.distributions() for t in study.trials)

@@ -46,6 +46,15 @@ class Traces:
     def n_chunks(self) -> int:
         return int(self.header["n_chunks"])
 
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.header.get("prompt_tokens") or self.header["chunk_tokens"])
+
+    def workload(self, chunk_tokens: int, prompt_tokens: int | None = None) -> "Workload":
+        """The traced tokens as prompts of `prompt_tokens` (default: as traced) prefilled in chunks of
+        `chunk_tokens`; see `Workload`."""
+        return Workload.cut(self, chunk_tokens, prompt_tokens or self.prompt_tokens)
+
     def counts(self, layer: int, split: str) -> np.ndarray:
         """[chunks in split, E] assignments per expert per chunk (split: calib | heldout | all)."""
         key = (layer, split)
@@ -62,6 +71,56 @@ class Traces:
                     "all": np.ones(self.n_chunks, bool)}[split]
             self._counts[key] = full[mask]
         return self._counts[key]
+
+
+@dataclass
+class Workload:
+    """Traced tokens re-chunked: each split's tokens (calibration, held-out: whole traced prompts, so the split
+    stays by prompt) in order, cut into prompts of `prompt_tokens` and each prompt into chunks of `chunk_tokens`,
+    the last one partial where the prompt is not a multiple. Routing is per token, so re-chunking keeps it; a
+    prompt longer than the traced ones joins traced prompts (routing recorded with the shorter context). An
+    incomplete last calibration prompt is left out (every costed prompt has `prompt_tokens` tokens) unless it is
+    the only one."""
+    chunk_tokens: int
+    prompt_tokens: int
+    token_chunk: np.ndarray  # [traced tokens] the new chunk of each token, -1 where left out
+    heldout: np.ndarray  # [chunks] bool
+    sizes: np.ndarray  # [chunks] tokens
+
+    @classmethod
+    def cut(cls, traces: "Traces", chunk_tokens: int, prompt_tokens: int) -> "Workload":
+        if traces.chunk is None:
+            if (chunk_tokens, prompt_tokens) != (traces.header["chunk_tokens"], traces.prompt_tokens):
+                raise NpumoeError("these traces hold counts per chunk only (synthetic); they cannot be re-chunked "
+                                  f"to {chunk_tokens}-token chunks of {prompt_tokens}-token prompts")
+            sizes = np.full(traces.n_chunks, traces.header["chunk_tokens"])
+            return cls(chunk_tokens, prompt_tokens, np.arange(traces.n_chunks), traces.heldout_chunks, sizes)
+        token_chunk = np.full(traces.chunk.size, -1, dtype=np.int64)
+        heldout, sizes, start = [], [], 0
+        for split in (False, True):
+            tokens = np.nonzero(traces.heldout_chunks[traces.chunk] == split)[0]
+            if not split and tokens.size > prompt_tokens:
+                tokens = tokens[:tokens.size // prompt_tokens * prompt_tokens]
+            j = np.arange(tokens.size)
+            per_prompt = -(-prompt_tokens // chunk_tokens)
+            ids, local = np.unique(j // prompt_tokens * per_prompt + j % prompt_tokens // chunk_tokens,
+                                   return_inverse=True)
+            token_chunk[tokens] = start + local
+            sizes.append(np.bincount(local, minlength=ids.size))
+            heldout += [split] * ids.size
+            start += ids.size
+        return cls(chunk_tokens, prompt_tokens, token_chunk, np.array(heldout, dtype=bool), np.concatenate(sizes))
+
+    def counts(self, traces: "Traces", layer: int, split: str) -> np.ndarray:
+        """[chunks in split, E] assignments per expert per chunk of this workload."""
+        if traces.chunk is None:
+            return traces.counts(layer, split)
+        e = traces.spec["num_experts"]
+        idx = traces.layers[layer]["idx"]
+        keep = self.token_chunk >= 0
+        flat = np.repeat(self.token_chunk[keep], idx.shape[1]) * e + idx[keep].reshape(-1).astype(np.int64)
+        full = np.bincount(flat, minlength=self.sizes.size * e).reshape(self.sizes.size, e)
+        return full[{"calib": ~self.heldout, "heldout": self.heldout}[split]]
 
 
 class RoutingRecorder:
@@ -149,27 +208,34 @@ def record_run_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: i
 
 
 def synthetic_traces(spec: dict, n_chunks: int, chunk_tokens: int, skew: float = 1.1, heldout_every: int = 5,
-                     seed: int = 0) -> Traces:
-    """Counts-only traces with Zipf(skew) expert popularity, a different hot set per layer (for search tests and
-    benchmarks at shapes we cannot run here, such as Qwen3-30B-A3B)."""
+                     seed: int = 0, tokens: bool = False) -> Traces:
+    """Traces with Zipf(skew) expert popularity, a different hot set per layer (for search tests and benchmarks at
+    shapes we cannot run here, such as Qwen3-30B-A3B). Counts only, each chunk a prompt; with `tokens`, every
+    token's experts (router weights 1/k, norms 1), each chunk a prompt too, so they re-chunk
+    (`Traces.workload`) into any chunk up to `chunk_tokens`."""
     rng = np.random.default_rng(seed)
     e, k = spec["num_experts"], spec["top_k"]
     layers = {}
     for layer in spec["moe_layers"]:
         pop = rng.permutation(1.0 / np.arange(1, e + 1) ** skew)
         counts = np.zeros((n_chunks, e), dtype=np.int64)
+        idx = np.zeros((n_chunks * chunk_tokens if tokens else 0, k), dtype=np.int16)
         for c in range(n_chunks):
             drift = pop * rng.lognormal(0.0, 0.3, e)  # chunk-to-chunk variation of the routing
             # top-k without replacement per token via Gumbel top-k on log-popularity
             g = np.log(drift)[None, :] + rng.gumbel(size=(chunk_tokens, e))
             chosen = np.argpartition(-g, k - 1, axis=1)[:, :k]
             counts[c] = np.bincount(chosen.reshape(-1), minlength=e)
-        layers[layer] = {"counts": counts}
+            if tokens:
+                idx[c * chunk_tokens:(c + 1) * chunk_tokens] = chosen
+        layers[layer] = ({"idx": idx, "weight": np.full(idx.shape, 1.0 / k, dtype=np.float32),
+                          "norm": np.ones(idx.shape[0], dtype=np.float32)} if tokens else {"counts": counts})
     header = {"schema": SCHEMA, "model": spec, "text": f"synthetic zipf({skew})", "chunk_tokens": chunk_tokens,
               "prompt_tokens": chunk_tokens, "tokens": n_chunks * chunk_tokens, "n_chunks": n_chunks,
               "heldout_rule": f"every {heldout_every}th chunk", "synthetic": True}
     heldout = np.arange(n_chunks) % heldout_every == heldout_every - 1
-    return Traces(header, layers, None, heldout)
+    chunk = np.repeat(np.arange(n_chunks, dtype=np.int32), chunk_tokens) if tokens else None
+    return Traces(header, layers, chunk, heldout)
 
 
 def save_traces(traces: Traces, path: str | os.PathLike) -> None:

@@ -296,3 +296,15 @@ def backend_list(text: str) -> list[str]:
         if item not in names:
             _fail(f"unknown backend {item!r}; choose from {', '.join(names)}")
     return items
+
+
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of some of `choices` (at least one, each once), e.g. `--compress none,int8`."""
+    def check(text: str) -> tuple[str, ...]:
+        items = non_empty_list(text)
+        bad = [t for t in items if t not in choices]
+        if bad:
+            _fail(f"{bad[0]!r} is not one of {', '.join(choices)}")
+        return tuple(dict.fromkeys(items))
+
+    return check

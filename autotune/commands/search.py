@@ -7,6 +7,7 @@ from pathlib import Path
 from autotune import pipeline
 from autotune.calibration.traces import default_traces_path
 from autotune.commands.argtypes import (
+    choice_list,
     fraction_below_one,
     non_negative_int,
     output_file,
@@ -25,7 +26,7 @@ from autotune.commands.common import (
 )
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
-from runtime.plan import SALIENCY_RULES
+from runtime.plan import COMPRESSIONS, SALIENCY_RULES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Optuna storage to resume from: sqlite:///file.db (one search "
                         "at a time; a second is refused) or journal:FILE (JournalStorage, several processes)")
     p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
-                   help="device budget for resident expert weights, fp16, all layers (default 16384)")
+                   help="device budget for resident expert weights as stored (compressed where the plan compresses), "
+                        "all layers (default 16384)")
+    p.add_argument("--prompt-tokens", type=positive_int, metavar="N",
+                   help="the prompt length the plan is for (default: the traces'); the chunk size is searched among "
+                        "256..4096 tokens (powers of two, at most N and the model's context)")
+    p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=("none",), metavar="K1,K2",
+                   help=f"weight storage the search may give each layer's ANE groups, among {','.join(COMPRESSIONS)} "
+                        "(default none: fp16; compressed weights change the numbers, so check fidelity)")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         "weight x hidden-state norm (default router_weight)")
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     result = pipeline.search_plan(args.model, profile=args.profile, traces=args.traces,
                                   drop_budget=args.drop_budget, objective=args.objective, trials=args.trials,
                                   storage=args.storage, resident_mb=args.resident_mb, saliency=args.saliency,
-                                  seed=args.seed, robust=args.robust, out=out, dtype=args.dtype,
+                                  seed=args.seed, robust=args.robust, prompt_tokens=args.prompt_tokens,
+                                  compress=args.compress, out=out, dtype=args.dtype,
                                   progress=not args.json)
     if args.json:
         print_json(result.report)

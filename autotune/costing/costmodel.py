@@ -20,18 +20,21 @@ from typing import Any, Sequence
 import numpy as np
 
 from runtime.backends import EXACT, REFERENCE, registry
+from runtime.coreml import ane_limits
 
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
 
 
-def ffn_work(tokens: Any, hidden: int, ffn: int, dtype_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(GFLOP, MB) of one expert's gated FFN over `tokens` rows: weights read once, activations in and out."""
+def ffn_work(tokens: Any, hidden: int, ffn: int, dtype_bytes: float,
+             weight_bytes: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(GFLOP, MB) of one expert's gated FFN over `tokens` rows: weights read once (`weight_bytes` each, default
+    `dtype_bytes`: less where they are stored compressed), activations in and out."""
     m = np.asarray(tokens, dtype=np.float64)
     gflop = 6.0 * m * hidden * ffn / 1e9  # 2*M*(2F*H) for gate_up + 2*M*(H*F) for down
     weights = 3.0 * hidden * ffn
     acts = m * (hidden + 2 * ffn) + m * (ffn + hidden)  # gate_up in/out, down in/out
-    mb = dtype_bytes * (weights + acts) / 1e6
+    mb = ((dtype_bytes if weight_bytes is None else weight_bytes) * weights + dtype_bytes * acts) / 1e6
     return gflop, mb
 
 
@@ -87,17 +90,25 @@ class BackendModel:
     power_source: str | None = None
     residual: Residual | None = None
     note: str | None = None
+    # ms per MB of stored weights to expand each compression kind, per call (measured or cited); absent: none known
+    decompress_ms_per_mb: dict[str, float] | None = None
 
     def analytic(self, calls: Any, experts: Any, gflop: Any, mb: Any) -> np.ndarray:
         return (self.call_ms * np.asarray(calls) + self.expert_ms * np.asarray(experts)
                 + self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb))
 
-    def ffn_ms(self, tokens: Any, hidden: int, ffn: int) -> np.ndarray:
+    def ffn_ms(self, tokens: Any, hidden: int, ffn: int, compress: str = "none") -> np.ndarray:
+        """One expert's FFN over `tokens` rows, its weights stored as `compress` (ane_limits.BYTES_PER_WEIGHT:
+        fewer bytes streamed per call, plus the profile's decompression cost where it has one)."""
         m = np.asarray(tokens, dtype=np.float64)
-        gflop, mb = ffn_work(m, hidden, ffn, self.dtype_bytes)
+        stored = None if compress == "none" else ane_limits.BYTES_PER_WEIGHT[compress]
+        gflop, mb = ffn_work(m, hidden, ffn, self.dtype_bytes, stored)
         compute = self.analytic(0.0, 0.0, gflop, mb)
         if self.residual is not None:  # corrects the compute; the per-expert launch cost stays additive
             compute = compute * self.residual(m, hidden, ffn).reshape(m.shape)
+        if stored is not None and self.decompress_ms_per_mb and compress in self.decompress_ms_per_mb:
+            compute = compute + self.decompress_ms_per_mb[compress] * ane_limits.expert_weight_bytes(
+                hidden, ffn, compress) / 1e6
         return np.where(m > 0, self.expert_ms + compute, 0.0)
 
     def to_json(self) -> dict:
@@ -107,6 +118,8 @@ class BackendModel:
                "residual": self.residual.to_json() if self.residual else None}
         if self.note:
             out["note"] = self.note
+        if self.decompress_ms_per_mb:
+            out["decompress_ms_per_mb"] = self.decompress_ms_per_mb
         return out
 
     @classmethod
@@ -116,7 +129,7 @@ class BackendModel:
                    dtype_bytes=int(obj.get("dtype_bytes", 4)), overlaps_cpu=bool(obj.get("overlaps_cpu", False)),
                    power_w=None if obj.get("power_w") is None else float(obj["power_w"]),
                    power_source=obj.get("power_source"), residual=Residual.from_json(obj.get("residual")),
-                   note=obj.get("note"))
+                   note=obj.get("note"), decompress_ms_per_mb=obj.get("decompress_ms_per_mb"))
 
 
 HOST_TERMS = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms", "per_slot_kelem_ms",
@@ -146,7 +159,7 @@ class HostCosts:
     exact: tuple[float, ...] | None = None
 
     @staticmethod
-    def _eval(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0) -> np.ndarray:
+    def evaluate(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0) -> np.ndarray:
         a = np.asarray(assignments, dtype=np.float64)
         if coef is None:
             return np.zeros_like(a)
@@ -192,38 +205,44 @@ class CostModel:
     def call_ms(self, backend: str) -> float:
         return float(self._model(backend).call_ms)
 
-    def ffn_ms(self, backend: str, tokens: Any, hidden: int, ffn: int) -> Any:
-        """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing); int or ndarray."""
+    def overlaps(self, backend: str) -> bool:
+        """Whether the backend's calls run off the CPU (the exact path overlaps them)."""
+        return self._model(backend).overlaps_cpu
+
+    def ffn_ms(self, backend: str, tokens: Any, hidden: int, ffn: int, compress: str = "none") -> Any:
+        """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing), its weights stored as
+        `compress`; int or ndarray."""
         model = self._model(backend)
-        key = (model.name, int(hidden), int(ffn))
+        key = (model.name, int(hidden), int(ffn), compress)
         lut = self._lut.get(key)
         if lut is None:
-            lut = self._lut[key] = model.ffn_ms(np.arange(LUT_TOKENS), hidden, ffn)
+            lut = self._lut[key] = model.ffn_ms(np.arange(LUT_TOKENS), hidden, ffn, compress)
         m = np.asarray(tokens)
         if np.issubdtype(m.dtype, np.integer) and (m.size == 0 or (m.min() >= 0 and m.max() < LUT_TOKENS)):
             out = lut[m]
         else:
-            out = model.ffn_ms(m, hidden, ffn)
+            out = model.ffn_ms(m, hidden, ffn, compress)
         return float(out) if np.ndim(out) == 0 else out
 
-    def group_call_ms(self, backend: str, capacities: Sequence[int], hidden: int, ffn: int) -> float:
+    def group_call_ms(self, backend: str, capacities: Sequence[int], hidden: int, ffn: int,
+                      compress: str = "none") -> float:
         """One static group call: fixed cost plus every expert's slice computed at full capacity (padding too)."""
         caps = np.asarray(capacities, dtype=np.int64)
-        return self.call_ms(backend) + float(np.sum(self.ffn_ms(backend, caps, hidden, ffn)))
+        return self.call_ms(backend) + float(np.sum(self.ffn_ms(backend, caps, hidden, ffn, compress)))
 
     def exact_ms(self, counts: np.ndarray, hidden: int, ffn: int) -> Any:
         """cpu-exact over per-expert counts ([E] -> float, [chunks, E] -> array), incl. call and host costs."""
         c = np.asarray(counts, dtype=np.int64)
         a = c.sum(axis=-1)
         t = np.sum(self.ffn_ms(EXACT, c, hidden, ffn), axis=-1)
-        t = np.where(a > 0, t + self.call_ms(EXACT), 0.0) + HostCosts._eval(self.host.exact, a, hidden)
+        t = np.where(a > 0, t + self.call_ms(EXACT), 0.0) + HostCosts.evaluate(self.host.exact, a, hidden)
         return float(t) if np.ndim(t) == 0 else t
 
     def pack_ms(self, assignments: Any, hidden: int | None = None, slots: Any = 0) -> Any:
         """Host-side pack/unpack of one chunk's static groups: routing bookkeeping, gathering `assignments` rows
         into `slots` padded rows (the groups' summed capacities) and the weighted combine. `hidden` defaults to
         the profile's middle measured hidden size."""
-        t = HostCosts._eval(self.host.pack, assignments, hidden or self.default_hidden, slots)
+        t = HostCosts.evaluate(self.host.pack, assignments, hidden or self.default_hidden, slots)
         return float(t) if np.ndim(t) == 0 else t
 
     def power_w(self, backend: str) -> float | None:
@@ -238,7 +257,8 @@ class CostModel:
         static: dict[str, float] = {}
         for g in layer_plan.groups:
             name = self._model(g.backend).name
-            static[name] = static.get(name, 0.0) + self.group_call_ms(g.backend, g.capacities, hidden, ffn)
+            static[name] = static.get(name, 0.0) + self.group_call_ms(g.backend, g.capacities, hidden, ffn,
+                                                                       g.compression)
             if overflow == "spill":
                 idx, caps = list(g.experts), np.asarray(g.capacities)
                 exact_counts[..., idx] = np.maximum(c[..., idx] - caps, 0)
@@ -397,7 +417,7 @@ def fit_host(records: list[dict]) -> tuple[float, ...] | None:
 
 
 def _host_predict(coef: tuple[float, ...], rec: dict) -> float:
-    return float(HostCosts._eval(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
+    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
 
 
 def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:

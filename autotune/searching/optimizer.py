@@ -1,10 +1,17 @@
-"""The search: per-layer Optuna studies over the decision space, combined exactly under the global drop budget.
+"""The search: per chunk size, every layer's decisions scored in bulk, combined exactly under the global drop budget;
+then Optuna per layer at the chosen chunk.
 
-Strategy: each MoE layer gets its own Optuna study (multi-objective: predicted latency [and energy] on calibration
-traces, held-out drops; hard limits as constraints), seeded with the paper's heuristic and two extremes. Layers
-are independent but for the drop budget, which is global: a dynamic program over each layer's Pareto front picks
-one decision per layer minimising the total cost with held-out drops within budget (exact over the candidates).
-Where a layer's space is small it is also enumerated exactly; that yardstick is reported (`gap_vs_exact`).
+Strategy, for each candidate chunk size (the traces re-chunked: `LayerData.from_traces`):
+1. each layer's candidates: where its space is small enough (`exact_limit`), every decision (the exact optimum);
+   else the one-tier part of the space (every residency, group size, quantile, overflow and compression), all
+   scored at once with numpy (`Scorer.score_rows`);
+2. a dynamic program over each layer's Pareto front picks one decision per layer minimising the total cost with
+   held-out drops within the budget (exact over the candidates), per overflow policy (a plan has one) and per way
+   of running the prompts' last, partial chunk (padded static calls, or the exact path: `exact_below_tokens`).
+The cheapest chunk wins; there each layer gets its own Optuna study (multi-objective: predicted latency [and
+energy], held-out drops; hard limits as constraints), seeded with the paper's heuristic, two extremes and the layer's
+decision from step 2, resumable from storage; its decisions join the candidates and the plan is combined again.
+Where a layer's space was enumerated, Optuna alone is measured against that exact optimum (`gap_vs_exact`).
 """
 from __future__ import annotations
 
@@ -18,27 +25,42 @@ import optuna
 from tqdm import tqdm
 
 from autotune.searching.space import (
-    Evaluated,
     LayerConfig,
     LayerData,
     Scorer,
+    Scores,
+    Space,
     calibration,
-    config_from_params,
-    enumerate_configs,
-    group_sizes,
     heuristic_config,
     layer_plan,
-    neighbours,
-    params_of,
-    space_size,
-    suggest,
 )
 from runtime.errors import NpumoeError
-from runtime.plan import OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
+from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 
 OBJECTIVES = ("latency", "energy", "both")  # both: the Pareto front of latency and energy
-EXACT_LIMIT = 40_000  # enumerate a layer's space when it has at most this many decisions
+EXACT_LIMIT = 400_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
+CHUNK_CHOICES = tuple(2 ** i for i in range(8, 13))  # 256 .. 4096 tokens
+
+
+def chunk_candidates(prompt_tokens: int, context: int | None = None) -> list[int]:
+    """The chunk sizes searched: CHUNK_CHOICES up to the prompt length and the model's context; a prompt shorter
+    than the smallest is one chunk."""
+    top = min(prompt_tokens, context or prompt_tokens)
+    return [c for c in CHUNK_CHOICES if c <= top] or [top]
+
+
+@dataclass
+class Candidates:
+    """One layer's evaluated decisions at one chunk size: canonical rows of the space and their scores."""
+    rows: np.ndarray
+    scores: Scores
+
+    def merged(self, other: "Candidates") -> "Candidates":
+        rows = np.concatenate([self.rows, other.rows])
+        _, first = np.unique(rows, axis=0, return_index=True)
+        first = np.sort(first)
+        return Candidates(rows[first], Scores.concat([self.scores, other.scores]).take(first))
 
 
 @dataclass
@@ -48,6 +70,18 @@ class Solution:
     latency_ms: float
     energy_mj: float | None
     heldout_drops: int
+    chunk_tokens: int = 0
+    exact_partial: bool = False  # prompts' last, partial chunks run on the exact path (else padded static calls)
+
+
+@dataclass
+class ChunkSearch:
+    """What the search saw and kept at one chunk size."""
+    chunk_tokens: int
+    layers: list[LayerData]
+    pool: list[Candidates]  # per layer
+    partial_exact: tuple[float, float | None]  # (ms, mJ) of every partial chunk run exactly, all layers
+    best: Solution | None = None
 
 
 @dataclass
@@ -58,9 +92,15 @@ class SearchOutcome:
     gap_vs_exact: float | None = None  # (search-only cost / exact optimum) - 1, where the exact optimum exists
     trials: int = 0
     exact_layers: int = 0
-    pool: list[list[Evaluated]] = field(default_factory=list)  # every candidate evaluated, per layer (robustness)
+    chunks: dict[int, ChunkSearch] = field(default_factory=dict)  # every chunk size searched
     drop_budget: int = 0  # held-out drops allowed, in assignments
     weights: tuple[float, float] = (1.0, 0.0)  # the (latency, energy) weights that chose `best`
+    space: Space | None = None
+
+    @property
+    def layers(self) -> list[LayerData]:
+        """The layers' traces at the chosen chunk size."""
+        return self.chunks[self.best.chunk_tokens].layers
 
 
 def _objectives(score, objective: str) -> tuple:
@@ -69,8 +109,9 @@ def _objectives(score, objective: str) -> tuple:
     return (*costs, float(score.heldout_drops))
 
 
-def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int, storage: object | None,
-                 study_name: str, seed: int, explore: float = 0.6) -> list[Evaluated]:
+def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, n_trials: int,
+                 storage: object | None, study_name: str, seed: int, seeds: list[LayerConfig] = (),
+                 explore: float = 0.6) -> Candidates:
     """Run (or resume) one layer's study to `n_trials` finished trials; return every evaluated decision.
 
     The first `explore` share of trials is TPE's (multi-objective, constrained); the rest polish the Pareto front
@@ -82,11 +123,11 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
                                 sampler=sampler, load_if_exists=True)
     if not study.trials:  # fresh study: seed it (a resumed one already holds its seeds, run or waiting)
         for cfg in (heuristic_config(data), LayerConfig(0),
-                    LayerConfig(n_experts, group_sizes(n_experts)[-1], 1, (1.0,), "drop")):
-            study.enqueue_trial(params_of(cfg), skip_if_exists=True)
+                    LayerConfig(n_experts, space.dim("group_size").values[-1], 1, (1.0,), "drop"), *seeds):
+            study.enqueue_trial(space.params_of(cfg), skip_if_exists=True)
 
     def run_trial(trial: optuna.Trial) -> tuple:
-        score = scorer.score(data, config_from_params(suggest(trial, n_experts), n_experts))
+        score = scorer.score(data, space.config_from_params(space.suggest(trial)))
         trial.set_constraint("hard_limits", score.violation)
         return _objectives(score, objective)
 
@@ -99,7 +140,7 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
     expanded: set[LayerConfig] = set()
     while len(done := complete()) < n_trials:
         # best-first: expand the cheapest unexpanded decision among the front and the cheapest few
-        seen = {config_from_params(t.params, n_experts) for t in done}
+        seen = {space.config_from_params(t.params) for t in done}
         # cost objectives (all but the last, drops) normalised and summed: one order for one or two objectives
         scale = np.maximum(np.max([t.values[:-1] for t in done], axis=0), 1e-12)
         cost = lambda t: float(np.sum(np.asarray(t.values[:-1]) / scale))  # noqa: E731
@@ -107,12 +148,12 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
         parents = sorted({t.number: t for t in cheapest + study.best_trials}.values(), key=cost)
         proposals: dict[LayerConfig, dict] = {}
         for t in parents:
-            cfg = config_from_params(t.params, n_experts)
+            cfg = space.config_from_params(t.params)
             if cfg in expanded:
                 continue
             expanded.add(cfg)
-            for q in neighbours(params_of(cfg), n_experts):
-                if (c := config_from_params(q, n_experts)) not in seen:
+            for q in space.neighbours(space.params_of(cfg)):
+                if (c := space.config_from_params(q)) not in seen:
                     proposals.setdefault(c, q)
             if proposals:
                 break
@@ -123,85 +164,152 @@ def optuna_layer(data: LayerData, scorer: Scorer, objective: str, n_trials: int,
         for q in todo:
             study.enqueue_trial(q)
         study.optimize(run_trial, n_trials=len(todo))
-    return [Evaluated(cfg, scorer.score(data, cfg)) for cfg in
-            {config_from_params(t.params, n_experts) for t in complete()}]
+    rows = np.unique(space.canonical(np.stack([space.row_of(t.params) for t in complete()])), axis=0)
+    return Candidates(rows, scorer.score_rows(data, space, rows))
 
 
-def exact_layer(data: LayerData, scorer: Scorer) -> list[Evaluated]:
-    return [Evaluated(cfg, scorer.score(data, cfg)) for cfg in enumerate_configs(data.calib.shape[1])]
+def screen_rows(space: Space, exact_limit: int) -> tuple[np.ndarray, bool]:
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part."""
+    if space.size() <= exact_limit:
+        return space.enumerate(), True
+    one_tier = dataclasses.replace(space, dims=tuple(
+        dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims))
+    rows = one_tier.enumerate()
+    rows[:, [p for p, _ in space.params].index("tiers")] = 0  # tiers value 1 is index 0 in both
+    return rows, False
 
 
-def weighted_cost(latency_ms: float, energy_mj: float | None, weights: tuple[float, float]) -> float:
-    """The scalar cost of a decision or a plan: weights on (latency, energy), each normalised by the caller
-    (energy counts only where it is weighted: it may be None otherwise)."""
+def largest_groups(space: Space, cands: Candidates) -> Candidates:
+    """The decisions that can be best: a larger group is one static call fewer and changes nothing else but the
+    hard limits, so of decisions differing only in group size the largest within the limits dominates the rest
+    (and decisions past a limit are never chosen)."""
+    col = [p for p, _ in space.params].index("group_size")
+    radices = [len(d.values) for _, d in space.params]
+    key = np.ravel_multi_index(np.delete(cands.rows, col, axis=1).T, radices[:col] + radices[col + 1:])
+    ok = np.nonzero(cands.scores.violation == 0)[0]
+    order = ok[np.lexsort((-cands.rows[ok, col], key[ok]))]  # by key, largest group first
+    first = order[np.concatenate([[True], key[order][1:] != key[order][:-1]])] if order.size else order
+    first = np.sort(first)
+    return Candidates(cands.rows[first], cands.scores.take(first))
+
+
+def weighted_cost(latency_ms, energy_mj, weights: tuple[float, float]):
+    """The scalar cost of decisions or a plan: weights on (latency, energy), each normalised by the caller
+    (energy counts only where it is weighted: it may be None otherwise). Numbers or arrays."""
     wl, we = weights
     return wl * latency_ms + (we * energy_mj if we else 0.0)
 
 
-def _pareto(points: list[tuple[float, int, int]]) -> list[tuple[float, int, int]]:
-    """Points (cost, drops, index) not dominated in (cost, drops)."""
-    out, best = [], math.inf
-    for c, d, i in sorted(points, key=lambda p: (p[1], p[0])):
-        if c < best:
-            out.append((c, d, i))
-            best = c
-    return out
+def _pareto(cost: np.ndarray, drops: np.ndarray) -> np.ndarray:
+    """Indices not dominated in (cost, drops), by increasing drops."""
+    order = np.lexsort((cost, drops))
+    c = cost[order]
+    keep = c < np.minimum.accumulate(np.concatenate([[np.inf], c[:-1]]))
+    return order[keep]
 
 
-def combine(candidates: list[list[Evaluated]], drop_budget: int, weights: tuple[float, float]) -> list[int] | None:
-    """Pick one candidate per layer minimising total cost with total held-out drops <= budget (exact DP over
-    each layer's Pareto front). Returns chosen indices, or None when nothing fits."""
+def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int) -> list[int] | None:
+    """Pick one candidate per layer minimising total cost with total held-out drops <= budget (exact DP over each
+    layer's Pareto front; infinite cost = not allowed). Returns chosen indices, or None when nothing fits."""
     scale = max(1, math.ceil(drop_budget / DP_MAX_BUDGET))
     budget = drop_budget // scale
     dp = np.zeros(budget + 1)
     choices = []
-    for cands in candidates:
-        front = _pareto([(weighted_cost(ev.score.latency_ms, ev.score.energy_mj, weights), ev.score.heldout_drops, i)
-                         for i, ev in enumerate(cands)
-                         if ev.score.violation == 0])
+    for cost, drop in zip(costs, drops):
+        cost, drop = np.asarray(cost, dtype=np.float64), np.asarray(drop, dtype=np.int64)
+        front = [i for i in _pareto(cost, drop) if np.isfinite(cost[i])]
         new = np.full(budget + 1, np.inf)
         pick = np.full(budget + 1, -1, dtype=np.int64)
-        for c, d, i in front:
-            du = math.ceil(d / scale)  # rounding drops up keeps the coarse solution feasible
+        units = {}
+        for i in front:
+            du = units[i] = math.ceil(drop[i] / scale)  # rounding drops up keeps the coarse solution feasible
             if du > budget:
                 continue
-            cand = dp[:budget + 1 - du] + c
+            cand = dp[:budget + 1 - du] + cost[i]
             better = cand < new[du:]
             new[du:][better] = cand[better]
             pick[du:][better] = i
         dp = new
-        choices.append((pick, {i: math.ceil(d / scale) for _, d, i in front}))
+        choices.append((pick, units))
     if not np.isfinite(dp[budget]):
         return None
     chosen, b = [], budget
-    for pick, drops in reversed(choices):
+    for pick, units in reversed(choices):
         i = int(pick[b])
         chosen.append(i)
-        b -= drops[i]
+        b -= units[i]
     return chosen[::-1]
 
 
-def _solution(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer) -> Solution:
+def solution(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer,
+             exact_partial: bool = False) -> Solution:
+    """A plan's predicted totals, each layer scored through its plan entry (energy where the profile has power)."""
     scores = [scorer.score(d, c) for d, c in zip(layers, configs)]
     energies = [scorer.energy(d, c) for d, c in zip(layers, configs)]
     energy = None if any(e is None for e in energies) else sum(energies)
-    return Solution(configs, sum(s.latency_ms for s in scores), energy, sum(s.heldout_drops for s in scores))
+    latency = sum(s.latency_ms for s in scores)
+    if exact_partial:
+        ms, mj = map(sum, zip(*(scorer.partial_exact(d) for d in layers))) if all(
+            scorer.partial_exact(d)[1] is not None for d in layers) else (
+            sum(scorer.partial_exact(d)[0] for d in layers), None)
+        latency += ms - sum(s.partial_ms for s in scores)
+        if energy is not None:
+            partial = [scorer.score(d, c).partial_mj for d, c in zip(layers, configs)]
+            energy = None if mj is None or any(p is None for p in partial) else energy + mj - sum(partial)
+    drops = sum(s.heldout_drops for s in scores)
+    return Solution(configs, latency, energy, drops, layers[0].chunk_tokens if layers else 0, exact_partial)
 
 
-def _best_over_overflow(candidates: list[list[Evaluated]], layers, scorer, budget: int,
-                        weights: tuple[float, float]) -> Solution | None:
-    """The plan has one overflow policy: solve for each and keep the cheaper."""
+def partial_modes(layers: list[LayerData]) -> list[bool]:
+    """How the prompts' partial chunks may run: exactly, or as padded static calls (only when each has at least
+    DEFAULT_EXACT_BELOW_TOKENS tokens: shorter ones always run exactly); without partial chunks, one way."""
+    if not layers or not layers[0].partial.any():
+        return [False]
+    if layers[0].tokens[layers[0].partial].min() < DEFAULT_EXACT_BELOW_TOKENS:
+        return [True]
+    return [False, True]
+
+
+def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, weights: tuple[float, float],
+              pool: list[Candidates] | None = None) -> Solution | None:
+    """The cheapest plan over `pool` (default: the chunk's): one overflow policy, one way of running the partial
+    chunks, held-out drops within `budget`."""
+    pool = search.pool if pool is None else pool
     best = None
     for ov in OVERFLOW_POLICIES:
-        per_layer = [[ev for ev in c if ev.config.overflow == ov or ev.config.resident == 0] for c in candidates]
-        chosen = combine(per_layer, budget, weights)
-        if chosen is None:
-            continue
-        sol = _solution([per_layer[l][i].config for l, i in enumerate(chosen)], layers, scorer)
-        cost = weighted_cost(sol.latency_ms, sol.energy_mj, weights)
-        if best is None or cost < best[0]:
-            best = (cost, sol)
-    return best[1] if best else None
+        for exact_partial in partial_modes(search.layers):
+            costs, drops = [], []
+            for cands in pool:
+                s = cands.scores
+                ok = (s.violation == 0) & ((space.column(cands.rows, "overflow") == ov) |
+                                           (space.column(cands.rows, "resident") == 0))
+                lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
+                energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
+                costs.append(np.where(ok, weighted_cost(lat, energy, weights), np.inf))
+                drops.append(s.heldout_drops)
+            chosen = combine(costs, drops, budget)
+            if chosen is None:
+                continue
+            cost = sum(c[i] for c, i in zip(costs, chosen))
+            if best is None or cost < best[0]:
+                best = (cost, [space.config(p.rows[i]) for p, i in zip(pool, chosen)], exact_partial)
+    return None if best is None else solution(best[1], search.layers, scorer, best[2])
+
+
+def ranked_solutions(outcome: SearchOutcome, scorer: Scorer,
+                     budget_fractions: tuple[float, ...] = (1.0, 0.5, 0.25, 0.0)) -> list[Solution]:
+    """Whole-plan solutions by predicted cost, best first: the optimum of each chunk size at each share of the
+    drop budget (fewer drops: closer to the unmodified model). What a fidelity gate runs, in order, to keep the
+    first that passes."""
+    out, seen = [], set()
+    for search in outcome.chunks.values():
+        for f in budget_fractions:
+            sol = best_plan(search, outcome.space, scorer, int(outcome.drop_budget * f), outcome.weights)
+            key = sol and (sol.chunk_tokens, sol.exact_partial, tuple(sol.configs))
+            if sol and key not in seen:
+                seen.add(key)
+                out.append(sol)
+    return sorted(out, key=lambda s: weighted_cost(s.latency_ms, s.energy_mj, outcome.weights))
 
 
 def uniform_capacity(layers: list[LayerData], budget_rate: float, chunk_tokens: int) -> int:
@@ -224,50 +332,67 @@ def baselines(layers: list[LayerData], scorer: Scorer, budget_rate: float, chunk
         "uniform_grouped": [LayerConfig(n, min(4, n), capacity=u) for _ in layers],
         "paper_heuristic": [heuristic_config(d) for d in layers],
     }
-    return {name: _solution(cfgs, layers, scorer) for name, cfgs in designs.items()}
+    return {name: solution(cfgs, layers, scorer) for name, cfgs in designs.items()}
 
 
-def run_search(layers: list[LayerData], scorer: Scorer, *, objective: str = "latency", drop_budget: float = 0.10,
-               trials: int = 60, storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
-               chunk_tokens: int = 256, exact_limit: int = EXACT_LIMIT, progress: bool = True) -> SearchOutcome:
-    """Search every layer, combine under the held-out drop budget, compare with baselines and the exact yardstick."""
+def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: Scorer, space: Space, *,
+               objective: str = "latency", drop_budget: float = 0.10, trials: int = 60,
+               storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
+               exact_limit: int = EXACT_LIMIT, progress: bool = True) -> SearchOutcome:
+    """Search every chunk size (`workloads`: the layers' traces per chunk size, or one chunk size's list), combine
+    under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum."""
     if objective in ("energy", "both") and not scorer.cost.has_energy:
         raise NpumoeError(f"--objective {objective} needs power figures, and this profile has none "
                           "(it measured no energy); use --objective latency or a profile with energy")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if isinstance(workloads, list):
+        workloads = {workloads[0].chunk_tokens: workloads}
     scorer = dataclasses.replace(scorer, with_energy=objective in ("energy", "both"))  # the caller's is left as is
-    heldout_total = sum(int(d.heldout.sum()) for d in layers)
-    budget = int(math.floor(drop_budget * heldout_total))
-    searched, exact = [], []
-    small = space_size(layers[0].calib.shape[1]) <= exact_limit
-    for d in tqdm(layers, desc="search", unit="layer", disable=not progress):
-        searched.append(optuna_layer(d, scorer, objective, trials, storage, f"{study_prefix}:L{d.layer}",
-                                     seed + d.layer))
-        if small:
-            exact.append(exact_layer(d, scorer))
-    base = baselines(layers, scorer, drop_budget, chunk_tokens)
-    ref = base["cpu_only"]
+    first = next(iter(workloads.values()))
+    budget = int(math.floor(drop_budget * sum(int(d.heldout.sum()) for d in first)))
+    screen, exact = screen_rows(space, exact_limit)
+    ref = baselines(first, scorer, drop_budget, first[0].chunk_tokens)["cpu_only"]
     norm = (1.0 / max(ref.latency_ms, 1e-9), 1.0 / max(ref.energy_mj or 1.0, 1e-9))
-    pool = [s + e for s, e in zip(searched, exact)] if small else searched
-    # the heuristic is every study's first trial; adding it here too keeps "never worse than the heuristic" true
-    # for studies resumed from a storage that another search version filled
-    heuristic = [Evaluated(c, scorer.score(d, c)) for d, c in zip(layers, (heuristic_config(d) for d in layers))]
-    pool = [p + [h] for p, h in zip(pool, heuristic)]
     weight_sets = {"latency": [(norm[0], 0.0)], "energy": [(0.0, norm[1])],
                    "both": [(a * norm[0], (1 - a) * norm[1]) for a in np.linspace(0, 1, 11)]}[objective]
-    front = [s for w in weight_sets if (s := _best_over_overflow(pool, layers, scorer, budget, w))]
-    if not front:
-        raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
     mid = weight_sets[len(weight_sets) // 2]
-    best = _best_over_overflow(pool, layers, scorer, budget, mid)
+    chunks = {}
+    bar = tqdm(total=len(workloads) * len(first) + len(first) * (trials > 0), desc="search", unit="layer",
+               disable=not progress)
+    for c, layers in workloads.items():
+        pool = []
+        for d in layers:
+            pool.append(largest_groups(space, Candidates(screen, scorer.score_rows(d, space, screen))))
+            bar.update()
+        partial = [scorer.partial_exact(d) for d in layers]
+        mj = None if any(p[1] is None for p in partial) else sum(p[1] for p in partial)
+        chunks[c] = search = ChunkSearch(c, layers, pool, (sum(p[0] for p in partial), mj))
+        search.best = best_plan(search, space, scorer, budget, mid)
+    solved = [s for s in chunks.values() if s.best]
+    if not solved:
+        bar.close()
+        raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
+    at = min(solved, key=lambda s: weighted_cost(s.best.latency_ms, s.best.energy_mj, mid))
     gap = None
-    if small:
-        only = _best_over_overflow(searched, layers, scorer, budget, mid)
-        yard = _best_over_overflow(exact, layers, scorer, budget, mid)
-        gap = (weighted_cost(only.latency_ms, only.energy_mj, mid) / weighted_cost(yard.latency_ms, yard.energy_mj, mid)
-               - 1.0 if only and yard else None)
-    return SearchOutcome(best, base, _pareto_solutions(front) if objective == "both" else [], gap,
-                         trials * len(layers), len(exact), pool, budget, mid)
+    if trials > 0:  # Optuna at the chosen chunk size, seeded with the screen's decisions
+        searched = []
+        for d, cfg in zip(at.layers, at.best.configs):
+            searched.append(optuna_layer(d, scorer, space, objective, trials, storage,
+                                         f"{study_prefix}:{space.digest()}:C{at.chunk_tokens}:L{d.layer}",
+                                         seed + d.layer, seeds=[] if exact else [cfg]))
+            bar.update()
+        if exact:
+            only = best_plan(at, space, scorer, budget, mid, pool=searched)
+            gap = (weighted_cost(only.latency_ms, only.energy_mj, mid) /
+                   weighted_cost(at.best.latency_ms, at.best.energy_mj, mid) - 1.0) if only else None
+        at.pool = [p.merged(s) for p, s in zip(at.pool, searched)]
+        at.best = best_plan(at, space, scorer, budget, mid)
+    bar.close()
+    front = [s for w in weight_sets if (s := best_plan(at, space, scorer, budget, w))]
+    return SearchOutcome(at.best, baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
+                         _pareto_solutions(front) if objective == "both" else [], gap,
+                         trials * len(first) if trials > 0 else 0, len(first) if exact else 0, chunks, budget, mid,
+                         space)
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:
@@ -279,16 +404,33 @@ def _pareto_solutions(sols: list[Solution]) -> list[Solution]:
     return out
 
 
-def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model: dict, chunk_tokens: int,
+def exact_below(sol: Solution, entries: list, layers: list[LayerData], scorer: Scorer) -> int:
+    """The plan's exact_below_tokens: the cost model's break-even, moved past the prompts' partial chunks when the
+    search ran them exactly, or down to them when it charged their padded static calls."""
+    c = sol.chunk_tokens
+    overflow = next((cfg.overflow for cfg in sol.configs if cfg.resident), "drop")
+    be = scorer.cost.static_break_even(entries, [d.calib[~d.partial].mean(0) if (~d.partial).any()
+                                                 else d.calib.mean(0) for d in layers], c,
+                                       scorer.hidden, scorer.ffn, overflow)
+    sizes = sorted({int(n) for n in layers[0].tokens[layers[0].partial]})
+    if not sizes:
+        return be
+    if sol.exact_partial:
+        return min(c, max(be, max(sizes) + 1))
+    return max(DEFAULT_EXACT_BELOW_TOKENS, min(be, min(sizes)))
+
+
+def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model: dict, chunk_tokens: int | None = None,
                   saliency: str = "router_weight", predicted: dict | None = None, meta: dict | None = None) -> Plan:
     """The validated plan file a solution means, with each layer's calibration statistics."""
+    chunk_tokens = chunk_tokens or sol.chunk_tokens
     overflow = next((c.overflow for c in sol.configs if c.resident), "drop")
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
-    exact_below = scorer.cost.static_break_even(entries, [d.calib.mean(0) for d in layers], chunk_tokens,
-                                                scorer.hidden, scorer.ffn, overflow)
     obj = {"schema": "npumoe.plan/1", "model": ModelSpec(**model).model_dump(), "chunk_tokens": chunk_tokens,
-           "overflow": overflow, "saliency": saliency, "exact_below_tokens": exact_below,
+           "overflow": overflow, "saliency": saliency,
+           "exact_below_tokens": exact_below(dataclasses.replace(sol, chunk_tokens=chunk_tokens), entries, layers,
+                                             scorer),
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 

@@ -69,6 +69,10 @@ def format_report(r: dict) -> str:
         when = f" when {worst['case']}" if worst else ""
         lines.append(f"robustness{pick}: worst-case {rob['objective']} regret {rob['max_regret']:.2%}{when}"
                      + " (predicted, vs the best plan for each perturbed profile)")
+        if rob.get("cost_of_robustness"):
+            lines.append(f"the --robust pick trades {rob['cost_of_robustness']:+.2%} predicted {rob['objective']} "
+                         f"for a worst-case regret of {rob['max_regret']:.2%} instead of the nominal plan's "
+                         f"{rob['nominal_max_regret']:.2%}")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
     return "\n".join(lines)

@@ -8,19 +8,22 @@ how much worse would the plan be than the best plan for that profile?
 
 where cost is the search's objective: predicted latency (summed over calibration chunks) for `--objective latency`,
 predicted energy for `energy`, and for `both` the weighted sum that chose the plan. The best plan for a case is
-re-optimised with the search's own machinery: every candidate decision the search evaluated per layer is re-scored
-under the perturbed cost model and the exact per-layer DP (`search._best_over_overflow`) picks one per layer under
-the same held-out drop budget. Where the search enumerated a layer's whole space, that optimum is exact over the
-space; elsewhere it is over the search's candidates. The plan's own decisions are among the candidates, so
-regret >= 0, and 0 when nothing changes.
+re-optimised with the search's own machinery, over every chunk size: every candidate decision the search evaluated
+per layer is re-scored under the perturbed cost model and the exact per-layer DP (`optimizer.best_plan`) picks one
+per layer under the same held-out drop budget. Where the search enumerated a layer's whole space, that optimum is
+exact over the space; elsewhere it is over the search's candidates. The plan's own decisions are among the
+candidates, so regret >= 0, and 0 when nothing changes.
 
 Re-scoring every candidate under every case would cost as much as the search; it is not needed. In a case every
 part of a layer's latency and energy is scaled by a factor in [lo, hi] (the perturbed part by the case's factor,
 the rest by 1), so a candidate beaten by another with no more drops by more than hi/lo is beaten under the case too
 and cannot be on that case's Pareto front: such candidates are pruned, exactly.
 
-`--robust` picks, among the nominal plan, each case's optimum and the searched Pareto front, the plan with the
-least worst-case regret (ties: the nominal plan).
+`--robust` makes regret part of the choice: besides the nominal plan, each case's optimum and the searched Pareto
+front, it solves, at every chunk size, the DP for a weighted sum of each case's cost relative to that case's
+optimum, reweighting towards the worst case a few times (multiplicative weights: a minimax search over chunk,
+residency and everything else the DP decides), and keeps the plan with the least worst-case regret (ties: the
+nominal plan).
 """
 from __future__ import annotations
 
@@ -31,12 +34,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotune.costing.costmodel import CostModel
-from autotune.searching.optimizer import SearchOutcome, Solution, _best_over_overflow, _solution, weighted_cost
-from autotune.searching.space import Evaluated, LayerConfig, LayerData, Scorer
+from autotune.searching.optimizer import (
+    Candidates,
+    ChunkSearch,
+    SearchOutcome,
+    Solution,
+    best_plan,
+    combine,
+    partial_modes,
+    solution,
+    weighted_cost,
+)
+from autotune.searching.space import Scorer, Space
 from runtime.plan import OVERFLOW_POLICIES
 
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP
+REWEIGHTS = 6  # rounds of the --robust minimax reweighting
+DESCENTS = 3  # candidates the --robust pick improves layer by layer
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,11 @@ class Case:
     @property
     def name(self) -> str:
         return f"{self.backend} {self.param} x{self.factor:g}"
+
+    @property
+    def spread(self) -> float:
+        """hi / lo of the factors the case puts on any part of a cost."""
+        return max(1.0, self.factor) / min(1.0, self.factor)
 
     def apply(self, cost: CostModel) -> CostModel:
         """A copy of `cost` with this coefficient scaled (lookup tables are rebuilt for the copy)."""
@@ -64,59 +84,205 @@ def default_cases(cost: CostModel) -> list[Case]:
     return cases + [Case(b, "ms_per_gflop", f) for b in cost.backends for f in GFLOP_FACTORS]
 
 
-def _prune(evs: list[Evaluated], ratio: float, weights: tuple[float, float]) -> list[Evaluated]:
+def prune(cands: Candidates, space: Space, ratio: float, weights: tuple[float, float]) -> Candidates:
     """Feasible candidates not beaten by more than `ratio` in cost by one with no more drops, per overflow policy
-    (a plan has one policy; all-CPU decisions count for both)."""
-    keep: dict = {}
-    for ov in OVERFLOW_POLICIES:
-        group = [e for e in evs if e.score.violation == 0 and (e.config.overflow == ov or e.config.resident == 0)]
-        group.sort(key=lambda e: (e.score.heldout_drops, _cost(e.score, weights)))
-        best = np.inf
-        for e in group:
-            best = min(best, _cost(e.score, weights))
-            if _cost(e.score, weights) <= ratio * best:
-                keep[e.config] = e
-    return list(keep.values())
-
-
-def _cost(x, weights: tuple[float, float]) -> float:
-    """The search's scalar cost of a Score or a Solution (both carry latency_ms and energy_mj)."""
-    return weighted_cost(x.latency_ms, x.energy_mj, weights)
+    (a plan has one; all-CPU decisions count for both) and per way of running partial chunks."""
+    s = cands.scores
+    keep = np.zeros(len(s), dtype=bool)
+    ov, none = space.column(cands.rows, "overflow"), space.column(cands.rows, "resident") == 0
+    for policy in OVERFLOW_POLICIES:
+        for exact_partial in (False, True):
+            lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
+            energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
+            cost = weighted_cost(lat, energy, weights)
+            idx = np.nonzero((s.violation == 0) & ((ov == policy) | none))[0]
+            order = idx[np.lexsort((cost[idx], s.heldout_drops[idx]))]
+            keep[order[cost[order] <= ratio * np.minimum.accumulate(cost[order])]] = True
+    return Candidates(cands.rows[keep], s.take(np.nonzero(keep)[0]))
 
 
 @dataclass
 class CaseResult:
     case: Case
     scorer: Scorer
-    best: Solution  # the optimum under this case
+    best: Solution  # the optimum under this case, over every chunk size
+    pools: dict[int, list[Candidates]]  # per chunk size, the pruned candidates re-scored under the case (the same
+    # rows, in the same order, for every case)
+    index: dict = dataclasses.field(default_factory=dict, repr=False)  # (chunk, layer) -> {row bytes: position}
+
+    def cost(self, sol: Solution, outcome: SearchOutcome, w: tuple[float, float]) -> float:
+        """A plan's cost under this case, from the re-scored candidates (decisions not among them: scored)."""
+        search = outcome.chunks[sol.chunk_tokens]
+        lat, energy = 0.0, 0.0
+        for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
+            if sol.chunk_tokens not in self.pools:  # a chunk size the case's optimum cannot be at: not re-scored
+                s = self.scorer.score(d, cfg)
+                lat += s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
+                energy += (s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)) if w[1] else 0.0
+                continue
+            pool, space = self.pools[sol.chunk_tokens][layer], outcome.space
+            if (sol.chunk_tokens, layer) not in self.index:
+                self.index[sol.chunk_tokens, layer] = dict(zip(space.keys(pool.rows).tolist(), range(len(pool.rows))))
+            i = self.index[sol.chunk_tokens, layer].get(
+                int(space.keys(space.canonical(space.row_of(space.params_of(cfg))))[0]))
+            s = self.scorer.score(d, cfg) if i is None else pool.scores.at(i)
+            lat += s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
+            if w[1]:
+                energy += s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)
+        if sol.exact_partial:
+            parts = [self.scorer.partial_exact(d) for d in search.layers]
+            lat += sum(p[0] for p in parts)
+            energy += sum(p[1] for p in parts) if w[1] else 0.0
+        return weighted_cost(lat, energy if w[1] else None, w)
 
 
-def _plan_cost(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer,
-               weights: tuple[float, float]) -> float:
-    """From the scorer's cached scores (energy is in them where the objective weighs it)."""
-    scores = [scorer.score(d, c) for d, c in zip(layers, configs)]
-    energy = sum(s.energy_mj for s in scores) if weights[1] else None
-    return weighted_cost(sum(s.latency_ms for s in scores), energy, weights)
+def _cost(x, weights: tuple[float, float]) -> float:
+    """The search's scalar cost of a Solution."""
+    return weighted_cost(x.latency_ms, x.energy_mj, weights)
 
 
-def solve_cases(pool: list[list[Evaluated]], layers: list[LayerData], scorer: Scorer, budget: int,
-                cases: list[Case], weights: tuple[float, float] = (1.0, 0.0)) -> list[CaseResult]:
-    """Each case's best plan for the objective `weights`, re-optimised over the search's candidates (pruned
-    exactly, see above)."""
-    out = []
+def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
+                weights: tuple[float, float] | None = None) -> list[CaseResult]:
+    """Each case's best plan for the objective `weights` (default: the outcome's), re-optimised over the search's
+    candidates at every chunk size (pruned exactly, see above)."""
+    w = outcome.weights if weights is None else weights
+    spread = max((c.spread for c in cases), default=1.0)  # one pruned set for every case: their pools align
+    kept = {c: [prune(p, outcome.space, spread, w) for p in search.pool] for c, search in outcome.chunks.items()}
+    out, index = [], {}
+    # chunk sizes by their nominal optimum: a chunk size whose optimum costs more than the best case plan found so
+    # far divided by the case's least factor cannot hold the case's optimum (every part scales by >= that factor)
+    order = sorted((s for s in outcome.chunks.values() if s.best), key=lambda s: _cost(s.best, w))
     for case in cases:
-        lo, hi = min(1.0, case.factor), max(1.0, case.factor)
-        sc = dataclasses.replace(scorer, cost=case.apply(scorer.cost), with_energy=weights[1] > 0)
-        cands = [[Evaluated(e.config, sc.score(d, e.config)) for e in _prune(evs, hi / lo, weights)]
-                 for d, evs in zip(layers, pool)]
-        best = _best_over_overflow(cands, layers, sc, budget, weights)
-        out.append(CaseResult(case, sc, best))
+        sc = dataclasses.replace(scorer, cost=case.apply(scorer.cost), with_energy=w[1] > 0)
+        pools, best = {}, None
+        for search in order:
+            c = search.chunk_tokens
+            if best is not None and min(1.0, case.factor) * _cost(search.best, w) >= _cost(best, w):
+                continue
+            pools[c] = [Candidates(p.rows, sc.score_rows(d, outcome.space, p.rows))
+                        for d, p in zip(search.layers, kept[c])]
+            sol = best_plan(search, outcome.space, sc, outcome.drop_budget, w, pool=pools[c])
+            if sol and (best is None or _cost(sol, w) < _cost(best, w)):
+                best = sol
+        out.append(CaseResult(case, sc, best, pools, index))  # one index: the pools' rows are the same
     return out
 
 
-def regrets(configs: list[LayerConfig], layers: list[LayerData], results: list[CaseResult],
-            weights: tuple[float, float] = (1.0, 0.0)) -> list[float]:
-    return [_plan_cost(configs, layers, r.scorer, weights) / _cost(r.best, weights) - 1.0 for r in results]
+def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
+            weights: tuple[float, float] | None = None) -> list[float]:
+    w = outcome.weights if weights is None else weights
+    return [r.cost(sol, outcome, w) / _cost(r.best, w) - 1.0 for r in results]
+
+
+def minimax_plans(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult]) -> list[Solution]:
+    """Plans that weigh every case's cost relative to its optimum, the weights moved towards the worst case each
+    round (multiplicative weights), at every chunk size: regret as part of the choice."""
+    w, space = outcome.weights, outcome.space
+    lam = np.ones(len(results)) / max(1, len(results))
+    plans = []
+    for _ in range(REWEIGHTS if results else 0):
+        best = None
+        for c, search in outcome.chunks.items():
+            if any(c not in r.pools for r in results):
+                continue
+            sol = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
+                                 [(lam[i] / _cost(r.best, w), r.pools[c]) for i, r in enumerate(results)])
+            if sol is not None:
+                worst = max(regrets(sol, outcome, results))
+                if best is None or worst < best[0]:
+                    best = (worst, sol)
+        if best is None:
+            break
+        plans.append(best[1])
+        lam = lam * np.exp(4.0 * np.array(regrets(best[1], outcome, results)))
+        lam /= lam.sum()
+    return plans
+
+
+def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
+            rounds: int = 64) -> Solution:
+    """From `sol`, swap one layer's decision at a time for the one (among the candidates kept for the cases, same
+    overflow policy, drops within budget) that lowers the worst-case regret most, while one does: reaches the
+    minimax plans no weighting of the cases reaches (where the cases conflict, the best plan for any weighting is
+    one extreme or the other)."""
+    w, space, c = outcome.weights, outcome.space, sol.chunk_tokens
+    search = outcome.chunks[c]
+    if any(c not in r.pools for r in results):
+        return sol
+    best = np.array([_cost(r.best, w) for r in results])
+    ov = next((cfg.overflow for cfg in sol.configs if cfg.resident), None)
+    layer_costs, drops, rows, current = [], [], [], []
+    for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
+        p = results[0].pools[c][layer]
+        cost = []
+        for r in results:
+            s = r.pools[c][layer].scores
+            lat = s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
+            energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)
+            cost.append(weighted_cost(lat, energy, w))
+        cost = np.stack(cost, 1)  # [candidates, cases]
+        ok = (p.scores.violation == 0) & ((space.column(p.rows, "resident") == 0) |
+                                          (ov is None) | (space.column(p.rows, "overflow") == (ov or "drop")))
+        cost[~ok] = np.inf
+        mine = space.canonical(space.row_of(space.params_of(cfg)))[0]
+        at = np.nonzero((p.rows == mine).all(1))[0]
+        if at.size == 0 or not np.isfinite(cost[at[0]]).all():
+            return sol  # the plan's decision was pruned away: nothing to step from
+        layer_costs.append(cost)
+        drops.append(p.scores.heldout_drops)
+        rows.append(p.rows)
+        current.append(int(at[0]))
+    const = np.zeros(len(results))
+    if sol.exact_partial:
+        for i, r in enumerate(results):
+            parts = [r.scorer.partial_exact(d) for d in search.layers]
+            const[i] = weighted_cost(sum(x[0] for x in parts), None if w[1] == 0 else sum(x[1] for x in parts), w)
+    total = const + sum(lc[i] for lc, i in zip(layer_costs, current))
+    used = sum(int(dr[i]) for dr, i in zip(drops, current))
+    for _ in range(rounds):
+        worst, move = float(np.max(total / best)), None
+        for layer, (lc, dr) in enumerate(zip(layer_costs, drops)):
+            trial = np.max((total - lc[current[layer]] + lc) / best, axis=1)
+            trial[used - dr[current[layer]] + dr > outcome.drop_budget] = np.inf
+            j = int(np.argmin(trial))
+            if trial[j] < worst - 1e-12:
+                worst, move = float(trial[j]), (layer, j)
+        if move is None:
+            break
+        layer, j = move
+        total += layer_costs[layer][j] - layer_costs[layer][current[layer]]
+        used += int(drops[layer][j]) - int(drops[layer][current[layer]])
+        current[layer] = j
+    return solution([space.config(r[i]) for r, i in zip(rows, current)], search.layers, scorer, sol.exact_partial)
+
+
+def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, w: tuple[float, float],
+                   terms: list[tuple[float, list[Candidates]]]) -> Solution | None:
+    """The DP over the decisions kept for the cases, each costed as the sum of weight x its cost in each case."""
+    best = None
+    for policy in OVERFLOW_POLICIES:
+        for exact_partial in partial_modes(search.layers):
+            costs, drops, rows = [], [], []
+            for layer in range(len(search.layers)):
+                first = terms[0][1][layer]
+                total = np.zeros(len(first.rows))
+                for weight, pools in terms:
+                    s = pools[layer].scores
+                    lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
+                    energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
+                    total += weight * weighted_cost(lat, energy, w)
+                ok = (first.scores.violation == 0) & ((space.column(first.rows, "overflow") == policy) |
+                                                      (space.column(first.rows, "resident") == 0))
+                costs.append(np.where(ok, total, np.inf))
+                drops.append(first.scores.heldout_drops)
+                rows.append(first.rows)
+            chosen = combine(costs, drops, budget)
+            if chosen is None:
+                continue
+            cost = sum(c[i] for c, i in zip(costs, chosen))
+            if best is None or cost < best[0]:
+                best = (cost, [space.config(r[i]) for r, i in zip(rows, chosen)], exact_partial)
+    return None if best is None else solution(best[1], search.layers, scorer, best[2])
 
 
 @dataclass
@@ -127,37 +293,50 @@ class Robustness:
     candidates: int  # plans compared when picking
     seconds: float  # wall time of the analysis
     objective: str  # what the regret measures: the objective that chose the plan
+    nominal_max_regret: float = 0.0  # the nominal plan's worst-case regret
+    cost_of_robustness: float = 0.0  # the plan's nominal cost / the nominal plan's - 1 (the trade --robust made)
 
     def to_json(self) -> dict:
         return {"max_regret": self.max_regret, "cases": self.cases, "robust_pick": self.robust,
                 "candidates_compared": self.candidates,
+                "nominal_max_regret": self.nominal_max_regret, "cost_of_robustness": self.cost_of_robustness,
                 "seconds": self.seconds, "objective": self.objective,
                 "definition": f"regret = predicted {self.objective} of the plan under the perturbed profile / that "
-                              "of the best plan for it - 1 (re-optimised over the search's candidates, same drop "
-                              "budget)"}
+                              "of the best plan for it - 1 (re-optimised over the search's candidates at every "
+                              "chunk size, same drop budget)"}
 
 
-def assess(outcome: SearchOutcome, layers: list[LayerData], scorer: Scorer, chunks: int, pick: bool = False,
+def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
            cases: list[Case] | None = None) -> tuple[Solution, Robustness]:
     """(plan, Robustness): the outcome's best plan, or with `pick` the least worst-case-regret candidate (as a
     nominal Solution: predicted under the unperturbed profile). Regret is in the objective that chose the plan."""
     t0 = time.perf_counter()
     w = outcome.weights
-    results = solve_cases(outcome.pool, layers, scorer, outcome.drop_budget, cases or default_cases(scorer.cost), w)
-    plan, candidates = outcome.best, [outcome.best.configs]
+    results = solve_cases(outcome, scorer, cases or default_cases(scorer.cost), w)
+    plan, candidates = outcome.best, [outcome.best]
+    nominal_worst = max(regrets(outcome.best, outcome, results), default=0.0)
     if pick:
-        candidates += [r.best.configs for r in results] + [s.configs for s in outcome.front]
-        worst = [max(regrets(c, layers, results, w), default=0.0) for c in candidates]
+        candidates += [r.best for r in results] + outcome.front + minimax_plans(outcome, scorer, results)
+        worst = [max(regrets(c, outcome, results), default=0.0) for c in candidates]
+        for i in np.argsort(worst)[:DESCENTS]:  # the least worst-case regrets, improved layer by layer
+            candidates.append(descend(candidates[i], outcome, scorer, results))
+            worst.append(max(regrets(candidates[-1], outcome, results), default=0.0))
         i = int(np.argmin(worst))  # argmin keeps the first (nominal) plan on ties
-        plan = outcome.best if i == 0 else _solution(candidates[i], layers, scorer)
-    reg = regrets(plan.configs, layers, results, w)
+        plan = outcome.best if i == 0 else solution(candidates[i].configs, outcome.chunks[
+            candidates[i].chunk_tokens].layers, scorer, candidates[i].exact_partial)
+    reg = regrets(plan, outcome, results)
+    layers = outcome.chunks[plan.chunk_tokens].layers
+    tokens = sum(int(t) for t in layers[0].tokens)
+    per = plan.chunk_tokens / max(1, tokens)  # figures per chunk of the plan's size
     rows = []
     for r, g in zip(results, reg):
-        mine = _solution(plan.configs, layers, r.scorer)
+        mine = solution(plan.configs, layers, r.scorer, plan.exact_partial)
         rows.append({"case": r.case.name, "backend": r.case.backend, "param": r.case.param, "factor": r.case.factor,
-                     "plan_latency_ms": mine.latency_ms / chunks, "best_latency_ms": r.best.latency_ms / chunks,
-                     "plan_energy_mj": None if mine.energy_mj is None else mine.energy_mj / chunks,
-                     "best_energy_mj": None if r.best.energy_mj is None else r.best.energy_mj / chunks,
+                     "plan_latency_ms": mine.latency_ms * per, "best_latency_ms": r.best.latency_ms * per,
+                     "best_chunk_tokens": r.best.chunk_tokens,
+                     "plan_energy_mj": None if mine.energy_mj is None else mine.energy_mj * per,
+                     "best_energy_mj": None if r.best.energy_mj is None else r.best.energy_mj * per,
                      "regret": g})
     objective = "latency" if w[1] == 0 else "energy" if w[0] == 0 else "weighted latency + energy"
-    return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective)
+    return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
+                            nominal_worst, _cost(plan, w) / _cost(outcome.best, w) - 1.0)

@@ -120,6 +120,16 @@ def checkpoint_dtype(name: str) -> torch.dtype:
     return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
 
 
+def context_length(name: str) -> int | None:
+    """The longest sequence the model takes (config.json `max_position_embeddings`, where a multimodal config keeps
+    it under `text_config`); None where the config does not say."""
+    if name.startswith(RANDOM_PREFIX):
+        return int(load_model(name)[0].config.max_position_embeddings)
+    config = _read_config(model_dir(name))
+    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to load in."""
     if isinstance(dtype, torch.dtype):
