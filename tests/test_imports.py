@@ -133,10 +133,6 @@ def test_no_module_imports_another_modules_private_names():
 # this list only shrinks.
 IN_FLIGHT = {
     "autotune/profiling/device.py imports autotune.profiling.callers: _Rotor",
-    "autotune/searching/robustness.py imports autotune.searching.optimizer: _best_over_overflow",
-    "autotune/searching/robustness.py imports autotune.searching.optimizer: _solution",
-    "scripts/bench_search.py imports autotune.searching.optimizer: _best_over_overflow",
-    "tests/test_robustness.py imports autotune.searching.optimizer: _best_over_overflow",
 }
 
 
