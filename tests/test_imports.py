@@ -126,14 +126,7 @@ def test_no_module_imports_another_modules_private_names():
     what it is (tests and scripts included)."""
     files = [p for d in (*PACKAGES, "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
     offenders = [f"{p.relative_to(ROOT)} imports {hit}" for p in sorted(files) for hit in private_imports(p)]
-    assert [o for o in offenders if o not in IN_FLIGHT] == []
-
-
-# Offenders that work in flight removes (issue 20's search rewrite, issue 21's profiler on the backend registry);
-# this list only shrinks.
-IN_FLIGHT = {
-    "autotune/profiling/device.py imports autotune.profiling.callers: _Rotor",
-}
+    assert offenders == []
 
 
 def test_private_imports_are_found(tmp_path):
