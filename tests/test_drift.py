@@ -116,8 +116,9 @@ def test_retune_on_recorded_traces_holds_on_fresh_text_of_that_kind(tmp_path, ca
     assert t.n_chunks == 16 and t.heldout_chunks.tolist() == [c % HELDOUT_EVERY == HELDOUT_EVERY - 1
                                                                for c in range(16)]
     assert int(t.counts(0, "all").sum()) == r["assignments"] // 4  # four MoE layers, each sees every token
+    # a plan for 64-token prompts keeps the 64-token chunk, so the fresh text fills the monitor's 16-chunk window
     assert main(["search", "--model", "tiny-moe", "--profile", "apple-m2-ultra-published", "--traces", str(traces),
-                 "--trials", "8", "--out", str(tuned), "--json"]) == 0
+                 "--trials", "8", "--prompt-tokens", "64", "--out", str(tuned), "--json"]) == 0
     capsys.readouterr()
     assert load_plan(tuned).calibrated
     held = _run_json(capsys, "--plan", str(tuned), "--text", str(fresh))["drift"]
