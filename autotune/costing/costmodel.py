@@ -205,6 +205,10 @@ class CostModel:
     def call_ms(self, backend: str) -> float:
         return float(self._model(backend).call_ms)
 
+    def decompresses(self, backend: str) -> bool:
+        """Whether the profile charges this backend for expanding compressed weights (a measured or cited cost)."""
+        return bool(self._model(backend).decompress_ms_per_mb)
+
     def overlaps(self, backend: str) -> bool:
         """Whether the backend's calls run off the CPU (the exact path overlaps them)."""
         return self._model(backend).overlaps_cpu

@@ -34,6 +34,7 @@ from autotune.searching.space import (
     heuristic_config,
     layer_plan,
 )
+from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 
@@ -168,15 +169,21 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
     return Candidates(rows, scorer.score_rows(data, space, rows))
 
 
-def screen_rows(space: Space, exact_limit: int) -> tuple[np.ndarray, bool]:
-    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part."""
-    if space.size() <= exact_limit:
-        return space.enumerate(), True
-    one_tier = dataclasses.replace(space, dims=tuple(
-        dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims))
-    rows = one_tier.enumerate()
-    rows[:, [p for p, _ in space.params].index("tiers")] = 0  # tiers value 1 is index 0 in both
-    return rows, False
+def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndarray, bool]:
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part; without
+    the decisions another dominates whatever the traces: where the profile knows no decompression cost, weights
+    stored in fewer bytes only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
+    rows, exact = space.enumerate(), True
+    if space.size() > exact_limit:
+        one_tier = dataclasses.replace(space, dims=tuple(
+            dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims))
+        rows, exact = one_tier.enumerate(), False
+        rows[:, [p for p, _ in space.params].index("tiers")] = 0  # tiers value 1 is index 0 in both
+    kinds = space.dim("compress").values
+    if len(kinds) > 1 and not scorer.cost.decompresses(scorer.backend):
+        smallest = min(kinds, key=lambda k: ane_limits.BYTES_PER_WEIGHT[k])
+        rows = rows[(space.column(rows, "compress") == smallest) | (space.column(rows, "resident") == 0)]
+    return rows, exact
 
 
 def largest_groups(space: Space, cands: Candidates) -> Candidates:
@@ -350,7 +357,7 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
     scorer = dataclasses.replace(scorer, with_energy=objective in ("energy", "both"))  # the caller's is left as is
     first = next(iter(workloads.values()))
     budget = int(math.floor(drop_budget * sum(int(d.heldout.sum()) for d in first)))
-    screen, exact = screen_rows(space, exact_limit)
+    screen, exact = screen_rows(space, exact_limit, scorer)
     ref = baselines(first, scorer, drop_budget, first[0].chunk_tokens)["cpu_only"]
     norm = (1.0 / max(ref.latency_ms, 1e-9), 1.0 / max(ref.energy_mj or 1.0, 1e-9))
     weight_sets = {"latency": [(norm[0], 0.0)], "energy": [(0.0, norm[1])],

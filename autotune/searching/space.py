@@ -5,6 +5,8 @@ A decision (`LayerConfig`) for one MoE layer, with experts ranked by calibration
 - `group_size`: resident experts, in popularity order, fused `group_size` at a time into one static graph;
 - `tiers` + `quantiles`: the resident experts split into `tiers` contiguous popularity bands; each band's
   capacity is the `quantile` of its experts' per-chunk loads on calibration traces (static capacity tiers);
+- `sizing`: `band`, one capacity per tier as above, or `expert`, each resident expert the tier's quantile of its
+  own per-chunk loads (less padding where a tier's experts are loaded unequally);
 - `overflow`: drop (lowest saliency first) or spill to cpu-exact;
 - `compress`: how the layer's static groups store their weights (the plan's per-group `compress`).
 The space is one `Space`: a tuple of `Dimension`s (a field of the decision and its values, in order). Optuna's
@@ -36,6 +38,7 @@ from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES, Group, LayerCalibratio
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
+SIZINGS = ("band", "expert")  # a tier's capacity: one for its experts' loads together, or one per expert
 ENUMERABLE = 1_000_000  # points of the product space past which the distinct decisions are not counted
 BATCH = 65_536  # decisions scored per numpy pass (bounds the [decisions, chunks] temporaries)
 
@@ -50,11 +53,12 @@ class LayerConfig:
     overflow: str = "drop"
     compress: str = "none"
     capacity: int | None = None  # a uniform capacity instead of tiers (the uniform-capacity baselines)
+    sizing: str = "band"
 
     def to_json(self) -> dict:
         return {"resident": self.resident, "group_size": self.group_size, "tiers": self.tiers,
-                "quantiles": list(self.quantiles), "overflow": self.overflow, "compress": self.compress,
-                "capacity": self.capacity}
+                "quantiles": list(self.quantiles), "sizing": self.sizing, "overflow": self.overflow,
+                "compress": self.compress, "capacity": self.capacity}
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,8 @@ class Space:
 
     def canonical(self, rows: np.ndarray) -> np.ndarray:
         """The point that stands for each point's decision: a group size is at most the next power of two above
-        the residents, tiers at most the residents, unused quantiles at 1.0, and without residents every other
-        parameter at its first value."""
+        the residents, tiers at most the residents, unused quantiles at 1.0, a tier per resident sized as a band,
+        and without residents every other parameter at its first value."""
         rows = np.array(rows, dtype=np.int64, copy=True).reshape(-1, len(self.params))
         names = [p for p, _ in self.params]
         col = names.index
@@ -151,6 +155,7 @@ class Space:
         qdim = self.dim("quantiles")
         for i, p in enumerate(qdim.params):
             rows[t <= i, col(p)] = unused
+        rows[t >= r, col("sizing")] = 0  # a tier per expert: sized by its own loads either way
         none = r == 0
         for p, d in self.params:
             if p != "resident":
@@ -164,7 +169,8 @@ class Space:
             return LayerConfig(0)
         t = int(p["tiers"])
         qs = tuple(float(p[q]) for q in self.dim("quantiles").params[:t])
-        return LayerConfig(int(p["resident"]), int(p["group_size"]), t, qs, p["overflow"], p.get("compress", "none"))
+        return LayerConfig(int(p["resident"]), int(p["group_size"]), t, qs, p["overflow"], p.get("compress", "none"),
+                           sizing=p.get("sizing", "band"))
 
     def config_from_params(self, params: dict) -> LayerConfig:
         return self.config(self.canonical(self.row_of(params))[0])
@@ -173,7 +179,7 @@ class Space:
         """A point of the space that means `cfg` (unused quantiles at 1.0)."""
         qs = list(cfg.quantiles) + [1.0] * MAX_TIERS
         fields = {"resident": cfg.resident, "group_size": cfg.group_size, "tiers": max(1, cfg.tiers),
-                  "overflow": cfg.overflow, "compress": cfg.compress}
+                  "sizing": cfg.sizing, "overflow": cfg.overflow, "compress": cfg.compress}
         out = {}
         for p, d in self.params:
             v = qs[d.params.index(p)] if d.width > 1 else fields[d.field]
@@ -214,6 +220,7 @@ def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",)) -> Space:
                   Dimension("group_size", tuple(group_sizes(n_experts))),
                   Dimension("tiers", tuple(range(1, MAX_TIERS + 1))),
                   Dimension("quantiles", QUANTILES, MAX_TIERS, "q"),
+                  Dimension("sizing", SIZINGS),
                   Dimension("overflow", OVERFLOW_POLICIES),
                   Dimension("compress", tuple(c for c in COMPRESSIONS if c in compress))))
 
@@ -249,6 +256,21 @@ class LayerData:
 
     def band_capacity(self, lo: int, hi: int, q: float) -> int:
         return int(self.band_capacities(lo, hi)[QUANTILES.index(q)])
+
+    def expert_capacities(self, lo: int, hi: int) -> np.ndarray:
+        """[QUANTILES, hi-lo]: each of ranks lo..hi-1 at each quantile of its own per-chunk loads (full chunks)."""
+        key = ("expert", lo, hi)
+        if key not in self._quantiles:
+            full = self.calib[~self.partial] if (~self.partial).any() else self.calib
+            loads = full[:, self.rank[lo:hi]]
+            self._quantiles[key] = np.maximum(1, np.ceil(np.quantile(loads, QUANTILES, axis=0))).astype(np.int64)
+        return self._quantiles[key]
+
+    def capacities(self, lo: int, hi: int, sizing: str) -> np.ndarray:
+        """[QUANTILES, hi-lo]: the capacity of each of ranks lo..hi-1 as a tier sized by `sizing`."""
+        if sizing == "expert":
+            return self.expert_capacities(lo, hi)
+        return np.repeat(self.band_capacities(lo, hi)[:, None], hi - lo, axis=1)
 
     @classmethod
     def from_traces(cls, traces: Traces, chunk_tokens: int | None = None,
@@ -309,7 +331,7 @@ def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
     caps, tier_of = [], []
     bands = np.array_split(np.arange(cfg.resident), min(cfg.tiers, cfg.resident))
     for t, (band, q) in enumerate(zip(bands, cfg.quantiles)):
-        caps += [data.band_capacity(int(band[0]), int(band[-1]) + 1, q)] * len(band)
+        caps += data.capacities(int(band[0]), int(band[-1]) + 1, cfg.sizing)[QUANTILES.index(q)].tolist()
         tier_of += [t] * len(band)
     return caps, tier_of
 
@@ -424,22 +446,26 @@ class Scorer:
             self._parts[key] = _LayerParts(f, cold_ms, cold_n, ranked.sum(1).astype(np.float64))
         return self._parts[key]
 
-    def _band(self, data: LayerData, parts: _LayerParts, lo: int, hi: int) -> dict:
-        """A band's figures at every quantile: capacity, static ms per compression, held-out overflow, and per
-        calibration chunk the overflow's count and exact ms."""
-        if (lo, hi) not in parts.bands:
-            caps = data.band_capacities(lo, hi)
+    def _band(self, data: LayerData, parts: _LayerParts, lo: int, hi: int, sizing: str) -> dict:
+        """A band's figures at every quantile: its capacities (the largest, the sum, running sums over its ranks
+        padded to E+1), static ms per compression, held-out overflow, and per calibration chunk the overflow's count
+        and exact ms."""
+        if (lo, hi, sizing) not in parts.bands:
+            caps = data.capacities(lo, hi, sizing)  # [Q, band]
             calib = data.calib[:, data.rank[lo:hi]]
             held = data.heldout[:, data.rank[lo:hi]]
-            over = np.maximum(calib[None] - caps[:, None, None], 0)  # [Q, chunks, band]
-            parts.bands[(lo, hi)] = {
-                "cap": caps,
-                "static": {k: (hi - lo) * np.asarray(self.cost.ffn_ms(self.backend, caps, self.hidden, self.ffn, k))
+            over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, chunks, band]
+            cum = np.zeros((len(QUANTILES), len(data.rank) + 1))
+            cum[:, 1:hi - lo + 1] = np.cumsum(caps, axis=1)
+            cum[:, hi - lo + 1:] = cum[:, hi - lo:hi - lo + 1]
+            parts.bands[(lo, hi, sizing)] = {
+                "cap_max": caps.max(1), "slots": caps.sum(1), "cum": cum,
+                "static": {k: np.asarray(self.cost.ffn_ms(self.backend, caps, self.hidden, self.ffn, k)).sum(1)
                            for k in COMPRESSIONS},
-                "drops": np.maximum(held[None] - caps[:, None, None], 0).sum(axis=(1, 2)),
+                "drops": np.maximum(held[None] - caps[:, None, :], 0).sum(axis=(1, 2)),
                 "spill_n": over.sum(2).astype(np.float64),
                 "spill_ms": np.asarray(self.cost.ffn_ms("cpu-exact", over, self.hidden, self.ffn)).sum(2)}
-        return parts.bands[(lo, hi)]
+        return parts.bands[(lo, hi, sizing)]
 
     def score_rows(self, data: LayerData, space: Space, rows: np.ndarray) -> Scores:
         """Scores of canonical rows of `space` (equal to `score` of each row's decision), in batches."""
@@ -460,36 +486,45 @@ class Scorer:
         kind = np.searchsorted(kind_names, kinds)
         qcols = [[p for p, _ in space.params].index(q) for q in space.dim("quantiles").params]
         tcol = [p for p, _ in space.params].index("tiers")
-        core_key = np.concatenate([r[:, None], rows[:, [tcol] + qcols]], 1)
-        radices = (int(r.max()) + 1, len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols))
+        scol = [p for p, _ in space.params].index("sizing")
+        core_key = np.concatenate([r[:, None], rows[:, [tcol] + qcols + [scol]]], 1)
+        radices = (int(r.max()) + 1, len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols),
+                   len(space.dim("sizing").values))
         keys, first, ci = np.unique(np.ravel_multi_index(core_key.T, radices), return_index=True,
                                     return_inverse=True)
         cores, ci = core_key[first], ci.reshape(-1)
         cr = cores[:, 0]
         ct = np.minimum(np.asarray(space.dim("tiers").values)[cores[:, 1]], np.maximum(cr, 1))
-        cq = np.searchsorted(QUANTILES, np.asarray(QUANTILES)[cores[:, 2:]])
+        cq = np.searchsorted(QUANTILES, np.asarray(QUANTILES)[cores[:, 2:2 + len(qcols)]])
+        csizing = np.asarray(space.dim("sizing").values)[cores[:, -1]]
         n_cores, n_chunks = len(cores), data.calib.shape[0]
         static = np.zeros((n_cores, len(kind_names)))
         drops = np.zeros(n_cores)
         slots = np.zeros(n_cores)
         spill_n = np.zeros((n_cores, n_chunks))
         spill_ms = np.zeros((n_cores, n_chunks))
-        band_caps = np.zeros((n_cores, MAX_TIERS), dtype=np.int64)
+        cap_max = np.zeros(n_cores)
+        cums = np.zeros((n_cores, MAX_TIERS, len(data.rank) + 1))  # running capacity sums per band, padded
+        lo_of = np.zeros((n_cores, MAX_TIERS), dtype=np.int64)
         base, extra = cr // np.maximum(ct, 1), cr % np.maximum(ct, 1)
+        e1 = len(data.rank) + 1
         for j in range(MAX_TIERS):  # band j of each core: ranks lo..hi-1, as np.array_split cuts them
             size = np.where(j < ct, base + (j < extra), 0)
-            lo = j * base + np.minimum(j, extra)
+            lo = lo_of[:, j] = j * base + np.minimum(j, extra)
             used = np.nonzero(size > 0)[0]
-            bands, which = np.unique(lo[used] * (len(data.rank) + 1) + size[used], return_inverse=True)
+            by_sizing = np.searchsorted(SIZINGS, csizing[used])
+            bands, which = np.unique((by_sizing * e1 + lo[used]) * e1 + size[used], return_inverse=True)
             for key, sel in zip(bands.tolist(), np.split(used[np.argsort(which, kind="stable")],
                                                          np.cumsum(np.bincount(which.reshape(-1)))[:-1])):
-                l, n = divmod(key, len(data.rank) + 1)
-                band = self._band(data, parts, l, l + n)
+                rest, n = divmod(key, e1)
+                sz, l = divmod(rest, e1)
+                band = self._band(data, parts, l, l + n, SIZINGS[sz])
                 q = cq[sel, j]
-                band_caps[sel, j] = band["cap"][q]
+                cap_max[sel] = np.maximum(cap_max[sel], band["cap_max"][q])
+                cums[sel, j] = band["cum"][q]
                 static[sel] += np.stack([band["static"][k][q] for k in kind_names], 1)
                 drops[sel] += band["drops"][q]
-                slots[sel] += n * band["cap"][q]
+                slots[sel] += band["slots"][q]
                 spill_n[sel] += band["spill_n"][q]
                 spill_ms[sel] += band["spill_ms"][q]
         # per core and overflow policy (0 drop, 1 spill): each chunk's exact path, packing
@@ -521,14 +556,16 @@ class Scorer:
                 n_part = int(data.partial.sum())
                 partial_mj = e_static * n_part * s_row + e_cpu * busy[:, :, data.partial].sum(2)[ci, spill]
                 energy = e_static * n_chunks * s_row + e_cpu * busy.sum(2)[ci, spill]
-        v = self._violation_rows(r, g, band_caps[ci], ct[ci], kinds)
+        v = self._violation_rows(r, g, kinds, cap_max[ci], lambda rows_at, bounds: _slots_at(
+            cums[ci[rows_at]], lo_of[ci[rows_at]], bounds))
         return Scores(latency, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64), v, partial, partial_mj)
 
-    def _violation_rows(self, r: np.ndarray, g: np.ndarray, band_caps: np.ndarray, t: np.ndarray,
-                        kinds: np.ndarray) -> np.ndarray:
-        """`violation` of each decision, from its residents, group size, band capacities and compression: on the
-        ANE every group's program against ane_limits (`Usage.violation`, summed over the groups: r // g full
-        groups and one of r % g), and the resident budget."""
+    def _violation_rows(self, r: np.ndarray, g: np.ndarray, kinds: np.ndarray, cap_max: np.ndarray,
+                        slots_at) -> np.ndarray:
+        """`violation` of each decision, from its residents, group size, compression, largest capacity and
+        `slots_at(rows, bounds)` (summed capacities of ranks below each bound): on the ANE every group's program
+        against ane_limits (`Usage.violation`, summed over the groups: r // g full groups and one of r % g), and
+        the resident budget."""
         eb = np.zeros(len(r))
         for k in np.unique(kinds):
             eb[kinds == k] = ane_limits.expert_weight_bytes(self.hidden, self.ffn, str(k))
@@ -539,8 +576,8 @@ class Scorer:
             return v
         if not _ane_form(limits, self.hidden, self.ffn):  # another backend's limits: group by group
             for i in np.nonzero(r > 0)[0]:
-                ri, gi, ti = int(r[i]), int(g[i]), max(1, int(t[i]))
-                caps = np.repeat(band_caps[i, :ti], [len(b) for b in np.array_split(np.arange(ri), ti)])
+                ri, gi = int(r[i]), int(g[i])
+                caps = np.diff(slots_at(np.array([i]), np.arange(ri + 1)[None, :])[0]).astype(np.int64)
                 v[i] += sum(limits(caps[j:j + gi].tolist(), self.hidden, self.ffn, str(kinds[i]))
                             for j in range(0, ri, gi))
             return v
@@ -554,18 +591,22 @@ class Scorer:
             v += count * (over(n * eb, ane_limits.FUNCTION_WEIGHT_BYTES) +
                           over(ane_limits.OPS_PER_EXPERT * n + ane_limits.OPS_PER_FUNCTION, ane_limits.MAX_OPS))
         v += groups * (over(self.hidden, ane_limits.MAX_AXIS) + over(2 * self.ffn, ane_limits.MAX_AXIS))
-        maybe = np.nonzero((r > 0) & (np.minimum(g, r) * band_caps.max(1) > ane_limits.MAX_AXIS))[0]
-        if maybe.size:  # packed slots per group: caps are constant per band, so from their running sum at bounds
-            ri, gi, ti = r[maybe], g[maybe], np.maximum(t[maybe], 1)
-            base, extra = ri // ti, ri % ti
+        maybe = np.nonzero((r > 0) & (np.minimum(g, r) * cap_max > ane_limits.MAX_AXIS))[0]
+        if maybe.size:  # packed slots per group, from the running sums of capacities at the group bounds
+            ri, gi = r[maybe], g[maybe]
             bounds = np.minimum(np.arange(int((ri // gi).max()) + 2)[None, :] * gi[:, None], ri[:, None])
-            slots_at = np.zeros(bounds.shape)
-            for j in range(MAX_TIERS):
-                size = np.where(j < ti, base + (j < extra), 0)
-                lo = j * base + np.minimum(j, extra)
-                slots_at += band_caps[maybe, j][:, None] * np.clip(bounds - lo[:, None], 0, size[:, None])
-            v[maybe] += over(np.diff(slots_at, axis=1), ane_limits.MAX_AXIS).sum(1)
+            v[maybe] += over(np.diff(slots_at(maybe, bounds), axis=1), ane_limits.MAX_AXIS).sum(1)
         return v
+
+
+def _slots_at(cums: np.ndarray, lo: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """[rows, bounds]: capacities of the ranks below each bound, from each band's running sums ([rows, tiers,
+    E+1], padded past the band) and first rank ([rows, tiers])."""
+    out = np.zeros(bounds.shape)
+    for j in range(cums.shape[1]):
+        at = np.clip(bounds - lo[:, j:j + 1], 0, cums.shape[2] - 1)
+        out += np.take_along_axis(cums[:, j], at, axis=1)
+    return out
 
 
 def _ane_form(limits, hidden: int, ffn: int) -> bool:
