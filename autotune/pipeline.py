@@ -39,7 +39,14 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
+from autotune.profiling.profile import (
+    Profile,
+    ProfileHostWarning,
+    host_profile_path,
+    load_profile,
+    published_note,
+    save_profile,
+)
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
 from autotune.searching.report import plot_pareto, plot_plan_map, search_report, sidecar
@@ -197,10 +204,11 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ProfileHostWarning)
             prof, profile_name = _profile(profile, progress)
-        for w in caught:
-            log.warning("warning: %s", w.message)
         trs, traces_path = _traces(model, traces, spec, dtype, progress)
         prompt = _prompt_tokens(model, trs, prompt_tokens)
+        for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
+            if note:  # held until the inputs are known good, so that an error is always the only line
+                log.warning(note)
         cost = prof.cost_model
         n_layers = len(spec.moe_layers)
 

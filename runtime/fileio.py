@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import FileFormatError
+from runtime.errors import FileFormatError, NpumoeError
 
 
 def cache_root() -> Path:
@@ -55,8 +55,13 @@ def _remove(path: Path) -> None:
 def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     """Write a command's outputs as one set: yields a temp path beside each target (same suffix, for writers that
     go by it); when the block succeeds all are renamed into place, when it fails or is interrupted none is, and
-    the temps (and any folder made for them) are removed."""
+    the temps (and any folder made for them) are removed. A target that is a folder is refused before the block
+    runs; a rename that fails midway puts back the files the set had replaced, so the set lands whole or not at
+    all (NpumoeError naming the file)."""
     targets = [Path(p) for p in paths]
+    for t in targets:
+        if t.is_dir():
+            raise NpumoeError(f"cannot write {t}: it is a directory; remove it or choose another output name")
     made = [d for t in targets for d in (t.parent, *t.parent.parents) if not d.exists()]
     for t in targets:
         t.parent.mkdir(parents=True, exist_ok=True)
@@ -65,8 +70,7 @@ def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     done = False
     try:
         yield temps
-        for tmp, target in zip(temps, targets):
-            os.replace(tmp, target)
+        _commit(temps, targets, tag)
         done = True
     finally:
         for tmp in temps:
@@ -77,6 +81,32 @@ def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
                     d.rmdir()
                 except OSError:
                     pass
+
+
+def _commit(temps: list[Path], targets: list[Path], tag: str) -> None:
+    """Rename every temp over its target, or none: earlier files are moved aside first and put back on failure."""
+    backups = [t.with_name(f".{t.name}.{tag}.old") for t in targets]
+    moved: list[int] = []
+    placed: list[int] = []
+    try:
+        for i, t in enumerate(targets):
+            if t.exists() or t.is_symlink():
+                os.replace(t, backups[i])
+                moved.append(i)
+        for i, (tmp, t) in enumerate(zip(temps, targets)):
+            os.replace(tmp, t)
+            placed.append(i)
+    except BaseException as e:
+        for i in placed:
+            _remove(targets[i])
+        for i in moved:
+            os.replace(backups[i], targets[i])
+        if not isinstance(e, OSError):
+            raise
+        raise NpumoeError(f"cannot write {e.filename2 or e.filename or targets[len(placed)]}: "
+                          f"{e.strerror or e}; none of {', '.join(str(t) for t in targets)} was written") from None
+    for i in moved:
+        _remove(backups[i])
 
 
 def read_versioned_json(path: str | os.PathLike, kind: str, version: int) -> dict:

@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,15 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (`autotune <cmd>: error: ...`, exit 2), without the
-    usage block: scripts and people read the one line; `--help` still shows the usage."""
+    usage block: scripts and people read the one line; `--help` still shows the usage.
+
+    A value that starts with a minus and a digit (`--shapes -64x64`, `--seed -1`) is taken as the option's value,
+    so the value type can say what is wrong with it, not "expected one argument": no option here looks like a
+    negative number."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")  # argparse's own test for "a value, not an option"
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")

@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     out = Path(args.out) if args.out else pipeline.default_plan_path(args.model, args.profile)
-    require_output(out, "--out")
+    for path in (out, *pipeline.search_sidecars(out, args.objective)):  # the plan and its sidecars, one set
+        require_output(path, "--out")
     if not args.traces and not default_traces_path(args.model).exists():  # the search calibrates into it
         require_output(default_traces_path(args.model), "--traces")
     result = pipeline.search_plan(args.model, profile=args.profile, traces=args.traces,

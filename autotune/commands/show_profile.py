@@ -24,10 +24,10 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileHostWarning)
         profile = load_profile(args.profile)
-    for w in caught:
-        print(f"autotune show-profile: warning: {w.message}", file=sys.stderr)
     if args.plot:
         plot(profile, args.plot)
+    for w in caught:  # after the plot is written, so that an error is always the only line
+        print(f"autotune show-profile: warning: {w.message}", file=sys.stderr)
     if args.json:
         print_json(summary(profile))
     else:

@@ -3,7 +3,8 @@
 Measured profiles are written by `autotune profile-device`; shipped ones live in the top-level `profiles/` folder,
 installed as package data `autotune/profiles/` (one is built from published Apple figures and says so), so an
 installed wheel finds them. Loading validates the structure and raises one `FileFormatError` naming the field; a
-profile from another host loads with a `ProfileHostWarning` that names both hosts.
+measured profile from another host loads with a `ProfileHostWarning` that names both hosts (a published one is no
+mismatch: the command that uses it says once that its figures are published, `published_note`).
 """
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ class ProfileHostWarning(UserWarning):
 
 # --- validation schema ---------------------------------------------------------------------------------------------
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Unknown keys are kept (newer writers may add some); known ones are strictly typed: "0.25" is not a number,
+    nor is true, and NaN or infinity is no measurement."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class _Host(_Loose):
@@ -240,7 +243,7 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
                    measured_by=obj["measured_by"], settings=obj.get("settings") or {},
                    energy=obj.get("energy") or {}, created=obj.get("created", ""), path=path,
                    extra={k: v for k, v in obj.items() if k not in known})
-    if check_host:
+    if check_host and not prof.published:  # published figures describe no host of ours: no mismatch to warn of
         here = host_id()
         if prof.host["id"] != here:
             warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "
@@ -248,6 +251,13 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
                           f"({host_facts()['description']}): its figures describe that host",
                           ProfileHostWarning, stacklevel=3)
     return prof
+
+
+def published_note(profile: Profile, name: str) -> str | None:
+    """The one line a command shows when it proceeds on a published profile (None for a measured one)."""
+    if not profile.published:
+        return None
+    return f"note: profile {name} holds published figures ({profile.host.get('description')}), not measurements"
 
 
 def load_profile(path_or_name: str | os.PathLike, check_host: bool = True) -> Profile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from autotune.costing.costmodel import predict_record
 from autotune.profiling.profile import Profile
+from runtime.fileio import output_set
 
 
 def summary(profile: Profile) -> dict:
@@ -79,5 +80,6 @@ def plot(profile: Profile, path: str) -> None:
         ax.set_ylabel("predicted ms (held out)")
     fig.suptitle(f"{profile.host.get('description')}: measured vs predicted", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with output_set(path) as (tmp,):  # whole or not at all; a missing folder is made
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
