@@ -36,6 +36,7 @@ from autotune.calibration.traces import (
     record_run_traces,
     record_traces,
     require_heldout,
+    require_recordable,
     save_traces,
 )
 from autotune.calibration.workload import encode_text
@@ -371,6 +372,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
+    if record_traces:  # before the run, as calibrate refuses too short a text
+        require_recordable(int(ids.numel()), chunk, prompt_tokens or int(ids.numel()),
+                           "give a longer --text or a larger --max-tokens")
     result = {"model": model, "plan": str(plan), "text": text, "tokens": int(ids.numel()), "chunk_tokens": chunk,
               "overflow": loaded.plan.overflow}
     prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
@@ -420,20 +424,29 @@ def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, lim
                    dtype: str = "auto") -> dict:
     """lm-evaluation-harness `tasks` (extra `eval`) on the plan and the unmodified model: paired accuracies per
     task; what `autotune evaluate --tasks --json` prints."""
-    from autotune.evaluation.harness import run_tasks
+    from autotune.evaluation.harness import prepared_tasks, run_tasks
 
-    loaded = load(model, plan, package, dtype)
-    return {"model": model, "plan": str(plan), "limit": limit, "num_fewshot": num_fewshot,
-            **run_tasks(loaded.executor, loaded.tokenizer, tasks, limit, num_fewshot, include_path)}
+    with prepared_tasks(tasks, include_path) as found:  # a bad task is refused before the load says anything
+        loaded = load(model, plan, package, dtype)
+        return {"model": model, "plan": str(plan), "limit": limit, "num_fewshot": num_fewshot,
+                **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot)}
+
+
+def check_prompt_recordable(loaded: Loaded, prompt: str, *, chat: bool = False) -> torch.Tensor:
+    """The prompt's token ids, if its prefill under `loaded`'s plan makes traces a search can use (a held-out chunk
+    among them): call it before generating, so that a prompt too short is refused up front."""
+    if loaded.executor is None:
+        raise NpumoeError("recording traces records the routing under a plan: load the model with a plan")
+    ids = prompt_ids(loaded, prompt, chat)
+    require_recordable(int(ids.numel()), loaded.plan.chunk_tokens, int(ids.numel()), "give a longer prompt")
+    return ids
 
 
 def record_prompt_traces(loaded: Loaded, prompt: str, out: str | os.PathLike, *, chat: bool = False,
                          text: str = "--prompt", recorded_by: str = "autotune generate") -> dict:
     """The prompt's prefill under `loaded`'s plan, untimed, with its routing saved to `out` as traces (every
     HELDOUT_EVERY-th chunk held out); returns the summary `generate --json` prints under `traces`."""
-    if loaded.executor is None:
-        raise NpumoeError("recording traces records the routing under a plan: load the model with a plan")
-    ids = prompt_ids(loaded, prompt, chat)
+    ids = check_prompt_recordable(loaded, prompt, chat=chat)
     return record_run_traces(loaded.model, ids, loaded.plan.chunk_tokens, int(ids.numel()), text, out, recorded_by)
 
 

@@ -126,15 +126,23 @@ def _decode(tokenizer: object, ids: list[int]) -> str:
 
 def context_positions(model: torch.nn.Module) -> int | None:
     """How many positions the model's context holds (config `max_position_embeddings`); None where unstated."""
-    return getattr(model.config, "max_position_embeddings", None)
+    n = getattr(model.config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int) -> int:
-    """`max_tokens` bounded by the model's context, prompt + new <= positions (generation past the bound stops
-    with finish_reason "length"); an error when the prompt leaves no room for one new token."""
+    """The one rule for new tokens against the model's context (`generate`, `stream_generate`, the server):
+    refused up front when `max_tokens` alone is past the context (a request no prompt could fit, such as 10**12)
+    or the prompt leaves no room for one new token; otherwise `max_tokens` bounded so that prompt + new <=
+    positions, generation past the bound stopping with finish_reason "length"."""
+    if max_tokens < 1:
+        raise NpumoeError(f"max_tokens must be at least 1, got {max_tokens}")
     positions = context_positions(model)
     if positions is None:
         return max_tokens
+    if max_tokens > positions:
+        raise NpumoeError(f"max_tokens {max_tokens} is past the model's context of {positions} positions: ask "
+                          f"for at most {max(0, positions - prompt_tokens)} new tokens after this prompt")
     if prompt_tokens >= positions:
         raise NpumoeError(f"the prompt holds {prompt_tokens} tokens; the model's context holds {positions} "
                           "positions, so no token fits after it")
@@ -152,8 +160,6 @@ class Generation:
     def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
                  chunk_tokens: int | None, top_p: float = 1.0, prefix: object | None = None,
                  on_prefill_chunk: Callable[[int, object], None] | None = None) -> None:
-        if max_tokens < 1:
-            raise NpumoeError(f"max_tokens must be at least 1, got {max_tokens}")
         self.loaded, self.ids, self.temp, self.top_p = loaded, ids, temp, top_p
         self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens)
         self.gen = torch.Generator().manual_seed(seed)

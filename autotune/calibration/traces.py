@@ -197,6 +197,18 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
                                      "heldout_rule": f"every {HELDOUT_EVERY}th {heldout_per}", **header})
 
 
+def require_recordable(tokens: int, chunk_tokens: int, prompt_tokens: int, remedy: str) -> None:
+    """Refuse up front a recording that would hold no held-out chunk (every HELDOUT_EVERY-th chunk is held out, and
+    `search` refuses traces without one), as `calibrate` refuses too short a text: `tokens` prefilled as prompts of
+    `prompt_tokens`, each in chunks of `chunk_tokens`."""
+    full, rest = divmod(tokens, prompt_tokens)
+    chunks = full * -(-prompt_tokens // chunk_tokens) + -(-rest // chunk_tokens)
+    if chunks < HELDOUT_EVERY:
+        raise NpumoeError(f"--record-traces: {tokens} tokens make {chunks} chunk(s) of at most {chunk_tokens}; "
+                          f"every {HELDOUT_EVERY}th chunk is held out, so a search needs at least "
+                          f"{HELDOUT_EVERY * chunk_tokens} tokens: {remedy}")
+
+
 def record_run_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int, text: str,
                       path: str | os.PathLike, recorded_by: str) -> dict:
     """Record the routing of a planned run (untimed) as traces a search can re-tune on, and save them; returns

@@ -7,6 +7,7 @@ from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import input_directory, non_negative_int, positive_int
 from autotune.commands.common import add_planned_arguments, apply_threads, print_json
+from runtime.errors import NpumoeError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +42,14 @@ def _print_tasks(result: dict) -> None:
     print(f"plan on the tasks' text: drop rate {result['drop_rate']:.2%}, spill rate {result['spill_rate']:.2%}")
 
 
+TASK_OPTIONS = ("limit", "num_fewshot", "include_path")  # what only --tasks reads
+
+
 def run(args: argparse.Namespace) -> int:
+    given = [f"--{name.replace('_', '-')}" for name in TASK_OPTIONS if getattr(args, name) is not None]
+    if given and not args.tasks:  # said, not silently ignored
+        raise NpumoeError(f"{', '.join(given)} applies to lm-evaluation-harness tasks only: give --tasks too, or "
+                          "--max-tokens to evaluate less of the text")
     apply_threads(args.threads)
     if args.tasks:
         result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,

@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     prompt.add_argument("--prompt-file", metavar="F",
                         help="read the prompt from a UTF-8 file (or a built-in text name, e.g. builtin:pydoc-heldout)")
     p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                   help=f"generate at most N tokens (default {DEFAULT_MAX_TOKENS}; stops earlier at end of text)")
+                   help=f"generate at most N tokens (default {DEFAULT_MAX_TOKENS}; stops earlier at end of text, or "
+                        "where the prompt + N reach the model's context: stopped: length); an N past the context "
+                        "itself is refused up front")
     p.add_argument("--temp", type=non_negative_float, default=0.0, metavar="T",
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampling seed (default 0)")
@@ -66,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
     apply_threads(args.threads)
     loaded = load(args.model, args.plan, args.package, args.dtype)
+    if args.record_traces:
+        pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = generate(loaded, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed, chat=args.chat,
                       compare=args.compare, on_text=stream)

@@ -11,6 +11,9 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -55,9 +58,14 @@ def paired(reference: dict[int, float], plan: dict[int, float]) -> dict:
 
 def _task_manager(TaskManager, include: list[str], names: list[str]):
     """Local task folders first; lm-eval's own ~15K task files are indexed (tens of seconds) only when a task is
-    not found there."""
+    not found there. lm-eval skips a task file it cannot parse, so a task missing locally beside a broken YAML is
+    reported as that file and its error."""
     manager = TaskManager(include_path=include, include_defaults=False)
     if any(t not in manager.all_tasks for t in names):
+        broken = _broken_yaml(include)
+        if broken:
+            missing = [t for t in names if t not in manager.all_tasks]
+            raise NpumoeError(f"--tasks: task {', '.join(missing)} not found: {broken}")
         manager = TaskManager(include_path=include, include_defaults=True)
     unknown = [t for t in names if t not in manager.all_tasks]
     if unknown:
@@ -66,29 +74,55 @@ def _task_manager(TaskManager, include: list[str], names: list[str]):
     return manager
 
 
-def run_tasks(executor: PlanExecutor, tokenizer: object, tasks: list[str], limit: int | None,
-              num_fewshot: int | None, include_path: str | None) -> dict:
+def _broken_yaml(folders: list[str]) -> str | None:
+    """The first task YAML under `folders` that is not valid YAML, as "FILE is not valid YAML (the error)"."""
+    import yaml
+
+    class _Tags(yaml.SafeLoader):  # lm-eval's own tags (!function) are not errors here
+        pass
+
+    _Tags.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.y*ml")):
+            try:
+                yaml.load(path.read_text(encoding="utf-8"), Loader=_Tags)  # noqa: S506 (a SafeLoader)
+            except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+                return f"{path} is not valid YAML ({' '.join(str(e).split())[:200]})"
+    return None
+
+
+@contextmanager
+def prepared_tasks(tasks: list[str], include_path: str | None) -> Iterator[tuple[list[str], object]]:
+    """(task names, lm-eval TaskManager) with every task found, built-in ones written to a temp folder that lasts
+    the block: call it before loading the model, so that a bad task is the only line (no load notes before it)."""
+    _, _, TaskManager = _lm_eval()
+    with tempfile.TemporaryDirectory(prefix="npumoe-tasks-") as tmp:
+        names = [BUILTIN_TASKS[t](tmp) if t in BUILTIN_TASKS else t for t in tasks]
+        yield names, _task_manager(TaskManager, [tmp] + ([include_path] if include_path else []), names)
+
+
+def run_tasks(executor: PlanExecutor, tokenizer: object, tasks: tuple[list[str], object], limit: int | None,
+              num_fewshot: int | None) -> dict:
     """{task: paired accuracies} for every task lm-eval ran (a group's subtasks each) on the model without and
-    with `executor`'s plan, plus what the executor did on the tasks' text (drop and spill rates)."""
+    with `executor`'s plan, plus what the executor did on the tasks' text (drop and spill rates). `tasks`: what
+    `prepared_tasks` yields."""
     if not hasattr(tokenizer, "pad_token_id"):
         raise NpumoeError("--tasks needs a model with a transformers tokenizer (tiny-moe or a model directory), "
                           "not a random: model")
     model = executor.model
-    lm_eval, HFLM, TaskManager = _lm_eval()
-    with tempfile.TemporaryDirectory(prefix="npumoe-tasks-") as tmp:
-        names = [BUILTIN_TASKS[t](tmp) if t in BUILTIN_TASKS else t for t in tasks]
-        manager = _task_manager(TaskManager, [tmp] + ([include_path] if include_path else []), names)
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
+    lm_eval, HFLM, _ = _lm_eval()
+    names, manager = tasks
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu")
 
-        def evaluate() -> dict:
-            out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                          num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=0)
-            return {t: _per_example(s) for t, s in out["samples"].items()}
+    def evaluate() -> dict:
+        out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                      num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=0)
+        return {t: _per_example(s) for t, s in out["samples"].items()}
 
-        with executor.applied(False):
-            reference = evaluate()
-        with executor.applied(True):
-            planned = evaluate()
+    with executor.applied(False):
+        reference = evaluate()
+    with executor.applied(True):
+        planned = evaluate()
     total = executor.stats.total()
     results = {t: paired(reference[t], planned[t]) for t in reference if reference[t]}
     return {"tasks": results, "metric": METRIC, "drop_rate": total.dropped / max(1, total.assignments),
