@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -55,14 +57,46 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# What a full disk or a closed reader looks like to a writer.
+STREAM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EPIPE, errno.EIO, errno.EFBIG}
+
+
+def _say(line: str) -> None:
+    """One line on stderr; nothing when stderr itself cannot be written (the exit status still says it)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit does not fail (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real file descriptor behind stdout (a test's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"autotune {args.command}: %(message)s")
     try:
         with _sigterm_raises():
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+            sys.stdout.flush()  # a full disk or a closed pipe shows here at the latest, not at exit
+            return code
     except NpumoeError as e:
-        print(f"autotune {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
+        _say(f"autotune {args.command}: error: {' '.join(str(e).split())}")  # one line
+        return 2
+    except OSError as e:
+        if not isinstance(e, BrokenPipeError) and e.errno not in STREAM_ERRNOS:
+            raise
+        # a file writer names its file; a failed print or flush does not: that is the command's output stream
+        where = e.filename or ("standard output" if isinstance(e, BrokenPipeError) else "the command's output")
+        _silence_stdout()
+        _say(f"autotune {args.command}: error: cannot write {where}: {e.strerror or e}")
         return 2
     except KeyboardInterrupt:
         print(f"autotune {args.command}: interrupted", file=sys.stderr)

@@ -329,17 +329,28 @@ def _study_prefix(spec, cost, traces: Traces, resident_mb: float, objective: str
 def _one_search_per_sqlite(url: str | None) -> Iterator[None]:
     """SQLite storage serves one search at a time: two at once race on creating its tables and on the trials
     they enqueue. A second search on it is refused (pointing to journal:, which is made for several processes)
-    by an exclusive lock on <file>.lock, held for the whole search."""
+    by an exclusive lock on <file>.lock, held for the whole search and removed after it (still locked, so a
+    search that opened the old file sees it gone and is refused rather than running beside a newer one)."""
     if not url or not url.startswith("sqlite:///"):
         yield
         return
-    with open(url[len("sqlite:///"):] + ".lock", "a") as f:
+    lock = Path(url[len("sqlite:///"):] + ".lock")
+    busy = NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
+                       "time: run concurrent searches on --storage journal:FILE")
+    with open(lock, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
-                              "time: run concurrent searches on --storage journal:FILE") from None
-        yield
+            raise busy from None
+        try:
+            if os.stat(lock).st_ino != os.fstat(f.fileno()).st_ino:  # removed by the search that held it
+                raise busy
+        except FileNotFoundError:
+            raise busy from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
 
 
 # --- run and evaluate -----------------------------------------------------------------------------------------------

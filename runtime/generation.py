@@ -69,8 +69,14 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
             raise NpumoeError("a package runs a plan's ane groups: give the plan too")
         return Loaded(m, tokenizer)
     p = plan if isinstance(plan, Plan) else load_plan(plan)
-    executor = PlanExecutor(m, p, plan_path="" if isinstance(plan, Plan) else str(plan),
-                            options={"package": package}).install()
+    path = "" if isinstance(plan, Plan) else str(plan)
+    backends = None
+    if package:  # checked on any host, whether or not it can run here (then its groups run where ane falls back)
+        from runtime.coreml.ane import open_package
+
+        ane = open_package(package, p, m, path)
+        backends = {ane.name: ane}
+    executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
 
 

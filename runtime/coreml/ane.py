@@ -34,6 +34,7 @@ from runtime.backends.protocol import GroupFn, GroupSpec
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.macos import macos_module, macos_version
+from runtime.plan import Plan
 
 log = logging.getLogger("npumoe")
 
@@ -112,6 +113,7 @@ class AneBackend:
         self._lock = threading.Lock()
         self._monitor = None
         self._compute_plan: dict[str, object] = {}  # package path -> its MLComputePlan
+        self._checked: dict[tuple, str] = {}  # groups `check` passed -> their package
 
     def available(self) -> tuple[bool, str]:
         ok, why = coreml_available()
@@ -151,8 +153,16 @@ class AneBackend:
         return self._packages
 
     def check(self, group: GroupSpec) -> str:
-        """Refuse a package built for another plan or checkpoint, naming the group; returns the function's package."""
+        """Refuse a package built for another plan or checkpoint, naming the group; returns the function's package
+        (a group checked once is not hashed again)."""
         name = function_name(group.layer, group.index)
+        key = (name, group.experts, group.capacities, id(group.module))
+        if key in self._checked:
+            return self._checked[key]
+        self._checked[key] = self._check(group, name)
+        return self._checked[key]
+
+    def _check(self, group: GroupSpec, name: str) -> str:
         where = f"layer {group.layer} group {group.index}"
         package = self.packages().get(name)
         if package is None:
@@ -241,26 +251,60 @@ class AneBackend:
         self.energy[name].update(used, calls=1)
 
 
+def package_bytes(path: str | os.PathLike) -> int:
+    """A package's size on disk: what a build records per package in its manifest."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, str]:
-    """Function name -> package path (beside the manifest) from a build's `<out>.manifest.json`; validated, with an
-    error that names the field."""
+    """Function name -> package path (beside the manifest) from a build's `<out>.manifest.json`; validated on any
+    host, with an error that names the field: every package it names is present and of the size it records
+    (`bytes`: a copy cut short or a part replaced shows here), every function in one package only."""
+    p = str(path)
     obj = read_versioned_json(path, "manifest", 1)
     packages = obj.get("packages")
     if not isinstance(packages, list) or not packages:
-        raise FileFormatError("manifest", str(path), "packages", "must be a non-empty list")
+        raise FileFormatError("manifest", p, "packages", "must be a non-empty list")
     out: dict[str, str] = {}
     for i, pk in enumerate(packages):
         if not isinstance(pk, dict) or not isinstance(pk.get("path"), str) or not isinstance(pk.get("functions"), list):
-            raise FileFormatError("manifest", str(path), f"packages[{i}]", "needs a path and a list of functions")
+            raise FileFormatError("manifest", p, f"packages[{i}]", "needs a path and a list of functions")
+        if not pk["path"] or not all(isinstance(name, str) and name for name in pk["functions"]):
+            raise FileFormatError("manifest", p, f"packages[{i}]", "needs a path and function names (strings)")
         where = Path(path).parent / pk["path"]
         if not where.is_dir():
-            raise FileFormatError("manifest", str(path), f"packages[{i}].path", f"{where} does not exist")
+            raise FileFormatError("manifest", p, f"packages[{i}].path", f"{where} does not exist")
+        recorded = pk.get("bytes")
+        if recorded is not None and (not isinstance(recorded, int) or isinstance(recorded, bool)):
+            raise FileFormatError("manifest", p, f"packages[{i}].bytes", f"must be an integer, got {recorded!r}")
+        if recorded is not None and package_bytes(where) != recorded:
+            raise FileFormatError("manifest", p, f"packages[{i}].bytes",
+                                  f"{where} holds {package_bytes(where)} bytes, the build recorded {recorded}: it "
+                                  "was changed or copied in part; rebuild it with `autotune build`")
         for name in pk["functions"]:
             if name in out:
-                raise FileFormatError("manifest", str(path), f"packages[{i}].functions",
+                raise FileFormatError("manifest", p, f"packages[{i}].functions",
                                       f"function {name} is also in {out[name]}")
-            out[str(name)] = str(where)
+            out[name] = str(where)
     return out
+
+
+def open_package(package: str, plan: Plan, model: torch.nn.Module, plan_path: str = "") -> AneBackend:
+    """The ane backend over a built package (or a split build's manifest), checked on any host before the plan
+    runs: a manifest's parts present and as recorded (`read_manifest`), and each of the plan's ane groups built
+    for its experts and capacities from these weights (the digests the build recorded, `AneBackend.check`)."""
+    from runtime.loading.model_loader import model_spec, moe_layers
+    from runtime.plan import check_plan_matches
+
+    check_plan_matches(plan, model_spec(model), plan_path)  # a plan for another model names the plan first
+    backend = AneBackend(package)
+    backend.packages()
+    for layer in moe_layers(model):
+        for gi, g in enumerate(plan.layer(layer.index).groups):
+            if g.backend == backend.name:
+                backend.check(GroupSpec(layer.index, gi, tuple(g.experts), tuple(g.capacities), layer.experts,
+                                        g.compression))
+    return backend
 
 
 def ops_not_on_ane(compute_plan, name: str) -> list[tuple[str, str]]:

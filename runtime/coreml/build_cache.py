@@ -37,17 +37,23 @@ def seal(entry: Path) -> None:
 def usable(entry: Path) -> bool:
     """True if `entry` is in the cache and whole. A corrupt or unsealed entry is removed (and said so once on
     stderr through logging), so the caller converts the function again."""
-    if not entry.is_dir():
-        return False
     checksum = _checksum_file(entry)
-    try:
-        want = checksum.read_text().strip()
-    except OSError:
-        want = None
-    if want == tree_digest(entry):
-        return True
-    why = "has no checksum" if want is None else "is corrupt (checksum mismatch)"
+    if not entry.is_dir() or entry.is_symlink():
+        if not (entry.exists() or entry.is_symlink()):
+            return False
+        why = "is not a package folder"  # a file (or a link) where the converted function belongs
+    else:
+        try:
+            want = checksum.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            want = None
+        if want == tree_digest(entry):
+            return True
+        why = "has no checksum" if want is None else "is corrupt (checksum mismatch)"
     log.warning(f"build cache entry {entry} {why}; rebuilding it")
-    shutil.rmtree(entry, ignore_errors=True)
-    checksum.unlink(missing_ok=True)
+    for path in (entry, checksum):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     return False

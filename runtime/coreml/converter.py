@@ -34,6 +34,7 @@ from runtime.coreml.ane import (
     arrays_digest,
     expert_weights_fp16,
     function_name,
+    package_bytes,
 )
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
@@ -288,10 +289,6 @@ def cache_key(fs: FunctionSpec, digest: str, layout: str, compress: str) -> str:
 
 def default_cache_dir() -> Path:
     return cache_root() / "coreml"
-
-
-def package_bytes(path: str | os.PathLike) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 @dataclass
