@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import shutil
 import sys
 import warnings
@@ -16,13 +17,15 @@ import pytest
 from helpers import random_model
 
 from autotune.cli import main
-from autotune.profiling.profile import ProfileHostWarning, host_id, load_profile, save_profile
+from autotune.profiling.profile import SHIPPED_PROFILES, ProfileHostWarning, host_id, load_profile, save_profile
 from autotune.searching.templates import template_plan
-from runtime.loading.model_loader import TINY_MOE_DIR, model_spec
+from runtime.coreml.ane import AneBackend
+from runtime.loading.model_loader import TINY_MOE_DIR, model_spec, read_model_spec
 from runtime.plan import save_plan
 
 M = ["--model", "random:qwen3_moe"]
 S = ["search", *M, "--profile", "{profile}", "--trials", "2"]
+P = ["search", *M, "--profile", "apple-m2-ultra-published", "--trials", "2"]  # a published profile: no host warning
 
 
 def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
@@ -129,7 +132,32 @@ def bad(tmp_path_factory) -> dict[str, str]:
     spec = model_spec(random_model("random:qwen3_moe")[0])  # the saved checkpoints hold the same weights
     save_plan(template_plan(spec, "ample", "drop", "cpu-static", 64, "router_weight"), d / "ck-plan.json")
     paths["ck_plan"] = str(d / "ck-plan.json")
+    paths.update(_issue19_inputs(d, spec))
     return paths
+
+
+def _issue19_inputs(d: Path, spec) -> dict[str, str]:
+    """Inputs of the last round's sweep: a plan's report path taken by a folder, a profile with a number as text,
+    plans with ane groups, a split build's manifest naming a part that is gone, a task YAML that does not parse."""
+    (d / "sidecar" / "hw.report.json").mkdir(parents=True)
+    profile = json.loads((SHIPPED_PROFILES / "apple-m2-ultra-published.json").read_text())
+    next(iter(profile["cost_model"]["backends"].values()))["call_ms"] = "0.25"
+    (d / "call-ms-text.json").write_text(json.dumps(profile))
+    save_plan(template_plan(spec, "ample", "drop", AneBackend.name, 64, "router_weight"), d / "ane-plan.json")
+    tiny = read_model_spec("tiny-moe")
+    save_plan(template_plan(tiny, "ample", "drop", "cpu-static", 64, "router_weight"), d / "tiny-plan.json")
+    save_plan(template_plan(tiny, "ample", "drop", AneBackend.name, 64, "router_weight"), d / "tiny-ane-plan.json")
+    (d / "m.manifest.json").write_text(json.dumps({
+        "schema": "npumoe.manifest/1", "model_fingerprint": spec.fingerprint, "layout": "matmul", "compress": "none",
+        "packages": [{"path": "gone.part1.mlpackage", "functions": ["layer0_group0"], "weight_bytes": 1,
+                      "bytes": 1}]}))
+    (d / "tasks").mkdir()
+    (d / "tasks" / "broken_task.yaml").write_text("task: broken_task\ndataset_path: [json\n"
+                                                  "output_type: multiple_choice\n")
+    return {"sidecar_out": str(d / "sidecar" / "hw.json"), "call_ms_text": str(d / "call-ms-text.json"),
+            "ane_plan": str(d / "ane-plan.json"), "tiny_plan": str(d / "tiny-plan.json"),
+            "tiny_ane_plan": str(d / "tiny-ane-plan.json"), "manifest": str(d / "m.manifest.json"),
+            "tasks": str(d / "tasks")}
 
 
 def run_cli(argv: list[str]) -> int:
@@ -221,6 +249,28 @@ CASES = [
     ("generate-other-tokenizer", ["generate", "--model", "{ck_othertokenizer}", "--prompt", "To be, or not"],
      "another model"),
     ("model-missing", ["calibrate", "--model", "{missing}"], "neither a built-in model"),
+    # issue 19: the last round's sweep
+    ("search-report-path-is-a-folder", [*S, "--traces", "{traces}", "--out", "{sidecar_out}"], "hw.report.json"),
+    ("profile-number-as-text", ["show-profile", "{call_ms_text}"], "call_ms"),
+    ("shapes-negative-separate-value", ["profile-device", "--shapes", "-64x64"], "--shapes"),
+    *[(f"published-profile-{name}", [*P, "--traces", f"{{{key}}}"], needle) for name, key, needle in [
+        ("traces-expert-out-of-range", "t_idx", "expert ids"), ("traces-nan-weight", "t_nan", "finite router"),
+        ("traces-inf-norm", "t_norm", "norms"), ("traces-missing-array", "t_missing", "missing array"),
+        ("traces-extra-array", "t_extra", "unexpected array"), ("traces-no-heldout", "t_noheldout", "--max-tokens"),
+        ("traces-truncated", "t_truncated", "truncated")]],
+    ("evaluate-ane-plan-unknown-task", ["evaluate", "--model", "tiny-moe", "--plan", "{tiny_ane_plan}", "--tasks",
+                                        "nosuch", "--include-path", "{tasks}"], "nosuch"),
+    ("generate-max-tokens-huge", ["generate", *M, "--prompt", "To be", "--max-tokens", "1000000000000"],
+     "max_tokens 1000000000000"),
+    ("generate-past-the-context", ["generate", *M, "--prompt", "To be, or not", "--max-tokens", "4200"],
+     "context of 4096 positions"),
+    ("generate-manifest-part-missing", ["generate", *M, "--plan", "{ane_plan}", "--package", "{manifest}",
+                                        "--prompt", "To be"], "gone.part1.mlpackage does not exist"),
+    ("run-record-traces-too-short", ["run", *M, "--plan", "{ck_plan}", "--text", "{text}", "--max-tokens", "8",
+                                     "--record-traces", "t.npz"], "--record-traces"),
+    ("evaluate-broken-task-yaml", ["evaluate", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--tasks",
+                                   "broken_task", "--include-path", "{tasks}"], "broken_task.yaml is not valid YAML"),
+    ("evaluate-limit-without-tasks", ["evaluate", *M, "--plan", "{ck_plan}", "--limit", "5"], "--limit"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]
@@ -288,3 +338,50 @@ def test_search_outputs_are_one_set(bad, tmp_path, monkeypatch, capsys):
     code = run_cli([a.format(**bad) for a in S] + ["--traces", bad["traces"], "--out", "sub/plan.json"])
     assert code == 2 and "cannot draw the map" in capsys.readouterr().err
     assert listing(tmp_path) == set()  # no plan, no report, no temp file, not even the folder made for them
+
+
+def test_show_profile_plot_makes_a_missing_folder(tmp_path, monkeypatch, capsys):
+    """The README's promise: a missing output folder is created. A published profile is no host mismatch."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["show-profile", "apple-m2-ultra-published", "--plot", "out/nodir/p.png"]) == 0
+    assert (tmp_path / "out" / "nodir" / "p.png").read_bytes().startswith(b"\x89PNG")
+    assert capsys.readouterr().err == ""
+
+
+def test_search_on_a_published_profile_says_so_once_and_leaves_no_lock(bad, tmp_path, monkeypatch, capsys, caplog):
+    """One note names the published figures (no host warning), and the SQLite study's lock goes with the search."""
+    monkeypatch.chdir(tmp_path)
+    db = tmp_path / "study.db"
+    argv = [*P, "--traces", bad["traces"], "--storage", f"sqlite:///{db}", "--out", "plan.json", "--json"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileHostWarning)
+        assert run_cli(argv) == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # the CLI's stderr lines
+    assert len(said) == 1 and "note: profile apple-m2-ultra-published holds published figures" in said[0], said
+    assert capsys.readouterr().err == ""
+    assert {p.name for p in tmp_path.iterdir()} == {"study.db", "plan.json", "plan.report.json", "plan.map.png"}
+
+
+@pytest.mark.parametrize("how", ["full-disk", "closed-pipe"])
+def test_a_failing_stdout_ends_in_one_line(how, tmp_path):
+    """`> /dev/full` or a reader that went away: one line on stderr and exit 2, not a traceback (nor a second
+    error when the interpreter flushes stdout at exit)."""
+    import os
+    import subprocess
+
+    if how == "full-disk":
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full on this host")
+        out = os.open("/dev/full", os.O_WRONLY)
+    else:
+        read, out = os.pipe()
+        os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "autotune", "show-profile", "apple-m2-ultra-published", "--json"],
+                              stdout=out, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    finally:
+        os.close(out)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    reason = "No space left on device" if how == "full-disk" else "Broken pipe"
+    assert lines[0].startswith("autotune show-profile: error: cannot write") and reason in lines[0], lines

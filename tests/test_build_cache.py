@@ -2,6 +2,7 @@
 And a build stopped by SIGTERM leaves no temp folder behind (beside the output or in the temp dir)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,16 @@ def test_corrupt_cache_entry_is_detected_said_and_rebuilt(tmp_path, capsys, capl
     assert main(_build(plan, tmp_path / "c.mlpackage", cache)) == 0  # and the new entry is whole
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_functions"] == 1
     assert not [r for r in caplog.records if r.name == "npumoe.build_cache"]
+
+    shutil.rmtree(entry)
+    entry.write_text("a file where the converted function belongs")
+    for out in ("d", "e"):  # said and rebuilt once; the build after it finds the entry whole
+        caplog.clear()
+        assert main(_build(plan, tmp_path / f"{out}.mlpackage", cache)) == 0
+        said = [r.getMessage() for r in caplog.records if r.name == "npumoe.build_cache"]
+        assert said == ([f"build cache entry {entry} is not a package folder; rebuilding it"] if out == "d" else [])
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["cached_functions"] == (out == "e")
+    assert entry.is_dir()
 
 
 def test_sigterm_during_build_leaves_no_temp_folders(tmp_path):
