@@ -30,7 +30,7 @@ DEFAULT_EXACT_BELOW_TOKENS = 2
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]  # a number (an int too), never "0.5" or true
 SHARE_SUM_TOLERANCE = 1e-3  # load shares are written rounded; they must still sum to 1 within this
 
 

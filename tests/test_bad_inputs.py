@@ -252,7 +252,7 @@ CASES = [
     # issue 19: the last round's sweep
     ("search-report-path-is-a-folder", [*S, "--traces", "{traces}", "--out", "{sidecar_out}"], "hw.report.json"),
     ("profile-number-as-text", ["show-profile", "{call_ms_text}"], "call_ms"),
-    ("shapes-negative-separate-value", ["profile-device", "--shapes", "-64x64"], "--shapes"),
+    ("shapes-negative-separate-value", ["profile-device", "--shapes", "-64x64"], "--shapes: sizes must be positive"),
     *[(f"published-profile-{name}", [*P, "--traces", f"{{{key}}}"], needle) for name, key, needle in [
         ("traces-expert-out-of-range", "t_idx", "expert ids"), ("traces-nan-weight", "t_nan", "finite router"),
         ("traces-inf-norm", "t_norm", "norms"), ("traces-missing-array", "t_missing", "missing array"),
@@ -277,13 +277,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv,needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(argv, needle, bad, tmp_path, monkeypatch, capsys):
+def test_bad_input(argv, needle, bad, tmp_path, monkeypatch, capsys, caplog):
     monkeypatch.chdir(tmp_path)
     argv = [a.format(**bad) for a in argv]
     before = listing(tmp_path, bad["dir"])
+    caplog.clear()
     code = run_cli(argv)
     err = capsys.readouterr().err
     assert code == 2, err
+    # in-process, the notes the CLI logs to stderr reach caplog instead: they count as lines too
+    notes = [f"(logged) {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert notes == [], notes + [err]
     lines = err.strip("\n").split("\n")
     assert len(lines) == 1, err
     assert "Traceback" not in err

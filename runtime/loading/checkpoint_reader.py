@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import NpumoeError
-from runtime.loading.checkpoints import safetensors_header
+from runtime.loading.checkpoints import CONFIG_ERRORS, safetensors_header
 
 # Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
 # transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
@@ -152,5 +152,5 @@ def meta_skeleton(path: Path) -> torch.nn.Module:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
-    except (OSError, ValueError, KeyError) as e:
-        raise NpumoeError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+    except CONFIG_ERRORS as e:
+        raise NpumoeError(f"cannot load model from {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None

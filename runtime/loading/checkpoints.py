@@ -3,10 +3,13 @@ whole, config and weights in agreement. Each failure is one NpumoeError naming t
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from huggingface_hub.errors import StrictDataclassError  # transformers 5 checks config fields with it
 
 from runtime.errors import NpumoeError
 
@@ -64,13 +67,51 @@ def safetensors_header(file: Path) -> dict:
 
 
 def check_checkpoint(path: Path) -> list[Path]:
-    """Every safetensors file of the model directory `path` exists and is whole; returns them."""
+    """Every safetensors file of the model directory `path` exists and is whole, and config.json agrees with them
+    (`check_config`); returns them."""
     files = safetensors_files(path)
+    keys: list[str] = []
     for file in files:
         if not file.exists():
             raise NpumoeError(f"{file}: missing (named by {path / 'model.safetensors.index.json'})")
-        safetensors_header(file)
+        keys += safetensors_header(file)
+    check_config(path, keys)
     return files
+
+
+# What transformers raises on a config.json it cannot build a model from (a value of another type, say): one line.
+CONFIG_ERRORS = (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError,
+                 ZeroDivisionError, StrictDataclassError)
+# config.json sizes that must be positive integers where given: transformers takes others and fails later, deep
+# inside, or (a layer count in the billions) builds for ever.
+CONFIG_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                "vocab_size", "max_position_embeddings")
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_config(path: Path, tensor_names: list[str]) -> dict:
+    """config.json is a JSON object whose sizes are positive integers and whose layer count is that of the weights
+    (`tensor_names`: the checkpoint's tensors); returns it. Each failure names config.json and the field."""
+    where = path / "config.json"
+    try:
+        config = json.loads(where.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise NpumoeError(f"{where}: cannot read: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise NpumoeError(f"{where}: not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(config, dict):
+        raise NpumoeError(f"{where}: a model config is a JSON object, got {type(config).__name__}")
+    for name in CONFIG_SIZES:
+        value = config.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise NpumoeError(f"{where}: {name} must be a positive integer, got {value!r}")
+    stored = {int(m.group(1)) for k in tensor_names for m in [_LAYER_KEY.search(k)] if m}
+    layers = config.get("num_hidden_layers")
+    if stored and layers is not None and layers != max(stored) + 1:
+        raise NpumoeError(f"{path}: config.json does not match the weights: num_hidden_layers {layers}, the "
+                          f"safetensors files hold {max(stored) + 1} layers")
+    return config
 
 
 def check_tokenizer_files(path: Path) -> None:

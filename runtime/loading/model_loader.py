@@ -18,6 +18,7 @@ import torch
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
+    CONFIG_ERRORS,
     check_checkpoint,
     check_loading_info,
     check_tokenizer_files,
@@ -163,7 +164,7 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
                     path, dtype=dtype, local_files_only=True, use_safetensors=True, output_loading_info=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except CONFIG_ERRORS as e:
         raise load_error(path, e) from None
     check_loading_info(path, info)
     if not moe_layers(model):
