@@ -37,7 +37,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(e, OSError) and not e.filename:  # a full disk mid-write: say which file
+        if isinstance(e, OSError) and e.errno and not e.filename:  # a full disk mid-write: say which file
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
