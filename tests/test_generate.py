@@ -149,3 +149,20 @@ def test_incremental_detokenisation_holds_back_incomplete_characters():
     pieces = list(Scripted(loaded, torch.tensor([1]), 50, 0.0, 0, None).pieces())
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert len(pieces) == len(text)  # one piece per character: ✓'s three bytes came out as one piece
+
+
+def test_new_tokens_are_bounded_by_the_context():
+    """One rule (generate, stream_generate, the server): prompt + new <= positions, past it stopped with
+    finish_reason "length"; a max_tokens past the context itself, or a prompt filling it, refused up front."""
+    from runtime.errors import NpumoeError
+    from runtime.generation import context_positions, max_new_tokens
+
+    model = random_model("random:qwen3_moe")[0]
+    assert context_positions(model) == 4096
+    assert max_new_tokens(model, 10, 100) == 100
+    assert max_new_tokens(model, 10, 4096) == 4086
+    with pytest.raises(NpumoeError, match="max_tokens 4097 is past the model's context of 4096 positions: ask for at "
+                                          "most 4086 new tokens"):
+        max_new_tokens(model, 10, 4097)
+    with pytest.raises(NpumoeError, match="no token fits"):
+        max_new_tokens(model, 4096, 1)
