@@ -7,6 +7,7 @@ from helpers import random_model
 
 import autotune
 from autotune.searching.templates import template_plan
+from runtime.errors import NpumoeError
 from runtime.loading.model_loader import model_spec
 from runtime.plan import load_plan, save_plan
 
@@ -66,5 +67,9 @@ def test_library_run_evaluate_describe_and_record(tmp_path, text_file):
     shares = np.array(list(about["expert_shares"].values()))
     assert about["experts"] == 8 and about["tokens"] == 300 and np.allclose(shares.sum(axis=1), 1.0, atol=1e-3)
     loaded = runtime.load("random:olmoe", plan)
-    recorded = autotune.record_prompt_traces(loaded, "Experts overflow and spill. " * 4, tmp_path / "gen.npz")
-    assert recorded["chunks"] == load_traces(tmp_path / "gen.npz").n_chunks >= 2
+    with pytest.raises(NpumoeError, match="112 tokens make 4 chunk"):  # no held-out chunk: refused up front
+        autotune.record_prompt_traces(loaded, "Experts overflow and spill. " * 4, tmp_path / "short.npz")
+    assert not (tmp_path / "short.npz").exists()
+    recorded = autotune.record_prompt_traces(loaded, "Experts overflow and spill. " * 6, tmp_path / "gen.npz")
+    assert recorded["chunks"] == load_traces(tmp_path / "gen.npz").n_chunks == 6  # 168 tokens in chunks of 32
+    assert recorded["heldout_chunks"] == 1
