@@ -61,8 +61,10 @@ def roofline_ms_per_token(cost, spec: dict) -> float:
 
 
 def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], prompt_tokens: int, prompts: int,
-                 trials: int) -> dict:
+                 trials: int, layers: int | None = None) -> dict:
     spec, context = SHAPES[shape]
+    if layers:  # the first `layers` MoE layers only (a quicker probe; per-token figures are per those layers)
+        spec = {**spec, "num_layers": layers, "moe_layers": spec["moe_layers"][:layers]}
     traces = synthetic_traces(spec, prompts, prompt_tokens, skew=skew, tokens=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
     workloads = {c: LayerData.from_traces(traces, c, prompt_tokens) for c in chunk_candidates(prompt_tokens, context)}
@@ -92,6 +94,7 @@ def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], promp
             "robust_cost_of_robustness": robust.cost_of_robustness,
             "robust_compress": dict(Counter(c.compress for c in robust_plan.configs if c.resident)),
             "prompt_tokens": prompt_tokens, "calib_tokens": tokens, "trials_per_layer": trials,
+            "layers": len(spec["moe_layers"]),
             **memory_and_cpu(out, scorer, spec, tokens)}
 
 
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="synthetic prompts (every 5th held out; default 10)")
     ap.add_argument("--trials", type=int, default=40, help="Optuna trials per layer (default 40)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the small-instance gap check (0: skip it)")
+    ap.add_argument("--layers", type=int, help="search only the first N MoE layers (default: all)")
     args = ap.parse_args()
     import warnings
 
@@ -133,7 +137,7 @@ def main() -> None:
         print(f"small instance (8 experts, 2 layers): Optuna alone vs exact optimum: worst gap "
               f"{small['gap_vs_exact']:+.3%}, mean {small['gap_vs_exact_mean']:+.3%} over {args.seeds} seeds")
     big = shape_search(cost, args.shape, args.skew, tuple(args.compress.split(",")), args.prompt_tokens,
-                       args.prompts, args.trials)
+                       args.prompts, args.trials, args.layers)
     print(f"{args.shape} (skew {args.skew}): search + robustness took {big['search_seconds']:.1f} s "
           f"({big['search_cpu_seconds']:.1f} s of CPU); plan "
           f"{big['plan_us_per_token']:.0f} us/token = {big['over_roofline']:.2f}x the roofline "
