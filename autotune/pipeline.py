@@ -40,6 +40,7 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
+from autotune.costing.memory import ane_budget_bytes, model_size, predict_memory
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -49,8 +50,9 @@ from autotune.profiling.profile import (
     save_profile,
 )
 from autotune.searching.backend_choice import choose_static_backend
+from autotune.searching.explain import explain
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
-from autotune.searching.report import plot_pareto, plot_plan_map, search_report, sidecar
+from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
 from autotune.searching.space import LayerData, Scorer, layer_space
 from runtime.backends import registry
@@ -190,7 +192,7 @@ def search_sidecars(out: str | os.PathLike, objective: str) -> list[Path]:
 def search_plan(model: str, *, profile: str | None = None, traces: str | os.PathLike | None = None,
            drop_budget: float = 0.10, objective: str = "latency", trials: int = 120, storage: str | None = None,
            resident_mb: float = 16384, saliency: str = "router_weight", seed: int = 0, robust: bool = False,
-           prompt_tokens: int | None = None, compress: tuple[str, ...] = ("none",),
+           prompt_tokens: int | None = None, compress: tuple[str, ...] = ("none",), memory_gb: float | None = None,
            out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True) -> SearchResult:
     """Tune a plan for `model` on a device profile (a file, a shipped name, or None: this host's, measured quickly
     if missing) against routing traces (None: `traces/<model>.npz`, calibrated if missing); write the plan with
@@ -198,7 +200,7 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
     (default: the traces'); its chunk size is searched (`chunk_candidates`), and each layer's weight storage among
     `compress` (on a static backend that stores weights compressed: the ANE). `robust`: keep the plan of least
     worst-case regret under perturbed profiles instead of the nominal best (the report carries the robustness
-    either way)."""
+    either way). `memory_gb`: a plan predicted to need more (autotune/costing/memory.py) is a violation."""
     with _one_search_per_sqlite(storage):
         spec = read_model_spec(model)
         out = Path(out) if out else default_plan_path(model, profile)
@@ -212,20 +214,26 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
                 log.warning(note)
         cost = prof.cost_model
         n_layers = len(spec.moe_layers)
+        chunks = chunk_candidates(prompt, context_length(model)) if trs.chunk is not None else \
+            [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
+        size = model_size(model, dtype)
+        resident_bytes = resident_mb * 1e6
+        ane_bytes = resident_bytes
+        if memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
+            ane_bytes = min(resident_bytes, ane_budget_bytes(memory_gb, size, max(chunks), prompt))
 
         def scorer_for(backend: str) -> Scorer:
-            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, resident_mb * 1e6 / n_layers)
+            budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
+            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
 
         backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
         scorer = scorer_for(backend)
         # weights stored compressed are a Core ML function's: the backends with the ANE's limits
         kinds = tuple(compress) if registry.get(backend).limits is not None else ("none",)
-        chunks = chunk_candidates(prompt, context_length(model)) if trs.chunk is not None else \
-            [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
         workloads = {c: LayerData.from_traces(trs, c, prompt) for c in chunks}
         outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), objective=objective,
                                         drop_budget=drop_budget, trials=trials, storage=_storage(storage),
-                                        study_prefix=_study_prefix(spec, cost, trs, resident_mb, objective, prompt),
+                                        study_prefix=_study_prefix(spec, cost, trs, ane_bytes / 1e6, objective, prompt),
                                         seed=seed, progress=progress)
         outcome.best, robustness = assess(outcome, scorer, pick=robust)
         chunk_tokens = outcome.best.chunk_tokens
@@ -236,16 +244,25 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
                    "objective": objective, "drop_budget": drop_budget, "chunk_tokens": chunk_tokens,
                    "prompt_tokens": prompt, "chunks_searched": chunks, "compress_allowed": list(kinds),
                    "compress": compress_counts(outcome.best.configs),
-                   "partial_chunks": "exact" if outcome.best.exact_partial else "static"}
+                   "partial_chunks": "exact" if outcome.best.exact_partial else "static", "memory_gb": memory_gb}
         report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
+        add_cpu_figures(report, outcome, layers, scorer)
         report["robustness"] = robustness.to_json()
-        predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate")}
+        predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
+                                            "predicted_cpu_ms_per_token")}
         predicted["label"] = "predicted by the cost model of profile " + profile_name
         plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, saliency, predicted,
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                               "drop_budget": drop_budget, "objective": objective, "robust": robust,
-                              "prompt_tokens": prompt, "compress_allowed": list(kinds),
+                              "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": memory_gb,
                               "decisions": [c.to_json() for c in outcome.best.configs]})
+        memory = predict_memory(plan, size, prompt)
+        if memory_gb is not None and memory.total > memory_gb * 1e9:
+            raise NpumoeError(f"--memory-gb {memory_gb:g}: the best plan within the drop budget needs "
+                              f"{memory.describe()}; give a larger budget")
+        plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
+        report["predicted_memory"] = memory.to_json()
+        report["explanation"] = explain(plan, layers, cost, backend)
         sidecars = search_sidecars(out, objective)
         with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
             save_plan(plan, plan_tmp)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -26,6 +24,7 @@ from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
 from runtime.plan import Plan, load_plan
 from runtime.prefill import prefill_chunks
+from runtime.resources import peak_rss_mb
 from runtime.stats import RunStats
 
 log = logging.getLogger("npumoe")
@@ -249,12 +248,6 @@ class Generation:
                 "prefill_static_calls": stats.static_calls("prefill"),
                 "decode_static_calls": stats.static_calls("decode"), "finish_reason": self.finish_reason,
                 "chunk_tokens": self.chunk, "token_ids": list(self.tokens), "text": text}
-
-
-def peak_rss_mb() -> float:
-    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 import runtime
-from runtime.generation import peak_rss_mb
 from runtime.loading.model_loader import model_spec
 from runtime.plan import LayerPlan, Plan, load_plan
+from runtime.resources import peak_rss_mb
 
 DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
 

@@ -87,6 +87,30 @@ def test_compressed_build_is_smaller_and_within_its_tolerance(tmp_path, compress
     assert result.package_bytes < result.unique_weight_bytes
 
 
+def test_each_group_is_compressed_as_the_plan_says_unless_overridden(tmp_path):
+    from runtime.coreml.mil_eval import TOLERANCE
+
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=8)
+    lp = plan.layers[0]  # layer 0: group 0 int8, group 1 fp16 (absent); other layers on cpu-static
+    groups = [lp.groups[0].model_copy(update={"compress": "int8"}), lp.groups[1]]
+    layers = [lp.model_copy(update={"groups": groups})]
+    layers += [l.model_copy(update={"groups": [g.model_copy(update={"backend": "cpu-static"}) for g in l.groups]})
+               for l in plan.layers[1:]]
+    plan = plan.model_copy(update={"layers": layers})
+    mixed = build_package(_layers(model), plan, tmp_path / "m.mlpackage", cache_dir=tmp_path / "cache")
+    assert [fs.compress for fs in mixed.functions] == ["int8", "none"] and mixed.compress == "mixed"
+    assert mixed.packages[0]["weight_bytes"] == 4 * 3 * 64 * 48 * (1 + 2)  # 4 experts int8 + 4 in fp16
+    worst = {c.function: c.max_rel_error for c in mixed.checks}
+    assert worst[function_name(0, 0)] <= TOLERANCE["int8"] and worst[function_name(0, 1)] <= TOLERANCE["none"]
+    meta = json.loads((tmp_path / "m.manifest.json").read_text())
+    assert meta["compress"] == "mixed"
+    forced = build_package(_layers(model), plan, tmp_path / "p.mlpackage", compress="palettize4",
+                           cache_dir=tmp_path / "cache")
+    assert {fs.compress for fs in forced.functions} == {"palettize4"} and forced.compress == "palettize4"
+    assert forced.packages[0]["weight_bytes"] == 8 * 3 * 64 * 48 // 2
+
+
 def test_functions_sharing_an_expert_store_it_once(tmp_path):
     model, _ = random_model(MODEL)
     module = moe_layers(model)[0].experts

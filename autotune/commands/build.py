@@ -3,6 +3,7 @@ the weights pass one package's limit), linted and checked on the host."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from pathlib import Path
 
 from autotune import pipeline
@@ -22,9 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="matmul",
                    help="matmul: [slots, H] with linear layers; conv1x1: [1, H, 1, slots] with 1x1 convolutions "
                         "(the ml-ane-transformers form). Default matmul")
-    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
-                   help="weights: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means tables). "
-                        "Numeric-check tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
+    p.add_argument("--compress", choices=COMPRESSIONS,
+                   help="weights of every group: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means "
+                        "tables); default: each group's `compress` in the plan (absent: none). Numeric-check "
+                        "tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
     p.add_argument("--out", type=output_package, metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
     p.add_argument("--cache-dir", type=directory, metavar="D",
                    help="converted-function cache (default $NPUMOE_CACHE/coreml, else ~/.cache/npumoe/coreml)")
@@ -48,22 +50,26 @@ def run(args: argparse.Namespace) -> int:
                             package_weight_bytes=args.package_weight_mb * 1e6, dtype=args.dtype,
                             progress=not args.no_progress)
     ratio = result.package_bytes / result.unique_weight_bytes
+    tolerance = max(TOLERANCE[fs.compress] for fs in result.functions)
+    kinds = Counter(fs.compress for fs in result.functions)
     mb_per_s = result.unique_weight_bytes / 1e6 / result.build_seconds
     names = ", ".join(pk["path"] for pk in result.packages)
     print(f"wrote {len(result.packages)} package(s) ({names}) and {result.manifest}: {len(result.functions)} "
-          f"functions ({result.cached} from the cache), layout {result.layout}, weights {result.compress}, "
+          f"functions ({result.cached} from the cache), layout {result.layout}, weights "
+          f"{', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))}, "
           f"{result.build_seconds:.1f} s ({mb_per_s:.1f} MB/s of fp16 weights; convert {result.seconds['convert']} s, "
           f"merge {result.seconds['merge']} s, host check {result.seconds['verify']} s)")
     print(f"packages {result.package_bytes:,} bytes = {ratio:.3f} x the unique expert weights in fp16 "
           f"({result.unique_weight_bytes:,} bytes); largest function {result.largest_function_weight_bytes:,} "
           f"weight bytes (limit {args.function_weight_mb * 1e6:,.0f}); lint passed")
     print(f"host evaluation of every function vs cpu-static: max relative error {result.max_rel_error:.2e} "
-          f"(tolerance {TOLERANCE[result.compress]:g})")
+          f"(tolerance {tolerance:g})")
     print_json({"package": result.package, "package_bytes": result.package_bytes,
                 "unique_weight_bytes": result.unique_weight_bytes, "size_ratio": round(ratio, 4),
-                "max_rel_error": result.max_rel_error, "tolerance": TOLERANCE[result.compress],
+                "max_rel_error": result.max_rel_error, "tolerance": tolerance,
                 "functions": len(result.functions), "cached_functions": result.cached, "layout": result.layout,
-                "compress": result.compress, "build_seconds": round(result.build_seconds, 2),
+                "compress": result.compress, "compress_counts": dict(sorted(kinds.items())),
+                "build_seconds": round(result.build_seconds, 2),
                 "manifest": result.manifest, "packages": result.packages,
                 "largest_function_weight_bytes": result.largest_function_weight_bytes,
                 "function_weight_limit_bytes": int(args.function_weight_mb * 1e6),

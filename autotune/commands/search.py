@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=("none",), metavar="K1,K2",
                    help=f"weight storage the search may give each layer's ANE groups, among {','.join(COMPRESSIONS)} "
                         "(default none: fp16; compressed weights change the numbers, so check fidelity)")
+    p.add_argument("--memory-gb", type=positive_float, metavar="X",
+                   help="the most memory the plan may need (predicted: CPU-side weights + ANE packages + one chunk's "
+                        "activations + KV cache at the prompt length + the runtime); a plan over it is a violation, "
+                        "a budget no plan can meet is refused")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         "weight x hidden-state norm (default router_weight)")
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                                   drop_budget=args.drop_budget, objective=args.objective, trials=args.trials,
                                   storage=args.storage, resident_mb=args.resident_mb, saliency=args.saliency,
                                   seed=args.seed, robust=args.robust, prompt_tokens=args.prompt_tokens,
+                                  memory_gb=args.memory_gb,
                                   compress=args.compress, out=out, dtype=args.dtype,
                                   progress=not args.json)
     if args.json:

@@ -208,6 +208,9 @@ class CostModel:
     def decompresses(self, backend: str) -> bool:
         """Whether the profile charges this backend for expanding compressed weights (a measured or cited cost)."""
         return bool(self._model(backend).decompress_ms_per_mb)
+    def backend_model(self, backend: str) -> BackendModel:
+        """The model a backend is costed with (its own, or its fallback's: see `_model`)."""
+        return self._model(backend)
 
     def overlaps(self, backend: str) -> bool:
         """Whether the backend's calls run off the CPU (the exact path overlaps them)."""
@@ -271,16 +274,30 @@ class CostModel:
         return {"static": static, "exact": np.asarray(self.exact_ms(exact_counts, hidden, ffn)),
                 "pack": np.asarray(pack)}
 
-    def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
-        """Predicted latency of one MoE layer for one chunk ([E] counts -> float; [chunks, E] -> array).
+    def layer_times(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str
+                    ) -> tuple[Any, Any]:
+        """Predicted (latency, CPU-busy time) in ms of one MoE layer for one chunk ([E] counts -> floats;
+        [chunks, E] -> arrays).
 
         Static calls run in sequence on the calling thread; the exact CPU path overlaps the calls of an
-        off-CPU backend (`overlaps_cpu`: the ANE) but not CPU work (cpu-static calls, packing)."""
+        off-CPU backend (`overlaps_cpu`: the ANE) but not CPU work (cpu-static calls, packing). CPU-busy time is
+        the CPU work alone (packing, cpu-static calls, the exact path): while an off-CPU call runs, the calling
+        thread waits."""
         p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
         off_cpu = sum(t for b, t in p["static"].items() if self.models[b].overlaps_cpu)
         on_cpu = sum(t for b, t in p["static"].items() if not self.models[b].overlaps_cpu)
         t = p["pack"] + on_cpu + np.maximum(off_cpu, p["exact"])
-        return float(t) if np.ndim(t) == 0 else t
+        cpu = p["pack"] + on_cpu + p["exact"]
+        return (float(t) if np.ndim(t) == 0 else t), (float(cpu) if np.ndim(cpu) == 0 else cpu)
+
+    def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
+        """Predicted latency of one MoE layer for one chunk (see `layer_times`)."""
+        return self.layer_times(layer_plan, counts, hidden, ffn, overflow)[0]
+
+    def layer_cpu_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
+        """Predicted CPU-busy time of one MoE layer for one chunk (see `layer_times`): the paper's CPU cycles, in
+        ms of the profile's CPU threads."""
+        return self.layer_times(layer_plan, counts, hidden, ffn, overflow)[1]
 
     def static_break_even(self, layer_plans: Sequence[Any], mean_counts: Sequence[np.ndarray], chunk_tokens: int,
                           hidden: int, ffn: int, overflow: str) -> int:

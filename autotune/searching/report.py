@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from autotune.searching.optimizer import SearchOutcome, Solution
+from autotune.searching.space import LayerConfig, LayerData, Scorer, layer_plan
 from runtime.backends import EXACT
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
@@ -15,6 +16,29 @@ BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
                    "naive_coreml": "naive Core ML (one ANE graph per expert, uniform capacity)",
                    "uniform_grouped": "uniform capacity, groups of 4",
                    "paper_heuristic": "paper heuristic (popularity tiers, groups of 4, hot resident)"}
+EXPLANATION_LINES = 12  # the search prints this many lines of its explanation; the report keeps all
+
+
+def cpu_ms_per_token(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer) -> float:
+    """A design's predicted CPU-busy time per token over all MoE layers (packing, cpu-static calls and the exact
+    path, on the calibration chunks; the cost model's, in ms of the profile's CPU threads): the paper's CPU-cycles
+    metric."""
+    busy = sum(float(np.sum(scorer.cost.layer_cpu_ms(layer_plan(d, c, scorer.backend), d.calib, scorer.hidden,
+                                                      scorer.ffn, c.overflow)))
+               for d, c in zip(layers, configs))
+    return busy / max(1, int(np.sum(layers[0].tokens)))
+
+
+def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData], scorer: Scorer) -> None:
+    """Put each design's predicted CPU-busy ms per token into the report (`predicted_cpu_ms_per_token` of the plan
+    and of each baseline in `baseline_details`; `cpu_ratio_vs`: each baseline's over the plan's, > 1: the plan
+    keeps the CPU less busy)."""
+    report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best.configs, layers, scorer)
+    for name, sol in outcome.baselines.items():
+        report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol.configs, layers,
+                                                                                          scorer)
+    report["cpu_ratio_vs"] = {n: b["predicted_cpu_ms_per_token"] / max(best, 1e-12)
+                              for n, b in report["baseline_details"].items()}
 
 
 def solution_summary(sol: Solution, calib_chunks: int, heldout_assignments: int) -> dict:
@@ -34,7 +58,8 @@ def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:
 def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments: int, seconds: float,
                   context: dict) -> dict:
     """The JSON report (and what `search --json` prints). Latency/energy are per calibration chunk, all MoE
-    layers, predicted by the profile's cost model; drop rates are on held-out traces."""
+    layers, predicted by the profile's cost model; drop rates are on held-out traces (`add_cpu_figures` adds the
+    CPU-busy time)."""
     if heldout_assignments < 1:  # a drop rate over no held-out data would read as "no drops"
         raise NpumoeError("no held-out assignments in the traces: held-out drop rates need held-out chunks")
     best = solution_summary(outcome.best, calib_chunks, heldout_assignments)
@@ -54,14 +79,23 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
 
 def format_report(r: dict) -> str:
     energy = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = [f"{'design':<64} {'latency ms':>11} {'energy mJ':>10} {'held-out drops':>15}",
+    cpu = lambda d: "-" if d.get("predicted_cpu_ms_per_token") is None else f"{d['predicted_cpu_ms_per_token']:.4f}"  # noqa: E731
+    lines = [f"{'design':<64} {'latency ms':>11} {'energy mJ':>10} {'CPU ms/token':>13} {'held-out drops':>15}",
              f"{'tuned plan':<64} {r['predicted_latency_ms']:>11.4f} {energy(r['predicted_energy_mj']):>10} "
-             f"{r['heldout_drop_rate']:>15.2%}"]
+             f"{cpu(r):>13} {r['heldout_drop_rate']:>15.2%}"]
     for name, b in r["baseline_details"].items():
         lines.append(f"{BASELINE_LABELS.get(name, name):<64} {b['predicted_latency_ms']:>11.4f} "
-                     f"{energy(b['predicted_energy_mj']):>10} {b['heldout_drop_rate']:>15.2%}")
+                     f"{energy(b['predicted_energy_mj']):>10} {cpu(b):>13} {b['heldout_drop_rate']:>15.2%}")
     lines.append("latency and energy: predicted by the cost model of profile "
-                 f"{r.get('profile', '?')}, per chunk of {r.get('chunk_tokens', '?')} tokens over all MoE layers")
+                 f"{r.get('profile', '?')}, per chunk of {r.get('chunk_tokens', '?')} tokens over all MoE layers; "
+                 "CPU ms/token: predicted CPU-busy time (packing, cpu-static calls, the exact path) per token")
+    if r.get("predicted_memory"):
+        m = r["predicted_memory"]
+        budget = f" (budget --memory-gb {r['memory_gb']:g})" if r.get("memory_gb") else ""
+        lines.append(f"memory: {m['total_gb']:.2f} GB predicted{budget} = CPU-side weights "
+                     f"{m['cpu_weights_bytes'] / 1e9:.2f} + ANE packages {m['ane_package_bytes'] / 1e9:.2f} + "
+                     f"activations {m['activations_bytes'] / 1e9:.3f} + KV cache at {m['prompt_tokens']} tokens "
+                     f"{m['kv_cache_bytes'] / 1e9:.3f} + runtime {m['runtime_bytes'] / 1e9:.2f}")
     if r.get("robustness"):
         rob = r["robustness"]
         worst = max(rob["cases"], key=lambda c: c["regret"], default=None)
@@ -75,6 +109,12 @@ def format_report(r: dict) -> str:
                          f"{rob['nominal_max_regret']:.2%}")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
+    if r.get("explanation"):
+        shown = r["explanation"][:EXPLANATION_LINES]
+        more = len(r["explanation"]) - len(shown)
+        lines += ["why (predicted):"] + [f"  {line}" for line in shown]
+        if more:
+            lines.append(f"  ... {more} more line(s) in the report's `explanation`")
     return "\n".join(lines)
 
 

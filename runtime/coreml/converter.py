@@ -4,7 +4,8 @@ Each (layer, ANE group) becomes one function with a fixed-shape fp16 input of th
 and packing stay on the host, so a function holds only slices, the experts' gated FFNs and a concat. Every
 expert's two weight matrices are one constant each, so `save_multifunction`'s cross-function deduplication
 (per whole constant) stores an expert once however many functions use it. Functions are converted one by one
-into a cache keyed by weights, shapes, layout and compression, then merged.
+into a cache keyed by weights, shapes, layout and compression, then merged. Each function stores its weights as its
+plan group's `compress` says (absent: fp16); a build's `compress` overrides every group's.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class FunctionSpec:
     capacities: tuple[int, ...]
     hidden: int
     ffn: int
+    compress: str = "none"  # how the function stores its weights (runtime.plan.COMPRESSIONS)
 
     @property
     def name(self) -> str:
@@ -62,26 +64,38 @@ class FunctionSpec:
     def slots(self) -> int:
         return sum(self.capacities)
 
-    def usage(self, compress: str = "none") -> ane_limits.Usage:
-        return ane_limits.group_usage(self.capacities, self.hidden, self.ffn, compress)
+    def usage(self) -> ane_limits.Usage:
+        return ane_limits.group_usage(self.capacities, self.hidden, self.ffn, self.compress)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Stored bytes of one of its experts."""
+        return ane_limits.expert_weight_bytes(self.hidden, self.ffn, self.compress)
 
     def input_shape(self, layout: str) -> tuple[int, ...]:
         return (self.slots, self.hidden) if layout == "matmul" else (1, self.hidden, 1, self.slots)
 
 
-def ane_functions(plan: Plan) -> list[FunctionSpec]:
-    """The package functions a plan needs: one per group whose backend is `ane`."""
+def ane_functions(plan: Plan, compress: str | None = None) -> list[FunctionSpec]:
+    """The package functions a plan needs: one per group whose backend is `ane`, compressed as its group says
+    (`compress`: the same for all instead)."""
     h, f = plan.model.hidden_size, plan.model.expert_ffn_size
-    return [FunctionSpec(lp.layer, gi, tuple(g.experts), tuple(g.capacities), h, f)
+    return [FunctionSpec(lp.layer, gi, tuple(g.experts), tuple(g.capacities), h, f, compress or g.compression)
             for lp in plan.layers for gi, g in enumerate(lp.groups) if g.backend == "ane"]
 
 
-def check_ane_limits(functions: list[FunctionSpec], compress: str = "none",
+def compression_summary(functions: list[FunctionSpec]) -> str:
+    """The build's compression: the one kind every function uses, or `mixed`."""
+    kinds = {fs.compress for fs in functions}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def check_ane_limits(functions: list[FunctionSpec],
                      function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES) -> None:
     """Refuse, before any conversion, a group whose program would break a Neural Engine limit (ane_limits):
     one line naming the group, the limit and what to change."""
     for fs in functions:
-        over = fs.usage(compress).over(function_weight_bytes)
+        over = fs.usage().over(function_weight_bytes)
         if over:
             what, value, limit, advice = over[0]
             if what == "weight bytes":
@@ -92,22 +106,25 @@ def check_ane_limits(functions: list[FunctionSpec], compress: str = "none",
                               f"the Neural Engine's limit of {limit_s} per program; {advice}")
 
 
-def split_packages(functions: list[FunctionSpec], compress: str, package_weight_bytes: float
-                   ) -> list[list[FunctionSpec]]:
-    """Functions in plan order, cut into packages of at most `package_weight_bytes` of distinct expert weights (an
-    expert shared by two functions of one package is stored once)."""
+def split_packages(functions: list[FunctionSpec], package_weight_bytes: float) -> list[list[FunctionSpec]]:
+    """Functions in plan order, cut into packages of at most `package_weight_bytes` of distinct expert weights as
+    stored (an expert shared by two functions of one package is stored once)."""
     packages: list[list[FunctionSpec]] = [[]]
-    experts: set[tuple[int, int]] = set()
+    experts: dict[tuple[int, int], int] = {}  # (layer, expert) -> stored bytes, in the current package
     for fs in functions:
-        new = {(fs.layer, e) for e in fs.experts} - experts
-        per_expert = ane_limits.expert_weight_bytes(fs.hidden, fs.ffn, compress)
-        if packages[-1] and (len(experts) + len(new)) * per_expert > package_weight_bytes:
+        new = {(fs.layer, e): fs.expert_bytes for e in fs.experts if (fs.layer, e) not in experts}
+        if packages[-1] and sum(experts.values()) + sum(new.values()) > package_weight_bytes:
             packages.append([])
-            experts = set()
-            new = {(fs.layer, e) for e in fs.experts}
+            experts = {}
+            new = {(fs.layer, e): fs.expert_bytes for e in fs.experts}
         packages[-1].append(fs)
-        experts |= new
+        experts.update(new)
     return packages
+
+
+def stored_weight_bytes(functions: list[FunctionSpec]) -> int:
+    """Distinct expert weights of `functions` as stored."""
+    return sum({(fs.layer, e): fs.expert_bytes for fs in functions for e in fs.experts}.values())
 
 
 def package_paths(out: Path, n: int) -> list[Path]:
@@ -296,7 +313,7 @@ class BuildResult:
     package: str  # the manifest's first package (the only one when the plan fits one package)
     functions: list[FunctionSpec]
     layout: str
-    compress: str
+    compress: str  # the one compression every function uses, or "mixed" (each function's is in `functions`)
     package_bytes: int  # all packages together, on disk
     unique_weight_bytes: int  # the distinct expert matrices the packages need, counted in fp16
     cached: int  # functions taken from the cache instead of converted
@@ -335,38 +352,39 @@ def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: di
 
 
 def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan: Plan, out: str | os.PathLike,
-                  layout: str = "matmul", compress: str = "none", cache_dir: str | os.PathLike | None = None,
+                  layout: str = "matmul", compress: str | None = None, cache_dir: str | os.PathLike | None = None,
                   progress: Callable[[str, int], object] | None = None, seed: int = 0,
                   function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES,
                   package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES) -> BuildResult:
     """Build the plan's ANE groups into `out` (or, past `package_weight_bytes`, into several packages beside it)
     and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module, or
     is an ExpertWeights source (runtime.loading.expert_weights: a checkpoint read a function's experts at a time).
+    Each function stores its weights as its plan group's `compress` says; `compress` overrides every group's.
 
     A group past a Neural Engine limit (ane_limits, `function_weight_bytes` included) is refused before any
     conversion. Each package is linted and every function evaluated on the host against `cpu-static` before the
-    packages replace earlier ones; a lint failure raises LintError, an error over `TOLERANCE[compress]` raises
+    packages replace earlier ones; a lint failure raises LintError, an error over its compression's TOLERANCE raises
     NpumoeError. Functions are converted one at a time (only that function's experts in fp16) into the cache; a
     build of more than CACHE_KEEP_BYTES of weights converts into its work folder instead and drops each package's
     converted functions once merged, so no second copy of a large build stays on disk. `progress(stage, total)`
     returns an object with `update(n)` and `close()` (a tqdm bar), or None.
     """
     t0 = time.perf_counter()
-    check_build_options(layout, compress)
-    functions = ane_functions(plan)
+    check_build_options(layout, compress or "none")
+    functions = ane_functions(plan, compress)
     if not functions:
         raise NpumoeError("the plan puts no group on the ane backend: nothing to build")
-    check_ane_limits(functions, compress, min(function_weight_bytes, package_weight_bytes))  # before conversion
+    check_ane_limits(functions, min(function_weight_bytes, package_weight_bytes))  # before conversion
     source = _expert_source(model_layers)
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(source.experts(layer, (0,))[0], layer)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    groups = split_packages(functions, compress, package_weight_bytes)
+    groups = split_packages(functions, package_weight_bytes)
     paths = package_paths(out, len(groups))
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    keep = sum(fs.usage(compress).weight_bytes for fs in functions) <= CACHE_KEEP_BYTES
+    keep = sum(fs.usage().weight_bytes for fs in functions) <= CACHE_KEEP_BYTES
     cache = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if keep else work / "functions"
     cache.mkdir(parents=True, exist_ok=True)
     seconds = {"convert": 0.0, "merge": 0.0, "verify": 0.0}
@@ -377,16 +395,18 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
             parts, meta_functions = [], {}
             for fs in group:
                 t = time.perf_counter()
-                hit, digest, cpath = _convert_cached(fs, source, layout, compress, cache, keep)
+                hit, digest, cpath = _convert_cached(fs, source, layout, cache, keep)
                 cached += hit
                 parts.append((fs, cpath))
                 meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
-                                               capacities=list(fs.capacities), weights_sha256=digest)
+                                               capacities=list(fs.capacities), compress=fs.compress,
+                                               weights_sha256=digest)
                 seconds["convert"] += time.perf_counter() - t
                 if bar:
                     bar.update(1)
             t = time.perf_counter()
-            meta = dict(layout=layout, compress=compress, hidden=functions[0].hidden, ffn=functions[0].ffn,
+            meta = dict(layout=layout, compress=compression_summary(group), hidden=functions[0].hidden,
+                        ffn=functions[0].ffn,
                         model_fingerprint=plan.model.fingerprint, functions=meta_functions)
             staged = work / path.name
             merge_functions(parts, staged, meta)
@@ -395,13 +415,10 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                     shutil.rmtree(cpath, ignore_errors=True)
             seconds["merge"] += time.perf_counter() - t
             t = time.perf_counter()
-            checks += verify_package(staged, group, source, layout, compress, None, seed)
+            checks += verify_package(staged, group, source, layout, None, seed)
             seconds["verify"] += time.perf_counter() - t
-            experts = {(fs.layer, e) for fs in group for e in fs.experts}
             packages.append(dict(path=path.name, functions=[fs.name for fs in group],
-                                 weight_bytes=len(experts) * ane_limits.expert_weight_bytes(
-                                     group[0].hidden, group[0].ffn, compress),
-                                 bytes=package_bytes(staged)))
+                                 weight_bytes=stored_weight_bytes(group), bytes=package_bytes(staged)))
         if bar:
             bar.close()
         for path in (out, *paths, *_stale_parts(out)):
@@ -413,18 +430,19 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
         shutil.rmtree(work, ignore_errors=True)
     total = sum(pk["bytes"] for pk in packages)
     manifest = manifest_path(out)
+    summary = compression_summary(functions)
     atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
-                                 "layout": layout, "compress": compress,
+                                 "layout": layout, "compress": summary,
                                  "function_weight_limit_bytes": int(function_weight_bytes),
                                  "package_weight_limit_bytes": int(package_weight_bytes), "packages": packages})
     h, f = functions[0].hidden, functions[0].ffn
     unique = {(fs.layer, e) for fs in functions for e in fs.experts}
-    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=compress,
+    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary,
                        package_bytes=total, unique_weight_bytes=len(unique) * ane_limits.expert_weight_bytes(h, f),
                        cached=cached,
                        build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
                        manifest=str(manifest),
-                       largest_function_weight_bytes=max(fs.usage(compress).weight_bytes for fs in functions),
+                       largest_function_weight_bytes=max(fs.usage().weight_bytes for fs in functions),
                        seconds={k: round(v, 2) for k, v in seconds.items()})
 
 
@@ -440,7 +458,7 @@ def _expert_source(model_layers: dict[int, torch.nn.Module] | ExpertWeights) -> 
     return ModuleExperts(model_layers) if isinstance(model_layers, dict) else model_layers
 
 
-def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, compress: str, cache: Path,
+def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, cache: Path,
                     sealed: bool = True) -> tuple[bool, str, Path]:
     """(taken from the cache, weights digest, converted package) of one function; its experts are held in fp16
     only while it converts (read from a checkpoint source, they are dropped in the model's dtype first).
@@ -449,20 +467,21 @@ def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, compre
     weights = {e: expert_weights_fp16(module, i) for e, i in zip(fs.experts, index)}
     del module
     digest = arrays_digest(weights[e] for e in fs.experts)
-    path = cache / f"{cache_key(fs, digest, layout, compress)}.mlpackage"
+    path = cache / f"{cache_key(fs, digest, layout, fs.compress)}.mlpackage"
     if sealed and build_cache.usable(path):  # whole and matching its checksum; a corrupt entry is removed, said so
         return True, digest, path
-    convert_function(fs, weights, layout, compress, path)
+    convert_function(fs, weights, layout, fs.compress, path)
     if sealed:
         build_cache.seal(path)
     return False, digest, path
 
 
 def verify_package(path: Path, functions: list[FunctionSpec],
-                   model_layers: dict[int, torch.nn.Module] | ExpertWeights, layout: str, compress: str,
+                   model_layers: dict[int, torch.nn.Module] | ExpertWeights, layout: str,
                    progress: Callable[[str, int], object] | None = None, seed: int = 0) -> list:
     """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval), with
-    only that function's experts at hand from `model_layers` (see build_package)."""
+    only that function's experts at hand from `model_layers` (see build_package); each function's error must be
+    within its compression's tolerance."""
     from runtime.coreml.mil_eval import TOLERANCE, check_function
     from runtime.coreml.mil_lint import lint_package, load_package_program
 
@@ -478,9 +497,9 @@ def verify_package(path: Path, functions: list[FunctionSpec],
             bar.update(1)
     if bar:
         bar.close()
-    worst = max(checks, key=lambda c: c.max_rel_error)
-    if not worst.max_rel_error <= TOLERANCE[compress]:
-        raise NpumoeError(f"function {worst.function} differs from cpu-static by a relative error of "
-                          f"{worst.max_rel_error:.3g}, over the {TOLERANCE[compress]:g} allowed for "
-                          f"--compress {compress}")
+    for fs, check in zip(functions, checks):
+        if not check.max_rel_error <= TOLERANCE[fs.compress]:
+            raise NpumoeError(f"function {check.function} differs from cpu-static by a relative error of "
+                              f"{check.max_rel_error:.3g}, over the {TOLERANCE[fs.compress]:g} allowed for "
+                              f"compress {fs.compress}")
     return checks

@@ -1,0 +1,189 @@
+"""Predicted memory of a plan: what a process running it holds at its peak, in parts. Every figure is predicted.
+
+    total = CPU-side weights + ANE packages + activations of one chunk + KV cache at the prompt length + runtime
+
+- CPU-side weights: every parameter in the dtype the model runs in. The runtime keeps every expert on the CPU,
+  the ANE-resident ones too: decode steps, spilled overflow and short chunks run exactly on the CPU.
+- ANE packages: the distinct experts of the plan's `ane` groups, stored as each group's `compress` says (fp16, int8,
+  4-bit palettes; `runtime.coreml.ane_limits`). On a Mac this is unified memory, on top of the CPU-side weights.
+- Activations of one chunk: the hidden states, attention and MoE buffers of one decoder layer for `chunk_tokens`
+  rows, and the chunk's logits (generation keeps only the last position's; `autotune run` keeps every position's,
+  in fp32, for the whole text: `logits_rows`).
+- KV cache: keys and values of every attention layer at `prompt_tokens`.
+- Runtime: the interpreter with torch, transformers and the tokenizer loaded (RUNTIME_BYTES, measured).
+
+`runtime.resources` measures the other side (peak RSS, CPU time) in a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.coreml import ane_limits
+from runtime.errors import NpumoeError
+from runtime.plan import Plan
+
+GB = 1e9
+# The process before any weight is read: Python 3.12, torch 2.x (CPU), transformers 5 and a tokenizer, measured as
+# peak RSS on this Linux x86-64 host (tiny-moe: 420 MB after load_model, 28 MB of it weights). A Mac's differs;
+# it is the smallest part at any real model size.
+RUNTIME_BYTES = 392 * 2**20
+HIDDEN_BUFFERS = 8  # [chunk, hidden] tensors alive at once in a decoder layer (residual, norms, attention out, MoE)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The model facts memory depends on (from a loaded model or its meta-device skeleton)."""
+    weight_bytes: int  # every parameter and buffer, in the dtype the model runs in
+    dtype_bytes: int
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    top_k: int
+    expert_ffn: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, dtype_bytes: int | None = None) -> "ModelSize":
+        """`model`'s sizes; `dtype_bytes` overrides its parameters' (a meta skeleton made in another dtype)."""
+        from runtime.loading.model_loader import moe_layers
+
+        params = list(model.parameters()) + list(model.buffers())
+        first = next(p for p in model.parameters() if p.is_floating_point())
+        d = dtype_bytes or first.element_size()
+        weights = sum(p.numel() * (d if p.is_floating_point() else p.element_size()) for p in params)
+        cfg = model.config
+        heads = int(cfg.num_attention_heads)
+        experts = moe_layers(model)[0].experts
+        return cls(weight_bytes=int(weights), dtype_bytes=d, layers=int(cfg.num_hidden_layers),
+                   hidden=int(cfg.hidden_size), heads=heads,
+                   kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+                   vocab=int(cfg.vocab_size), top_k=int(cfg.num_experts_per_tok),
+                   expert_ffn=int(experts.intermediate_dim))
+
+    @classmethod
+    def of_config(cls, config: object, dtype_bytes: int) -> "ModelSize":
+        """Sizes of the model a transformers config describes, built on the meta device (no memory)."""
+        import transformers
+
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        return cls.of(skeleton, dtype_bytes)
+
+
+def model_size(name: str, dtype: str = "auto") -> ModelSize:
+    """A model's sizes from its config alone (a built-in name or a local directory), in the dtype it would load
+    in (`--dtype`); nothing is read but config.json (`random:` models are tiny and built)."""
+    from runtime.loading.model_loader import RANDOM_PREFIX, load_model, resolve_dtype
+
+    d = torch.empty(0, dtype=resolve_dtype(name, dtype)).element_size()
+    if name.startswith(RANDOM_PREFIX):
+        return ModelSize.of(load_model(name, dtype)[0], d)
+    from runtime.loading.checkpoint_reader import meta_skeleton
+    from runtime.loading.model_loader import model_dir
+
+    return ModelSize.of(meta_skeleton(model_dir(name)), d)
+
+
+def ane_package_bytes(plan: Plan) -> int:
+    """Bytes of the plan's ANE packages: each distinct (layer, expert) of an `ane` group once, as its group
+    compresses it."""
+    h, f = plan.model.hidden_size, plan.model.expert_ffn_size
+    stored: dict[tuple[int, int], int] = {}
+    for lp in plan.layers:
+        for g in lp.groups:
+            if g.backend == "ane":
+                for e in g.experts:
+                    stored[(lp.layer, e)] = ane_limits.expert_weight_bytes(h, f, g.compression)
+    return sum(stored.values())
+
+
+def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_rows: int | None = None,
+                     logits_rows: int = 1) -> int:
+    """One chunk's working set in one decoder layer, plus the logits: hidden-state buffers, q/k/v, attention
+    scores (fp32, the chunk against the cache), the MoE rows (`moe_rows`: default chunk x top-k assignments; a
+    plan's padded static slots when more) through gate_up, the gate and down, and `logits_rows` fp32 logits."""
+    c, d = chunk_tokens, size.dtype_bytes
+    rows = max(moe_rows or 0, c * size.top_k)
+    hidden = HIDDEN_BUFFERS * c * size.hidden * d
+    qkv = c * (size.heads + 2 * size.kv_heads) * size.head_dim * d
+    scores = 4 * size.heads * c * max(c, prompt_tokens)  # the last chunk attends to the whole prompt
+    moe = rows * (size.hidden * 2 + 3 * size.expert_ffn) * d
+    logits = c * size.vocab * d + 4 * logits_rows * size.vocab
+    return int(hidden + qkv + scores + moe + logits)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The parts of a plan's predicted peak memory, in bytes."""
+    cpu_weights: int
+    ane_packages: int
+    activations: int
+    kv_cache: int
+    runtime: int
+    chunk_tokens: int
+    prompt_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.cpu_weights + self.ane_packages + self.activations + self.kv_cache + self.runtime
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the ANE packages: what any plan of this chunk and prompt length needs."""
+        return self.total - self.ane_packages
+
+    def to_json(self) -> dict:
+        parts = {"cpu_weights_bytes": self.cpu_weights, "ane_package_bytes": self.ane_packages,
+                 "activations_bytes": self.activations, "kv_cache_bytes": self.kv_cache,
+                 "runtime_bytes": self.runtime}
+        return {"total_gb": round(self.total / GB, 4), "total_bytes": self.total, **parts,
+                "chunk_tokens": self.chunk_tokens, "prompt_tokens": self.prompt_tokens,
+                "label": "predicted peak memory (autotune/costing/memory.py): CPU-side weights + ANE packages "
+                         "(unified memory on a Mac) + one chunk's activations + KV cache at prompt_tokens + the "
+                         "runtime"}
+
+    def describe(self) -> str:
+        return (f"{self.total / GB:.2f} GB predicted (CPU-side weights {self.cpu_weights / GB:.2f}, ANE packages "
+                f"{self.ane_packages / GB:.2f}, activations {self.activations / GB:.3f}, KV cache at "
+                f"{self.prompt_tokens} tokens {self.kv_cache / GB:.3f}, runtime {self.runtime / GB:.2f})")
+
+
+def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows: int = 1) -> MemoryPrediction:
+    """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`: see `activation_bytes`)."""
+    chunk = min(plan.chunk_tokens, prompt_tokens)
+    slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0)
+    return MemoryPrediction(size.weight_bytes, ane_package_bytes(plan),
+                            activation_bytes(size, chunk, prompt_tokens, slots, logits_rows),
+                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens)
+
+
+def predicted_memory_gb(plan: Plan, size: ModelSize, prompt_tokens: int) -> float:
+    """The plan's predicted peak memory in GB (10^9 bytes)."""
+    return predict_memory(plan, size, prompt_tokens).total / GB
+
+
+def fixed_memory(size: ModelSize, chunk_tokens: int, prompt_tokens: int) -> MemoryPrediction:
+    """The memory any plan needs at this chunk and prompt length before an expert is resident on the ANE."""
+    chunk = min(chunk_tokens, prompt_tokens)
+    return MemoryPrediction(size.weight_bytes, 0, activation_bytes(size, chunk, prompt_tokens),
+                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens)
+
+
+def ane_budget_bytes(memory_gb: float, size: ModelSize, chunk_tokens: int, prompt_tokens: int) -> float:
+    """What a budget of `memory_gb` leaves for ANE packages; refuses a budget no plan can meet."""
+    fixed = fixed_memory(size, chunk_tokens, prompt_tokens)
+    left = memory_gb * GB - fixed.total
+    if left < 0:
+        raise NpumoeError(f"--memory-gb {memory_gb:g} is below what any plan needs: {fixed.describe()}; give "
+                          f"--memory-gb {fixed.total / GB:.2f} or more")
+    return left

@@ -1,0 +1,38 @@
+"""What running costs the process, measured: peak resident memory and CPU time.
+
+The predicted side is the tuner's (`autotune/costing/memory.py`, and the cost model's CPU-busy time); a run reports
+these next to it.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_rss_mb() -> float:
+    """`peak_rss_bytes` in MiB."""
+    return peak_rss_bytes() / (1 << 20)
+
+
+@dataclass
+class Clock:
+    """Wall time and the process's CPU time (user + system, every thread) over a block:
+    `with Clock() as c: ...; c.wall_s, c.cpu_s`."""
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def __enter__(self) -> "Clock":
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._wall
+        self.cpu_s = time.process_time() - self._cpu
