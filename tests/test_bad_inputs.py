@@ -223,6 +223,8 @@ CASES = [
     ("traces-truncated", [*S, "--traces", "{t_truncated}"], "truncated"),
     ("traces-json", [*S, "--traces", "{t_json}"], "not a traces file"),
     ("traces-garbage", [*S, "--traces", "{garbage}"], "not a traces file"),
+    ("memory-gb-impossible", [*S, "--traces", "{traces}", "--memory-gb", "0.001"], "--memory-gb 0.001"),
+    ("memory-gb-negative", ["search", *M, "--memory-gb", "-1"], "--memory-gb"),
     ("traces-other-model", ["search", "--model", "random:mixtral", "--profile", "{profile}",
                             "--traces", "{traces}"], "another model"),
     ("calibrate-chunk-over-prompt", ["calibrate", *M, "--text", "{text}", "--chunk", "512", "--prompt-tokens",

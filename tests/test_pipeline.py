@@ -23,6 +23,13 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
     assert load_plan(result.path) == result.plan and result.plan.meta["traces"] == traces.path
     assert json.loads(result.sidecars[0].read_text()) == result.report
     assert result.report["predicted_latency_ms"] > 0 and result.report["profile"] == "apple-m2-ultra-published"
+    memory = result.plan.predicted["memory"]  # at the traces' prompt length, within the budget it was given
+    assert memory == result.report["predicted_memory"] and memory["prompt_tokens"] == 64
+    assert memory["total_bytes"] == sum(memory[k] for k in ("cpu_weights_bytes", "ane_package_bytes",
+                                                            "activations_bytes", "kv_cache_bytes", "runtime_bytes"))
+    assert result.plan.predicted["predicted_cpu_ms_per_token"] > 0
+    assert result.report["explanation"][0].startswith("chunk 32 tokens")
+    assert len(result.report["explanation"]) == 1 + len(result.plan.layers)
 
 
 def test_library_build(tmp_path):

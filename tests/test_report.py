@@ -31,6 +31,17 @@ def test_solution_summary_is_per_chunk_with_the_heldout_drop_rate():
     assert solution_summary(Solution([], 0.0, 2.0, 0), 4, 0)["heldout_drop_rate"] == 0.0
 
 
+def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
+    out = _outcome()
+    out.best.cpu_ms, out.baselines["cpu_only"].cpu_ms, out.baselines["paper_heuristic"].cpu_ms = 10.0, 100.0, 40.0
+    r = search_report(out, calib_chunks=4, heldout_assignments=100, seconds=1.5, context={}, calib_tokens=1000)
+    assert r["predicted_cpu_ms_per_token"] == pytest.approx(0.01)
+    assert r["baseline_details"]["cpu_only"]["predicted_cpu_ms_per_token"] == pytest.approx(0.1)
+    assert r["cpu_ratio_vs"] == {"cpu_only": pytest.approx(10.0), "paper_heuristic": pytest.approx(4.0)}
+    table = format_report(r)
+    assert "CPU ms/token" in table and "0.0100" in table and "0.1000" in table
+
+
 def test_report_has_speedups_against_each_baseline_and_the_context():
     r = search_report(_outcome(), calib_chunks=4, heldout_assignments=100, seconds=1.5, context={"profile": "p"})
     assert r["predicted_latency_ms"] == 10.0 and r["predicted_energy_mj"] == 2.0
