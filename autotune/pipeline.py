@@ -16,7 +16,6 @@ import logging
 import os
 import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
+<<<<<<< HEAD
 from autotune.costing.memory import ane_budget_bytes, model_size, predict_memory
 from autotune.profiling.profile import (
     Profile,
@@ -49,6 +49,10 @@ from autotune.profiling.profile import (
     published_note,
     save_profile,
 )
+=======
+from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory
+from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
+>>>>>>> 0a57db8 (run --json: process CPU time and wall time per token, memory (measured peak RSS next to the plan's prediction for the run), the plan's own predictions; generate --json: memory with a plan; docs/formats.md: predicted.memory, mixed compression in the manifest; README: search/run/generate/build rows)
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.explain import explain
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
@@ -70,6 +74,7 @@ from runtime.loading.model_loader import (
 )
 from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_logits
+from runtime.resources import Clock, peak_rss_bytes
 
 log = logging.getLogger("npumoe")
 
@@ -380,14 +385,16 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
     return loaded, ids
 
 
-def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float]:
-    """The last result of `repeat` calls and their median time in ms."""
-    times, out = [], None
+def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float, float]:
+    """The last result of `repeat` calls, their median wall time and median process CPU time (every thread), in
+    ms."""
+    wall, cpu, out = [], [], None
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return out, statistics.median(times)
+        with Clock() as clock:
+            out = fn()
+        wall.append(clock.wall_s * 1e3)
+        cpu.append(clock.cpu_s * 1e3)
+    return out, statistics.median(wall), statistics.median(cpu)
 
 
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
@@ -408,13 +415,15 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
     if reference:
         with loaded.unmodified():
-            ref, result["reference_latency_ms"] = _timed(prefill, repeat)
+            ref, result["reference_latency_ms"], _ = _timed(prefill, repeat)
 
     def planned() -> torch.Tensor:
         loaded.reset()
         return prefill()
 
-    logits, result["latency_ms"] = _timed(planned, repeat)
+    logits, result["latency_ms"], cpu_ms = _timed(planned, repeat)
+    n = int(ids.numel())
+    result["wall_ms_per_token"], result["cpu_ms_per_token"] = result["latency_ms"] / n, cpu_ms / n
     result.update(executor.stats.to_json())
     result["backend_fallbacks"] = executor.fallbacks
     result["drift"] = executor.drift.report()
@@ -426,7 +435,22 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                                              record_traces, f"autotune run --plan {plan}")
     if reference:
         result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+    # run keeps [tokens, vocab] fp32 logits (twice with the reference)
+    result["memory"] = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
+                                        logits_rows=n * (2 if reference else 1),
+                                        ane_simulated=executor.fallbacks.get("ane") is not None)
+    result["plan_predicted"] = plan_predictions(loaded.plan)
     return result
+
+
+def plan_predictions(plan: Plan) -> dict | None:
+    """What the plan's search predicted for its profile's device (CPU-busy time of the MoE layers per token,
+    memory at its prompt length), to set beside a run's measurements; None for a plan without predictions."""
+    p = plan.predicted or {}
+    if "predicted_cpu_ms_per_token" not in p and "memory" not in p:
+        return None
+    return {"cpu_ms_per_token": p.get("predicted_cpu_ms_per_token"),
+            "memory_gb": (p.get("memory") or {}).get("total_gb"), "label": p.get("label")}
 
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,

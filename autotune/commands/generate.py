@@ -23,6 +23,7 @@ from autotune.commands.common import (
     apply_threads,
     print_json,
 )
+from autotune.costing.memory import against_measured
 from runtime.errors import NpumoeError
 from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
 
@@ -76,6 +77,12 @@ def run(args: argparse.Namespace) -> int:
     result = {"model": args.model, "plan": args.plan, **result}
     if loaded.executor:
         result["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
+        # the KV cache holds the prompt and every generated token but the last
+        result["memory"] = against_measured(loaded.plan, loaded.model,
+                                            result["prompt_tokens"] + result["generated_tokens"],
+                                            int(result["peak_rss_mb"] * 2**20),
+                                            ane_simulated=loaded.executor.fallbacks.get("ane") is not None)
+        result["plan_predicted"] = pipeline.plan_predictions(loaded.plan)
     if args.record_traces:
         result["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
                                                          text=args.prompt_file or "--prompt",
@@ -98,7 +105,8 @@ def _print_summary(r: dict) -> None:
     say(f"prompt: {r['prompt_tokens']} tokens, {r['prefill_tok_s']:.1f} tokens/s "
         f"(prefill in chunks of {r['chunk_tokens']}); time to first token {r['ttft_ms']:.1f} ms")
     say(f"generation: {r['generated_tokens']} tokens, {gen} (stopped: {r['finish_reason']})")
-    say(f"peak memory: {r['peak_rss_mb']:.0f} MB (process peak RSS)")
+    say(f"peak memory: {r['peak_rss_mb']:.0f} MB (process peak RSS)"
+        + (f"; {r['memory']['predicted_gb'] * 1e3:.0f} MB predicted for this run" if "memory" in r else ""))
     if r["plan"]:
         say(f"dropped {r['dropped']}, spilled {r['spilled']}; static calls: prefill {r['prefill_static_calls']}, "
             f"decode {r['decode_static_calls']}")

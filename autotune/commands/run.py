@@ -39,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(r: dict) -> None:
-    print(f"{r['tokens']} tokens in chunks of {r['chunk_tokens']}: {r['latency_ms']:.1f} ms (measured)")
+    print(f"{r['tokens']} tokens in chunks of {r['chunk_tokens']}: {r['latency_ms']:.1f} ms (measured), process CPU "
+          f"time {r['cpu_ms_per_token']:.3f} ms per token, wall {r['wall_ms_per_token']:.3f} ms per token")
+    m = r["memory"]
+    print(f"memory: peak RSS {m['measured_peak_rss_gb']:.3f} GB (measured), {m['predicted_gb']:.3f} GB predicted for "
+          f"this run ({m['predicted_over_measured']:.2f}x)")
     print(f"assignments {r['assignments']}, dropped {r['dropped']} ({r['drop_rate']:.2%}), spilled {r['spilled']} "
           f"({r['spill_rate']:.2%}), padding {r['padding_fraction']:.1%}")
     print("per backend: " + ", ".join(f"{b} {n} assignments / {r['calls_per_backend'].get(b, 0)} calls"

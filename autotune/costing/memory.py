@@ -94,16 +94,18 @@ def model_size(name: str, dtype: str = "auto") -> ModelSize:
     return ModelSize.of(meta_skeleton(model_dir(name)), d)
 
 
-def ane_package_bytes(plan: Plan) -> int:
+def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
     """Bytes of the plan's ANE packages: each distinct (layer, expert) of an `ane` group once, as its group
-    compresses it."""
+    compresses it. `simulated`: the ane groups run on the host's simulator instead, which holds every one of those
+    experts decompressed in fp16."""
     h, f = plan.model.hidden_size, plan.model.expert_ffn_size
     stored: dict[tuple[int, int], int] = {}
     for lp in plan.layers:
         for g in lp.groups:
             if g.backend == "ane":
                 for e in g.experts:
-                    stored[(lp.layer, e)] = ane_limits.expert_weight_bytes(h, f, g.compression)
+                    stored[(lp.layer, e)] = ane_limits.expert_weight_bytes(h, f, "none" if simulated else
+                                                                           g.compression)
     return sum(stored.values())
 
 
@@ -158,11 +160,13 @@ class MemoryPrediction:
                 f"{self.prompt_tokens} tokens {self.kv_cache / GB:.3f}, runtime {self.runtime / GB:.2f})")
 
 
-def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows: int = 1) -> MemoryPrediction:
-    """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`: see `activation_bytes`)."""
+def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows: int = 1,
+                   ane_simulated: bool = False) -> MemoryPrediction:
+    """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`: see `activation_bytes`;
+    `ane_simulated`: see `ane_package_bytes`)."""
     chunk = min(plan.chunk_tokens, prompt_tokens)
     slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0)
-    return MemoryPrediction(size.weight_bytes, ane_package_bytes(plan),
+    return MemoryPrediction(size.weight_bytes, ane_package_bytes(plan, ane_simulated),
                             activation_bytes(size, chunk, prompt_tokens, slots, logits_rows),
                             size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens)
 
@@ -187,3 +191,13 @@ def ane_budget_bytes(memory_gb: float, size: ModelSize, chunk_tokens: int, promp
         raise NpumoeError(f"--memory-gb {memory_gb:g} is below what any plan needs: {fixed.describe()}; give "
                           f"--memory-gb {fixed.total / GB:.2f} or more")
     return left
+
+
+def against_measured(plan: Plan, model: torch.nn.Module, prompt_tokens: int, measured_bytes: int,
+                     logits_rows: int = 1, ane_simulated: bool = False) -> dict:
+    """A run's measured peak RSS next to the plan's prediction for that same run (its prompt length, the logits
+    it keeps, where its ane groups ran): what `run --json` and `generate --json` report as `memory`."""
+    predicted = predict_memory(plan, ModelSize.of(model), prompt_tokens, logits_rows, ane_simulated)
+    return {"measured_peak_rss_gb": round(measured_bytes / GB, 4), "predicted_gb": round(predicted.total / GB, 4),
+            "predicted_over_measured": round(predicted.total / measured_bytes, 4),
+            "measured": "peak resident set size of this process (ru_maxrss)", "predicted": predicted.to_json()}
