@@ -54,3 +54,19 @@ def test_budget_leaves_the_rest_for_ane_packages_and_refuses_the_impossible(mode
     assert ane_budget_bytes(fixed.total / GB + 0.5, size, 32, 64) == pytest.approx(0.5 * GB, abs=2e6)
     with pytest.raises(NpumoeError, match="--memory-gb 0.001 is below what any plan needs"):
         ane_budget_bytes(0.001, size, 32, 64)
+
+
+def test_run_reports_measured_memory_and_cpu_time_next_to_the_prediction(tmp_path, text_file):
+    import autotune
+    from runtime.plan import save_plan
+
+    model = random_model("random:qwen3_moe")[0]
+    save_plan(template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=32), tmp_path / "p.json")
+    r = autotune.run_plan("random:qwen3_moe", tmp_path / "p.json", text=text_file, max_tokens=96)
+    assert r["tokens"] == 96 and r["cpu_ms_per_token"] > 0
+    assert r["wall_ms_per_token"] == pytest.approx(r["latency_ms"] / 96)
+    m = r["memory"]
+    assert m["measured_peak_rss_gb"] > 0 and m["predicted"]["prompt_tokens"] == 96
+    assert m["predicted_over_measured"] == pytest.approx(m["predicted"]["total_bytes"] / (m["measured_peak_rss_gb"]
+                                                                                          * GB), rel=1e-3)
+    assert r["plan_predicted"] is None  # a template carries no predictions
