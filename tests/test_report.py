@@ -32,14 +32,27 @@ def test_solution_summary_is_per_chunk_with_the_heldout_drop_rate():
 
 
 def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
+    from helpers import SMALL, apple_like
+
+    from autotune.calibration.traces import synthetic_traces
+    from autotune.searching.report import add_cpu_figures
+    from autotune.searching.space import LayerData, Scorer
+
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
+    scorer = Scorer(apple_like(), SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)
     out = _outcome()
-    out.best.cpu_ms, out.baselines["cpu_only"].cpu_ms, out.baselines["paper_heuristic"].cpu_ms = 10.0, 100.0, 40.0
-    r = search_report(out, calib_chunks=4, heldout_assignments=100, seconds=1.5, context={}, calib_tokens=1000)
-    assert r["predicted_cpu_ms_per_token"] == pytest.approx(0.01)
-    assert r["baseline_details"]["cpu_only"]["predicted_cpu_ms_per_token"] == pytest.approx(0.1)
-    assert r["cpu_ratio_vs"] == {"cpu_only": pytest.approx(10.0), "paper_heuristic": pytest.approx(4.0)}
+    out.best.configs = [LayerConfig(2, 2) for _ in layers]  # 2 experts per layer on the ANE: off the CPU
+    out.baselines["cpu_only"].configs = [LayerConfig(0) for _ in layers]
+    out.baselines["paper_heuristic"].configs = [LayerConfig(4, 4) for _ in layers]
+    r = search_report(out, calib_chunks=4, heldout_assignments=100, seconds=1.5, context={})
+    add_cpu_figures(r, out, layers, scorer)
+    all_cpu = sum(float(scorer.cost.exact_ms(d.calib, SMALL["hidden_size"], SMALL["expert_ffn_size"]).sum())
+                  for d in layers) / int(layers[0].tokens.sum())  # the 8 calibration chunks of 64
+    assert r["baseline_details"]["cpu_only"]["predicted_cpu_ms_per_token"] == pytest.approx(all_cpu)
+    assert r["predicted_cpu_ms_per_token"] < all_cpu  # resident experts take work off the CPU
+    assert r["cpu_ratio_vs"]["cpu_only"] == pytest.approx(all_cpu / r["predicted_cpu_ms_per_token"])
     table = format_report(r)
-    assert "CPU ms/token" in table and "0.0100" in table and "0.1000" in table
+    assert "CPU ms/token" in table and f"{all_cpu:.4f}" in table
 
 
 def test_report_has_speedups_against_each_baseline_and_the_context():
