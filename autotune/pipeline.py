@@ -39,8 +39,7 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-<<<<<<< HEAD
-from autotune.costing.memory import ane_budget_bytes, model_size, predict_memory
+from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -49,10 +48,6 @@ from autotune.profiling.profile import (
     published_note,
     save_profile,
 )
-=======
-from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory
-from autotune.profiling.profile import Profile, ProfileHostWarning, host_profile_path, load_profile, save_profile
->>>>>>> 0a57db8 (run --json: process CPU time and wall time per token, memory (measured peak RSS next to the plan's prediction for the run), the plan's own predictions; generate --json: memory with a plan; docs/formats.md: predicted.memory, mixed compression in the manifest; README: search/run/generate/build rows)
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.explain import explain
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
