@@ -17,9 +17,13 @@ import json
 import time
 from collections import Counter
 
+from make_shape_twin import twin_config  # scripts/: the published configs of the paper's models
+
 from autotune.calibration.traces import synthetic_traces
+from autotune.costing.memory import ModelSize, predicted_memory_gb
 from autotune.profiling.profile import load_profile
-from autotune.searching.optimizer import best_plan, chunk_candidates, optuna_layer, run_search
+from autotune.searching.optimizer import best_plan, chunk_candidates, optuna_layer, run_search, solution_plan
+from autotune.searching.report import cpu_ms_per_token
 from autotune.searching.robustness import assess
 from autotune.searching.space import LayerData, Scorer, layer_space
 from runtime.plan import COMPRESSIONS
@@ -95,12 +99,20 @@ def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], promp
             "robust_compress": dict(Counter(c.compress for c in robust_plan.configs if c.resident)),
             "prompt_tokens": prompt_tokens, "calib_tokens": tokens, "trials_per_layer": trials,
             "layers": len(spec["moe_layers"]),
-            **memory_and_cpu(out, scorer, spec, tokens)}
+            **memory_and_cpu(out, scorer, spec, shape, prompt_tokens)}
 
 
-def memory_and_cpu(out, scorer, spec: dict, tokens: int) -> dict:
-    """Hook for issue 20's memory prediction and CPU-busy ms (the search-cost work): None until they land."""
-    return {"predicted_memory_gb": None, "cpu_ms_per_token": None}
+def memory_and_cpu(out, scorer, spec: dict, shape: str, prompt_tokens: int) -> dict:
+    """The plan's predicted peak memory (the whole model at the shape's published config, bf16, on the meta device;
+    ANE packages of the searched layers) and each design's predicted CPU-busy ms per token (plan and baselines)."""
+    config = twin_config(shape, SHAPES[shape][0]["num_layers"])
+    size = ModelSize.of_config(config, 2)
+    at = out.chunks[out.best.chunk_tokens].layers
+    plan = solution_plan(out.best, at, scorer, spec)
+    cpu = {"plan": cpu_ms_per_token(out.best.configs, at, scorer)}
+    cpu |= {name: cpu_ms_per_token(sol.configs, out.chunks[sol.chunk_tokens].layers, scorer)
+            for name, sol in out.baselines.items()}
+    return {"predicted_memory_gb": predicted_memory_gb(plan, size, prompt_tokens), "cpu_ms_per_token": cpu}
 
 
 def plan_summary(configs) -> dict:
