@@ -209,9 +209,6 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
             prof, profile_name = _profile(profile, progress)
         trs, traces_path = _traces(model, traces, spec, dtype, progress)
         prompt = _prompt_tokens(model, trs, prompt_tokens)
-        for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
-            if note:  # held until the inputs are known good, so that an error is always the only line
-                log.warning(note)
         cost = prof.cost_model
         n_layers = len(spec.moe_layers)
         chunks = chunk_candidates(prompt, context_length(model)) if trs.chunk is not None else \
@@ -221,6 +218,9 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         ane_bytes = resident_bytes
         if memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
             ane_bytes = min(resident_bytes, ane_budget_bytes(memory_gb, size, max(chunks), prompt))
+        for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
+            if note:  # held until the inputs are known good, so that an error is always the only line
+                log.warning(note)
 
         def scorer_for(backend: str) -> Scorer:
             budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
