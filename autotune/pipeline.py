@@ -40,6 +40,7 @@ from autotune.calibration.traces import (
 )
 from autotune.calibration.workload import encode_text
 from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory
+from autotune.evaluation.gate import Candidate, GateSettings, refusal, run_gate
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -50,7 +51,7 @@ from autotune.profiling.profile import (
 )
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.explain import explain
-from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
+from autotune.searching.optimizer import chunk_candidates, ranked_solutions, solution, solution_plan, timed_search
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
 from autotune.searching.space import LayerData, Scorer, layer_space
@@ -193,14 +194,17 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
            drop_budget: float = 0.10, objective: str = "latency", trials: int = 120, storage: str | None = None,
            resident_mb: float = 16384, saliency: str = "router_weight", seed: int = 0, robust: bool = False,
            prompt_tokens: int | None = None, compress: tuple[str, ...] = ("none",), memory_gb: float | None = None,
-           out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True) -> SearchResult:
+           out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True,
+           gate: GateSettings | None = GateSettings()) -> SearchResult:
     """Tune a plan for `model` on a device profile (a file, a shipped name, or None: this host's, measured quickly
     if missing) against routing traces (None: `traces/<model>.npz`, calibrated if missing); write the plan with
     its report and plots to `out` (default `default_plan_path`). The plan is for prompts of `prompt_tokens`
     (default: the traces'); its chunk size is searched (`chunk_candidates`), and each layer's weight storage among
     `compress` (on a static backend that stores weights compressed: the ANE). `robust`: keep the plan of least
     worst-case regret under perturbed profiles instead of the nominal best (the report carries the robustness
-    either way). `memory_gb`: a plan predicted to need more (autotune/costing/memory.py) is a violation."""
+    either way). `memory_gb`: a plan predicted to need more (autotune/costing/memory.py) is a violation. `gate`
+    (None: off): measure the cheapest candidates' fidelity and write the cheapest within its limits
+    (autotune.evaluation.gate); none within them raises NpumoeError and writes nothing."""
     with _one_search_per_sqlite(storage):
         spec = read_model_spec(model)
         out = Path(out) if out else default_plan_path(model, profile)
@@ -236,6 +240,14 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
                                         study_prefix=_study_prefix(spec, cost, trs, ane_bytes / 1e6, objective, prompt),
                                         seed=seed, progress=progress)
         outcome.best, robustness = assess(outcome, scorer, pick=robust)
+        gated = None
+        if gate is not None:
+            sols, gated = _gate(model, outcome, scorer, spec, saliency, gate, dtype, progress)
+            if gated["chosen"] is None:
+                raise refusal(gated)
+            if gated["chosen"]["index"]:  # the gate passed over the search's pick: report and plan are its choice
+                outcome.best = sols[gated["chosen"]["index"]]
+                robustness = assess(outcome, scorer, pick=False)[1]
         chunk_tokens = outcome.best.chunk_tokens
         layers = outcome.chunks[chunk_tokens].layers
         calib_chunks = sum(int(t) for t in layers[0].tokens) / chunk_tokens  # figures per chunk of chunk_tokens
@@ -248,6 +260,7 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
         add_cpu_figures(report, outcome, layers, scorer)
         report["robustness"] = robustness.to_json()
+        report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
                                             "predicted_cpu_ms_per_token")}
         predicted["label"] = "predicted by the cost model of profile " + profile_name
@@ -255,7 +268,8 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                               "drop_budget": drop_budget, "objective": objective, "robust": robust,
                               "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": memory_gb,
-                              "decisions": [c.to_json() for c in outcome.best.configs]})
+                              "decisions": [c.to_json() for c in outcome.best.configs],
+                              **({"gate": _gate_meta(gated)} if gated else {})})
         memory = predict_memory(plan, size, prompt)
         if memory_gb is not None and memory.total > memory_gb * 1e9:
             raise NpumoeError(f"--memory-gb {memory_gb:g}: the best plan within the drop budget needs "
@@ -293,6 +307,36 @@ def _prompt_tokens(model: str, traces: Traces, given: int | None) -> int:
         raise NpumoeError(f"--prompt-tokens {given}: these traces hold counts per {traces.prompt_tokens}-token "
                           "prompt only (synthetic); they cannot be cut into other prompts")
     return prompt
+
+
+def _gate(model: str, outcome, scorer: Scorer, spec, saliency: str, settings: GateSettings, dtype: str,
+          progress: bool) -> tuple[list, dict]:
+    """The fidelity gate over the search's cheapest whole-plan candidates (its pick first, then
+    `ranked_solutions`), each compressed one followed by the same plan uncompressed: a group stays compressed only
+    where the gate holds."""
+    sols = []
+    for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
+        layers = outcome.chunks[sol.chunk_tokens].layers
+        plain = [dataclasses.replace(c, compress="none") for c in sol.configs]
+        for s in (sol, solution(plain, layers, scorer, sol.exact_partial) if plain != sol.configs else None):
+            if s is not None and not any((t.chunk_tokens, t.exact_partial, t.configs) ==
+                                         (s.chunk_tokens, s.exact_partial, s.configs) for t in sols):
+                sols.append(s)
+    sols = sols[:settings.candidates]
+    candidates = []
+    for sol in sols:
+        layers = outcome.chunks[sol.chunk_tokens].layers
+        per_chunk = sum(int(t) for t in layers[0].tokens) / sol.chunk_tokens
+        candidates.append(Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency),
+                                    sol.latency_ms / per_chunk))
+    return sols, run_gate(model, candidates, settings, dtype=dtype, progress=progress)
+
+
+def _gate_meta(gated: dict) -> dict:
+    """The chosen candidate's measured fidelity, as the plan keeps it."""
+    chosen = gated["chosen"]
+    return {"label": gated["label"], "tokens": gated["tokens"], "text": gated["text"],
+            **{k: chosen[k] for k in ("ppl_delta", "top1", "kl")}}
 
 
 def _storage(url: str | None):

@@ -80,6 +80,8 @@ non_negative_float = _bounded(_float, lambda x: x >= 0, "a non-negative number",
                               "A finite number >= 0 (a sampling temperature: 0 is greedy).")
 port_number = _bounded(_int, lambda n: 0 <= n <= 65535, "in [0, 65535]", "port_number",
                        "A TCP port (0: any free one).")
+unit_fraction = _bounded(_float, lambda x: 0.0 <= x <= 1.0, "in [0, 1]", "unit_fraction",
+                         "A share in [0, 1] (an agreement rate).")
 fraction_below_one = _bounded(_float, lambda x: 0.0 <= x < 1.0, "in [0, 1)", "fraction_below_one",
                               "A share in [0, 1) (a drop budget: 0 allowed, 1 would allow dropping everything).")
 

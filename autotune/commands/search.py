@@ -9,6 +9,7 @@ from autotune.calibration.traces import default_traces_path
 from autotune.commands.argtypes import (
     choice_list,
     fraction_below_one,
+    non_negative_float,
     non_negative_int,
     output_file,
     positive_float,
@@ -16,6 +17,7 @@ from autotune.commands.argtypes import (
     require_output,
     storage_url,
     traces_file,
+    unit_fraction,
 )
 from autotune.commands.common import (
     add_dtype_argument,
@@ -24,6 +26,7 @@ from autotune.commands.common import (
     apply_threads,
     print_json,
 )
+from autotune.evaluation import gate
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
 from runtime.plan import COMPRESSIONS, SALIENCY_RULES
@@ -53,9 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, metavar="N",
                    help="the prompt length the plan is for (default: the traces'); the chunk size is searched among "
                         "256..4096 tokens (powers of two, at most N and the model's context)")
-    p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=("none",), metavar="K1,K2",
+    p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=None, metavar="K1,K2",
                    help=f"weight storage the search may give each layer's ANE groups, among {','.join(COMPRESSIONS)} "
-                        "(default none: fp16; compressed weights change the numbers, so check fidelity)")
+                        "(default: all of them, a group kept compressed only where the fidelity gate holds; with "
+                        "--no-gate: none, fp16)")
     p.add_argument("--memory-gb", type=positive_float, metavar="X",
                    help="the most memory the plan may need (predicted: CPU-side weights + ANE packages + one chunk's "
                         "activations + KV cache at the prompt length + the runtime); a plan over it is a violation, "
@@ -69,8 +73,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--robust", action="store_true",
                    help="pick the plan with the least worst-case latency regret when the profile is off (ANE call "
                         "cost x0.5/x2, compute per GFLOP x0.7/x1.3 per backend) instead of the nominal best")
+    p.add_argument("--no-gate", action="store_true",
+                   help="skip the fidelity gate: write the search's pick from config and routers alone, unmeasured")
+    p.add_argument("--gate-candidates", type=positive_int, default=gate.CANDIDATES, metavar="K",
+                   help="the fidelity gate measures the K cheapest candidates that meet the drop budget on held-out "
+                        "text, ane groups on ane-sim, and writes the cheapest within its limits "
+                        f"(default {gate.CANDIDATES})")
+    p.add_argument("--max-ppl-delta", type=non_negative_float, default=100 * gate.MAX_PPL_DELTA, metavar="PCT",
+                   help="gate limit: perplexity at most PCT percent above the unmodified model's "
+                        f"(default {100 * gate.MAX_PPL_DELTA:g})")
+    p.add_argument("--min-top1", type=unit_fraction, default=gate.MIN_TOP1, metavar="X",
+                   help=f"gate limit: top-1 next-token agreement with the unmodified model at least X (default "
+                        f"{gate.MIN_TOP1:g})")
+    p.add_argument("--gate-tokens", type=positive_int, default=gate.GATE_TOKENS, metavar="N",
+                   help=f"held-out tokens ({gate.GATE_TEXT}) each gate candidate runs (default {gate.GATE_TOKENS})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+def gate_settings(args: argparse.Namespace) -> gate.GateSettings | None:
+    if args.no_gate:
+        return None
+    return gate.GateSettings(args.gate_candidates, gate.GateLimits(args.max_ppl_delta / 100, args.min_top1),
+                             args.gate_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
                                   storage=args.storage, resident_mb=args.resident_mb, saliency=args.saliency,
                                   seed=args.seed, robust=args.robust, prompt_tokens=args.prompt_tokens,
                                   memory_gb=args.memory_gb,
-                                  compress=args.compress, out=out, dtype=args.dtype,
-                                  progress=not args.json)
+                                  compress=args.compress or (COMPRESSIONS if not args.no_gate else ("none",)),
+                                  out=out, dtype=args.dtype, progress=not args.json, gate=gate_settings(args))
     if args.json:
         print_json(result.report)
     else:

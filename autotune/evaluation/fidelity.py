@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,49 +14,88 @@ from runtime.prefill import prefill_chunks
 ROWS = 64  # positions whose full-vocabulary logits are compared at once
 
 
+@dataclass
+class _Tally:
+    """One plan's sums over the positions compared so far."""
+    nll: float = 0.0
+    agree: int = 0
+    kl: float = 0.0
+    diff: float = 0.0  # this prompt's max |plan - reference| logit
+    worst: float = 0.0  # max over prompts of diff / the prompt's max |reference| logit
+
+
 def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int, progress: bool = True) -> dict:
-    """Perplexity of the model under `executor`'s plan and without it, top-1 next-token agreement, logits' max
-    relative difference, and the executor's measured drop and spill rates, over prompts of `prompt_tokens`
-    prefilled in the plan's chunks. The plan is installed or not afterwards as it was before."""
-    model, plan = executor.model, executor.plan
-    nll_ref = nll_plan = 0.0
-    agree = predicted = 0
-    worst = 0.0
+    """Perplexity of the model under `executor`'s plan and without it, top-1 next-token agreement, mean KL
+    divergence, logits' max relative difference, and the executor's measured drop and spill rates, over prompts of
+    `prompt_tokens` prefilled in the plan's chunks. The plan is installed or not afterwards as it was before."""
+    result = compare_plans([executor], ids, prompt_tokens, progress)[0]
+    total = executor.stats.total()
+    return {**result, "drop_rate": total.dropped / max(1, total.assignments),
+            "spill_rate": total.spilled / max(1, total.assignments),
+            "padding_fraction": total.padding_fraction, "assignments": total.assignments,
+            "tokens_per_backend": dict(total.tokens_per_backend), "calls_per_backend": dict(total.calls_per_backend),
+            "backend_fallbacks": executor.fallbacks}
+
+
+def compare_plans(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: int,
+                  progress: bool = True) -> list[dict]:
+    """Each executor's plan (all on one model) against the unmodified model, on the same prompts: the reference
+    runs once per chunk size and prompt, side by side with every plan of that chunk size."""
+    out: list[dict] = [{} for _ in executors]
+    by_chunk: dict[int, list[int]] = {}
+    for i, ex in enumerate(executors):
+        by_chunk.setdefault(ex.plan.chunk_tokens, []).append(i)
+    for chunk, which in by_chunk.items():
+        for i, figures in zip(which, _compare(
+                [executors[i] for i in which], ids, prompt_tokens, chunk, progress)):
+            out[i] = figures
+    return out
+
+
+def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: int, chunk: int,
+             progress: bool) -> list[dict]:
+    model = executors[0].model
+    tallies = [_Tally() for _ in executors]
+    nll_ref, predicted = 0.0, 0
     starts = list(range(0, ids.numel() - 1, prompt_tokens))
     for start in tqdm(starts, desc="evaluate", unit="prompt", disable=not progress):
         prompt = ids[start:start + prompt_tokens]
         if prompt.numel() < 2:
             continue
-        # Chunk by chunk, the unmodified model and the planned one side by side (each with its own cache): only
+        # Chunk by chunk, the unmodified model and each planned one side by side (each with its own cache): only
         # one chunk's logits of each are held, never the prompt's [tokens, vocab].
-        ref_chunks, plan_chunks = (prefill_chunks(model, prompt, plan.chunk_tokens) for _ in range(2))
-        diff = scale = 0.0
+        ref_chunks = prefill_chunks(model, prompt, chunk)
+        plan_chunks = [prefill_chunks(model, prompt, chunk) for _ in executors]
+        scale = 0.0
         with torch.inference_mode():
-            for s in range(0, prompt.numel(), plan.chunk_tokens):
-                with executor.applied(False):
+            for s in range(0, prompt.numel(), chunk):
+                with executors[0].applied(False):
                     ref_out = next(ref_chunks)
-                with executor.applied(True):
-                    got_out = next(plan_chunks)
+                outs = []
+                for ex, gen in zip(executors, plan_chunks):
+                    with ex.applied(True):
+                        outs.append(next(gen))
                 n = ref_out.logits.shape[1]
                 for r in range(0, n, ROWS):  # fp32 temporaries for ROWS positions at a time, not the chunk's
                     ref = ref_out.logits[0, r:r + ROWS].float()
-                    got = got_out.logits[0, r:r + ROWS].float()
+                    ref_logp = F.log_softmax(ref, -1)
                     target = prompt[s + r + 1:s + min(n, r + ROWS) + 1]
-                    nll_ref += float(F.cross_entropy(ref[:target.numel()], target, reduction="sum"))
-                    nll_plan += float(F.cross_entropy(got[:target.numel()], target, reduction="sum"))
-                    agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-                    diff, scale = max(diff, float((got - ref).abs().max())), max(scale, float(ref.abs().max()))
-                del ref_out, got_out
+                    nll_ref += float(F.nll_loss(ref_logp[:target.numel()], target, reduction="sum"))
+                    top1, scale = ref.argmax(-1), max(scale, float(ref.abs().max()))
+                    for t, o in zip(tallies, outs):
+                        got = o.logits[0, r:r + ROWS].float()
+                        logp = F.log_softmax(got, -1)
+                        t.nll += float(F.nll_loss(logp[:target.numel()], target, reduction="sum"))
+                        t.agree += int((top1 == got.argmax(-1)).sum())
+                        t.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())  # KL(reference || plan)
+                        t.diff = max(t.diff, float((got - ref).abs().max()))
+                del ref_out, outs
         predicted += prompt.numel()
-        worst = max(worst, diff / max(scale, 1e-30))
+        for t in tallies:
+            t.worst, t.diff = max(t.worst, t.diff / max(scale, 1e-30)), 0.0
     n = predicted - len(starts)  # next-token targets
-    total = executor.stats.total()
-    ppl_ref, ppl_plan = math.exp(nll_ref / n), math.exp(nll_plan / n)
-    return {"tokens": int(predicted), "prompts": len(starts), "ppl_reference": ppl_ref, "ppl_plan": ppl_plan,
-            "ppl_delta_rel": ppl_plan / ppl_ref - 1.0, "top1_agreement": agree / predicted,
-            "max_rel_diff_vs_reference": worst,
-            "drop_rate": total.dropped / max(1, total.assignments),
-            "spill_rate": total.spilled / max(1, total.assignments),
-            "padding_fraction": total.padding_fraction, "assignments": total.assignments,
-            "tokens_per_backend": dict(total.tokens_per_backend), "calls_per_backend": dict(total.calls_per_backend),
-            "backend_fallbacks": executor.fallbacks}
+    ppl_ref = math.exp(nll_ref / n)
+    return [{"tokens": int(predicted), "prompts": len(starts), "ppl_reference": ppl_ref,
+             "ppl_plan": math.exp(t.nll / n), "ppl_delta_rel": math.exp(t.nll / n) / ppl_ref - 1.0,
+             "top1_agreement": t.agree / predicted, "kl_mean": t.kl / predicted,
+             "max_rel_diff_vs_reference": t.worst} for t in tallies]

@@ -109,6 +109,8 @@ def format_report(r: dict) -> str:
                          f"{rob['nominal_max_regret']:.2%}")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
+    if r.get("gate"):
+        lines += format_gate(r["gate"])
     if r.get("explanation"):
         shown = r["explanation"][:EXPLANATION_LINES]
         more = len(r["explanation"]) - len(shown)
@@ -181,3 +183,19 @@ def plot_pareto(report: dict, path: str | os.PathLike) -> None:
 def sidecar(plan_path: str | os.PathLike, suffix: str) -> Path:
     p = Path(plan_path)
     return p.with_name(p.stem + suffix)
+
+
+def format_gate(gate: dict) -> list[str]:
+    """The fidelity gate's table: each candidate's predicted time and measured fidelity, and the one chosen."""
+    limits = gate["limits"]
+    lines = [f"fidelity gate ({gate['label']}; limits: perplexity delta <= {limits['max_ppl_delta']:.2%}, top-1 >= "
+             f"{limits['min_top1']:g}; {gate['seconds']:.1f} s):",
+             f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<26} "
+             f"{'compressed':<18} passed"]
+    for c in gate["candidates"]:
+        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or "none (all CPU)"
+        packed = ", ".join(f"{n} {k}" for k, n in c["compressed_groups"].items()) or "-"
+        chosen = " <- chosen" if gate["chosen"] and gate["chosen"]["index"] == c["index"] else ""
+        lines.append(f"  {c['index']:>2} {c['predicted_ms']:>12.4f} {c['ppl_delta']:>+10.3%} {c['top1']:>7.4f} "
+                     f"{c['kl']:>9.2e} {groups:<26} {packed:<18} {'yes' if c['passed'] else 'no'}{chosen}")
+    return lines

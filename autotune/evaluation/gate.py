@@ -1,0 +1,144 @@
+"""The fidelity gate of `autotune search`: a plan is written only after its accuracy was measured.
+
+The search judges plans by a proxy (held-out overflow counted on routing traces). The gate takes the search's
+cheapest candidates that meet the proxy, runs each on held-out text with its `ane` groups on `ane-sim` (what the
+ANE function computes: fp16, compressed weights as Core ML stores them), and measures it against the unmodified
+model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
+within the limits; when none is, nothing is written and the closest candidate is named. An all-CPU candidate runs
+what the model runs, so its figures are exact.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from autotune.calibration.texts import DEFAULT_EVAL_TEXT
+from autotune.calibration.workload import encode_text
+from autotune.evaluation.fidelity import compare_plans
+from runtime.coreml.ane_sim import AneSimBackend
+from runtime.errors import NpumoeError
+from runtime.executor import PlanExecutor
+from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.model_loader import load_model
+from runtime.plan import Plan
+
+CANDIDATES = 4  # the cheapest candidates meeting the proxy that the gate measures
+MAX_PPL_DELTA = 0.01  # perplexity of the plan / of the unmodified model - 1, at most
+MIN_TOP1 = 0.99  # top-1 next-token agreement with the unmodified model, at least
+GATE_TOKENS = 4096  # held-out tokens each candidate runs
+GATE_TEXT = DEFAULT_EVAL_TEXT
+PROMPT_TOKENS = 1024  # as `autotune evaluate` prompts: its figures and the gate's are comparable
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    max_ppl_delta: float = MAX_PPL_DELTA
+    min_top1: float = MIN_TOP1
+
+    def passes(self, ppl_delta: float, top1: float) -> bool:
+        return ppl_delta <= self.max_ppl_delta and top1 >= self.min_top1
+
+    def shortfall(self, ppl_delta: float, top1: float) -> float:
+        """How far past the limits, each relative to its own slack (<= 0 within both)."""
+        return max((ppl_delta - self.max_ppl_delta) / max(self.max_ppl_delta, 1e-9),
+                   (self.min_top1 - top1) / max(1.0 - self.min_top1, 1e-9))
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What `autotune search` gates with (`--gate-candidates`, `--max-ppl-delta`, `--min-top1`, `--gate-tokens`,
+    `--gate-text`)."""
+    candidates: int = CANDIDATES
+    limits: GateLimits = GateLimits()
+    tokens: int = GATE_TOKENS
+    text: str = GATE_TEXT
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    predicted_ms: float  # per chunk, all MoE layers: predicted by the cost model
+
+
+def _summary(plan: Plan) -> dict:
+    """What a candidate puts where: static groups per backend, compressed groups per kind."""
+    groups = [g for lp in plan.layers for g in lp.groups]
+    backends, compress = {}, {}
+    for g in groups:
+        backends[g.backend] = backends.get(g.backend, 0) + 1
+        if g.compression != "none":
+            compress[g.compression] = compress.get(g.compression, 0) + 1
+    return {"static_groups": backends, "compressed_groups": compress, "overflow": plan.overflow,
+            "chunk_tokens": plan.chunk_tokens}
+
+
+@contextmanager
+def _said_once(logger: logging.Logger) -> Iterator[None]:
+    """Each distinct message once: K candidates falling back the same way are one line, not K."""
+    seen: set[str] = set()
+
+    def once(record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        new = msg not in seen
+        seen.add(msg)
+        return new
+
+    logger.addFilter(once)
+    try:
+        yield
+    finally:
+        logger.removeFilter(once)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def run_gate(model: str, candidates: list[Candidate], settings: GateSettings = GateSettings(), *,
+             dtype: str = "auto", progress: bool = True) -> dict:
+    """Measure every candidate (cheapest first) on the first `settings.tokens` tokens of `settings.text` against the
+    unmodified model; returns the gate's JSON: `candidates` (predicted_ms, ppl_delta, top1, kl, passed, ...),
+    `chosen` (the cheapest passing one, with its `index`; None when none passes) and what the gate cost."""
+    t0 = time.perf_counter()
+    loaded, tokenizer = load_model(model, dtype)
+    limits, text = settings.limits, settings.text
+    ids = encode_text(tokenizer, text, settings.tokens)
+    check_token_ids(loaded, ids)
+    sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
+    with _said_once(logging.getLogger("npumoe")):
+        executors = [PlanExecutor(loaded, c.plan, sim) for c in candidates]
+    figures = compare_plans(executors, ids, PROMPT_TOKENS, progress)
+    rows = []
+    for i, (c, ex, f) in enumerate(zip(candidates, executors, figures)):
+        total = ex.stats.total()
+        rows.append({"index": i, "predicted_ms": c.predicted_ms, "ppl_delta": f["ppl_delta_rel"],
+                     "top1": f["top1_agreement"], "kl": f["kl_mean"],
+                     "passed": limits.passes(f["ppl_delta_rel"], f["top1_agreement"]),
+                     "drop_rate": total.dropped / max(1, total.assignments),
+                     "calls_per_backend": dict(total.calls_per_backend), **_summary(c.plan)})
+    chosen = next((r for r in rows if r["passed"]), None)
+    return {"label": f"measured: {figures[0]['tokens'] if figures else 0} tokens of {text}, ane groups on ane-sim, "
+                     "against the unmodified model; predicted_ms by the cost model",
+            "text": text, "tokens": figures[0]["tokens"] if figures else 0,
+            "limits": {"max_ppl_delta": limits.max_ppl_delta, "min_top1": limits.min_top1},
+            "candidates": rows, "chosen": chosen, "seconds": round(time.perf_counter() - t0, 2),
+            "peak_rss_mb": round(_peak_rss_mb(), 1)}
+
+
+def refusal(gate: dict) -> NpumoeError:
+    """The one line a search without a passing candidate ends on, naming the closest one and its figures."""
+    limits = GateLimits(**gate["limits"])
+    closest = min(gate["candidates"], key=lambda r: limits.shortfall(r["ppl_delta"], r["top1"]))
+    return NpumoeError(
+        f"no candidate passes the fidelity gate (perplexity delta <= {limits.max_ppl_delta:.2%}, top-1 >= "
+        f"{limits.min_top1:.3f}) over {gate['tokens']} tokens of {gate['text']}: the closest, candidate "
+        f"{closest['index']} (predicted {closest['predicted_ms']:.4f} ms), measured perplexity delta "
+        f"{closest['ppl_delta']:+.2%}, top-1 {closest['top1']:.4f}, mean KL {closest['kl']:.4g}; no plan written "
+        "(a lower --drop-budget, looser --max-ppl-delta/--min-top1, or --no-gate)")
