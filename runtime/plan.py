@@ -80,6 +80,15 @@ class Group(_Strict):
         return sum(self.capacities)
 
 
+class WindowSpread(_Strict):
+    """How a layer's overflow rate varies between windows of `window_chunks` consecutive held-out chunks (every
+    full window of the held-out chunks, in order): the drift monitor's yardstick for one window's rate."""
+    window_chunks: PositiveInt
+    windows: PositiveInt
+    mean: Fraction
+    sd: Annotated[float, Field(ge=0.0)]
+
+
 class LayerCalibration(_Strict):
     """What the search saw on this layer's traces (optional; plans made before it lack it). The runtime's drift
     monitor compares a run's routing against it."""
@@ -87,6 +96,7 @@ class LayerCalibration(_Strict):
     # share of held-out assignments past their expert's capacity: dropped under `overflow: drop`, spilled under
     # `overflow: spill`
     heldout_overflow_rate: Fraction
+    heldout_window_spread: WindowSpread | None = None  # optional; absent when held-out chunks fill no window
 
 
 class LayerPlan(_Strict):
@@ -119,6 +129,15 @@ class Plan(_Strict):
         if not self.calibrated:
             return None
         return sum(lp.calibration.heldout_overflow_rate for lp in self.layers) / len(self.layers)
+
+    def window_spread(self) -> tuple[float, float] | None:
+        """(mean, sd) of a plan-wide window's overflow rate: the layers' means averaged, and their sds averaged
+        (the sd of an average of correlated rates is at most the average sd: the layers see the same text); None
+        where a layer lacks the spread."""
+        if not self.calibrated or any(lp.calibration.heldout_window_spread is None for lp in self.layers):
+            return None
+        spreads = [lp.calibration.heldout_window_spread for lp in self.layers]
+        return sum(s.mean for s in spreads) / len(spreads), sum(s.sd for s in spreads) / len(spreads)
 
     def layer(self, index: int) -> LayerPlan:
         for lp in self.layers:

@@ -34,7 +34,8 @@ from autotune.calibration.traces import Traces
 from autotune.costing.costmodel import CostModel, HostCosts
 from runtime.backends import registry
 from runtime.coreml import ane_limits
-from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan
+from runtime.drift import WINDOW_CHUNKS
+from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan, WindowSpread
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
@@ -349,13 +350,29 @@ def layer_plan(data: LayerData, cfg: LayerConfig, backend: str) -> LayerPlan:
     return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=cold)
 
 
-def overflow(lp: LayerPlan, loads: np.ndarray) -> int:
-    """Assignments past their expert's capacity, summed over chunks of `loads` ([chunks, E])."""
+def chunk_overflow(lp: LayerPlan, loads: np.ndarray) -> np.ndarray:
+    """Assignments past their expert's capacity in each chunk of `loads` ([chunks, E])."""
     if not lp.groups:
-        return 0
+        return np.zeros(loads.shape[0], dtype=np.int64)
     experts = [e for g in lp.groups for e in g.experts]
     caps = np.array([c for g in lp.groups for c in g.capacities])
-    return int(np.maximum(loads[:, experts] - caps, 0).sum())
+    return np.maximum(loads[:, experts] - caps, 0).sum(1)
+
+
+def overflow(lp: LayerPlan, loads: np.ndarray) -> int:
+    """Assignments past their expert's capacity, summed over chunks of `loads` ([chunks, E])."""
+    return int(chunk_overflow(lp, loads).sum())
+
+
+def window_spread(lp: LayerPlan, loads: np.ndarray, window: int = WINDOW_CHUNKS) -> WindowSpread | None:
+    """Mean and sd of the overflow rate over every full window of `window` consecutive chunks of `loads` (the
+    drift monitor's window, slid one chunk at a time); None when there are fewer chunks than a window."""
+    if loads.shape[0] < window:
+        return None
+    over = np.concatenate([[0], np.cumsum(chunk_overflow(lp, loads))])
+    total = np.concatenate([[0], np.cumsum(loads.sum(1))])
+    rates = (over[window:] - over[:-window]) / np.maximum(1, total[window:] - total[:-window])
+    return WindowSpread(window_chunks=window, windows=len(rates), mean=float(rates.mean()), sd=float(rates.std()))
 
 
 SHARE_DIGITS = 6
@@ -365,7 +382,8 @@ def calibration(data: LayerData, lp: LayerPlan) -> LayerCalibration:
     """The layer's calibration load shares and its overflow rate on held-out chunks, for the plan file."""
     shares = data.calib.sum(0) / max(1, data.calib.sum())
     return LayerCalibration(load_shares=np.round(shares, SHARE_DIGITS).tolist(),
-                            heldout_overflow_rate=overflow(lp, data.heldout) / max(1, int(data.heldout.sum())))
+                            heldout_overflow_rate=overflow(lp, data.heldout) / max(1, int(data.heldout.sum())),
+                            heldout_window_spread=window_spread(lp, data.heldout))
 
 
 def violation(lp: LayerPlan, backend: str, hidden: int, ffn: int, resident_bytes_budget: float) -> float:
