@@ -27,12 +27,14 @@ def _slow_cpu_profile(path):
 
 @pytest.mark.slow
 def test_gate_reports_measured_candidates_and_writes_the_cheapest_passing(workdir, capsys):
+    _slow_cpu_profile(workdir / "slow-cpu.json")  # ane groups in every candidate, compressed ones among them
     out = workdir / "gated.json"
-    assert main(_search(workdir, out, "--max-ppl-delta", "100", "--min-top1", "0")) == 0
+    assert main(_search(workdir, out, "--max-ppl-delta", "100", "--min-top1", "0", profile="slow-cpu.json")) == 0
     gate = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gate"]
     assert gate["label"].startswith("measured") and gate["tokens"] == 512
     rows = gate["candidates"]
     assert 1 < len(rows) <= 4 and gate["chosen"]["index"] == 0 and gate["chosen"]["passed"]
+    assert any(r["static_groups"].get("ane") for r in rows)
     for r in rows:
         assert 0.0 <= r["top1"] <= 1.0 and r["kl"] >= 0.0 and isinstance(r["passed"], bool)
         if r["static_groups"].get("ane"):  # its ane groups ran on ane-sim
