@@ -77,7 +77,6 @@ def _summary(plan: Plan) -> dict:
             "chunk_tokens": plan.chunk_tokens}
 
 
-
 @contextmanager
 def _silenced(logger: logging.Logger) -> Iterator[None]:
     """The gate's text is its own choice, not the user's workload: routing that differs from the calibration text
@@ -87,6 +86,7 @@ def _silenced(logger: logging.Logger) -> Iterator[None]:
         yield
     finally:
         logger.disabled = disabled
+
 
 @contextmanager
 def _said_once(logger: logging.Logger) -> Iterator[None]:
