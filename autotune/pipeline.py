@@ -39,7 +39,7 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory
+from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory, simulated_functions
 from autotune.evaluation.gate import Candidate, GateSettings, refusal, run_gate
 from autotune.profiling.profile import (
     Profile,
@@ -477,7 +477,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     # run keeps [tokens, vocab] fp32 logits (twice with the reference)
     result["memory"] = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
                                         logits_rows=n * (2 if reference else 1),
-                                        ane_simulated=executor.fallbacks.get("ane") is not None)
+                                        ane_simulated=simulated_functions(executor.fallbacks))
     result["plan_predicted"] = plan_predictions(loaded.plan)
     return result
 

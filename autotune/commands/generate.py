@@ -23,7 +23,7 @@ from autotune.commands.common import (
     apply_threads,
     print_json,
 )
-from autotune.costing.memory import against_measured
+from autotune.costing.memory import against_measured, simulated_functions
 from runtime.errors import NpumoeError
 from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         result["memory"] = against_measured(loaded.plan, loaded.model,
                                             result["prompt_tokens"] + result["generated_tokens"],
                                             int(result["peak_rss_mb"] * 2**20),
-                                            ane_simulated=loaded.executor.fallbacks.get("ane") is not None)
+                                            ane_simulated=simulated_functions(loaded.executor.fallbacks))
         result["plan_predicted"] = pipeline.plan_predictions(loaded.plan)
     if args.record_traces:
         result["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,

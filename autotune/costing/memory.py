@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.backends.registry import registry
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
@@ -94,6 +95,16 @@ def model_size(name: str, dtype: str = "auto") -> ModelSize:
     return ModelSize.of(meta_skeleton(model_dir(name)), d)
 
 
+def is_coreml_function(backend: str) -> bool:
+    """Groups on this backend are Core ML functions held in a package (the backends with the ANE's limits)."""
+    return registry.get(backend).limits is not None
+
+
+def simulated_functions(fallbacks: dict[str, str]) -> bool:
+    """A run's Core ML groups run on a host stand-in (an executor's `fallbacks`: planned backend -> the one used)."""
+    return any(is_coreml_function(name) for name in fallbacks)
+
+
 def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
     """Bytes of the plan's ANE packages: each distinct (layer, expert) of an `ane` group once, as its group
     compresses it. `simulated`: the ane groups run on the host's simulator instead, which holds every one of those
@@ -102,7 +113,7 @@ def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
     stored: dict[tuple[int, int], int] = {}
     for lp in plan.layers:
         for g in lp.groups:
-            if g.backend == "ane":
+            if is_coreml_function(g.backend):
                 for e in g.experts:
                     stored[(lp.layer, e)] = ane_limits.expert_weight_bytes(h, f, "none" if simulated else
                                                                            g.compression)
