@@ -215,6 +215,13 @@ def _pareto(cost: np.ndarray, drops: np.ndarray) -> np.ndarray:
     return order[keep]
 
 
+def usable(space: Space, cands: Candidates, policy: str) -> np.ndarray:
+    """Which candidate decisions a plan with this overflow policy may take: within the limits, and either of the
+    policy or with nothing resident (the policy does not apply)."""
+    return (cands.scores.violation == 0) & ((space.column(cands.rows, "overflow") == policy) |
+                                            (space.column(cands.rows, "resident") == 0))
+
+
 def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int) -> list[int] | None:
     """Pick one candidate per layer minimising total cost with total held-out drops <= budget (exact DP over each
     layer's Pareto front; infinite cost = not allowed). Returns chosen indices, or None when nothing fits."""
@@ -288,8 +295,7 @@ def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, we
             costs, drops = [], []
             for cands in pool:
                 s = cands.scores
-                ok = (s.violation == 0) & ((space.column(cands.rows, "overflow") == ov) |
-                                           (space.column(cands.rows, "resident") == 0))
+                ok = usable(space, cands, ov)
                 lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
                 energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
                 costs.append(np.where(ok, weighted_cost(lat, energy, weights), np.inf))

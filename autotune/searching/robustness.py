@@ -43,6 +43,7 @@ from autotune.searching.optimizer import (
     combine,
     partial_modes,
     solution,
+    usable,
     weighted_cost,
 )
 from autotune.searching.space import Scorer, Space
@@ -271,8 +272,7 @@ def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: in
                     lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
                     energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
                     total += weight * weighted_cost(lat, energy, w)
-                ok = (first.scores.violation == 0) & ((space.column(first.rows, "overflow") == policy) |
-                                                      (space.column(first.rows, "resident") == 0))
+                ok = usable(space, first, policy)
                 costs.append(np.where(ok, total, np.inf))
                 drops.append(first.scores.heldout_drops)
                 rows.append(first.rows)
