@@ -53,7 +53,7 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
         at = exact.chunks[exact.best.chunk_tokens]
         searched = [optuna_layer(d, scorer, space, "latency", trials, None, f"small{seed}:L{d.layer}", seed + d.layer)
                     for d in layers]
-        found = best_plan(at, space, scorer, budget, (1.0, 0.0), pool=searched)
+        found = best_plan(at, space, scorer, budget, (1.0, 0.0, 0.0), pool=searched)
         gaps.append(found.latency_ms / exact.best.latency_ms - 1.0)
     return {"gap_vs_exact": max(gaps), "gap_vs_exact_mean": sum(gaps) / len(gaps), "seeds": seeds}
 
@@ -109,9 +109,8 @@ def memory_and_cpu(out, scorer, spec: dict, shape: str, prompt_tokens: int) -> d
     size = ModelSize.of_config(config, 2)
     at = out.chunks[out.best.chunk_tokens].layers
     plan = solution_plan(out.best, at, scorer, spec)
-    cpu = {"plan": cpu_ms_per_token(out.best.configs, at, scorer)}
-    cpu |= {name: cpu_ms_per_token(sol.configs, out.chunks[sol.chunk_tokens].layers, scorer)
-            for name, sol in out.baselines.items()}
+    cpu = {"plan": cpu_ms_per_token(out.best, at)}
+    cpu |= {name: cpu_ms_per_token(sol, out.chunks[sol.chunk_tokens].layers) for name, sol in out.baselines.items()}
     return {"predicted_memory_gb": predicted_memory_gb(plan, size, prompt_tokens), "cpu_ms_per_token": cpu}
 
 

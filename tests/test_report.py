@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from helpers import random_model
 
-from autotune.searching.optimizer import SearchOutcome, Solution
+from autotune.searching.optimizer import SearchOutcome, Solution, solution
 from autotune.searching.report import (
     format_report,
     plot_pareto,
@@ -41,11 +41,11 @@ def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
     scorer = Scorer(apple_like(), SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)
     out = _outcome()
-    out.best.configs = [LayerConfig(2, 2) for _ in layers]  # 2 experts per layer on the ANE: off the CPU
-    out.baselines["cpu_only"].configs = [LayerConfig(0) for _ in layers]
-    out.baselines["paper_heuristic"].configs = [LayerConfig(4, 4) for _ in layers]
+    out.best = solution([LayerConfig(2, 2) for _ in layers], layers, scorer)  # 2 experts per layer on the ANE
+    out.baselines["cpu_only"] = solution([LayerConfig(0) for _ in layers], layers, scorer)
+    out.baselines["paper_heuristic"] = solution([LayerConfig(4, 4) for _ in layers], layers, scorer)
     r = search_report(out, calib_chunks=4, heldout_assignments=100, seconds=1.5, context={})
-    add_cpu_figures(r, out, layers, scorer)
+    add_cpu_figures(r, out, layers)
     all_cpu = sum(float(scorer.cost.exact_ms(d.calib, SMALL["hidden_size"], SMALL["expert_ffn_size"]).sum())
                   for d in layers) / int(layers[0].tokens.sum())  # the 8 calibration chunks of 64
     assert r["baseline_details"]["cpu_only"]["predicted_cpu_ms_per_token"] == pytest.approx(all_cpu)

@@ -151,6 +151,8 @@ def test_bulk_scores_equal_the_plan_entry_through_the_cost_model(backend, prompt
         assert got.latency_ms == pytest.approx(ref.latency_ms, rel=1e-9)
         assert got.partial_ms == pytest.approx(ref.partial_ms, rel=1e-9, abs=1e-12)
         assert got.energy_mj == pytest.approx(ref.energy_mj, rel=1e-9)
+        assert got.cpu_ms == pytest.approx(ref.cpu_ms, rel=1e-9)
+        assert got.partial_cpu_ms == pytest.approx(ref.partial_cpu_ms, rel=1e-9, abs=1e-12)
         assert (got.heldout_drops, got.violation) == (ref.heldout_drops, pytest.approx(ref.violation))
     assert (bulk.violation > 0).any() and (bulk.violation == 0).any()  # the resident budget binds some
 

@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max share of assignments dropped on held-out traces (default 0.10)")
     p.add_argument("--objective", choices=OBJECTIVES, default="latency",
                    help="what the search minimises (predicted by the profile's cost model); both: the Pareto front "
-                        "of latency and energy (default latency)")
+                        "of latency and energy; cpu: CPU-busy time (the paper's CPU cycles; latency breaks ties) "
+                        "(default latency)")
     p.add_argument("--trials", type=positive_int, default=120, metavar="N",
                    help="Optuna trials per MoE layer (default 120)")
     p.add_argument("--storage", type=storage_url, metavar="URL",

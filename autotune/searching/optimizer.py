@@ -30,15 +30,19 @@ from autotune.searching.space import (
     Scorer,
     Scores,
     Space,
+    Weights,
     calibration,
     heuristic_config,
     layer_plan,
+    total_score,
+    weighted_cost,
 )
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 
-OBJECTIVES = ("latency", "energy", "both")  # both: the Pareto front of latency and energy
+OBJECTIVES = ("latency", "energy", "both", "cpu")  # both: the Pareto front of latency and energy; cpu: CPU-busy time
+CPU_TIE_BREAK = 1e-3  # --objective cpu: latency's weight, relative to CPU-busy time's
 EXACT_LIMIT = 400_000  # enumerate a layer's space when it has at most this many decisions
 DP_MAX_BUDGET = 200_000  # drop units of the dynamic program; larger budgets are coarsened conservatively
 CHUNK_CHOICES = tuple(2 ** i for i in range(8, 13))  # 256 .. 4096 tokens
@@ -73,6 +77,7 @@ class Solution:
     heldout_drops: int
     chunk_tokens: int = 0
     exact_partial: bool = False  # prompts' last, partial chunks run on the exact path (else padded static calls)
+    cpu_ms: float = 0.0  # predicted CPU-busy time, summed over calibration chunks
 
 
 @dataclass
@@ -81,7 +86,6 @@ class ChunkSearch:
     chunk_tokens: int
     layers: list[LayerData]
     pool: list[Candidates]  # per layer
-    partial_exact: tuple[float, float | None]  # (ms, mJ) of every partial chunk run exactly, all layers
     best: Solution | None = None
 
 
@@ -95,7 +99,7 @@ class SearchOutcome:
     exact_layers: int = 0
     chunks: dict[int, ChunkSearch] = field(default_factory=dict)  # every chunk size searched
     drop_budget: int = 0  # held-out drops allowed, in assignments
-    weights: tuple[float, float] = (1.0, 0.0)  # the (latency, energy) weights that chose `best`
+    weights: Weights = (1.0, 0.0, 0.0)  # the (latency, energy, CPU-busy time) weights that chose `best`
     space: Space | None = None
 
     @property
@@ -106,7 +110,7 @@ class SearchOutcome:
 
 def _objectives(score, objective: str) -> tuple:
     costs = {"latency": (score.latency_ms,), "energy": (score.energy_mj,),
-             "both": (score.latency_ms, score.energy_mj)}[objective]
+             "both": (score.latency_ms, score.energy_mj), "cpu": (score.cpu_ms,)}[objective]
     return (*costs, float(score.heldout_drops))
 
 
@@ -200,13 +204,6 @@ def largest_groups(space: Space, cands: Candidates) -> Candidates:
     return Candidates(cands.rows[first], cands.scores.take(first))
 
 
-def weighted_cost(latency_ms, energy_mj, weights: tuple[float, float]):
-    """The scalar cost of decisions or a plan: weights on (latency, energy), each normalised by the caller
-    (energy counts only where it is weighted: it may be None otherwise). Numbers or arrays."""
-    wl, we = weights
-    return wl * latency_ms + (we * energy_mj if we else 0.0)
-
-
 def _pareto(cost: np.ndarray, drops: np.ndarray) -> np.ndarray:
     """Indices not dominated in (cost, drops), by increasing drops."""
     order = np.lexsort((cost, drops))
@@ -261,17 +258,17 @@ def solution(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer
     scores = [scorer.score(d, c) for d, c in zip(layers, configs)]
     energies = [scorer.energy(d, c) for d, c in zip(layers, configs)]
     energy = None if any(e is None for e in energies) else sum(energies)
-    latency = sum(s.latency_ms for s in scores)
-    if exact_partial:
-        ms, mj = map(sum, zip(*(scorer.partial_exact(d) for d in layers))) if all(
-            scorer.partial_exact(d)[1] is not None for d in layers) else (
-            sum(scorer.partial_exact(d)[0] for d in layers), None)
-        latency += ms - sum(s.partial_ms for s in scores)
+    total = total_score(scores)
+    latency, cpu = total.latency_ms, total.cpu_ms
+    if exact_partial:  # the partial chunks' padded static share swapped for their exact cost
+        exact = total_score([scorer.partial_exact(d) for d in layers])
+        latency += exact.latency_ms - total.partial_ms
+        cpu += exact.cpu_ms - total.partial_cpu_ms
         if energy is not None:
-            partial = [scorer.score(d, c).partial_mj for d, c in zip(layers, configs)]
-            energy = None if mj is None or any(p is None for p in partial) else energy + mj - sum(partial)
-    drops = sum(s.heldout_drops for s in scores)
-    return Solution(configs, latency, energy, drops, layers[0].chunk_tokens if layers else 0, exact_partial)
+            energy = None if exact.energy_mj is None or total.partial_mj is None else (
+                energy + exact.energy_mj - total.partial_mj)
+    drops = total.heldout_drops
+    return Solution(configs, latency, energy, drops, layers[0].chunk_tokens if layers else 0, exact_partial, cpu)
 
 
 def partial_modes(layers: list[LayerData]) -> list[bool]:
@@ -284,7 +281,7 @@ def partial_modes(layers: list[LayerData]) -> list[bool]:
     return [False, True]
 
 
-def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, weights: tuple[float, float],
+def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, weights: Weights,
               pool: list[Candidates] | None = None) -> Solution | None:
     """The cheapest plan over `pool` (default: the chunk's): one overflow policy, one way of running the partial
     chunks, held-out drops within `budget`."""
@@ -294,12 +291,9 @@ def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, we
         for exact_partial in partial_modes(search.layers):
             costs, drops = [], []
             for cands in pool:
-                s = cands.scores
                 ok = usable(space, cands, ov)
-                lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
-                energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
-                costs.append(np.where(ok, weighted_cost(lat, energy, weights), np.inf))
-                drops.append(s.heldout_drops)
+                costs.append(np.where(ok, weighted_cost(cands.scores, weights, exact_partial), np.inf))
+                drops.append(cands.scores.heldout_drops)
             chosen = combine(costs, drops, budget)
             if chosen is None:
                 continue
@@ -322,7 +316,7 @@ def ranked_solutions(outcome: SearchOutcome, scorer: Scorer,
             if sol and key not in seen:
                 seen.add(key)
                 out.append(sol)
-    return sorted(out, key=lambda s: weighted_cost(s.latency_ms, s.energy_mj, outcome.weights))
+    return sorted(out, key=lambda s: weighted_cost(s, outcome.weights))
 
 
 def uniform_capacity(layers: list[LayerData], budget_rate: float, chunk_tokens: int) -> int:
@@ -365,9 +359,11 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
     budget = int(math.floor(drop_budget * sum(int(d.heldout.sum()) for d in first)))
     screen, exact = screen_rows(space, exact_limit, scorer)
     ref = baselines(first, scorer, drop_budget, first[0].chunk_tokens)["cpu_only"]
-    norm = (1.0 / max(ref.latency_ms, 1e-9), 1.0 / max(ref.energy_mj or 1.0, 1e-9))
-    weight_sets = {"latency": [(norm[0], 0.0)], "energy": [(0.0, norm[1])],
-                   "both": [(a * norm[0], (1 - a) * norm[1]) for a in np.linspace(0, 1, 11)]}[objective]
+    norm = (1.0 / max(ref.latency_ms, 1e-9), 1.0 / max(ref.energy_mj or 1.0, 1e-9), 1.0 / max(ref.cpu_ms, 1e-9))
+    weight_sets = {"latency": [(norm[0], 0.0, 0.0)], "energy": [(0.0, norm[1], 0.0)],
+                   "both": [(a * norm[0], (1 - a) * norm[1], 0.0) for a in np.linspace(0, 1, 11)],
+                   # CPU-busy time can reach 0 (every expert off the CPU): latency breaks the ties among such plans
+                   "cpu": [(CPU_TIE_BREAK * norm[0], 0.0, norm[2])]}[objective]
     mid = weight_sets[len(weight_sets) // 2]
     chunks = {}
     bar = tqdm(total=len(workloads) * len(first) + len(first) * (trials > 0), desc="search", unit="layer",
@@ -377,15 +373,13 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
         for d in layers:
             pool.append(largest_groups(space, Candidates(screen, scorer.score_rows(d, space, screen))))
             bar.update()
-        partial = [scorer.partial_exact(d) for d in layers]
-        mj = None if any(p[1] is None for p in partial) else sum(p[1] for p in partial)
-        chunks[c] = search = ChunkSearch(c, layers, pool, (sum(p[0] for p in partial), mj))
+        chunks[c] = search = ChunkSearch(c, layers, pool)
         search.best = best_plan(search, space, scorer, budget, mid)
     solved = [s for s in chunks.values() if s.best]
     if not solved:
         bar.close()
         raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
-    at = min(solved, key=lambda s: weighted_cost(s.best.latency_ms, s.best.energy_mj, mid))
+    at = min(solved, key=lambda s: weighted_cost(s.best, mid))
     gap = None
     if trials > 0:  # Optuna at the chosen chunk size, seeded with the screen's decisions
         searched = []
@@ -396,8 +390,7 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
             bar.update()
         if exact:
             only = best_plan(at, space, scorer, budget, mid, pool=searched)
-            gap = (weighted_cost(only.latency_ms, only.energy_mj, mid) /
-                   weighted_cost(at.best.latency_ms, at.best.energy_mj, mid) - 1.0) if only else None
+            gap = weighted_cost(only, mid) / weighted_cost(at.best, mid) - 1.0 if only else None
         at.pool = [p.merged(s) for p, s in zip(at.pool, searched)]
         at.best = best_plan(at, space, scorer, budget, mid)
     bar.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from autotune.searching.optimizer import SearchOutcome, Solution
-from autotune.searching.space import LayerConfig, LayerData, Scorer, layer_plan
+from autotune.searching.space import LayerData
 from runtime.backends import EXACT
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
@@ -19,25 +19,21 @@ BASELINE_LABELS = {"cpu_only": "CPU only (all experts exact)",
 EXPLANATION_LINES = 12  # the search prints this many lines of its explanation; the report keeps all
 
 
-def cpu_ms_per_token(configs: list[LayerConfig], layers: list[LayerData], scorer: Scorer) -> float:
+def cpu_ms_per_token(sol: Solution, layers: list[LayerData]) -> float:
     """A design's predicted CPU-busy time per token over all MoE layers (packing, cpu-static calls and the exact
     path, on the calibration chunks; the cost model's, in ms of the profile's CPU threads): the paper's CPU-cycles
     metric."""
-    busy = sum(float(np.sum(scorer.cost.layer_cpu_ms(layer_plan(d, c, scorer.backend), d.calib, scorer.hidden,
-                                                      scorer.ffn, c.overflow)))
-               for d, c in zip(layers, configs))
-    return busy / max(1, int(np.sum(layers[0].tokens)))
+    return sol.cpu_ms / max(1, int(np.sum(layers[0].tokens)))
 
 
-def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData], scorer: Scorer) -> None:
+def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData]) -> None:
     """Put each design's predicted CPU-busy ms per token into the report (`predicted_cpu_ms_per_token` of the plan
     and of each baseline in `baseline_details`; `cpu_ratio_vs`: each baseline's over the plan's, > 1: the plan
-    keeps the CPU less busy)."""
-    report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best.configs, layers, scorer)
+    keeps the CPU less busy; None where the plan keeps the CPU idle: no ratio)."""
+    report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best, layers)
     for name, sol in outcome.baselines.items():
-        report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol.configs, layers,
-                                                                                          scorer)
-    report["cpu_ratio_vs"] = {n: b["predicted_cpu_ms_per_token"] / max(best, 1e-12)
+        report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol, layers)
+    report["cpu_ratio_vs"] = {n: b["predicted_cpu_ms_per_token"] / best if best > 0 else None
                               for n, b in report["baseline_details"].items()}
 
 

@@ -44,9 +44,8 @@ from autotune.searching.optimizer import (
     partial_modes,
     solution,
     usable,
-    weighted_cost,
 )
-from autotune.searching.space import Scorer, Space
+from autotune.searching.space import Scorer, Space, Weights, objective_name, total_score, weighted_cost
 from runtime.plan import OVERFLOW_POLICIES
 
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
@@ -85,7 +84,7 @@ def default_cases(cost: CostModel) -> list[Case]:
     return cases + [Case(b, "ms_per_gflop", f) for b in cost.backends for f in GFLOP_FACTORS]
 
 
-def prune(cands: Candidates, space: Space, ratio: float, weights: tuple[float, float]) -> Candidates:
+def prune(cands: Candidates, space: Space, ratio: float, weights: Weights) -> Candidates:
     """Feasible candidates not beaten by more than `ratio` in cost by one with no more drops, per overflow policy
     (a plan has one; all-CPU decisions count for both) and per way of running partial chunks."""
     s = cands.scores
@@ -93,9 +92,7 @@ def prune(cands: Candidates, space: Space, ratio: float, weights: tuple[float, f
     ov, none = space.column(cands.rows, "overflow"), space.column(cands.rows, "resident") == 0
     for policy in OVERFLOW_POLICIES:
         for exact_partial in (False, True):
-            lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
-            energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
-            cost = weighted_cost(lat, energy, weights)
+            cost = weighted_cost(s, weights, exact_partial)
             idx = np.nonzero((s.violation == 0) & ((ov == policy) | none))[0]
             order = idx[np.lexsort((cost[idx], s.heldout_drops[idx]))]
             keep[order[cost[order] <= ratio * np.minimum.accumulate(cost[order])]] = True
@@ -111,39 +108,33 @@ class CaseResult:
     # rows, in the same order, for every case)
     index: dict = dataclasses.field(default_factory=dict, repr=False)  # (chunk, layer) -> {row bytes: position}
 
-    def cost(self, sol: Solution, outcome: SearchOutcome, w: tuple[float, float]) -> float:
+    def cost(self, sol: Solution, outcome: SearchOutcome, w: Weights) -> float:
         """A plan's cost under this case, from the re-scored candidates (decisions not among them: scored)."""
         search = outcome.chunks[sol.chunk_tokens]
-        lat, energy = 0.0, 0.0
+        total = 0.0
         for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
-            if sol.chunk_tokens not in self.pools:  # a chunk size the case's optimum cannot be at: not re-scored
-                s = self.scorer.score(d, cfg)
-                lat += s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
-                energy += (s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)) if w[1] else 0.0
-                continue
-            pool, space = self.pools[sol.chunk_tokens][layer], outcome.space
-            if (sol.chunk_tokens, layer) not in self.index:
-                self.index[sol.chunk_tokens, layer] = dict(zip(space.keys(pool.rows).tolist(), range(len(pool.rows))))
-            i = self.index[sol.chunk_tokens, layer].get(
-                int(space.keys(space.canonical(space.row_of(space.params_of(cfg))))[0]))
-            s = self.scorer.score(d, cfg) if i is None else pool.scores.at(i)
-            lat += s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
-            if w[1]:
-                energy += s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)
+            s = None
+            if sol.chunk_tokens in self.pools:  # else a chunk size the case's optimum cannot be at: not re-scored
+                pool, space = self.pools[sol.chunk_tokens][layer], outcome.space
+                if (sol.chunk_tokens, layer) not in self.index:
+                    self.index[sol.chunk_tokens, layer] = dict(zip(space.keys(pool.rows).tolist(),
+                                                                   range(len(pool.rows))))
+                i = self.index[sol.chunk_tokens, layer].get(
+                    int(space.keys(space.canonical(space.row_of(space.params_of(cfg))))[0]))
+                s = None if i is None else pool.scores.at(i)
+            total += weighted_cost(self.scorer.score(d, cfg) if s is None else s, w, sol.exact_partial)
         if sol.exact_partial:
-            parts = [self.scorer.partial_exact(d) for d in search.layers]
-            lat += sum(p[0] for p in parts)
-            energy += sum(p[1] for p in parts) if w[1] else 0.0
-        return weighted_cost(lat, energy if w[1] else None, w)
+            total += weighted_cost(total_score([self.scorer.partial_exact(d) for d in search.layers]), w)
+        return total
 
 
-def _cost(x, weights: tuple[float, float]) -> float:
+def _cost(x, weights: Weights) -> float:
     """The search's scalar cost of a Solution."""
-    return weighted_cost(x.latency_ms, x.energy_mj, weights)
+    return weighted_cost(x, weights)
 
 
 def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
-                weights: tuple[float, float] | None = None) -> list[CaseResult]:
+                weights: Weights | None = None) -> list[CaseResult]:
     """Each case's best plan for the objective `weights` (default: the outcome's), re-optimised over the search's
     candidates at every chunk size (pruned exactly, see above)."""
     w = outcome.weights if weights is None else weights
@@ -170,7 +161,7 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
 
 
 def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
-            weights: tuple[float, float] | None = None) -> list[float]:
+            weights: Weights | None = None) -> list[float]:
     w = outcome.weights if weights is None else weights
     return [r.cost(sol, outcome, w) / _cost(r.best, w) - 1.0 for r in results]
 
@@ -215,13 +206,8 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
     layer_costs, drops, rows, current = [], [], [], []
     for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
         p = results[0].pools[c][layer]
-        cost = []
-        for r in results:
-            s = r.pools[c][layer].scores
-            lat = s.latency_ms - (s.partial_ms if sol.exact_partial else 0.0)
-            energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if sol.exact_partial else 0.0)
-            cost.append(weighted_cost(lat, energy, w))
-        cost = np.stack(cost, 1)  # [candidates, cases]
+        cost = np.stack([weighted_cost(r.pools[c][layer].scores, w, sol.exact_partial) for r in results],
+                        1)  # [candidates, cases]
         ok = (p.scores.violation == 0) & ((space.column(p.rows, "resident") == 0) |
                                           (ov is None) | (space.column(p.rows, "overflow") == (ov or "drop")))
         cost[~ok] = np.inf
@@ -236,8 +222,7 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
     const = np.zeros(len(results))
     if sol.exact_partial:
         for i, r in enumerate(results):
-            parts = [r.scorer.partial_exact(d) for d in search.layers]
-            const[i] = weighted_cost(sum(x[0] for x in parts), None if w[1] == 0 else sum(x[1] for x in parts), w)
+            const[i] = weighted_cost(total_score([r.scorer.partial_exact(d) for d in search.layers]), w)
     total = const + sum(lc[i] for lc, i in zip(layer_costs, current))
     used = sum(int(dr[i]) for dr, i in zip(drops, current))
     for _ in range(rounds):
@@ -257,7 +242,7 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
     return solution([space.config(r[i]) for r, i in zip(rows, current)], search.layers, scorer, sol.exact_partial)
 
 
-def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, w: tuple[float, float],
+def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, w: Weights,
                    terms: list[tuple[float, list[Candidates]]]) -> Solution | None:
     """The DP over the decisions kept for the cases, each costed as the sum of weight x its cost in each case."""
     best = None
@@ -268,10 +253,7 @@ def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: in
                 first = terms[0][1][layer]
                 total = np.zeros(len(first.rows))
                 for weight, pools in terms:
-                    s = pools[layer].scores
-                    lat = s.latency_ms - (s.partial_ms if exact_partial else 0.0)
-                    energy = None if s.energy_mj is None else s.energy_mj - (s.partial_mj if exact_partial else 0.0)
-                    total += weight * weighted_cost(lat, energy, w)
+                    total += weight * weighted_cost(pools[layer].scores, w, exact_partial)
                 ok = usable(space, first, policy)
                 costs.append(np.where(ok, total, np.inf))
                 drops.append(first.scores.heldout_drops)
@@ -337,6 +319,6 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
                      "plan_energy_mj": None if mine.energy_mj is None else mine.energy_mj * per,
                      "best_energy_mj": None if r.best.energy_mj is None else r.best.energy_mj * per,
                      "regret": g})
-    objective = "latency" if w[1] == 0 else "energy" if w[0] == 0 else "weighted latency + energy"
+    objective = objective_name(w)
     return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
                             nominal_worst, _cost(plan, w) / _cost(outcome.best, w) - 1.0)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import optuna
@@ -291,6 +292,8 @@ class Score:
     violation: float  # > 0 when a hard limit (ANE axis/ops/weights, resident bytes) is broken
     partial_ms: float = 0.0  # the part of latency_ms spent on prompts' last, partial chunks (padded static calls)
     partial_mj: float | None = None
+    cpu_ms: float = 0.0  # predicted CPU-busy time (packing, cpu-static calls, the exact path), summed like latency
+    partial_cpu_ms: float = 0.0  # its part on the partial chunks
 
 
 @dataclass
@@ -302,26 +305,61 @@ class Scores:
     violation: np.ndarray
     partial_ms: np.ndarray
     partial_mj: np.ndarray | None
+    cpu_ms: np.ndarray
+    partial_cpu_ms: np.ndarray
+
+    FIELDS = ("latency_ms", "energy_mj", "heldout_drops", "violation", "partial_ms", "partial_mj", "cpu_ms",
+              "partial_cpu_ms")
 
     def __len__(self) -> int:
         return len(self.latency_ms)
 
     def at(self, i: int) -> Score:
-        e = lambda a: None if a is None else float(a[i])  # noqa: E731
-        return Score(float(self.latency_ms[i]), e(self.energy_mj), int(self.heldout_drops[i]),
-                     float(self.violation[i]), float(self.partial_ms[i]), e(self.partial_mj))
+        e = lambda a: None if a is None else a[i].item()  # noqa: E731
+        return Score(*(e(getattr(self, n)) for n in self.FIELDS))
 
     def take(self, idx: np.ndarray) -> "Scores":
-        t = lambda a: None if a is None else a[idx]  # noqa: E731
-        return Scores(self.latency_ms[idx], t(self.energy_mj), self.heldout_drops[idx], self.violation[idx],
-                      self.partial_ms[idx], t(self.partial_mj))
+        return Scores(*(None if (a := getattr(self, n)) is None else a[idx] for n in self.FIELDS))
 
     @classmethod
     def concat(cls, parts: list["Scores"]) -> "Scores":
         c = lambda name: (None if any(getattr(p, name) is None for p in parts)  # noqa: E731
                           else np.concatenate([getattr(p, name) for p in parts]))
-        return cls(*(c(n) for n in ("latency_ms", "energy_mj", "heldout_drops", "violation", "partial_ms",
-                                    "partial_mj")))
+        return cls(*(c(n) for n in cls.FIELDS))
+
+
+Weights = tuple[float, float, float]  # the search's weights on (latency, energy, CPU-busy time)
+
+
+def objective_name(weights: Weights) -> str:
+    """What `weights` minimise, in words: "latency", "energy", "CPU-busy time" (latency only breaks its ties) or
+    "weighted latency + energy"."""
+    if weights[2]:
+        return "CPU-busy time"
+    names = [n for n, w in zip(("latency", "energy"), weights) if w]
+    return names[0] if len(names) == 1 else "weighted " + " + ".join(names)
+
+
+def weighted_cost(s: Score | Scores | Any, weights: Weights, exact_partial: bool = False):
+    """The scalar cost the search minimises, of a decision, many (`Scores`: an array) or a plan (a `Solution`):
+    `weights` on (latency, energy, CPU-busy time), each normalised by the caller; a part whose weight is 0 is not
+    read (energy may be None then). With `exact_partial` the prompts' partial chunks are left out (they run on the
+    exact path, whatever the decision: the caller adds that)."""
+    out = 0.0
+    for w, total, partial in zip(weights, ("latency_ms", "energy_mj", "cpu_ms"),
+                                 ("partial_ms", "partial_mj", "partial_cpu_ms")):
+        if w:
+            out = out + w * (getattr(s, total) - (getattr(s, partial) if exact_partial else 0.0))
+    return out
+
+
+def total_score(scores: list[Score]) -> Score:
+    """The sum of scores (energy None if any is None)."""
+    mj = lambda name: None if any(getattr(s, name) is None for s in scores) else sum(  # noqa: E731
+        getattr(s, name) for s in scores)
+    return Score(sum(s.latency_ms for s in scores), mj("energy_mj"), sum(s.heldout_drops for s in scores),
+                 sum(s.violation for s in scores), sum(s.partial_ms for s in scores), mj("partial_mj"),
+                 sum(s.cpu_ms for s in scores), sum(s.partial_cpu_ms for s in scores))
 
 
 def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
@@ -426,13 +464,15 @@ class Scorer:
         key = (data.layer, data.chunk_tokens, cfg)
         if key not in self._cache:
             lp = layer_plan(data, cfg, self.backend)
-            per_chunk = np.asarray(self.cost.layer_ms(lp, data.calib, self.hidden, self.ffn, cfg.overflow))
+            per_chunk, cpu = map(np.asarray, self.cost.layer_times(lp, data.calib, self.hidden, self.ffn,
+                                                                   cfg.overflow))
             energy = self._energy_chunks(data, lp, cfg) if self.with_energy else None
             drops = overflow(lp, data.heldout) if cfg.overflow == "drop" else 0
             v = violation(lp, self.backend, self.hidden, self.ffn, self.resident_bytes_per_layer)
             self._cache[key] = Score(float(per_chunk.sum()), None if energy is None else float(energy.sum()), drops,
                                      v, float(per_chunk[data.partial].sum()),
-                                     None if energy is None else float(energy[data.partial].sum()))
+                                     None if energy is None else float(energy[data.partial].sum()),
+                                     float(cpu.sum()), float(cpu[data.partial].sum()))
         return self._cache[key]
 
     def _energy_chunks(self, data: LayerData, lp: LayerPlan, cfg: LayerConfig) -> np.ndarray | None:
@@ -443,13 +483,14 @@ class Scorer:
         e = self._energy_chunks(data, layer_plan(data, cfg, self.backend), cfg)
         return None if e is None else float(np.sum(e))
 
-    def partial_exact(self, data: LayerData) -> tuple[float, float | None]:
-        """(ms, mJ) of the layer's partial chunks run wholly on the exact path (the plan's exact_below_tokens above
-        their length): the same whatever the decision."""
+    def partial_exact(self, data: LayerData) -> Score:
+        """The layer's partial chunks run wholly on the exact path (the plan's exact_below_tokens above their
+        length): the same whatever the decision, all CPU work."""
         counts = data.calib[data.partial]
-        ms = np.asarray(self.cost.exact_ms(counts, self.hidden, self.ffn), dtype=np.float64).reshape(-1)
+        ms = float(np.sum(self.cost.exact_ms(counts, self.hidden, self.ffn)))
         power = self.cost.power_w("cpu-exact")
-        return float(ms.sum()), None if power is None else float(power * ms.sum())
+        mj = None if power is None else power * ms
+        return Score(ms, mj, 0, 0.0, ms, mj, ms, ms)
 
     # --- many decisions at once ------------------------------------------------------------------------------------
     def _layer_parts(self, data: LayerData) -> _LayerParts:
@@ -555,10 +596,14 @@ class Scorer:
         calls = np.where(r > 0, -(-r // g), 0)
         s_row = static[ci, kind] + calls * self.cost.call_ms(self.backend)  # each decision's static calls
         latency, partial = np.zeros(len(rows)), np.zeros(len(rows))
-        for mask, out in ((~data.partial, latency), (data.partial, partial)):
+        cpu, partial_cpu = np.zeros(len(rows)), np.zeros(len(rows))
+        off_cpu = self.cost.overlaps(self.backend)  # static calls run off the CPU: the calling thread waits
+        for mask, out, busy in ((~data.partial, latency, cpu), (data.partial, partial, partial_cpu)):
             x = exact[:, :, mask]
+            host = pack[:, mask].sum(1)[ci] + x.sum(2)[ci, spill]  # CPU work whatever the calls
+            busy += host if off_cpu else host + mask.sum() * s_row
             out += pack[:, mask].sum(1)[ci]
-            if not self.cost.overlaps(self.backend):
+            if not off_cpu:
                 out += mask.sum() * s_row + x.sum(2)[ci, spill]
                 continue
             xs = np.sort(x, axis=2)
@@ -566,6 +611,7 @@ class Scorer:
             below = (xs[ci, spill] < s_row[:, None]).sum(1)  # chunks whose exact path ends before the calls
             out += below * s_row + tail[ci, spill, below]
         latency += partial
+        cpu += partial_cpu
         energy = partial_mj = None
         if self.with_energy:
             e_static, e_cpu = self.cost.power_w(self.backend), self.cost.power_w("cpu-exact")
@@ -576,7 +622,8 @@ class Scorer:
                 energy = e_static * n_chunks * s_row + e_cpu * busy.sum(2)[ci, spill]
         v = self._violation_rows(r, g, kinds, cap_max[ci], lambda rows_at, bounds: _slots_at(
             cums[ci[rows_at]], lo_of[ci[rows_at]], bounds))
-        return Scores(latency, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64), v, partial, partial_mj)
+        return Scores(latency, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64), v, partial, partial_mj,
+                      cpu, partial_cpu)
 
     def _violation_rows(self, r: np.ndarray, g: np.ndarray, kinds: np.ndarray, cap_max: np.ndarray,
                         slots_at) -> np.ndarray:
