@@ -111,6 +111,12 @@ class BackendModel:
                 hidden, ffn, compress) / 1e6
         return np.where(m > 0, self.expert_ms + compute, 0.0)
 
+    def ffn_key(self) -> tuple:
+        """What `ffn_ms` reads: two models with the same key cost every FFN the same (their call costs or powers
+        may differ)."""
+        return (self.expert_ms, self.ms_per_gflop, self.ms_per_mb, self.dtype_bytes, id(self.residual),
+                tuple(sorted((self.decompress_ms_per_mb or {}).items())))
+
     def to_json(self) -> dict:
         out = {"call_ms": self.call_ms, "expert_ms": self.expert_ms, "ms_per_gflop": self.ms_per_gflop,
                "ms_per_mb": self.ms_per_mb, "dtype_bytes": self.dtype_bytes, "overlaps_cpu": self.overlaps_cpu,

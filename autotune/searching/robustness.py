@@ -46,6 +46,7 @@ from autotune.searching.optimizer import (
     usable,
 )
 from autotune.searching.space import Scorer, Space, Weights, objective_name, total_score, weighted_cost
+from runtime.backends import EXACT
 from runtime.plan import OVERFLOW_POLICIES
 
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
@@ -145,14 +146,16 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
     # far divided by the case's least factor cannot hold the case's optimum (every part scales by >= that factor)
     order = sorted((s for s in outcome.chunks.values() if s.best), key=lambda s: _cost(s.best, w))
     for case in cases:
-        sc = dataclasses.replace(scorer, cost=case.apply(scorer.cost), with_energy=w[1] > 0)
+        sc = scorer.with_cost(case.apply(scorer.cost), with_energy=w[1] > 0)
+        # a case on a backend the scores never read (cpu-static, when the groups run on the ANE) scores the same
+        same = case.backend not in {scorer.cost.backend_model(scorer.backend).name, EXACT}
         pools, best = {}, None
         for search in order:
             c = search.chunk_tokens
             if best is not None and min(1.0, case.factor) * _cost(search.best, w) >= _cost(best, w):
                 continue
-            pools[c] = [Candidates(p.rows, sc.score_rows(d, outcome.space, p.rows))
-                        for d, p in zip(search.layers, kept[c])]
+            pools[c] = kept[c] if same else [Candidates(p.rows, sc.score_rows(d, outcome.space, p.rows))
+                                             for d, p in zip(search.layers, kept[c])]
             sol = best_plan(search, outcome.space, sc, outcome.drop_budget, w, pool=pools[c])
             if sol and (best is None or _cost(sol, w) < _cost(best, w)):
                 best = sol

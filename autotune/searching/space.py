@@ -21,6 +21,7 @@ decisions share (what makes exact enumeration affordable); a test holds the two 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -33,13 +34,14 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from autotune.calibration.traces import Traces
 from autotune.costing.costmodel import CostModel, HostCosts
-from runtime.backends import registry
+from runtime.backends import EXACT, registry
 from runtime.coreml import ane_limits
 from runtime.drift import WINDOW_CHUNKS
 from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES, Group, LayerCalibration, LayerPlan, WindowSpread
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
+BAND_BLOCK = 4_000_000  # elements per block of bands scored at once (bounds the search's memory)
 SIZINGS = ("band", "expert")  # a tier's capacity: one for its experts' loads together, or one per expert
 ENUMERABLE = 1_000_000  # points of the product space past which the distinct decisions are not counted
 BATCH = 65_536  # decisions scored per numpy pass (bounds the [decisions, chunks] temporaries)
@@ -493,8 +495,16 @@ class Scorer:
         return Score(ms, mj, 0, 0.0, ms, mj, ms, ms)
 
     # --- many decisions at once ------------------------------------------------------------------------------------
+    def with_cost(self, cost: CostModel, with_energy: bool) -> "Scorer":
+        """A scorer for `cost` sharing this one's bulk figures where they do not depend on what differs: a cost
+        model that changes a call cost or a power, not the experts' compute, reuses every band."""
+        out = dataclasses.replace(self, cost=cost, with_energy=with_energy)
+        out._parts = self._parts
+        return out
+
     def _layer_parts(self, data: LayerData) -> _LayerParts:
-        key = (data.layer, data.chunk_tokens, id(data))
+        key = (data.layer, data.chunk_tokens, id(data), self.hidden, self.ffn,
+               self.cost.backend_model(self.backend).ffn_key(), self.cost.backend_model(EXACT).ffn_key())
         if key not in self._parts:
             ranked = data.calib[:, data.rank]
             f = np.asarray(self.cost.ffn_ms("cpu-exact", ranked, self.hidden, self.ffn), dtype=np.float64)
@@ -510,21 +520,59 @@ class Scorer:
         padded to E+1), static ms per compression, held-out overflow, and per calibration chunk the overflow's count
         and exact ms."""
         if (lo, hi, sizing) not in parts.bands:
-            caps = data.capacities(lo, hi, sizing)  # [Q, band]
-            calib = data.calib[:, data.rank[lo:hi]]
-            held = data.heldout[:, data.rank[lo:hi]]
-            over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, chunks, band]
-            cum = np.zeros((len(QUANTILES), len(data.rank) + 1))
-            cum[:, 1:hi - lo + 1] = np.cumsum(caps, axis=1)
-            cum[:, hi - lo + 1:] = cum[:, hi - lo:hi - lo + 1]
-            parts.bands[(lo, hi, sizing)] = {
-                "cap_max": caps.max(1), "slots": caps.sum(1), "cum": cum,
-                "static": {k: np.asarray(self.cost.ffn_ms(self.backend, caps, self.hidden, self.ffn, k)).sum(1)
-                           for k in COMPRESSIONS},
-                "drops": np.maximum(held[None] - caps[:, None, :], 0).sum(axis=(1, 2)),
-                "spill_n": over.sum(2).astype(np.float64),
-                "spill_ms": np.asarray(self.cost.ffn_ms("cpu-exact", over, self.hidden, self.ffn)).sum(2)}
+            self._fill_bands(data, parts, lo, [hi], sizing)
         return parts.bands[(lo, hi, sizing)]
+
+    def _fill_bands(self, data: LayerData, parts: _LayerParts, lo: int, his: list[int], sizing: str) -> None:
+        """`_band` of the bands lo..hi-1 for every hi in `his` at once. Sized per expert, a rank's capacity and
+        overflow are the same whatever band it is in: every band is a prefix sum over ranks. Sized per band, the
+        arrays run over [band, quantile, chunk, rank] with the ranks past each band's end masked out, in blocks of
+        about BAND_BLOCK elements."""
+        his = sorted({h for h in his if (lo, h, sizing) not in parts.bands})
+        if not his:
+            return
+        width, e1 = his[-1] - lo, len(data.rank) + 1
+        ranks = data.rank[lo:lo + width]
+        calib, held = data.calib[:, ranks], data.heldout[:, ranks]
+        step = len(his) if sizing == "expert" else max(
+            1, BAND_BLOCK // (len(QUANTILES) * (calib.shape[0] + held.shape[0]) * width))
+        for start in range(0, len(his), step):
+            hs = np.asarray(his[start:start + step])
+            n = hs - lo
+            if sizing == "expert":  # [Q, W] per rank, then running sums over ranks taken at each band's end
+                caps = data.expert_capacities(lo, lo + width)
+                over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, C, W]
+                run = lambda a, axis=-1: np.take(  # noqa: E731
+                    np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], -1), n, axis=-1)
+                caps_b = np.where(np.arange(width)[None, None, :] < n[:, None, None], caps[None], 0)  # [B, Q, W]
+                static = {k: np.moveaxis(run(np.asarray(self.cost.ffn_ms(self.backend, caps, self.hidden,
+                                                                         self.ffn, k), dtype=np.float64)), -1, 0)
+                          for k in COMPRESSIONS}
+                spill_ms = np.moveaxis(run(np.asarray(self.cost.ffn_ms(EXACT, over, self.hidden, self.ffn),
+                                                      dtype=np.float64)), -1, 0)  # [B, Q, C]
+                spill_n = np.moveaxis(run(over.astype(np.float64)), -1, 0)
+                drops = np.moveaxis(run(np.maximum(held[None] - caps[:, None, :], 0).sum(1).astype(np.float64)),
+                                    -1, 0)
+            else:  # one capacity per band and quantile
+                mask = np.arange(width)[None, :] < n[:, None]  # [B, W]
+                caps_b = np.where(mask[:, None, :], np.stack([data.band_capacities(lo, int(h)) for h in hs])[
+                    :, :, None], 0)  # [B, Q, W]
+                over = np.maximum(calib[None, None] - caps_b[:, :, None, :], 0) * mask[:, None, None, :]
+                static = {k: np.asarray(self.cost.ffn_ms(self.backend, caps_b, self.hidden, self.ffn, k)).sum(2)
+                          for k in COMPRESSIONS}
+                spill_ms = np.asarray(self.cost.ffn_ms(EXACT, over, self.hidden, self.ffn)).sum(3)
+                spill_n = over.sum(3).astype(np.float64)
+                drops = (np.maximum(held[None, None] - caps_b[:, :, None, :], 0) * mask[:, None, None, :]).sum(
+                    axis=(2, 3))
+            cum = np.zeros((len(hs), len(QUANTILES), e1))
+            cum[:, :, 1:width + 1] = np.cumsum(caps_b, axis=2)
+            cum[:, :, width + 1:] = cum[:, :, width:width + 1]
+            cap_max, slots = caps_b.max(2), caps_b.sum(2)
+            for b, h in enumerate(hs.tolist()):
+                parts.bands[(lo, h, sizing)] = {
+                    "cap_max": cap_max[b], "slots": slots[b], "cum": cum[b],
+                    "static": {k: v[b] for k, v in static.items()}, "drops": drops[b],
+                    "spill_n": spill_n[b], "spill_ms": spill_ms[b]}
 
     def score_rows(self, data: LayerData, space: Space, rows: np.ndarray) -> Scores:
         """Scores of canonical rows of `space` (equal to `score` of each row's decision), in batches."""
@@ -573,6 +621,10 @@ class Scorer:
             used = np.nonzero(size > 0)[0]
             by_sizing = np.searchsorted(SIZINGS, csizing[used])
             bands, which = np.unique((by_sizing * e1 + lo[used]) * e1 + size[used], return_inverse=True)
+            starts = np.asarray(bands) // e1  # (sizing, lo) of each band: the bands sharing one are filled at once
+            for key in np.unique(starts).tolist():
+                sz, l = divmod(key, e1)
+                self._fill_bands(data, parts, l, (l + np.asarray(bands)[starts == key] % e1).tolist(), SIZINGS[sz])
             for key, sel in zip(bands.tolist(), np.split(used[np.argsort(which, kind="stable")],
                                                          np.cumsum(np.bincount(which.reshape(-1)))[:-1])):
                 rest, n = divmod(key, e1)
