@@ -61,3 +61,17 @@ def test_a_plan_that_meets_the_proxy_but_fails_the_gate_is_not_written(workdir, 
     assert len(err) == 1 and "no candidate passes the fidelity gate" in err[0] and "candidate 0" in err[0]
     assert "top-1" in err[0] and "no plan written" in err[0]
     assert not gated.exists() and not (workdir / "strict.report.json").exists()
+
+
+@pytest.mark.slow
+def test_a_gate_shorter_than_one_chunk_is_refused_not_passed(workdir, capsys):
+    """Under one chunk of text every candidate runs exactly (a partial chunk), so it would pass as the unmodified
+    model: the gate says so in one line instead."""
+    _slow_cpu_profile(workdir / "slow-cpu.json")
+    out = workdir / "short.json"
+    args = _search(workdir, out, profile="slow-cpu.json")
+    args[args.index("--gate-tokens") + 1] = "100"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "less than one chunk" in err[0] and "--gate-tokens" in err[0]
+    assert not out.exists()

@@ -3,12 +3,13 @@ re-optimisation when something is, and `--robust` never worse in the worst case 
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
-from autotune.searching.optimizer import Candidates, best_plan, run_search
+from autotune.searching.optimizer import Candidates, best_plan, run_search, usable
 from autotune.searching.robustness import Case, assess, default_cases, solve_cases
 from autotune.searching.space import LayerData, Scorer, layer_space
 
@@ -70,6 +71,29 @@ def test_robust_pick_has_no_larger_worst_case_regret(searched):
     assert plan.latency_ms == pytest.approx(sum(scorer.score(d, c).latency_ms for d, c in zip(at, plan.configs)))
     each_case_optimum = solve_cases(out, scorer, default_cases(scorer.cost))
     assert all(r.best.heldout_drops <= out.drop_budget for r in each_case_optimum)
+
+
+def test_regret_floor_is_below_every_plans_worst_case_regret(searched):
+    """The floor --robust reports against a brute force: every pair of the two layers' candidates (each chunk size,
+    each overflow policy, within the drop budget), each case's cost re-scored without pruning."""
+    layers, scorer, out = searched
+    cases = default_cases(scorer.cost)
+    _, robust = assess(out, scorer, pick=True, cases=cases)
+    results = solve_cases(out, scorer, cases)
+    best = np.array([r.best.latency_ms for r in results])
+    least = np.inf
+    for s in out.chunks.values():
+        assert len(s.layers) == 2 and not s.layers[0].partial.any()
+        scored = [[r.scorer.score_rows(d, out.space, p.rows) for d, p in zip(s.layers, s.pool)] for r in results]
+        for policy in ("drop", "spill"):
+            ok = [usable(out.space, p, policy) for p in s.pool]
+            drops = s.pool[0].scores.heldout_drops[:, None] + s.pool[1].scores.heldout_drops[None, :]
+            feasible = ok[0][:, None] & ok[1][None, :] & (drops <= out.drop_budget)
+            worst = np.max([(sc[0].latency_ms[:, None] + sc[1].latency_ms[None, :]) / b - 1.0
+                            for sc, b in zip(scored, best)], axis=0)
+            least = min(least, float(np.min(np.where(feasible, worst, np.inf))))
+    assert robust.regret_floor is not None and 0.0 < robust.regret_floor <= least + 1e-9
+    assert least <= robust.max_regret + 1e-9
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="measure a plan's drop/spill rates, perplexity and top-1 agreement")
     add_planned_arguments(p, DEFAULT_EVAL_TEXT, 8192)
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="N",
-                   help="prompts of N tokens, each prefilled from an empty cache (default 1024)")
+                   help="prompts of N tokens (at least the plan's chunk), each prefilled from an empty cache "
+                        "(default 1024)")
     p.add_argument("--tasks", type=task_list, metavar="T1,T2",
                    help="instead of the text: lm-evaluation-harness tasks (needs the extra: pip install -e "
                         "'.[eval]'), accuracy of the plan vs the unmodified model on the same examples; "

@@ -27,7 +27,8 @@ class _Tally:
 def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int, progress: bool = True) -> dict:
     """Perplexity of the model under `executor`'s plan and without it, top-1 next-token agreement, mean KL
     divergence, logits' max relative difference, and the executor's measured drop and spill rates, over prompts of
-    `prompt_tokens` prefilled in the plan's chunks. The plan is installed or not afterwards as it was before."""
+    `prompt_tokens` (at least the plan's chunk) prefilled in the plan's chunks. The plan is installed or not
+    afterwards as it was before."""
     result = compare_plans([executor], ids, prompt_tokens, progress)[0]
     total = executor.stats.total()
     return {**result, "drop_rate": total.dropped / max(1, total.assignments),
@@ -57,6 +58,9 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
     model = executors[0].model
     tallies = [_Tally() for _ in executors]
     nll_ref, predicted = 0.0, 0
+    # prompts of at least one chunk: a shorter one is a partial chunk, run exactly below the plan's exact_below
+    # (the plan's static groups never run: its figures would be the unmodified model's)
+    prompt_tokens = max(prompt_tokens, chunk)
     starts = list(range(0, ids.numel() - 1, prompt_tokens))
     for start in tqdm(starts, desc="evaluate", unit="prompt", disable=not progress):
         prompt = ids[start:start + prompt_tokens]

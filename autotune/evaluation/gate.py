@@ -122,6 +122,11 @@ def run_gate(model: str, candidates: list[Candidate], settings: GateSettings = G
     limits, text = settings.limits, settings.text
     ids = encode_text(tokenizer, text, settings.tokens)
     check_token_ids(loaded, ids)
+    chunk = max(c.plan.chunk_tokens for c in candidates)
+    if ids.numel() < chunk:  # no full chunk: every candidate would run exactly and pass as the unmodified model
+        raise NpumoeError(f"the fidelity gate has {ids.numel()} tokens of {text}, less than one chunk of the "
+                          f"candidates' ({chunk} tokens): it would run none of their static groups; give "
+                          f"--gate-tokens {chunk} or more")
     sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
     with _said_once(logging.getLogger("npumoe")):
         executors = [PlanExecutor(loaded, c.plan, sim) for c in candidates]

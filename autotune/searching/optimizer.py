@@ -297,10 +297,17 @@ def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, we
             chosen = combine(costs, drops, budget)
             if chosen is None:
                 continue
-            cost = sum(c[i] for c, i in zip(costs, chosen))
+            cost = sum(c[i] for c, i in zip(costs, chosen)) + partial_cost(search.layers, scorer, weights,
+                                                                          exact_partial)
             if best is None or cost < best[0]:
                 best = (cost, [space.config(p.rows[i]) for p, i in zip(pool, chosen)], exact_partial)
     return None if best is None else solution(best[1], search.layers, scorer, best[2])
+
+
+def partial_cost(layers: list[LayerData], scorer: Scorer, weights: Weights, exact_partial: bool) -> float:
+    """What the prompts' partial chunks cost run on the exact path, whatever the decisions (0 when they run as
+    the plan's static calls: then each decision's score holds them)."""
+    return weighted_cost(total_score([scorer.partial_exact(d) for d in layers]), weights) if exact_partial else 0.0
 
 
 def ranked_solutions(outcome: SearchOutcome, scorer: Scorer,

@@ -103,6 +103,9 @@ def format_report(r: dict) -> str:
             lines.append(f"the --robust pick trades {rob['cost_of_robustness']:+.2%} predicted {rob['objective']} "
                          f"for a worst-case regret of {rob['max_regret']:.2%} instead of the nominal plan's "
                          f"{rob['nominal_max_regret']:.2%}")
+        if rob.get("regret_floor") is not None:
+            lines.append(f"no plan among the search's candidates has a worst-case regret below "
+                         f"{rob['regret_floor']:.2%} (a bound: the least weighted mean of the cases' regrets)")
     if r.get("gap_vs_exact") is not None:
         lines.append(f"Optuna alone vs the exact optimum of the same space: {r['gap_vs_exact']:+.2%}")
     if r.get("gate"):

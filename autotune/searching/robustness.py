@@ -35,12 +35,14 @@ import numpy as np
 
 from autotune.costing.costmodel import CostModel
 from autotune.searching.optimizer import (
+    DP_MAX_BUDGET,
     Candidates,
     ChunkSearch,
     SearchOutcome,
     Solution,
     best_plan,
     combine,
+    partial_cost,
     partial_modes,
     solution,
     usable,
@@ -169,29 +171,47 @@ def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
     return [r.cost(sol, outcome, w) / _cost(r.best, w) - 1.0 for r in results]
 
 
-def minimax_plans(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult]) -> list[Solution]:
-    """Plans that weigh every case's cost relative to its optimum, the weights moved towards the worst case each
-    round (multiplicative weights), at every chunk size: regret as part of the choice."""
+def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
+                  results: list[CaseResult]) -> tuple[list[Solution], float | None]:
+    """(plans, floor). Plans weigh every case's cost relative to its optimum, the weights moved towards the worst
+    case each round (multiplicative weights), at every chunk size: regret as part of the choice.
+
+    The floor is what no plan among the search's candidates can beat: a plan's worst-case regret is at least any
+    weighted mean of its regrets, and the weighted DP finds the least weighted mean exactly (the pruning keeps
+    every candidate that is best in some case, hence under any weighting); at a chunk size a case did not re-score,
+    its regret is bounded by its least factor times the chunk's nominal optimum. The best such bound over the
+    rounds; None where the DP coarsens the drop budget (not exact)."""
     w, space = outcome.weights, outcome.space
     lam = np.ones(len(results)) / max(1, len(results))
-    plans = []
+    plans, floor = [], None
     for _ in range(REWEIGHTS if results else 0):
-        best = None
+        best, least = None, np.inf
         for c, search in outcome.chunks.items():
-            if any(c not in r.pools for r in results):
+            if search.best is None:
                 continue
-            sol = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
-                                 [(lam[i] / _cost(r.best, w), r.pools[c]) for i, r in enumerate(results)])
-            if sol is not None:
-                worst = max(regrets(sol, outcome, results))
-                if best is None or worst < best[0]:
-                    best = (worst, sol)
+            here = [i for i, r in enumerate(results) if c in r.pools]
+            bound = sum(lam[i] * (min(1.0, r.case.factor) * _cost(search.best, w) / _cost(r.best, w) - 1.0)
+                        for i, r in enumerate(results) if i not in here)
+            if here:
+                found = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
+                                       [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
+                                        for i in here])
+                if found is None:
+                    continue
+                bound += found[0] - sum(lam[i] for i in here)
+                if len(here) == len(results):  # a candidate plan only where it weighs every case
+                    worst = max(regrets(found[1], outcome, results))
+                    if best is None or worst < best[0]:
+                        best = (worst, found[1])
+            least = min(least, bound)
         if best is None:
             break
+        if outcome.drop_budget <= DP_MAX_BUDGET:  # a coarsened budget: the DP is not exact, no bound
+            floor = max(floor or 0.0, least)
         plans.append(best[1])
         lam = lam * np.exp(4.0 * np.array(regrets(best[1], outcome, results)))
         lam /= lam.sum()
-    return plans
+    return plans, floor
 
 
 def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
@@ -246,8 +266,9 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
 
 
 def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, w: Weights,
-                   terms: list[tuple[float, list[Candidates]]]) -> Solution | None:
-    """The DP over the decisions kept for the cases, each costed as the sum of weight x its cost in each case."""
+                   terms: list[tuple[float, list[Candidates], Scorer]]) -> tuple[float, Solution] | None:
+    """(least weighted cost, its plan): the DP over the decisions kept for the cases, each costed as the sum of
+    weight x its cost in each case (the case's scorer costs the partial chunks run exactly)."""
     best = None
     for policy in OVERFLOW_POLICIES:
         for exact_partial in partial_modes(search.layers):
@@ -255,7 +276,7 @@ def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: in
             for layer in range(len(search.layers)):
                 first = terms[0][1][layer]
                 total = np.zeros(len(first.rows))
-                for weight, pools in terms:
+                for weight, pools, _ in terms:
                     total += weight * weighted_cost(pools[layer].scores, w, exact_partial)
                 ok = usable(space, first, policy)
                 costs.append(np.where(ok, total, np.inf))
@@ -264,10 +285,11 @@ def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: in
             chosen = combine(costs, drops, budget)
             if chosen is None:
                 continue
-            cost = sum(c[i] for c, i in zip(costs, chosen))
+            cost = sum(c[i] for c, i in zip(costs, chosen)) + sum(
+                weight * partial_cost(search.layers, sc, w, exact_partial) for weight, _, sc in terms)
             if best is None or cost < best[0]:
                 best = (cost, [space.config(r[i]) for r, i in zip(rows, chosen)], exact_partial)
-    return None if best is None else solution(best[1], search.layers, scorer, best[2])
+    return None if best is None else (best[0], solution(best[1], search.layers, scorer, best[2]))
 
 
 @dataclass
@@ -280,12 +302,13 @@ class Robustness:
     objective: str  # what the regret measures: the objective that chose the plan
     nominal_max_regret: float = 0.0  # the nominal plan's worst-case regret
     cost_of_robustness: float = 0.0  # the plan's nominal cost / the nominal plan's - 1 (the trade --robust made)
+    regret_floor: float | None = None  # --robust: no candidate plan's worst-case regret is below this (None: unknown)
 
     def to_json(self) -> dict:
         return {"max_regret": self.max_regret, "cases": self.cases, "robust_pick": self.robust,
                 "candidates_compared": self.candidates,
                 "nominal_max_regret": self.nominal_max_regret, "cost_of_robustness": self.cost_of_robustness,
-                "seconds": self.seconds, "objective": self.objective,
+                "regret_floor": self.regret_floor, "seconds": self.seconds, "objective": self.objective,
                 "definition": f"regret = predicted {self.objective} of the plan under the perturbed profile / that "
                               "of the best plan for it - 1 (re-optimised over the search's candidates at every "
                               "chunk size, same drop budget)"}
@@ -298,10 +321,11 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
     t0 = time.perf_counter()
     w = outcome.weights
     results = solve_cases(outcome, scorer, cases or default_cases(scorer.cost), w)
-    plan, candidates = outcome.best, [outcome.best]
+    plan, candidates, floor = outcome.best, [outcome.best], None
     nominal_worst = max(regrets(outcome.best, outcome, results), default=0.0)
     if pick:
-        candidates += [r.best for r in results] + outcome.front + minimax_plans(outcome, scorer, results)
+        minimax, floor = minimax_plans(outcome, scorer, results)
+        candidates += [r.best for r in results] + outcome.front + minimax
         worst = [max(regrets(c, outcome, results), default=0.0) for c in candidates]
         for i in np.argsort(worst)[:DESCENTS]:  # the least worst-case regrets, improved layer by layer
             candidates.append(descend(candidates[i], outcome, scorer, results))
@@ -324,4 +348,4 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
                      "regret": g})
     objective = objective_name(w)
     return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
-                            nominal_worst, _cost(plan, w) / _cost(outcome.best, w) - 1.0)
+                            nominal_worst, _cost(plan, w) / _cost(outcome.best, w) - 1.0, floor)

@@ -38,9 +38,6 @@ def decompressed(gate_up: np.ndarray, down: np.ndarray, compress: str, layout: s
     `autotune build` configures it) run on the builder's program of the expert, then its own decompression."""
     if compress == "none":
         return gate_up, down
-    from coremltools.converters.mil.mil.passes.graph_pass import PassOption
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
-
     from runtime.coreml.converter import (
         COMPRESSION_FUNCTIONS,
         FunctionSpec,
@@ -48,14 +45,18 @@ def decompressed(gate_up: np.ndarray, down: np.ndarray, compress: str, layout: s
         function_program,
         one_kmeans_thread,
         quiet_coremltools_import,
+        quiet_progress,
     )
 
     quiet_coremltools_import()
+    from coremltools.converters.mil.mil.passes.graph_pass import PassOption
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
     fs = FunctionSpec(0, 0, (0,), (1,), gate_up.shape[1], down.shape[1])
     prog = function_program(fs, {0: (gate_up, down)}, layout)
     graph_pass = PASS_REGISTRY["compression::" + COMPRESSION_FUNCTIONS[compress]]
     graph_pass.set_options([PassOption("config", compression_config(compress)), PassOption("joint_compression", False)])
-    with one_kmeans_thread():
+    with one_kmeans_thread(), quiet_progress():
         graph_pass.apply(prog)
     out = {"gate_up": gate_up, "down": down}  # a matrix under the pass's size threshold stays as it is
     for op in prog.functions["main"].operations:
@@ -66,6 +67,9 @@ def decompressed(gate_up: np.ndarray, down: np.ndarray, compress: str, layout: s
 
 
 def _cache_path(gate_up: np.ndarray, down: np.ndarray, compress: str, layout: str):
+    from runtime.coreml.converter import quiet_coremltools_import
+
+    quiet_coremltools_import()
     import coremltools as ct
 
     h = hashlib.sha256(f"{SIM_VERSION}:{ct.__version__}:{compress}:{layout}:{gate_up.shape}:{down.shape}".encode())

@@ -257,8 +257,8 @@ def quiet_coremltools_import() -> None:
 
 
 @contextlib.contextmanager
-def _quiet() -> None:
-    """coremltools draws a progress bar per pass pipeline; keep the build's own bar readable."""
+def quiet_progress() -> None:
+    """coremltools draws a progress bar per pass pipeline; keep our own bars and lines readable."""
     with contextlib.redirect_stderr(io.StringIO()):
         yield
 
@@ -270,7 +270,7 @@ def to_mlmodel(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray
     import coremltools as ct
 
     load = {"skip_model_load": True} if compute_units is None else {"compute_units": compute_units}
-    with _quiet():
+    with quiet_progress():
         return ct.convert(function_program(fs, weights, layout), convert_to="mlprogram",
                           minimum_deployment_target=ct.target.macOS15, compute_precision=ct.precision.FLOAT16,
                           **load)
@@ -280,7 +280,7 @@ def convert_function(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.n
                      compress: str, dest: Path) -> None:
     """Convert one function to a single-function .mlpackage at `dest` (written whole, then renamed)."""
     mlmodel = to_mlmodel(fs, weights, layout)
-    with _quiet():
+    with quiet_progress():
         mlmodel = _compress(mlmodel, compress)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
         # The converter already wrote a whole package to its temp folder; `save` would copy it (weights written
@@ -339,7 +339,7 @@ def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: di
         desc.add_function(str(path), src_function_name="main", target_function_name=fs.name)
     desc.default_function_name = parts[0][0].name
     staging = dest.parent / ("merge-" + dest.name)
-    with _quiet():
+    with quiet_progress():
         ct.utils.save_multifunction(desc, str(staging))
     spec = ct.utils.load_spec(str(staging))
     spec.description.metadata.userDefined[META_KEY] = json.dumps(meta)
