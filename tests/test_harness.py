@@ -45,7 +45,7 @@ def test_nextsent_items_are_deterministic_four_way_choices():
 
 
 @needs_tiny
-def test_tasks_run_offline_through_lm_eval(tmp_path, capsys, monkeypatch):
+def test_tasks_run_offline_through_lm_eval(tmp_path, capsys, caplog, monkeypatch):
     data = tmp_path / "colours.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "label": l}) + "\n" for q, c, l in QUESTIONS))
     (tmp_path / "colours.yaml").write_text(LOCAL_TASK.format(data=json.dumps(str(data))))
@@ -61,6 +61,15 @@ def test_tasks_run_offline_through_lm_eval(tmp_path, capsys, monkeypatch):
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(r["tasks"]) == {"npumoe_test_colours", "npumoe_pydoc_nextsent"}
+    assert r["calls_per_backend"].get("cpu-static", 0) > 0 and "static groups" not in caplog.text
+    # a plan whose exact path takes every request (a few dozen tokens each): said, since the accuracies then do
+    # not test the plan's static groups
+    exact = tmp_path / "exact.json"
+    exact.write_text(json.dumps({**json.loads(plan.read_text()), "exact_below_tokens": 4096}))
+    assert main(["evaluate", "--model", "tiny-moe", "--plan", str(exact), "--tasks", "npumoe_test_colours",
+                 "--include-path", str(tmp_path), "--limit", "2", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["calls_per_backend"]) == {"cpu-exact"}
+    assert "say nothing of the plan's static groups" in caplog.text
     for t in r["tasks"].values():  # the ample plan computes exactly what the model does: same answers
         assert t["n"] == 4 and t["delta"] == 0.0 and t["stderr"] == 0.0
         assert t["accuracy_plan"] == t["accuracy_reference"]

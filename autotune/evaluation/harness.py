@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from autotune.evaluation import nextsent
+from runtime.backends import EXACT
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
+
+log = logging.getLogger("npumoe")
 
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 BUILTIN_TASKS = {nextsent.NAME: nextsent.write_task}
@@ -125,5 +128,11 @@ def run_tasks(executor: PlanExecutor, tokenizer: object, tasks: tuple[list[str],
         planned = evaluate()
     total = executor.stats.total()
     results = {t: paired(reference[t], planned[t]) for t in reference if reference[t]}
+    if not set(total.calls_per_backend) - {EXACT}:
+        log.warning("every request of the tasks is shorter than the plan's exact_below_tokens (%d): they ran wholly "
+                    "on the exact path, so the accuracies say nothing of the plan's static groups",
+                    executor.plan.exact_below)
     return {"tasks": results, "metric": METRIC, "drop_rate": total.dropped / max(1, total.assignments),
-            "spill_rate": total.spilled / max(1, total.assignments), "backend_fallbacks": executor.fallbacks}
+            "spill_rate": total.spilled / max(1, total.assignments),
+            "calls_per_backend": dict(total.calls_per_backend), "tokens_per_backend": dict(total.tokens_per_backend),
+            "backend_fallbacks": executor.fallbacks}

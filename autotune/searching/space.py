@@ -41,7 +41,6 @@ from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES, Group, LayerCalibratio
 
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
-BAND_BLOCK = 4_000_000  # elements per block of bands scored at once (bounds the search's memory)
 SIZINGS = ("band", "expert")  # a tier's capacity: one for its experts' loads together, or one per expert
 ENUMERABLE = 1_000_000  # points of the product space past which the distinct decisions are not counted
 BATCH = 65_536  # decisions scored per numpy pass (bounds the [decisions, chunks] temporaries)
@@ -524,55 +523,51 @@ class Scorer:
         return parts.bands[(lo, hi, sizing)]
 
     def _fill_bands(self, data: LayerData, parts: _LayerParts, lo: int, his: list[int], sizing: str) -> None:
-        """`_band` of the bands lo..hi-1 for every hi in `his` at once. Sized per expert, a rank's capacity and
-        overflow are the same whatever band it is in: every band is a prefix sum over ranks. Sized per band, the
-        arrays run over [band, quantile, chunk, rank] with the ranks past each band's end masked out, in blocks of
-        about BAND_BLOCK elements."""
+        """`_band` of the bands lo..hi-1 for every hi in `his` at once, as running sums over ranks taken at each
+        band's end: sized per expert, a rank's capacity and overflow are the same whatever band it is in; sized per
+        band, they depend only on the band's capacity, so the sums run once per distinct capacity."""
         his = sorted({h for h in his if (lo, h, sizing) not in parts.bands})
         if not his:
             return
-        width, e1 = his[-1] - lo, len(data.rank) + 1
+        n = np.asarray(his) - lo  # each band's length
+        width, e1 = int(n[-1]), len(data.rank) + 1
         ranks = data.rank[lo:lo + width]
         calib, held = data.calib[:, ranks], data.heldout[:, ranks]
-        step = len(his) if sizing == "expert" else max(
-            1, BAND_BLOCK // (len(QUANTILES) * (calib.shape[0] + held.shape[0]) * width))
-        for start in range(0, len(his), step):
-            hs = np.asarray(his[start:start + step])
-            n = hs - lo
-            if sizing == "expert":  # [Q, W] per rank, then running sums over ranks taken at each band's end
-                caps = data.expert_capacities(lo, lo + width)
-                over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, C, W]
-                run = lambda a, axis=-1: np.take(  # noqa: E731
-                    np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1)], -1), n, axis=-1)
-                caps_b = np.where(np.arange(width)[None, None, :] < n[:, None, None], caps[None], 0)  # [B, Q, W]
-                static = {k: np.moveaxis(run(np.asarray(self.cost.ffn_ms(self.backend, caps, self.hidden,
-                                                                         self.ffn, k), dtype=np.float64)), -1, 0)
-                          for k in COMPRESSIONS}
-                spill_ms = np.moveaxis(run(np.asarray(self.cost.ffn_ms(EXACT, over, self.hidden, self.ffn),
-                                                      dtype=np.float64)), -1, 0)  # [B, Q, C]
-                spill_n = np.moveaxis(run(over.astype(np.float64)), -1, 0)
-                drops = np.moveaxis(run(np.maximum(held[None] - caps[:, None, :], 0).sum(1).astype(np.float64)),
-                                    -1, 0)
-            else:  # one capacity per band and quantile
-                mask = np.arange(width)[None, :] < n[:, None]  # [B, W]
-                caps_b = np.where(mask[:, None, :], np.stack([data.band_capacities(lo, int(h)) for h in hs])[
-                    :, :, None], 0)  # [B, Q, W]
-                over = np.maximum(calib[None, None] - caps_b[:, :, None, :], 0) * mask[:, None, None, :]
-                static = {k: np.asarray(self.cost.ffn_ms(self.backend, caps_b, self.hidden, self.ffn, k)).sum(2)
-                          for k in COMPRESSIONS}
-                spill_ms = np.asarray(self.cost.ffn_ms(EXACT, over, self.hidden, self.ffn)).sum(3)
-                spill_n = over.sum(3).astype(np.float64)
-                drops = (np.maximum(held[None, None] - caps_b[:, :, None, :], 0) * mask[:, None, None, :]).sum(
-                    axis=(2, 3))
-            cum = np.zeros((len(hs), len(QUANTILES), e1))
+
+        def running(a: np.ndarray) -> np.ndarray:  # [..., W] -> [..., W+1]: sums over the first k ranks
+            return np.concatenate([np.zeros(a.shape[:-1] + (1,)), np.cumsum(a, axis=-1, dtype=np.float64)], -1)
+
+        def ffn(backend: str, rows: np.ndarray, kind: str = "none") -> np.ndarray:
+            return np.asarray(self.cost.ffn_ms(backend, rows, self.hidden, self.ffn, kind), dtype=np.float64)
+
+        if sizing == "expert":  # [Q, W] per rank: every band's figure is the running sum at its end
+            caps = data.expert_capacities(lo, lo + width)
+            over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, C, W]
+            at = lambda a: np.moveaxis(running(a)[..., n], -1, 0)  # noqa: E731  [..., W] -> [B, ...]
+            static = {k: at(ffn(self.backend, caps, k)) for k in COMPRESSIONS}
+            spill_ms, spill_n = at(ffn(EXACT, over)), at(over)
+            drops = at(np.maximum(held[None] - caps[:, None, :], 0).sum(1))
+            caps_b = np.where(np.arange(width)[None, None, :] < n[:, None, None], caps[None], 0)  # [B, Q, W]
+            cum = np.zeros((len(n), len(QUANTILES), e1))
             cum[:, :, 1:width + 1] = np.cumsum(caps_b, axis=2)
             cum[:, :, width + 1:] = cum[:, :, width:width + 1]
             cap_max, slots = caps_b.max(2), caps_b.sum(2)
-            for b, h in enumerate(hs.tolist()):
-                parts.bands[(lo, h, sizing)] = {
-                    "cap_max": cap_max[b], "slots": slots[b], "cum": cum[b],
-                    "static": {k: v[b] for k, v in static.items()}, "drops": drops[b],
-                    "spill_n": spill_n[b], "spill_ms": spill_ms[b]}
+        else:  # one capacity per band and quantile: running sums per distinct capacity, taken at each band's end
+            cap_bq = np.stack([data.band_capacities(lo, int(h)) for h in his])  # [B, Q]
+            values, which = np.unique(cap_bq, return_inverse=True)
+            which = which.reshape(cap_bq.shape)
+            over = np.maximum(calib[None] - values[:, None, None], 0)  # [V, C, W]
+            pick = lambda a: a[which, ..., n[:, None]]  # noqa: E731  [V, ..., W+1] -> [B, Q, ...]
+            spill_ms, spill_n = pick(running(ffn(EXACT, over))), pick(running(over))
+            drops = pick(running(np.maximum(held[None] - values[:, None, None], 0).sum(1)))
+            static = {k: n[:, None] * ffn(self.backend, cap_bq, k) for k in COMPRESSIONS}
+            cum = np.minimum(np.arange(e1)[None, None, :], n[:, None, None]) * cap_bq[:, :, None].astype(np.float64)
+            cap_max, slots = cap_bq, n[:, None] * cap_bq
+        for b, h in enumerate(his):
+            parts.bands[(lo, h, sizing)] = {
+                "cap_max": cap_max[b], "slots": slots[b], "cum": cum[b],
+                "static": {k: v[b] for k, v in static.items()}, "drops": drops[b],
+                "spill_n": spill_n[b], "spill_ms": spill_ms[b]}
 
     def score_rows(self, data: LayerData, space: Space, rows: np.ndarray) -> Scores:
         """Scores of canonical rows of `space` (equal to `score` of each row's decision), in batches."""
