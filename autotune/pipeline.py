@@ -258,7 +258,7 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
                    "compress": compress_counts(outcome.best.configs),
                    "partial_chunks": "exact" if outcome.best.exact_partial else "static", "memory_gb": memory_gb}
         report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
-        add_cpu_figures(report, outcome, layers)
+        add_cpu_figures(report, outcome, layers, cost.host.pack is not None)
         report["robustness"] = robustness.to_json()
         report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",

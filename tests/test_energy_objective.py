@@ -78,5 +78,5 @@ def test_cpu_objective_keeps_the_cpu_least_busy_and_latency_breaks_its_ties():
     _, rob = assess(by["cpu"], scorer)
     assert rob.objective == "CPU-busy time" and rob.max_regret >= 0.0
     report = search_report(by["cpu"], 1, sum(int(d.heldout.sum()) for d in layers), 0.0, {})
-    add_cpu_figures(report, by["cpu"], layers)
+    add_cpu_figures(report, by["cpu"], layers, packing_measured=True)
     assert report["cpu_ratio_vs"]["cpu_only"] > 1.0

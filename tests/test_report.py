@@ -45,7 +45,7 @@ def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
     out.baselines["cpu_only"] = solution([LayerConfig(0) for _ in layers], layers, scorer)
     out.baselines["paper_heuristic"] = solution([LayerConfig(4, 4) for _ in layers], layers, scorer)
     r = search_report(out, calib_chunks=4, heldout_assignments=100, seconds=1.5, context={})
-    add_cpu_figures(r, out, layers)
+    add_cpu_figures(r, out, layers, packing_measured=False)
     all_cpu = sum(float(scorer.cost.exact_ms(d.calib, SMALL["hidden_size"], SMALL["expert_ffn_size"]).sum())
                   for d in layers) / int(layers[0].tokens.sum())  # the 8 calibration chunks of 64
     assert r["baseline_details"]["cpu_only"]["predicted_cpu_ms_per_token"] == pytest.approx(all_cpu)
@@ -53,6 +53,7 @@ def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
     assert r["cpu_ratio_vs"]["cpu_only"] == pytest.approx(all_cpu / r["predicted_cpu_ms_per_token"])
     table = format_report(r)
     assert "CPU ms/token" in table and f"{all_cpu:.4f}" in table
+    assert r["packing_measured"] is False and "measured no host packing" in table
 
 
 def test_report_has_speedups_against_each_baseline_and_the_context():

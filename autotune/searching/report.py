@@ -26,10 +26,12 @@ def cpu_ms_per_token(sol: Solution, layers: list[LayerData]) -> float:
     return sol.cpu_ms / max(1, int(np.sum(layers[0].tokens)))
 
 
-def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData]) -> None:
+def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData], packing_measured: bool) -> None:
     """Put each design's predicted CPU-busy ms per token into the report (`predicted_cpu_ms_per_token` of the plan
     and of each baseline in `baseline_details`; `cpu_ratio_vs`: each baseline's over the plan's, > 1: the plan
-    keeps the CPU less busy; None where the plan keeps the CPU idle: no ratio)."""
+    keeps the CPU less busy; None where the plan keeps the CPU idle: no ratio), and `packing_measured`: whether
+    the profile costs the host's packing (else it is left out of every figure)."""
+    report["packing_measured"] = packing_measured
     report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best, layers)
     for name, sol in outcome.baselines.items():
         report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol, layers)
@@ -84,7 +86,10 @@ def format_report(r: dict) -> str:
                      f"{energy(b['predicted_energy_mj']):>10} {cpu(b):>13} {b['heldout_drop_rate']:>15.2%}")
     lines.append("latency and energy: predicted by the cost model of profile "
                  f"{r.get('profile', '?')}, per chunk of {r.get('chunk_tokens', '?')} tokens over all MoE layers; "
-                 "CPU ms/token: predicted CPU-busy time (packing, cpu-static calls, the exact path) per token")
+                 "CPU ms/token: predicted CPU-busy time (packing, cpu-static calls, the exact path) per token"
+                 + ("" if r.get("packing_measured", True) else
+                    " (this profile measured no host packing: left out, so a plan with every expert off the CPU "
+                    "shows 0)"))
     if r.get("predicted_memory"):
         m = r["predicted_memory"]
         budget = f" (budget --memory-gb {r['memory_gb']:g})" if r.get("memory_gb") else ""
