@@ -54,7 +54,8 @@ from runtime.plan import OVERFLOW_POLICIES
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP
 REWEIGHTS = 6  # rounds of the --robust minimax reweighting
-DESCENTS = 3  # candidates the --robust pick improves layer by layer
+LINE_POINTS = 9  # then weightings tried between the two cases that pull apart
+DESCENTS = 12  # candidates the --robust pick improves layer by layer
 
 
 @dataclass(frozen=True)
@@ -173,45 +174,66 @@ def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
 
 def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
                   results: list[CaseResult]) -> tuple[list[Solution], float | None]:
-    """(plans, floor). Plans weigh every case's cost relative to its optimum, the weights moved towards the worst
-    case each round (multiplicative weights), at every chunk size: regret as part of the choice.
+    """(plans, floor). Plans weigh every case's cost relative to its optimum, at every chunk size: regret as part
+    of the choice. The weights move towards the worst case each round (multiplicative weights); then, where two
+    cases pull apart (the ANE's call cost halved or doubled), along the line between those two.
 
     The floor is what no plan among the search's candidates can beat: a plan's worst-case regret is at least any
     weighted mean of its regrets, and the weighted DP finds the least weighted mean exactly (the pruning keeps
     every candidate that is best in some case, hence under any weighting); at a chunk size a case did not re-score,
-    its regret is bounded by its least factor times the chunk's nominal optimum. The best such bound over the
-    rounds; None where the DP coarsens the drop budget (not exact)."""
-    w, space = outcome.weights, outcome.space
-    lam = np.ones(len(results)) / max(1, len(results))
-    plans, floor = [], None
-    for _ in range(REWEIGHTS if results else 0):
-        best, least = None, np.inf
-        for c, search in outcome.chunks.items():
-            if search.best is None:
-                continue
-            here = [i for i, r in enumerate(results) if c in r.pools]
-            bound = sum(lam[i] * (min(1.0, r.case.factor) * _cost(search.best, w) / _cost(r.best, w) - 1.0)
-                        for i, r in enumerate(results) if i not in here)
-            if here:
-                found = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
-                                       [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
-                                        for i in here])
-                if found is None:
-                    continue
-                bound += found[0] - sum(lam[i] for i in here)
-                if len(here) == len(results):  # a candidate plan only where it weighs every case
-                    worst = max(regrets(found[1], outcome, results))
-                    if best is None or worst < best[0]:
-                        best = (worst, found[1])
-            least = min(least, bound)
-        if best is None:
+    its regret is bounded by its least factor times the chunk's nominal optimum. The best such bound over every
+    weighting tried; None where the DP coarsens the drop budget (not exact)."""
+    if not results:
+        return [], None
+    exact = outcome.drop_budget <= DP_MAX_BUDGET  # a coarsened budget: the DP is not exact, no bound
+    lam = np.ones(len(results)) / len(results)
+    plans, bounds = [], []
+    for _ in range(REWEIGHTS):
+        found = _at_weights(outcome, scorer, results, lam)
+        if found is None:
             break
-        if outcome.drop_budget <= DP_MAX_BUDGET:  # a coarsened budget: the DP is not exact, no bound
-            floor = max(floor or 0.0, least)
-        plans.append(best[1])
-        lam = lam * np.exp(4.0 * np.array(regrets(best[1], outcome, results)))
+        plans.append(found[0])
+        bounds.append(found[1])
+        lam = lam * np.exp(4.0 * np.array(regrets(found[0], outcome, results)))
         lam /= lam.sum()
-    return plans, floor
+    if plans:
+        worst = min(plans, key=lambda p: max(regrets(p, outcome, results)))
+        i, j = np.argsort(regrets(worst, outcome, results))[-2:]
+        for a in np.linspace(0.0, 1.0, LINE_POINTS):
+            lam = np.zeros(len(results))
+            lam[i], lam[j] = a, 1.0 - a
+            found = _at_weights(outcome, scorer, results, lam)
+            if found is not None:
+                plans.append(found[0])
+                bounds.append(found[1])
+    return plans, (max(bounds) if bounds and exact else None)
+
+
+def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
+                lam: np.ndarray) -> tuple[Solution, float] | None:
+    """(the plan of least worst-case regret among each chunk size's plan for the weights `lam` on the cases'
+    relative costs, the least weighted mean regret over every chunk size: a bound, see `minimax_plans`)."""
+    w, space = outcome.weights, outcome.space
+    best, least = None, np.inf
+    for c, search in outcome.chunks.items():
+        if search.best is None:
+            continue
+        here = [i for i, r in enumerate(results) if c in r.pools]
+        bound = sum(lam[i] * (min(1.0, r.case.factor) * _cost(search.best, w) / _cost(r.best, w) - 1.0)
+                    for i, r in enumerate(results) if i not in here)
+        if here:
+            found = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
+                                   [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
+                                    for i in here])
+            if found is None:
+                continue
+            bound += found[0] - sum(lam[i] for i in here)
+            if len(here) == len(results):  # a candidate plan only where it weighs every case
+                worst = max(regrets(found[1], outcome, results))
+                if best is None or worst < best[0]:
+                    best = (worst, found[1])
+        least = min(least, bound)
+    return None if best is None else (best[1], least)
 
 
 def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
