@@ -3,7 +3,6 @@ the weights pass one package's limit), linted and checked on the host."""
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from pathlib import Path
 
 from autotune import pipeline
@@ -49,29 +48,17 @@ def run(args: argparse.Namespace) -> int:
                             cache_dir=args.cache_dir, function_weight_bytes=args.function_weight_mb * 1e6,
                             package_weight_bytes=args.package_weight_mb * 1e6, dtype=args.dtype,
                             progress=not args.no_progress)
-    ratio = result.package_bytes / result.unique_weight_bytes
-    tolerance = max(TOLERANCE[fs.compress] for fs in result.functions)
-    kinds = Counter(fs.compress for fs in result.functions)
-    mb_per_s = result.unique_weight_bytes / 1e6 / result.build_seconds
-    names = ", ".join(pk["path"] for pk in result.packages)
-    print(f"wrote {len(result.packages)} package(s) ({names}) and {result.manifest}: {len(result.functions)} "
-          f"functions ({result.cached} from the cache), layout {result.layout}, weights "
-          f"{', '.join(f'{k} x{n}' for k, n in sorted(kinds.items()))}, "
-          f"{result.build_seconds:.1f} s ({mb_per_s:.1f} MB/s of fp16 weights; convert {result.seconds['convert']} s, "
-          f"merge {result.seconds['merge']} s, host check {result.seconds['verify']} s)")
-    print(f"packages {result.package_bytes:,} bytes = {ratio:.3f} x the unique expert weights in fp16 "
-          f"({result.unique_weight_bytes:,} bytes); largest function {result.largest_function_weight_bytes:,} "
-          f"weight bytes (limit {args.function_weight_mb * 1e6:,.0f}); lint passed")
-    print(f"host evaluation of every function vs cpu-static: max relative error {result.max_rel_error:.2e} "
-          f"(tolerance {tolerance:g})")
-    print_json({"package": result.package, "package_bytes": result.package_bytes,
-                "unique_weight_bytes": result.unique_weight_bytes, "size_ratio": round(ratio, 4),
-                "max_rel_error": result.max_rel_error, "tolerance": tolerance,
-                "functions": len(result.functions), "cached_functions": result.cached, "layout": result.layout,
-                "compress": result.compress, "compress_counts": dict(sorted(kinds.items())),
-                "build_seconds": round(result.build_seconds, 2),
-                "manifest": result.manifest, "packages": result.packages,
-                "largest_function_weight_bytes": result.largest_function_weight_bytes,
-                "function_weight_limit_bytes": int(args.function_weight_mb * 1e6),
-                "build_mb_per_s": round(mb_per_s, 2), "build_seconds_by_stage": result.seconds})
+    s = result.to_json()
+    names = ", ".join(pk["path"] for pk in s["packages"])
+    print(f"wrote {len(s['packages'])} package(s) ({names}) and {s['manifest']}: {s['functions']} functions "
+          f"({s['cached_functions']} from the cache), layout {s['layout']}, weights "
+          f"{', '.join(f'{k} x{n}' for k, n in s['compress_counts'].items())}, {s['build_seconds']:.1f} s "
+          f"({s['build_mb_per_s']:.1f} MB/s of fp16 weights; convert {s['build_seconds_by_stage']['convert']} s, "
+          f"merge {s['build_seconds_by_stage']['merge']} s, host check {s['build_seconds_by_stage']['verify']} s)")
+    print(f"packages {s['package_bytes']:,} bytes = {s['size_ratio']:.3f} x the unique expert weights in fp16 "
+          f"({s['unique_weight_bytes']:,} bytes); largest function {s['largest_function_weight_bytes']:,} weight "
+          f"bytes (limit {s['function_weight_limit_bytes']:,}); lint passed")
+    print(f"host evaluation of every function vs cpu-static: max relative error {s['max_rel_error']:.2e} "
+          f"(tolerance {s['tolerance']:g})")
+    print_json(s)
     return 0

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -323,10 +324,29 @@ class BuildResult:
     manifest: str = ""
     largest_function_weight_bytes: int = 0
     seconds: dict = field(default_factory=dict)  # where the time went: convert, merge, verify
+    function_weight_limit_bytes: int = 0  # the limit the functions were split under
 
     @property
     def max_rel_error(self) -> float:
         return max((c.max_rel_error for c in self.checks), default=float("nan"))
+
+    def to_json(self) -> dict:
+        """What `autotune build --json` prints: sizes, the host check against its tolerance, where the time went."""
+        from runtime.coreml.mil_eval import TOLERANCE
+
+        kinds = Counter(fs.compress for fs in self.functions)
+        return {"package": self.package, "package_bytes": self.package_bytes,
+                "unique_weight_bytes": self.unique_weight_bytes,
+                "size_ratio": round(self.package_bytes / self.unique_weight_bytes, 4),
+                "max_rel_error": self.max_rel_error,
+                "tolerance": max(TOLERANCE[fs.compress] for fs in self.functions),
+                "functions": len(self.functions), "cached_functions": self.cached, "layout": self.layout,
+                "compress": self.compress, "compress_counts": dict(sorted(kinds.items())),
+                "build_seconds": round(self.build_seconds, 2), "manifest": self.manifest, "packages": self.packages,
+                "largest_function_weight_bytes": self.largest_function_weight_bytes,
+                "function_weight_limit_bytes": self.function_weight_limit_bytes,
+                "build_mb_per_s": round(self.unique_weight_bytes / 1e6 / self.build_seconds, 2),
+                "build_seconds_by_stage": self.seconds}
 
 
 def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: dict) -> None:
@@ -443,7 +463,8 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                        build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
                        manifest=str(manifest),
                        largest_function_weight_bytes=max(fs.usage().weight_bytes for fs in functions),
-                       seconds={k: round(v, 2) for k, v in seconds.items()})
+                       seconds={k: round(v, 2) for k, v in seconds.items()},
+                       function_weight_limit_bytes=int(function_weight_bytes))
 
 
 CACHE_KEEP_BYTES = 256 * 2**20  # builds of more weights keep no converted functions: no second copy on disk
