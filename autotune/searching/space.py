@@ -355,12 +355,12 @@ def weighted_cost(s: Score | Scores | Any, weights: Weights, exact_partial: bool
 
 
 def total_score(scores: list[Score]) -> Score:
-    """The sum of scores (energy None if any is None)."""
-    mj = lambda name: None if any(getattr(s, name) is None for s in scores) else sum(  # noqa: E731
-        getattr(s, name) for s in scores)
-    return Score(sum(s.latency_ms for s in scores), mj("energy_mj"), sum(s.heldout_drops for s in scores),
-                 sum(s.violation for s in scores), sum(s.partial_ms for s in scores), mj("partial_mj"),
-                 sum(s.cpu_ms for s in scores), sum(s.partial_cpu_ms for s in scores))
+    """The sum of scores, field by field (energy None if any is None)."""
+    def total(name: str):
+        values = [getattr(s, name) for s in scores]
+        return None if any(v is None for v in values) else sum(values)
+
+    return Score(*(total(name) for name in Scores.FIELDS))
 
 
 def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
@@ -491,7 +491,8 @@ class Scorer:
         ms = float(np.sum(self.cost.exact_ms(counts, self.hidden, self.ffn)))
         power = self.cost.power_w("cpu-exact")
         mj = None if power is None else power * ms
-        return Score(ms, mj, 0, 0.0, ms, mj, ms, ms)
+        return Score(ms, mj, heldout_drops=0, violation=0.0, partial_ms=ms, partial_mj=mj, cpu_ms=ms,
+                     partial_cpu_ms=ms)
 
     # --- many decisions at once ------------------------------------------------------------------------------------
     def with_cost(self, cost: CostModel, with_energy: bool) -> "Scorer":
