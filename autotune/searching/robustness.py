@@ -47,7 +47,7 @@ from autotune.searching.optimizer import (
     solution,
     usable,
 )
-from autotune.searching.space import Scorer, Space, Weights, objective_name, total_score, weighted_cost
+from autotune.searching.space import Scorer, Space, Weights, objective_name, weighted_cost
 from runtime.backends import EXACT
 from runtime.plan import OVERFLOW_POLICIES
 
@@ -127,9 +127,7 @@ class CaseResult:
                     int(space.keys(space.canonical(space.row_of(space.params_of(cfg))))[0]))
                 s = None if i is None else pool.scores.at(i)
             total += weighted_cost(self.scorer.score(d, cfg) if s is None else s, w, sol.exact_partial)
-        if sol.exact_partial:
-            total += weighted_cost(total_score([self.scorer.partial_exact(d) for d in search.layers]), w)
-        return total
+        return total + partial_cost(search.layers, self.scorer, w, sol.exact_partial)
 
 
 def _cost(x, weights: Weights) -> float:
@@ -264,10 +262,7 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
         drops.append(p.scores.heldout_drops)
         rows.append(p.rows)
         current.append(int(at[0]))
-    const = np.zeros(len(results))
-    if sol.exact_partial:
-        for i, r in enumerate(results):
-            const[i] = weighted_cost(total_score([r.scorer.partial_exact(d) for d in search.layers]), w)
+    const = np.array([partial_cost(search.layers, r.scorer, w, sol.exact_partial) for r in results])
     total = const + sum(lc[i] for lc, i in zip(layer_costs, current))
     used = sum(int(dr[i]) for dr, i in zip(drops, current))
     for _ in range(rounds):
