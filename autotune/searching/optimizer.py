@@ -221,34 +221,36 @@ def usable(space: Space, cands: Candidates, policy: str) -> np.ndarray:
 
 def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int) -> list[int] | None:
     """Pick one candidate per layer minimising total cost with total held-out drops <= budget (exact DP over each
-    layer's Pareto front; infinite cost = not allowed). Returns chosen indices, or None when nothing fits."""
+    layer's Pareto front; infinite cost = not allowed). Returns chosen indices, or None when nothing fits.
+
+    dp[b] is the least cost of the layers so far within b drop units. Each layer keeps the dp it started from, not
+    its choices: walking back, a layer's choice is the first of its front whose cost on top of that dp gives the
+    value reached (the same additions as the forward pass, so equal exactly)."""
     scale = max(1, math.ceil(drop_budget / DP_MAX_BUDGET))
     budget = drop_budget // scale
     dp = np.zeros(budget + 1)
-    choices = []
+    cand = np.empty(budget + 1)
+    layers = []
     for cost, drop in zip(costs, drops):
         cost, drop = np.asarray(cost, dtype=np.float64), np.asarray(drop, dtype=np.int64)
-        front = [i for i in _pareto(cost, drop) if np.isfinite(cost[i])]
+        # rounding drops up to units keeps the coarse solution feasible
+        front = [(i, math.ceil(drop[i] / scale)) for i in _pareto(cost, drop) if np.isfinite(cost[i])]
+        front = [(i, units) for i, units in front if units <= budget]
         new = np.full(budget + 1, np.inf)
-        pick = np.full(budget + 1, -1, dtype=np.int64)
-        units = {}
-        for i in front:
-            du = units[i] = math.ceil(drop[i] / scale)  # rounding drops up keeps the coarse solution feasible
-            if du > budget:
-                continue
-            cand = dp[:budget + 1 - du] + cost[i]
-            better = cand < new[du:]
-            new[du:][better] = cand[better]
-            pick[du:][better] = i
+        for i, units in front:
+            n = budget + 1 - units
+            np.add(dp[:n], cost[i], out=cand[:n])
+            np.minimum(new[units:], cand[:n], out=new[units:])
+        layers.append((dp, cost, front))
         dp = new
-        choices.append((pick, units))
     if not np.isfinite(dp[budget]):
         return None
-    chosen, b = [], budget
-    for pick, units in reversed(choices):
-        i = int(pick[b])
+    chosen, b, reached = [], budget, dp[budget]
+    for before, cost, front in reversed(layers):
+        i, units = next((i, u) for i, u in front if u <= b and before[b - u] + cost[i] == reached)
         chosen.append(i)
-        b -= units[i]
+        b -= units
+        reached = before[b]
     return chosen[::-1]
 
 

@@ -54,7 +54,7 @@ from runtime.plan import OVERFLOW_POLICIES
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP
 REWEIGHTS = 6  # rounds of the --robust minimax reweighting
-LINE_POINTS = 9  # then weightings tried between the two cases that pull apart
+LINE_POINTS = 5  # then weightings tried between the two cases that pull apart
 DESCENTS = 12  # candidates the --robust pick improves layer by layer
 
 
@@ -123,8 +123,7 @@ class CaseResult:
                 if (sol.chunk_tokens, layer) not in self.index:
                     self.index[sol.chunk_tokens, layer] = dict(zip(space.keys(pool.rows).tolist(),
                                                                    range(len(pool.rows))))
-                i = self.index[sol.chunk_tokens, layer].get(
-                    int(space.keys(space.canonical(space.row_of(space.params_of(cfg))))[0]))
+                i = self.index[sol.chunk_tokens, layer].get(space.key_of(cfg))
                 s = None if i is None else pool.scores.at(i)
             total += weighted_cost(self.scorer.score(d, cfg) if s is None else s, w, sol.exact_partial)
         return total + partial_cost(search.layers, self.scorer, w, sol.exact_partial)
@@ -344,7 +343,12 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
         minimax, floor = minimax_plans(outcome, scorer, results)
         candidates += [r.best for r in results] + outcome.front + minimax
         worst = [max(regrets(c, outcome, results), default=0.0) for c in candidates]
-        for i in np.argsort(worst)[:DESCENTS]:  # the least worst-case regrets, improved layer by layer
+        starts = {}  # the least worst-case regrets, each distinct plan once, improved layer by layer
+        for i in np.argsort(worst, kind="stable"):
+            starts.setdefault((candidates[i].chunk_tokens, candidates[i].exact_partial, *candidates[i].configs), i)
+            if len(starts) == DESCENTS:
+                break
+        for i in starts.values():
             candidates.append(descend(candidates[i], outcome, scorer, results))
             worst.append(max(regrets(candidates[-1], outcome, results), default=0.0))
         i = int(np.argmin(worst))  # argmin keeps the first (nominal) plan on ties

@@ -94,6 +94,7 @@ def group_sizes(n_experts: int) -> list[int]:
 class Space:
     """One layer's decision space: its dimensions, in parameter order."""
     dims: tuple[Dimension, ...]
+    _keys: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # key_of's memo
 
     # --- the declaration's parameters ---------------------------------------------------------------------------
     @property
@@ -138,6 +139,12 @@ class Space:
         """One integer per row (its index in the product space)."""
         return np.ravel_multi_index(np.asarray(rows).reshape(-1, len(self.params)).T,
                                     [len(d.values) for _, d in self.params])
+
+    def key_of(self, cfg: LayerConfig) -> int:
+        """The key of a decision's canonical row (memoised: robustness costs the same plans' decisions often)."""
+        if cfg not in self._keys:
+            self._keys[cfg] = int(self.keys(self.canonical(self.row_of(self.params_of(cfg))))[0])
+        return self._keys[cfg]
 
     def canonical(self, rows: np.ndarray) -> np.ndarray:
         """The point that stands for each point's decision: a group size is at most the next power of two above
