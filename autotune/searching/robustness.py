@@ -54,7 +54,7 @@ from runtime.plan import OVERFLOW_POLICIES
 CALL_FACTORS = (0.5, 2.0)  # the fixed cost per call of a backend off the CPU (the ANE)
 GFLOP_FACTORS = (0.7, 1.3)  # each backend's compute time per GFLOP
 REWEIGHTS = 6  # rounds of the --robust minimax reweighting
-LINE_POINTS = 5  # then weightings tried between the two cases that pull apart
+LINE_POINTS = 9  # then weightings tried between the two cases that pull apart
 DESCENTS = 12  # candidates the --robust pick improves layer by layer
 
 
