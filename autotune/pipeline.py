@@ -51,10 +51,12 @@ from autotune.profiling.profile import (
 )
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.explain import explain
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import chunk_candidates, ranked_solutions, solution, solution_plan, timed_search
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
-from autotune.searching.space import LayerData, Scorer, layer_space
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
 from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set

@@ -22,10 +22,12 @@ from make_shape_twin import twin_config  # scripts/: the published configs of th
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.memory import ModelSize, predicted_memory_gb
 from autotune.profiling.profile import load_profile
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import best_plan, chunk_candidates, optuna_layer, run_search, solution_plan
 from autotune.searching.report import cpu_ms_per_token
 from autotune.searching.robustness import assess
-from autotune.searching.space import LayerData, Scorer, layer_space
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
 from runtime.plan import COMPRESSIONS
 
 SMALL = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8,

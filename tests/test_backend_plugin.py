@@ -17,7 +17,8 @@ from autotune.profiling import settings
 from autotune.profiling.device import default_backends
 from autotune.profiling.profile import load_profile
 from autotune.searching.backend_choice import choose_static_backend
-from autotune.searching.space import LayerData, Scorer
+from autotune.searching.layer_data import LayerData
+from autotune.searching.scoring import Scorer
 from runtime.backends import REFERENCE, BackendInfo, registry
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan

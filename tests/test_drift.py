@@ -12,8 +12,8 @@ from helpers import random_model
 from autotune import pipeline
 from autotune.calibration.traces import HELDOUT_EVERY, load_traces
 from autotune.cli import main
+from autotune.searching.decisions import window_spread
 from autotune.searching.optimizer import timed_search
-from autotune.searching.space import window_spread
 from autotune.searching.templates import template_plan
 from runtime.drift import RATE_FACTOR, TV_THRESHOLD, WINDOW_CHUNKS, DriftMonitor
 from runtime.loading.model_loader import TINY_MOE_DIR, model_spec

@@ -9,10 +9,12 @@ import pytest
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import HostCosts
 from autotune.profiling.profile import load_profile
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import Candidates, run_search, usable
 from autotune.searching.report import add_cpu_figures, format_report, search_report
 from autotune.searching.robustness import Case, assess
-from autotune.searching.space import LayerData, Scorer, layer_space
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
 
 SPEC = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
             hidden_size=2048, expert_ffn_size=768, fingerprint="energy")

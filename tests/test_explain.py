@@ -4,8 +4,10 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.searching.explain import explain
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import solution_plan
-from autotune.searching.space import LayerConfig, LayerData, Scorer
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig
 
 
 def _plan(configs, layers, scorer):

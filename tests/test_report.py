@@ -35,8 +35,9 @@ def test_cpu_ms_per_token_for_the_plan_and_each_baseline():
     from helpers import SMALL, apple_like
 
     from autotune.calibration.traces import synthetic_traces
+    from autotune.searching.layer_data import LayerData
     from autotune.searching.report import add_cpu_figures
-    from autotune.searching.space import LayerData, Scorer
+    from autotune.searching.scoring import Scorer
 
     layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
     scorer = Scorer(apple_like(), SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)

@@ -9,9 +9,11 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import Candidates, best_plan, run_search, usable
 from autotune.searching.robustness import Case, assess, default_cases, solve_cases
-from autotune.searching.space import LayerData, Scorer, layer_space
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
 
 
 @pytest.fixture(scope="module")

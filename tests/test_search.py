@@ -13,8 +13,10 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import chunk_candidates, combine, ranked_solutions, run_search
-from autotune.searching.space import LayerData, Scorer, layer_space
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
 

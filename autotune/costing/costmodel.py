@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from autotune.costing import evaluator
+from autotune.costing.evaluator import LayerWork, Totals
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
 
@@ -241,15 +243,24 @@ class CostModel:
                       compress: str = "none") -> float:
         """One static group call: fixed cost plus every expert's slice computed at full capacity (padding too)."""
         caps = np.asarray(capacities, dtype=np.int64)
-        return self.call_ms(backend) + float(np.sum(self.ffn_ms(backend, caps, hidden, ffn, compress)))
+        return float(self.static_ms(backend, np.sum(self.ffn_ms(backend, caps, hidden, ffn, compress)), 1))
 
     def exact_ms(self, counts: np.ndarray, hidden: int, ffn: int) -> Any:
         """cpu-exact over per-expert counts ([E] -> float, [chunks, E] -> array), incl. call and host costs."""
         c = np.asarray(counts, dtype=np.int64)
-        a = c.sum(axis=-1)
-        t = np.sum(self.ffn_ms(EXACT, c, hidden, ffn), axis=-1)
-        t = np.where(a > 0, t + self.call_ms(EXACT), 0.0) + HostCosts.evaluate(self.host.exact, a, hidden)
+        t = self.exact_path_ms(np.sum(self.ffn_ms(EXACT, c, hidden, ffn), axis=-1), c.sum(axis=-1), hidden)
         return float(t) if np.ndim(t) == 0 else t
+
+    def exact_path_ms(self, ffn_ms: Any, assignments: Any, hidden: int) -> np.ndarray:
+        """The exact path of a chunk whose experts' FFNs take `ffn_ms` over `assignments` rows: one call and the
+        host's gather/scatter on top (nothing when no assignment takes it)."""
+        a = np.asarray(assignments, dtype=np.float64)
+        return np.where(a > 0, np.asarray(ffn_ms) + self.call_ms(EXACT), 0.0) + HostCosts.evaluate(self.host.exact,
+                                                                                                    a, hidden)
+
+    def static_ms(self, backend: str, ffn_ms: Any, calls: Any) -> np.ndarray:
+        """Static calls on `backend` whose experts' slices take `ffn_ms` (every slot computed, padding too)."""
+        return np.asarray(ffn_ms) + np.asarray(calls) * self.call_ms(backend)
 
     def pack_ms(self, assignments: Any, hidden: int | None = None, slots: Any = 0) -> Any:
         """Host-side pack/unpack of one chunk's static groups: routing bookkeeping, gathering `assignments` rows
@@ -262,39 +273,47 @@ class CostModel:
         return self._model(backend).power_w
 
     # --- layers ------------------------------------------------------------------------------------------------
-    def _layer_parts(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> dict:
-        """Busy times (ms) of one layer's parts: static calls split by backend, exact path, packing."""
-        c = np.asarray(counts, dtype=np.int64)
+    def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:
+        """One layer plan's busy parts over chunks of `counts` ([chunks, E]) as the evaluator's one row: static calls
+        split by whether their backend runs off the CPU, the exact path (cold experts, and the overflow under
+        `spill`) and packing per chunk."""
+        c = np.asarray(counts, dtype=np.int64).reshape(-1, np.shape(counts)[-1])
         exact_counts = np.zeros_like(c)
-        exact_counts[..., list(layer_plan.cpu_exact)] = c[..., list(layer_plan.cpu_exact)]
-        static: dict[str, float] = {}
+        exact_counts[:, list(layer_plan.cpu_exact)] = c[:, list(layer_plan.cpu_exact)]
+        static: dict[str, float] = {}  # by the model that costs each group's backend
         for g in layer_plan.groups:
             name = self._model(g.backend).name
             static[name] = static.get(name, 0.0) + self.group_call_ms(g.backend, g.capacities, hidden, ffn,
                                                                        g.compression)
             if overflow == "spill":
                 idx, caps = list(g.experts), np.asarray(g.capacities)
-                exact_counts[..., idx] = np.maximum(c[..., idx] - caps, 0)
-        slots = sum(sum(g.capacities) for g in layer_plan.groups)
-        pack = self.pack_ms(c.sum(axis=-1), hidden, slots) if layer_plan.groups else np.zeros(c.shape[:-1])
-        return {"static": static, "exact": np.asarray(self.exact_ms(exact_counts, hidden, ffn)),
-                "pack": np.asarray(pack)}
+                exact_counts[:, idx] = np.maximum(c[:, idx] - caps, 0)
+        on_cpu = sum(t for b, t in static.items() if not self.models[b].overlaps_cpu)
+        off_cpu = sum(t for b, t in static.items() if self.models[b].overlaps_cpu)
+        powers = [self.models[b].power_w for b in static]
+        mj = None if None in powers else sum(p * t for p, t in zip(powers, static.values()))
+        slots = sum(g.slots for g in layer_plan.groups)
+        pack = self.pack_ms(c.sum(axis=-1), hidden, slots) if layer_plan.groups else np.zeros(len(c))
+        one = np.zeros(1, dtype=np.int64)
+        return LayerWork(np.array([on_cpu]), np.array([off_cpu]), np.asarray(self.exact_ms(exact_counts, hidden,
+                                                                                           ffn)).reshape(1, -1),
+                         np.asarray(pack, dtype=np.float64).reshape(1, -1), one, one,
+                         None if mj is None else np.array([mj]), self.power_w(EXACT) if EXACT in self.models else None)
+
+    def _per_chunk(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Totals:
+        return evaluator.per_chunk(self.layer_work(layer_plan, counts, hidden, ffn, overflow))
+
+    @staticmethod
+    def _shaped(values: np.ndarray, counts: np.ndarray) -> Any:
+        """A row of per-chunk figures as the counts were given: [E] -> float, [chunks, E] -> [chunks]."""
+        return float(values[0, 0]) if np.ndim(counts) == 1 else values[0]
 
     def layer_times(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str
                     ) -> tuple[Any, Any]:
         """Predicted (latency, CPU-busy time) in ms of one MoE layer for one chunk ([E] counts -> floats;
-        [chunks, E] -> arrays).
-
-        Static calls run in sequence on the calling thread; the exact CPU path overlaps the calls of an
-        off-CPU backend (`overlaps_cpu`: the ANE) but not CPU work (cpu-static calls, packing). CPU-busy time is
-        the CPU work alone (packing, cpu-static calls, the exact path): while an off-CPU call runs, the calling
-        thread waits."""
-        p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
-        off_cpu = sum(t for b, t in p["static"].items() if self.models[b].overlaps_cpu)
-        on_cpu = sum(t for b, t in p["static"].items() if not self.models[b].overlaps_cpu)
-        t = p["pack"] + on_cpu + np.maximum(off_cpu, p["exact"])
-        cpu = p["pack"] + on_cpu + p["exact"]
-        return (float(t) if np.ndim(t) == 0 else t), (float(cpu) if np.ndim(cpu) == 0 else cpu)
+        [chunks, E] -> arrays), composed by the evaluator (`autotune.costing.evaluator`)."""
+        t = self._per_chunk(layer_plan, counts, hidden, ffn, overflow)
+        return self._shaped(t.latency_ms, counts), self._shaped(t.cpu_ms, counts)
 
     def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
         """Predicted latency of one MoE layer for one chunk (see `layer_times`)."""
@@ -304,6 +323,12 @@ class CostModel:
         """Predicted CPU-busy time of one MoE layer for one chunk (see `layer_times`): the paper's CPU cycles, in
         ms of the profile's CPU threads."""
         return self.layer_times(layer_plan, counts, hidden, ffn, overflow)[1]
+
+    def layer_energy_mj(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int,
+                        overflow: str) -> Any | None:
+        """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
+        e = self._per_chunk(layer_plan, counts, hidden, ffn, overflow).energy_mj
+        return None if e is None else self._shaped(e, counts)
 
     def static_break_even(self, layer_plans: Sequence[Any], mean_counts: Sequence[np.ndarray], chunk_tokens: int,
                           hidden: int, ffn: int, overflow: str) -> int:
@@ -319,23 +344,6 @@ class CostModel:
             exact += self.exact_ms(counts, hidden, ffn)
         pays = np.nonzero(static <= exact)[0]
         return int(max(2, min(n[pays[0]] if pays.size else chunk_tokens, chunk_tokens)))
-
-    def layer_energy_mj(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int,
-                        overflow: str) -> Any | None:
-        """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
-        p = self._layer_parts(layer_plan, counts, hidden, ffn, overflow)
-        cpu_power = self.models[EXACT].power_w if EXACT in self.models else None
-        e = np.zeros(np.shape(p["exact"]))  # per chunk, like the latency: static calls run in every chunk
-        for b, t in p["static"].items():
-            if self.models[b].power_w is None:
-                return None
-            e = e + self.models[b].power_w * t
-        if layer_plan.groups or np.any(p["exact"] > 0):  # packing and the exact path are CPU work
-            if cpu_power is None:
-                return None
-            e = e + cpu_power * (p["exact"] + p["pack"])
-        e = np.asarray(e, dtype=np.float64)
-        return float(e) if np.ndim(e) == 0 else e
 
     @property
     def has_energy(self) -> bool:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Callable
 
 from autotune.costing.costmodel import CostModel
-from autotune.searching.space import LayerData, Scorer, heuristic_config
+from autotune.searching.decisions import heuristic_config
+from autotune.searching.layer_data import LayerData
+from autotune.searching.scoring import Scorer
 from runtime.backends import registry
 from runtime.errors import NpumoeError
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from autotune.costing.costmodel import CostModel, ffn_work
-from autotune.searching.space import LayerConfig, LayerData, layer_plan
+from autotune.searching.decisions import layer_plan
+from autotune.searching.layer_data import LayerData
+from autotune.searching.space import LayerConfig
 from runtime.plan import LayerPlan, Plan
 
 SHOWN_IDS = 6  # resident expert ids listed per layer; the rest are counted

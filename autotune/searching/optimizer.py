@@ -24,19 +24,11 @@ import numpy as np
 import optuna
 from tqdm import tqdm
 
-from autotune.searching.space import (
-    LayerConfig,
-    LayerData,
-    Scorer,
-    Scores,
-    Space,
-    Weights,
-    calibration,
-    heuristic_config,
-    layer_plan,
-    total_score,
-    weighted_cost,
-)
+from autotune.searching.decisions import calibration, heuristic_config, layer_plan
+from autotune.searching.layer_data import LayerData
+from autotune.searching.scores import Scores, Weights, total_score, weighted_cost
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig, Space
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
@@ -78,6 +70,11 @@ class Solution:
     chunk_tokens: int = 0
     exact_partial: bool = False  # prompts' last, partial chunks run on the exact path (else padded static calls)
     cpu_ms: float = 0.0  # predicted CPU-busy time, summed over calibration chunks
+
+    @property
+    def overflow(self) -> str | None:
+        """The plan's overflow policy: its layers' with residents (None: nothing resident, no policy applies)."""
+        return next((c.overflow for c in self.configs if c.resident), None)
 
 
 @dataclass
@@ -287,23 +284,36 @@ def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, we
               pool: list[Candidates] | None = None) -> Solution | None:
     """The cheapest plan over `pool` (default: the chunk's): one overflow policy, one way of running the partial
     chunks, held-out drops within `budget`."""
-    pool = search.pool if pool is None else pool
+    found = cheapest_plan(search, space, budget, weights, [(1.0, search.pool if pool is None else pool, scorer)])
+    return None if found is None else solution(found[1], search.layers, scorer, found[2])
+
+
+Term = tuple[float, list[Candidates], Scorer]  # a weight, each layer's candidates as one case scored them, its scorer
+
+
+def cheapest_plan(search: ChunkSearch, space: Space, budget: int, weights: Weights, terms: list[Term]
+                  ) -> tuple[float, list[LayerConfig], bool] | None:
+    """(least cost, decisions, exact_partial) over every overflow policy and way of running the partial chunks: the
+    exact DP over the candidates (the first term's rows; every term holds the same rows), each costed as the sum of
+    weight x its weighted cost in each term, plus each term's partial chunks run exactly where they are."""
     best = None
     for ov in OVERFLOW_POLICIES:
         for exact_partial in partial_modes(search.layers):
             costs, drops = [], []
-            for cands in pool:
-                ok = usable(space, cands, ov)
-                costs.append(np.where(ok, weighted_cost(cands.scores, weights, exact_partial), np.inf))
-                drops.append(cands.scores.heldout_drops)
+            for layer, first in enumerate(terms[0][1]):
+                total = np.zeros(len(first.rows))
+                for weight, pools, _ in terms:
+                    total += weight * weighted_cost(pools[layer].scores, weights, exact_partial)
+                costs.append(np.where(usable(space, first, ov), total, np.inf))
+                drops.append(first.scores.heldout_drops)
             chosen = combine(costs, drops, budget)
             if chosen is None:
                 continue
-            cost = sum(c[i] for c, i in zip(costs, chosen)) + partial_cost(search.layers, scorer, weights,
-                                                                          exact_partial)
+            cost = sum(c[i] for c, i in zip(costs, chosen)) + sum(
+                weight * partial_cost(search.layers, sc, weights, exact_partial) for weight, _, sc in terms)
             if best is None or cost < best[0]:
-                best = (cost, [space.config(p.rows[i]) for p, i in zip(pool, chosen)], exact_partial)
-    return None if best is None else solution(best[1], search.layers, scorer, best[2])
+                best = (cost, [space.config(p.rows[i]) for p, i in zip(terms[0][1], chosen)], exact_partial)
+    return best
 
 
 def partial_cost(layers: list[LayerData], scorer: Scorer, weights: Weights, exact_partial: bool) -> float:
@@ -404,10 +414,10 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
         at.best = best_plan(at, space, scorer, budget, mid)
     bar.close()
     front = [s for w in weight_sets if (s := best_plan(at, space, scorer, budget, w))]
-    return SearchOutcome(at.best, baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
-                         _pareto_solutions(front) if objective == "both" else [], gap,
-                         trials * len(first) if trials > 0 else 0, len(first) if exact else 0, chunks, budget, mid,
-                         space)
+    return SearchOutcome(best=at.best, baselines=baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
+                         front=_pareto_solutions(front) if objective == "both" else [], gap_vs_exact=gap,
+                         trials=trials * len(first) if trials > 0 else 0, exact_layers=len(first) if exact else 0,
+                         chunks=chunks, drop_budget=budget, weights=mid, space=space)
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:
@@ -423,10 +433,8 @@ def exact_below(sol: Solution, entries: list, layers: list[LayerData], scorer: S
     """The plan's exact_below_tokens: the cost model's break-even, moved past the prompts' partial chunks when the
     search ran them exactly, or down to them when it charged their padded static calls."""
     c = sol.chunk_tokens
-    overflow = next((cfg.overflow for cfg in sol.configs if cfg.resident), "drop")
-    be = scorer.cost.static_break_even(entries, [d.calib[~d.partial].mean(0) if (~d.partial).any()
-                                                 else d.calib.mean(0) for d in layers], c,
-                                       scorer.hidden, scorer.ffn, overflow)
+    be = scorer.cost.static_break_even(entries, [d.full_calib.mean(0) for d in layers], c, scorer.hidden,
+                                       scorer.ffn, sol.overflow or "drop")
     sizes = sorted({int(n) for n in layers[0].tokens[layers[0].partial]})
     if not sizes:
         return be
@@ -439,11 +447,10 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
                   saliency: str = "router_weight", predicted: dict | None = None, meta: dict | None = None) -> Plan:
     """The validated plan file a solution means, with each layer's calibration statistics."""
     chunk_tokens = chunk_tokens or sol.chunk_tokens
-    overflow = next((c.overflow for c in sol.configs if c.resident), "drop")
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
     obj = {"schema": "npumoe.plan/1", "model": ModelSpec(**model).model_dump(), "chunk_tokens": chunk_tokens,
-           "overflow": overflow, "saliency": saliency,
+           "overflow": sol.overflow or "drop", "saliency": saliency,
            "exact_below_tokens": exact_below(dataclasses.replace(sol, chunk_tokens=chunk_tokens), entries, layers,
                                              scorer),
            "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import SearchOutcome, Solution
-from autotune.searching.space import LayerData
 from runtime.backends import EXACT
 from runtime.errors import NpumoeError
 from runtime.plan import Plan

@@ -37,17 +37,16 @@ from autotune.costing.costmodel import CostModel
 from autotune.searching.optimizer import (
     DP_MAX_BUDGET,
     Candidates,
-    ChunkSearch,
     SearchOutcome,
     Solution,
     best_plan,
-    combine,
+    cheapest_plan,
     partial_cost,
-    partial_modes,
     solution,
-    usable,
 )
-from autotune.searching.space import Scorer, Space, Weights, objective_name, weighted_cost
+from autotune.searching.scores import Weights, objective_name, weighted_cost
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import Space
 from runtime.backends import EXACT
 from runtime.plan import OVERFLOW_POLICIES
 
@@ -219,13 +218,14 @@ def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult
         bound = sum(lam[i] * (min(1.0, r.case.factor) * _cost(search.best, w) / _cost(r.best, w) - 1.0)
                     for i, r in enumerate(results) if i not in here)
         if here:
-            found = _weighted_plan(search, space, scorer, outcome.drop_budget, w,
-                                   [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
-                                    for i in here])
+            found = cheapest_plan(search, space, outcome.drop_budget, w,
+                                  [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
+                                   for i in here])
             if found is None:
                 continue
             bound += found[0] - sum(lam[i] for i in here)
             if len(here) == len(results):  # a candidate plan only where it weighs every case
+                found = (found[0], solution(found[1], search.layers, scorer, found[2]))
                 worst = max(regrets(found[1], outcome, results))
                 if best is None or worst < best[0]:
                     best = (worst, found[1])
@@ -244,7 +244,7 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
     if any(c not in r.pools for r in results):
         return sol
     best = np.array([_cost(r.best, w) for r in results])
-    ov = next((cfg.overflow for cfg in sol.configs if cfg.resident), None)
+    ov = sol.overflow
     layer_costs, drops, rows, current = [], [], [], []
     for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
         p = results[0].pools[c][layer]
@@ -279,33 +279,6 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
         used += int(drops[layer][j]) - int(drops[layer][current[layer]])
         current[layer] = j
     return solution([space.config(r[i]) for r, i in zip(rows, current)], search.layers, scorer, sol.exact_partial)
-
-
-def _weighted_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, w: Weights,
-                   terms: list[tuple[float, list[Candidates], Scorer]]) -> tuple[float, Solution] | None:
-    """(least weighted cost, its plan): the DP over the decisions kept for the cases, each costed as the sum of
-    weight x its cost in each case (the case's scorer costs the partial chunks run exactly)."""
-    best = None
-    for policy in OVERFLOW_POLICIES:
-        for exact_partial in partial_modes(search.layers):
-            costs, drops, rows = [], [], []
-            for layer in range(len(search.layers)):
-                first = terms[0][1][layer]
-                total = np.zeros(len(first.rows))
-                for weight, pools, _ in terms:
-                    total += weight * weighted_cost(pools[layer].scores, w, exact_partial)
-                ok = usable(space, first, policy)
-                costs.append(np.where(ok, total, np.inf))
-                drops.append(first.scores.heldout_drops)
-                rows.append(first.rows)
-            chosen = combine(costs, drops, budget)
-            if chosen is None:
-                continue
-            cost = sum(c[i] for c, i in zip(costs, chosen)) + sum(
-                weight * partial_cost(search.layers, sc, w, exact_partial) for weight, _, sc in terms)
-            if best is None or cost < best[0]:
-                best = (cost, [space.config(r[i]) for r, i in zip(rows, chosen)], exact_partial)
-    return None if best is None else (best[0], solution(best[1], search.layers, scorer, best[2]))
 
 
 @dataclass

@@ -1,13 +1,17 @@
 """The Neural Engine's limits on one program (a package function) and one package, each with its source.
 
-The search (autotune/searching/space.py) scores a group past any of them as a hard-limit violation; the builder
+The search (autotune/searching/scoring.py) scores a group past any of them as a hard-limit violation; the builder
 (runtime/coreml/converter.py) refuses such a group before converting anything and splits a plan whose weights exceed
 one package into several. Sources are listed in docs/ane-facts.md; the figures marked unverified there are
 community measurements, not Apple documentation.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
 
 # Per tensor axis: channels <= 65,536 (width/height <= 16,384). A group's packed slots are one axis of its input.
 MAX_AXIS = 65_536
@@ -28,6 +32,51 @@ BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "palettize4": 0.5}
 
 
 @dataclass(frozen=True)
+class Limit:
+    """One limit on a program: the `Usage` field it bounds, its value, and what to change when past it."""
+    what: str
+    field: str
+    limit: float
+    change: str
+
+
+# Every limit on one group's program, once: `Usage.over` (the builder's refusal) and `violation` (the search's
+# measure, over arrays) both read this table. The weight limit is a parameter of the build (`--function-weight-mb`).
+LIMITS = (
+    Limit("packed slots (sum of capacities)", "slots", MAX_AXIS, "split the group or lower its capacities"),
+    Limit("hidden size", "hidden", MAX_AXIS, "split the group or lower its capacities"),
+    Limit("gate_up width (2 x expert FFN size)", "gate_up", MAX_AXIS, "split the group or lower its capacities"),
+    Limit("MIL ops", "ops", MAX_OPS, "split the group into smaller groups"),
+    Limit("weight bytes", "weight_bytes", FUNCTION_WEIGHT_BYTES,
+          "split the group into smaller groups (fewer experts each) or compress its weights"),
+)
+
+
+def _bound(lim: Limit, function_weight_bytes: float) -> float:
+    return function_weight_bytes if lim.field == "weight_bytes" else lim.limit
+
+
+def violation(usage: dict[str, Any], function_weight_bytes: float = FUNCTION_WEIGHT_BYTES) -> Any:
+    """How far past the limits, summed as fractions of each limit (0 when within all), of one program or many:
+    `usage` maps `Usage` fields to numbers or arrays (a field left out is not checked: the search sums the groups'
+    slots apart from the rest, since a plan's full groups differ only in them)."""
+    out = 0.0
+    for lim in LIMITS:
+        if lim.field in usage:
+            bound = _bound(lim, function_weight_bytes)
+            out = out + np.maximum(0.0, np.asarray(usage[lim.field], dtype=np.float64) - bound) / bound
+    return out
+
+
+def program_usage(experts: Any, hidden: int, ffn: int, compress: str = "none") -> dict[str, Any]:
+    """What a group of `experts` experts (a number or an array) uses, slots aside: the fields of `Usage` but
+    `slots`, as `violation` takes them."""
+    n = np.asarray(experts)
+    return {"hidden": hidden, "gate_up": 2 * ffn, "ops": OPS_PER_EXPERT * n + OPS_PER_FUNCTION,
+            "weight_bytes": n * expert_weight_bytes(hidden, ffn, compress)}
+
+
+@dataclass(frozen=True)
 class Usage:
     """What one group's program uses, against each limit."""
     slots: int  # packed rows: the sum of the group's capacities
@@ -39,20 +88,15 @@ class Usage:
     def over(self, function_weight_bytes: float = FUNCTION_WEIGHT_BYTES) -> list[tuple[str, float, float, str]]:
         """(what, value, limit, what to change) for every limit this group is past; empty when within all."""
         out = []
-        for what, size in (("packed slots (sum of capacities)", self.slots), ("hidden size", self.hidden),
-                           ("gate_up width (2 x expert FFN size)", self.gate_up)):
-            if size > MAX_AXIS:
-                out.append((what, size, MAX_AXIS, "split the group or lower its capacities"))
-        if self.ops > MAX_OPS:
-            out.append(("MIL ops", self.ops, MAX_OPS, "split the group into smaller groups"))
-        if self.weight_bytes > function_weight_bytes:
-            out.append(("weight bytes", self.weight_bytes, function_weight_bytes,
-                        "split the group into smaller groups (fewer experts each) or compress its weights"))
+        for lim in LIMITS:
+            value, bound = getattr(self, lim.field), _bound(lim, function_weight_bytes)
+            if value > bound:
+                out.append((lim.what, value, bound, lim.change))
         return out
 
     def violation(self, function_weight_bytes: float = FUNCTION_WEIGHT_BYTES) -> float:
-        """How far past the limits, summed as fractions of each limit (0 when within all): the search's measure."""
-        return sum((value - limit) / limit for _, value, limit, _ in self.over(function_weight_bytes))
+        """`violation` of this one program."""
+        return float(violation(dataclasses.asdict(self), function_weight_bytes))
 
 
 def expert_weight_bytes(hidden: int, ffn: int, compress: str = "none") -> int:
@@ -60,8 +104,12 @@ def expert_weight_bytes(hidden: int, ffn: int, compress: str = "none") -> int:
     return int(3 * hidden * ffn * BYTES_PER_WEIGHT[compress])
 
 
-def group_usage(capacities: list[int] | tuple[int, ...], hidden: int, ffn: int, compress: str = "none") -> Usage:
+def group_usage(capacities: Sequence[int], hidden: int, ffn: int, compress: str = "none") -> Usage:
     """The program one static group of experts (one capacity each) becomes."""
-    n = len(capacities)
-    return Usage(slots=int(sum(capacities)), hidden=hidden, gate_up=2 * ffn,
-                 ops=OPS_PER_EXPERT * n + OPS_PER_FUNCTION, weight_bytes=n * expert_weight_bytes(hidden, ffn, compress))
+    return Usage(slots=int(sum(capacities)), **{k: int(v) for k, v in
+                                                program_usage(len(capacities), hidden, ffn, compress).items()})
+
+
+def group_violation(capacities: Sequence[int], hidden: int, ffn: int, compress: str = "none") -> float:
+    """The ANE backends' `limits` (the registry's hook): how far one group's program is past the limits."""
+    return group_usage(capacities, hidden, ffn, compress).violation()

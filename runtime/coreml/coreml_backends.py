@@ -36,17 +36,13 @@ def profile_caller(compute_units: str, layout: str = "matmul") -> Callable[..., 
     return make
 
 
-def _group_violation(capacities: Sequence[int], hidden: int, ffn: int, compress: str = "none") -> float:
-    return ane_limits.group_usage(capacities, hidden, ffn, compress).violation()
-
-
 BACKENDS = (
     # Off macOS (or without a package) ane's groups run on ane-sim: what the ANE function computes, simulated.
     BackendInfo("ane", AneBackend, overlaps_cpu=True, fallback=AneSimBackend.name, options=("package",),
-                limits=_group_violation, dtype_bytes=2, energy_field="ane_mj",
+                limits=ane_limits.group_violation, dtype_bytes=2, energy_field="ane_mj",
                 profile_call=profile_caller("CPU_AND_NE"), profile_available=coreml_available, compiles_per_shape=True),
     # Always available; not profiled by default (its time says nothing about a device).
-    BackendInfo(AneSimBackend.name, AneSimBackend, fallback=None, limits=_group_violation, dtype_bytes=2,
+    BackendInfo(AneSimBackend.name, AneSimBackend, fallback=None, limits=ane_limits.group_violation, dtype_bytes=2,
                 cpu_torch=True, profiled_by_default=False),
     BackendInfo("coreml-cpu", None, dtype_bytes=2, profile_call=profile_caller("CPU_ONLY"),
                 profile_available=coreml_available, compiles_per_shape=True),

@@ -1,0 +1,83 @@
+"""The one evaluator: how a MoE layer's busy parts compose into latency, CPU-busy time and energy, over arrays.
+
+A decision is a row; one plan is one row. A row's static calls take the same time in every chunk (their
+capacities are fixed): `on_cpu` ms on backends that compute on the CPU, `off_cpu` ms on a backend that runs off it
+(the ANE), `static_mj` their energy. Its exact path and host packing vary by chunk: rows of the tables `exact`
+[K, chunks] and `pack` [P, chunks], picked per decision by `exact_of` / `pack_of` (the decisions that share
+residency and tiers share them: what makes scoring thousands of decisions affordable). Per chunk:
+
+    latency = pack + on_cpu + max(off_cpu, exact)   # the exact path overlaps off-CPU calls, not CPU work
+    cpu     = pack + on_cpu + exact                 # while an off-CPU call runs, the calling thread waits
+    energy  = static_mj + cpu_w * (exact + pack)
+
+`totals` sums them over a set of chunks for every row (the sum of max() from each table's sorted times);
+`per_chunk` gives them chunk by chunk. Both are `_compose`. The prices that fill the tables are the cost model's
+(`CostModel`); the limits are `ane_limits`' and `over_budget`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class LayerWork:
+    """One MoE layer's busy parts (ms) for many decision rows (see the module docstring)."""
+    on_cpu: np.ndarray  # [rows] static calls computed on the CPU, per chunk
+    off_cpu: np.ndarray  # [rows] static calls off the CPU, per chunk
+    exact: np.ndarray  # [K, chunks] exact-path time (its call and host costs included)
+    pack: np.ndarray  # [P, chunks] host packing time
+    exact_of: np.ndarray  # [rows] -> a row of `exact`
+    pack_of: np.ndarray  # [rows] -> a row of `pack`
+    static_mj: np.ndarray | None = None  # [rows] energy of the static calls per chunk; None: a power is unknown
+    cpu_w: float | None = None  # the CPU's power (W); None: unknown
+
+
+@dataclass
+class Totals:
+    """Predicted latency, CPU-busy time (ms) and energy (mJ; None where a power is unknown) of each row."""
+    latency_ms: np.ndarray
+    cpu_ms: np.ndarray
+    energy_mj: np.ndarray | None
+
+
+def _compose(work: LayerWork, n: Any, pack: np.ndarray, exact: np.ndarray, exact_over_calls: np.ndarray) -> Totals:
+    """The formulas, once: `n` chunks whose packing sums to `pack`, exact path to `exact` and max(off_cpu, exact)
+    to `exact_over_calls`."""
+    on = work.on_cpu.reshape(work.on_cpu.shape + (1,) * (np.ndim(pack) - 1))
+    latency = pack + (n * on + exact_over_calls)
+    cpu = pack + exact + n * on
+    energy = None
+    if work.static_mj is not None and work.cpu_w is not None:
+        energy = n * work.static_mj.reshape(on.shape) + work.cpu_w * (exact + pack)
+    return Totals(latency, cpu, energy)
+
+
+def per_chunk(work: LayerWork) -> Totals:
+    """Each row's figures chunk by chunk ([rows, chunks])."""
+    exact = work.exact[work.exact_of]
+    return _compose(work, 1, work.pack[work.pack_of], exact, np.maximum(work.off_cpu[:, None], exact))
+
+
+def totals(work: LayerWork, chunks: np.ndarray) -> Totals:
+    """Each row's figures summed over the chunks where `chunks` (a bool mask) is set ([rows])."""
+    exact = work.exact[:, chunks]
+    summed = exact.sum(1)[work.exact_of]
+    over_calls = sum_max(work.off_cpu, exact, work.exact_of) if work.off_cpu.any() else summed
+    return _compose(work, int(chunks.sum()), work.pack[:, chunks].sum(1)[work.pack_of], summed, over_calls)
+
+
+def sum_max(level: np.ndarray, table: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """[rows]: the sum over a table row's entries of max(level, entry), for row `of[i]` of `table` and `level[i]`:
+    from each table row sorted once, the entries below the level count as the level, the rest as themselves."""
+    ts = np.sort(table, axis=1)
+    tail = np.concatenate([np.cumsum(ts[:, ::-1], axis=1)[:, ::-1], np.zeros((len(ts), 1))], 1)
+    below = (ts[of] < level[:, None]).sum(1)
+    return below * level + tail[of, below]
+
+
+def over_budget(used: Any, budget: float) -> Any:
+    """The resident-bytes limit: how far `used` bytes are past `budget`, as a fraction of it (0 within)."""
+    return np.maximum(0.0, np.asarray(used, dtype=np.float64) - budget) / max(1.0, budget)
