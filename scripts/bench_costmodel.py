@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.costing.costmodel import fit_cost_model
+from autotune.costing.fitting import fit_cost_model
 from autotune.profiling.callers import make_experts
 from autotune.profiling.device import profile_device
 from autotune.profiling.profile import load_profile, save_profile

@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 import copy
 
-from autotune.costing.costmodel import CostModel, HostCosts, fit_backend, heldout_errors, predict_record
+from autotune.costing.costmodel import CostModel, HostCosts
+from autotune.costing.fitting import fit_backend, heldout_errors, predict_record
 from autotune.profiling.profile import Profile, save_profile, utc_now
 
 REVISION = 2

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autotune.costing.costmodel import BackendModel, CostModel, record_features
+from autotune.costing.costmodel import BackendModel, CostModel
+from autotune.costing.fitting import record_features
 from runtime.loading.model_loader import load_model
 
 _MODELS: dict = {}

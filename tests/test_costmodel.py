@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from helpers import SHAPES, TRUE, synthetic_records
 
-from autotune.costing.costmodel import BackendModel, CostModel, HostCosts, fit_backend, fit_cost_model, heldout_errors
+from autotune.costing.costmodel import BackendModel, CostModel, HostCosts
+from autotune.costing.fitting import fit_backend, fit_cost_model, heldout_errors
 from runtime.plan import Group, LayerPlan
 
 

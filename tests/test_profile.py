@@ -123,7 +123,7 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
     # the paper's rows are reproduced by the fit within its reported held-out error
     for r in prof.records:
         if not r.get("excluded"):
-            pred = cm.models[r["backend"]].analytic(*__import__("autotune.costing.costmodel", fromlist=["x"])
+            pred = cm.models[r["backend"]].analytic(*__import__("autotune.costing.fitting", fromlist=["x"])
                                                     .record_features(r, cm.models[r["backend"]].dtype_bytes))
             assert abs(pred / r["median_ms"] - 1) < 0.1
     assert cm.group_call_ms("ane", [64] * 8, 2048, 768) > cm.call_ms("ane")

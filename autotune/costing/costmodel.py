@@ -20,6 +20,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from autotune.costing import evaluator
+from autotune.costing.dense import (
+    DenseFit,
+    attention_work,
+    elementwise_work,
+    matmul_bytes,
+)
 from autotune.costing.evaluator import LayerWork, Totals
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
@@ -193,6 +199,7 @@ class CostModel:
     models: dict[str, BackendModel]
     host: HostCosts = field(default_factory=HostCosts)
     default_hidden: int = 1024  # used by pack_ms when the caller gives no hidden size
+    dense: dict[str, dict[str, DenseFit]] = field(default_factory=dict)  # measured dense-op fits, by backend and op
     _lut: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -271,6 +278,36 @@ class CostModel:
 
     def power_w(self, backend: str) -> float | None:
         return self._model(backend).power_w
+
+    # --- dense ops (autotune.costing.dense) ----------------------------------------------------------------------
+    def dense_fit(self, backend: str, op: str) -> DenseFit:
+        """The price of a dense op kind on a backend: measured where the profile has its records, else derived from
+        the backend's fitted matmul throughput (labelled so)."""
+        model = self._model(backend)
+        fit = self.dense.get(model.name, {}).get(op)
+        return fit or DenseFit(model.ms_per_gflop, model.ms_per_mb,
+                               f"derived from {model.name}'s fitted matmul throughput (no {op} records)")
+
+    def dtype_bytes(self, backend: str) -> int:
+        return self._model(backend).dtype_bytes
+
+    def matmul_ms(self, backend: str, m: Any, n: int, k: int, weight_bytes: float | None = None) -> np.ndarray:
+        """Compute time of [m, k] x [k, n] on `backend` (no call cost; 0 rows cost nothing)."""
+        b = self.dtype_bytes(backend)
+        t = self.dense_fit(backend, "matmul").ms(2.0 * np.asarray(m, dtype=np.float64) * n * k / 1e9,
+                                                 matmul_bytes(m, n, k, b, weight_bytes))
+        return np.where(np.asarray(m) > 0, t, 0.0)
+
+    def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
+                     ) -> np.ndarray:
+        """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
+        g, mb = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend))
+        return self.dense_fit(backend, "attention").ms(g, mb)
+
+    def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:
+        """One layer's norms, rope and residual adds on `rows` tokens."""
+        g, mb = elementwise_work(rows, hidden, self.dtype_bytes(backend))
+        return self.dense_fit(backend, "elementwise").ms(g, mb)
 
     # --- layers ------------------------------------------------------------------------------------------------
     def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:
@@ -353,158 +390,13 @@ class CostModel:
     def to_json(self) -> dict:
         return {"form": "calls*call_ms + experts*expert_ms + GFLOP*ms_per_gflop + MB*ms_per_mb, x residual",
                 "backends": {n: m.to_json() for n, m in sorted(self.models.items())},
-                "host": self.host.to_json(), "default_hidden": self.default_hidden}
+                "host": self.host.to_json(), "default_hidden": self.default_hidden,
+                **({"dense": {b: {op: f.to_json() for op, f in fits.items()} for b, fits in self.dense.items()}}
+                   if self.dense else {})}
 
     @classmethod
     def from_json(cls, obj: dict) -> "CostModel":
         return cls({n: BackendModel.from_json(n, m) for n, m in obj["backends"].items()},
-                   HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)))
-
-
-# --- fitting -----------------------------------------------------------------------------------------------------
-def record_features(rec: dict, dtype_bytes: int) -> np.ndarray:
-    """(calls, experts, GFLOP, MB) of one record: what the backend did during the timed call."""
-    kind = rec["kind"]
-    if kind == "ffn":
-        g, mb = ffn_work(rec["tokens"], rec["hidden"], rec["ffn"], dtype_bytes)
-        return np.array([0.0, 1.0, g, mb])
-    if kind in ("group", "call"):
-        caps = np.asarray(rec["capacities"], dtype=np.float64)
-        g, mb = ffn_work(caps, rec["hidden"], rec["ffn"], dtype_bytes)
-        return np.array([1.0, len(caps), g.sum(), mb.sum()])
-    if kind == "matmul":
-        g, mb = matmul_work(rec["m"], rec["n"], rec["k"], dtype_bytes)
-        return np.array([1.0, 0.0, g, mb])
-    raise ValueError(f"record kind {kind!r} has no backend features")
-
-
-def predict_record(model: BackendModel, rec: dict) -> float:
-    """The model's latency (ms) for what a record timed."""
-    kind = rec["kind"]
-    if kind == "ffn":
-        return float(model.ffn_ms(rec["tokens"], rec["hidden"], rec["ffn"]))
-    if kind in ("group", "call"):
-        return model.call_ms + float(np.sum(model.ffn_ms(np.asarray(rec["capacities"]), rec["hidden"], rec["ffn"])))
-    return float(model.analytic(*record_features(rec, model.dtype_bytes)))
-
-
-def _positive_lsq(A: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Non-negative least squares on relative error (rows divided by the measured time)."""
-    from sklearn.linear_model import LinearRegression
-
-    reg = LinearRegression(fit_intercept=False, positive=True)
-    reg.fit(A / t[:, None], np.ones_like(t))
-    return reg.coef_
-
-
-def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_cpu: bool | None = None,
-                fixed: dict[str, float] | None = None, residual: bool = True, power_w: float | None = None,
-                power_source: str | None = None) -> BackendModel:
-    """Fit one backend's analytic form to its records, then the residual learner on single-expert records.
-
-    `fixed` pins coefficients (e.g. a cited fixed cost per call) instead of fitting them. `overlaps_cpu` defaults
-    to the backend's registry entry (False for a backend not registered here)."""
-    fixed = fixed or {}
-    A = np.stack([record_features(r, dtype_bytes) for r in records])
-    t = np.array([r["median_ms"] for r in records], dtype=np.float64)
-    unknown = set(fixed) - set(PARAMS)
-    if unknown:
-        raise ValueError(f"cannot pin {sorted(unknown)}: the parameters are {PARAMS}")
-    free = [i for i, p in enumerate(PARAMS) if p not in fixed and A[:, i].any()]
-    pinned = np.array([fixed.get(p, 0.0) for p in PARAMS])
-    rest = np.maximum(t - A @ pinned, 1e-6 * t)
-    coef = pinned.copy()
-    if free:
-        coef[free] = _positive_lsq(A[:, free], rest)
-    model = BackendModel(name, float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), dtype_bytes,
-                         _overlaps_cpu(name) if overlaps_cpu is None else overlaps_cpu, power_w, power_source)
-    if residual:
-        X, y = [], []
-        for r in records:
-            caps = r.get("capacities") or []
-            if r["kind"] == "ffn" or (r["kind"] == "group" and len(caps) == 1):
-                m = r["tokens"] if r["kind"] == "ffn" else caps[0]
-                compute = r["median_ms"] - model.expert_ms - (model.call_ms if r["kind"] == "group" else 0.0)
-                base = float(model.ffn_ms(m, r["hidden"], r["ffn"])) - model.expert_ms
-                if compute > 0 and base > 0:
-                    X.append([np.log2(max(m, 1)), np.log2(r["hidden"]), np.log2(r["ffn"])])
-                    y.append(np.log(compute / base))
-        if len(y) >= 2:
-            model.residual = Residual(np.array(X), np.array(y))
-    return model
-
-
-def _overlaps_cpu(name: str) -> bool:
-    info = registry.get(name)
-    return info is not None and info.overlaps_cpu
-
-
-def fit_host(records: list[dict]) -> tuple[float, ...] | None:
-    """Host cost coefficients (HOST_TERMS) from pack/exact_host records."""
-    if not records:
-        return None
-    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0)) for r in records])
-    t = np.array([r["median_ms"] for r in records], dtype=np.float64)
-    used = [i for i in range(A.shape[1]) if A[:, i].any()]
-    coef = np.zeros(A.shape[1])
-    coef[used] = _positive_lsq(A[:, used], t)
-    return tuple(float(c) for c in coef)
-
-
-def _host_predict(coef: tuple[float, ...], rec: dict) -> float:
-    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
-
-
-def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:
-    """Fit every backend found in `records` (plus host costs from pack/exact_host records)."""
-    backend_options = backend_options or {}
-    by_backend: dict[str, list[dict]] = {}
-    for r in records:
-        if r["kind"] not in ("pack", "exact_host") and not r.get("excluded"):
-            by_backend.setdefault(r["backend"], []).append(r)
-    models = {b: fit_backend(b, rs, **backend_options.get(b, {})) for b, rs in sorted(by_backend.items())}
-    host = HostCosts(pack=fit_host([r for r in records if r["kind"] == "pack"]),
-                     exact=fit_host([r for r in records if r["kind"] == "exact_host"]))
-    hiddens = sorted({int(r["hidden"]) for r in records if "hidden" in r})
-    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024)
-
-
-def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None = None, folds: int = 5,
-                   seed: int = 0) -> dict:
-    """Mean absolute percentage error of each part of the model on records it was not fitted to (k-fold).
-
-    Returns {"method", "mape": {name: MAPE or None}, "n": {name: records}}; per record the held-out prediction is
-    written into the record as `heldout_pred_ms`."""
-    from sklearn.model_selection import KFold
-
-    backend_options = backend_options or {}
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        if r.get("excluded"):
-            continue
-        key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
-        groups.setdefault(key, []).append(r)
-    mape: dict[str, float | None] = {}
-    used_k: set[str] = set()
-    for key, rs in sorted(groups.items()):
-        k = min(folds, len(rs))
-        used_k.add("leave-one-out" if k == len(rs) else f"{k}-fold")
-        if k < 2:
-            mape[key] = None
-            continue
-        errs = []
-        for train, test in KFold(k, shuffle=True, random_state=seed).split(rs):
-            tr = [rs[i] for i in train]
-            if key.startswith("host-"):
-                coef = fit_host(tr)
-                preds = [_host_predict(coef, rs[i]) for i in test]
-            else:
-                model = fit_backend(key, tr, **backend_options.get(key, {}))
-                preds = [predict_record(model, rs[i]) for i in test]
-            for i, p in zip(test, preds):
-                rs[i]["heldout_pred_ms"] = round(p, 6)
-                errs.append(abs(p - rs[i]["median_ms"]) / rs[i]["median_ms"])
-        mape[key] = float(np.mean(errs))
-    return {"method": f"cross-validation per backend ({' / '.join(sorted(used_k)) or 'none'}): each record "
-                      "predicted by a model fitted without it; MAPE = mean |predicted - measured| / measured",
-            "mape": mape, "n": {k: len(v) for k, v in groups.items()}}
+                   HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)),
+                   {b: {op: DenseFit.from_json(f) for op, f in fits.items()}
+                    for b, fits in (obj.get("dense") or {}).items()})

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
-from autotune.costing.costmodel import CostModel, fit_cost_model, heldout_errors
+from autotune.costing.costmodel import CostModel
+from autotune.costing.fitting import fit_cost_model, heldout_errors
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
 
@@ -30,13 +31,15 @@ KIND, VERSION = "profile", 1
 # A wheel installs the top-level profiles/ as autotune/profiles/ (pyproject package-dir); a checkout has it on top.
 SHIPPED_PROFILES = next((d for d in (Path(__file__).resolve().parents[i] / "profiles" for i in (1, 2)) if d.is_dir()),
                         Path(__file__).resolve().parents[2] / "profiles")
-RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host")
+RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host", "dense_matmul", "attention", "elementwise")
 
 
 # What each kind of record must carry, besides kind, backend and median_ms: the shape the cost model predicts.
 _RECORD_FIELDS = {"ffn": ("tokens", "hidden", "ffn"), "group": ("capacities", "hidden", "ffn"),
                   "call": ("capacities", "hidden", "ffn"), "matmul": ("m", "n", "k"),
-                  "pack": ("assignments", "hidden", "slots"), "exact_host": ("assignments", "hidden")}
+                  "pack": ("assignments", "hidden", "slots"), "exact_host": ("assignments", "hidden"),
+                  "dense_matmul": ("m", "n", "k"), "attention": ("rows", "context", "heads", "kv_heads", "head_dim"),
+                  "elementwise": ("rows", "hidden")}
 
 
 class ProfileHostWarning(UserWarning):

@@ -2,7 +2,7 @@
 of measured against predicted times."""
 from __future__ import annotations
 
-from autotune.costing.costmodel import predict_record
+from autotune.costing.fitting import predict_record
 from autotune.profiling.profile import Profile
 from runtime.fileio import output_set
 

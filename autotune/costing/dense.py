@@ -1,0 +1,104 @@
+"""Prices of a decoder layer's dense ops on one backend: matmuls (attention projections, router, shared expert or
+dense MLP, lm_head), the attention core at a (rows, context) shape, and elementwise host work per token (norms,
+rope, residual adds).
+
+Each op's compute time is linear in its (GFLOP, MB): `ms_per_gflop * GFLOP + ms_per_mb * MB`, fitted from the
+profile's `dense_matmul`, `attention` and `elementwise` records where `profile-device` measured them on this host;
+where it did not (the published profile, or a profile made before these records), the op is priced with the
+backend's fitted matmul throughput (`BackendModel`) and says so (`DenseFit.source`: "derived"). A static
+function's call cost (dispatch + sync) is the backend's `call_ms`, added once per function by the prefill
+composition (`autotune.costing.prefill`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+OPS = ("matmul", "attention", "elementwise")
+RECORD_OP = {"dense_matmul": "matmul", "attention": "attention", "elementwise": "elementwise"}
+# Elementwise passes per token over the hidden state in one decoder layer, each a read and a write: two norms,
+# rope on q and k, two residual adds (what `elementwise` records time together).
+ELEMENTWISE_PASSES = 6
+SCORE_BYTES = 4  # the attention scores are float32 on the CPU (sdpa's math path accumulates in fp32)
+
+
+def attention_work(rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int, dtype_bytes: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(GFLOP, MB) of the attention core for `rows` queries over `context` keys: QK^T and PV (the masked part is
+    computed too, as sdpa with a mask and a static function do), q and the output, k and v, and the scores written,
+    normalised and read."""
+    m, n = np.asarray(rows, dtype=np.float64), np.asarray(context, dtype=np.float64)
+    gflop = 4.0 * m * n * heads * head_dim / 1e9
+    tensors = dtype_bytes * (2 * m * heads * head_dim + 2 * n * kv_heads * head_dim)
+    mb = (tensors + 3 * SCORE_BYTES * m * n * heads) / 1e6
+    return gflop, mb
+
+
+def elementwise_work(rows: Any, hidden: int, dtype_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+    """(GFLOP, MB) of one layer's elementwise work on `rows` tokens (a few FLOPs per element: bandwidth-bound)."""
+    elems = np.asarray(rows, dtype=np.float64) * hidden * ELEMENTWISE_PASSES
+    return 4.0 * elems / 1e9, 2.0 * dtype_bytes * elems / 1e6
+
+
+def matmul_bytes(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float | None = None) -> np.ndarray:
+    """MB moved by [m, k] x [k, n]: weights once (`weight_bytes` each, default `dtype_bytes`), activations in and
+    out."""
+    m = np.asarray(m, dtype=np.float64)
+    w = dtype_bytes if weight_bytes is None else weight_bytes
+    return (w * n * k + dtype_bytes * m * (k + n)) / 1e6
+
+
+@dataclass
+class DenseFit:
+    """One backend's price of one op kind: ms = ms_per_gflop * GFLOP + ms_per_mb * MB."""
+    ms_per_gflop: float
+    ms_per_mb: float
+    source: str  # "measured (N records)" or "derived from the backend's matmul fit"
+
+    def ms(self, gflop: Any, mb: Any) -> np.ndarray:
+        return self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb)
+
+    @property
+    def derived(self) -> bool:
+        return self.source.startswith("derived")
+
+    def to_json(self) -> dict:
+        return {"ms_per_gflop": self.ms_per_gflop, "ms_per_mb": self.ms_per_mb, "source": self.source}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "DenseFit":
+        return cls(float(obj["ms_per_gflop"]), float(obj["ms_per_mb"]), str(obj.get("source", "measured")))
+
+
+def record_work(rec: dict) -> tuple[float, float]:
+    """(GFLOP, MB) of what one dense record timed (in its `dtype_bytes`, default fp32)."""
+    kind, dtype_bytes = rec["kind"], rec.get("dtype_bytes", 4)
+    if kind == "dense_matmul":
+        return 2.0 * rec["m"] * rec["n"] * rec["k"] / 1e9, float(matmul_bytes(rec["m"], rec["n"], rec["k"],
+                                                                                 dtype_bytes))
+    if kind == "attention":
+        g, mb = attention_work(rec["rows"], rec["context"], rec["heads"], rec["kv_heads"], rec["head_dim"],
+                               dtype_bytes)
+        return float(g), float(mb)
+    if kind == "elementwise":
+        g, mb = elementwise_work(rec["rows"], rec["hidden"], dtype_bytes)
+        return float(g), float(mb)
+    raise ValueError(f"record kind {kind!r} is not a dense op")
+
+
+def fit_dense(records: list[dict]) -> dict[str, DenseFit]:
+    """Per op kind, the non-negative least-squares fit (on relative error) of its records."""
+    from sklearn.linear_model import LinearRegression
+
+    out = {}
+    for kind, op in RECORD_OP.items():
+        rs = [r for r in records if r["kind"] == kind and not r.get("excluded")]
+        if len(rs) < 2:
+            continue
+        A = np.array([record_work(r) for r in rs])
+        t = np.array([r["median_ms"] for r in rs], dtype=np.float64)
+        reg = LinearRegression(fit_intercept=False, positive=True).fit(A / t[:, None], np.ones_like(t))
+        out[op] = DenseFit(float(reg.coef_[0]), float(reg.coef_[1]), f"measured ({len(rs)} records)")
+    return out
