@@ -21,18 +21,17 @@ RECORD_OP = {"dense_matmul": "matmul", "attention": "attention", "elementwise": 
 # Elementwise passes per token over the hidden state in one decoder layer, each a read and a write: two norms,
 # rope on q and k, two residual adds (what `elementwise` records time together).
 ELEMENTWISE_PASSES = 6
-SCORE_BYTES = 4  # the attention scores are float32 on the CPU (sdpa's math path accumulates in fp32)
 
 
 def attention_work(rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int, dtype_bytes: float
                    ) -> tuple[np.ndarray, np.ndarray]:
     """(GFLOP, MB) of the attention core for `rows` queries over `context` keys: QK^T and PV (the masked part is
-    computed too, as sdpa with a mask and a static function do), q and the output, k and v, and the scores written,
-    normalised and read."""
+    computed too, as sdpa with a mask and a static function do), q and the output, k and v, and the scores (in the
+    backend's element size) written, normalised and read."""
     m, n = np.asarray(rows, dtype=np.float64), np.asarray(context, dtype=np.float64)
     gflop = 4.0 * m * n * heads * head_dim / 1e9
     tensors = dtype_bytes * (2 * m * heads * head_dim + 2 * n * kv_heads * head_dim)
-    mb = (tensors + 3 * SCORE_BYTES * m * n * heads) / 1e6
+    mb = (tensors + 3 * dtype_bytes * m * n * heads) / 1e6
     return gflop, mb
 
 

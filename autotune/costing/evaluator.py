@@ -81,3 +81,39 @@ def sum_max(level: np.ndarray, table: np.ndarray, of: np.ndarray) -> np.ndarray:
 def over_budget(used: Any, budget: float) -> Any:
     """The resident-bytes limit: how far `used` bytes are past `budget`, as a fraction of it (0 within)."""
     return np.maximum(0.0, np.asarray(used, dtype=np.float64) - budget) / max(1.0, budget)
+
+
+@dataclass
+class Link:
+    """One step of a chain that nothing overlaps (a decoder layer's dense ops run one after another): its latency,
+    and where the step does not say them, its CPU-busy time (all of it on the CPU, none off it) and energy (power
+    x latency; None where the power is unknown)."""
+    latency_ms: float
+    on_cpu: bool = True
+    power_w: float | None = None
+    cpu_ms: float | None = None
+    energy_mj: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_ms is None:
+            self.cpu_ms = self.latency_ms if self.on_cpu else 0.0
+        if self.energy_mj is None and self.power_w is not None:
+            self.energy_mj = self.power_w * self.latency_ms
+
+    def times(self, n: int) -> "Link":
+        """The same step `n` times (layers of one shape)."""
+        return Link(n * self.latency_ms, self.on_cpu, self.power_w, n * self.cpu_ms,
+                    None if self.energy_mj is None else n * self.energy_mj)
+
+
+@dataclass
+class ChainTotals:
+    latency_ms: float
+    cpu_ms: float
+    energy_mj: float | None
+
+
+def chain(links: list[Link]) -> ChainTotals:
+    """Steps in sequence: latencies, CPU-busy times and energies add (energy None if any step's is)."""
+    energy = None if any(s.energy_mj is None for s in links) else float(sum(s.energy_mj for s in links))
+    return ChainTotals(float(sum(s.latency_ms for s in links)), float(sum(s.cpu_ms for s in links)), energy)

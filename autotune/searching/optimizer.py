@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ import optuna
 from tqdm import tqdm
 
 from autotune.searching.decisions import calibration, heuristic_config, layer_plan
+from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scores import Scores, Weights, total_score, weighted_cost
 from autotune.searching.scoring import Scorer
@@ -98,6 +100,12 @@ class SearchOutcome:
     drop_budget: int = 0  # held-out drops allowed, in assignments
     weights: Weights = (1.0, 0.0, 0.0)  # the (latency, energy, CPU-busy time) weights that chose `best`
     space: Space | None = None
+    dense: dict[int, DenseChoice] = field(default_factory=dict)  # the dense functions' choice per chunk size searched
+
+    @property
+    def dense_choice(self) -> DenseChoice | None:
+        """The dense functions' choice at the chosen chunk size (None: the search left them out)."""
+        return self.dense.get(self.best.chunk_tokens)
 
     @property
     def layers(self) -> list[LayerData]:
@@ -364,9 +372,12 @@ def baselines(layers: list[LayerData], scorer: Scorer, budget_rate: float, chunk
 def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: Scorer, space: Space, *,
                objective: str = "latency", drop_budget: float = 0.10, trials: int = 60,
                storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
-               exact_limit: int = EXACT_LIMIT, progress: bool = True) -> SearchOutcome:
+               exact_limit: int = EXACT_LIMIT, progress: bool = True,
+               dense: Callable[[int, Weights], DenseChoice] | None = None) -> SearchOutcome:
     """Search every chunk size (`workloads`: the layers' traces per chunk size, or one chunk size's list), combine
-    under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum."""
+    under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum.
+    `dense(chunk, weights)`: the dense functions' choice at a chunk size (`dense_choice.choose_dense`), whose cost
+    the chunk sizes are compared with (the whole prefill); without it, the experts' alone."""
     if objective in ("energy", "both") and not scorer.cost.has_energy:
         raise NpumoeError(f"--objective {objective} needs power figures, and this profile has none "
                           "(it measured no energy); use --objective latency or a profile with energy")
@@ -398,7 +409,9 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
     if not solved:
         bar.close()
         raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
-    at = min(solved, key=lambda s: weighted_cost(s.best, mid))
+    dense_at = {s.chunk_tokens: dense(s.chunk_tokens, mid) for s in solved} if dense else {}
+    at = min(solved, key=lambda s: weighted_cost(s.best, mid) + (weighted_cost(dense_at[s.chunk_tokens].score, mid)
+                                                                 if dense else 0.0))
     gap = None
     if trials > 0:  # Optuna at the chosen chunk size, seeded with the screen's decisions
         searched = []
@@ -417,7 +430,7 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
     return SearchOutcome(best=at.best, baselines=baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
                          front=_pareto_solutions(front) if objective == "both" else [], gap_vs_exact=gap,
                          trials=trials * len(first) if trials > 0 else 0, exact_layers=len(first) if exact else 0,
-                         chunks=chunks, drop_budget=budget, weights=mid, space=space)
+                         chunks=chunks, drop_budget=budget, weights=mid, space=space, dense=dense_at)
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:

@@ -27,6 +27,9 @@ FUNCTION_WEIGHT_BYTES = 1_500_000_000
 # Weights per package (one weights file): ANEMLL keeps ~2 GB per file on macOS (Anemll issue 28), and compile
 # time grows with program size (coremltools issue 1900: ~40 min for one 32-block program, ~7.7 min split).
 PACKAGE_WEIGHT_BYTES = 2_000_000_000
+# Weights the ANE holds mapped at once: about a 4 GiB address window per ANE (oMLX's measurements, as cited in
+# docs/ane-facts.md); the search keeps the dense functions' weights within it.
+WINDOW_BYTES = 4 * 2**30
 # Bytes per stored weight by the builder's --compress (fp16, int8 per channel, 4-bit palettes).
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "palettize4": 0.5}
 

@@ -1,0 +1,194 @@
+"""The whole prefill, predicted: every op of every decoder layer over a prompt's chunks, then the last position's
+logits.
+
+Per chunk of `rows` tokens at `context` keys (the tokens before it and its own: the attention core grows chunk by
+chunk), per layer: the attention projections (q/k/v, then o), the attention core, norms + rope + residual adds
+(`norms_rope`), the router, the experts (the expert plan's own prediction, `autotune.costing.evaluator`), and the
+shared expert or dense MLP; then the final norm and `lm_head` for one row (prefill needs one row of logits). The
+parts a `DensePlacement` puts on a static backend run as static functions (one call each, the backend's
+`call_ms`); the rest run on the CPU in torch, priced as the exact path's backend. Parts run one after another: a
+decoder layer is a chain, so only the experts' exact path overlaps anything (inside the expert figure). Partial
+chunks run on the CPU, as the runtime runs them. The composition is the evaluator's (`evaluator.chain`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autotune.costing import evaluator
+from autotune.costing.costmodel import CostModel
+from runtime.backends import EXACT
+
+PARTS = ("attention_projections", "attention_core", "norms_rope", "router", "experts", "shared_mlp", "lm_head")
+DENSE_FUNCTIONS = ("qkv", "o_proj", "attention", "mlp")  # what a plan may place on a static backend, per layer
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The shapes of one model's decoder that price its dense ops (from config.json)."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0  # a shared expert's FFN size in every MoE layer (Qwen2-MoE); 0: none
+    dense_ffn: int = 0  # the MLP of the layers that are not MoE layers
+    context: int = 0  # max_position_embeddings
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "DecoderShape":
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        moe = tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0)
+        return cls(hidden=hidden, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                   head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
+                   num_layers=layers, moe_layers=moe, num_experts=experts, top_k=int(cfg.get("num_experts_per_tok", 1)),
+                   expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                   shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
+                   dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)))
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def mlp_ffn(self, layer: int) -> int:
+        """The dense FFN size of a layer: its shared expert (MoE layer) or its MLP (dense layer); 0 if none."""
+        return self.shared_ffn if layer in self.moe_layers else self.dense_ffn
+
+    def flops_per_token(self, context: float) -> float:
+        """FLOPs per prompt token at a mean attention context: every layer's matmuls and attention core, experts at
+        their top-k (what the roofline divides by)."""
+        per = 0.0
+        for layer in range(self.num_layers):
+            per += 2 * self.hidden * (self.qkv_width + self.heads * self.head_dim)
+            per += 4 * context * self.heads * self.head_dim
+            per += 6 * self.hidden * self.mlp_ffn(layer)
+            if layer in self.moe_layers:
+                per += 6 * self.hidden * self.expert_ffn * self.top_k + 2 * self.hidden * self.num_experts
+        return per
+
+
+@dataclass(frozen=True)
+class DensePlacement:
+    """Where the dense functions run: a static backend per function (None: the CPU), and the attention core's
+    context buckets (a full chunk whose context fits one runs that bucket's static function, keys padded and
+    masked; past the last, the CPU)."""
+    qkv: str | None = None
+    o_proj: str | None = None
+    attention: str | None = None
+    mlp: str | None = None
+    buckets: tuple[int, ...] = ()
+
+    def bucket(self, context: int) -> int | None:
+        return next((b for b in self.buckets if b >= context), None)
+
+
+@dataclass
+class ExpertFigures:
+    """The experts' predicted cost over one prompt (all MoE layers): the expert plan's own prediction."""
+    latency_ms: float
+    cpu_ms: float
+    energy_mj: float | None
+
+
+@dataclass
+class PrefillPrediction:
+    """A whole prefill of `prompt_tokens`, predicted: total latency, CPU-busy time and energy, and each part's
+    latency (`parts_ms`, keys `PARTS`)."""
+    prompt_tokens: int
+    chunk_tokens: int
+    latency_ms: float
+    cpu_ms: float
+    energy_mj: float | None
+    parts_ms: dict[str, float] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # how each backend's dense ops are priced
+
+    def to_json(self) -> dict:
+        return {"predicted_prefill_ms": self.latency_ms, "predicted_prefill_cpu_ms": self.cpu_ms,
+                "predicted_prefill_energy_mj": self.energy_mj,
+                "predicted_parts_ms": {k: round(v, 6) for k, v in self.parts_ms.items()},
+                "prompt_tokens": self.prompt_tokens, "chunk_tokens": self.chunk_tokens, "dense_pricing": self.sources}
+
+
+def prompt_chunks(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(rows, context) of each prefill chunk of a prompt: full chunks, then the partial last one."""
+    return [(min(chunk_tokens, prompt_tokens - start), min(prompt_tokens, start + chunk_tokens))
+            for start in range(0, prompt_tokens, chunk_tokens)]
+
+
+def _on(backend: str | None, full: bool) -> str:
+    """Where a dense function runs in a chunk: its static backend on full chunks, else the CPU (the exact path's
+    backend prices CPU work)."""
+    return backend if backend is not None and full else EXACT
+
+
+def dense_link(cost: CostModel, backend: str, ms: Any) -> evaluator.Link:
+    """One step of the layer's chain on `backend`: a static function pays its call; CPU work does not."""
+    static = backend != EXACT
+    t = float(np.sum(ms)) + (cost.call_ms(backend) if static else 0.0)
+    return evaluator.Link(t, on_cpu=not (static and cost.overlaps(backend)), power_w=cost.power_w(backend))
+
+
+def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, context: int, full: bool,
+                place: DensePlacement) -> dict[str, list[evaluator.Link]]:
+    """The dense steps of one decoder layer for one chunk, by part."""
+    h, ffn = shape.hidden, shape.mlp_ffn(layer)
+    qkv, o = _on(place.qkv, full), _on(place.o_proj, full)
+    bucket = place.bucket(context) if place.attention is not None and full else None
+    attn = place.attention if bucket is not None else EXACT
+    keys = bucket or context
+    out = {"attention_projections": [dense_link(cost, qkv, cost.matmul_ms(qkv, rows, shape.qkv_width, h)),
+                                     dense_link(cost, o, cost.matmul_ms(o, rows, h, shape.heads * shape.head_dim))],
+           "attention_core": [dense_link(cost, attn, cost.attention_ms(attn, rows, keys, shape.heads, shape.kv_heads,
+                                                                        shape.head_dim))],
+           "norms_rope": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
+    if layer in shape.moe_layers:
+        out["router"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h))]
+    if ffn:
+        mlp = _on(place.mlp, full)
+        out["shared_mlp"] = [dense_link(cost, mlp, cost.matmul_ms(mlp, rows, 2 * ffn, h)
+                                        + cost.matmul_ms(mlp, rows, h, ffn))]
+    return out
+
+
+def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
+                    experts: ExpertFigures, place: DensePlacement = DensePlacement()) -> PrefillPrediction:
+    """The whole prefill of one prompt under a placement of the dense functions and the experts' figures."""
+    links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
+    kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
+    for layer in range(shape.num_layers):
+        kinds.setdefault((layer in shape.moe_layers, shape.mlp_ffn(layer)), []).append(layer)
+    for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):
+        full = rows == chunk_tokens
+        for same in kinds.values():
+            for part, steps in layer_links(cost, shape, same[0], rows, context, full, place).items():
+                links[part] += [s.times(len(same)) for s in steps]
+    links["lm_head"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, 1, shape.vocab, shape.hidden)
+                                   + cost.elementwise_ms(EXACT, 1, shape.hidden) / 3)]  # one norm of the six passes
+    links["experts"] = [evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)]
+    parts = {p: evaluator.chain(steps) for p, steps in links.items()}
+    whole = evaluator.chain([s for steps in links.values() for s in steps])
+    used = {b for b in (place.qkv, place.o_proj, place.attention, place.mlp) if b} | {EXACT}
+    sources = {f"{cost.backend_model(b).name}.{op}": cost.dense_fit(b, op).source for b in sorted(used)
+               for op in ("matmul", "attention", "elementwise")}
+    return PrefillPrediction(prompt_tokens, chunk_tokens, whole.latency_ms, whole.cpu_ms, whole.energy_mj,
+                             {p: t.latency_ms for p, t in parts.items()}, sources)
+
+
+def roofline_ms(cost: CostModel, shape: DecoderShape, prompt_tokens: int, static_backend: str) -> float:
+    """The prompt's FLOPs at the static backend's and the CPU's matmul throughput together (the floor that
+    `over_roofline_whole` divides by)."""
+    mean_context = (prompt_tokens + 1) / 2
+    gflop = shape.flops_per_token(mean_context) * prompt_tokens / 1e9
+    rate = sum(1.0 / cost.dense_fit(b, "matmul").ms_per_gflop for b in {static_backend, EXACT})  # GFLOP per ms
+    return gflop / rate

@@ -1,0 +1,75 @@
+"""The search's dense decisions: at one chunk size, which dense functions run on the static backend (q/k/v, o_proj,
+the shared expert or dense MLP) and which attention context buckets get a static function, for the least weighted
+cost of the whole prefill (`autotune.costing.prefill`). The dense steps run in sequence with the experts, so their
+cost adds to the experts' and each function is decided on its own: against the CPU, with the others as chosen."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autotune.costing.costmodel import CostModel
+from autotune.costing.prefill import (
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    PrefillPrediction,
+    predict_prefill,
+    prompt_chunks,
+)
+from autotune.searching.scores import Score, Weights, weighted_cost
+from runtime.coreml import ane_limits
+
+NO_EXPERTS = ExpertFigures(0.0, 0.0, 0.0)
+
+
+@dataclass
+class DenseChoice:
+    """The dense placement chosen at one chunk size and what the dense parts then cost: per prompt
+    (`prediction`, experts left out) and over the calibration prompts (`score`, the search's units)."""
+    placement: DensePlacement
+    prediction: PrefillPrediction
+    score: Score
+
+
+def dense_score(pred: PrefillPrediction, prompts: float) -> Score:
+    """A dense prediction over `prompts` prompts, as the search scores decisions (summed over calibration)."""
+    return Score(pred.latency_ms * prompts, None if pred.energy_mj is None else pred.energy_mj * prompts, 0, 0.0,
+                 cpu_ms=pred.cpu_ms * prompts)
+
+
+def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, bytes_per_weight: float) -> float:
+    """Weights the placement puts on the static backend (every layer's functions)."""
+    per = {"qkv": shape.hidden * shape.qkv_width, "o_proj": shape.hidden * shape.heads * shape.head_dim}
+    total = sum(per[f] for f in per if getattr(place, f)) * shape.num_layers
+    if place.mlp:
+        total += sum(3 * shape.hidden * shape.mlp_ffn(layer) for layer in range(shape.num_layers))
+    return total * bytes_per_weight
+
+
+def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int, backend: str | None,
+                 weights: Weights, prompts: float) -> DenseChoice:
+    """The placement of least weighted cost (`weights` as the search's, over `prompts` calibration prompts); a
+    function past the ANE's limits per function, or one that would push the dense weights past the ANE's window,
+    stays on the CPU. Without a static backend, everything stays on the CPU."""
+    def cost_of(place: DensePlacement) -> float:
+        return weighted_cost(dense_score(predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place),
+                                         prompts), weights)
+
+    place = DensePlacement()
+    if backend is not None:
+        best = cost_of(place)
+        per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
+        for name in ("qkv", "o_proj", "mlp"):
+            trial = dataclasses.replace(place, **{name: backend})
+            if dense_weight_bytes(shape, trial, per_weight) > ane_limits.WINDOW_BYTES:
+                continue
+            if (c := cost_of(trial)) < best:
+                place, best = trial, c
+        for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):  # one static function per context bucket
+            if rows < chunk_tokens or context > (shape.context or context):
+                continue
+            trial = dataclasses.replace(place, attention=backend, buckets=(*place.buckets, context))
+            if (c := cost_of(trial)) < best:
+                place, best = trial, c
+    pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
+    return DenseChoice(place, pred, dense_score(pred, prompts))

@@ -1,0 +1,80 @@
+"""The whole prefill in the search's report: the plan (its experts and dense functions) and the paper's baselines,
+whole-model, each predicted over one prompt by `autotune.costing.prefill`, and the plan's ratio against each."""
+from __future__ import annotations
+
+from autotune.costing.prefill import (
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    PrefillPrediction,
+    predict_prefill,
+    prompt_chunks,
+    roofline_ms,
+)
+from autotune.searching.optimizer import SearchOutcome, Solution, solution
+from autotune.searching.scores import weighted_cost
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig
+
+PREFILL_BASELINES = {
+    "coreml-cpu": "Core ML CPU-only: every op on the CPU",
+    "coreml-naive": "naive Core ML: dense ops on the ANE, one graph per expert at a uniform capacity",
+    "ane-dense-cpu-experts": "dense ops on the ANE, every expert exact on the CPU",
+    "ane-dense-masked-experts": "dense ops on the ANE, all experts as one masked dense graph (ANEForge's MoE)",
+    "paper-heuristic": "dense ops on the ANE, the paper's heuristic for the experts",
+    "experts-only": "the experts-only plan (the search without dense decisions), dense ops on the CPU",
+}
+
+
+def all_dense(backend: str, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int) -> DensePlacement:
+    """Every dense function on `backend`, an attention function for every full chunk's context."""
+    buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens)
+    return DensePlacement(backend, backend, backend, backend, buckets)
+
+
+def expert_figures(sol: Solution, prompts: float) -> ExpertFigures:
+    """A design's expert figures per prompt (its totals are over the calibration prompts)."""
+    return ExpertFigures(sol.latency_ms / prompts, sol.cpu_ms / prompts,
+                         None if sol.energy_mj is None else sol.energy_mj / prompts)
+
+
+def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> dict:
+    """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
+    energy and CPU-busy time) and `vs` (each baseline's figure over the plan's: > 1, the plan is ahead), and
+    `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the ANE's and the CPU's throughput)."""
+    chunk = outcome.best.chunk_tokens
+    layers = outcome.chunks[chunk].layers
+    prompts = float(layers[0].tokens.sum()) / prompt_tokens
+    choice = outcome.dense_choice
+    plan = predict_prefill(scorer.cost, shape, prompt_tokens, chunk, expert_figures(outcome.best, prompts),
+                           choice.placement if choice else DensePlacement())
+    ane = all_dense(scorer.backend, shape, prompt_tokens, chunk)
+    n = shape.num_experts
+    masked = solution([LayerConfig(n, n, capacity=chunk) for _ in layers], layers, scorer)
+    solved = [s.best for s in outcome.chunks.values() if s.best]
+    experts_only = min(solved, key=lambda s: weighted_cost(s, outcome.weights))
+    designs = {"coreml-cpu": (outcome.baselines["cpu_only"], DensePlacement()),
+               "coreml-naive": (outcome.baselines["naive_coreml"], ane),
+               "ane-dense-cpu-experts": (outcome.baselines["cpu_only"], ane),
+               "ane-dense-masked-experts": (masked, ane),
+               "paper-heuristic": (outcome.baselines["paper_heuristic"], ane),
+               "experts-only": (experts_only, DensePlacement())}
+    base: dict[str, PrefillPrediction] = {}
+    for name, (sol, place) in designs.items():
+        at = outcome.chunks[sol.chunk_tokens].layers if sol.chunk_tokens in outcome.chunks else layers
+        per = float(at[0].tokens.sum()) / prompt_tokens
+        base[name] = predict_prefill(scorer.cost, shape, prompt_tokens, sol.chunk_tokens or chunk,
+                                     expert_figures(sol, per), place)
+    vs = {name: {"latency": b.latency_ms / plan.latency_ms,
+                 "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
+                 "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
+    return {**plan.to_json(),
+            "dense_placement": placement_json(choice.placement if choice else DensePlacement()),
+            "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
+            "vs": vs,
+            "over_roofline_whole": plan.latency_ms / roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)}
+
+
+def placement_json(place: DensePlacement) -> dict:
+    return {"qkv": place.qkv, "o_proj": place.o_proj, "attention": place.attention, "mlp": place.mlp,
+            "attention_context_buckets": list(place.buckets)}

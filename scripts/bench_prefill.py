@@ -1,0 +1,82 @@
+"""The whole prefill at a paper shape: the search with its dense decisions, against the paper's baselines.
+
+    python scripts/bench_prefill.py --shape qwen3-30b-a3b --prompt-tokens 4096 [--objective latency|energy|cpu]
+
+On Zipf(`--skew`) synthetic token-level traces of `--prompts` prompts at the shape's published config
+(scripts/make_shape_twin.py), the search (chunk size, every layer's expert decision, the dense functions'
+placement) on the published M2 Ultra profile, timed (`search_seconds`); then the plan's whole prefill of one prompt
+and every whole-model baseline (`autotune.searching.prefill_report`), all predicted by the cost model. Prints, last,
+one JSON line: `predicted_prefill_ms`, `predicted_parts_ms`, `chunk_tokens`, `over_roofline_whole`, `vs` (each
+baseline's latency, energy and CPU-busy time over the plan's) and `search_seconds`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from make_shape_twin import TWINS  # scripts/: the published configs of the paper's models
+
+from autotune.calibration.traces import synthetic_traces
+from autotune.costing.prefill import DecoderShape
+from autotune.profiling.profile import load_profile
+from autotune.searching.dense_choice import choose_dense
+from autotune.searching.layer_data import LayerData
+from autotune.searching.optimizer import chunk_candidates, run_search
+from autotune.searching.prefill_report import whole_prefill
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import layer_space
+from runtime.plan import COMPRESSIONS
+
+SHAPES = ("qwen3-30b-a3b", "phi-3.5-moe", "phi-tiny-moe")
+RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights (as bench_search.py)
+
+
+def spec_of(name: str, shape: DecoderShape) -> dict:
+    return dict(architecture=name, model_type=TWINS[name]["model_type"], num_layers=shape.num_layers,
+                moe_layers=list(shape.moe_layers), num_experts=shape.num_experts, top_k=shape.top_k,
+                hidden_size=shape.hidden, expert_ffn_size=shape.expert_ffn, fingerprint=f"synthetic-{name}")
+
+
+def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prompts: int, trials: int,
+          compress: tuple[str, ...]) -> dict:
+    shape = DecoderShape.from_config(TWINS[name])
+    spec = spec_of(name, shape)
+    traces = synthetic_traces(spec, prompts, prompt_tokens, skew=skew, tokens=True)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    workloads = {c: LayerData.from_traces(traces, c, prompt_tokens)
+                 for c in chunk_candidates(prompt_tokens, shape.context)}
+    scorer = Scorer(cost, shape.hidden, shape.expert_ffn, "ane", RESIDENT_BYTES / len(shape.moe_layers))
+    calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt_tokens
+
+    def dense(chunk: int, weights) -> object:
+        return choose_dense(cost, shape, prompt_tokens, chunk, scorer.backend, weights, calib_prompts)
+
+    out = run_search(workloads, scorer, layer_space(shape.num_experts, compress), objective=objective,
+                     trials=trials, progress=True, dense=dense)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    report = whole_prefill(out, scorer, shape, prompt_tokens)
+    return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
+            "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
+            "label": "predicted by the cost model of the published M2 Ultra profile", **report}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="apple-m2-ultra-published")
+    ap.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--objective", choices=("latency", "energy", "cpu"), default="latency")
+    ap.add_argument("--skew", type=float, default=1.1, help="Zipf skew of the synthetic routing (default 1.1)")
+    ap.add_argument("--prompts", type=int, default=10, help="synthetic prompts (every 5th held out; default 10)")
+    ap.add_argument("--trials", type=int, default=40, help="Optuna trials per layer (default 40)")
+    ap.add_argument("--compress", default=",".join(COMPRESSIONS))
+    args = ap.parse_args()
+    cost = load_profile(args.profile).cost_model
+    result = bench(cost, args.shape, args.prompt_tokens, args.objective, args.skew, args.prompts, args.trials,
+                   tuple(args.compress.split(",")))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
