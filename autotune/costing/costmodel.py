@@ -24,8 +24,8 @@ from autotune.costing.dense import (
     DenseFit,
     attention_work,
     elementwise_work,
-    matmul_bytes,
 )
+from autotune.costing.dense import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
@@ -293,9 +293,7 @@ class CostModel:
 
     def matmul_ms(self, backend: str, m: Any, n: int, k: int, weight_bytes: float | None = None) -> np.ndarray:
         """Compute time of [m, k] x [k, n] on `backend` (no call cost; 0 rows cost nothing)."""
-        b = self.dtype_bytes(backend)
-        t = self.dense_fit(backend, "matmul").ms(2.0 * np.asarray(m, dtype=np.float64) * n * k / 1e9,
-                                                 matmul_bytes(m, n, k, b, weight_bytes))
+        t = self.dense_fit(backend, "matmul").ms(*dense_matmul_work(m, n, k, self.dtype_bytes(backend), weight_bytes))
         return np.where(np.asarray(m) > 0, t, 0.0)
 
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int

@@ -2,7 +2,8 @@
 dense MLP, lm_head), the attention core at a (rows, context) shape, and elementwise host work per token (norms,
 rope, residual adds).
 
-Each op's compute time is linear in its (GFLOP, MB): `ms_per_gflop * GFLOP + ms_per_mb * MB`, fitted from the
+Each op's compute time is linear in its work: `ms_per_gflop * GFLOP + ms_per_mb * MB + ms_per_weight_mb * weight MB`
+(a matmul's weights apart from its activations: a GEMV streams them, a GEMM reuses them from cache), fitted from the
 profile's `dense_matmul`, `attention` and `elementwise` records where `profile-device` measured them on this host;
 where it did not (the published profile, or a profile made before these records), the op is priced with the
 backend's fitted matmul throughput (`BackendModel`) and says so (`DenseFit.source`: "derived"). A static
@@ -41,49 +42,55 @@ def elementwise_work(rows: Any, hidden: int, dtype_bytes: float) -> tuple[np.nda
     return 4.0 * elems / 1e9, 2.0 * dtype_bytes * elems / 1e6
 
 
-def matmul_bytes(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float | None = None) -> np.ndarray:
-    """MB moved by [m, k] x [k, n]: weights once (`weight_bytes` each, default `dtype_bytes`), activations in and
-    out."""
+def matmul_work(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float | None = None
+                ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(GFLOP, activation MB, weight MB) of [m, k] x [k, n]: weights read once (`weight_bytes` each, default
+    `dtype_bytes`), activations in and out."""
     m = np.asarray(m, dtype=np.float64)
     w = dtype_bytes if weight_bytes is None else weight_bytes
-    return (w * n * k + dtype_bytes * m * (k + n)) / 1e6
+    return 2.0 * m * n * k / 1e9, dtype_bytes * m * (k + n) / 1e6, w * n * k / 1e6
 
 
 @dataclass
 class DenseFit:
-    """One backend's price of one op kind: ms = ms_per_gflop * GFLOP + ms_per_mb * MB."""
+    """One backend's price of one op kind: ms = ms_per_gflop * GFLOP + ms_per_mb * MB + ms_per_weight_mb * weight MB."""
     ms_per_gflop: float
     ms_per_mb: float
     source: str  # "measured (N records)" or "derived from the backend's matmul fit"
+    ms_per_weight_mb: float | None = None  # None: as ms_per_mb
 
-    def ms(self, gflop: Any, mb: Any) -> np.ndarray:
-        return self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb)
+    def ms(self, gflop: Any, mb: Any, weight_mb: Any = 0.0) -> np.ndarray:
+        per_weight = self.ms_per_mb if self.ms_per_weight_mb is None else self.ms_per_weight_mb
+        return self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb) + per_weight * np.asarray(
+            weight_mb)
 
     @property
     def derived(self) -> bool:
         return self.source.startswith("derived")
 
     def to_json(self) -> dict:
-        return {"ms_per_gflop": self.ms_per_gflop, "ms_per_mb": self.ms_per_mb, "source": self.source}
+        out = {"ms_per_gflop": self.ms_per_gflop, "ms_per_mb": self.ms_per_mb, "source": self.source}
+        return out if self.ms_per_weight_mb is None else {**out, "ms_per_weight_mb": self.ms_per_weight_mb}
 
     @classmethod
     def from_json(cls, obj: dict) -> "DenseFit":
-        return cls(float(obj["ms_per_gflop"]), float(obj["ms_per_mb"]), str(obj.get("source", "measured")))
+        w = obj.get("ms_per_weight_mb")
+        return cls(float(obj["ms_per_gflop"]), float(obj["ms_per_mb"]), str(obj.get("source", "measured")),
+                   None if w is None else float(w))
 
 
-def record_work(rec: dict) -> tuple[float, float]:
-    """(GFLOP, MB) of what one dense record timed (in its `dtype_bytes`, default fp32)."""
+def record_work(rec: dict) -> tuple[float, float, float]:
+    """(GFLOP, MB, weight MB) of what one dense record timed (in its `dtype_bytes`, default fp32)."""
     kind, dtype_bytes = rec["kind"], rec.get("dtype_bytes", 4)
     if kind == "dense_matmul":
-        return 2.0 * rec["m"] * rec["n"] * rec["k"] / 1e9, float(matmul_bytes(rec["m"], rec["n"], rec["k"],
-                                                                                 dtype_bytes))
+        return tuple(float(v) for v in matmul_work(rec["m"], rec["n"], rec["k"], dtype_bytes))
     if kind == "attention":
         g, mb = attention_work(rec["rows"], rec["context"], rec["heads"], rec["kv_heads"], rec["head_dim"],
                                dtype_bytes)
-        return float(g), float(mb)
+        return float(g), float(mb), 0.0
     if kind == "elementwise":
         g, mb = elementwise_work(rec["rows"], rec["hidden"], dtype_bytes)
-        return float(g), float(mb)
+        return float(g), float(mb), 0.0
     raise ValueError(f"record kind {kind!r} is not a dense op")
 
 
@@ -97,7 +104,11 @@ def fit_dense(records: list[dict]) -> dict[str, DenseFit]:
         if len(rs) < 2:
             continue
         A = np.array([record_work(r) for r in rs])
+        used = [i for i in range(3) if A[:, i].any()]
         t = np.array([r["median_ms"] for r in rs], dtype=np.float64)
-        reg = LinearRegression(fit_intercept=False, positive=True).fit(A / t[:, None], np.ones_like(t))
-        out[op] = DenseFit(float(reg.coef_[0]), float(reg.coef_[1]), f"measured ({len(rs)} records)")
+        reg = LinearRegression(fit_intercept=False, positive=True).fit(A[:, used] / t[:, None], np.ones_like(t))
+        coef = np.zeros(3)
+        coef[used] = reg.coef_
+        out[op] = DenseFit(float(coef[0]), float(coef[1]), f"measured ({len(rs)} records)",
+                           float(coef[2]) if op == "matmul" else None)
     return out

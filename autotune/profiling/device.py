@@ -10,11 +10,12 @@ import torch
 from tqdm import tqdm
 
 from autotune.profiling.callers import Rotor, group_caller, host_caller, make_experts, pack_capacity
+from autotune.profiling.dense_records import dense_records
 from autotune.profiling.energy import EnergyMeter, energy_meter
 from autotune.profiling.profile import Profile, build_profile, host_facts
 from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
 from autotune.profiling.timing import clock_for, time_call
-from runtime.backends import CPU_ENERGY, registry
+from runtime.backends import CPU_ENERGY, EXACT, registry
 from runtime.errors import NpumoeError
 
 
@@ -137,6 +138,9 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
     load_start = _loadavg()
     t0 = time.perf_counter()
     records = run_tasks(plan_tasks(backends, s), s, meter, progress, clock)
+    if EXACT in backends:  # the rest of a decoder layer, as the runtime runs it on the CPU
+        records += dense_records(s, clock_for(True, torch.get_num_threads()) if clock == "auto" else clock,
+                                 progress)
     wall = time.perf_counter() - t0
     energy = {"method": meter.name if meter else "none", "source": meter.source if meter else None,
               "note": why if meter is None else None}
