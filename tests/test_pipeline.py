@@ -16,9 +16,9 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
     traces = autotune.calibrate("random:qwen3_moe", text_file, chunk=32, prompt_tokens=64, max_tokens=1024,
                                 out=tmp_path / "t.npz", progress=False)
     assert traces.path == str(tmp_path / "t.npz") and traces.summary["chunks"] == traces.traces.n_chunks > 0
-    result = autotune.search_plan("random:qwen3_moe", profile="apple-m2-ultra-published", traces=traces.path,
-                                  trials=4, out=tmp_path / "plan.json", progress=False,
-                                  gate=None)  # the gate has its own tests (test_gate.py)
+    config = autotune.SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, trials=4,
+                                   out=str(tmp_path / "plan.json"), no_gate=True)  # the gate: test_gate.py
+    result = autotune.search_plan("random:qwen3_moe", config, progress=False)
     # said through the npumoe logger, once: a published profile is announced as such, not as a host mismatch
     assert caplog.text.count("holds published figures") == 1 and "is for host" not in caplog.text
     assert load_plan(result.path) == result.plan and result.plan.meta["traces"] == traces.path

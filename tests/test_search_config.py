@@ -1,0 +1,63 @@
+"""`SearchConfig`: one search as one value. Its defaults are the command's, so the library and the command are the
+same search (byte-identical plan layers), and a bad option is refused before the search runs."""
+import dataclasses
+import json
+
+import pytest
+
+import autotune
+from autotune.cli import build_parser, main
+from autotune.commands.search import search_config
+from autotune.searching.config import SearchConfig
+from runtime.errors import NpumoeError
+from runtime.plan import COMPRESSIONS
+
+# `autotune search --json`'s keys before SearchConfig (a contract scripts read)
+REPORT_KEYS = {
+    "predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate", "figures", "baselines", "baseline_details",
+    "speedup_vs", "energy_ratio_vs", "gap_vs_exact", "exact_layers", "trials", "search_seconds", "pareto_front",
+    "plan", "profile", "static_backend", "traces", "objective", "drop_budget", "chunk_tokens", "prompt_tokens",
+    "chunks_searched", "compress_allowed", "compress", "partial_chunks", "memory_gb", "packing_measured",
+    "predicted_cpu_ms_per_token", "cpu_ratio_vs", "robustness", "gate", "predicted_memory", "explanation"}
+
+
+def test_every_search_option_is_a_config_field_with_the_commands_default():
+    args = build_parser().parse_args(["search", "--model", "m"])
+    flags = {k for k in vars(args) if k not in ("command", "func", "model", "json")}
+    assert flags == {f.name for f in dataclasses.fields(SearchConfig)}
+    assert search_config(args) == SearchConfig()
+    parsed = search_config(build_parser().parse_args(
+        ["search", "--model", "m", "--drop-budget", "0.2", "--max-ppl-delta", "2", "--compress", "none,int8",
+         "--no-gate", "--threads", "1"]))
+    assert (parsed.drop_budget, parsed.max_ppl_delta, parsed.compress, parsed.no_gate, parsed.threads) == (
+        0.2, 2.0, ("none", "int8"), True, 1)
+
+
+def test_the_compress_default_is_the_configs_policy():
+    assert SearchConfig().compress_kinds == COMPRESSIONS  # the gate measures what compression costs
+    assert SearchConfig(no_gate=True).compress_kinds == ("none",)  # nothing would
+    assert SearchConfig(compress=["int8"], no_gate=True).compress_kinds == ("int8",)
+    assert SearchConfig(no_gate=True).gate_settings() is None
+    s = SearchConfig(max_ppl_delta=2.0, min_top1=0.9, gate_candidates=3, gate_tokens=1024).gate_settings()
+    assert (s.candidates, s.limits.max_ppl_delta, s.limits.min_top1, s.tokens) == (3, 0.02, 0.9, 1024)
+    with pytest.raises(NpumoeError, match="not a weight storage"):
+        SearchConfig(compress=("zip",))
+
+
+@pytest.mark.slow
+def test_search_plan_with_the_default_config_is_the_command(tmp_path, monkeypatch, capsys):
+    """The same search from the library and from the command line: the same plan layers, byte for byte, and the
+    same report keys as before the config."""
+    monkeypatch.chdir(tmp_path)  # both calibrate into / read traces/tiny-moe.npz here
+    assert main(["search", "--model", "tiny-moe", "--profile", "apple-m2-ultra-published", "--out", "cli.json",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report) == REPORT_KEYS and report["gate"]["chosen"]["passed"]
+    result = autotune.search_plan("tiny-moe", SearchConfig(profile="apple-m2-ultra-published", out="lib.json"),
+                                  progress=False)
+    cli = json.loads((tmp_path / "cli.json").read_text())
+    lib = json.loads((tmp_path / "lib.json").read_text())
+    assert json.dumps(cli["layers"]) == json.dumps(lib["layers"])
+    assert (cli["chunk_tokens"], cli["overflow"], cli["meta"]["decisions"]) == (
+        lib["chunk_tokens"], lib["overflow"], lib["meta"]["decisions"])
+    assert set(result.to_json()) == REPORT_KEYS and result.to_json()["plan"] == "lib.json"
