@@ -46,6 +46,7 @@ from autotune.profiling.profile import (
     published_note,
     save_profile,
 )
+from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
 from autotune.searching.explain import explain
@@ -176,14 +177,14 @@ def _calibration_summary(traces: Traces, path: str) -> dict:
 @dataclass
 class SearchResult:
     plan: Plan
-    report: dict  # what `search --json` prints (figures predicted by the cost model)
+    report: SearchReport  # figures predicted by the cost model; the gate's measured
     path: Path  # the plan file
     sidecars: list[Path]  # report, plan map (and Pareto plot)
     seconds: float
 
     def to_json(self) -> dict:
         """What `autotune search --json` prints."""
-        return self.report
+        return self.report.to_json()
 
 
 def default_plan_path(model: str, profile: str | None) -> Path:
@@ -289,13 +290,14 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
         report["predicted_memory"] = memory.to_json()
         report["explanation"] = explain(plan, layers, cost, backend)
+        report = SearchReport(**report)
         sidecars = search_sidecars(out, c.objective)
         with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
             save_plan(plan, plan_tmp)
-            atomic_write_json(report_tmp, report)
+            atomic_write_json(report_tmp, report.to_json())
             plot_plan_map(plan, map_tmp)
             for path in pareto_tmp:
-                plot_pareto(report, path)
+                plot_pareto(report.to_json(), path)
     return SearchResult(plan, report, out, sidecars, seconds)
 
 
@@ -383,48 +385,45 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
-             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> dict:
+             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
-    prompt), timed as the median of `repeat` runs; returns what `autotune run --json` prints: run statistics,
-    backend fallbacks, the drift monitor's verdict, the measured energy of backends that measure their calls
-    (`energy_per_backend`, of the last run), and with `reference` the unmodified model's latency and the logits'
-    max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
+    prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
+    the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
+    `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
+    `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces."""
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
+    n = int(ids.numel())
     if record_traces:  # before the run, as calibrate refuses too short a text
-        require_recordable(int(ids.numel()), chunk, prompt_tokens or int(ids.numel()),
-                           "give a longer --text or a larger --max-tokens")
-    result = {"model": model, "plan": str(plan), "text": text, "tokens": int(ids.numel()), "chunk_tokens": chunk,
-              "overflow": loaded.plan.overflow}
+        require_recordable(n, chunk, prompt_tokens or n, "give a longer --text or a larger --max-tokens")
     prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
+    ref = reference_ms = None
     if reference:
         with loaded.unmodified():
-            ref, result["reference_latency_ms"], _ = _timed(prefill, repeat)
+            ref, reference_ms, _ = _timed(prefill, repeat)
 
     def planned() -> torch.Tensor:
         loaded.reset()
         return prefill()
 
-    logits, result["latency_ms"], cpu_ms = _timed(planned, repeat)
-    n = int(ids.numel())
-    result["wall_ms_per_token"], result["cpu_ms_per_token"] = result["latency_ms"] / n, cpu_ms / n
-    result.update(executor.stats.to_json())
-    result["backend_fallbacks"] = executor.fallbacks
-    result["drift"] = executor.drift.report()
-    energy = executor.energy()
-    if energy:  # backends that measure their calls (ane with zeus-apple-silicon on macOS)
-        result["energy_per_backend"] = energy
+    logits, latency_ms, cpu_ms = _timed(planned, repeat)
+    # the run's own figures, before recording traces runs the model again
+    stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
+    traces = None
     if record_traces:
-        result["traces"] = record_run_traces(loaded.model, ids, chunk, prompt_tokens or int(ids.numel()), text,
-                                             record_traces, f"autotune run --plan {plan}")
-    if reference:
-        result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+        traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,
+                                   f"autotune run --plan {plan}")
     # run keeps [tokens, vocab] fp32 logits (twice with the reference)
-    result["memory"] = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
-                                        logits_rows=n * (2 if reference else 1),
-                                        ane_simulated=simulated_functions(executor.fallbacks))
-    result["plan_predicted"] = plan_predictions(loaded.plan)
-    return result
+    memory = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
+                              logits_rows=n * (2 if reference else 1),
+                              ane_simulated=simulated_functions(executor.fallbacks))
+    return RunResult(model=model, plan=str(plan), text=text, tokens=n, chunk_tokens=chunk,
+                     overflow=loaded.plan.overflow, latency_ms=latency_ms, wall_ms_per_token=latency_ms / n,
+                     cpu_ms_per_token=cpu_ms / n, stats=stats,
+                     backend_fallbacks=executor.fallbacks, drift=drift, memory=memory,
+                     plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
+                     max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
+                     energy_per_backend=energy, traces=traces)
 
 
 def plan_predictions(plan: Plan) -> dict | None:
@@ -439,33 +438,31 @@ def plan_predictions(plan: Plan) -> dict | None:
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
              prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
-             progress: bool = True) -> dict:
+             progress: bool = True) -> EvaluateResult:
     """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
     the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
-    within 1.5x the plan's budget; what `autotune evaluate --json` prints."""
+    within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints)."""
     from autotune.evaluation.fidelity import evaluate_plan
 
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
-    result = {"model": model, "plan": str(plan), "text": text,
-              **evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)}
+    figures = evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)
     budget = (loaded.plan.meta or {}).get("drop_budget")
-    if budget is not None:
-        result["drop_budget"] = budget
-        result["drop_rate_within_1_5x_budget"] = result["drop_rate"] <= SHIFT_TOLERANCE * budget
-    return result
+    return EvaluateResult(model=model, plan=str(plan), text=text, **figures, drop_budget=budget,
+                          drop_rate_within_1_5x_budget=None if budget is None else
+                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget)
 
 
 def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,
                    num_fewshot: int | None = None, include_path: str | None = None, package: str | None = None,
-                   dtype: str = "auto") -> dict:
+                   dtype: str = "auto") -> TasksResult:
     """lm-evaluation-harness `tasks` (extra `eval`) on the plan and the unmodified model: paired accuracies per
-    task; what `autotune evaluate --tasks --json` prints."""
+    task (`.to_json()`: what `autotune evaluate --tasks --json` prints)."""
     from autotune.evaluation.harness import prepared_tasks, run_tasks
 
     with prepared_tasks(tasks, include_path) as found:  # a bad task is refused before the load says anything
         loaded = load(model, plan, package, dtype)
-        return {"model": model, "plan": str(plan), "limit": limit, "num_fewshot": num_fewshot,
-                **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot)}
+        return TasksResult(model=model, plan=str(plan), limit=limit, num_fewshot=num_fewshot,
+                           **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot))
 
 
 def check_prompt_recordable(loaded: Loaded, prompt: str, *, chat: bool = False) -> torch.Tensor:

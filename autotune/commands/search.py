@@ -108,6 +108,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_json())
     else:
-        print(format_report(result.report))
+        print(format_report(result.to_json()))
         print(f"wrote {out} (+ {', '.join(p.name for p in result.sidecars)}) in {result.seconds:.1f} s")
     return 0
