@@ -65,6 +65,7 @@ from runtime.generation import Loaded, context_positions, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import (
     TINY_MOE_DIR,
+    context_length,
     load_model,
     model_spec,
     moe_layers,
@@ -147,9 +148,9 @@ def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk
         raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
                           "chunks of at most its length; give --chunk <= --prompt-tokens")
     name = model if isinstance(model, str) else model.name
+    check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
     path = str(out or default_traces_path(name))
     loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model.loaded()
-    check_context(name, context_positions(loaded), prompt_tokens)
     ids = encode_text(tokenizer, text, max_tokens)
     check_token_ids(loaded, ids)
     prompts = -(-len(ids) // prompt_tokens)
@@ -214,6 +215,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         torch.set_num_threads(c.threads)
     with one_search_per_sqlite(c.storage):
         record = resolve_model(model, c.dtype)
+        if c.prompt_tokens:  # before the traces are read or made
+            check_context(model, record.context, c.prompt_tokens)
         spec = record.spec
         out = Path(c.out) if c.out else default_plan_path(model, c.profile)
         with warnings.catch_warnings(record=True) as caught:
@@ -360,14 +363,13 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
              max_tokens: int, prompt_tokens: int | None) -> tuple[Loaded, torch.Tensor]:
     """The planned model (the plan checked against it before any text is read) and the text's token ids, its
     prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context."""
+    if prompt_tokens:  # before the load says anything
+        check_context(model, context_length(model), prompt_tokens)
     loaded = load(model, plan, package, dtype)
-    context = context_positions(loaded.model)
-    if prompt_tokens:
-        check_context(model, context, prompt_tokens)
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
-    if not prompt_tokens:
-        check_context(model, context, int(ids.numel()), "--max-tokens")  # one prompt: the whole text
+    if not prompt_tokens:  # one prompt: the whole text
+        check_context(model, context_positions(loaded.model), int(ids.numel()), "--max-tokens")
     return loaded, ids
 
 
