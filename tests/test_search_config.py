@@ -54,3 +54,27 @@ def test_search_plan_with_the_default_config_is_the_command(tmp_path, monkeypatc
     assert (cli["chunk_tokens"], cli["overflow"], cli["meta"]["decisions"]) == (
         lib["chunk_tokens"], lib["overflow"], lib["meta"]["decisions"])
     assert list(result.to_json()) == SEARCH_REPORT_KEYS and result.to_json()["plan"] == "lib.json"
+
+
+@pytest.mark.slow
+def test_a_random_model_is_built_once_per_search(tmp_path, monkeypatch, workdir):
+    """Spec, size, context, the calibration it needs and the gate all read one resolved model."""
+    import autotune.evaluation.gate
+    import autotune.pipeline
+    import autotune.searching.model_record
+    import runtime.loading.model_loader as loader
+
+    built = []
+    real = loader.load_model
+
+    def counting(name, dtype="auto"):
+        built.append(name)
+        return real(name, dtype)
+
+    for module in (loader, autotune.searching.model_record, autotune.pipeline, autotune.evaluation.gate):
+        monkeypatch.setattr(module, "load_model", counting)
+    monkeypatch.chdir(tmp_path)  # no traces here: the search calibrates
+    result = autotune.search_plan("random:qwen3_moe", SearchConfig(profile=str(workdir / "profile.json"), trials=4,
+                                                                    gate_tokens=1024, out="p.json"), progress=False)
+    assert built == ["random:qwen3_moe"]
+    assert result.report.gate["chosen"]["passed"] and (tmp_path / "traces" / "random_qwen3_moe.npz").exists()
