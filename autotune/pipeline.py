@@ -217,6 +217,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         record = resolve_model(model, c.dtype)
         if c.prompt_tokens:  # before the traces are read or made
             check_context(model, record.context, c.prompt_tokens)
+        if c.prompt_tokens or not Path(c.traces or default_traces_path(model)).exists():  # the prompt is known
+            c.check_gate_tokens(min(chunk_candidates(c.prompt_tokens or PROMPT_TOKENS, record.context)))
         spec = record.spec
         out = Path(c.out) if c.out else default_plan_path(model, c.profile)
         with warnings.catch_warnings(record=True) as caught:

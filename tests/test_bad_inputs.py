@@ -281,6 +281,9 @@ CASES = [
                                          "4096"], "--max-tokens 4096 is longer than tiny-moe's context"),
     ("search-gate-tokens-under-a-chunk", [*S, "--traces", "{traces}", "--gate-tokens", "1"],
      "--gate-tokens 1 is less than one chunk of the smallest chunk searched (64 tokens)"),
+    ("search-gate-tokens-before-calibrating", ["search", "--model", "tiny-moe", "--profile",
+                                               "apple-m2-ultra-published", "--gate-tokens", "1"],
+     "smallest chunk searched (256 tokens)"),  # refused before the traces it lacks are made
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]
