@@ -4,6 +4,7 @@ only parses into it; its argparse defaults are read from here)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from autotune.evaluation import gate
@@ -19,8 +20,8 @@ class SearchConfig:
     """`autotune search`'s options (`--drop-budget` -> `drop_budget`, ...). `compress` None is the command's default
     policy (`compress_kinds`); `max_ppl_delta` is in percent, as the flag."""
     profile: str | None = None
-    traces: str | None = None
-    out: str | None = None
+    traces: str | os.PathLike | None = None
+    out: str | os.PathLike | None = None
     drop_budget: float = 0.10
     objective: str = "latency"
     trials: int = 120
