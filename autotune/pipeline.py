@@ -161,7 +161,7 @@ def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk
                           "smaller --prompt-tokens)")
     traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
     save_traces(traces, path)
-    return Calibration(path, traces, _calibration_summary(traces, path))
+    return Calibration(path=path, traces=traces, summary=_calibration_summary(traces, path))
 
 
 def _calibration_summary(traces: Traces, path: str) -> dict:
@@ -303,7 +303,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             plot_plan_map(plan, map_tmp)
             for path in pareto_tmp:
                 plot_pareto(report.to_json(), path)
-    return SearchResult(plan, report, out, sidecars, seconds)
+    return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
 
 
 def compress_counts(configs) -> dict[str, int]:
