@@ -257,7 +257,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
         gated, settings = None, c.gate_settings()
         if settings is not None:
-            sols = gate_order(outcome, scorer, settings.tokens)
+            sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
             gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency), settings,
                              progress=progress)
             if gated["chosen"] is None:

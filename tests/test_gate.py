@@ -10,7 +10,7 @@ from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.profiling.profile import Profile, save_profile
-from autotune.searching.gate_candidates import gate_order
+from autotune.searching.gate_candidates import ROUNDS, gate_order
 from autotune.searching.optimizer import chunk_candidates, run_search
 from autotune.searching.space import LayerData, Scorer, layer_space
 from runtime.plan import load_plan
@@ -76,30 +76,35 @@ def test_a_gate_whose_first_candidates_fail_goes_on_to_a_passing_plan(workdir, c
     assert {g.compression for lp in plan.layers for g in lp.groups} <= {"none"} or chosen["compressed_groups"]
 
 
-def test_the_gate_order_ends_on_the_all_cpu_plan_after_the_tightened_ones():
-    """Candidates by predicted cost, each compressed one followed by itself uncompressed; then each tightened
-    (spill for drop); the all-CPU plan last (it passes by construction)."""
+def test_the_gate_order_tightens_each_round_and_ends_on_the_all_cpu_plan():
+    """Candidates by predicted cost, each compressed one followed by itself uncompressed, a round at a time, each
+    round followed by its plans tightened (spill for drop); the all-CPU plan last, within ROUNDS rounds."""
     traces = synthetic_traces(SMALL, 25, 640, skew=1.2, tokens=True)
     workloads = {c: LayerData.from_traces(traces, c, 640) for c in chunk_candidates(640)}
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
     outcome = run_search(workloads, scorer, layer_space(8, ("none", "int8")), trials=0, progress=False)
     assert sorted(outcome.chunks) == [256, 512]
-    order = gate_order(outcome, scorer, 4096)
-    assert order[0] is outcome.best
-    assert all(c.resident == 0 for c in order[-1].configs) and order[-1].heldout_drops == 0
-    def spilled(configs):
-        return tuple(dataclasses.replace(c, overflow="spill") if c.resident else c for c in configs)
 
-    positions = {(s.chunk_tokens, tuple(s.configs)): i for i, s in enumerate(order)}
-    dropping = [i for i, s in enumerate(order) if any(c.resident and c.overflow == "drop" for c in s.configs)]
-    assert dropping  # the instance has plans that drop
-    for i in dropping:  # each plan that drops is followed, later, by itself with spills instead
-        assert positions[(order[i].chunk_tokens, spilled(order[i].configs))] > i
-    keys = [(s.chunk_tokens, s.exact_partial, tuple(s.configs)) for s in order]
-    assert len(set(keys)) == len(keys)
-    assert {s.chunk_tokens for s in order} == {256, 512}
-    assert {s.chunk_tokens for s in gate_order(outcome, scorer, 300)} == {256}  # a chunk the gate's text holds
-    assert gate_order(outcome, scorer, 100) == []
+    def key(s):
+        return s.chunk_tokens, s.exact_partial, tuple(s.configs)
+
+    def spilled(s):
+        return s.chunk_tokens, tuple(dataclasses.replace(c, overflow="spill") if c.resident else c
+                                     for c in s.configs)
+
+    for per_round in (1, 2, 4):
+        order = gate_order(outcome, scorer, 4096, per_round)
+        assert order[0] is outcome.best and len(order) <= per_round * ROUNDS
+        assert len({key(s) for s in order}) == len(order)
+        assert all(c.resident == 0 for c in order[-1].configs) and order[-1].heldout_drops == 0  # exact, last
+        where = {(s.chunk_tokens, tuple(s.configs)): i for i, s in enumerate(order)}
+        first = [s for s in order[:per_round] if any(c.resident and c.overflow == "drop" for c in s.configs)]
+        assert first  # the instance has plans that drop
+        for s in first:  # the first round's plans that drop come back with spills, right after the round
+            assert min(per_round, len(order)) <= where[spilled(s)] < 3 * per_round
+    assert {s.chunk_tokens for s in gate_order(outcome, scorer, 4096, 1000)} == {256, 512}
+    assert {s.chunk_tokens for s in gate_order(outcome, scorer, 300, 1000)} == {256}  # chunks the gate's text holds
+    assert gate_order(outcome, scorer, 100, 4) == []
 
 
 @pytest.mark.slow

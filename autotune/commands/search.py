@@ -23,6 +23,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, print_json
 from autotune.evaluation import gate
 from autotune.searching.config import DEFAULTS, SearchConfig
+from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
 from runtime.plan import COMPRESSIONS, SALIENCY_RULES
@@ -77,8 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gate-candidates", type=positive_int, default=d.gate_candidates, metavar="K",
                    help="the fidelity gate measures the K cheapest candidates that meet the drop budget on held-out "
                         "text, ane groups on ane-sim, and writes the cheapest within its limits; when none is, the "
-                        "next K (then the same plans tightened: spills for drops, then uncompressed; the all-CPU "
-                        f"plan last) (default {d.gate_candidates})")
+                        "same plans tightened (spills for drops, then uncompressed), then the next K: at most "
+                        f"{ROUNDS} rounds, the last ending on the all-CPU plan (default {d.gate_candidates})")
     p.add_argument("--max-ppl-delta", type=non_negative_float, default=d.max_ppl_delta, metavar="PCT",
                    help="gate limit: perplexity at most PCT percent above the unmodified model's "
                         f"(default {d.max_ppl_delta:g})")

@@ -4,10 +4,10 @@ The search judges plans by a proxy (held-out overflow counted on routing traces)
 cheapest candidates that meet the proxy, runs each on held-out text with its `ane` groups on `ane-sim` (what the
 ANE function computes: fp16, compressed weights as Core ML stores them), and measures it against the unmodified
 model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
-within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits the
-gate measures the next (autotune/searching/gate_candidates.py orders them, the all-CPU plan last: it runs what the
-model runs, so its figures are exact and it passes by construction). Only when every candidate fails is nothing
-written, and the closest is named.
+within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
+gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
+it runs what the model runs, so its figures are exact and it passes by construction). Only when every candidate
+fails is nothing written, and the closest is named.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The plans the fidelity gate measures, in the order it measures them, so that it never leaves a user without
 a plan: the search's pick and `optimizer.ranked_solutions` by predicted cost (each compressed one followed by itself
-uncompressed), then each of them tightened (drops turned to spills, then compression off), and last the all-CPU
-plan, which runs what the model runs and so passes by construction."""
+uncompressed), a round of them at a time followed by the same plans tightened (drops turned to spills, then
+compression off), and last, within at most ROUNDS rounds, the all-CPU plan, which runs what the model runs and so
+passes by construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,8 @@ from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutio
 from autotune.searching.per_chunk import calibration_chunks
 from autotune.searching.space import LayerConfig, Scorer
 from runtime.plan import ModelSpec
+
+ROUNDS = 4  # rounds of --gate-candidates the gate measures at most; the last ends on the all-CPU plan
 
 
 def _key(sol: Solution) -> tuple:
@@ -34,22 +37,37 @@ def all_cpu(outcome: SearchOutcome, scorer: Scorer, chunk_tokens: int) -> Soluti
     return solution([LayerConfig(0) for _ in layers], layers, scorer, exact_partial=True)
 
 
-def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int) -> list[Solution]:
-    """Every candidate in the gate's order (see the module docstring), each once; only those with a chunk the
-    gate's `gate_tokens` hold (a longer chunk would run exactly there, unmeasured)."""
+def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_round: int,
+               rounds: int = ROUNDS) -> list[Solution]:
+    """The candidates in the gate's order, each once, at most `rounds` rounds of `per_round`: the search's
+    candidates `per_round` at a time, each batch followed by itself tightened (drops turned to spills, then
+    uncompressed), and last the all-CPU plan. Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
+    would run exactly there, unmeasured)."""
     primary: list[Solution] = []
     for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
         primary += [s for s in (sol, _variant(sol, outcome, scorer, compress="none")) if s is not None]
-    tightened: list[Solution] = []
-    for sol in primary:
-        spill = _variant(sol, outcome, scorer, True, overflow="spill")
-        tightened += [s for s in (spill, _variant(spill or sol, outcome, scorer, compress="none")) if s is not None]
+    primary = _distinct(s for s in primary if s.chunk_tokens <= gate_tokens)
+    ordered: list[Solution] = []
+    for i in range(0, len(primary), per_round):
+        batch = primary[i:i + per_round]
+        ordered += batch
+        for sol in batch:
+            spill = _variant(sol, outcome, scorer, True, overflow="spill")
+            ordered += [s for s in (spill, _variant(spill or sol, outcome, scorer, compress="none")) if s is not None]
     fits = [c for c in outcome.chunks if c <= gate_tokens]
-    exact_chunk = outcome.best.chunk_tokens if outcome.best.chunk_tokens <= gate_tokens else min(fits, default=0)
-    tail = [all_cpu(outcome, scorer, exact_chunk)] if exact_chunk else []
+    if not fits:
+        return []
+    exact = all_cpu(outcome, scorer, outcome.best.chunk_tokens if outcome.best.chunk_tokens in fits else min(fits))
+    ordered = _distinct(ordered)[:per_round * rounds]
+    if _key(exact) in {_key(s) for s in ordered}:  # the search's own candidates hold it
+        return ordered
+    return ordered[:per_round * rounds - 1] + [exact]
+
+
+def _distinct(sols) -> list[Solution]:
     out, seen = [], set()
-    for s in primary + tightened + tail:
-        if s.chunk_tokens <= gate_tokens and _key(s) not in seen:
+    for s in sols:
+        if _key(s) not in seen:
             seen.add(_key(s))
             out.append(s)
     return out
