@@ -3,10 +3,11 @@ and evaluate the plan.
 
 The pipeline as library functions (`autotune.pipeline`; each `autotune` command is a thin parser over one):
 
-    from autotune import build, calibrate, evaluate, run_plan, search_plan
+    from autotune import SearchConfig, build, calibrate, evaluate, run_plan, search_plan
 
     traces = calibrate("tiny-moe", "builtin:pydoc-calib", out="traces/tiny-moe.npz")
-    result = search_plan("tiny-moe", profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
+    config = SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
+    result = search_plan("tiny-moe", config)  # exactly `autotune search --model tiny-moe --profile ... --out ...`
     package = build("tiny-moe", result.path)  # on a plan with `ane` groups
     stats = run_plan("tiny-moe", result.path, reference=True)  # what `autotune run --json` prints
     fidelity = evaluate("tiny-moe", result.path)  # what `autotune evaluate --json` prints
@@ -29,12 +30,17 @@ if TYPE_CHECKING:
         run_plan,
         search_plan,
     )
+    from autotune.searching.config import SearchConfig
 
-__all__ = ["build", "calibrate", "describe_model", "evaluate", "evaluate_tasks", "profile_device",
+__all__ = ["SearchConfig", "build", "calibrate", "describe_model", "evaluate", "evaluate_tasks", "profile_device",
            "record_prompt_traces", "run_plan", "search_plan"]
 
 
 def __getattr__(name: str):
+    if name == "SearchConfig":
+        from autotune.searching.config import SearchConfig
+
+        return SearchConfig
     if name in __all__:
         from autotune import pipeline
 

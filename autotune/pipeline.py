@@ -9,9 +9,6 @@ written before the work starts is the caller's (the commands do it, naming their
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import statistics
@@ -39,8 +36,8 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-from autotune.costing.memory import against_measured, ane_budget_bytes, model_size, predict_memory, simulated_functions
-from autotune.evaluation.gate import Candidate, GateSettings, refusal, run_gate
+from autotune.costing.memory import against_measured, ane_budget_bytes, predict_memory, simulated_functions
+from autotune.evaluation.gate import refusal, run_gate
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -49,18 +46,23 @@ from autotune.profiling.profile import (
     published_note,
     save_profile,
 )
+from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
+from autotune.searching.config import SearchConfig
 from autotune.searching.explain import explain
+from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
-from autotune.searching.optimizer import chunk_candidates, ranked_solutions, solution, solution_plan, timed_search
+from autotune.searching.model_record import ModelRecord, check_context, resolve_model
+from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
+from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
 from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
-from runtime.generation import Loaded, load, prompt_ids
+from runtime.generation import Loaded, context_positions, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import (
     TINY_MOE_DIR,
@@ -138,16 +140,18 @@ class Calibration:
     summary: dict  # what `calibrate --json` prints
 
 
-def calibrate(model: str, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
+def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
               prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
               dtype: str = "auto", progress: bool = True) -> Calibration:
-    """Record `model`'s routing on `text` (a file or a built-in text name) and save the traces to `out` (default
-    `traces/<model>.npz`)."""
+    """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
+    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`)."""
     if chunk > prompt_tokens:
         raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
                           "chunks of at most its length; give --chunk <= --prompt-tokens")
-    path = str(out or default_traces_path(model))
-    loaded, tokenizer = load_model(model, dtype)
+    name = model if isinstance(model, str) else model.name
+    check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
+    path = str(out or default_traces_path(name))
+    loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model.loaded()
     ids = encode_text(tokenizer, text, max_tokens)
     check_token_ids(loaded, ids)
     prompts = -(-len(ids) // prompt_tokens)
@@ -158,7 +162,7 @@ def calibrate(model: str, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_
                           "smaller --prompt-tokens)")
     traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
     save_traces(traces, path)
-    return Calibration(path, traces, _calibration_summary(traces, path))
+    return Calibration(path=path, traces=traces, summary=_calibration_summary(traces, path))
 
 
 def _calibration_summary(traces: Traces, path: str) -> dict:
@@ -175,10 +179,14 @@ def _calibration_summary(traces: Traces, path: str) -> dict:
 @dataclass
 class SearchResult:
     plan: Plan
-    report: dict  # what `search --json` prints (figures predicted by the cost model)
+    report: SearchReport  # figures predicted by the cost model; the gate's measured
     path: Path  # the plan file
     sidecars: list[Path]  # report, plan map (and Pareto plot)
     seconds: float
+
+    def to_json(self) -> dict:
+        """What `autotune search --json` prints."""
+        return self.report.to_json()
 
 
 def default_plan_path(model: str, profile: str | None) -> Path:
@@ -192,38 +200,42 @@ def search_sidecars(out: str | os.PathLike, objective: str) -> list[Path]:
     return [sidecar(out, e) for e in extras]
 
 
-def search_plan(model: str, *, profile: str | None = None, traces: str | os.PathLike | None = None,
-           drop_budget: float = 0.10, objective: str = "latency", trials: int = 120, storage: str | None = None,
-           resident_mb: float = 16384, saliency: str = "router_weight", seed: int = 0, robust: bool = False,
-           prompt_tokens: int | None = None, compress: tuple[str, ...] = ("none",), memory_gb: float | None = None,
-           out: str | os.PathLike | None = None, dtype: str = "auto", progress: bool = True,
-           gate: GateSettings | None = GateSettings()) -> SearchResult:
-    """Tune a plan for `model` on a device profile (a file, a shipped name, or None: this host's, measured quickly
-    if missing) against routing traces (None: `traces/<model>.npz`, calibrated if missing); write the plan with
-    its report and plots to `out` (default `default_plan_path`). The plan is for prompts of `prompt_tokens`
-    (default: the traces'); its chunk size is searched (`chunk_candidates`), and each layer's weight storage among
-    `compress` (on a static backend that stores weights compressed: the ANE). `robust`: keep the plan of least
-    worst-case regret under perturbed profiles instead of the nominal best (the report carries the robustness
-    either way). `memory_gb`: a plan predicted to need more (autotune/costing/memory.py) is a violation. `gate`
-    (None: off): measure the cheapest candidates' fidelity and write the cheapest within its limits
-    (autotune.evaluation.gate); none within them raises NpumoeError and writes nothing."""
-    with _one_search_per_sqlite(storage):
-        spec = read_model_spec(model)
-        out = Path(out) if out else default_plan_path(model, profile)
+def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: bool = True) -> SearchResult:
+    """Tune a plan for `model` as `autotune search --model M` with `config`'s options does: on a device profile (a
+    file, a shipped name, or None: this host's, measured quickly if missing) against routing traces (None:
+    `traces/<model>.npz`, calibrated if missing); write the plan with its report and plots to `config.out` (default
+    `default_plan_path`). The plan is for prompts of `prompt_tokens` (default: the traces'); its chunk size is
+    searched (`chunk_candidates`), and each layer's weight storage among `config.compress_kinds` (on a static
+    backend that stores weights compressed: the ANE). `robust`: keep the plan of least worst-case regret under
+    perturbed profiles instead of the nominal best (the report carries the robustness either way). `memory_gb`: a
+    plan predicted to need more (autotune/costing/memory.py) is a violation. Unless `no_gate`, the fidelity gate
+    measures the candidates (autotune/searching/gate_candidates.py) and writes the first within its limits; none
+    within them raises NpumoeError and writes nothing."""
+    c = config
+    if c.threads is not None:
+        torch.set_num_threads(c.threads)
+    with one_search_per_sqlite(c.storage):
+        record = resolve_model(model, c.dtype)
+        if c.prompt_tokens:  # before the traces are read or made
+            check_context(model, record.context, c.prompt_tokens)
+        if c.prompt_tokens or not Path(c.traces or default_traces_path(model)).exists():  # the prompt is known
+            c.check_gate_tokens(min(chunk_candidates(c.prompt_tokens or PROMPT_TOKENS, record.context)))
+        spec = record.spec
+        out = Path(c.out) if c.out else default_plan_path(model, c.profile)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ProfileHostWarning)
-            prof, profile_name = _profile(profile, progress)
-        trs, traces_path = _traces(model, traces, spec, dtype, progress)
-        prompt = _prompt_tokens(model, trs, prompt_tokens)
+            prof, profile_name = _profile(c.profile, progress)
+        trs, traces_path = _traces(record, c.traces, progress)
+        prompt = _prompt_tokens(record, trs, c.prompt_tokens)
         cost = prof.cost_model
         n_layers = len(spec.moe_layers)
-        chunks = chunk_candidates(prompt, context_length(model)) if trs.chunk is not None else \
+        chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
-        size = model_size(model, dtype)
-        resident_bytes = resident_mb * 1e6
+        c.check_gate_tokens(min(chunks))
+        resident_bytes = c.resident_mb * 1e6
         ane_bytes = resident_bytes
-        if memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
-            ane_bytes = min(resident_bytes, ane_budget_bytes(memory_gb, size, max(chunks), prompt))
+        if c.memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
+            ane_bytes = min(resident_bytes, ane_budget_bytes(c.memory_gb, record.size, max(chunks), prompt))
         for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
             if note:  # held until the inputs are known good, so that an error is always the only line
                 log.warning(note)
@@ -235,58 +247,64 @@ def search_plan(model: str, *, profile: str | None = None, traces: str | os.Path
         backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
         scorer = scorer_for(backend)
         # weights stored compressed are a Core ML function's: the backends with the ANE's limits
-        kinds = tuple(compress) if registry.get(backend).limits is not None else ("none",)
-        workloads = {c: LayerData.from_traces(trs, c, prompt) for c in chunks}
-        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), objective=objective,
-                                        drop_budget=drop_budget, trials=trials, storage=_storage(storage),
-                                        study_prefix=_study_prefix(spec, cost, trs, ane_bytes / 1e6, objective, prompt),
-                                        seed=seed, progress=progress)
-        outcome.best, robustness = assess(outcome, scorer, pick=robust)
-        gated = None
-        if gate is not None:
-            sols, gated = _gate(model, outcome, scorer, spec, saliency, gate, dtype, progress)
+        kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
+        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
+        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds),
+                                        objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
+                                        storage=optuna_storage(c.storage),
+                                        study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
+                                                                  prompt),
+                                        seed=c.seed, progress=progress)
+        outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
+        gated, settings = None, c.gate_settings()
+        if settings is not None:
+            sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
+            gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency), settings,
+                             progress=progress)
             if gated["chosen"] is None:
                 raise refusal(gated)
-            if gated["chosen"]["index"]:  # the gate passed over the search's pick: report and plan are its choice
+            if sols[gated["chosen"]["index"]] is not outcome.best:  # the gate passed over the search's pick
                 outcome.best = sols[gated["chosen"]["index"]]
                 robustness = assess(outcome, scorer, pick=False)[1]
         chunk_tokens = outcome.best.chunk_tokens
         layers = outcome.chunks[chunk_tokens].layers
-        calib_chunks = sum(int(t) for t in layers[0].tokens) / chunk_tokens  # figures per chunk of chunk_tokens
         heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
         context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
-                   "objective": objective, "drop_budget": drop_budget, "chunk_tokens": chunk_tokens,
+                   "objective": c.objective, "drop_budget": c.drop_budget, "chunk_tokens": chunk_tokens,
                    "prompt_tokens": prompt, "chunks_searched": chunks, "compress_allowed": list(kinds),
                    "compress": compress_counts(outcome.best.configs),
-                   "partial_chunks": "exact" if outcome.best.exact_partial else "static", "memory_gb": memory_gb}
-        report = search_report(outcome, calib_chunks, heldout_assignments, seconds, context)
+                   "partial_chunks": "exact" if outcome.best.exact_partial else "static",
+                   "memory_gb": c.memory_gb}
+        report = search_report(outcome, layers[0].calib_chunks, heldout_assignments, seconds,
+                               context)
         add_cpu_figures(report, outcome, layers, cost.host.pack is not None)
         report["robustness"] = robustness.to_json()
         report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
                                             "predicted_cpu_ms_per_token")}
         predicted["label"] = "predicted by the cost model of profile " + profile_name
-        plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, saliency, predicted,
+        plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, c.saliency, predicted,
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
-                              "drop_budget": drop_budget, "objective": objective, "robust": robust,
-                              "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": memory_gb,
-                              "decisions": [c.to_json() for c in outcome.best.configs],
+                              "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust,
+                              "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
+                              "decisions": [cfg.to_json() for cfg in outcome.best.configs],
                               **({"gate": _gate_meta(gated)} if gated else {})})
-        memory = predict_memory(plan, size, prompt)
-        if memory_gb is not None and memory.total > memory_gb * 1e9:
-            raise NpumoeError(f"--memory-gb {memory_gb:g}: the best plan within the drop budget needs "
+        memory = predict_memory(plan, record.size, prompt)
+        if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
+            raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
                               f"{memory.describe()}; give a larger budget")
         plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
         report["predicted_memory"] = memory.to_json()
         report["explanation"] = explain(plan, layers, cost, backend)
-        sidecars = search_sidecars(out, objective)
+        report = SearchReport(**report)
+        sidecars = search_sidecars(out, c.objective)
         with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
             save_plan(plan, plan_tmp)
-            atomic_write_json(report_tmp, report)
+            atomic_write_json(report_tmp, report.to_json())
             plot_plan_map(plan, map_tmp)
             for path in pareto_tmp:
-                plot_pareto(report, path)
-    return SearchResult(plan, report, out, sidecars, seconds)
+                plot_pareto(report.to_json(), path)
+    return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
 
 
 def compress_counts(configs) -> dict[str, int]:
@@ -298,40 +316,14 @@ def compress_counts(configs) -> dict[str, int]:
     return out
 
 
-def _prompt_tokens(model: str, traces: Traces, given: int | None) -> int:
+def _prompt_tokens(record: ModelRecord, traces: Traces, given: int | None) -> int:
     """The prompt length the plan is for: `given` or the traces'; at most the model's context."""
     prompt = given or traces.prompt_tokens
-    context = context_length(model)
-    if context and prompt > context:
-        raise NpumoeError(f"--prompt-tokens {prompt} is longer than {model}'s context of {context} tokens "
-                          "(config.json max_position_embeddings); give at most that")
+    check_context(record.name, record.context, prompt)
     if traces.chunk is None and given and given != traces.prompt_tokens:
         raise NpumoeError(f"--prompt-tokens {given}: these traces hold counts per {traces.prompt_tokens}-token "
                           "prompt only (synthetic); they cannot be cut into other prompts")
     return prompt
-
-
-def _gate(model: str, outcome, scorer: Scorer, spec, saliency: str, settings: GateSettings, dtype: str,
-          progress: bool) -> tuple[list, dict]:
-    """The fidelity gate over the search's cheapest whole-plan candidates (its pick first, then
-    `ranked_solutions`), each compressed one followed by the same plan uncompressed: a group stays compressed only
-    where the gate holds."""
-    sols = []
-    for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
-        layers = outcome.chunks[sol.chunk_tokens].layers
-        plain = [dataclasses.replace(c, compress="none") for c in sol.configs]
-        for s in (sol, solution(plain, layers, scorer, sol.exact_partial) if plain != sol.configs else None):
-            if s is not None and not any((t.chunk_tokens, t.exact_partial, t.configs) ==
-                                         (s.chunk_tokens, s.exact_partial, s.configs) for t in sols):
-                sols.append(s)
-    sols = sols[:settings.candidates]
-    candidates = []
-    for sol in sols:
-        layers = outcome.chunks[sol.chunk_tokens].layers
-        per_chunk = sum(int(t) for t in layers[0].tokens) / sol.chunk_tokens
-        candidates.append(Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency),
-                                    sol.latency_ms / per_chunk))
-    return sols, run_gate(model, candidates, settings, dtype=dtype, progress=progress)
 
 
 def _gate_meta(gated: dict) -> dict:
@@ -339,18 +331,6 @@ def _gate_meta(gated: dict) -> dict:
     chosen = gated["chosen"]
     return {"label": gated["label"], "tokens": gated["tokens"], "text": gated["text"],
             **{k: chosen[k] for k in ("ppl_delta", "top1", "kl")}}
-
-
-def _storage(url: str | None):
-    if url is None:
-        return None
-    import optuna
-
-    if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend
-
-        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
-    return url
 
 
 def _profile(name: str | None, progress: bool) -> tuple[Profile, str]:
@@ -364,65 +344,35 @@ def _profile(name: str | None, progress: bool) -> tuple[Profile, str]:
     return load_profile(path), "host"
 
 
-def _traces(model: str, given: str | os.PathLike | None, spec, dtype: str, progress: bool) -> tuple[Traces, str]:
-    path = Path(given) if given else default_traces_path(model)
+def _traces(record: ModelRecord, given: str | os.PathLike | None, progress: bool) -> tuple[Traces, str]:
+    path = Path(given) if given else default_traces_path(record.name)
+    fingerprint = record.spec.fingerprint
     if path.exists():
         traces = load_traces(path)
-        if traces.spec["fingerprint"] == spec.fingerprint:
+        if traces.spec["fingerprint"] == fingerprint:
             require_heldout(traces, str(path))
             return traces, str(path)
         if given:
             raise NpumoeError(f"traces {path} are for another model (fingerprint {traces.spec['fingerprint']}, "
-                              f"model {spec.fingerprint})")
-    log.warning("no traces for %s; calibrating on %s into %s", model, DEFAULT_CALIB_TEXT, path)
-    traces = calibrate(model, DEFAULT_CALIB_TEXT, out=path, dtype=dtype, progress=progress).traces
+                              f"model {fingerprint})")
+    log.warning("no traces for %s; calibrating on %s into %s", record.name, DEFAULT_CALIB_TEXT, path)
+    traces = calibrate(record, DEFAULT_CALIB_TEXT, out=path, progress=progress).traces
     require_heldout(traces, str(path))
     return traces, str(path)
 
 
-def _study_prefix(spec, cost, traces: Traces, resident_mb: float, objective: str, prompt_tokens: int) -> str:
-    """Studies resume only for the same model, cost model, traces, prompts, backend limits and objective: trials
-    scored under another profile or other traces would mislead the sampler. (The space's digest and the chunk size
-    are added per study by the search.)"""
-    key = json.dumps([cost.to_json(), traces.header, resident_mb, prompt_tokens], sort_keys=True, default=str)
-    return f"npumoe:{spec.fingerprint[7:19]}:{hashlib.sha256(key.encode()).hexdigest()[:12]}:{objective}"
-
-
-@contextmanager
-def _one_search_per_sqlite(url: str | None) -> Iterator[None]:
-    """SQLite storage serves one search at a time: two at once race on creating its tables and on the trials
-    they enqueue. A second search on it is refused (pointing to journal:, which is made for several processes)
-    by an exclusive lock on <file>.lock, held for the whole search and removed after it (still locked, so a
-    search that opened the old file sees it gone and is refused rather than running beside a newer one)."""
-    if not url or not url.startswith("sqlite:///"):
-        yield
-        return
-    lock = Path(url[len("sqlite:///"):] + ".lock")
-    busy = NpumoeError(f"--storage {url} is in use by another search; SQLite storage takes one search at a "
-                       "time: run concurrent searches on --storage journal:FILE")
-    with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise busy from None
-        try:
-            if os.stat(lock).st_ino != os.fstat(f.fileno()).st_ino:  # removed by the search that held it
-                raise busy
-        except FileNotFoundError:
-            raise busy from None
-        try:
-            yield
-        finally:
-            lock.unlink(missing_ok=True)
-
-
 # --- run and evaluate -----------------------------------------------------------------------------------------------
 def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: str, text: str,
-             max_tokens: int) -> tuple[Loaded, torch.Tensor]:
-    """The planned model (the plan checked against it before any text is read) and the text's token ids."""
+             max_tokens: int, prompt_tokens: int | None) -> tuple[Loaded, torch.Tensor]:
+    """The planned model (the plan checked against it before any text is read) and the text's token ids, its
+    prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context."""
+    if prompt_tokens:  # before the load says anything
+        check_context(model, context_length(model), prompt_tokens)
     loaded = load(model, plan, package, dtype)
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
+    if not prompt_tokens:  # one prompt: the whole text
+        check_context(model, context_positions(loaded.model), int(ids.numel()), "--max-tokens")
     return loaded, ids
 
 
@@ -440,48 +390,45 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
-             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> dict:
+             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
-    prompt), timed as the median of `repeat` runs; returns what `autotune run --json` prints: run statistics,
-    backend fallbacks, the drift monitor's verdict, the measured energy of backends that measure their calls
-    (`energy_per_backend`, of the last run), and with `reference` the unmodified model's latency and the logits'
-    max relative difference. `record_traces`: also write the routing the plan saw there as traces."""
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
+    prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
+    the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
+    `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
+    `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces."""
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
+    n = int(ids.numel())
     if record_traces:  # before the run, as calibrate refuses too short a text
-        require_recordable(int(ids.numel()), chunk, prompt_tokens or int(ids.numel()),
-                           "give a longer --text or a larger --max-tokens")
-    result = {"model": model, "plan": str(plan), "text": text, "tokens": int(ids.numel()), "chunk_tokens": chunk,
-              "overflow": loaded.plan.overflow}
+        require_recordable(n, chunk, prompt_tokens or n, "give a longer --text or a larger --max-tokens")
     prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
+    ref = reference_ms = None
     if reference:
         with loaded.unmodified():
-            ref, result["reference_latency_ms"], _ = _timed(prefill, repeat)
+            ref, reference_ms, _ = _timed(prefill, repeat)
 
     def planned() -> torch.Tensor:
         loaded.reset()
         return prefill()
 
-    logits, result["latency_ms"], cpu_ms = _timed(planned, repeat)
-    n = int(ids.numel())
-    result["wall_ms_per_token"], result["cpu_ms_per_token"] = result["latency_ms"] / n, cpu_ms / n
-    result.update(executor.stats.to_json())
-    result["backend_fallbacks"] = executor.fallbacks
-    result["drift"] = executor.drift.report()
-    energy = executor.energy()
-    if energy:  # backends that measure their calls (ane with zeus-apple-silicon on macOS)
-        result["energy_per_backend"] = energy
+    logits, latency_ms, cpu_ms = _timed(planned, repeat)
+    # the run's own figures, before recording traces runs the model again
+    stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
+    traces = None
     if record_traces:
-        result["traces"] = record_run_traces(loaded.model, ids, chunk, prompt_tokens or int(ids.numel()), text,
-                                             record_traces, f"autotune run --plan {plan}")
-    if reference:
-        result["max_rel_diff_vs_reference"] = max_rel_diff(logits, ref)
+        traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,
+                                   f"autotune run --plan {plan}")
     # run keeps [tokens, vocab] fp32 logits (twice with the reference)
-    result["memory"] = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
-                                        logits_rows=n * (2 if reference else 1),
-                                        ane_simulated=simulated_functions(executor.fallbacks))
-    result["plan_predicted"] = plan_predictions(loaded.plan)
-    return result
+    memory = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
+                              logits_rows=n * (2 if reference else 1),
+                              ane_simulated=simulated_functions(executor.fallbacks))
+    return RunResult(model=model, plan=str(plan), text=text, tokens=n, chunk_tokens=chunk,
+                     overflow=loaded.plan.overflow, latency_ms=latency_ms, wall_ms_per_token=latency_ms / n,
+                     cpu_ms_per_token=cpu_ms / n, stats=stats,
+                     backend_fallbacks=executor.fallbacks, drift=drift, memory=memory,
+                     plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
+                     max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
+                     energy_per_backend=energy, traces=traces)
 
 
 def plan_predictions(plan: Plan) -> dict | None:
@@ -496,33 +443,31 @@ def plan_predictions(plan: Plan) -> dict | None:
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
              prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
-             progress: bool = True) -> dict:
+             progress: bool = True) -> EvaluateResult:
     """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
     the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
-    within 1.5x the plan's budget; what `autotune evaluate --json` prints."""
+    within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints)."""
     from autotune.evaluation.fidelity import evaluate_plan
 
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens)
-    result = {"model": model, "plan": str(plan), "text": text,
-              **evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)}
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
+    figures = evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)
     budget = (loaded.plan.meta or {}).get("drop_budget")
-    if budget is not None:
-        result["drop_budget"] = budget
-        result["drop_rate_within_1_5x_budget"] = result["drop_rate"] <= SHIFT_TOLERANCE * budget
-    return result
+    return EvaluateResult(model=model, plan=str(plan), text=text, **figures, drop_budget=budget,
+                          drop_rate_within_1_5x_budget=None if budget is None else
+                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget)
 
 
 def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,
                    num_fewshot: int | None = None, include_path: str | None = None, package: str | None = None,
-                   dtype: str = "auto") -> dict:
+                   dtype: str = "auto") -> TasksResult:
     """lm-evaluation-harness `tasks` (extra `eval`) on the plan and the unmodified model: paired accuracies per
-    task; what `autotune evaluate --tasks --json` prints."""
+    task (`.to_json()`: what `autotune evaluate --tasks --json` prints)."""
     from autotune.evaluation.harness import prepared_tasks, run_tasks
 
     with prepared_tasks(tasks, include_path) as found:  # a bad task is refused before the load says anything
         loaded = load(model, plan, package, dtype)
-        return {"model": model, "plan": str(plan), "limit": limit, "num_fewshot": num_fewshot,
-                **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot)}
+        return TasksResult(model=model, plan=str(plan), limit=limit, num_fewshot=num_fewshot,
+                           **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot))
 
 
 def check_prompt_recordable(loaded: Loaded, prompt: str, *, chat: bool = False) -> torch.Tensor:

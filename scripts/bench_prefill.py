@@ -18,7 +18,7 @@ import time
 from make_shape_twin import TWINS  # scripts/: the published configs of the paper's models
 
 from autotune.calibration.traces import synthetic_traces
-from autotune.costing.prefill import DecoderShape
+from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData

@@ -96,3 +96,12 @@ def tiny_twin(path, like: str = "qwen3-30b-a3b", layers: int = 2, **overrides):
 
 SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
              hidden_size=1024, expert_ffn_size=512, fingerprint="small")
+
+
+# `autotune search --json`'s keys, in order, before its report was typed (a contract scripts read)
+SEARCH_REPORT_KEYS = [
+    "predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate", "figures", "baselines", "baseline_details",
+    "speedup_vs", "energy_ratio_vs", "gap_vs_exact", "exact_layers", "trials", "search_seconds", "pareto_front",
+    "plan", "profile", "static_backend", "traces", "objective", "drop_budget", "chunk_tokens", "prompt_tokens",
+    "chunks_searched", "compress_allowed", "compress", "partial_chunks", "memory_gb", "packing_measured",
+    "predicted_cpu_ms_per_token", "cpu_ratio_vs", "robustness", "gate", "predicted_memory", "explanation"]

@@ -174,7 +174,7 @@ def test_macos_ops_are_placed_on_the_neural_engine(built):
     model, plan, package = built
     backend = AneBackend(package)
     backend._load(function_name(plan.layers[0].layer, 0), package)
-    assert ops_not_on_ane(backend._plan(), function_name(plan.layers[0].layer, 0)) == []
+    assert ops_not_on_ane(backend.compute_plan(), function_name(plan.layers[0].layer, 0)) == []
 
 
 @pytest.mark.macos

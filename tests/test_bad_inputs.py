@@ -273,6 +273,17 @@ CASES = [
     ("evaluate-broken-task-yaml", ["evaluate", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--tasks",
                                    "broken_task", "--include-path", "{tasks}"], "broken_task.yaml is not valid YAML"),
     ("evaluate-limit-without-tasks", ["evaluate", *M, "--plan", "{ck_plan}", "--limit", "5"], "--limit"),
+    *[(f"{cmd}-prompt-past-the-context", [cmd, "--model", "tiny-moe", *extra, "--prompt-tokens", "4096"],
+       "--prompt-tokens 4096 is longer than tiny-moe's context of 2048 tokens")
+      for cmd, extra in [("run", ["--plan", "{tiny_plan}"]), ("evaluate", ["--plan", "{tiny_plan}"]),
+                         ("calibrate", []), ("search", ["--profile", "apple-m2-ultra-published"])]],
+    ("run-one-prompt-past-the-context", ["run", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--max-tokens",
+                                         "4096"], "--max-tokens 4096 is longer than tiny-moe's context"),
+    ("search-gate-tokens-under-a-chunk", [*S, "--traces", "{traces}", "--gate-tokens", "1"],
+     "--gate-tokens 1 is less than one chunk of the smallest chunk searched (64 tokens)"),
+    ("search-gate-tokens-before-calibrating", ["search", "--model", "tiny-moe", "--profile",
+                                               "apple-m2-ultra-published", "--gate-tokens", "1"],
+     "smallest chunk searched (256 tokens)"),  # refused before the traces it lacks are made
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]

@@ -32,3 +32,22 @@ def test_ci_runs_exactly_the_readme_test_command():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     ci = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
     assert ci == [block] and "ruff check ." in block and "pytest" in block
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in ("autotune", "runtime") for p in (ROOT / pkg).rglob("*.py")
+                  if p.stem not in ("__init__", "__main__"))
+
+
+def test_the_architecture_page_names_every_module():
+    layout = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for p in _modules() if not re.search(rf"`{p.stem}(\.py)?`", layout)]
+    assert missing == []
+
+
+def test_every_subpackage_says_what_it_holds():
+    import ast
+
+    for init in sorted(p for pkg in ("autotune", "runtime") for p in (ROOT / pkg).rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.split()) >= 8 and "see docs/architecture.md" not in doc, init

@@ -62,7 +62,7 @@ def test_run_reports_measured_memory_and_cpu_time_next_to_the_prediction(tmp_pat
 
     model = random_model("random:qwen3_moe")[0]
     save_plan(template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=32), tmp_path / "p.json")
-    r = autotune.run_plan("random:qwen3_moe", tmp_path / "p.json", text=text_file, max_tokens=96)
+    r = autotune.run_plan("random:qwen3_moe", tmp_path / "p.json", text=text_file, max_tokens=96).to_json()
     assert r["tokens"] == 96 and r["cpu_ms_per_token"] > 0
     assert r["wall_ms_per_token"] == pytest.approx(r["latency_ms"] / 96)
     m = r["memory"]

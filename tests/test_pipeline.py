@@ -16,21 +16,21 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
     traces = autotune.calibrate("random:qwen3_moe", text_file, chunk=32, prompt_tokens=64, max_tokens=1024,
                                 out=tmp_path / "t.npz", progress=False)
     assert traces.path == str(tmp_path / "t.npz") and traces.summary["chunks"] == traces.traces.n_chunks > 0
-    result = autotune.search_plan("random:qwen3_moe", profile="apple-m2-ultra-published", traces=traces.path,
-                                  trials=4, out=tmp_path / "plan.json", progress=False,
-                                  gate=None)  # the gate has its own tests (test_gate.py)
+    config = autotune.SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, trials=4,
+                                   out=str(tmp_path / "plan.json"), no_gate=True)  # the gate: test_gate.py
+    result = autotune.search_plan("random:qwen3_moe", config, progress=False)
     # said through the npumoe logger, once: a published profile is announced as such, not as a host mismatch
     assert caplog.text.count("holds published figures") == 1 and "is for host" not in caplog.text
     assert load_plan(result.path) == result.plan and result.plan.meta["traces"] == traces.path
-    assert json.loads(result.sidecars[0].read_text()) == result.report
-    assert result.report["predicted_latency_ms"] > 0 and result.report["profile"] == "apple-m2-ultra-published"
+    assert json.loads(result.sidecars[0].read_text()) == result.to_json() == result.report.to_json()
+    assert result.report.predicted_latency_ms > 0 and result.report.profile == "apple-m2-ultra-published"
     memory = result.plan.predicted["memory"]  # at the traces' prompt length, within the budget it was given
-    assert memory == result.report["predicted_memory"] and memory["prompt_tokens"] == 64
+    assert memory == result.report.predicted_memory and memory["prompt_tokens"] == 64
     assert memory["total_bytes"] == sum(memory[k] for k in ("cpu_weights_bytes", "ane_package_bytes",
                                                             "activations_bytes", "kv_cache_bytes", "runtime_bytes"))
     assert result.plan.predicted["predicted_cpu_ms_per_token"] > 0
-    assert result.report["explanation"][0].startswith(f"chunk {result.plan.chunk_tokens} tokens")
-    assert len(result.report["explanation"]) == 1 + len(result.plan.layers)
+    assert result.report.explanation[0].startswith(f"chunk {result.plan.chunk_tokens} tokens")
+    assert len(result.report.explanation) == 1 + len(result.plan.layers)
 
 
 def test_library_build(tmp_path):
@@ -65,12 +65,12 @@ def test_library_run_evaluate_describe_and_record(tmp_path, text_file):
     plan = str(tmp_path / "plan.json")
     run = autotune.run_plan("random:olmoe", tmp_path / "drop.json", text=text_file, max_tokens=200,
                             reference=True, record_traces=tmp_path / "run.npz")
-    assert run["tokens"] == 200 and run["dropped"] > 0 and run["max_rel_diff_vs_reference"] > 1e-3
-    assert "energy_per_backend" not in run  # no backend here measures energy
-    assert run["traces"]["chunks"] == load_traces(tmp_path / "run.npz").n_chunks == 7  # 200 tokens in chunks of 32
+    assert run.tokens == 200 and run.stats["dropped"] > 0 and run.max_rel_diff_vs_reference > 1e-3
+    assert run.energy_per_backend is None and "energy_per_backend" not in run.to_json()  # none measures energy
+    assert run.traces["chunks"] == load_traces(tmp_path / "run.npz").n_chunks == 7  # 200 tokens in chunks of 32
     fidelity = autotune.evaluate("random:olmoe", plan, text=text_file, max_tokens=200, prompt_tokens=100,
                                  progress=False)
-    assert fidelity["top1_agreement"] == 1.0 and fidelity["spill_rate"] > 0 and fidelity["prompts"] == 2
+    assert fidelity.top1_agreement == 1.0 and fidelity.spill_rate > 0 and fidelity.prompts == 2
     about = autotune.describe_model("random:olmoe", text_file, max_tokens=300)
     shares = np.array(list(about["expert_shares"].values()))
     assert about["experts"] == 8 and about["tokens"] == 300 and np.allclose(shares.sum(axis=1), 1.0, atol=1e-3)

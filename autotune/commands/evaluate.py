@@ -61,11 +61,11 @@ def run(args: argparse.Namespace) -> int:
                                    prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
                                    progress=not args.json)
     if args.json:
-        print_json(result)
+        print_json(result.to_json())
     elif args.tasks:
-        _print_tasks(result)
+        _print_tasks(result.to_json())
     else:
-        _print_summary(result)
+        _print_summary(result.to_json())
     return 0
 
 

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
                                prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
                                reference=args.reference, repeat=args.repeat, record_traces=args.record_traces)
     if args.json:
-        print_json(result)
+        print_json(result.to_json())
     else:
-        _print_summary(result)
+        _print_summary(result.to_json())
     return 0
 
 

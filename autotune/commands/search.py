@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from autotune import pipeline
@@ -19,20 +20,17 @@ from autotune.commands.argtypes import (
     traces_file,
     unit_fraction,
 )
-from autotune.commands.common import (
-    add_dtype_argument,
-    add_model_argument,
-    add_threads_argument,
-    apply_threads,
-    print_json,
-)
+from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, print_json
 from autotune.evaluation import gate
+from autotune.searching.config import DEFAULTS, SearchConfig
+from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
 from runtime.plan import COMPRESSIONS, SALIENCY_RULES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    d = DEFAULTS  # every default is the library's (`SearchConfig`): the command and `search_plan` are one search
     p = sub.add_parser("search", help="search tiers, groups and residency for a model on a device profile")
     add_model_argument(p)
     add_dtype_argument(p)
@@ -40,24 +38,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "default: this host's saved profile (made quickly if missing)")
     p.add_argument("--traces", type=traces_file, metavar="T",
                    help="traces file (default traces/<model>.npz, calibrated if missing)")
-    p.add_argument("--drop-budget", type=fraction_below_one, default=0.10, metavar="X",
-                   help="max share of assignments dropped on held-out traces (default 0.10)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="latency",
+    p.add_argument("--drop-budget", type=fraction_below_one, default=d.drop_budget, metavar="X",
+                   help=f"max share of assignments dropped on held-out traces (default {d.drop_budget:g})")
+    p.add_argument("--objective", choices=OBJECTIVES, default=d.objective,
                    help="what the search minimises (predicted by the profile's cost model); both: the Pareto front "
                         "of latency and energy; cpu: CPU-busy time (the paper's CPU cycles; latency breaks ties) "
-                        "(default latency)")
-    p.add_argument("--trials", type=positive_int, default=120, metavar="N",
-                   help="Optuna trials per MoE layer (default 120)")
+                        f"(default {d.objective})")
+    p.add_argument("--trials", type=positive_int, default=d.trials, metavar="N",
+                   help=f"Optuna trials per MoE layer (default {d.trials})")
     p.add_argument("--storage", type=storage_url, metavar="URL",
                    help="Optuna storage to resume from: sqlite:///file.db (one search "
                         "at a time; a second is refused) or journal:FILE (JournalStorage, several processes)")
-    p.add_argument("--resident-mb", type=positive_float, default=16384, metavar="MB",
+    p.add_argument("--resident-mb", type=positive_float, default=d.resident_mb, metavar="MB",
                    help="device budget for resident expert weights as stored (compressed where the plan compresses), "
-                        "all layers (default 16384)")
+                        f"all layers (default {d.resident_mb:g})")
     p.add_argument("--prompt-tokens", type=positive_int, metavar="N",
                    help="the prompt length the plan is for (default: the traces'); the chunk size is searched among "
                         "256..4096 tokens (powers of two, at most N and the model's context)")
-    p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=None, metavar="K1,K2",
+    p.add_argument("--compress", type=choice_list(COMPRESSIONS), default=d.compress, metavar="K1,K2",
                    help=f"weight storage the search may give each layer's ANE groups, among {','.join(COMPRESSIONS)} "
                         "(default: all of them, a group kept compressed only where the fidelity gate holds; with "
                         "--no-gate: none, fp16)")
@@ -65,10 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the most memory the plan may need (predicted: CPU-side weights + ANE packages + one chunk's "
                         "activations + KV cache at the prompt length + the runtime); a plan over it is a violation, "
                         "a budget no plan can meet is refused")
-    p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
+    p.add_argument("--saliency", choices=SALIENCY_RULES, default=d.saliency,
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
-                        "weight x hidden-state norm (default router_weight)")
-    p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampler seed (default 0)")
+                        f"weight x hidden-state norm (default {d.saliency})")
+    p.add_argument("--seed", type=non_negative_int, default=d.seed, metavar="S",
+                   help=f"sampler seed (default {d.seed})")
     p.add_argument("--out", type=output_file(), metavar="PLAN", help="plan file (default plans/<model>@<profile>.json)")
     add_threads_argument(p)
     p.add_argument("--robust", action="store_true",
@@ -76,46 +75,40 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cost x0.5/x2, compute per GFLOP x0.7/x1.3 per backend) instead of the nominal best")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the fidelity gate: write the search's pick from config and routers alone, unmeasured")
-    p.add_argument("--gate-candidates", type=positive_int, default=gate.CANDIDATES, metavar="K",
+    p.add_argument("--gate-candidates", type=positive_int, default=d.gate_candidates, metavar="K",
                    help="the fidelity gate measures the K cheapest candidates that meet the drop budget on held-out "
-                        "text, ane groups on ane-sim, and writes the cheapest within its limits "
-                        f"(default {gate.CANDIDATES})")
-    p.add_argument("--max-ppl-delta", type=non_negative_float, default=100 * gate.MAX_PPL_DELTA, metavar="PCT",
+                        "text, ane groups on ane-sim, and writes the cheapest within its limits; when none is, the "
+                        "same plans tightened (spills for drops, then uncompressed), then the next K: at most "
+                        f"{ROUNDS} rounds, the last ending on the all-CPU plan (default {d.gate_candidates})")
+    p.add_argument("--max-ppl-delta", type=non_negative_float, default=d.max_ppl_delta, metavar="PCT",
                    help="gate limit: perplexity at most PCT percent above the unmodified model's "
-                        f"(default {100 * gate.MAX_PPL_DELTA:g})")
-    p.add_argument("--min-top1", type=unit_fraction, default=gate.MIN_TOP1, metavar="X",
+                        f"(default {d.max_ppl_delta:g})")
+    p.add_argument("--min-top1", type=unit_fraction, default=d.min_top1, metavar="X",
                    help=f"gate limit: top-1 next-token agreement with the unmodified model at least X (default "
-                        f"{gate.MIN_TOP1:g})")
-    p.add_argument("--gate-tokens", type=positive_int, default=gate.GATE_TOKENS, metavar="N",
-                   help=f"held-out tokens ({gate.GATE_TEXT}) each gate candidate runs (default {gate.GATE_TOKENS})")
+                        f"{d.min_top1:g})")
+    p.add_argument("--gate-tokens", type=positive_int, default=d.gate_tokens, metavar="N",
+                   help=f"held-out tokens ({gate.GATE_TEXT}) each gate candidate runs, at least one chunk of the "
+                        f"smallest chunk searched (default {d.gate_tokens})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
-def gate_settings(args: argparse.Namespace) -> gate.GateSettings | None:
-    if args.no_gate:
-        return None
-    return gate.GateSettings(args.gate_candidates, gate.GateLimits(args.max_ppl_delta / 100, args.min_top1),
-                             args.gate_tokens)
+def search_config(args: argparse.Namespace) -> SearchConfig:
+    """The parsed options as the library's one search value (every field under its flag's name)."""
+    return SearchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SearchConfig)})
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_threads(args.threads)
-    out = Path(args.out) if args.out else pipeline.default_plan_path(args.model, args.profile)
-    for path in (out, *pipeline.search_sidecars(out, args.objective)):  # the plan and its sidecars, one set
+    config = search_config(args)
+    out = Path(config.out) if config.out else pipeline.default_plan_path(args.model, config.profile)
+    for path in (out, *pipeline.search_sidecars(out, config.objective)):  # the plan and its sidecars, one set
         require_output(path, "--out")
-    if not args.traces and not default_traces_path(args.model).exists():  # the search calibrates into it
+    if not config.traces and not default_traces_path(args.model).exists():  # the search calibrates into it
         require_output(default_traces_path(args.model), "--traces")
-    result = pipeline.search_plan(args.model, profile=args.profile, traces=args.traces,
-                                  drop_budget=args.drop_budget, objective=args.objective, trials=args.trials,
-                                  storage=args.storage, resident_mb=args.resident_mb, saliency=args.saliency,
-                                  seed=args.seed, robust=args.robust, prompt_tokens=args.prompt_tokens,
-                                  memory_gb=args.memory_gb,
-                                  compress=args.compress or (COMPRESSIONS if not args.no_gate else ("none",)),
-                                  out=out, dtype=args.dtype, progress=not args.json, gate=gate_settings(args))
+    result = pipeline.search_plan(args.model, config.replace(out=str(out)), progress=not args.json)
     if args.json:
-        print_json(result.report)
+        print_json(result.to_json())
     else:
-        print(format_report(result.report))
+        print(format_report(result.to_json()))
         print(f"wrote {out} (+ {', '.join(p.name for p in result.sidecars)}) in {result.seconds:.1f} s")
     return 0

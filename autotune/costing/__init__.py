@@ -1,1 +1,2 @@
-"""costing: see docs/architecture.md."""
+"""What a plan costs, predicted: the fitted cost model (latency, energy, CPU-busy time per call and per layer) and a
+plan's memory."""

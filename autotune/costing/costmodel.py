@@ -20,12 +20,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from autotune.costing import evaluator
-from autotune.costing.dense import (
+from autotune.costing.dense_prices import (
     DenseFit,
     attention_work,
     elementwise_work,
 )
-from autotune.costing.dense import matmul_work as dense_matmul_work
+from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
@@ -279,7 +279,7 @@ class CostModel:
     def power_w(self, backend: str) -> float | None:
         return self._model(backend).power_w
 
-    # --- dense ops (autotune.costing.dense) ----------------------------------------------------------------------
+    # --- dense ops (autotune.costing.dense_prices) ------------------------------------------------------------
     def dense_fit(self, backend: str, op: str) -> DenseFit:
         """The price of a dense op kind on a backend: measured where the profile has its records, else derived from
         the backend's fitted matmul throughput (labelled so)."""

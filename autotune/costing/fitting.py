@@ -15,7 +15,7 @@ from autotune.costing.costmodel import (
     host_features,
     matmul_work,
 )
-from autotune.costing.dense import RECORD_OP, fit_dense, record_work
+from autotune.costing.dense_prices import RECORD_OP, fit_dense, record_work
 from runtime.backends import registry
 
 

@@ -4,18 +4,21 @@ The search judges plans by a proxy (held-out overflow counted on routing traces)
 cheapest candidates that meet the proxy, runs each on held-out text with its `ane` groups on `ane-sim` (what the
 ANE function computes: fp16, compressed weights as Core ML stores them), and measures it against the unmodified
 model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
-within the limits; when none is, nothing is written and the closest candidate is named. An all-CPU candidate runs
-what the model runs, so its figures are exact.
+within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
+gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
+it runs what the model runs, so its figures are exact and it passes by construction). Only when every candidate
+fails is nothing written, and the closest is named.
 """
 from __future__ import annotations
 
 import logging
-import resource
-import sys
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from itertools import islice
+
+import torch
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
@@ -26,6 +29,7 @@ from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
 from runtime.plan import Plan
+from runtime.resources import peak_rss_mb
 
 CANDIDATES = 4  # the cheapest candidates meeting the proxy that the gate measures
 MAX_PPL_DELTA = 0.01  # perplexity of the plan / of the unmodified model - 1, at most
@@ -106,47 +110,45 @@ def _said_once(logger: logging.Logger) -> Iterator[None]:
         logger.removeFilter(once)
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**20 if sys.platform == "darwin" else 2**10)
-
-
-def run_gate(model: str, candidates: list[Candidate], settings: GateSettings = GateSettings(), *,
-             dtype: str = "auto", progress: bool = True) -> dict:
-    """Measure every candidate (cheapest first) on the first `settings.tokens` tokens of `settings.text` against the
-    unmodified model; returns the gate's JSON: `candidates` (predicted_ms, ppl_delta, top1, kl, passed, ...),
-    `chosen` (the cheapest passing one, with its `index`; None when none passes) and what the gate cost."""
+def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[Candidate],
+             settings: GateSettings = GateSettings(), *, dtype: str = "auto", progress: bool = True) -> dict:
+    """Measure the candidates in order, `settings.candidates` at a time (a round), on the first `settings.tokens`
+    tokens of `settings.text` against the unmodified model, until a round holds one within the limits; `model` is
+    a name or a loaded (model, tokenizer). Returns the gate's JSON: `candidates` (every one measured: predicted_ms,
+    ppl_delta, top1, kl, passed, ...), `chosen` (the first passing one, with its `index`; None when none passes),
+    `rounds` and what the gate cost."""
     t0 = time.perf_counter()
-    loaded, tokenizer = load_model(model, dtype)
+    loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model
     limits, text = settings.limits, settings.text
     ids = encode_text(tokenizer, text, settings.tokens)
     check_token_ids(loaded, ids)
-    chunk = max(c.plan.chunk_tokens for c in candidates)
-    if ids.numel() < chunk:  # no full chunk: every candidate would run exactly and pass as the unmodified model
-        raise NpumoeError(f"the fidelity gate has {ids.numel()} tokens of {text}, less than one chunk of the "
-                          f"candidates' ({chunk} tokens): it would run none of their static groups; give "
-                          f"--gate-tokens {chunk} or more")
     sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
-    with _said_once(logging.getLogger("npumoe")):
-        executors = [PlanExecutor(loaded, c.plan, sim) for c in candidates]
-    with _silenced(logging.getLogger("npumoe.drift")):
-        figures = compare_plans(executors, ids, PROMPT_TOKENS, progress)
-    rows = []
-    for i, (c, ex, f) in enumerate(zip(candidates, executors, figures)):
-        total = ex.stats.total()
-        rows.append({"index": i, "predicted_ms": c.predicted_ms, "ppl_delta": f["ppl_delta_rel"],
-                     "top1": f["top1_agreement"], "kl": f["kl_mean"],
-                     "passed": limits.passes(f["ppl_delta_rel"], f["top1_agreement"]),
-                     "drop_rate": total.dropped / max(1, total.assignments),
-                     "calls_per_backend": dict(total.calls_per_backend), **_summary(c.plan)})
+    rows, tokens, rounds, pending = [], 0, 0, iter(candidates)
+    with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")):
+        while not any(r["passed"] for r in rows) and (batch := list(islice(pending, settings.candidates))):
+            rounds += 1
+            chunk = max(c.plan.chunk_tokens for c in batch)
+            if ids.numel() < chunk:  # no full chunk: every candidate would run exactly, passing as the model
+                raise NpumoeError(f"the fidelity gate has {ids.numel()} tokens of {text}, less than one chunk of "
+                                  f"the candidates' ({chunk} tokens): it would run none of their static groups; "
+                                  f"give --gate-tokens {chunk} or more")
+            executors = [PlanExecutor(loaded, c.plan, sim) for c in batch]
+            for c, ex, f in zip(batch, executors, compare_plans(executors, ids, PROMPT_TOKENS, progress)):
+                total, tokens = ex.stats.total(), f["tokens"]
+                rows.append({"index": len(rows), "predicted_ms": c.predicted_ms, "ppl_delta": f["ppl_delta_rel"],
+                             "top1": f["top1_agreement"], "kl": f["kl_mean"],
+                             "passed": limits.passes(f["ppl_delta_rel"], f["top1_agreement"]),
+                             "drop_rate": total.dropped / max(1, total.assignments),
+                             "calls_per_backend": dict(total.calls_per_backend), **_summary(c.plan)})
+    if not rows:
+        raise NpumoeError("the fidelity gate has no candidate to measure")
     chosen = next((r for r in rows if r["passed"]), None)
-    return {"label": f"measured: {figures[0]['tokens'] if figures else 0} tokens of {text}, ane groups on ane-sim, "
+    return {"label": f"measured: {tokens} tokens of {text}, ane groups on ane-sim, "
                      "against the unmodified model; predicted_ms by the cost model",
-            "text": text, "tokens": figures[0]["tokens"] if figures else 0,
+            "text": text, "tokens": tokens,
             "limits": {"max_ppl_delta": limits.max_ppl_delta, "min_top1": limits.min_top1},
-            "candidates": rows, "chosen": chosen, "seconds": round(time.perf_counter() - t0, 2),
-            "peak_rss_mb": round(_peak_rss_mb(), 1)}
+            "candidates": rows, "chosen": chosen, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
 def refusal(gate: dict) -> NpumoeError:

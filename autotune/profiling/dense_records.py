@@ -2,7 +2,7 @@
 attention projections, router and lm_head shapes), the attention core (sdpa with a mask, k/v repeated to the query
 heads as transformers does) at several (rows, context) points, and one layer's elementwise work per token (two RMS
 norms, rope on q and k, two residual adds). Records `dense_matmul`, `attention` and `elementwise`, fitted by
-`autotune.costing.dense.fit_dense`."""
+`autotune.costing.dense_prices.fit_dense`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

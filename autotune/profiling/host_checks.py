@@ -199,7 +199,7 @@ def check_placement(probe: Probe) -> str:
     if macos_version() < (14, 4):
         raise Skip("MLComputePlan needs macOS 14.4+")
     _ane_fn(probe)
-    off = ops_not_on_ane(probe.backend._plan(), function_name(probe.group.layer, probe.group.index))
+    off = ops_not_on_ane(probe.backend.compute_plan(), function_name(probe.group.layer, probe.group.index))
     if off:
         raise Failed(f"{len(off)} op(s) not placed on the Neural Engine: "
                      + ", ".join(f"{op} on {dev}" for op, dev in off[:8]))

@@ -1,1 +1,2 @@
-"""searching: see docs/architecture.md."""
+"""The search: its config, the model it is for, the per-layer decision space and its scorers, the optimizer,
+robustness, the fidelity gate's candidates, study storage, the report and explanations, plan templates."""

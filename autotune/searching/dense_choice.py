@@ -1,6 +1,6 @@
 """The search's dense decisions: at one chunk size, which dense functions run on the static backend (q/k/v, o_proj,
 the shared expert or dense MLP) and which attention context buckets get a static function, for the least weighted
-cost of the whole prefill (`autotune.costing.prefill`). The dense steps run in sequence with the experts, so their
+cost of the whole prefill (`autotune.costing.whole_prefill`). The dense steps run in sequence with the experts, so their
 cost adds to the experts' and each function is decided on its own: against the CPU, with the others as chosen."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autotune.costing.costmodel import CostModel
-from autotune.costing.prefill import (
+from autotune.costing.whole_prefill import (
     DecoderShape,
     DensePlacement,
     ExpertFigures,

@@ -1,8 +1,8 @@
 """The whole prefill in the search's report: the plan (its experts and dense functions) and the paper's baselines,
-whole-model, each predicted over one prompt by `autotune.costing.prefill`, and the plan's ratio against each."""
+whole-model, each predicted over one prompt by `autotune.costing.whole_prefill`, and the plan's ratio against each."""
 from __future__ import annotations
 
-from autotune.costing.prefill import (
+from autotune.costing.whole_prefill import (
     DecoderShape,
     DensePlacement,
     ExpertFigures,

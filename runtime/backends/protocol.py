@@ -20,7 +20,7 @@ class GroupSpec:
     index: int  # group index within the layer
     experts: tuple[int, ...]
     capacities: tuple[int, ...]
-    module: torch.nn.Module  # the transformers experts module (fused gate_up_proj / down_proj, _apply_gate)
+    module: torch.nn.Module  # the transformers experts module (fused gate_up_proj / down_proj, act_fn)
     compress: str = "none"  # how the group stores its weights on the ANE (the plan's `compress`; runtime.plan)
 
 
@@ -46,7 +46,15 @@ class StaticBackend(Protocol):
         ...
 
 
+def gated_activation(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up over the fused gate_up projection's output `[..., 2F]`: the gate transformers' experts
+    implementations apply in every family the runtime runs (Qwen3Moe, Qwen2Moe, Mixtral, Olmoe, Phimoe; none
+    overrides transformers' default; tests/test_backends.py checks it against transformers)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
     """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
-    h = module._apply_gate(F.linear(x, module.gate_up_proj[expert]))
+    h = gated_activation(module, F.linear(x, module.gate_up_proj[expert]))
     return F.linear(h, module.down_proj[expert])

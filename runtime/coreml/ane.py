@@ -219,7 +219,7 @@ class AneBackend:
         if macos_version() < (14, 4):
             return
         try:
-            off = ops_not_on_ane(self._plan(package), name)
+            off = ops_not_on_ane(self.compute_plan(package), name)
         except Exception as e:  # the placement check is advice; never fail a run on it
             log.warning("could not read MLComputePlan for %s: %s", name, e)
             return
@@ -227,7 +227,9 @@ class AneBackend:
             shown = ", ".join(f"{op} on {dev}" for op, dev in off[:5])
             log.warning("function %s: %d op(s) not placed on the Neural Engine: %s", name, len(off), shown)
 
-    def _plan(self, package: str | None = None):
+    def compute_plan(self, package: str | None = None):
+        """The loaded package's MLComputePlan (where Core ML places each op; macOS 14.4+), read once per package
+        (default: the first loaded): what the runtime's placement warning and `autotune doctor` read."""
         import coremltools as ct
         from coremltools.models.compute_plan import MLComputePlan
 

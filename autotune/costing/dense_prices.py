@@ -8,7 +8,7 @@ profile's `dense_matmul`, `attention` and `elementwise` records where `profile-d
 where it did not (the published profile, or a profile made before these records), the op is priced with the
 backend's fitted matmul throughput (`BackendModel`) and says so (`DenseFit.source`: "derived"). A static
 function's call cost (dispatch + sync) is the backend's `call_ms`, added once per function by the prefill
-composition (`autotune.costing.prefill`).
+composition (`autotune.costing.whole_prefill`).
 """
 from __future__ import annotations
 

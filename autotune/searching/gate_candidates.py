@@ -1,0 +1,83 @@
+"""The plans the fidelity gate measures, in the order it measures them, so that it never leaves a user without
+a plan: the search's pick and `optimizer.ranked_solutions` by predicted cost (each compressed one followed by itself
+uncompressed), a round of them at a time followed by the same plans tightened (drops turned to spills, then
+compression off), and last, within at most ROUNDS rounds, the all-CPU plan, which runs what the model runs and so
+passes by construction."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from autotune.evaluation.gate import Candidate
+from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, solution, solution_plan
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig
+from runtime.plan import ModelSpec
+
+ROUNDS = 4  # rounds of --gate-candidates the gate measures at most; the last ends on the all-CPU plan
+
+
+def _key(sol: Solution) -> tuple:
+    return sol.chunk_tokens, sol.exact_partial, tuple(sol.configs)
+
+
+def _variant(sol: Solution, outcome: SearchOutcome, scorer: Scorer, residents_only: bool = False,
+             **change) -> Solution | None:
+    """`sol` with `change` in every layer's decision (or only where experts are resident; None when that changes
+    nothing)."""
+    configs = [dataclasses.replace(c, **change) if c.resident or not residents_only else c for c in sol.configs]
+    if configs == sol.configs:
+        return None
+    return solution(configs, outcome.chunks[sol.chunk_tokens].layers, scorer, sol.exact_partial)
+
+
+def all_cpu(outcome: SearchOutcome, scorer: Scorer, chunk_tokens: int) -> Solution:
+    """Every expert on the exact CPU path: the unmodified model's computation."""
+    layers = outcome.chunks[chunk_tokens].layers
+    return solution([LayerConfig(0) for _ in layers], layers, scorer, exact_partial=True)
+
+
+def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_round: int,
+               rounds: int = ROUNDS) -> list[Solution]:
+    """The candidates in the gate's order, each once, at most `rounds` rounds of `per_round`: the search's
+    candidates `per_round` at a time, each batch followed by itself tightened (drops turned to spills, then
+    uncompressed), and last the all-CPU plan. Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
+    would run exactly there, unmeasured)."""
+    primary: list[Solution] = []
+    for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
+        primary += [s for s in (sol, _variant(sol, outcome, scorer, compress="none")) if s is not None]
+    primary = _distinct(s for s in primary if s.chunk_tokens <= gate_tokens)
+    ordered: list[Solution] = []
+    for i in range(0, len(primary), per_round):
+        batch = primary[i:i + per_round]
+        ordered += batch
+        for sol in batch:
+            spill = _variant(sol, outcome, scorer, True, overflow="spill")
+            ordered += [s for s in (spill, _variant(spill or sol, outcome, scorer, compress="none")) if s is not None]
+    fits = [c for c in outcome.chunks if c <= gate_tokens]
+    if not fits:
+        return []
+    exact = all_cpu(outcome, scorer, outcome.best.chunk_tokens if outcome.best.chunk_tokens in fits else min(fits))
+    ordered = _distinct(ordered)[:per_round * rounds]
+    if _key(exact) in {_key(s) for s in ordered}:  # the search's own candidates hold it
+        return ordered
+    return ordered[:per_round * rounds - 1] + [exact]
+
+
+def _distinct(sols) -> list[Solution]:
+    out, seen = [], set()
+    for s in sols:
+        if _key(s) not in seen:
+            seen.add(_key(s))
+            out.append(s)
+    return out
+
+
+def gate_candidates(sols: list[Solution], outcome: SearchOutcome, scorer: Scorer, spec: ModelSpec,
+                    saliency: str) -> Iterator[Candidate]:
+    """Each solution as the plan the gate runs, with its predicted latency per chunk (made as the gate reaches
+    it)."""
+    for sol in sols:
+        layers = outcome.chunks[sol.chunk_tokens].layers
+        yield Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency),
+                        sol.latency_ms / layers[0].calib_chunks)
