@@ -238,12 +238,14 @@ def _check_dense(plan: Plan) -> tuple[str, str] | None:
     if plan.dense is None:
         return None
     buckets = plan.dense.attention_context_buckets
+    users = [dl.layer for dl in plan.dense.layers if dl.attention is not None]
+    user = f": the attention core of layer {users[0]} has no such shape" if users else ""
     for i, b in enumerate(buckets):
         where = f"dense.attention_context_buckets[{i}]"
         if b % plan.chunk_tokens:
-            return where, f"{b} is not a multiple of chunk_tokens ({plan.chunk_tokens})"
+            return where, f"{b} is not a multiple of chunk_tokens ({plan.chunk_tokens}){user}"
         if i and b <= buckets[i - 1]:
-            return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend"
+            return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend{user}"
     seen: set[int] = set()
     for i, dl in enumerate(plan.dense.layers):
         where = f"dense.layers[{i}]"
