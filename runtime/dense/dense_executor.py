@@ -19,9 +19,10 @@ import torch
 
 from runtime.backends import DenseFn, DenseSpec, StaticBackend, registry
 from runtime.dense.attention import EXACT, IMPLEMENTATION, AttentionCore
-from runtime.dense.families import attention_modules, mlp_modules
+from runtime.dense.families import mlp_modules
+from runtime.dense.specs import attention_spec, layer_specs
 from runtime.errors import NpumoeError
-from runtime.plan import DenseFunction, Plan
+from runtime.plan import DenseFunction, DenseLayer, Plan
 
 log = logging.getLogger("npumoe")
 
@@ -212,42 +213,28 @@ class DenseExecutor:
         return RowFunction(backend.prepare_dense(spec), spec.rows, self.plan.exact_below, backend.name, spec.kind,
                            self.calls)
 
-    def _prepare_layer(self, dl) -> None:
-        chunk, index = self.plan.chunk_tokens, dl.layer
-        modules, form = attention_modules(self.model, index)
-        if dl.qkv is not None:
-            splits = tuple(modules[r].out_features for r in ("q", "k", "v"))
-            spec = DenseSpec("qkv", index, chunk, {r: m for r, m in modules.items() if r != "o"}, form, splits,
-                             dl.qkv.compression)
-            self.fused.append(FusedQKV(spec.modules, self._row_function(spec, dl.qkv), splits))
-        if dl.o_proj is not None:
-            spec = DenseSpec("o_proj", index, chunk, {"o": modules["o"]}, form, (modules["o"].out_features,),
-                             dl.o_proj.compression)
-            self.fused.append((modules["o"], self._row_function(spec, dl.o_proj)))
-        if dl.mlp is not None:
-            mlp, mlp_form = mlp_modules(self.model, index)
-            hidden = self.model.config.hidden_size
-            splits = (hidden, 1) if mlp_form.shared_gate else (hidden,)
-            spec = DenseSpec("mlp", index, chunk, mlp, mlp_form, splits, dl.mlp.compression)
-            fn = self._row_function(spec, dl.mlp)
-            self.fused.append(FusedSharedExpert(mlp["mlp"], mlp["gate"], fn, hidden) if mlp_form.shared_gate
-                              else (mlp["mlp"], fn))
+    def _prepare_layer(self, dl: DenseLayer) -> None:
+        for spec, placed in layer_specs(self.model, self.plan, dl):
+            fn = self._row_function(spec, placed)
+            if spec.kind == "qkv":
+                self.fused.append(FusedQKV(dict(spec.modules), fn, spec.splits))
+            elif spec.form.shared_gate:
+                self.fused.append(FusedSharedExpert(spec.modules["mlp"], spec.modules["gate"], fn, spec.splits[0]))
+            else:
+                self.fused.append((spec.modules["o" if spec.kind == "o_proj" else "mlp"], fn))
         if dl.attention is not None:
-            self.cores[index] = self._attention_core(dl.attention, index)
+            self.cores[dl.layer] = self._attention_core(dl.attention, dl.layer)
 
     def _attention_core(self, name: str, index: int) -> AttentionCore:
-        attn, cfg = self.model.model.layers[index].self_attn, self.model.config
         backend = self._backend(name)
         fns = {}
         for bucket in self.plan.dense.attention_context_buckets:
             key = (backend.name, bucket)
             if key not in self._attention_fns:
-                spec = DenseSpec("attention", -1, self.plan.chunk_tokens, keys=bucket,
-                                 heads=int(cfg.num_attention_heads), kv_heads=int(cfg.num_key_value_heads),
-                                 scaling=float(attn.scaling))
-                self._attention_fns[key] = backend.prepare_dense(spec)
+                self._attention_fns[key] = backend.prepare_dense(attention_spec(self.model, self.plan, index, bucket))
             fns[bucket] = self._attention_fns[key]
-        return AttentionCore(self.plan.chunk_tokens, fns, backend.name, float(attn.scaling), self.calls)
+        scaling = float(self.model.model.layers[index].self_attn.scaling)
+        return AttentionCore(self.plan.chunk_tokens, fns, backend.name, scaling, self.calls)
 
     @property
     def attention_functions(self) -> int:
