@@ -139,6 +139,12 @@ class DensePlan(_Strict):
     attention_context_buckets: list[PositiveInt]  # ascending, each a multiple of chunk_tokens
     layers: list[DenseLayer]  # at most one per decoder layer
 
+    @property
+    def backends(self) -> set[str]:
+        """Every backend a dense function of the plan names."""
+        return {name for dl in self.layers for name in (dl.attention, *(f.backend for f in (dl.qkv, dl.o_proj, dl.mlp)
+                                                                          if f is not None)) if name is not None}
+
 
 class Plan(_Strict):
     schema_: Literal["npumoe.plan/1"] = Field(SCHEMA, alias="schema")

@@ -16,6 +16,8 @@ from runtime.backends.protocol import (
     GroupFn,
     GroupSpec,
     StaticBackend,
+    attention_reference,
+    dense_reference,
     expert_ffn,
 )
 from runtime.backends.registry import (
@@ -30,4 +32,4 @@ from runtime.backends.registry import (
 
 __all__ = ["CPU_ENERGY", "DENSE_KINDS", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
            "CpuStaticBackend", "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",
-           "StaticBackend", "expert_ffn", "registry", "run_exact"]
+           "StaticBackend", "attention_reference", "dense_reference", "expert_ffn", "registry", "run_exact"]

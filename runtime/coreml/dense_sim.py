@@ -1,13 +1,14 @@
 """What a dense function computes on the ANE, on any host (ane-sim's `prepare_dense`): fp16 inputs, weights and
 outputs, fp32 inside an op and fp16 between ops, as for expert groups (runtime/coreml/ane_sim.py).
 
-The ops, in order:
-- input norm: RMSNorm `x * rsqrt(mean(x^2) + eps)`, then the weight (two ops); LayerNorm one op (Phimoe);
+The ops, in order, as the builder emits them (runtime/coreml/dense_programs.py):
+- input norm: RMSNorm as LayerNorm of `[x, -x]` (ANEMLL's form), its first half, then the weight; LayerNorm one op
+  (Phimoe);
 - each projection one `linear` (bias included where the model has one); q/k norms as the input norm, per head or
   over the projection; the outputs concatenated;
 - MLP: gate, up (linear each), silu, product, down; a shared expert's gate logit one linear `[H -> 1]`;
-- attention core: q scaled first (so fp16 scores stay in range, as ANEMLL and ml-ane-transformers do), q k^T,
-  the mask added (masked keys at fp16's lowest), softmax, times v.
+- attention core: q scaled first (so fp16 scores stay in range), q k^T, the mask added (masked keys at -1e4),
+  softmax, times v.
 Compressed weights (`int8`, `palettize4`) are decompressed through coremltools' own pass, configured as the build
 configures it, on a one-op program of that matrix (cached on disk like the experts' weights).
 """
@@ -25,7 +26,7 @@ from runtime.backends import DenseFn, DenseSpec
 from runtime.fileio import atomic_write_bytes, cache_root
 
 SIM_VERSION = 1
-MASKED = float(torch.finfo(torch.float16).min)  # the additive mask of a key that may not be attended to
+MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
 
 
 def r16(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,12 @@ def _norm(module: torch.nn.Module, kind: str):
         b = r16(module.bias.detach().float())
         return lambda x: r16(F.layer_norm(x, x.shape[-1:], w, b, module.eps))
     eps = module.variance_epsilon
-    return lambda x: r16(r16(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w)
+
+    def rms(x: torch.Tensor) -> torch.Tensor:  # ANEMLL's form: LayerNorm of [x, -x], the first half, the weight
+        doubled = torch.cat([x, -x], dim=-1)
+        return r16(r16(F.layer_norm(doubled, doubled.shape[-1:], eps=eps))[..., :x.shape[-1]] * w)
+
+    return rms
 
 
 def attention_fp16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
