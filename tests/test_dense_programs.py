@@ -13,6 +13,7 @@ from autotune.searching.templates import template_plan
 from runtime.coreml.converter import quiet_coremltools_import
 from runtime.coreml.dense_programs import (
     OUTPUT,
+    PROBE_ATTENTION,
     check_dense_function,
     dense_program,
     dense_weights,
@@ -61,6 +62,13 @@ def test_attention_cores_are_weight_free_and_one_per_bucket():
     assert [s.keys for s in cores] == [32, 64, 96, 128] and all(s.layer == -1 for s in cores)
     assert all(dense_weights(s) == {} for s in cores)
     assert len({s.name for s in specs}) == len(specs)
+
+
+def test_the_doctors_attention_core_builds_lints_and_checks_on_the_host():
+    """`autotune doctor` predicts this function on the ANE (macOS); here its program is linted and evaluated."""
+    prog = dense_program(PROBE_ATTENTION, {})
+    assert lint_program(prog) == []
+    assert check_dense_function(prog.functions["main"], PROBE_ATTENTION).max_rel_error < 2e-3
 
 
 def test_the_lint_refuses_a_five_axis_tensor():
