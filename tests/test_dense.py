@@ -198,3 +198,22 @@ def test_tiny_moe_on_cpu_static_matches_the_reference(tmp_path, capsys):
     r = _cli_json(capsys, ["run", "--model", "tiny-moe", "--plan", plan, "--dtype", "float32", "--reference",
                            "--max-tokens", "2048", "--json"])
     assert r["tokens"] == 2048 and r["max_rel_diff_vs_reference"] <= 1e-5, r
+
+
+class GroupsOnly:
+    """A backend named ane that runs expert groups only (as the Core ML backend does today)."""
+    name, overlaps_cpu = "ane", True
+
+    def available(self):
+        return True, "here"
+
+    def prepare(self, group):
+        return CpuStaticBackend().prepare(group)
+
+
+def test_dense_functions_of_a_backend_without_them_run_down_its_fallbacks(caplog):
+    from runtime.dense.dense_executor import dense_backend
+
+    with caplog.at_level("WARNING", logger="npumoe"):
+        backend = dense_backend("ane", {"ane": GroupsOnly()}, None)
+    assert backend.name == "ane-sim" and "does not run dense functions" in caplog.text

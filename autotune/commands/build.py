@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
           f"{', '.join(f'{k} x{n}' for k, n in s['compress_counts'].items())}, {s['build_seconds']:.1f} s "
           f"({s['build_mb_per_s']:.1f} MB/s of fp16 weights; convert {s['build_seconds_by_stage']['convert']} s, "
           f"merge {s['build_seconds_by_stage']['merge']} s, host check {s['build_seconds_by_stage']['verify']} s)")
-    print(f"packages {s['package_bytes']:,} bytes = {s['size_ratio']:.3f} x the unique expert weights in fp16 "
+    print(f"packages {s['package_bytes']:,} bytes = {s['size_ratio']:.3f} x the unique weights in fp16 "
           f"({s['unique_weight_bytes']:,} bytes); largest function {s['largest_function_weight_bytes']:,} weight "
           f"bytes (limit {s['function_weight_limit_bytes']:,}); lint passed")
     print(f"host evaluation of every function vs cpu-static: max relative error {s['max_rel_error']:.2e} "

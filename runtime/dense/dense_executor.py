@@ -157,10 +157,11 @@ def _replaced(module: torch.nn.Module, fn: RowFunction):
 def dense_backend(name: str, given: dict[str, StaticBackend] | None, options: dict | None) -> StaticBackend:
     """The backend to run `name`'s dense functions on: the first one down its fallbacks that can (`prepare_dense`)."""
     for candidate in registry.fallbacks(name):
-        backend = registry.resolve(candidate, given, options)
+        backend = registry.resolve(candidate, given, options)  # says so itself where `candidate` falls back
         if hasattr(backend, "prepare_dense"):
-            if backend.name != name:
-                log.warning("plan names backend %r for dense functions; %s runs them", name, backend.name)
+            if candidate != name:
+                log.warning("backend %r does not run dense functions yet: %s runs the plan's dense functions on it",
+                            name, backend.name)
             return backend
     raise NpumoeError(f"no backend down {name!r}'s fallbacks runs dense functions")
 
