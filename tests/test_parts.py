@@ -39,3 +39,18 @@ def test_a_slow_part_is_counted_where_it_runs():
     with measured_parts(model) as again:
         prefill_logits(model, IDS, 32)
     assert again.parts_ms()["attention_projections"] < 3 * 20  # the hooks were removed, nothing carried over
+
+
+def test_parts_under_a_dense_plan_count_the_fused_functions_as_projections():
+    from autotune.searching.templates import template_plan
+    from runtime.executor import PlanExecutor
+    from runtime.loading.model_loader import model_spec
+
+    model, _ = random_model("random:olmoe")
+    plan = template_plan(model_spec(model), "ample", "drop", "cpu-static", chunk_tokens=32, dense="cpu-static",
+                         context_tokens=96)
+    with PlanExecutor(model, plan), measured_parts(model) as times:
+        prefill_logits(model, IDS, 32)
+    parts = times.parts_ms()
+    assert all(parts[p] > 0 for p in ("attention_projections", "attention_core", "experts", "lm_head")), parts
+    assert parts["dense_mlp"] == 0 and abs(sum(parts.values()) - times.total_ms()) < 1e-2
