@@ -217,3 +217,35 @@ def test_dense_functions_of_a_backend_without_them_run_down_its_fallbacks(caplog
     with caplog.at_level("WARNING", logger="npumoe"):
         backend = dense_backend("ane", {"ane": GroupsOnly()}, None)
     assert backend.name == "ane-sim" and "does not run dense functions" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["Qwen3MoeConfig", "PhimoeConfig", "OlmoeConfig"])
+def test_attention_biases_run_in_the_functions_and_their_programs(family):
+    """Phi-3.5-MoE has q/k/v/o biases (attention_bias); so may Qwen3Moe and Olmoe."""
+    from runtime.coreml.dense_programs import check_dense_function, dense_program, dense_weights
+    from runtime.dense.specs import backend_specs
+
+    experts = {"PhimoeConfig": dict(num_local_experts=8, input_jitter_noise=0.0, router_jitter_noise=0.0),
+               "Qwen3MoeConfig": dict(num_experts=8, moe_intermediate_size=48, mlp_only_layers=[]),
+               "OlmoeConfig": dict(num_experts=8)}[family]
+    config = getattr(transformers, family)(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_experts_per_tok=2, intermediate_size=48, attention_bias=True,
+                                           max_position_embeddings=512, **experts)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.5)  # biases and norm weights away from their zero / one init
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.o_proj.bias is not None
+    got, ref, _ = _run(model, _dense_plan(model, "cpu-static"))
+    assert max_rel_diff(got, ref) <= 1e-5
+    got16, _, _ = _run(model, _dense_plan(model, "ane-sim"))
+    assert 1e-6 < max_rel_diff(got16, ref) < 3e-3
+    for spec in backend_specs(model, _dense_plan(model, "ane"), "ane"):
+        if spec.kind != "attention":
+            assert any(k.endswith("_b") for k in dense_weights(spec)), spec.name
+            prog = dense_program(spec, dense_weights(spec))
+            assert check_dense_function(prog.functions["main"], spec).max_rel_error < 2e-3, spec.name
