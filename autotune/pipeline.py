@@ -505,8 +505,9 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     # A safetensors checkpoint is never loaded whole: each function's experts are read when it is converted and
     # checked (build memory is one function, not the model). Other models (random:) are loaded.
     source = CheckpointExperts.open(model, dtype)
+    dense_on_ane = loaded_plan.dense is not None and "ane" in loaded_plan.dense.backends  # needs the dense modules
+    loaded = load_model(model, dtype)[0] if source is None or dense_on_ane else None
     if source is None:
-        loaded, _ = load_model(model, dtype)
         spec = model_spec(loaded)
         source = ModuleExperts({layer.index: layer.experts for layer in moe_layers(loaded)})
     else:
@@ -515,7 +516,8 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     with _private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
         return build_package(source, loaded_plan, out, layout, compress, cache_dir, _progress_factory(progress),
                              function_weight_bytes=function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
-                             package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES)
+                             package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES,
+                             dense_model=loaded if dense_on_ane else None)
 
 
 def _progress_factory(enabled: bool):

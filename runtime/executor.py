@@ -20,6 +20,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
 from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry, run_exact
+from runtime.dense import DenseExecutor
 from runtime.drift import DriftMonitor
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import LayerPlan, Plan, check_plan_matches
@@ -178,6 +179,8 @@ class PlanExecutor:
         self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
                                               self.backends) for l in moe_layers(model)}
+        # The plan's dense functions (Plan.dense), installed and uninstalled with the experts: runtime/dense.
+        self.dense = DenseExecutor(model, plan, backends, options) if plan.dense is not None else None
         self.drift = DriftMonitor(plan)
         for index in self.layers:
             self.stats.layer(index).watcher = partial(self.drift.observe, index)
@@ -238,9 +241,13 @@ class PlanExecutor:
         self._previous = self.model.config._experts_implementation
         self.model.set_experts_implementation(IMPLEMENTATION)
         self._hook = self.model.register_forward_pre_hook(self._classify_forward, with_kwargs=True)
+        if self.dense is not None:
+            self.dense.install()
         return self
 
     def uninstall(self) -> None:
+        if self.dense is not None:
+            self.dense.uninstall()
         self.model.set_experts_implementation(self._previous or "grouped_mm")
         for layer in moe_layers(self.model):
             layer.experts._npumoe_executor = None

@@ -1,8 +1,9 @@
 """The plan file `npumoe.plan/1`: the contract between the tuner and the runtime.
 
 A plan says, per MoE layer, which experts run as static groups (on a registered static backend, each expert with
-a fixed token capacity) and which run exactly on the CPU. Loading validates everything and raises one
-`FileFormatError` that names the field.
+a fixed token capacity) and which run exactly on the CPU; optionally (`dense`), which dense functions of which decoder
+layers (attention projections, the attention core, the dense MLP or shared expert) run on a static backend. Loading
+validates everything and raises one `FileFormatError` that names the field.
 """
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ class ModelSpec(_Strict):
         return self.model_dump(mode="json")
 
 
+def _registered_backend(name: str | None) -> str | None:
+    """A static backend of the registry (runtime.backends), plugins included: what a group or dense function names."""
+    names = registry.plannable()
+    if name is not None and name not in names:
+        raise ValueError(f"unknown backend {name!r}; registered static backends: {', '.join(names)}")
+    return name
+
+
 class Group(_Strict):
     """Experts fused into one static graph: expert i gets a slice of `capacities[i]` token rows."""
     backend: StrictStr  # a static backend of the registry (runtime.backends), plugins included
@@ -63,13 +72,7 @@ class Group(_Strict):
     tier: list[NonNegInt] | None = None  # optional tier label per expert, for reports
     compress: Literal[COMPRESSIONS] | None = None  # optional; absent means "none" (fp16 weights)
 
-    @field_validator("backend")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        names = registry.plannable()
-        if name not in names:
-            raise ValueError(f"unknown backend {name!r}; registered static backends: {', '.join(names)}")
-        return name
+    _registered = field_validator("backend")(_registered_backend)
 
     @property
     def compression(self) -> str:
@@ -106,6 +109,43 @@ class LayerPlan(_Strict):
     calibration: LayerCalibration | None = None
 
 
+class DenseFunction(_Strict):
+    """One dense static function of a decoder layer (weights of that layer) on a static backend."""
+    backend: StrictStr
+    compress: Literal[COMPRESSIONS] | None = None  # optional; absent means "none" (fp16 weights)
+
+    _registered = field_validator("backend")(_registered_backend)
+
+    @property
+    def compression(self) -> str:
+        return self.compress or "none"
+
+
+class DenseLayer(_Strict):
+    """Which dense functions of one decoder layer run on a static backend; an absent one runs on the CPU in torch."""
+    layer: NonNegInt  # any decoder layer (MoE or dense-MLP)
+    qkv: DenseFunction | None = None  # input norm + q/k/v projections (+ q/k norms and biases as the family has)
+    o_proj: DenseFunction | None = None
+    attention: StrictStr | None = None  # the attention core's backend (weight-free: one function per shape)
+    mlp: DenseFunction | None = None  # a non-MoE layer's dense MLP, or an MoE layer's shared expert and its gate
+
+    _registered = field_validator("attention")(_registered_backend)
+
+
+class DensePlan(_Strict):
+    """The dense static functions. A full chunk whose context (tokens before it and its own) is at most a bucket
+    runs the attention core of the smallest such bucket (keys padded and masked); past the last bucket, a partial
+    chunk or a decode step runs it on the CPU, exactly."""
+    attention_context_buckets: list[PositiveInt]  # ascending, each a multiple of chunk_tokens
+    layers: list[DenseLayer]  # at most one per decoder layer
+
+    @property
+    def backends(self) -> set[str]:
+        """Every backend a dense function of the plan names."""
+        return {name for dl in self.layers for name in (dl.attention, *(f.backend for f in (dl.qkv, dl.o_proj, dl.mlp)
+                                                                          if f is not None)) if name is not None}
+
+
 class Plan(_Strict):
     schema_: Literal["npumoe.plan/1"] = Field(SCHEMA, alias="schema")
     model: ModelSpec
@@ -114,6 +154,7 @@ class Plan(_Strict):
     saliency: Literal[SALIENCY_RULES]
     layers: list[LayerPlan] = Field(min_length=1)
     exact_below_tokens: Annotated[StrictInt, Field(ge=DEFAULT_EXACT_BELOW_TOKENS)] | None = None
+    dense: DensePlan | None = None  # absent: every dense op on the CPU in torch
     predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
 
@@ -195,6 +236,30 @@ def _check_layers(plan: Plan) -> tuple[str, str] | None:
     absent = sorted(set(plan.model.moe_layers) - seen_layers)
     if absent:
         return "layers", f"MoE layers {absent} have no entry"
+    return _check_dense(plan)
+
+
+def _check_dense(plan: Plan) -> tuple[str, str] | None:
+    """The dense placement's rules that need the plan alone (fit to the loaded model is checked when applied)."""
+    if plan.dense is None:
+        return None
+    buckets = plan.dense.attention_context_buckets
+    users = [dl.layer for dl in plan.dense.layers if dl.attention is not None]
+    user = f": the attention core of layer {users[0]} has no such shape" if users else ""
+    for i, b in enumerate(buckets):
+        where = f"dense.attention_context_buckets[{i}]"
+        if b % plan.chunk_tokens:
+            return where, f"{b} is not a multiple of chunk_tokens ({plan.chunk_tokens}){user}"
+        if i and b <= buckets[i - 1]:
+            return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend{user}"
+    seen: set[int] = set()
+    for i, dl in enumerate(plan.dense.layers):
+        where = f"dense.layers[{i}]"
+        if dl.layer >= plan.model.num_layers:
+            return f"{where}.layer", f"{dl.layer} is not a decoder layer (model.num_layers is {plan.model.num_layers})"
+        if dl.layer in seen:
+            return f"{where}.layer", f"layer {dl.layer} appears twice"
+        seen.add(dl.layer)
     return None
 
 

@@ -9,7 +9,7 @@ from autotune.cli import main
 from autotune.profiling import host_checks as doctor
 
 MACOS_CHECKS = {"chip", "macos_version", "ane", "placement", "ane_parity", "predict_overhead", "matmul_throughput",
-                "energy"}
+                "energy", "attention_core"}
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS answer")
@@ -57,5 +57,6 @@ def test_a_crashing_check_is_a_failure_with_exit_1(monkeypatch, capsys):
 @pytest.mark.skipif(sys.platform != "darwin", reason="the ANE path needs macOS")
 def test_macos_doctor_passes_the_ane_path():
     checks = {c.name: c for c in doctor.run_checks()}
-    for name in ("macos_version", "ane", "coreml_build", "ane_parity", "predict_overhead", "matmul_throughput"):
+    for name in ("macos_version", "ane", "coreml_build", "ane_parity", "predict_overhead", "matmul_throughput",
+                 "attention_core"):
         assert checks[name].status == "pass", checks[name]

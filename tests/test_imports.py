@@ -78,6 +78,7 @@ def test_the_import_graph_is_found():
     graph = _graph()
     assert "autotune.costing.costmodel" in graph["autotune.profiling.profile"]
     assert "runtime.plan" in graph["runtime.executor"]
+    assert "runtime.dense" in graph["runtime.executor"]
 
 
 def test_no_import_cycle():

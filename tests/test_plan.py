@@ -84,6 +84,38 @@ def test_calibration_fields_are_optional_and_checked(good):
         assert e.value.field == field, str(e.value)
 
 
+DENSE = {"attention_context_buckets": [64, 128], "layers": [
+    {"layer": 0, "qkv": {"backend": "ane-sim"}, "o_proj": {"backend": "cpu-static", "compress": "int8"},
+     "attention": "ane-sim", "mlp": {"backend": "ane-sim"}}, {"layer": 3, "attention": "cpu-static"}]}
+BAD_DENSE = [  # (path under dense, value, field named in the error)
+    (["attention_context_buckets", 1], 96, "dense.attention_context_buckets[1]"),  # not a multiple of the chunk
+    (["attention_context_buckets"], [128, 64], "dense.attention_context_buckets[1]"),  # not ascending
+    (["attention_context_buckets", 0], 0, "dense.attention_context_buckets[0]"),
+    (["layers", 1, "layer"], 4, "dense.layers[1].layer"),  # past the model's 4 decoder layers
+    (["layers", 1, "layer"], 0, "dense.layers[1].layer"),  # twice
+    (["layers", 0, "qkv", "backend"], "gpu", "dense.layers[0].qkv.backend"),
+    (["layers", 0, "attention"], "gpu", "dense.layers[0].attention"),
+    (["layers", 0, "mlp", "compress"], "int3", "dense.layers[0].mlp.compress"),
+    (["layers", 0, "o_proj", "extra"], 1, "dense.layers[0].o_proj.extra"),
+    (["layers"], DELETE, "dense.layers"),
+]
+
+
+def test_dense_placement_is_optional_and_round_trips(good):
+    assert plan_from_json(good).dense is None  # a plan written before dense placement loads as it was
+    plan = plan_from_json({**good, "dense": DENSE})
+    assert plan.dense.layers[0].o_proj.compression == "int8" and plan.dense.layers[0].qkv.compression == "none"
+    assert plan.dense.layers[1].qkv is None and plan.dense.layers[1].attention == "cpu-static"
+    assert plan_from_json(plan.to_json()) == plan and plan.to_json()["dense"] == DENSE
+
+
+@pytest.mark.parametrize("path,value,field", BAD_DENSE)
+def test_bad_dense_placement_names_field(good, path, value, field):
+    with pytest.raises(FileFormatError) as e:
+        plan_from_json({**good, "dense": _mutate(DENSE, path, value)}, "p.json")
+    assert e.value.field == field, str(e.value)
+
+
 def test_plan_for_other_model_refused(good):
     model, _ = random_model("random:olmoe")
     bad = plan_from_json(_mutate(good, ["model", "fingerprint"], "sha256:00"))

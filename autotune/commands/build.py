@@ -15,7 +15,8 @@ from runtime.plan import COMPRESSIONS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("build", help="build the Core ML package of a plan's ANE groups (one function per group)")
+    p = sub.add_parser("build", help="build the Core ML package of a plan's ANE groups (one function per group) and "
+                                     "dense functions (one per layer and kind; one attention core per shape)")
     add_model_argument(p)
     add_dtype_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
@@ -50,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
                             progress=not args.no_progress)
     s = result.to_json()
     names = ", ".join(pk["path"] for pk in s["packages"])
-    print(f"wrote {len(s['packages'])} package(s) ({names}) and {s['manifest']}: {s['functions']} functions "
+    dense = (f" + {s['dense_functions']} dense ({s['attention_functions']} attention cores, one per shape)"
+             if s["dense_functions"] else "")
+    print(f"wrote {len(s['packages'])} package(s) ({names}) and {s['manifest']}: {s['functions']} functions{dense} "
           f"({s['cached_functions']} from the cache), layout {s['layout']}, weights "
           f"{', '.join(f'{k} x{n}' for k, n in s['compress_counts'].items())}, {s['build_seconds']:.1f} s "
           f"({s['build_mb_per_s']:.1f} MB/s of fp16 weights; convert {s['build_seconds_by_stage']['convert']} s, "
           f"merge {s['build_seconds_by_stage']['merge']} s, host check {s['build_seconds_by_stage']['verify']} s)")
-    print(f"packages {s['package_bytes']:,} bytes = {s['size_ratio']:.3f} x the unique expert weights in fp16 "
+    print(f"packages {s['package_bytes']:,} bytes = {s['size_ratio']:.3f} x the unique weights in fp16 "
           f"({s['unique_weight_bytes']:,} bytes); largest function {s['largest_function_weight_bytes']:,} weight "
           f"bytes (limit {s['function_weight_limit_bytes']:,}); lint passed")
     print(f"host evaluation of every function vs cpu-static: max relative error {s['max_rel_error']:.2e} "

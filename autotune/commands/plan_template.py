@@ -7,7 +7,8 @@ from autotune.commands.argtypes import output_file, positive_int, static_backend
 from autotune.commands.common import add_model_argument
 from autotune.searching.templates import CAPACITIES, template_plan
 from runtime.backends import REFERENCE
-from runtime.loading.model_loader import read_model_spec
+from runtime.errors import NpumoeError
+from runtime.loading.model_loader import context_length, read_model_spec
 from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, save_plan
 
 
@@ -25,14 +26,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         "weight x hidden-state norm (default router_weight)")
+    p.add_argument("--dense", type=static_backend, metavar="NAME",
+                   help="also place every dense function of every layer (q/k/v with the input norm, o_proj, the "
+                        "attention core, the dense MLP or shared expert) on this backend (ane, ane-sim, cpu-static "
+                        "...); default: the dense ops stay on the CPU")
+    p.add_argument("--prompt-tokens", type=positive_int, metavar="N",
+                   help="with --dense: attention buckets at every multiple of the chunk up to N tokens (default and "
+                        "at most: the model's context)")
     p.add_argument("--out", required=True, type=output_file(), metavar="P", help="plan file to write")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    context = _dense_context(args)
     plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk,
-                         args.saliency)
+                         args.saliency, dense=args.dense, context_tokens=context)
     save_plan(plan, args.out)
     print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
           f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}")
+    if plan.dense is not None:
+        buckets = plan.dense.attention_context_buckets
+        print(f"dense functions of {len(plan.dense.layers)} layers on {args.dense}; attention buckets "
+              f"{buckets[0]}..{buckets[-1]} ({len(buckets)}, every {args.chunk} tokens)")
     return 0
+
+
+def _dense_context(args: argparse.Namespace) -> int | None:
+    """The attention buckets' reach: --prompt-tokens, within the model's context and holding one chunk."""
+    if args.dense is None:
+        if args.prompt_tokens is not None:
+            raise NpumoeError("--prompt-tokens sets the attention buckets of --dense: give --dense too")
+        return None
+    context = context_length(args.model)
+    tokens = args.prompt_tokens or context
+    if tokens is None:
+        raise NpumoeError("the model's config states no context length: give --prompt-tokens")
+    if context is not None and tokens > context:
+        raise NpumoeError(f"--prompt-tokens {tokens} is past the model's context of {context} positions")
+    if tokens < args.chunk:
+        raise NpumoeError(f"--prompt-tokens {tokens} holds no full chunk of {args.chunk} tokens")
+    return tokens

@@ -247,6 +247,19 @@ def check_predict_overhead(probe: Probe) -> str:
             "its own call_ms)")
 
 
+def check_attention_core(probe: Probe) -> str:
+    """One attention-core function (runtime/coreml/dense_programs.py): placement and parity on CPU_AND_NE."""
+    _need_macos("an attention-core function on the Neural Engine")
+    from runtime.coreml.dense_programs import check_attention_core as run
+
+    r = run(Path(probe.tmp.name))
+    if r["off_ane"] or not r["max_rel_error"] <= r["tolerance"]:
+        raise Failed(f"{r['function']}: ops off the Neural Engine {r['off_ane'][:8]}, max relative error "
+                     f"{r['max_rel_error']:.2e} (tolerance {r['tolerance']:g})")
+    return (f"{r['function']}: every op on the Neural Engine; predict() vs sdpa: max relative error "
+            f"{r['max_rel_error']:.2e} (tolerance {r['tolerance']:g})")
+
+
 def check_matmul_throughput(_: Probe) -> str:
     _need_macos("a Core ML matmul on the Neural Engine")
     import coremltools as ct
@@ -283,6 +296,7 @@ CHECKS: list[tuple[str, Callable[[Probe], str]]] = [
     *[(name, library_check(name)) for name in LIBRARIES],
     ("macos_version", check_macos_version), ("ane", check_ane), ("coreml_build", check_coreml_build),
     ("placement", check_placement), ("ane_parity", check_ane_parity), ("predict_overhead", check_predict_overhead),
+    ("attention_core", check_attention_core),
     ("matmul_throughput", check_matmul_throughput), ("energy", check_energy),
 ]
 

@@ -7,7 +7,19 @@ a backend is in its `BackendInfo`, held by `registry` (built-ins, and plugins fo
 docs/backends.md.
 """
 from runtime.backends.cpu import CpuStaticBackend, run_exact
-from runtime.backends.protocol import ExactFn, GroupFn, GroupSpec, StaticBackend, expert_ffn
+from runtime.backends.protocol import (
+    DENSE_KINDS,
+    DenseFn,
+    DenseForm,
+    DenseSpec,
+    ExactFn,
+    GroupFn,
+    GroupSpec,
+    StaticBackend,
+    attention_reference,
+    dense_reference,
+    expert_ffn,
+)
 from runtime.backends.registry import (
     CPU_ENERGY,
     ENTRY_POINT_GROUP,
@@ -18,6 +30,6 @@ from runtime.backends.registry import (
     registry,
 )
 
-__all__ = ["CPU_ENERGY", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
-           "CpuStaticBackend", "ExactFn", "GroupFn", "GroupSpec", "StaticBackend", "expert_ffn", "registry",
-           "run_exact"]
+__all__ = ["CPU_ENERGY", "DENSE_KINDS", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
+           "CpuStaticBackend", "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",
+           "StaticBackend", "attention_reference", "dense_reference", "expert_ffn", "registry", "run_exact"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.backends.protocol import GroupFn, GroupSpec, expert_ffn
+from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, dense_reference, expert_ffn
 from runtime.backends.registry import EXACT, REFERENCE, BackendInfo
 
 
@@ -24,6 +24,10 @@ class CpuStaticBackend:
             return torch.cat([expert_ffn(module, e, x) for e, x in zip(experts, packed.split(caps))])
 
         return run
+
+    def prepare_dense(self, spec: DenseSpec) -> DenseFn:
+        """A dense function on the model's own modules, in its dtype: the exact reference (padded rows only)."""
+        return dense_reference(spec)
 
 
 def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:

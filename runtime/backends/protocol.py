@@ -2,13 +2,17 @@
 every torch backend computes. Public and stable: out-of-tree backends implement it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 GroupFn = Callable[[torch.Tensor], torch.Tensor]
+# A row-wise dense function: [rows, in] -> [rows, out]; the attention core: (q, k, v, allowed) -> out (DenseSpec).
+DenseFn = Callable[..., torch.Tensor]
+DENSE_KINDS = ("qkv", "o_proj", "mlp", "attention")
 # The exact path's compute: (experts module, rows grouped by expert, expert ids, rows per expert) -> outputs.
 ExactFn = Callable[[torch.nn.Module, torch.Tensor, list[int], list[int]], torch.Tensor]
 
@@ -22,6 +26,45 @@ class GroupSpec:
     capacities: tuple[int, ...]
     module: torch.nn.Module  # the transformers experts module (fused gate_up_proj / down_proj, act_fn)
     compress: str = "none"  # how the group stores its weights on the ANE (the plan's `compress`; runtime.plan)
+
+
+@dataclass(frozen=True)
+class DenseForm:
+    """What differs between families in a dense function (runtime.dense.families reads it off the model)."""
+    norm: str = "rms"  # the input norm of `qkv`: "rms" (RMSNorm) or "layer" (LayerNorm with bias: Phimoe)
+    qk_norm: str | None = None  # RMSNorm of q and k: None, "head" (over each head: Qwen3Moe), "projection" (Olmoe)
+    head_dim: int = 0
+    shared_gate: bool = False  # `mlp` is a shared expert whose output carries its gate's logit (Qwen2Moe)
+    act: str = "silu"  # the MLP's activation
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """One dense static function of a plan (`Plan.dense`). Row-wise kinds (`qkv`, `o_proj`, `mlp`) map a chunk
+    `[rows, in]` (padded to `rows` = the plan's chunk; padding rows are zeros and their outputs ignored) to
+    `[rows, out]`, computing what the transformers `modules` of `layer` compute:
+    `qkv`: norm -> q, k, v (with q/k norms and biases) concatenated along the last axis (`splits` widths);
+    `o_proj`: o; `mlp`: mlp (a dense MLP), or for a shared expert its output and its gate's logit concatenated.
+    The attention core (`attention`, weight-free, shared by every layer: `layer` is -1) maps q `[heads, rows, d]`,
+    k and v `[kv_heads, keys, d]` and a bool mask `[rows, keys]` (True: may attend) to `[heads, rows, d]`."""
+    kind: str  # one of DENSE_KINDS
+    layer: int
+    rows: int
+    modules: Mapping[str, torch.nn.Module] = field(default_factory=dict)  # by role: norm, q, k, v, q_norm, ...
+    form: DenseForm = DenseForm()
+    splits: tuple[int, ...] = ()  # widths of the concatenated outputs
+    compress: str = "none"  # how the function stores its weights on the ANE (runtime.plan.COMPRESSIONS)
+    keys: int = 0  # attention: the context bucket
+    heads: int = 0
+    kv_heads: int = 0
+    scaling: float = 1.0
+
+    @property
+    def name(self) -> str:
+        """The function's name in a package: per layer, or per shape for the weight-free attention core."""
+        if self.kind == "attention":
+            return f"attention_q{self.rows}_k{self.keys}"
+        return f"layer{self.layer}_{self.kind}"
 
 
 class StaticBackend(Protocol):
@@ -45,6 +88,9 @@ class StaticBackend(Protocol):
         pass's thread while the exact path may run on another thread, never from two threads at once."""
         ...
 
+    # Optional: `prepare_dense(spec: DenseSpec) -> DenseFn`, a plan's dense function (runtime.dense). A backend
+    # without it cannot run dense functions: they run on the first backend down its fallbacks that has it.
+
 
 def gated_activation(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up over the fused gate_up projection's output `[..., 2F]`: the gate transformers' experts
@@ -58,3 +104,43 @@ def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.T
     """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
     h = gated_activation(module, F.linear(x, module.gate_up_proj[expert]))
     return F.linear(h, module.down_proj[expert])
+
+
+def _rows_norm(norm: torch.nn.Module, x: torch.Tensor, form: DenseForm, per_head: bool) -> torch.Tensor:
+    """A q/k norm as transformers applies it: over each head (a view of `head_dim` columns), or the projection."""
+    if not per_head:
+        return norm(x)
+    return norm(x.view(x.shape[0], -1, form.head_dim)).reshape(x.shape[0], -1)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                        scaling: float) -> torch.Tensor:
+    """The attention core over padded keys as torch computes it (sdpa, grouped-query heads repeated)."""
+    rep = q.shape[0] // k.shape[0]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0),
+                                          attn_mask=allowed, scale=scaling)
+
+
+def dense_reference(spec: DenseSpec) -> DenseFn:
+    """A dense function exactly as transformers computes it: the model's own modules, in the model's dtype, through
+    their class's forward (the runtime replaces the instances' forwards with the function itself)."""
+    m = {role: type(module).forward.__get__(module) for role, module in spec.modules.items()}
+    form = spec.form
+    if spec.kind == "attention":
+        return lambda q, k, v, allowed: attention_reference(q, k, v, allowed, spec.scaling)
+    if spec.kind == "o_proj":
+        return m["o"]
+    if spec.kind == "mlp":
+        if form.shared_gate:
+            return lambda x: torch.cat([m["mlp"](x), m["gate"](x)], dim=-1)
+        return m["mlp"]
+
+    def qkv(x: torch.Tensor) -> torch.Tensor:
+        h = m["norm"](x)
+        q, k, v = m["q"](h), m["k"](h), m["v"](h)
+        if form.qk_norm is not None:
+            q = _rows_norm(m["q_norm"], q, form, form.qk_norm == "head")
+            k = _rows_norm(m["k_norm"], k, form, form.qk_norm == "head")
+        return torch.cat([q, k, v], dim=-1)
+
+    return qkv

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.backends.protocol import GroupFn, GroupSpec
+from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec
 from runtime.coreml.ane import expert_weights_fp16
+from runtime.coreml.dense_sim import dense_fp16
 from runtime.fileio import atomic_write_bytes, cache_root
 from runtime.plan import COMPRESSIONS
 
@@ -149,3 +150,6 @@ class AneSimBackend:
 
         return run
 
+    def prepare_dense(self, spec: DenseSpec) -> DenseFn:
+        """A plan's dense function as the ANE computes it (runtime/coreml/dense_sim.py)."""
+        return dense_fp16(spec)

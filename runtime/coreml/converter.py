@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from runtime.backends import GroupSpec
-from runtime.coreml import ane_limits, build_cache
+from runtime.coreml import ane_limits, build_cache, dense_programs
 from runtime.coreml.ane import (
     LAYOUTS,
     MANIFEST_SCHEMA,
@@ -264,23 +264,33 @@ def quiet_progress() -> None:
         yield
 
 
-def to_mlmodel(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str,
-               compute_units=None):
-    """One function as an ML program, converted as every build converts it. With `compute_units` (a
+def program_mlmodel(prog, compute_units=None):
+    """A MIL program as an ML program, converted as every build converts it. With `compute_units` (a
     `ct.ComputeUnit`) the model is loaded for prediction (macOS); without, it is only converted."""
     import coremltools as ct
 
     load = {"skip_model_load": True} if compute_units is None else {"compute_units": compute_units}
     with quiet_progress():
-        return ct.convert(function_program(fs, weights, layout), convert_to="mlprogram",
-                          minimum_deployment_target=ct.target.macOS15, compute_precision=ct.precision.FLOAT16,
-                          **load)
+        return ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.macOS15,
+                          compute_precision=ct.precision.FLOAT16, **load)
+
+
+def to_mlmodel(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str,
+               compute_units=None):
+    """One group's function as an ML program (`program_mlmodel`)."""
+    return program_mlmodel(function_program(fs, weights, layout), compute_units)
 
 
 def convert_function(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.ndarray]], layout: str,
                      compress: str, dest: Path) -> None:
-    """Convert one function to a single-function .mlpackage at `dest` (written whole, then renamed)."""
-    mlmodel = to_mlmodel(fs, weights, layout)
+    """Convert one group's function to a single-function .mlpackage at `dest` (`convert_program`)."""
+    convert_program(function_program(fs, weights, layout), compress, dest)
+
+
+def convert_program(prog, compress: str, dest: Path) -> None:
+    """Convert one MIL program to a single-function .mlpackage at `dest`, its weights stored as `compress` says
+    (written whole, then renamed)."""
+    mlmodel = program_mlmodel(prog)
     with quiet_progress():
         mlmodel = _compress(mlmodel, compress)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
@@ -316,7 +326,7 @@ class BuildResult:
     layout: str
     compress: str  # the one compression every function uses, or "mixed" (each function's is in `functions`)
     package_bytes: int  # all packages together, on disk
-    unique_weight_bytes: int  # the distinct expert matrices the packages need, counted in fp16
+    unique_weight_bytes: int  # the distinct expert (and dense function) matrices the packages need, counted in fp16
     cached: int  # functions taken from the cache instead of converted
     build_seconds: float
     checks: list = field(default_factory=list)  # per-function numeric checks (runtime.coreml.mil_eval.FunctionCheck)
@@ -325,6 +335,7 @@ class BuildResult:
     largest_function_weight_bytes: int = 0
     seconds: dict = field(default_factory=dict)  # where the time went: convert, merge, verify
     function_weight_limit_bytes: int = 0  # the limit the functions were split under
+    dense: list = field(default_factory=list)  # the plan's dense functions built (runtime.backends.DenseSpec)
 
     @property
     def max_rel_error(self) -> float:
@@ -339,7 +350,9 @@ class BuildResult:
                 "unique_weight_bytes": self.unique_weight_bytes,
                 "size_ratio": round(self.package_bytes / self.unique_weight_bytes, 4),
                 "max_rel_error": self.max_rel_error,
-                "tolerance": max(TOLERANCE[fs.compress] for fs in self.functions),
+                "tolerance": max(TOLERANCE[fs.compress] for fs in [*self.functions, *self.dense]),
+                "dense_functions": len(self.dense),
+                "attention_functions": sum(spec.kind == "attention" for spec in self.dense),
                 "functions": len(self.functions), "cached_functions": self.cached, "layout": self.layout,
                 "compress": self.compress, "compress_counts": dict(sorted(kinds.items())),
                 "build_seconds": round(self.build_seconds, 2), "manifest": self.manifest, "packages": self.packages,
@@ -375,7 +388,8 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                   layout: str = "matmul", compress: str | None = None, cache_dir: str | os.PathLike | None = None,
                   progress: Callable[[str, int], object] | None = None, seed: int = 0,
                   function_weight_bytes: float = ane_limits.FUNCTION_WEIGHT_BYTES,
-                  package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES) -> BuildResult:
+                  package_weight_bytes: float = ane_limits.PACKAGE_WEIGHT_BYTES,
+                  dense_model: torch.nn.Module | None = None) -> BuildResult:
     """Build the plan's ANE groups into `out` (or, past `package_weight_bytes`, into several packages beside it)
     and write `<out>.manifest.json` naming them; `model_layers` maps MoE layer index -> fused experts module, or
     is an ExpertWeights source (runtime.loading.expert_weights: a checkpoint read a function's experts at a time).
@@ -387,14 +401,17 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     NpumoeError. Functions are converted one at a time (only that function's experts in fp16) into the cache; a
     build of more than CACHE_KEEP_BYTES of weights converts into its work folder instead and drops each package's
     converted functions once merged, so no second copy of a large build stays on disk. `progress(stage, total)`
-    returns an object with `update(n)` and `close()` (a tqdm bar), or None.
+    returns an object with `update(n)` and `close()` (a tqdm bar), or None. `dense_model`: the loaded model, whose
+    dense functions the plan places on `ane` go into the first package (runtime/coreml/dense_programs.py).
     """
     t0 = time.perf_counter()
     check_build_options(layout, compress or "none")
-    functions = ane_functions(plan, compress)
-    if not functions:
-        raise NpumoeError("the plan puts no group on the ane backend: nothing to build")
+    functions, h, f = ane_functions(plan, compress), plan.model.hidden_size, plan.model.expert_ffn_size
+    dense = dense_programs.ane_dense_specs(dense_model, plan, compress) if dense_model is not None else []
+    if not functions and not dense:
+        raise NpumoeError("the plan puts no group on the ane backend, nor a dense function: nothing to build")
     check_ane_limits(functions, min(function_weight_bytes, package_weight_bytes))  # before conversion
+    dense_programs.check_dense_limits(dense, min(function_weight_bytes, package_weight_bytes))
     source = _expert_source(model_layers)
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(source.experts(layer, (0,))[0], layer)
@@ -425,8 +442,13 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                 if bar:
                     bar.update(1)
             t = time.perf_counter()
-            meta = dict(layout=layout, compress=compression_summary(group), hidden=functions[0].hidden,
-                        ffn=functions[0].ffn,
+            first = [dense_programs.convert_dense(d, cache, keep) for d in dense] if path == paths[0] else []
+            parts += [(c.spec, c.path) for c in first]
+            meta_functions.update({c.spec.name: c.manifest() for c in first})
+            cached += sum(c.cached for c in first)
+            seconds["convert"] += time.perf_counter() - t
+            t = time.perf_counter()
+            meta = dict(layout=layout, compress=compression_summary(group), hidden=h, ffn=f,
                         model_fingerprint=plan.model.fingerprint, functions=meta_functions)
             staged = work / path.name
             merge_functions(parts, staged, meta)
@@ -435,9 +457,9 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                     shutil.rmtree(cpath, ignore_errors=True)
             seconds["merge"] += time.perf_counter() - t
             t = time.perf_counter()
-            checks += verify_package(staged, group, source, layout, None, seed)
+            checks += verify_package(staged, group, source, layout, None, seed, [c.spec for c in first])
             seconds["verify"] += time.perf_counter() - t
-            packages.append(dict(path=path.name, functions=[fs.name for fs in group],
+            packages.append(dict(path=path.name, functions=[name for name in meta_functions],
                                  weight_bytes=stored_weight_bytes(group), bytes=package_bytes(staged)))
         if bar:
             bar.close()
@@ -455,16 +477,17 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                                  "layout": layout, "compress": summary,
                                  "function_weight_limit_bytes": int(function_weight_bytes),
                                  "package_weight_limit_bytes": int(package_weight_bytes), "packages": packages})
-    h, f = functions[0].hidden, functions[0].ffn
     unique = {(fs.layer, e) for fs in functions for e in fs.experts}
-    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary,
-                       package_bytes=total, unique_weight_bytes=len(unique) * ane_limits.expert_weight_bytes(h, f),
-                       cached=cached,
+    dense_bytes = [dense_programs.dense_weight_bytes(d) for d in dense]
+    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary, cached=cached,
+                       package_bytes=total,
+                       unique_weight_bytes=len(unique) * ane_limits.expert_weight_bytes(h, f)
+                       + sum(dense_programs.dense_weight_bytes(d, "none") for d in dense),
                        build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
                        manifest=str(manifest),
-                       largest_function_weight_bytes=max(fs.usage().weight_bytes for fs in functions),
+                       largest_function_weight_bytes=max([fs.usage().weight_bytes for fs in functions] + dense_bytes),
                        seconds={k: round(v, 2) for k, v in seconds.items()},
-                       function_weight_limit_bytes=int(function_weight_bytes))
+                       function_weight_limit_bytes=int(function_weight_bytes), dense=dense)
 
 
 CACHE_KEEP_BYTES = 256 * 2**20  # builds of more weights keep no converted functions: no second copy on disk
@@ -499,10 +522,10 @@ def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, cache:
 
 def verify_package(path: Path, functions: list[FunctionSpec],
                    model_layers: dict[int, torch.nn.Module] | ExpertWeights, layout: str,
-                   progress: Callable[[str, int], object] | None = None, seed: int = 0) -> list:
+                   progress: Callable[[str, int], object] | None = None, seed: int = 0, dense: list = ()) -> list:
     """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval), with
-    only that function's experts at hand from `model_layers` (see build_package); each function's error must be
-    within its compression's tolerance."""
+    only that function's experts at hand from `model_layers` (see build_package), and each `dense` function
+    (DenseSpec) likewise; each function's error must be within its compression's tolerance."""
     from runtime.coreml.mil_eval import TOLERANCE, check_function
     from runtime.coreml.mil_lint import lint_package, load_package_program
 
@@ -518,7 +541,8 @@ def verify_package(path: Path, functions: list[FunctionSpec],
             bar.update(1)
     if bar:
         bar.close()
-    for fs, check in zip(functions, checks):
+    checks += [dense_programs.check_dense_function(prog.functions[d.name], d, seed) for d in dense]
+    for fs, check in zip([*functions, *dense], checks):
         if not check.max_rel_error <= TOLERANCE[fs.compress]:
             raise NpumoeError(f"function {check.function} differs from cpu-static by a relative error of "
                               f"{check.max_rel_error:.3g}, over the {TOLERANCE[fs.compress]:g} allowed for "

@@ -14,7 +14,11 @@ from runtime.errors import NpumoeError
 ALLOWED_OPS = frozenset({
     "const", "linear", "matmul", "conv", "silu", "sigmoid", "mul", "add", "reshape", "transpose",
     "slice_by_index", "slice_by_size", "concat", "stack", "cast",
+    "layer_norm", "softmax", "tile",  # the dense functions' norms and attention core (ANEMLL, ml-ane-transformers)
 })
+# The ANE's tensors have at most 4 axes (N, C, H, W); a 5-D tensor splits the graph or leaves the ANE, and 5-D
+# attention hit an accuracy bug on iOS 26 (executorch #15833): the attention core stays 3-D.
+MAX_RANK = 4
 # Weight decompression from `--compress`: constants that Core ML expands at load time, not runtime compute.
 CONSTEXPR_OPS = frozenset({
     "constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "constexpr_affine_dequantize",
@@ -72,6 +76,9 @@ def lint_function(name: str, function) -> list[LintIssue]:
             if types.is_tensor(out.sym_type) and not _static(out.shape):
                 issues.append(LintIssue(name, op.name, op.op_type, f"output {out.name} has a non-static shape "
                                                                    f"{out.shape}"))
+            elif types.is_tensor(out.sym_type) and len(out.shape) > MAX_RANK:
+                issues.append(LintIssue(name, op.name, op.op_type, f"output {out.name} has {len(out.shape)} axes, "
+                                                                   f"past the ANE's {MAX_RANK}"))
             elif not (types.is_tensor(out.sym_type) or types.is_scalar(out.sym_type)):
                 issues.append(LintIssue(name, op.name, op.op_type, f"output {out.name} is not a tensor"))
     return issues

@@ -1,0 +1,50 @@
+"""A plan's dense functions as backend specs (`DenseSpec`): what the runtime prepares and the builder converts."""
+from __future__ import annotations
+
+import torch
+
+from runtime.backends import DenseForm, DenseSpec
+from runtime.dense.families import attention_modules, mlp_modules
+from runtime.plan import DenseFunction, DenseLayer, Plan
+
+
+def layer_specs(model: torch.nn.Module, plan: Plan, dl: DenseLayer) -> list[tuple[DenseSpec, DenseFunction]]:
+    """The row-wise functions one dense entry places (`qkv`, `o_proj`, `mlp`), each with its placement."""
+    chunk, index = plan.chunk_tokens, dl.layer
+    modules, form = attention_modules(model, index)
+    out = []
+    if dl.qkv is not None:
+        splits = tuple(modules[r].out_features for r in ("q", "k", "v"))
+        out.append((DenseSpec("qkv", index, chunk, {r: m for r, m in modules.items() if r != "o"}, form, splits,
+                              dl.qkv.compression), dl.qkv))
+    if dl.o_proj is not None:
+        out.append((DenseSpec("o_proj", index, chunk, {"o": modules["o"]}, form, (modules["o"].out_features,),
+                              dl.o_proj.compression), dl.o_proj))
+    if dl.mlp is not None:
+        mlp, mlp_form = mlp_modules(model, index)
+        hidden = int(model.config.hidden_size)
+        splits = (hidden, 1) if mlp_form.shared_gate else (hidden,)
+        out.append((DenseSpec("mlp", index, chunk, mlp, mlp_form, splits, dl.mlp.compression), dl.mlp))
+    return out
+
+
+def attention_spec(model: torch.nn.Module, plan: Plan, layer: int, bucket: int) -> DenseSpec:
+    """The weight-free attention core of a full chunk over `bucket` keys (the same for every layer)."""
+    attn, cfg = model.model.layers[layer].self_attn, model.config
+    return DenseSpec("attention", -1, plan.chunk_tokens, form=DenseForm(head_dim=int(attn.head_dim)), keys=bucket,
+                     heads=int(cfg.num_attention_heads), kv_heads=int(cfg.num_key_value_heads),
+                     scaling=float(attn.scaling))
+
+
+def backend_specs(model: torch.nn.Module, plan: Plan, backend: str) -> list[DenseSpec]:
+    """Every dense function the plan places on `backend`, in plan order; one attention core per bucket."""
+    if plan.dense is None:
+        return []
+    specs, attention = [], None
+    for dl in plan.dense.layers:
+        specs += [spec for spec, placed in layer_specs(model, plan, dl) if placed.backend == backend]
+        if dl.attention == backend and attention is None:
+            attention = dl.layer
+    if attention is not None:
+        specs += [attention_spec(model, plan, attention, b) for b in plan.dense.attention_context_buckets]
+    return specs
