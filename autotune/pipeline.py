@@ -49,11 +49,13 @@ from autotune.profiling.profile import (
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
+from autotune.searching.dense_choice import DenseChoice, choose_dense, dense_plan
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
 from autotune.searching.model_record import ModelRecord, check_context, resolve_model
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
+from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
 from autotune.searching.scoring import Scorer
@@ -249,7 +251,14 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         # weights stored compressed are a Core ML function's: the backends with the ANE's limits
         kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
         workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
-        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds),
+        dense = None
+        if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
+            calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
+
+            def dense(chunk: int, weights) -> DenseChoice:  # the dense functions, Core ML functions like the groups
+                return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts)
+
+        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), dense=dense,
                                         objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
                                         storage=optuna_storage(c.storage),
                                         study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
@@ -259,8 +268,9 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         gated, settings = None, c.gate_settings()
         if settings is not None:
             sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
-            gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency), settings,
-                             progress=progress)
+            gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
+                                                              lambda sol: _dense_of(outcome, record, sol)),
+                             settings, progress=progress)
             if gated["chosen"] is None:
                 raise refusal(gated)
             if sols[gated["chosen"]["index"]] is not outcome.best:  # the gate passed over the search's pick
@@ -278,17 +288,23 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         report = search_report(outcome, layers[0].calib_chunks, heldout_assignments, seconds,
                                context)
         add_cpu_figures(report, outcome, layers, cost.host.pack is not None)
+        if record.shape is not None:
+            report["whole_prefill"] = whole = whole_prefill(outcome, scorer, record.shape, prompt)
+            report["predicted_prefill_ms"], report["predicted_parts_ms"] = (whole["predicted_prefill_ms"],
+                                                                            whole["predicted_parts_ms"])
         report["robustness"] = robustness.to_json()
         report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
-                                            "predicted_cpu_ms_per_token")}
+                                            "predicted_cpu_ms_per_token", "predicted_prefill_ms",
+                                            "predicted_parts_ms") if k in report}
         predicted["label"] = "predicted by the cost model of profile " + profile_name
         plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, c.saliency, predicted,
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                               "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust,
                               "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
                               "decisions": [cfg.to_json() for cfg in outcome.best.configs],
-                              **({"gate": _gate_meta(gated)} if gated else {})})
+                              **({"gate": _gate_meta(gated)} if gated else {})},
+                             dense=_dense_of(outcome, record, outcome.best))
         memory = predict_memory(plan, record.size, prompt)
         if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
             raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
@@ -305,6 +321,15 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             for path in pareto_tmp:
                 plot_pareto(report.to_json(), path)
     return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
+
+
+def _dense_of(outcome, record: ModelRecord, sol) -> dict | None:
+    """The plan's `dense` field for a solution: the dense functions chosen at its chunk size, except for the all-CPU
+    plan (the unmodified model's computation, the gate's last resort)."""
+    choice = outcome.dense.get(sol.chunk_tokens)
+    if choice is None or not any(cfg.resident for cfg in sol.configs):
+        return None
+    return dense_plan(choice.placement, record.shape)
 
 
 def compress_counts(configs) -> dict[str, int]:

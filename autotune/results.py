@@ -138,6 +138,10 @@ class SearchReport:
     gate: dict | None
     predicted_memory: dict
     explanation: list[str] = field(default_factory=list)
+    # the whole prefill of one prompt (every op, predicted; absent where the model's decoder shape is unknown)
+    predicted_prefill_ms: float | None = None
+    predicted_parts_ms: dict[str, float] | None = None
+    whole_prefill: dict | None = None
 
     def to_json(self) -> dict:
-        return _fields(self)
+        return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill"))

@@ -73,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--robust", action="store_true",
                    help="pick the plan with the least worst-case latency regret when the profile is off (ANE call "
                         "cost x0.5/x2, compute per GFLOP x0.7/x1.3 per backend) instead of the nominal best")
+    p.add_argument("--no-dense", action="store_true", default=DEFAULTS.no_dense,
+                   help="tune the experts alone: every dense op (attention, projections, shared expert, dense MLP) "
+                        "stays on the CPU (default: the search places them too, on the ANE where that pays)")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the fidelity gate: write the search's pick from config and routers alone, unmeasured")
     p.add_argument("--gate-candidates", type=positive_int, default=d.gate_candidates, metavar="K",

@@ -35,6 +35,7 @@ class SearchConfig:
     threads: int | None = None
     robust: bool = False
     no_gate: bool = False
+    no_dense: bool = False  # the experts alone: every dense op stays on the CPU (the experts-only search)
     gate_candidates: int = gate.CANDIDATES
     max_ppl_delta: float = 100 * gate.MAX_PPL_DELTA
     min_top1: float = gate.MIN_TOP1

@@ -73,3 +73,18 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
                 place, best = trial, c
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
     return DenseChoice(place, pred, dense_score(pred, prompts))
+
+
+def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
+    """The plan's `dense` field a placement means (None: nothing placed): every decoder layer's functions."""
+    if not any((place.qkv, place.o_proj, place.attention, place.mlp)):
+        return None
+    layers = []
+    for layer in range(shape.num_layers):
+        entry = {"layer": layer, **{f: {"backend": b} for f in ("qkv", "o_proj") if (b := getattr(place, f))}}
+        if place.attention:
+            entry["attention"] = place.attention
+        if place.mlp and shape.mlp_ffn(layer):
+            entry["mlp"] = {"backend": place.mlp}
+        layers.append(entry)
+    return {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers}

@@ -6,7 +6,7 @@ passes by construction."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from autotune.evaluation.gate import Candidate
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, solution, solution_plan
@@ -74,10 +74,11 @@ def _distinct(sols) -> list[Solution]:
 
 
 def gate_candidates(sols: list[Solution], outcome: SearchOutcome, scorer: Scorer, spec: ModelSpec,
-                    saliency: str) -> Iterator[Candidate]:
-    """Each solution as the plan the gate runs, with its predicted latency per chunk (made as the gate reaches
-    it)."""
+                    saliency: str, dense: Callable[[Solution], dict | None] = lambda sol: None
+                    ) -> Iterator[Candidate]:
+    """Each solution as the plan the gate runs (with `dense(sol)`, the dense functions at its chunk size), with
+    its predicted latency per chunk (made as the gate reaches it)."""
     for sol in sols:
         layers = outcome.chunks[sol.chunk_tokens].layers
-        yield Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency),
-                        sol.latency_ms / layers[0].calib_chunks)
+        yield Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency,
+                                      dense=dense(sol)), sol.latency_ms / layers[0].calib_chunks)

@@ -2,16 +2,19 @@
 stage of the search, and the loaded model itself when a stage needs it (calibration, the fidelity gate)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
 
 from autotune.costing.memory import ModelSize, model_size
+from autotune.costing.whole_prefill import DecoderShape
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import (
     RANDOM_PREFIX,
     context_length,
     load_model,
+    model_dir,
     model_spec,
     read_model_spec,
     resolve_dtype,
@@ -26,6 +29,7 @@ class ModelRecord:
     spec: ModelSpec
     size: ModelSize
     context: int | None  # the longest sequence it takes (None: its config does not say)
+    shape: DecoderShape | None = None  # its decoder's shapes (what the whole prefill's prediction prices)
     _loaded: tuple[torch.nn.Module, object] | None = field(default=None, repr=False)
 
     def loaded(self) -> tuple[torch.nn.Module, object]:
@@ -39,11 +43,14 @@ def resolve_model(name: str, dtype: str = "auto") -> ModelRecord:
     """`name` resolved once. A checkpoint is read from its config and router tensors only (the weights load on
     `loaded()`); a `random:` model is built once, and that model is the one every stage uses."""
     if not name.startswith(RANDOM_PREFIX):
-        return ModelRecord(name, dtype, read_model_spec(name), model_size(name, dtype), context_length(name))
+        config = json.loads((model_dir(name) / "config.json").read_text())
+        return ModelRecord(name, dtype, read_model_spec(name), model_size(name, dtype), context_length(name),
+                           DecoderShape.from_config(config.get("text_config", config)))
     model, tokenizer = load_model(name)  # float32: what its spec's fingerprint is of (`read_model_spec`)
     torch_dtype = resolve_dtype(name, dtype)
     size = ModelSize.of(model, torch.empty(0, dtype=torch_dtype).element_size())
-    record = ModelRecord(name, dtype, model_spec(model), size, int(model.config.max_position_embeddings))
+    record = ModelRecord(name, dtype, model_spec(model), size, int(model.config.max_position_embeddings),
+                         DecoderShape.from_config(model.config.to_dict()))
     if torch_dtype == torch.float32:
         record._loaded = (model, tokenizer)
     return record

@@ -457,8 +457,10 @@ def exact_below(sol: Solution, entries: list, layers: list[LayerData], scorer: S
 
 
 def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model: dict, chunk_tokens: int | None = None,
-                  saliency: str = "router_weight", predicted: dict | None = None, meta: dict | None = None) -> Plan:
-    """The validated plan file a solution means, with each layer's calibration statistics."""
+                  saliency: str = "router_weight", predicted: dict | None = None, meta: dict | None = None,
+                  dense: dict | None = None) -> Plan:
+    """The validated plan file a solution means, with each layer's calibration statistics (and `dense`, the dense
+    functions' placement: `dense_choice.dense_plan`)."""
     chunk_tokens = chunk_tokens or sol.chunk_tokens
     entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
@@ -466,7 +468,8 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
            "overflow": sol.overflow or "drop", "saliency": saliency,
            "exact_below_tokens": exact_below(dataclasses.replace(sol, chunk_tokens=chunk_tokens), entries, layers,
                                              scorer),
-           "layers": [e.model_dump(exclude_none=True) for e in entries], "predicted": predicted, "meta": meta}
+           "layers": [e.model_dump(exclude_none=True) for e in entries], "dense": dense, "predicted": predicted,
+           "meta": meta}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 
 
