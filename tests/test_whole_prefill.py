@@ -1,0 +1,99 @@
+"""The whole prefill, predicted (autotune/costing/whole_prefill.py), the dense-op prices it reads
+(autotune/costing/dense_prices.py) and the search's dense decisions (autotune/searching/dense_choice.py)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import apple_like
+
+from autotune.costing.dense_prices import fit_dense, record_work
+from autotune.costing.whole_prefill import (
+    PARTS,
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    predict_prefill,
+    prompt_chunks,
+)
+from autotune.profiling.dense_records import _matmul
+from autotune.profiling.settings import settings_for
+from autotune.profiling.timing import time_call
+from autotune.searching.dense_choice import choose_dense, dense_plan
+from runtime.loading.model_loader import TINY_MOE_DIR
+from runtime.plan import plan_from_json
+
+QWEN = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+            num_hidden_layers=4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+            intermediate_size=6144, max_position_embeddings=40960)
+
+
+def test_shape_from_config_reads_the_decoder():
+    tiny = DecoderShape.from_config(json.loads((TINY_MOE_DIR / "config.json").read_text()))
+    assert (tiny.hidden, tiny.heads, tiny.kv_heads, tiny.head_dim, tiny.expert_ffn) == (256, 4, 2, 64, 256)
+    assert tiny.moe_layers == (0, 1, 2, 3) and tiny.mlp_ffn(0) == 0  # no shared expert
+    mixed = DecoderShape.from_config({**QWEN, "mlp_only_layers": [1], "shared_expert_intermediate_size": 512})
+    assert mixed.moe_layers == (0, 2, 3) and mixed.mlp_ffn(1) == 6144 and mixed.mlp_ffn(0) == 512
+
+
+def test_prompt_chunks_grow_their_context():
+    assert prompt_chunks(2500, 1024) == [(1024, 1024), (1024, 2048), (452, 2500)]
+
+
+def test_parts_sum_to_the_prefill_and_attention_grows_with_the_prompt():
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    experts = ExpertFigures(100.0, 60.0, 900.0)
+    one, four = (predict_prefill(cost, shape, p, 1024, experts) for p in (1024, 4096))
+    assert set(one.parts_ms) == set(PARTS)
+    assert sum(one.parts_ms.values()) == pytest.approx(one.latency_ms)
+    assert one.parts_ms["experts"] == 100.0 and one.cpu_ms == pytest.approx(one.latency_ms - 100.0 + 60.0)
+    # 4x the tokens: projections 4x, the attention core 1 + 2 + 3 + 4 = 10x (each chunk sees all before it)
+    assert four.parts_ms["attention_projections"] == pytest.approx(4 * one.parts_ms["attention_projections"])
+    assert four.parts_ms["attention_core"] / one.parts_ms["attention_core"] == pytest.approx(10.0, rel=0.05)
+    assert four.parts_ms["lm_head"] == one.parts_ms["lm_head"]  # one row of logits either way
+
+
+def test_placement_moves_the_dense_work_off_the_cpu():
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    none = ExpertFigures(0.0, 0.0, 0.0)
+    cpu = predict_prefill(cost, shape, 2048, 1024, none)
+    ane = predict_prefill(cost, shape, 2048, 1024, none, DensePlacement("ane", "ane", "ane", None, (1024, 2048)))
+    # the ANE's matmul throughput is twice the CPU's (apple_like), plus one call per function
+    calls = 2 * 2 * shape.num_layers * 0.095  # two functions per layer (qkv, o_proj), two chunks
+    assert ane.parts_ms["attention_projections"] == pytest.approx(cpu.parts_ms["attention_projections"] / 2
+                                                                  + calls, rel=1e-6)
+    assert ane.cpu_ms < 0.1 * cpu.cpu_ms and ane.energy_mj < 0.2 * cpu.energy_mj
+    assert all(s.startswith("derived") for s in ane.sources.values())  # no dense records: said so
+
+
+def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0)
+    assert fast.placement == DensePlacement("ane", "ane", "ane", None, (1024, 2048))
+    assert fast.score.latency_ms == pytest.approx(4.0 * fast.prediction.latency_ms)
+    cost.models["ane"].call_ms = 1e4  # a call dearer than any layer's work on the CPU: nothing moves
+    assert choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement == DensePlacement()
+    spec = dict(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", num_layers=4, moe_layers=[0, 1, 2, 3],
+                num_experts=128, top_k=8, hidden_size=2048, expert_ffn_size=768, fingerprint="x")
+    plan = plan_from_json({"schema": "npumoe.plan/1", "model": spec, "chunk_tokens": 1024, "overflow": "drop",
+                           "saliency": "router_weight",
+                           "layers": [{"layer": i, "groups": [], "cpu_exact": list(range(128))} for i in range(4)],
+                           "dense": dense_plan(fast.placement, shape)})
+    assert plan.dense.attention_context_buckets == [1024, 2048] and len(plan.dense.layers) == 4
+    assert plan.dense.layers[0].qkv.backend == "ane" and plan.dense.layers[0].mlp is None
+
+
+def test_measured_matmul_fit_predicts_held_out_shapes():
+    """This host's matmuls as profile-device times them: a fit on some shapes predicts the others."""
+    torch.set_num_threads(1)
+    s = settings_for(True)
+    shapes = [(m, n, k) for m in (16, 64, 256) for n, k in ((384, 128), (128, 256), (512, 256), (256, 512))]
+    with torch.inference_mode():
+        recs = [{"kind": "dense_matmul", "m": m, "n": n, "k": k, "backend": "cpu-exact", "dtype_bytes": 4,
+                 **time_call(_matmul(m, n, k), s, clock="cpu")} for m, n, k in shapes]
+    held = recs[1::4]
+    fit = fit_dense([r for r in recs if r not in held])["matmul"]
+    errors = [abs(float(fit.ms(*record_work(r))) / r["median_ms"] - 1) for r in held]
+    assert fit.source.startswith("measured") and np.mean(errors) < 0.35, errors
