@@ -38,6 +38,7 @@ from autotune.calibration.traces import (
 from autotune.calibration.workload import encode_text
 from autotune.costing.memory import against_measured, ane_budget_bytes, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
+from autotune.evaluation.run_parts import measure_parts, predict_parts
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -437,8 +438,10 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
         return prefill()
 
     logits, latency_ms, cpu_ms = _timed(planned, repeat)
-    # the run's own figures, before recording traces runs the model again
+    # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
+    measured = measure_parts(loaded.model, planned)
+    predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n)
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,
@@ -453,7 +456,8 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      backend_fallbacks=executor.fallbacks, drift=drift, memory=memory,
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
-                     energy_per_backend=energy, traces=traces)
+                     energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
+                     predicted_parts_ms=predicted)
 
 
 def plan_predictions(plan: Plan) -> dict | None:

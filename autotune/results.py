@@ -34,6 +34,8 @@ class RunResult:
     max_rel_diff_vs_reference: float | None = None  # with `reference`
     energy_per_backend: dict | None = None  # backends that measure their calls
     traces: dict | None = None  # with `record_traces`
+    measured_parts_ms: dict | None = None  # wall ms per part of one more planned prefill (runtime.dense.parts)
+    predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
 
     @property
     def drop_rate(self) -> float:
@@ -50,6 +52,9 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)
+        for k in ("measured_parts_ms", "predicted_parts_ms"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
 
 

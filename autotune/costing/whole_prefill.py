@@ -2,9 +2,9 @@
 logits.
 
 Per chunk of `rows` tokens at `context` keys (the tokens before it and its own: the attention core grows chunk by
-chunk), per layer: the attention projections (q/k/v, then o), the attention core, norms + rope + residual adds
-(`norms_rope`), the router, the experts (the expert plan's own prediction, `autotune.costing.evaluator`), and the
-shared expert or dense MLP; then the final norm and `lm_head` for one row (prefill needs one row of logits). The
+chunk), per layer: the attention projections (q/k/v, then o), the attention core, the experts (the expert plan's
+own prediction, `autotune.costing.evaluator`), the shared expert or dense MLP (`dense_mlp`) and the rest (norms,
+rope, residual adds, the router); then the final norm and `lm_head` for one row (prefill needs one row of logits). The
 parts a `DensePlacement` puts on a static backend run as static functions (one call each, the backend's
 `call_ms`); the rest run on the CPU in torch, priced as the exact path's backend. Parts run one after another: a
 decoder layer is a chain, so only the experts' exact path overlaps anything (inside the expert figure). Partial
@@ -21,7 +21,8 @@ from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
 from runtime.backends import EXACT
 
-PARTS = ("attention_projections", "attention_core", "norms_rope", "router", "experts", "shared_mlp", "lm_head")
+# The parts as the runtime measures them (runtime.dense.parts): `rest` is the norms, rope, residual adds and router.
+PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
 DENSE_FUNCTIONS = ("qkv", "o_proj", "attention", "mlp")  # what a plan may place on a static backend, per layer
 
 
@@ -151,19 +152,22 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
                                      dense_link(cost, o, cost.matmul_ms(o, rows, h, shape.heads * shape.head_dim))],
            "attention_core": [dense_link(cost, attn, cost.attention_ms(attn, rows, keys, shape.heads, shape.kv_heads,
                                                                         shape.head_dim))],
-           "norms_rope": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
+           "rest": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
     if layer in shape.moe_layers:
-        out["router"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h))]
+        out["rest"].append(dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h)))
     if ffn:
         mlp = _on(place.mlp, full)
-        out["shared_mlp"] = [dense_link(cost, mlp, cost.matmul_ms(mlp, rows, 2 * ffn, h)
-                                        + cost.matmul_ms(mlp, rows, h, ffn))]
+        out["dense_mlp"] = [dense_link(cost, mlp, cost.matmul_ms(mlp, rows, 2 * ffn, h)
+                                       + cost.matmul_ms(mlp, rows, h, ffn))]
     return out
 
 
 def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
-                    experts: ExpertFigures, place: DensePlacement = DensePlacement()) -> PrefillPrediction:
-    """The whole prefill of one prompt under a placement of the dense functions and the experts' figures."""
+                    experts: ExpertFigures, place: DensePlacement = DensePlacement(),
+                    logits_rows: int = 1) -> PrefillPrediction:
+    """The whole prefill of one prompt under a placement of the dense functions and the experts' figures;
+    `logits_rows`: the positions whose logits it computes (a prefill needs one; a run that scores every token,
+    all)."""
     links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
     kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
     for layer in range(shape.num_layers):
@@ -173,8 +177,8 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
         for same in kinds.values():
             for part, steps in layer_links(cost, shape, same[0], rows, context, full, place).items():
                 links[part] += [s.times(len(same)) for s in steps]
-    links["lm_head"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, 1, shape.vocab, shape.hidden)
-                                   + cost.elementwise_ms(EXACT, 1, shape.hidden) / 3)]  # one norm of the six passes
+    links["lm_head"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, logits_rows, shape.vocab, shape.hidden)
+                                   + cost.elementwise_ms(EXACT, logits_rows, shape.hidden) / 3)]  # a norm: 1 of 6
     links["experts"] = [evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)]
     parts = {p: evaluator.chain(steps) for p, steps in links.items()}
     whole = evaluator.chain([s for steps in links.values() for s in steps])
@@ -192,3 +196,14 @@ def roofline_ms(cost: CostModel, shape: DecoderShape, prompt_tokens: int, static
     gflop = shape.flops_per_token(mean_context) * prompt_tokens / 1e9
     rate = sum(1.0 / cost.dense_fit(b, "matmul").ms_per_gflop for b in {static_backend, EXACT})  # GFLOP per ms
     return gflop / rate
+
+
+def placement_of(dense: Any) -> DensePlacement:
+    """A plan's `dense` field (`runtime.plan.DensePlan`, or None) as the placement it prices: the backend its layers
+    name per function (the search writes one per function for every layer)."""
+    if dense is None:
+        return DensePlacement()
+    first = lambda name: next((f.backend for dl in dense.layers if (f := getattr(dl, name)) is not None), None)  # noqa: E731
+    return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
+                                                              None), first("mlp"),
+                          tuple(dense.attention_context_buckets))
