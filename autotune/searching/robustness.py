@@ -329,8 +329,7 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
             candidates[i].chunk_tokens].layers, scorer, candidates[i].exact_partial)
     reg = regrets(plan, outcome, results)
     layers = outcome.chunks[plan.chunk_tokens].layers
-    tokens = sum(int(t) for t in layers[0].tokens)
-    per = plan.chunk_tokens / max(1, tokens)  # figures per chunk of the plan's size
+    per = 1.0 / max(layers[0].calib_chunks, 1e-12)  # figures per chunk of the plan's size
     rows = []
     for r, g in zip(results, reg):
         mine = solution(plan.configs, layers, r.scorer, plan.exact_partial)
