@@ -46,13 +46,13 @@ def test_stream_pieces_are_the_text_and_model_generate_runs_under_the_plan(tmp_p
     loaded = runtime.load("tiny-moe", plan=_spill_plan(tmp_path, "tiny-moe"), dtype="float32")
     pieces = list(runtime.stream_generate(loaded, PROMPT, max_tokens=8))
     result = runtime.generate(loaded, PROMPT, max_tokens=8)
-    assert "".join(pieces) == result["text"] and len(pieces) > 1
-    assert result["generated_tokens"] == 8 and loaded.stats.static_calls("decode") == 0
+    assert "".join(pieces) == result.text and len(pieces) > 1
+    assert result.generated_tokens == 8 and loaded.stats.static_calls("decode") == 0
     # .model.generate() also runs under the plan, and counts its decode steps apart
     ids = loaded.tokenizer(PROMPT, return_tensors="pt").input_ids
     loaded.stats.reset()
     out = loaded.model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert out[0, ids.shape[1]:].tolist() == result["token_ids"][:4]
+    assert out[0, ids.shape[1]:].tolist() == result.token_ids[:4]
     assert loaded.stats.static_calls("prefill") > 0 and loaded.stats.static_calls("decode") == 0
     assert loaded.stats.total("decode").tokens == 3 * len(loaded.plan.layers)
 

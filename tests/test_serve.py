@@ -65,7 +65,7 @@ def _reference(served, prompt, max_tokens: int) -> dict:
 
 
 def _finish(reference: dict) -> str:
-    return "stop" if reference["finish_reason"] == "eos" else "length"
+    return "stop" if reference.finish_reason == "eos" else "length"
 
 
 def _metric(served, name: str) -> float:
@@ -77,11 +77,11 @@ def _metric(served, name: str) -> float:
 def test_completion_greedy_equals_runtime_generate(served):
     ref = _reference(served, PROMPT, 8)
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0)
-    assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == _finish(ref)
-    assert r.usage.prompt_tokens == ref["prompt_tokens"] and r.usage.completion_tokens == ref["generated_tokens"]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == _finish(ref)
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == ref.generated_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     extra = r.model_extra["npumoe"]
-    assert extra["token_ids"] == ref["token_ids"]
+    assert extra["token_ids"] == ref.token_ids
     assert extra["prefill_static_calls"] > 0 and extra["decode_static_calls"] == 0 and extra["spilled"] > 0
     assert extra["ttft_ms"] > 0 and extra["drift"]["alert"] is False
     assert served.client.models.list().data[0].id == "tiny-moe"
@@ -92,9 +92,9 @@ def test_streamed_completion_is_the_same_text_with_usage_last(served):
     chunks = list(served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0,
                                                    stream=True, stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert "".join(texts) == ref["text"] and len([t for t in texts if t]) > 1
+    assert "".join(texts) == ref.text and len([t for t in texts if t]) > 1
     assert chunks[-2].choices[0].finish_reason == _finish(ref)
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref["generated_tokens"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.generated_tokens
 
 
 def test_chat_uses_the_fallback_format_streamed_or_not(served):
@@ -103,12 +103,12 @@ def test_chat_uses_the_fallback_format_streamed_or_not(served):
     assert text == "System: Be brief.\nUser: To be, or not to be\nAssistant:"
     ref = _reference(served, text, 6)
     r = served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6, temperature=0)
-    assert r.choices[0].message.content == ref["text"] and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == ref["prompt_tokens"]
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == ref.prompt_tokens
     chunks = list(served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6,
                                                         temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == _finish(ref) and chunks[-1].usage is None
 
 
@@ -121,9 +121,9 @@ def test_prefix_cache_reuses_whole_chunks_and_keeps_the_output(served):
     assert r2.usage.prompt_tokens_details.cached_tokens == 32
     assert r2.model_extra["npumoe"]["cached_tokens"] == 32
     ref1, ref2 = _reference(served, first, 4), _reference(served, second, 4)
-    assert (r1.choices[0].text, r2.choices[0].text) == (ref1["text"], ref2["text"])
+    assert (r1.choices[0].text, r2.choices[0].text) == (ref1.text, ref2.text)
     again = served.client.completions.create(model="tiny-moe", prompt=first, max_tokens=4, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1["text"]
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1.text
 
 
 def test_sampling_is_seeded(served):
@@ -134,7 +134,7 @@ def test_sampling_is_seeded(served):
 
 
 def test_stop_sequence_ends_the_text_before_it(served):
-    full = _reference(served, PROMPT, 12)["text"]
+    full = _reference(served, PROMPT, 12).text
     at = next(i for i in range(2, len(full) - 3) if full.index(full[i:i + 3]) == i)  # its first occurrence
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=12, temperature=0,
                                          stop=["never there", full[at:at + 3]])
@@ -278,7 +278,7 @@ def test_a_client_that_leaves_mid_generation_stops_it(served, stream):
                        json={"model": "tiny-moe", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0},
                        timeout=httpx.Timeout(60, read=0.5))
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=2, temperature=0)
-    assert r.choices[0].text == _reference(served, PROMPT, 2)["text"]  # the next request did not notice
+    assert r.choices[0].text == _reference(served, PROMPT, 2).text  # the next request did not notice
     assert _metric(served, "npumoe_requests_cancelled_total") == cancelled + 1
 
 

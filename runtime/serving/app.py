@@ -215,9 +215,7 @@ async def _respond(engine: Engine, body: Sampling, request: Request, reply: Repl
         raise RequestError(404, f"the model {body.model!r} is not served here (this server serves "
                                 f"{engine.model_id!r})", "model", "model_not_found")
     max_tokens = body.max_tokens or default_max_tokens
-    if engine.positions is not None and max_tokens > engine.positions:
-        raise RequestError(400, f"max_tokens is {max_tokens}; the model's context holds {engine.positions}",
-                           "max_tokens")
+    engine.check_max_tokens(max_tokens)  # before it queues; the prompt's part of the rule once it is encoded
     job_request = GenerationRequest(max_tokens, body.temperature, body.top_p, body.seed, body.stop, **prompt)
     try:
         job = engine.submit(job_request, asyncio.get_running_loop())

@@ -3,7 +3,9 @@
 Everything that touches the model or the tokenizer runs on the scheduler's one worker thread, in arrival order:
 encoding the prompt (a chat through the tokenizer's template, or the fallback format below), reusing a cached
 prefix, then `runtime.generation.Generation`: the same prefill chunks, decode steps and sampling as
-`runtime.generate`. Prefill and decode of different requests are never batched together.
+`runtime.generate`. Prefill and decode of different requests are never batched together. The calls go one way:
+the engine looks the prompt up in the prefix cache, runs the generation (which keeps the KV tensors of the
+prompt's last whole chunk, `Generation.kept`), then stores those in the cache; nothing calls back into the engine.
 
 Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
 `Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
@@ -19,7 +21,7 @@ from functools import partial
 import torch
 
 from runtime.errors import NpumoeError
-from runtime.generation import Generation, Loaded, chat_prompt, context_positions, prompt_ids
+from runtime.generation import ContextLimitError, Generation, Loaded, chat_prompt, max_new_tokens, prompt_ids
 from runtime.serving.metrics import Metrics
 from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
 from runtime.serving.scheduler import Job, Scheduler
@@ -39,7 +41,7 @@ class RequestError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation request, checked against the schema: exactly one of `text`, `ids`, `messages`."""
     max_tokens: int
@@ -59,7 +61,6 @@ def fallback_chat_text(messages: list[dict]) -> str:
 class Engine:
     def __init__(self, loaded: Loaded, model_id: str, max_queue: int, prefix_cache_mb: float) -> None:
         self.loaded, self.model_id = loaded, model_id
-        self.positions = context_positions(loaded.model)
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
         if self.chunk is None:
@@ -96,21 +97,31 @@ class Engine:
         return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
                 "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
 
+    def check_max_tokens(self, max_tokens: int) -> None:
+        """Refuse, before the request queues, a `max_tokens` no prompt could meet (`max_new_tokens`, the one
+        rule)."""
+        try:
+            max_new_tokens(self.loaded.model, 0, max_tokens)
+        except ContextLimitError as e:
+            raise RequestError(400, str(e), e.param) from None
+
     def _encode(self, request: GenerationRequest) -> torch.Tensor:
+        """The request's prompt as token ids (a chat through the template or the fallback format), checked
+        against the context by `max_new_tokens`."""
+        prompt = request.text if request.text is not None else request.ids
         if request.messages is not None:
             try:
                 text = chat_prompt(self.loaded.tokenizer, request.messages)
             except Exception as e:  # the template's own refusal (roles out of order, ...)
                 raise RequestError(400, f"the chat template refused the messages: {e}", "messages") from e
-            request.text = fallback_chat_text(request.messages) if text is None else text
+            prompt = fallback_chat_text(request.messages) if text is None else text
         try:
-            ids = prompt_ids(self.loaded, request.text if request.text is not None else request.ids)
+            ids = prompt_ids(self.loaded, prompt)
+            max_new_tokens(self.loaded.model, ids.numel(), request.max_tokens)
+        except ContextLimitError as e:
+            raise RequestError(400, str(e), e.param, "context_length_exceeded") from e
         except NpumoeError as e:
             raise RequestError(400, str(e), "messages" if request.messages is not None else "prompt") from e
-        if self.positions is not None and ids.numel() >= self.positions:
-            raise RequestError(400, f"the prompt holds {ids.numel()} tokens; the model's context holds "
-                                    f"{self.positions}, so no token fits after it", "prompt",
-                               "context_length_exceeded")
         return ids
 
     def _serve(self, request: GenerationRequest, job: Job) -> None:
@@ -133,7 +144,7 @@ class Engine:
         prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, self.chunk,
-                         request.top_p, prefix, self._keeper(ids, prefix))
+                         request.top_p, prefix, self._keep_at(ids, prefix))
         stop, texts, finish = StopText(request.stop), [], None
         pieces = gen.pieces(every_token=True)
         try:
@@ -154,45 +165,42 @@ class Engine:
                 finish = "stop" if gen.finish_reason == "eos" else "length"
         finally:
             pieces.close()
+            if gen.kept is not None:
+                self.prefix_cache.store(ids[:gen.keep_at], gen.kept)
         if finish is None:  # the client left: nothing more to say to it
             self.metrics.cancelled.inc()
             return
         job.emit(("done", self._figures(gen, job, finish, "".join(texts))))
 
-    def _keeper(self, ids: torch.Tensor, prefix: object | None):
-        """The prefill callback that stores the prompt's last whole chunk in the prefix cache."""
+    def _keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
+        """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
         if self.prefix_cache is None:
             return None
-        cached = prefix.get_seq_length() if prefix is not None else 0
         target = ids.numel() // self.chunk * self.chunk
-
-        def keep(done: int, cache: object) -> None:
-            if done == target > cached:
-                self.prefix_cache.store(ids[:done], cache)
-        return keep
+        return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None
 
     def _figures(self, gen: Generation, job: Job, finish: str, text: str) -> dict:
         """What the response reports (usage and the `npumoe` object), and the metrics it adds to."""
         r = gen.result(text)
         m = self.metrics
-        m.prompt_tokens.inc(r["prompt_tokens"])
+        m.prompt_tokens.inc(r.prompt_tokens)
         m.cached_tokens.inc(gen.cached)
-        m.generated_tokens.inc(r["generated_tokens"])
-        m.ttft.observe(r["ttft_ms"] / 1e3)
+        m.generated_tokens.inc(r.generated_tokens)
+        m.ttft.observe(r.ttft_ms / 1e3)
         m.queue_wait.observe(job.started_at - job.queued_at)
-        m.dropped.inc(r["dropped"])
-        m.spilled.inc(r["spilled"])
-        m.static_calls.labels("prefill").inc(r["prefill_static_calls"])
-        m.static_calls.labels("decode").inc(r["decode_static_calls"])
+        m.dropped.inc(r.dropped)
+        m.spilled.inc(r.spilled)
+        m.static_calls.labels("prefill").inc(r.prefill_static_calls)
+        m.static_calls.labels("decode").inc(r.decode_static_calls)
         drift = None
         if self.loaded.executor is not None:
             report = self.loaded.executor.drift.report()
             drift = {k: report[k] for k in ("alert", "reason", "rate", "chunks_seen")}
             m.drift_alert.set(int(report["alert"]))
-        npumoe = {"ttft_ms": r["ttft_ms"], "queue_ms": (job.started_at - job.queued_at) * 1e3,
-                  "prefill_tok_s": r["prefill_tok_s"], "generation_tok_s": r["generation_tok_s"],
-                  "cached_tokens": gen.cached, "dropped": r["dropped"], "spilled": r["spilled"],
-                  "prefill_static_calls": r["prefill_static_calls"], "decode_static_calls": r["decode_static_calls"],
-                  "drift": drift, "token_ids": r["token_ids"]}
-        return {"finish_reason": finish, "text": text, "prompt_tokens": r["prompt_tokens"],
-                "completion_tokens": r["generated_tokens"], "cached_tokens": gen.cached, "npumoe": npumoe}
+        npumoe = {"ttft_ms": r.ttft_ms, "queue_ms": (job.started_at - job.queued_at) * 1e3,
+                  "prefill_tok_s": r.prefill_tok_s, "generation_tok_s": r.generation_tok_s,
+                  "cached_tokens": gen.cached, "dropped": r.dropped, "spilled": r.spilled,
+                  "prefill_static_calls": r.prefill_static_calls, "decode_static_calls": r.decode_static_calls,
+                  "drift": drift, "token_ids": r.token_ids}
+        return {"finish_reason": finish, "text": text, "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.generated_tokens, "cached_tokens": gen.cached, "npumoe": npumoe}
