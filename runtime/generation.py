@@ -23,6 +23,7 @@ from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
+from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
 from runtime.prefill import prefill_chunks
 from runtime.resources import peak_rss_mb
@@ -150,14 +151,16 @@ class ContextLimitError(NpumoeError):
         self.param = param
 
 
-def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int, least: int = 1) -> int:
     """The one rule for new tokens against the model's context (`generate`, `stream_generate`, the server):
     refused up front when `max_tokens` alone is past the context (a request no prompt could fit, such as 10**12)
     or the prompt leaves no room for one new token; otherwise `max_tokens` bounded so that prompt + new <=
     positions, generation past the bound stopping with finish_reason "length". `prompt_tokens` 0: only the
-    checks `max_tokens` alone can fail (what a server asks before it has encoded the prompt)."""
-    if max_tokens < 1:
-        raise ContextLimitError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    checks `max_tokens` alone can fail (what a server asks before it has encoded the prompt). `least` 0: no new
+    token is asked for (scoring the prompt, as an echo with `max_tokens` 0 does), so the prompt may fill the
+    context."""
+    if max_tokens < least:
+        raise ContextLimitError(f"max_tokens must be at least {least}, got {max_tokens}", "max_tokens")
     positions = context_positions(model)
     if positions is None:
         return max_tokens
@@ -165,7 +168,7 @@ def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int) 
         raise ContextLimitError(f"max_tokens {max_tokens} is past the model's context of {positions} positions: "
                                 f"ask for at most {max(0, positions - prompt_tokens)} new tokens after this "
                                 "prompt", "max_tokens")
-    if prompt_tokens >= positions:
+    if prompt_tokens > positions - min(max_tokens, 1):
         raise ContextLimitError(f"the prompt holds {prompt_tokens} tokens; the model's context holds {positions} "
                                 "positions, so no token fits after it", "prompt")
     return min(max_tokens, positions - prompt_tokens)
@@ -232,13 +235,19 @@ class Generation:
     `prefix`: a KV cache already holding the prompt's first tokens (a multiple of `chunk_tokens`, fewer than the
     prompt), so prefill starts after them and meets the same chunk boundaries as without it. `keep_at`: a chunk
     boundary (tokens from the prompt's start) whose KV tensors `kept` holds once prefill has passed it, per layer
-    (keys, values), for the caller to keep. Stopping the iteration early is cancelling: nothing more runs."""
+    (keys, values), for the caller to keep. `logprobs`: keep each new token's log-probability and its `logprobs`
+    most likely alternatives (`token_logprobs`; an end-of-text token that stops it included); `echo`: the prompt's
+    too (`prompt_logprobs`, from the logits of every prefill position; no reused prefix then), and `max_tokens` 0
+    scores the prompt only. Stopping the iteration early is cancelling: nothing more runs."""
 
     def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
                  chunk_tokens: int | None, top_p: float = 1.0, prefix: object | None = None,
-                 keep_at: int | None = None) -> None:
+                 keep_at: int | None = None, logprobs: int | None = None, echo: bool = False) -> None:
         self.loaded, self.ids, self.temp, self.top_p = loaded, ids, temp, top_p
-        self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens)
+        self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens, 0 if echo else 1)
+        self.top, self.echo = logprobs, echo
+        if echo and prefix is not None:
+            raise NpumoeError("echo scores every prompt token: a reused prefix has no logits to score")
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
         self.prefix, self.keep_at = prefix, keep_at
@@ -247,20 +256,37 @@ class Generation:
             raise NpumoeError(f"a reused prefix must be a whole number of {self.chunk}-token chunks shorter than "
                               f"the prompt, got {self.cached} of {ids.numel()} tokens")
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.token_logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []
         self.ttft_s = self.decode_s = 0.0
         self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
         self.finish_reason = "length"
 
-    def _prefill(self) -> tuple[int, object]:
-        """The prompt through the model in the plan's chunks; the first new token and the cache."""
-        done = self.cached
-        for out in prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk, last_logits_only=True,
-                                  cache=self.prefix):
-            done = min(done + self.chunk, self.ids.numel())
+    def _prefill(self) -> tuple[torch.Tensor, object]:
+        """The prompt through the model in the plan's chunks (with `echo`, each prompt token's log-probability
+        from the position before it); the last position's logits and the cache."""
+        done, before = self.cached, None
+        for out in prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
+                                  last_logits_only=not self.echo, cache=self.prefix):
+            start, done = done, min(done + self.chunk, self.ids.numel())
             if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
                 self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
-        return _sample(out.logits[0, -1], self.temp, self.gen, self.top_p), out.cache
+            if self.echo:
+                rows = out.logits[0] if before is None else torch.cat([before, out.logits[0]])
+                if before is None:  # the prompt's first token: nothing predicts it
+                    self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
+                self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + (before is None):done],
+                                                       self.top or 0)
+                before = out.logits[0, -1:]
+        return out.logits[0, -1], out.cache
+
+    def _next(self, logits: torch.Tensor) -> int:
+        """The next token, sampled; its log-probability kept when asked."""
+        tok = _sample(logits, self.temp, self.gen, self.top_p)
+        if self.top is not None:
+            self.token_logprobs += token_logprobs(logits[None], torch.tensor([tok]), self.top)
+        return tok
 
     def token_ids(self) -> Iterator[int]:
         model, eos = self.loaded.model, _eos_ids(self.loaded)
@@ -268,11 +294,12 @@ class Generation:
             self.loaded.pin_phase("prefill")
             t0 = time.perf_counter()
             with torch.inference_mode():
-                tok, cache = self._prefill()
+                logits, cache = self._prefill()
+                tok = self._next(logits) if self.max_tokens else None
             t1 = time.perf_counter()
             self.ttft_s = t1 - t0
             self.loaded.pin_phase("decode")
-            while True:
+            while tok is not None:
                 if tok in eos:
                     self.finish_reason = "eos"
                     return
@@ -284,7 +311,7 @@ class Generation:
                 t = time.perf_counter()
                 with torch.inference_mode():
                     out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
-                    tok = _sample(out.logits[0, -1], self.temp, self.gen, self.top_p)
+                    tok = self._next(out.logits[0, -1])
                 self.step_s.append(time.perf_counter() - t)
                 cache = out.cache
         finally:

@@ -15,12 +15,14 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+import torch
 
 import runtime
 from autotune.cli import main
 from autotune.searching.templates import template_plan
 from runtime.loading.model_loader import model_spec
 from runtime.plan import save_plan
+from runtime.prefill import prefill_logits
 from runtime.serving.engine import Engine, fallback_chat_text
 from runtime.serving.scheduler import Job
 from runtime.serving.server import listen, make_server
@@ -148,6 +150,68 @@ def test_new_tokens_stop_at_the_model_context(served):
     assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("length", "stop")
 
 
+def _plan_logprobs(served, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the logits the plan computes for `ids` in its chunks, float32: [T, vocab]."""
+    return torch.log_softmax(prefill_logits(served.loaded.model, torch.tensor(ids), CHUNK).float(), dim=-1)
+
+
+def test_echo_scores_the_prompt_with_the_plans_logits(served):
+    ids = served.loaded.tokenizer.encode(PROMPT, add_special_tokens=False)
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
+                                         temperature=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == PROMPT and r.usage.completion_tokens == 0 and len(lp.tokens) == len(ids)
+    assert "".join(lp.tokens) == PROMPT and lp.text_offset[0] == 0 and lp.text_offset[-1] == len(PROMPT) - len(
+        lp.tokens[-1])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _plan_logprobs(served, ids)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4)
+    for i, top in enumerate(lp.top_logprobs[1:]):
+        best = ref[i].topk(2).values.tolist()
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0], abs=1e-4)
+        assert top[lp.tokens[i + 1]] == lp.token_logprobs[i + 1]  # the chosen token is always there
+
+
+def test_completion_logprobs_of_the_new_tokens_streamed_or_not(served):
+    ref = _reference(served, PROMPT, 6)
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == ref.text and len(lp.tokens) == ref.generated_tokens
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and max(top.values()) == value == top[token]  # greedy: the chosen one is the likeliest
+    chunks = list(served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1,
+                                                   temperature=0, stream=True))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    echoed = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1,
+                                              temperature=0, echo=True).choices[0]
+    # all prompt positions' logits against the last one's alone: the same to float32 rounding
+    assert echoed.text == PROMPT + ref.text
+    assert echoed.logprobs.token_logprobs[-6:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_content_streamed_or_not(served):
+    messages = [{"role": "user", "content": "To be, or not to be"}]
+    r = served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content) == \
+        r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob  # greedy
+        assert c.bytes == list(c.token.encode())
+    chunks = list(served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=5,
+                                                        temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    with pytest.raises(openai.BadRequestError):
+        served.client.chat.completions.create(model="tiny-moe", messages=messages, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError):
+        served.client.chat.completions.create(model="tiny-moe", messages=messages, logprobs=True, top_logprobs=21)
+
+
 def test_a_key_is_required_but_not_for_health(served):
     for key in ("wrong", ""):
         with pytest.raises(openai.AuthenticationError) as e:
@@ -171,7 +235,9 @@ BAD = [
     (json.dumps({"model": "tiny-moe", "prompt": "x", "stop": [3]}).encode(), 400, "stop"),
     (json.dumps({"model": "tiny-moe", "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny-moe", "prompt": [10**7]}).encode(), 400, "prompt"),
-    (json.dumps({"model": "tiny-moe", "prompt": "x", "logprobs": 2}).encode(), 400, None),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "logprobs": 6}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": 0}).encode(), 400, None),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "best_of": 3}).encode(), 400, None),
     (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model"),
     (json.dumps({"model": "tiny-moe"}).encode(), 400, "prompt"),
 ]

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from runtime.generation import DEFAULT_MAX_TOKENS
 from runtime.serving.engine import Engine, GenerationRequest, RequestError
+from runtime.serving.logprob_format import LogprobFormat
 from runtime.serving.openai_schema import ChatRequest, CompletionRequest, Reply, Sampling, error_object, usage
 from runtime.serving.scheduler import Closed, Job, QueueFull
 
@@ -141,14 +142,15 @@ async def _stream(engine: Engine, job: Job, reply: Reply, include_usage: bool) -
         if reply.chat:
             yield _sse(reply.chunk(None))
         while (event := await job.events.get()) is not None:
-            kind, value = event
+            kind, value = event[:2]
             if kind == "text":
-                yield _sse(reply.chunk(value))
+                yield _sse(reply.chunk(value, entries=event[2]))
             elif kind == "error":
                 yield _sse(error_object(value.message, value.type, value.param, value.code))
                 return
             elif kind == "done":
-                yield _sse(reply.chunk(None, value["finish_reason"], npumoe=value["npumoe"]))
+                yield _sse(reply.chunk(None, value["finish_reason"], value.get("unsent_logprobs"),
+                                       npumoe=value["npumoe"]))
                 if include_usage:
                     yield _sse(reply.usage_chunk(_usage(value), value["npumoe"]))
                 yield _sse("[DONE]")
@@ -197,16 +199,23 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
         prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"ids": body.prompt}
-        return await _respond(engine, body, request, Reply(False, engine.model_id), COMPLETION_MAX_TOKENS, prompt)
+        return await _respond(engine, body, request, _reply(engine, False, body.logprobs), COMPLETION_MAX_TOKENS,
+                              {**prompt, "logprobs": body.logprobs, "echo": body.echo})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse(ChatRequest, await request.body())
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        return await _respond(engine, body, request, Reply(True, engine.model_id), DEFAULT_MAX_TOKENS,
-                              {"messages": messages})
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _respond(engine, body, request, _reply(engine, True, logprobs), DEFAULT_MAX_TOKENS,
+                              {"messages": messages, "logprobs": logprobs})
 
     return app
+
+
+def _reply(engine: Engine, chat: bool, logprobs: int | None) -> Reply:
+    fmt = LogprobFormat(engine.loaded.tokenizer, chat) if logprobs is not None else None
+    return Reply(chat, engine.model_id, fmt)
 
 
 async def _respond(engine: Engine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
@@ -214,8 +223,8 @@ async def _respond(engine: Engine, body: Sampling, request: Request, reply: Repl
     if body.model != engine.model_id:
         raise RequestError(404, f"the model {body.model!r} is not served here (this server serves "
                                 f"{engine.model_id!r})", "model", "model_not_found")
-    max_tokens = body.max_tokens or default_max_tokens
-    engine.check_max_tokens(max_tokens)  # before it queues; the prompt's part of the rule once it is encoded
+    max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens
+    engine.check_max_tokens(max_tokens, prompt.get("echo", False))  # before it queues; the prompt's part later
     job_request = GenerationRequest(max_tokens, body.temperature, body.top_p, body.seed, body.stop, **prompt)
     try:
         job = engine.submit(job_request, asyncio.get_running_loop())
@@ -237,13 +246,13 @@ async def _respond(engine: Engine, body: Sampling, request: Request, reply: Repl
                                      headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(engine.scheduler.cancel, job))
         while (event := await waiter.next()) is not None:
-            kind, value = event
+            kind, value = event[:2]
             if kind == "error":
                 raise value
             elif kind == "done":
                 finished = True
                 return JSONResponse(reply.whole(value["text"], value["finish_reason"], _usage(value),
-                                                value["npumoe"]))
+                                                value["npumoe"], value.get("logprobs")))
         return Response(status_code=CLIENT_LEFT)
     finally:
         if not finished:

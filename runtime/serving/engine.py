@@ -52,6 +52,8 @@ class GenerationRequest:
     text: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    echo: bool = False  # the prompt (and its log-probabilities) before the completion
 
 
 def fallback_chat_text(messages: list[dict]) -> str:
@@ -97,11 +99,11 @@ class Engine:
         return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
                 "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
 
-    def check_max_tokens(self, max_tokens: int) -> None:
+    def check_max_tokens(self, max_tokens: int, echo: bool = False) -> None:
         """Refuse, before the request queues, a `max_tokens` no prompt could meet (`max_new_tokens`, the one
         rule)."""
         try:
-            max_new_tokens(self.loaded.model, 0, max_tokens)
+            max_new_tokens(self.loaded.model, 0, max_tokens, 0 if echo else 1)
         except ContextLimitError as e:
             raise RequestError(400, str(e), e.param) from None
 
@@ -117,7 +119,7 @@ class Engine:
             prompt = fallback_chat_text(request.messages) if text is None else text
         try:
             ids = prompt_ids(self.loaded, prompt)
-            max_new_tokens(self.loaded.model, ids.numel(), request.max_tokens)
+            max_new_tokens(self.loaded.model, ids.numel(), request.max_tokens, 0 if request.echo else 1)
         except ContextLimitError as e:
             raise RequestError(400, str(e), e.param, "context_length_exceeded") from e
         except NpumoeError as e:
@@ -141,27 +143,39 @@ class Engine:
 
     def _generate(self, request: GenerationRequest, ids: torch.Tensor, job: Job) -> None:
         self.loaded.stats.reset()  # this request's figures; the drift monitor keeps watching across requests
-        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
+        # an echo scores every prompt token: the logits of a reused prefix are not kept, so none is reused then
+        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache and not request.echo else None
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, self.chunk,
-                         request.top_p, prefix, self._keep_at(ids, prefix))
-        stop, texts, finish = StopText(request.stop), [], None
+                         request.top_p, prefix, self._keep_at(ids, prefix), request.logprobs, request.echo)
+        stop, texts, finish, sent = StopText(request.stop), [], None, 0
+
+        def emit(text: str) -> None:  # the text and the log-probabilities of the tokens not sent yet
+            nonlocal sent
+            job.emit(("text", text, gen.token_logprobs[sent:]))
+            sent = len(gen.token_logprobs)
         pieces = gen.pieces(every_token=True)
         try:
             for piece in pieces:
                 if job.cancelled.is_set():
                     break
+                if not texts and request.echo:  # prefill is done: the prompt and its log-probabilities first
+                    texts.append(self._prompt_text(request, ids))
+                    job.emit(("text", texts[0], gen.prompt_logprobs))
                 text, hit = stop.feed(piece)
                 texts.append(text)
                 if not hit or text:  # a chunk per token, text or not: the client sees each token arrive
-                    job.emit(("text", text))
+                    emit(text)
                 if hit:
                     finish = "stop"
                     break
             else:
+                if not texts and request.echo:  # nothing generated (max_tokens 0, or an end of text at once)
+                    texts.append(self._prompt_text(request, ids))
+                    job.emit(("text", texts[0], gen.prompt_logprobs))
                 texts.append(stop.flush())
                 if texts[-1]:
-                    job.emit(("text", texts[-1]))
+                    emit(texts[-1])
                 finish = "stop" if gen.finish_reason == "eos" else "length"
         finally:
             pieces.close()
@@ -170,7 +184,14 @@ class Engine:
         if finish is None:  # the client left: nothing more to say to it
             self.metrics.cancelled.inc()
             return
-        job.emit(("done", self._figures(gen, job, finish, "".join(texts))))
+        figures = self._figures(gen, job, finish, "".join(texts))
+        if request.logprobs is not None:
+            figures.update(logprobs=gen.prompt_logprobs + gen.token_logprobs, unsent_logprobs=gen.token_logprobs[sent:])
+        job.emit(("done", figures))
+
+    def _prompt_text(self, request: GenerationRequest, ids: torch.Tensor) -> str:
+        return request.text if request.text is not None else self.loaded.tokenizer.decode(
+            ids.tolist(), skip_special_tokens=True)
 
     def _keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
         """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
