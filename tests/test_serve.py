@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -210,6 +211,70 @@ def test_chat_logprobs_content_streamed_or_not(served):
         served.client.chat.completions.create(model="tiny-moe", messages=messages, top_logprobs=3)
     with pytest.raises(openai.BadRequestError):
         served.client.chat.completions.create(model="tiny-moe", messages=messages, logprobs=True, top_logprobs=21)
+
+
+ANTHROPIC_MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "To be, or not to be"}]}]
+GREEDY = {"temperature": 0}  # the SDK (2.x) no longer names temperature; the API and this server take it
+
+
+def _anthropic(served, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key=key, max_retries=0)
+
+
+def _chat_text(served, max_tokens: int, **kwargs) -> object:
+    return served.client.chat.completions.create(
+        model="tiny-moe", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}],
+        **kwargs)
+
+
+def test_anthropic_messages_equal_the_chat_endpoint_streamed_or_not(served):
+    chat = _chat_text(served, 6)
+    client = _anthropic(served)
+    m = client.messages.create(model="tiny-moe", max_tokens=6, extra_body=GREEDY, system="Be brief.",
+                               messages=ANTHROPIC_MESSAGES)
+    assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+    assert m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens and m.usage.output_tokens == chat.usage.completion_tokens
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    with client.messages.stream(model="tiny-moe", max_tokens=6, extra_body=GREEDY, system="Be brief.",
+                                messages=ANTHROPIC_MESSAGES) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == m.content[0].text == final.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_anthropic_stream_is_anthropics_event_sequence(served):
+    body = {"model": "tiny-moe", "max_tokens": 4, "temperature": 0, "stream": True, "messages": ANTHROPIC_MESSAGES}
+    with httpx.stream("POST", served.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+        events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(events[3:-3]) == {"content_block_delta"}
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_anthropic_stop_sequences_and_errors(served):
+    client = _anthropic(served)
+    full = client.messages.create(model="tiny-moe", max_tokens=12, extra_body=GREEDY,
+                                  messages=ANTHROPIC_MESSAGES).content[0].text
+    at = next(i for i in range(2, len(full) - 3) if full.index(full[i:i + 3]) == i)
+    m = client.messages.create(model="tiny-moe", max_tokens=12, extra_body=GREEDY, messages=ANTHROPIC_MESSAGES,
+                               stop_sequences=[full[at:at + 3]])
+    assert m.content[0].text == full[:at] and m.stop_reason == "stop_sequence"
+    assert m.stop_sequence == full[at:at + 3]
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        _anthropic(served, "wrong").messages.create(model="tiny-moe", max_tokens=4, messages=ANTHROPIC_MESSAGES)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-x", max_tokens=4, messages=ANTHROPIC_MESSAGES)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    for bad in ({"messages": ANTHROPIC_MESSAGES}, {"max_tokens": 4, "messages": []},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                {"max_tokens": 4, "messages": ANTHROPIC_MESSAGES, "temperature": 1.5},
+                {"max_tokens": 4, "messages": ANTHROPIC_MESSAGES, "tools": [{"name": "x"}]}):
+        r = httpx.post(served.url + "/v1/messages", json={"model": "tiny-moe", **bad}, headers={"x-api-key": KEY})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
 
 
 def test_a_key_is_required_but_not_for_health(served):

@@ -185,6 +185,7 @@ class Engine:
             self.metrics.cancelled.inc()
             return
         figures = self._figures(gen, job, finish, "".join(texts))
+        figures["stop_sequence"] = stop.matched
         if request.logprobs is not None:
             figures.update(logprobs=gen.prompt_logprobs + gen.token_logprobs, unsent_logprobs=gen.token_logprobs[sent:])
         job.emit(("done", figures))
