@@ -109,7 +109,8 @@ def _exit_code(argv: list[str]) -> int:
     (["--prompt", "x", "--package", "nowhere.mlpackage"], "no such package"),
     (["--prompt", "x", "--package", "{tmp}/x.mlpackage"], "give --plan"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
-    (["--prompt", ""], "no tokens"),
+    (["--prompt", ""], "empty"),
+    (["--chat", "--prompt", ""], "empty"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "x.mlpackage").mkdir()
@@ -117,6 +118,15 @@ def test_bad_input_is_one_line_exit_2(argv, message, tmp_path, capsys):
     assert _exit_code(["generate", "--model", "random:olmoe", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_an_empty_chat_prompt_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import autotune.commands.generate as command
+
+    monkeypatch.setattr(command, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "--model", "tiny-moe", "--chat", "--prompt", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the prompt is empty" in err
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):

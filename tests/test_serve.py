@@ -420,6 +420,17 @@ def test_non_loopback_without_a_key_is_refused_in_one_line(capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and "--api-key" in err and "0.0.0.0" in err
 
 
+@pytest.mark.parametrize("args,env", [(["--api-key", ""], None), ([], "")])
+def test_an_empty_key_is_refused_in_one_line(capsys, monkeypatch, args, env):
+    if env is None:
+        monkeypatch.delenv("NPUMOE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("NPUMOE_API_KEY", env)
+    assert main(["serve", "--model", "tiny-moe", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "empty" in err
+
+
 def test_a_taken_port_is_refused_in_one_line(capsys):
     sock = listen("127.0.0.1", 0)
     try:

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if args.record_traces and not args.plan:
         raise NpumoeError("--record-traces records the routing under a plan: give --plan too")
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    if not prompt:  # before the model loads: nothing to generate from (with --chat, an empty user turn)
+        raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
+                          "give some text")
     apply_threads(args.threads)
     loaded = load(args.model, args.plan, args.package, args.dtype)
     if args.record_traces:

@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (default 127.0.0.1; any other than loopback needs --api-key)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
     p.add_argument("--api-key", metavar="K",
-                   help=f"require `Authorization: Bearer K` on every route but /health (default: ${KEY_ENV}, "
-                        "which keeps the key out of the process list)")
+                   help=f"require `Authorization: Bearer K` (or `x-api-key: K`) on every route but /health "
+                        f"(default: ${KEY_ENV}, which keeps the key out of the process list; an empty key is refused)")
     p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
                    help="requests that may wait behind the running one (default 16); past it: HTTP 429")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+    if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
+        raise NpumoeError(f"{'--api-key' if args.api_key == '' else KEY_ENV} is empty: an empty key would let anyone "
+                          "in; give a key, or leave it out to serve without one (loopback only)")
     api_key = args.api_key or os.environ.get(KEY_ENV) or None
     check_bind(args.host, api_key)
     sock = listen(args.host, args.port)  # before loading: a taken port fails at once
