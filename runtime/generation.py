@@ -259,17 +259,27 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob] = []
         self.token_logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []
-        self.ttft_s = self.decode_s = 0.0
+        self.eos = _eos_ids(loaded)
+        self.pending: int | None = None  # the token sampled and not yet taken (`accept`)
+        self.cache: object | None = None  # the KV cache once prefill is done
+        self.ttft_s = self.decode_s = self.t1 = 0.0
         self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
         self.finish_reason = "length"
 
-    def _prefill(self) -> tuple[torch.Tensor, object]:
-        """The prompt through the model in the plan's chunks (with `echo`, each prompt token's log-probability
-        from the position before it); the last position's logits and the cache."""
-        done, before = self.cached, None
-        for out in prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
-                                  last_logits_only=not self.echo, cache=self.prefix):
-            start, done = done, min(done + self.chunk, self.ids.numel())
+    def prefill_steps(self) -> Iterator[int]:
+        """Prefill in the plan's chunks, one chunk per step (with `echo`, each prompt token's log-probability from
+        the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
+        other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
+        is pending (`accept`), `cache` holds the prompt and `ttft_s` is measured from the first chunk."""
+        n, done, before = self.ids.numel(), self.cached, None
+        chunks = prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
+                                last_logits_only=not self.echo, cache=self.prefix)
+        t0 = time.perf_counter()
+        while done < n:
+            self.loaded.pin_phase("prefill")
+            with torch.inference_mode():
+                out = next(chunks)
+            start, done = done, min(done + self.chunk, n)
             if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
                 self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
             if self.echo:
@@ -279,41 +289,59 @@ class Generation:
                 self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + (before is None):done],
                                                        self.top or 0)
                 before = out.logits[0, -1:]
-        return out.logits[0, -1], out.cache
+            if done < n:
+                yield done
+        if self.max_tokens:
+            with torch.inference_mode():
+                self.sample(out.logits[0, -1])
+        self.cache = out.cache
+        self.t1 = time.perf_counter()
+        self.ttft_s = self.t1 - t0
 
-    def _next(self, logits: torch.Tensor) -> int:
-        """The next token, sampled; its log-probability kept when asked."""
-        tok = _sample(logits, self.temp, self.gen, self.top_p)
+    def sample(self, logits: torch.Tensor) -> None:
+        """The next token from this position's logits, pending; its log-probability kept when asked."""
+        self.pending = _sample(logits, self.temp, self.gen, self.top_p)
         if self.top is not None:
-            self.token_logprobs += token_logprobs(logits[None], torch.tensor([tok]), self.top)
+            self.token_logprobs += token_logprobs(logits[None], torch.tensor([self.pending]), self.top)
+
+    def accept(self) -> int | None:
+        """The pending token, taken into the output; None where the generation ends instead (an end-of-text
+        token, `finish_reason` "eos"; or nothing pending)."""
+        tok, self.pending = self.pending, None
+        if tok is None:
+            return None
+        if tok in self.eos:
+            self.finish_reason = "eos"
+            return None
+        self.tokens.append(tok)
+        self.decode_s = time.perf_counter() - self.t1
         return tok
 
+    @property
+    def full(self) -> bool:
+        """Whether `max_tokens` are out: no decode step is needed."""
+        return len(self.tokens) >= self.max_tokens
+
+    def step(self) -> None:
+        """One decode step on this generation's own cache (a batch runs its own: `serving.decode_batch`)."""
+        t = time.perf_counter()
+        self.loaded.pin_phase("decode")
+        with torch.inference_mode():
+            out = self.loaded.model(input_ids=torch.tensor([[self.tokens[-1]]]), cache=self.cache, use_cache=True,
+                                    logits_to_keep=1)
+            self.sample(out.logits[0, -1])
+        self.cache = out.cache
+        self.step_s.append(time.perf_counter() - t)
+
     def token_ids(self) -> Iterator[int]:
-        model, eos = self.loaded.model, _eos_ids(self.loaded)
         try:
-            self.loaded.pin_phase("prefill")
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                logits, cache = self._prefill()
-                tok = self._next(logits) if self.max_tokens else None
-            t1 = time.perf_counter()
-            self.ttft_s = t1 - t0
-            self.loaded.pin_phase("decode")
-            while tok is not None:
-                if tok in eos:
-                    self.finish_reason = "eos"
-                    return
-                self.tokens.append(tok)
-                self.decode_s = time.perf_counter() - t1
+            for _ in self.prefill_steps():
+                pass
+            while (tok := self.accept()) is not None:
                 yield tok
-                if len(self.tokens) >= self.max_tokens:
+                if self.full:
                     return
-                t = time.perf_counter()
-                with torch.inference_mode():
-                    out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
-                    tok = self._next(out.logits[0, -1])
-                self.step_s.append(time.perf_counter() - t)
-                cache = out.cache
+                self.step()
         finally:
             self.loaded.unpin_phase()
 

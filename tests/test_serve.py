@@ -129,6 +129,39 @@ def test_prefix_cache_reuses_whole_chunks_and_keeps_the_output(served):
     assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1.text
 
 
+def test_concurrent_requests_batch_their_decode_and_keep_their_greedy_tokens(served):
+    """Six clients at once, prompts of different lengths (left padding, interleaved prefill chunks), their own
+    max_tokens and stop sequences: each gets what runtime.generate gives it alone; decode stays exact."""
+    ids = served.loaded.tokenizer.encode(PROMPT * 3, add_special_tokens=False)
+    prompts = [ids[:n] for n in (5, 17, 40, 23, 64, 9)]
+    news = [12, 7, 10, 3, 9, 12]
+    refs = [_reference(served, p, n) for p, n in zip(prompts, news)]
+    stop = refs[0].text[4:7]  # the first client stops early on its own stop sequence
+    decode_calls = _metric(served, 'npumoe_static_calls_total{phase="decode"}')
+    results = [None] * len(prompts)
+
+    def ask(i):
+        results[i] = served.client.completions.create(model="tiny-moe", prompt=prompts[i], max_tokens=news[i],
+                                                      temperature=0, stop=[stop] if i == 0 else None)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    scheduler = served.engine.scheduler
+    scheduler.max_queue = 16  # they all arrive before the worker's next round (the fixture's queue holds 2)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        scheduler.max_queue = 2
+    assert results[0].choices[0].text == refs[0].text[:refs[0].text.index(stop)]
+    assert results[0].choices[0].finish_reason == "stop"
+    for r, ref in list(zip(results, refs))[1:]:
+        assert r.model_extra["npumoe"]["token_ids"] == ref.token_ids and r.choices[0].text == ref.text
+        assert r.model_extra["npumoe"]["decode_static_calls"] == 0
+    assert served.engine.batch.widest >= 2  # decode steps really ran together
+    assert _metric(served, 'npumoe_static_calls_total{phase="decode"}') == decode_calls
+
+
 def test_sampling_is_seeded(served):
     def sample(seed):
         return served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, temperature=1.0,

@@ -17,6 +17,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads
 from runtime.errors import NpumoeError
 from runtime.generation import load
+from runtime.serving.engine import DEFAULT_MAX_BATCH
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
 KEY_ENV = "NPUMOE_API_KEY"
@@ -37,8 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", metavar="K",
                    help=f"require `Authorization: Bearer K` (or `x-api-key: K`) on every route but /health "
                         f"(default: ${KEY_ENV}, which keeps the key out of the process list; an empty key is refused)")
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"requests generating at once, their decode steps batched (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
-                   help="requests that may wait behind the running one (default 16); past it: HTTP 429")
+                   help="requests that may wait behind the active ones (default 16); past it: HTTP 429")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
     p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         def ready(engine: object) -> None:
             print(f"autotune serve: {model_id} at {url} (SIGTERM or Ctrl-C: finish the requests in flight, exit)",
                   flush=True)
-        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready)
+        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready,
+              args.max_batch)
     finally:
         sock.close()
     return 0
