@@ -17,7 +17,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads
 from runtime.errors import NpumoeError
 from runtime.generation import load
-from runtime.serving.engine import DEFAULT_MAX_BATCH
+from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
 KEY_ENV = "NPUMOE_API_KEY"
@@ -44,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait behind the active ones (default 16); past it: HTTP 429")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
+    p.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="also keep reusable prefixes' KV caches in DIR, across restarts (whole prefill chunks, tied to "
+                        "the model's and the plan's digests; needs --plan)")
+    p.add_argument("--prefix-cache-disk-gb", type=positive_float, default=DEFAULT_DISK_GB, metavar="GB",
+                   help=f"bound of --prefix-cache-dir, least recently used out first (default {DEFAULT_DISK_GB:g})")
     p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
                    help=f"on SIGTERM, how long requests in flight may take to finish (default {DRAIN_S:g})")
     add_threads_argument(p)
@@ -70,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"autotune serve: {model_id} at {url} (SIGTERM or Ctrl-C: finish the requests in flight, exit)",
                   flush=True)
         serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready,
-              args.max_batch)
+              args.max_batch, args.prefix_cache_dir, args.prefix_cache_disk_gb)
     finally:
         sock.close()
     return 0

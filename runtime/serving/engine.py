@@ -23,6 +23,7 @@ import torch
 from runtime.errors import NpumoeError
 from runtime.generation import ContextLimitError, Generation, Loaded, chat_prompt, max_new_tokens, prompt_ids
 from runtime.serving.decode_batch import DecodeBatch
+from runtime.serving.disk_prefix_cache import DiskPrefixCache
 from runtime.serving.metrics import Metrics
 from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
 from runtime.serving.request_stream import COUNTS, RequestStream, executor_counts
@@ -30,6 +31,7 @@ from runtime.serving.scheduler import Job, Scheduler
 
 log = logging.getLogger("npumoe.serve")
 
+DEFAULT_DISK_GB = 4.0  # the prefix cache on disk, when --prefix-cache-dir is given
 DEFAULT_MAX_BATCH = 8  # requests decoding together (a laptop's worth); more wait in the queue
 FALLBACK_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 
@@ -64,7 +66,8 @@ def fallback_chat_text(messages: list[dict]) -> str:
 
 class Engine:
     def __init__(self, loaded: Loaded, model_id: str, max_queue: int, prefix_cache_mb: float,
-                 max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, prefix_cache_dir: str | None = None,
+                 prefix_cache_disk_gb: float = DEFAULT_DISK_GB) -> None:
         self.loaded, self.model_id = loaded, model_id
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
@@ -76,6 +79,16 @@ class Engine:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
             self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20))
+        self.disk_cache = None
+        if prefix_cache_dir is not None:
+            if self.chunk is None or not supports_prefix_reuse(loaded.model):
+                raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan and a model with "
+                                  "plain full attention")
+            try:
+                self.disk_cache = DiskPrefixCache(prefix_cache_dir, int(prefix_cache_disk_gb * 2**30), loaded.model,
+                                                  loaded.plan)
+            except OSError as e:
+                raise NpumoeError(f"--prefix-cache-dir {prefix_cache_dir}: {e.strerror or e}") from e
         self.batch = DecodeBatch(loaded)
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
@@ -100,6 +113,9 @@ class Engine:
     def health(self) -> dict:
         cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
                  "max_bytes": self.prefix_cache.max_bytes} if self.prefix_cache else {"off": self.prefix_cache_off}
+        if self.disk_cache is not None:
+            cache["disk"] = {"dir": str(self.disk_cache.folder), "bytes": self.disk_cache.nbytes,
+                             "max_bytes": self.disk_cache.max_bytes}
         return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
                 "active": self.scheduler.active, "max_batch": self.scheduler.max_active,
                 "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
@@ -195,9 +211,28 @@ class Engine:
         return request.text if request.text is not None else self.loaded.tokenizer.decode(
             ids.tolist(), skip_special_tokens=True)
 
+    def lookup_prefix(self, ids: torch.Tensor) -> object | None:
+        """The longest reusable prefix of `ids`: from memory, or a longer one from disk (then kept in memory)."""
+        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
+        if self.disk_cache is not None:
+            held = prefix.get_seq_length() if prefix is not None else 0
+            longer = self.disk_cache.lookup(ids, longer_than=held)
+            if longer is not None:
+                prefix = longer
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(ids[:longer.get_seq_length()],
+                                            [(layer.keys, layer.values) for layer in longer.layers])
+        return prefix
+
+    def store_prefix(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(tokens, layers)
+        if self.disk_cache is not None:
+            self.disk_cache.store(tokens, layers)
+
     def keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
         """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None and self.disk_cache is None:
             return None
         target = ids.numel() // self.chunk * self.chunk
         return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None

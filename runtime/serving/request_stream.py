@@ -31,9 +31,8 @@ class RequestStream:
     def __init__(self, engine: object, request: object, ids: torch.Tensor, job: Job) -> None:
         self.engine, self.request, self.ids, self.job = engine, request, ids, job
         self.loaded: Loaded = engine.loaded
-        cache = engine.prefix_cache
         # an echo scores every prompt token: the logits of a reused prefix are not kept, so none is reused then
-        prefix = cache.lookup(ids) if cache and not request.echo else None
+        prefix = engine.lookup_prefix(ids) if not request.echo else None
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         self.gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, engine.chunk,
                               request.top_p, prefix, engine.keep_at(ids, prefix), request.logprobs, request.echo)
@@ -57,7 +56,7 @@ class RequestStream:
         if done:
             self.prefilling = False
             if self.gen.kept is not None:
-                self.engine.prefix_cache.store(self.ids[:self.gen.keep_at], self.gen.kept)
+                self.engine.store_prefix(self.ids[:self.gen.keep_at], self.gen.kept)
         return done
 
     def take(self) -> bool:
