@@ -39,6 +39,7 @@ class LayerExecutor:
         self.module, self.stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
         self.exact_below = plan.exact_below
+        self.sequences = 1  # sequences in one forward (batched decode): the exact_below rule counts per sequence
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
         self.cap = torch.zeros(n, dtype=torch.long)
         self.group_of = torch.full((n,), -1, dtype=torch.long)
@@ -72,8 +73,9 @@ class LayerExecutor:
             self.pool = None
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] < self.exact_below or self.fused:
-            return self._all_exact(x, top_k_index, top_k_weights, watched=x.shape[0] >= self.exact_below)
+        below = self.exact_below * self.sequences
+        if x.shape[0] < below or self.fused:
+            return self._all_exact(x, top_k_index, top_k_weights, watched=x.shape[0] >= below)
         if x.shape[0] <= self.chunk:
             return self._chunk(x, top_k_index, top_k_weights)
         return torch.cat([self._chunk(x[s:s + self.chunk], top_k_index[s:s + self.chunk],
@@ -196,6 +198,12 @@ class PlanExecutor:
             self.phase = phase
             for index, layer in self.layers.items():
                 layer.stats = self.stats.layer(index, phase)
+
+    def set_sequences(self, n: int) -> None:
+        """The next forwards run `n` sequences at once (a batched decode step): each layer's exact_below rule
+        counts each sequence's tokens, so n one-token steps run exactly as one would."""
+        for layer in self.layers.values():
+            layer.sequences = n
 
     def _classify_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: a decode step feeds one token per sequence onto a cache that already holds some."""

@@ -14,14 +14,16 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from runtime.detokenizer import StreamingDetokenizer
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
+from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
 from runtime.prefill import prefill_chunks
 from runtime.resources import peak_rss_mb
@@ -56,6 +58,16 @@ class Loaded:
         """The model without the plan for the duration (a reference run)."""
         with self.executor.applied(False) if self.executor else nullcontext():
             yield
+
+    def pin_phase(self, phase: str) -> None:
+        """Count what follows as `phase` ("prefill" or "decode") until `unpin_phase`."""
+        if self.executor:
+            self.executor.set_phase(phase, pin=True)
+
+    def unpin_phase(self) -> None:
+        """Each forward classifies itself again (as under `.model.generate()`)."""
+        if self.executor:
+            self.executor.set_phase(self.executor.phase, pin=False)
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
@@ -125,129 +137,245 @@ def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator, top_p: floa
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def _decode(tokenizer: object, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def context_positions(model: torch.nn.Module) -> int | None:
     """How many positions the model's context holds (config `max_position_embeddings`); None where unstated."""
     n = getattr(model.config, "max_position_embeddings", None)
     return n if isinstance(n, int) and n > 0 else None
 
 
-def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+class ContextLimitError(NpumoeError):
+    """A request past the model's context; `param` names what is too long: "max_tokens" or "prompt"."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def max_new_tokens(model: torch.nn.Module, prompt_tokens: int, max_tokens: int, least: int = 1) -> int:
     """The one rule for new tokens against the model's context (`generate`, `stream_generate`, the server):
     refused up front when `max_tokens` alone is past the context (a request no prompt could fit, such as 10**12)
     or the prompt leaves no room for one new token; otherwise `max_tokens` bounded so that prompt + new <=
-    positions, generation past the bound stopping with finish_reason "length"."""
-    if max_tokens < 1:
-        raise NpumoeError(f"max_tokens must be at least 1, got {max_tokens}")
+    positions, generation past the bound stopping with finish_reason "length". `prompt_tokens` 0: only the
+    checks `max_tokens` alone can fail (what a server asks before it has encoded the prompt). `least` 0: no new
+    token is asked for (scoring the prompt, as an echo with `max_tokens` 0 does), so the prompt may fill the
+    context."""
+    if max_tokens < least:
+        raise ContextLimitError(f"max_tokens must be at least {least}, got {max_tokens}", "max_tokens")
     positions = context_positions(model)
     if positions is None:
         return max_tokens
     if max_tokens > positions:
-        raise NpumoeError(f"max_tokens {max_tokens} is past the model's context of {positions} positions: ask "
-                          f"for at most {max(0, positions - prompt_tokens)} new tokens after this prompt")
-    if prompt_tokens >= positions:
-        raise NpumoeError(f"the prompt holds {prompt_tokens} tokens; the model's context holds {positions} "
-                          "positions, so no token fits after it")
+        raise ContextLimitError(f"max_tokens {max_tokens} is past the model's context of {positions} positions: "
+                                f"ask for at most {max(0, positions - prompt_tokens)} new tokens after this "
+                                "prompt", "max_tokens")
+    if prompt_tokens > positions - min(max_tokens, 1):
+        raise ContextLimitError(f"the prompt holds {prompt_tokens} tokens; the model's context holds {positions} "
+                                "positions, so no token fits after it", "prompt")
     return min(max_tokens, positions - prompt_tokens)
+
+
+MEASURED = ("prompt_tokens", "generated_tokens", "ttft_ms", "prefill_tok_s", "generation_tok_s", "decode_step_ms",
+            "peak_rss_mb", "dropped", "spilled", "prefill_static_calls", "decode_static_calls", "finish_reason",
+            "chunk_tokens")  # GenerationResult's JSON, in this order
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """`generate(compare=True)`: the unmodified model on the same prompt and chunks, and the ratios (>1: the plan
+    is faster)."""
+    reference_ttft_ms: float
+    reference_prefill_tok_s: float
+    reference_generation_tok_s: float | None
+    prefill_speedup: float
+    generation_speedup: float | None
+    same_tokens: bool
+
+
+@dataclass
+class GenerationResult:
+    """What one generation measured (`runtime.generate`); `to_json()` is what `autotune generate --json` prints.
+    `model` to `traces` are what the command adds (the run's name, its memory against the plan's prediction...):
+    None here is left out of the JSON, except `plan` once `model` is set."""
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    prefill_tok_s: float
+    generation_tok_s: float | None
+    decode_step_ms: float | None
+    peak_rss_mb: float
+    dropped: int
+    spilled: int
+    prefill_static_calls: int
+    decode_static_calls: int
+    finish_reason: str
+    chunk_tokens: int
+    token_ids: list[int]
+    text: str
+    comparison: Comparison | None = None
+    model: str | None = None
+    plan: str | None = None
+    drift: dict | None = None
+    memory: dict | None = None
+    plan_predicted: dict | None = None
+    traces: dict | None = None
+
+    def to_json(self) -> dict:
+        head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
+        own = {k: getattr(self, k) for k in MEASURED}
+        comparison = asdict(self.comparison) if self.comparison else {}
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces")
+                if getattr(self, k) is not None}
+        return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
+
 
 
 class Generation:
     """One generation: produces tokens, then text pieces, and keeps the measured timings.
 
     `prefix`: a KV cache already holding the prompt's first tokens (a multiple of `chunk_tokens`, fewer than the
-    prompt), so prefill starts after them and meets the same chunk boundaries as without it. `on_prefill_chunk`
-    sees (tokens prefilled so far, the cache) after each prefill chunk. Stopping the iteration early is
-    cancelling: nothing more runs."""
+    prompt), so prefill starts after them and meets the same chunk boundaries as without it. `keep_at`: a chunk
+    boundary (tokens from the prompt's start) whose KV tensors `kept` holds once prefill has passed it, per layer
+    (keys, values), for the caller to keep. `logprobs`: keep each new token's log-probability and its `logprobs`
+    most likely alternatives (`token_logprobs`; an end-of-text token that stops it included); `echo`: the prompt's
+    too (`prompt_logprobs`, from the logits of every prefill position; no reused prefix then), and `max_tokens` 0
+    scores the prompt only. Stopping the iteration early is cancelling: nothing more runs."""
 
     def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
                  chunk_tokens: int | None, top_p: float = 1.0, prefix: object | None = None,
-                 on_prefill_chunk: Callable[[int, object], None] | None = None) -> None:
+                 keep_at: int | None = None, logprobs: int | None = None, echo: bool = False) -> None:
         self.loaded, self.ids, self.temp, self.top_p = loaded, ids, temp, top_p
-        self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens)
+        self.max_tokens = max_new_tokens(loaded.model, ids.numel(), max_tokens, 0 if echo else 1)
+        self.top, self.echo = logprobs, echo
+        if echo and prefix is not None:
+            raise NpumoeError("echo scores every prompt token: a reused prefix has no logits to score")
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
-        self.prefix, self.on_prefill_chunk = prefix, on_prefill_chunk
+        self.prefix, self.keep_at = prefix, keep_at
         self.cached = prefix.get_seq_length() if prefix is not None else 0
         if self.cached % self.chunk or self.cached >= ids.numel():
             raise NpumoeError(f"a reused prefix must be a whole number of {self.chunk}-token chunks shorter than "
                               f"the prompt, got {self.cached} of {ids.numel()} tokens")
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.token_logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []
-        self.ttft_s = self.decode_s = 0.0
+        self.eos = _eos_ids(loaded)
+        self.pending: int | None = None  # the token sampled and not yet taken (`accept`)
+        self.cache: object | None = None  # the KV cache once prefill is done
+        self.ttft_s = self.decode_s = self.t1 = 0.0
         self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
         self.finish_reason = "length"
 
-    def _phase(self, phase: str) -> None:
-        if self.loaded.executor:
-            self.loaded.executor.set_phase(phase, pin=True)
+    def prefill_steps(self) -> Iterator[int]:
+        """Prefill in the plan's chunks, one chunk per step (with `echo`, each prompt token's log-probability from
+        the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
+        other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
+        is pending (`accept`), `cache` holds the prompt and `ttft_s` is measured from the first chunk."""
+        n, done, before = self.ids.numel(), self.cached, None
+        chunks = prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
+                                last_logits_only=not self.echo, cache=self.prefix)
+        t0 = time.perf_counter()
+        while done < n:
+            self.loaded.pin_phase("prefill")
+            with torch.inference_mode():
+                out = next(chunks)
+            start, done = done, min(done + self.chunk, n)
+            if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
+                self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
+            if self.echo:
+                rows = out.logits[0] if before is None else torch.cat([before, out.logits[0]])
+                if before is None:  # the prompt's first token: nothing predicts it
+                    self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
+                self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + (before is None):done],
+                                                       self.top or 0)
+                before = out.logits[0, -1:]
+            if done < n:
+                yield done
+        if self.max_tokens:
+            with torch.inference_mode():
+                self.sample(out.logits[0, -1])
+        self.cache = out.cache
+        self.t1 = time.perf_counter()
+        self.ttft_s = self.t1 - t0
+
+    def sample(self, logits: torch.Tensor) -> None:
+        """The next token from this position's logits, pending; its log-probability kept when asked."""
+        self.pending = _sample(logits, self.temp, self.gen, self.top_p)
+        if self.top is not None:
+            self.token_logprobs += token_logprobs(logits[None], torch.tensor([self.pending]), self.top)
+
+    def accept(self) -> int | None:
+        """The pending token, taken into the output; None where the generation ends instead (an end-of-text
+        token, `finish_reason` "eos"; or nothing pending)."""
+        tok, self.pending = self.pending, None
+        if tok is None:
+            return None
+        if tok in self.eos:
+            self.finish_reason = "eos"
+            return None
+        self.tokens.append(tok)
+        self.decode_s = time.perf_counter() - self.t1
+        return tok
+
+    @property
+    def full(self) -> bool:
+        """Whether `max_tokens` are out: no decode step is needed."""
+        return len(self.tokens) >= self.max_tokens
+
+    def step(self) -> None:
+        """One decode step on this generation's own cache (a batch runs its own: `serving.decode_batch`)."""
+        t = time.perf_counter()
+        self.loaded.pin_phase("decode")
+        with torch.inference_mode():
+            out = self.loaded.model(input_ids=torch.tensor([[self.tokens[-1]]]), cache=self.cache, use_cache=True,
+                                    logits_to_keep=1)
+            self.sample(out.logits[0, -1])
+        self.cache = out.cache
+        self.step_s.append(time.perf_counter() - t)
 
     def token_ids(self) -> Iterator[int]:
-        model, eos, ex = self.loaded.model, _eos_ids(self.loaded), self.loaded.executor
         try:
-            self._phase("prefill")
-            t0 = time.perf_counter()
-            done = self.cached
-            with torch.inference_mode():
-                for out in prefill_chunks(model, self.ids[self.cached:], self.chunk, last_logits_only=True,
-                                          cache=self.prefix):
-                    done = min(done + self.chunk, self.ids.numel())
-                    if self.on_prefill_chunk is not None:
-                        self.on_prefill_chunk(done, out.cache)
-                tok = _sample(out.logits[0, -1], self.temp, self.gen, self.top_p)
-            t1 = time.perf_counter()
-            self.ttft_s = t1 - t0
-            self._phase("decode")
-            cache = out.cache
-            while True:
-                if tok in eos:
-                    self.finish_reason = "eos"
-                    return
-                self.tokens.append(tok)
-                self.decode_s = time.perf_counter() - t1
+            for _ in self.prefill_steps():
+                pass
+            while (tok := self.accept()) is not None:
                 yield tok
-                if len(self.tokens) >= self.max_tokens:
+                if self.full:
                     return
-                t = time.perf_counter()
-                with torch.inference_mode():
-                    out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True, logits_to_keep=1)
-                    tok = _sample(out.logits[0, -1], self.temp, self.gen, self.top_p)
-                self.step_s.append(time.perf_counter() - t)
-                cache = out.cache
+                self.step()
         finally:
-            if ex:
-                ex.pinned = False
+            self.loaded.unpin_phase()
 
     def pieces(self, every_token: bool = False) -> Iterator[str]:
-        """Incremental detokenisation: yield the new text after each token, holding back a trailing incomplete
-        character (U+FFFD) until the bytes that finish it arrive. `every_token`: yield "" for a token that adds no
-        text yet (a server's client then sees every token arrive)."""
-        shown = ""
-        for _ in self.token_ids():
-            text = _decode(self.loaded.tokenizer, self.tokens)
-            if text.endswith("\ufffd") or len(text) <= len(shown):
-                if every_token:
-                    yield ""
-                continue
-            yield text[len(shown):]
-            shown = text
-        text = _decode(self.loaded.tokenizer, self.tokens)
-        if len(text) > len(shown):
-            yield text[len(shown):]
+        """Incremental detokenisation (linear in the output: `StreamingDetokenizer`): yield the new text after
+        each token, a trailing incomplete character held back until the bytes that finish it arrive.
+        `every_token`: yield "" for a token that adds no text yet (a server's client then sees every token
+        arrive)."""
+        detokenizer = StreamingDetokenizer(self.loaded.tokenizer)
+        for tok in self.token_ids():
+            piece = detokenizer.add(tok)
+            if piece or every_token:
+                yield piece
+        if tail := detokenizer.finish():
+            yield tail
 
-    def result(self, text: str) -> dict:
+    def result(self, text: str, comparison: Comparison | None = None) -> GenerationResult:
         stats = self.loaded.stats
         total = stats.total()
         n = len(self.tokens)
-        return {"prompt_tokens": int(self.ids.numel()), "generated_tokens": n,
-                "ttft_ms": self.ttft_s * 1e3, "prefill_tok_s": (self.ids.numel() - self.cached) / self.ttft_s,
-                "generation_tok_s": (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None,
-                "decode_step_ms": statistics.median(self.step_s) * 1e3 if self.step_s else None,
-                "peak_rss_mb": peak_rss_mb(), "dropped": total.dropped, "spilled": total.spilled,
-                "prefill_static_calls": stats.static_calls("prefill"),
-                "decode_static_calls": stats.static_calls("decode"), "finish_reason": self.finish_reason,
-                "chunk_tokens": self.chunk, "token_ids": list(self.tokens), "text": text}
+        return GenerationResult(
+            prompt_tokens=int(self.ids.numel()), generated_tokens=n, ttft_ms=self.ttft_s * 1e3,
+            prefill_tok_s=(self.ids.numel() - self.cached) / self.ttft_s,
+            generation_tok_s=_tok_s(n, self.decode_s),
+            decode_step_ms=statistics.median(self.step_s) * 1e3 if self.step_s else None,
+            peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
+            prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
+            finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
+            comparison=comparison)
+
+
+def _tok_s(tokens: int, decode_s: float) -> float | None:
+    """Generation speed: the tokens after the first over the time they took."""
+    return (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None
 
 
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,
@@ -267,8 +395,9 @@ def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int
 
 def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS, temp: float = 0.0,
              seed: int = 0, chat: bool = False, compare: bool = False,
-             on_text: Callable[[str], None] | None = None) -> dict:
-    """Generate from `prompt`; returns the measured figures and the text (see `autotune generate --json`).
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:
+    """Generate from `prompt`; returns the measured figures and the text (`.to_json()`: see `autotune generate
+    --json`).
 
     `on_text` receives each text piece as it comes. `compare` also runs the unmodified model on the same prompt
     (same prefill chunks) after an untimed warm-up of both, and reports its timings, the speed ratios and whether
@@ -282,26 +411,19 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
         pieces.append(piece)
         if on_text is not None:
             on_text(piece)
-    result = run.result("".join(pieces))
+    comparison = None
     if compare:
         with loaded.unmodified():
             ref = Generation(loaded, run.ids, max_tokens, temp, seed, run.chunk)
             for _ in ref.token_ids():
                 pass
-        result.update(reference_ttft_ms=ref.ttft_s * 1e3, reference_prefill_tok_s=run.ids.numel() / ref.ttft_s,
-                      reference_generation_tok_s=(len(ref.tokens) - 1) / ref.decode_s
-                      if len(ref.tokens) > 1 and ref.decode_s > 0 else None,
-                      prefill_speedup=ref.ttft_s / run.ttft_s,
-                      generation_speedup=_ratio(result["generation_tok_s"], ref.decode_s, len(ref.tokens)),
-                      same_tokens=ref.tokens == run.tokens)
-    return result
-
-
-def _ratio(ours_tok_s: float | None, ref_decode_s: float, ref_tokens: int) -> float | None:
-    """Our generation speed over the reference's (>1: ours is faster)."""
-    if ours_tok_s is None or ref_tokens < 2 or ref_decode_s <= 0:
-        return None
-    return ours_tok_s / ((ref_tokens - 1) / ref_decode_s)
+        ours, theirs = _tok_s(len(run.tokens), run.decode_s), _tok_s(len(ref.tokens), ref.decode_s)
+        comparison = Comparison(
+            reference_ttft_ms=ref.ttft_s * 1e3, reference_prefill_tok_s=run.ids.numel() / ref.ttft_s,
+            reference_generation_tok_s=theirs, prefill_speedup=ref.ttft_s / run.ttft_s,
+            generation_speedup=ours / theirs if ours is not None and theirs is not None else None,
+            same_tokens=ref.tokens == run.tokens)
+    return run.result("".join(pieces), comparison)
 
 
 def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:

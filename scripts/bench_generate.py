@@ -78,7 +78,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names[r % 3:] + names[:r % 3]:
-            runs[name].append(impls[name]())
+            runs[name].append(impls[name]().to_json())
             print(f"repeat {r + 1}/{args.repeats} {name}: prefill {runs[name][-1]['ttft_ms']:.1f} ms", file=sys.stderr)
 
     def med(name: str, key: str) -> float:

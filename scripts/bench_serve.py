@@ -134,7 +134,7 @@ def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int
         pair = {}
         for side in (("server", "runtime") if r % 2 == 0 else ("runtime", "server")):
             pair[side] = server.stream(prompt, new) if side == "server" else \
-                runtime.generate(loaded, prompt, max_tokens=new)
+                runtime.generate(loaded, prompt, max_tokens=new).to_json()
         ours.append(pair["server"])
         theirs.append(pair["runtime"])
         print(f"overhead repeat {r + 1}/{repeats}: server ttft {pair['server']['first_s'] * 1e3:.1f} ms (on its "
@@ -174,7 +174,7 @@ def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -
 
 
 def concurrency(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], clients: int, new: int) -> dict:
-    expected = [runtime.generate(loaded, p, max_tokens=new)["token_ids"] for p in prompts]
+    expected = [runtime.generate(loaded, p, max_tokens=new).token_ids for p in prompts]
     results: list[dict | None] = [None] * len(prompts)
 
     def client(c: int) -> None:
@@ -203,7 +203,7 @@ def disconnect(server: Server, loaded: runtime.Loaded, prompt: list[int]) -> boo
     cancelled = server.metric("npumoe_requests_cancelled_total")
     server.stream(prompt, 1000, on_first=lambda: True)
     after = server.stream(prompt, 4)
-    ok = after["done"] and after["npumoe"]["token_ids"] == runtime.generate(loaded, prompt, max_tokens=4)["token_ids"]
+    ok = after["done"] and after["npumoe"]["token_ids"] == runtime.generate(loaded, prompt, max_tokens=4).token_ids
     return bool(ok and server.metric("npumoe_requests_cancelled_total") == cancelled + 1)
 
 

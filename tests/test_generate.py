@@ -46,13 +46,13 @@ def test_stream_pieces_are_the_text_and_model_generate_runs_under_the_plan(tmp_p
     loaded = runtime.load("tiny-moe", plan=_spill_plan(tmp_path, "tiny-moe"), dtype="float32")
     pieces = list(runtime.stream_generate(loaded, PROMPT, max_tokens=8))
     result = runtime.generate(loaded, PROMPT, max_tokens=8)
-    assert "".join(pieces) == result["text"] and len(pieces) > 1
-    assert result["generated_tokens"] == 8 and loaded.stats.static_calls("decode") == 0
+    assert "".join(pieces) == result.text and len(pieces) > 1
+    assert result.generated_tokens == 8 and loaded.stats.static_calls("decode") == 0
     # .model.generate() also runs under the plan, and counts its decode steps apart
     ids = loaded.tokenizer(PROMPT, return_tensors="pt").input_ids
     loaded.stats.reset()
     out = loaded.model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert out[0, ids.shape[1]:].tolist() == result["token_ids"][:4]
+    assert out[0, ids.shape[1]:].tolist() == result.token_ids[:4]
     assert loaded.stats.static_calls("prefill") > 0 and loaded.stats.static_calls("decode") == 0
     assert loaded.stats.total("decode").tokens == 3 * len(loaded.plan.layers)
 
@@ -109,7 +109,8 @@ def _exit_code(argv: list[str]) -> int:
     (["--prompt", "x", "--package", "nowhere.mlpackage"], "no such package"),
     (["--prompt", "x", "--package", "{tmp}/x.mlpackage"], "give --plan"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
-    (["--prompt", ""], "no tokens"),
+    (["--prompt", ""], "empty"),
+    (["--chat", "--prompt", ""], "empty"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "x.mlpackage").mkdir()
@@ -117,6 +118,15 @@ def test_bad_input_is_one_line_exit_2(argv, message, tmp_path, capsys):
     assert _exit_code(["generate", "--model", "random:olmoe", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_an_empty_chat_prompt_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import autotune.commands.generate as command
+
+    monkeypatch.setattr(command, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", "--model", "tiny-moe", "--chat", "--prompt", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the prompt is empty" in err
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, capsys):

@@ -30,7 +30,7 @@ def _bytes(n: int) -> int:
 
 
 def _store(pc: PrefixCache, tokens: list[int]) -> None:
-    pc.store(torch.tensor(tokens), _cache(len(tokens)))
+    pc.store(torch.tensor(tokens), [(layer.keys, layer.values) for layer in _cache(len(tokens)).layers])
 
 
 def test_common_prefix():
@@ -84,9 +84,10 @@ def test_a_run_from_a_reused_prefix_gives_the_same_tokens(tmp_path):
     ids = torch.arange(30, 60)
 
     def run(prompt, prefix=None):
-        gen = Generation(loaded, prompt, 6, 0.0, 0, 8, prefix=prefix,
-                         on_prefill_chunk=lambda done, cache: done == 24 and pc.store(prompt[:24], cache))
+        gen = Generation(loaded, prompt, 6, 0.0, 0, 8, prefix=prefix, keep_at=24)
         list(gen.token_ids())
+        if gen.kept is not None:
+            pc.store(prompt[:24], gen.kept)
         return gen.tokens
 
     first = run(ids)

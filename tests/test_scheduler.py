@@ -44,3 +44,29 @@ def test_a_failing_job_does_not_stop_the_worker():
     sched.submit(Job(lambda job: done.set(), loop))
     assert done.wait(30)
     sched.close(timeout_s=30)
+
+
+def test_active_tasks_advance_together_up_to_max_active():
+    """Tasks a job's work returns are stepped in rounds, at most `max_active` at once; a third waits its turn."""
+    loop = asyncio.new_event_loop()
+    rounds, finished = [], threading.Event()
+
+    def step(active):
+        rounds.append(sorted(active.values()))
+        for job, name in active.items():
+            left[name] -= 1
+        done = [job for job, name in active.items() if left[name] == 0]
+        if len(done) == len(active) and not sched.depth:
+            finished.set()
+        return done
+    left = {"a": 2, "b": 3, "c": 1}
+    sched = Scheduler(max_queue=4, max_active=2, step=step)
+    gate, held = threading.Event(), threading.Event()
+    sched.submit(Job(lambda job: held.set() or gate.wait() and None, loop))  # holds the worker meanwhile
+    assert held.wait(30)
+    for name in "abc":
+        sched.submit(Job(lambda job, name=name: name, loop))
+    gate.set()
+    assert finished.wait(30)
+    assert rounds == [["a", "b"], ["a", "b"], ["b", "c"]]
+    sched.close(timeout_s=30)

@@ -12,15 +12,18 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import anthropic
 import httpx
 import openai
 import pytest
+import torch
 
 import runtime
 from autotune.cli import main
 from autotune.searching.templates import template_plan
 from runtime.loading.model_loader import model_spec
 from runtime.plan import save_plan
+from runtime.prefill import prefill_logits
 from runtime.serving.engine import Engine, fallback_chat_text
 from runtime.serving.scheduler import Job
 from runtime.serving.server import listen, make_server
@@ -65,7 +68,7 @@ def _reference(served, prompt, max_tokens: int) -> dict:
 
 
 def _finish(reference: dict) -> str:
-    return "stop" if reference["finish_reason"] == "eos" else "length"
+    return "stop" if reference.finish_reason == "eos" else "length"
 
 
 def _metric(served, name: str) -> float:
@@ -77,11 +80,11 @@ def _metric(served, name: str) -> float:
 def test_completion_greedy_equals_runtime_generate(served):
     ref = _reference(served, PROMPT, 8)
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0)
-    assert r.choices[0].text == ref["text"] and r.choices[0].finish_reason == _finish(ref)
-    assert r.usage.prompt_tokens == ref["prompt_tokens"] and r.usage.completion_tokens == ref["generated_tokens"]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == _finish(ref)
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == ref.generated_tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     extra = r.model_extra["npumoe"]
-    assert extra["token_ids"] == ref["token_ids"]
+    assert extra["token_ids"] == ref.token_ids
     assert extra["prefill_static_calls"] > 0 and extra["decode_static_calls"] == 0 and extra["spilled"] > 0
     assert extra["ttft_ms"] > 0 and extra["drift"]["alert"] is False
     assert served.client.models.list().data[0].id == "tiny-moe"
@@ -92,9 +95,9 @@ def test_streamed_completion_is_the_same_text_with_usage_last(served):
     chunks = list(served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=8, temperature=0,
                                                    stream=True, stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert "".join(texts) == ref["text"] and len([t for t in texts if t]) > 1
+    assert "".join(texts) == ref.text and len([t for t in texts if t]) > 1
     assert chunks[-2].choices[0].finish_reason == _finish(ref)
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref["generated_tokens"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.generated_tokens
 
 
 def test_chat_uses_the_fallback_format_streamed_or_not(served):
@@ -103,12 +106,12 @@ def test_chat_uses_the_fallback_format_streamed_or_not(served):
     assert text == "System: Be brief.\nUser: To be, or not to be\nAssistant:"
     ref = _reference(served, text, 6)
     r = served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6, temperature=0)
-    assert r.choices[0].message.content == ref["text"] and r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == ref["prompt_tokens"]
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == ref.prompt_tokens
     chunks = list(served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=6,
                                                         temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == _finish(ref) and chunks[-1].usage is None
 
 
@@ -121,9 +124,42 @@ def test_prefix_cache_reuses_whole_chunks_and_keeps_the_output(served):
     assert r2.usage.prompt_tokens_details.cached_tokens == 32
     assert r2.model_extra["npumoe"]["cached_tokens"] == 32
     ref1, ref2 = _reference(served, first, 4), _reference(served, second, 4)
-    assert (r1.choices[0].text, r2.choices[0].text) == (ref1["text"], ref2["text"])
+    assert (r1.choices[0].text, r2.choices[0].text) == (ref1.text, ref2.text)
     again = served.client.completions.create(model="tiny-moe", prompt=first, max_tokens=4, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1["text"]
+    assert again.usage.prompt_tokens_details.cached_tokens == 32 and again.choices[0].text == ref1.text
+
+
+def test_concurrent_requests_batch_their_decode_and_keep_their_greedy_tokens(served):
+    """Six clients at once, prompts of different lengths (left padding, interleaved prefill chunks), their own
+    max_tokens and stop sequences: each gets what runtime.generate gives it alone; decode stays exact."""
+    ids = served.loaded.tokenizer.encode(PROMPT * 3, add_special_tokens=False)
+    prompts = [ids[:n] for n in (5, 17, 40, 23, 64, 9)]
+    news = [12, 7, 10, 3, 9, 12]
+    refs = [_reference(served, p, n) for p, n in zip(prompts, news)]
+    stop = refs[0].text[4:7]  # the first client stops early on its own stop sequence
+    decode_calls = _metric(served, 'npumoe_static_calls_total{phase="decode"}')
+    results = [None] * len(prompts)
+
+    def ask(i):
+        results[i] = served.client.completions.create(model="tiny-moe", prompt=prompts[i], max_tokens=news[i],
+                                                      temperature=0, stop=[stop] if i == 0 else None)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    scheduler = served.engine.scheduler
+    scheduler.max_queue = 16  # they all arrive before the worker's next round (the fixture's queue holds 2)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        scheduler.max_queue = 2
+    assert results[0].choices[0].text == refs[0].text[:refs[0].text.index(stop)]
+    assert results[0].choices[0].finish_reason == "stop"
+    for r, ref in list(zip(results, refs))[1:]:
+        assert r.model_extra["npumoe"]["token_ids"] == ref.token_ids and r.choices[0].text == ref.text
+        assert r.model_extra["npumoe"]["decode_static_calls"] == 0
+    assert served.engine.batch.widest >= 2  # decode steps really ran together
+    assert _metric(served, 'npumoe_static_calls_total{phase="decode"}') == decode_calls
 
 
 def test_sampling_is_seeded(served):
@@ -134,7 +170,7 @@ def test_sampling_is_seeded(served):
 
 
 def test_stop_sequence_ends_the_text_before_it(served):
-    full = _reference(served, PROMPT, 12)["text"]
+    full = _reference(served, PROMPT, 12).text
     at = next(i for i in range(2, len(full) - 3) if full.index(full[i:i + 3]) == i)  # its first occurrence
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=12, temperature=0,
                                          stop=["never there", full[at:at + 3]])
@@ -146,6 +182,132 @@ def test_new_tokens_stop_at_the_model_context(served):
     prompt = [5] * (positions - 3)
     r = served.client.completions.create(model="tiny-moe", prompt=prompt, max_tokens=50, temperature=0)
     assert r.usage.completion_tokens <= 3 and r.choices[0].finish_reason in ("length", "stop")
+
+
+def _plan_logprobs(served, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the logits the plan computes for `ids` in its chunks, float32: [T, vocab]."""
+    return torch.log_softmax(prefill_logits(served.loaded.model, torch.tensor(ids), CHUNK).float(), dim=-1)
+
+
+def test_echo_scores_the_prompt_with_the_plans_logits(served):
+    ids = served.loaded.tokenizer.encode(PROMPT, add_special_tokens=False)
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
+                                         temperature=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == PROMPT and r.usage.completion_tokens == 0 and len(lp.tokens) == len(ids)
+    assert "".join(lp.tokens) == PROMPT and lp.text_offset[0] == 0 and lp.text_offset[-1] == len(PROMPT) - len(
+        lp.tokens[-1])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _plan_logprobs(served, ids)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4)
+    for i, top in enumerate(lp.top_logprobs[1:]):
+        best = ref[i].topk(2).values.tolist()
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0], abs=1e-4)
+        assert top[lp.tokens[i + 1]] == lp.token_logprobs[i + 1]  # the chosen token is always there
+
+
+def test_completion_logprobs_of_the_new_tokens_streamed_or_not(served):
+    ref = _reference(served, PROMPT, 6)
+    r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text == ref.text and len(lp.tokens) == ref.generated_tokens
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and max(top.values()) == value == top[token]  # greedy: the chosen one is the likeliest
+    chunks = list(served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1,
+                                                   temperature=0, stream=True))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    echoed = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, logprobs=1,
+                                              temperature=0, echo=True).choices[0]
+    # all prompt positions' logits against the last one's alone: the same to float32 rounding
+    assert echoed.text == PROMPT + ref.text
+    assert echoed.logprobs.token_logprobs[-6:] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_chat_logprobs_content_streamed_or_not(served):
+    messages = [{"role": "user", "content": "To be, or not to be"}]
+    r = served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content) == \
+        r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob  # greedy
+        assert c.bytes == list(c.token.encode())
+    chunks = list(served.client.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=5,
+                                                        temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    with pytest.raises(openai.BadRequestError):
+        served.client.chat.completions.create(model="tiny-moe", messages=messages, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError):
+        served.client.chat.completions.create(model="tiny-moe", messages=messages, logprobs=True, top_logprobs=21)
+
+
+ANTHROPIC_MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "To be, or not to be"}]}]
+GREEDY = {"temperature": 0}  # the SDK (2.x) no longer names temperature; the API and this server take it
+
+
+def _anthropic(served, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key=key, max_retries=0)
+
+
+def _chat_text(served, max_tokens: int, **kwargs) -> object:
+    return served.client.chat.completions.create(
+        model="tiny-moe", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be, or not to be"}],
+        **kwargs)
+
+
+def test_anthropic_messages_equal_the_chat_endpoint_streamed_or_not(served):
+    chat = _chat_text(served, 6)
+    client = _anthropic(served)
+    m = client.messages.create(model="tiny-moe", max_tokens=6, extra_body=GREEDY, system="Be brief.",
+                               messages=ANTHROPIC_MESSAGES)
+    assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+    assert m.content[0].text == chat.choices[0].message.content
+    assert m.usage.input_tokens == chat.usage.prompt_tokens and m.usage.output_tokens == chat.usage.completion_tokens
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    with client.messages.stream(model="tiny-moe", max_tokens=6, extra_body=GREEDY, system="Be brief.",
+                                messages=ANTHROPIC_MESSAGES) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == m.content[0].text == final.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_anthropic_stream_is_anthropics_event_sequence(served):
+    body = {"model": "tiny-moe", "max_tokens": 4, "temperature": 0, "stream": True, "messages": ANTHROPIC_MESSAGES}
+    with httpx.stream("POST", served.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+        events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert set(events[3:-3]) == {"content_block_delta"}
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_anthropic_stop_sequences_and_errors(served):
+    client = _anthropic(served)
+    full = client.messages.create(model="tiny-moe", max_tokens=12, extra_body=GREEDY,
+                                  messages=ANTHROPIC_MESSAGES).content[0].text
+    at = next(i for i in range(2, len(full) - 3) if full.index(full[i:i + 3]) == i)
+    m = client.messages.create(model="tiny-moe", max_tokens=12, extra_body=GREEDY, messages=ANTHROPIC_MESSAGES,
+                               stop_sequences=[full[at:at + 3]])
+    assert m.content[0].text == full[:at] and m.stop_reason == "stop_sequence"
+    assert m.stop_sequence == full[at:at + 3]
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        _anthropic(served, "wrong").messages.create(model="tiny-moe", max_tokens=4, messages=ANTHROPIC_MESSAGES)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-x", max_tokens=4, messages=ANTHROPIC_MESSAGES)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    for bad in ({"messages": ANTHROPIC_MESSAGES}, {"max_tokens": 4, "messages": []},
+                {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                {"max_tokens": 4, "messages": ANTHROPIC_MESSAGES, "temperature": 1.5},
+                {"max_tokens": 4, "messages": ANTHROPIC_MESSAGES, "tools": [{"name": "x"}]}):
+        r = httpx.post(served.url + "/v1/messages", json={"model": "tiny-moe", **bad}, headers={"x-api-key": KEY})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
 
 
 def test_a_key_is_required_but_not_for_health(served):
@@ -171,7 +333,9 @@ BAD = [
     (json.dumps({"model": "tiny-moe", "prompt": "x", "stop": [3]}).encode(), 400, "stop"),
     (json.dumps({"model": "tiny-moe", "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny-moe", "prompt": [10**7]}).encode(), 400, "prompt"),
-    (json.dumps({"model": "tiny-moe", "prompt": "x", "logprobs": 2}).encode(), 400, None),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "logprobs": 6}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "max_tokens": 0}).encode(), 400, None),
+    (json.dumps({"model": "tiny-moe", "prompt": "x", "best_of": 3}).encode(), 400, None),
     (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model"),
     (json.dumps({"model": "tiny-moe"}).encode(), 400, "prompt"),
 ]
@@ -278,7 +442,7 @@ def test_a_client_that_leaves_mid_generation_stops_it(served, stream):
                        json={"model": "tiny-moe", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0},
                        timeout=httpx.Timeout(60, read=0.5))
     r = served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=2, temperature=0)
-    assert r.choices[0].text == _reference(served, PROMPT, 2)["text"]  # the next request did not notice
+    assert r.choices[0].text == _reference(served, PROMPT, 2).text  # the next request did not notice
     assert _metric(served, "npumoe_requests_cancelled_total") == cancelled + 1
 
 
@@ -287,6 +451,17 @@ def test_non_loopback_without_a_key_is_refused_in_one_line(capsys, monkeypatch):
     assert main(["serve", "--model", "tiny-moe", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--api-key" in err and "0.0.0.0" in err
+
+
+@pytest.mark.parametrize("args,env", [(["--api-key", ""], None), ([], "")])
+def test_an_empty_key_is_refused_in_one_line(capsys, monkeypatch, args, env):
+    if env is None:
+        monkeypatch.delenv("NPUMOE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("NPUMOE_API_KEY", env)
+    assert main(["serve", "--model", "tiny-moe", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "empty" in err
 
 
 def test_a_taken_port_is_refused_in_one_line(capsys):

@@ -4,6 +4,7 @@ A thin parser over the runtime API (`runtime.load` / `runtime.generate`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from autotune import pipeline
@@ -67,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if args.record_traces and not args.plan:
         raise NpumoeError("--record-traces records the routing under a plan: give --plan too")
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)
+    if not prompt:  # before the model loads: nothing to generate from (with --chat, an empty user turn)
+        raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
+                          "give some text")
     apply_threads(args.threads)
     loaded = load(args.model, args.plan, args.package, args.dtype)
     if args.record_traces:
@@ -74,24 +78,24 @@ def run(args: argparse.Namespace) -> int:
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = generate(loaded, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed, chat=args.chat,
                       compare=args.compare, on_text=stream)
-    result = {"model": args.model, "plan": args.plan, **result}
+    extra: dict = {"model": args.model, "plan": args.plan}
     if loaded.executor:
-        result["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
+        extra["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
         # the KV cache holds the prompt and every generated token but the last
-        result["memory"] = against_measured(loaded.plan, loaded.model,
-                                            result["prompt_tokens"] + result["generated_tokens"],
-                                            int(result["peak_rss_mb"] * 2**20),
-                                            ane_simulated=simulated_functions(loaded.executor.fallbacks))
-        result["plan_predicted"] = pipeline.plan_predictions(loaded.plan)
+        extra["memory"] = against_measured(loaded.plan, loaded.model, result.prompt_tokens + result.generated_tokens,
+                                           int(result.peak_rss_mb * 2**20),
+                                           ane_simulated=simulated_functions(loaded.executor.fallbacks))
+        extra["plan_predicted"] = pipeline.plan_predictions(loaded.plan)
     if args.record_traces:
-        result["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
-                                                         text=args.prompt_file or "--prompt",
-                                                         recorded_by=f"autotune generate --plan {args.plan}")
+        extra["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
+                                                        text=args.prompt_file or "--prompt",
+                                                        recorded_by=f"autotune generate --plan {args.plan}")
+    report = dataclasses.replace(result, **extra).to_json()
     if args.json:
-        print_json(result)
+        print_json(report)
     else:
         print(flush=True)
-        _print_summary(result)
+        _print_summary(report)
     return 0
 
 

@@ -17,6 +17,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads
 from runtime.errors import NpumoeError
 from runtime.generation import load
+from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
 KEY_ENV = "NPUMOE_API_KEY"
@@ -35,12 +36,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (default 127.0.0.1; any other than loopback needs --api-key)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
     p.add_argument("--api-key", metavar="K",
-                   help=f"require `Authorization: Bearer K` on every route but /health (default: ${KEY_ENV}, "
-                        "which keeps the key out of the process list)")
+                   help=f"require `Authorization: Bearer K` (or `x-api-key: K`) on every route but /health "
+                        f"(default: ${KEY_ENV}, which keeps the key out of the process list; an empty key is refused)")
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"requests generating at once, their decode steps batched (default {DEFAULT_MAX_BATCH})")
     p.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
-                   help="requests that may wait behind the running one (default 16); past it: HTTP 429")
+                   help="requests that may wait behind the active ones (default 16); past it: HTTP 429")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
+    p.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="also keep reusable prefixes' KV caches in DIR, across restarts (whole prefill chunks, tied to "
+                        "the model's and the plan's digests; needs --plan)")
+    p.add_argument("--prefix-cache-disk-gb", type=positive_float, default=DEFAULT_DISK_GB, metavar="GB",
+                   help=f"bound of --prefix-cache-dir, least recently used out first (default {DEFAULT_DISK_GB:g})")
     p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
                    help=f"on SIGTERM, how long requests in flight may take to finish (default {DRAIN_S:g})")
     add_threads_argument(p)
@@ -50,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+    if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
+        raise NpumoeError(f"{'--api-key' if args.api_key == '' else KEY_ENV} is empty: an empty key would let anyone "
+                          "in; give a key, or leave it out to serve without one (loopback only)")
     api_key = args.api_key or os.environ.get(KEY_ENV) or None
     check_bind(args.host, api_key)
     sock = listen(args.host, args.port)  # before loading: a taken port fails at once
@@ -63,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         def ready(engine: object) -> None:
             print(f"autotune serve: {model_id} at {url} (SIGTERM or Ctrl-C: finish the requests in flight, exit)",
                   flush=True)
-        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready)
+        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready,
+              args.max_batch, args.prefix_cache_dir, args.prefix_cache_disk_gb)
     finally:
         sock.close()
     return 0

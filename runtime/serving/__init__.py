@@ -1,1 +1,1 @@
-"""The OpenAI-compatible server (`autotune serve`): engine (model, queue, prefix cache), HTTP app, runner."""
+"""The OpenAI- and Anthropic-compatible server (`autotune serve`): engine, HTTP app, queue, prefix cache."""

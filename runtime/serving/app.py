@@ -1,7 +1,9 @@
-"""The HTTP face of the engine: FastAPI routes for the OpenAI API, /health and /metrics.
+"""The HTTP face of the engine: FastAPI routes for the OpenAI API, the Anthropic Messages API (/v1/messages),
+/health and /metrics.
 
-Every refusal is an OpenAI error object with a 4xx status: bad JSON and wrong types (400), a missing or wrong key
-(401), an unknown model (404), a body past its bound (413), a full queue (429 with Retry-After). A client that
+Every refusal is an OpenAI error object (Anthropic's on /v1/messages) with a 4xx status: bad JSON and wrong
+types (400), a missing or wrong key (401), an unknown model (404), a body past its bound (413), a full queue (429
+with Retry-After). A client that
 leaves, while it waits or while its stream runs, cancels its job: the worker stops at its next token.
 """
 from __future__ import annotations
@@ -10,8 +12,9 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,29 +24,39 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from runtime.generation import DEFAULT_MAX_TOKENS
+from runtime.serving import anthropic_schema as anthropic
 from runtime.serving.engine import Engine, GenerationRequest, RequestError
+from runtime.serving.logprob_format import LogprobFormat
 from runtime.serving.openai_schema import ChatRequest, CompletionRequest, Reply, Sampling, error_object, usage
 from runtime.serving.scheduler import Closed, Job, QueueFull
 
 MAX_BODY_BYTES = 4 << 20  # a prompt as long as any context we serve, as JSON, with room to spare
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the runtime's
 DISCONNECT_POLL_S = 0.25  # how often a request that waits checks whether its client is still there
-PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+MESSAGES = "/v1/messages"
+PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", MESSAGES, "/health", "/metrics")
 CLIENT_LEFT = 499  # the status recorded for a client that left before its answer (nginx's convention)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_object(message, type_, param, code), status_code=status, headers=headers)
+                   code: str | None = None, headers: dict | None = None, path: str = "") -> JSONResponse:
+    """The refusal in the API of `path`: Anthropic's error object on /v1/messages, OpenAI's elsewhere."""
+    body = anthropic.error_object(status, message) if path == MESSAGES else error_object(message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class Guard:
     """ASGI middleware in front of every route: counts requests by endpoint and status, checks the API key (all
-    but /health) and bounds the body, before any parsing."""
+    but /health; `Authorization: Bearer K` or Anthropic's `x-api-key: K`) and bounds the body, before any
+    parsing."""
 
     def __init__(self, app: object, engine: Engine, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.engine, self.max_body_bytes = app, engine, max_body_bytes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, headers: dict) -> bool:
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key)
+        return hmac.compare_digest(headers.get(b"x-api-key", b""), self.key) or bearer
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http":
@@ -65,13 +78,13 @@ class Guard:
             self.engine.metrics.requests.labels(path, str(status[0])).inc()
 
     async def _check(self, scope: dict, receive) -> tuple[Response | None, object]:
-        headers = dict(scope["headers"])
-        if self.expected and scope["path"] != "/health" and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-            return error_response(401, "a missing or wrong API key: send the header Authorization: Bearer <key>",
-                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), receive
+        headers, path = dict(scope["headers"]), scope["path"]
+        if self.key and path != "/health" and not self._authorized(headers):
+            return error_response(401, "a missing or wrong API key: send the header Authorization: Bearer <key> "
+                                  "(or x-api-key: <key>)", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"}, path=path), receive
         too_big = error_response(413, f"the request body is past {self.max_body_bytes} bytes",
-                                 code="request_too_large")
+                                 code="request_too_large", path=path)
         if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
             return too_big, receive
         body, more = b"", True
@@ -136,19 +149,21 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def _stream(engine: Engine, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(engine: Engine, job: Job, prompt_tokens: int, reply: Reply,
+                  include_usage: bool) -> AsyncIterator[str]:
     try:
         if reply.chat:
             yield _sse(reply.chunk(None))
         while (event := await job.events.get()) is not None:
-            kind, value = event
+            kind, value = event[:2]
             if kind == "text":
-                yield _sse(reply.chunk(value))
+                yield _sse(reply.chunk(value, entries=event[2]))
             elif kind == "error":
                 yield _sse(error_object(value.message, value.type, value.param, value.code))
                 return
             elif kind == "done":
-                yield _sse(reply.chunk(None, value["finish_reason"], npumoe=value["npumoe"]))
+                yield _sse(reply.chunk(None, value["finish_reason"], value.get("unsent_logprobs"),
+                                       npumoe=value["npumoe"]))
                 if include_usage:
                     yield _sse(reply.usage_chunk(_usage(value), value["npumoe"]))
                 yield _sse("[DONE]")
@@ -170,15 +185,16 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {exc}", "server_error")
+        return error_response(500, f"internal error: {exc}", "server_error", path=request.url.path)
 
     @app.get("/health")
     async def health() -> dict:
@@ -197,55 +213,107 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
         prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"ids": body.prompt}
-        return await _respond(engine, body, request, Reply(False, engine.model_id), COMPLETION_MAX_TOKENS, prompt)
+        return await _respond_openai(engine, body, request, _reply(engine, False, body.logprobs),
+                                     COMPLETION_MAX_TOKENS, {**prompt, "logprobs": body.logprobs, "echo": body.echo})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse(ChatRequest, await request.body())
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        return await _respond(engine, body, request, Reply(True, engine.model_id), DEFAULT_MAX_TOKENS,
-                              {"messages": messages})
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _respond_openai(engine, body, request, _reply(engine, True, logprobs), DEFAULT_MAX_TOKENS,
+                                     {"messages": messages, "logprobs": logprobs})
+
+    @app.post(MESSAGES)
+    async def messages(request: Request) -> Response:
+        body = parse(anthropic.MessagesRequest, await request.body())
+        job_request = GenerationRequest(body.max_tokens, body.temperature, body.top_p, body.seed,
+                                        body.stop_sequences, messages=body.chat_messages())
+        reply = anthropic.MessageReply(engine.model_id)
+
+        def whole(done: dict) -> dict:
+            return reply.message(done["text"], done["prompt_tokens"], done["completion_tokens"],
+                                 done["finish_reason"], done["stop_sequence"], npumoe=done["npumoe"])
+        stream = partial(_anthropic_stream, engine, reply=reply) if body.stream else None
+        return await _respond(engine, body.model, request, job_request, whole, stream)
 
     return app
 
 
-async def _respond(engine: Engine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
-                   prompt: dict) -> Response:
-    if body.model != engine.model_id:
-        raise RequestError(404, f"the model {body.model!r} is not served here (this server serves "
-                                f"{engine.model_id!r})", "model", "model_not_found")
-    max_tokens = body.max_tokens or default_max_tokens
-    if engine.positions is not None and max_tokens > engine.positions:
-        raise RequestError(400, f"max_tokens is {max_tokens}; the model's context holds {engine.positions}",
-                           "max_tokens")
+def _reply(engine: Engine, chat: bool, logprobs: int | None) -> Reply:
+    fmt = LogprobFormat(engine.loaded.tokenizer, chat) if logprobs is not None else None
+    return Reply(chat, engine.model_id, fmt)
+
+
+async def _respond_openai(engine: Engine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
+                          prompt: dict) -> Response:
+    max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens
     job_request = GenerationRequest(max_tokens, body.temperature, body.top_p, body.seed, body.stop, **prompt)
+
+    def whole(done: dict) -> dict:
+        return reply.whole(done["text"], done["finish_reason"], _usage(done), done["npumoe"], done.get("logprobs"))
+    stream = partial(_stream, engine, reply=reply, include_usage=body.include_usage) if body.stream else None
+    return await _respond(engine, body.model, request, job_request, whole, stream)
+
+
+async def _anthropic_stream(engine: Engine, job: Job, input_tokens: int,
+                            reply: anthropic.MessageReply) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, content_block_start, ping, content_block_delta...,
+    content_block_stop, message_delta, message_stop (an error event in place of the rest on a failure)."""
+    try:
+        for event in reply.opening(input_tokens):
+            yield anthropic.sse(event)
+        while (event := await job.events.get()) is not None:
+            kind, value = event[:2]
+            if kind == "text" and value:
+                yield anthropic.sse(reply.delta(value))
+            elif kind == "error":
+                yield anthropic.sse(anthropic.error_object(value.status, value.message))
+                return
+            elif kind == "done":
+                for closing in reply.closing(value["finish_reason"], value["stop_sequence"],
+                                             value["completion_tokens"], value["npumoe"]):
+                    yield anthropic.sse(closing)
+    finally:
+        engine.scheduler.cancel(job)  # a no-op once the job is done
+
+
+async def _respond(engine: Engine, model: str, request: Request, job_request: GenerationRequest,
+                   whole: Callable[[dict], dict],
+                   stream: Callable[[Job, int], AsyncIterator[str]] | None) -> Response:
+    """Queue the request and answer it: `whole(done figures)` as one JSON body, or `stream(job, prompt tokens)`
+    as server-sent events once the job has its turn."""
+    path = request.url.path
+    if model != engine.model_id:
+        raise RequestError(404, f"the model {model!r} is not served here (this server serves "
+                                f"{engine.model_id!r})", "model", "model_not_found")
+    engine.check_max_tokens(job_request.max_tokens, job_request.echo)  # before it queues; the prompt's part later
     try:
         job = engine.submit(job_request, asyncio.get_running_loop())
     except QueueFull as e:
         return error_response(429, str(e), "rate_limit_exceeded", code="queue_full",
-                              headers={"Retry-After": str(e.retry_after_s)})
+                              headers={"Retry-After": str(e.retry_after_s)}, path=path)
     except Closed:
-        return error_response(503, "the server is shutting down", "server_error", code="shutting_down")
+        return error_response(503, "the server is shutting down", "server_error", code="shutting_down", path=path)
     finished, waiter = False, Waiter(job, request)
     try:
-        first = await waiter.next()  # ("start", ...) or ("error", ...) once the job has its turn
+        first = await waiter.next()  # ("start", prompt tokens) or ("error", ...) once the job has its turn
         if first is None:
             return Response(status_code=CLIENT_LEFT)
         if first[0] == "error":
             raise first[1]
-        if body.stream:
+        if stream is not None:
             finished = True  # the stream owns the job from here
-            return StreamingResponse(_stream(engine, job, reply, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(stream(job, first[1]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(engine.scheduler.cancel, job))
         while (event := await waiter.next()) is not None:
-            kind, value = event
+            kind, value = event[:2]
             if kind == "error":
                 raise value
             elif kind == "done":
                 finished = True
-                return JSONResponse(reply.whole(value["text"], value["finish_reason"], _usage(value),
-                                                value["npumoe"]))
+                return JSONResponse(whole(value))
         return Response(status_code=CLIENT_LEFT)
     finally:
         if not finished:

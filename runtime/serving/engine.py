@@ -1,9 +1,12 @@
 """The engine behind the server: one loaded model (under its plan), its prefix cache, its queue and its metrics.
 
-Everything that touches the model or the tokenizer runs on the scheduler's one worker thread, in arrival order:
-encoding the prompt (a chat through the tokenizer's template, or the fallback format below), reusing a cached
-prefix, then `runtime.generation.Generation`: the same prefill chunks, decode steps and sampling as
-`runtime.generate`. Prefill and decode of different requests are never batched together.
+Everything that touches the model or the tokenizer runs on the scheduler's one worker thread. A request starts in
+arrival order (its prompt encoded: a chat through the tokenizer's template, or the fallback format below; a cached
+prefix looked up) and up to `max_batch` requests are active at once (continuous batching). Each round runs the
+oldest prefilling request's next prefill chunk (the plan's chunks, each request alone, as `runtime.generate`
+runs them) and then one decode step of every decoding request together (`DecodeBatch`: one forward, each row at
+its own position, each with its own sampling and stop sequences), so a long prompt's prefill never stalls the
+streams for more than a chunk. The calls go one way: engine -> prefix cache -> generation -> prefix cache.
 
 Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
 `Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
@@ -12,21 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from runtime.errors import NpumoeError
-from runtime.generation import Generation, Loaded, chat_prompt, context_positions, prompt_ids
+from runtime.generation import ContextLimitError, Generation, Loaded, chat_prompt, max_new_tokens, prompt_ids
+from runtime.serving.decode_batch import DecodeBatch
+from runtime.serving.disk_prefix_cache import DiskPrefixCache
 from runtime.serving.metrics import Metrics
 from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
+from runtime.serving.request_stream import COUNTS, RequestStream, executor_counts
 from runtime.serving.scheduler import Job, Scheduler
-from runtime.serving.stop_sequences import StopText
 
 log = logging.getLogger("npumoe.serve")
 
+DEFAULT_DISK_GB = 4.0  # the prefix cache on disk, when --prefix-cache-dir is given
+DEFAULT_MAX_BATCH = 8  # requests decoding together (a laptop's worth); more wait in the queue
 FALLBACK_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 
 
@@ -39,7 +45,7 @@ class RequestError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation request, checked against the schema: exactly one of `text`, `ids`, `messages`."""
     max_tokens: int
@@ -50,6 +56,8 @@ class GenerationRequest:
     text: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    echo: bool = False  # the prompt (and its log-probabilities) before the completion
 
 
 def fallback_chat_text(messages: list[dict]) -> str:
@@ -57,9 +65,10 @@ def fallback_chat_text(messages: list[dict]) -> str:
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, model_id: str, max_queue: int, prefix_cache_mb: float) -> None:
+    def __init__(self, loaded: Loaded, model_id: str, max_queue: int, prefix_cache_mb: float,
+                 max_batch: int = DEFAULT_MAX_BATCH, prefix_cache_dir: str | None = None,
+                 prefix_cache_disk_gb: float = DEFAULT_DISK_GB) -> None:
         self.loaded, self.model_id = loaded, model_id
-        self.positions = context_positions(loaded.model)
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
         if self.chunk is None:
@@ -70,7 +79,18 @@ class Engine:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
             self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20))
-        self.scheduler = Scheduler(max_queue)
+        self.disk_cache = None
+        if prefix_cache_dir is not None:
+            if self.chunk is None or not supports_prefix_reuse(loaded.model):
+                raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan and a model with "
+                                  "plain full attention")
+            try:
+                self.disk_cache = DiskPrefixCache(prefix_cache_dir, int(prefix_cache_disk_gb * 2**30), loaded.model,
+                                                  loaded.plan)
+            except OSError as e:
+                raise NpumoeError(f"--prefix-cache-dir {prefix_cache_dir}: {e.strerror or e}") from e
+        self.batch = DecodeBatch(loaded)
+        self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
 
@@ -93,106 +113,154 @@ class Engine:
     def health(self) -> dict:
         cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
                  "max_bytes": self.prefix_cache.max_bytes} if self.prefix_cache else {"off": self.prefix_cache_off}
+        if self.disk_cache is not None:
+            cache["disk"] = {"dir": str(self.disk_cache.folder), "bytes": self.disk_cache.nbytes,
+                             "max_bytes": self.disk_cache.max_bytes}
         return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
+                "active": self.scheduler.active, "max_batch": self.scheduler.max_active,
                 "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
 
+    def check_max_tokens(self, max_tokens: int, echo: bool = False) -> None:
+        """Refuse, before the request queues, a `max_tokens` no prompt could meet (`max_new_tokens`, the one
+        rule)."""
+        try:
+            max_new_tokens(self.loaded.model, 0, max_tokens, 0 if echo else 1)
+        except ContextLimitError as e:
+            raise RequestError(400, str(e), e.param) from None
+
     def _encode(self, request: GenerationRequest) -> torch.Tensor:
+        """The request's prompt as token ids (a chat through the template or the fallback format), checked
+        against the context by `max_new_tokens`."""
+        prompt = request.text if request.text is not None else request.ids
         if request.messages is not None:
             try:
                 text = chat_prompt(self.loaded.tokenizer, request.messages)
             except Exception as e:  # the template's own refusal (roles out of order, ...)
                 raise RequestError(400, f"the chat template refused the messages: {e}", "messages") from e
-            request.text = fallback_chat_text(request.messages) if text is None else text
+            prompt = fallback_chat_text(request.messages) if text is None else text
         try:
-            ids = prompt_ids(self.loaded, request.text if request.text is not None else request.ids)
+            ids = prompt_ids(self.loaded, prompt)
+            max_new_tokens(self.loaded.model, ids.numel(), request.max_tokens, 0 if request.echo else 1)
+        except ContextLimitError as e:
+            raise RequestError(400, str(e), e.param, "context_length_exceeded") from e
         except NpumoeError as e:
             raise RequestError(400, str(e), "messages" if request.messages is not None else "prompt") from e
-        if self.positions is not None and ids.numel() >= self.positions:
-            raise RequestError(400, f"the prompt holds {ids.numel()} tokens; the model's context holds "
-                                    f"{self.positions}, so no token fits after it", "prompt",
-                               "context_length_exceeded")
         return ids
 
-    def _serve(self, request: GenerationRequest, job: Job) -> None:
+    def _serve(self, request: GenerationRequest, job: Job) -> RequestStream | None:
+        """Start `request` on the worker: its prompt encoded and checked, its generation set up (None: refused
+        or failed, its job told so)."""
         if job.cancelled.is_set():
-            return
+            return None
         try:
             ids = self._encode(request)
         except RequestError as e:
             job.emit(("error", e))
-            return
+            return None
         job.emit(("start", ids.numel()))
         try:
-            self._generate(request, ids, job)
+            return RequestStream(self, request, ids, job)
         except Exception as e:
-            log.exception("generation failed")
-            job.emit(("error", RequestError(500, f"generation failed: {e}", type_="server_error")))
-
-    def _generate(self, request: GenerationRequest, ids: torch.Tensor, job: Job) -> None:
-        self.loaded.stats.reset()  # this request's figures; the drift monitor keeps watching across requests
-        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
-        gen = Generation(self.loaded, ids, request.max_tokens, request.temperature, seed, self.chunk,
-                         request.top_p, prefix, self._keeper(ids, prefix))
-        stop, texts, finish = StopText(request.stop), [], None
-        pieces = gen.pieces(every_token=True)
-        try:
-            for piece in pieces:
-                if job.cancelled.is_set():
-                    break
-                text, hit = stop.feed(piece)
-                texts.append(text)
-                if not hit or text:  # a chunk per token, text or not: the client sees each token arrive
-                    job.emit(("text", text))
-                if hit:
-                    finish = "stop"
-                    break
-            else:
-                texts.append(stop.flush())
-                if texts[-1]:
-                    job.emit(("text", texts[-1]))
-                finish = "stop" if gen.finish_reason == "eos" else "length"
-        finally:
-            pieces.close()
-        if finish is None:  # the client left: nothing more to say to it
-            self.metrics.cancelled.inc()
-            return
-        job.emit(("done", self._figures(gen, job, finish, "".join(texts))))
-
-    def _keeper(self, ids: torch.Tensor, prefix: object | None):
-        """The prefill callback that stores the prompt's last whole chunk in the prefix cache."""
-        if self.prefix_cache is None:
+            self._fail(job, e)
             return None
-        cached = prefix.get_seq_length() if prefix is not None else 0
+
+    def _round(self, active: dict[Job, RequestStream]) -> list[Job]:
+        """One round of the active requests: the oldest prefilling one's next chunk, then one batched decode
+        step of every decoding one. Returns the jobs that are done."""
+        done = [job for job, stream in active.items() if job.cancelled.is_set()]
+        for job in done:
+            active[job].cancel()
+            if active[job].gen in self.batch.rows:
+                self.batch.remove(active[job].gen)
+        live = [stream for job, stream in active.items() if job not in done]
+        prefilling = next((s for s in live if s.prefilling), None)
+        if prefilling is not None:
+            try:
+                if prefilling.prefill_chunk():
+                    if prefilling.take():
+                        self.batch.add(prefilling.gen)
+                    else:
+                        done.append(prefilling.job)
+            except Exception as e:
+                self._fail(prefilling.job, e)
+                done.append(prefilling.job)
+        decoding = [s for s in live if s.gen in self.batch.rows]
+        if decoding:
+            before = executor_counts(self.loaded)
+            try:
+                self.batch.step()
+            except Exception as e:
+                for s in decoding:
+                    self.batch.remove(s.gen)
+                    self._fail(s.job, e)
+                return done + [s.job for s in decoding]
+            added = executor_counts(self.loaded) - before
+            for s in decoding:
+                s.counts.update(added)
+                if not s.take():
+                    self.batch.remove(s.gen)
+                    done.append(s.job)
+        return done
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        log.exception("generation failed", exc_info=e)
+        job.emit(("error", RequestError(500, f"generation failed: {e}", type_="server_error")))
+
+    def prompt_text(self, request: GenerationRequest, ids: torch.Tensor) -> str:
+        """The prompt as an echo shows it: its text, or its token ids decoded."""
+        return request.text if request.text is not None else self.loaded.tokenizer.decode(
+            ids.tolist(), skip_special_tokens=True)
+
+    def lookup_prefix(self, ids: torch.Tensor) -> object | None:
+        """The longest reusable prefix of `ids`: from memory, or a longer one from disk (then kept in memory)."""
+        prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
+        if self.disk_cache is not None:
+            held = prefix.get_seq_length() if prefix is not None else 0
+            longer = self.disk_cache.lookup(ids, longer_than=held)
+            if longer is not None:
+                prefix = longer
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(ids[:longer.get_seq_length()],
+                                            [(layer.keys, layer.values) for layer in longer.layers])
+        return prefix
+
+    def store_prefix(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(tokens, layers)
+        if self.disk_cache is not None:
+            self.disk_cache.store(tokens, layers)
+
+    def keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
+        """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
+        if self.prefix_cache is None and self.disk_cache is None:
+            return None
         target = ids.numel() // self.chunk * self.chunk
+        return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None
 
-        def keep(done: int, cache: object) -> None:
-            if done == target > cached:
-                self.prefix_cache.store(ids[:done], cache)
-        return keep
-
-    def _figures(self, gen: Generation, job: Job, finish: str, text: str) -> dict:
+    def figures(self, stream: RequestStream, finish: str, text: str) -> dict:
         """What the response reports (usage and the `npumoe` object), and the metrics it adds to."""
-        r = gen.result(text)
+        gen, job, c = stream.gen, stream.job, stream.counts
+        n, prompt = len(gen.tokens), int(stream.ids.numel())
+        ttft_ms = gen.ttft_s * 1e3
         m = self.metrics
-        m.prompt_tokens.inc(r["prompt_tokens"])
+        m.prompt_tokens.inc(prompt)
         m.cached_tokens.inc(gen.cached)
-        m.generated_tokens.inc(r["generated_tokens"])
-        m.ttft.observe(r["ttft_ms"] / 1e3)
+        m.generated_tokens.inc(n)
+        m.ttft.observe(gen.ttft_s)
         m.queue_wait.observe(job.started_at - job.queued_at)
-        m.dropped.inc(r["dropped"])
-        m.spilled.inc(r["spilled"])
-        m.static_calls.labels("prefill").inc(r["prefill_static_calls"])
-        m.static_calls.labels("decode").inc(r["decode_static_calls"])
+        m.dropped.inc(c["dropped"])
+        m.spilled.inc(c["spilled"])
+        m.static_calls.labels("prefill").inc(c["prefill_static_calls"])
+        m.static_calls.labels("decode").inc(c["decode_static_calls"])
         drift = None
         if self.loaded.executor is not None:
             report = self.loaded.executor.drift.report()
             drift = {k: report[k] for k in ("alert", "reason", "rate", "chunks_seen")}
             m.drift_alert.set(int(report["alert"]))
-        npumoe = {"ttft_ms": r["ttft_ms"], "queue_ms": (job.started_at - job.queued_at) * 1e3,
-                  "prefill_tok_s": r["prefill_tok_s"], "generation_tok_s": r["generation_tok_s"],
-                  "cached_tokens": gen.cached, "dropped": r["dropped"], "spilled": r["spilled"],
-                  "prefill_static_calls": r["prefill_static_calls"], "decode_static_calls": r["decode_static_calls"],
-                  "drift": drift, "token_ids": r["token_ids"]}
-        return {"finish_reason": finish, "text": text, "prompt_tokens": r["prompt_tokens"],
-                "completion_tokens": r["generated_tokens"], "cached_tokens": gen.cached, "npumoe": npumoe}
+        npumoe = {"ttft_ms": ttft_ms, "queue_ms": (job.started_at - job.queued_at) * 1e3,
+                  "prefill_tok_s": (prompt - gen.cached) / gen.ttft_s if gen.ttft_s > 0 else None,
+                  "generation_tok_s": (n - 1) / gen.decode_s if n > 1 and gen.decode_s > 0 else None,
+                  "cached_tokens": gen.cached, **{k: c[k] for k in COUNTS}, "drift": drift,
+                  "token_ids": list(gen.tokens)}
+        return {"finish_reason": finish, "text": text, "prompt_tokens": prompt, "completion_tokens": n,
+                "cached_tokens": gen.cached, "npumoe": npumoe}

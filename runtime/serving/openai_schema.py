@@ -2,8 +2,9 @@
 chunk and error objects the server writes.
 
 Fields the server does not implement are refused when set to anything but their default (a client that asks for
-log-probabilities or penalties learns it gets none); other unknown fields are ignored, as OpenAI's own server
-ignores them."""
+penalties or tools learns it gets none); other unknown fields are ignored, as OpenAI's own server ignores them.
+Log-probabilities are served: `logprobs` (0-5) and `echo` on completions, `logprobs` and `top_logprobs` (0-20) on
+chat."""
 from __future__ import annotations
 
 import time
@@ -12,13 +13,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from runtime.logprobs import TokenLogprob
+from runtime.serving.logprob_format import LogprobFormat
+
 MAX_STOP_SEQUENCES = 4  # OpenAI's bound
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 5  # OpenAI's bounds: alternatives per token on completions, on chat
+MAX_TOP_LOGPROBS = 20
 
 # field: its default; set to anything else, the request is refused (the server does not implement it)
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
 
@@ -64,8 +69,19 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    """POST /v1/completions: `prompt` is text or token ids (one prompt: a list of one is taken as that prompt)."""
+    """POST /v1/completions: `prompt` is text or token ids (one prompt: a list of one is taken as that prompt).
+    `echo`: the prompt comes back before the completion, with its tokens' log-probabilities when `logprobs` is
+    set; `max_tokens` 0 then scores the prompt alone."""
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is for echo (scoring the prompt)")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -101,11 +117,15 @@ class ChatRequest(Sampling):
     """POST /v1/chat/completions. `max_completion_tokens` is the newer name of `max_tokens`."""
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_max(self) -> "ChatRequest":
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
 
@@ -122,10 +142,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class Reply:
-    """The response objects of one request: one id and creation time for the whole response or stream."""
+    """The response objects of one request: one id and creation time for the whole response or stream.
+    `logprobs`: how its log-probabilities are written (None: not asked for; `logprobs: null` in each choice)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, logprobs: LogprobFormat | None = None) -> None:
+        self.chat, self.model, self.logprobs = chat, model, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -133,24 +154,29 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str, finish_reason: str, use: dict, npumoe: dict) -> dict:
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        return self.logprobs(entries or []) if self.logprobs is not None and entries is not None else None
+
+    def whole(self, text: str, finish_reason: str, use: dict, npumoe: dict,
+              entries: list[TokenLogprob] | None = None) -> dict:
         """The non-streaming response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
             return self._object("chat.completion", [choice], usage=use, npumoe=npumoe)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
         return self._object("text_completion", [choice], usage=use, npumoe=npumoe)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, **extra: object) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, entries: list[TokenLogprob] | None = None,
+              **extra: object) -> dict:
         """A streamed chunk: `text` (None: the chat's opening role delta), or the last one with its finish
-        reason."""
+        reason; `entries`: its tokens' log-probabilities."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if text is None and finish_reason is None else \
                 {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
             return self._object("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
         return self._object("text_completion", [choice], **extra)
 
     def usage_chunk(self, use: dict, npumoe: dict) -> dict:

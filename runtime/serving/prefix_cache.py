@@ -61,9 +61,10 @@ class PrefixCache:
             cache.update(k[:, :, :best_n], v[:, :, :best_n], i)  # copies: the entry stays as it is
         return cache
 
-    def store(self, tokens: torch.Tensor, cache: DynamicCache) -> None:
-        """Keep what prefill wrote for `tokens` (a whole number of chunks); an entry it extends goes."""
-        assert tokens.numel() % self.chunk == 0 and tokens.numel() == cache.get_seq_length()
+    def store(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep what prefill wrote for `tokens` (a whole number of chunks): per layer, keys and values; an entry
+        it extends goes."""
+        assert tokens.numel() % self.chunk == 0 and all(k.shape[2] == tokens.numel() for k, _ in layers)
         for key, entry in list(self.entries.items()):
             n = common_prefix(entry.tokens, tokens)
             if n == tokens.numel():  # already held (as this prefix or a longer one)
@@ -71,7 +72,6 @@ class PrefixCache:
                 return
             if n == entry.tokens.numel():  # the new entry holds this one
                 self._remove(key)
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
         nbytes = sum(t.numel() * t.element_size() for kv in layers for t in kv)
         if nbytes > self.max_bytes:
             return

@@ -19,7 +19,7 @@ import uvicorn
 from runtime.errors import NpumoeError
 from runtime.generation import Loaded
 from runtime.serving.app import create_app
-from runtime.serving.engine import Engine
+from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH, Engine
 
 DRAIN_S = 30.0
 
@@ -87,10 +87,11 @@ def make_server(engine: Engine, api_key: str | None = None, drain_s: float = DRA
 
 def serve(loaded: Loaded, model_id: str, sock: socket.socket, api_key: str | None = None, max_queue: int = 16,
           prefix_cache_mb: float = 256.0, drain_s: float = DRAIN_S,
-          on_ready: Callable[[Engine], None] | None = None) -> None:
+          on_ready: Callable[[Engine], None] | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+          prefix_cache_dir: str | None = None, prefix_cache_disk_gb: float = DEFAULT_DISK_GB) -> None:
     """Serve `loaded` on the listening `sock` until SIGTERM or SIGINT, then drain. `on_ready` runs after the
     warm-up, before the first request is taken."""
-    engine = Engine(loaded, model_id, max_queue, prefix_cache_mb)
+    engine = Engine(loaded, model_id, max_queue, prefix_cache_mb, max_batch, prefix_cache_dir, prefix_cache_disk_gb)
     engine.warm_up()
     if on_ready is not None:
         on_ready(engine)

@@ -1,0 +1,101 @@
+"""Continuous batching's decode side: every active generation's next token in one forward.
+
+The rows' KV caches (each prefilled alone, in the plan's chunks) are left-padded into one transformers
+`DynamicCache` of shape [rows, heads, length, head_dim]; an attention mask hides each row's padding and
+`position_ids` give each row its own position (its real tokens so far), so each row attends to what it would
+alone. A row joins once its prefill is done and leaves when it ends; the columns every row pads are trimmed then.
+The executor is told how many sequences a step holds, so each one-token row stays on the exact path
+(`exact_below_tokens` counts per sequence).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from runtime.generation import Generation, Loaded
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache(model: torch.nn.Module, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[rows, heads, n, dim] padded on the left of the sequence axis to `length`."""
+    return F.pad(t, (0, 0, length - t.shape[2], 0))
+
+
+class DecodeBatch:
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+        self.rows: list[Generation] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [rows, length] bool: True where a row has a real token
+        self.widest = 0  # the most rows one step has run (what a test of batching reads)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, gen: Generation) -> None:
+        """A generation whose prefill is done (its first token taken) joins the batch."""
+        layers, n = _layers(gen.cache), gen.cache.get_seq_length()
+        if not self.rows:
+            self.cache, self.mask = gen.cache, torch.ones(1, n, dtype=torch.bool)
+        else:
+            length = max(n, self.mask.shape[1])
+            merged = [(torch.cat([_left_pad(k, length), _left_pad(k1, length)]),
+                       torch.cat([_left_pad(v, length), _left_pad(v1, length)]))
+                      for (k, v), (k1, v1) in zip(_layers(self.cache), layers)]
+            self.cache = _cache(self.loaded.model, merged)
+            self.mask = torch.cat([F.pad(self.mask, (length - self.mask.shape[1], 0)),
+                                   F.pad(torch.ones(1, n, dtype=torch.bool), (length - n, 0))])
+        gen.cache = None  # the batch holds it now
+        self.rows.append(gen)
+
+    def remove(self, gen: Generation) -> None:
+        i = self.rows.index(gen)
+        self.rows.pop(i)
+        if not self.rows:
+            self.cache = self.mask = None
+            return
+        keep = torch.tensor([j for j in range(len(self.rows) + 1) if j != i])
+        mask = self.mask[keep]
+        first = int(mask.any(0).nonzero()[0])  # columns every remaining row pads go
+        self.mask = mask[:, first:]
+        self.cache = _cache(self.loaded.model, [(k[keep, :, first:], v[keep, :, first:])
+                                                for k, v in _layers(self.cache)])
+
+    def step(self) -> None:
+        """One decode step for every row: each row's next token pending (its own sampling), its step time kept."""
+        t = time.perf_counter()
+        self.widest = max(self.widest, len(self.rows))
+        ids = torch.tensor([[gen.tokens[-1]] for gen in self.rows])
+        positions = self.mask.sum(1, keepdim=True)
+        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.bool)], dim=1)
+        executor = self.loaded.executor
+        self.loaded.pin_phase("decode")
+        if executor is not None:
+            executor.set_sequences(len(self.rows))
+        try:
+            with torch.inference_mode():
+                mask = None if bool(self.mask.all()) else self.mask.long()
+                out = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                        cache=self.cache, use_cache=True, logits_to_keep=1)
+                for gen, logits in zip(self.rows, out.logits[:, -1]):
+                    gen.sample(logits)
+        finally:
+            if executor is not None:
+                executor.set_sequences(1)
+        self.cache = out.cache
+        dt = time.perf_counter() - t
+        for gen in self.rows:
+            gen.step_s.append(dt)

@@ -1,0 +1,140 @@
+"""The prefix cache on disk (`--prefix-cache-dir`): whole-chunk prefixes' KV caches that survive a restart.
+
+One safetensors file per prefix, named by the sha256 of (model digest, plan digest, the prefix's token ids), holding
+per layer the keys and values, the token ids, and in its metadata the schema, both digests and the chunk size. A
+lookup tries the prompt's chunk boundaries longest first; an entry is used only when every one of those matches
+(a file made under another model or plan, or a corrupt one, is ignored, said once in the log, and replaced by the
+next store). Bounded in bytes (`--prefix-cache-disk-gb`): the least recently used files go first (a hit touches
+its file). Writes are atomic (temp file, rename).
+
+The model digest hashes the model's spec fingerprint (shape and routers), its dtype and a sample of every
+parameter (the first and last 4,096 values of each): enough to tell checkpoints apart without reading 60 GB.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from transformers.cache_utils import DynamicCache
+
+from runtime.fileio import atomic_write_bytes
+from runtime.loading.model_loader import model_spec
+from runtime.plan import Plan
+
+log = logging.getLogger("npumoe.serve")
+
+SCHEMA = "npumoe.prefix/1"
+SAMPLE = 4096
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256(model_spec(model).fingerprint.encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        h.update(name.encode() + str(p.dtype).encode())
+        for part in (flat[:SAMPLE], flat[-SAMPLE:]):
+            h.update(part.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def plan_digest(plan: Plan) -> str:
+    return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()
+
+
+class DiskPrefixCache:
+    def __init__(self, folder: str | os.PathLike, max_bytes: int, model: torch.nn.Module, plan: Plan) -> None:
+        self.folder, self.max_bytes, self.model = Path(folder), max_bytes, model
+        self.chunk = plan.chunk_tokens
+        self.meta = {"schema": SCHEMA, "model": model_digest(model), "plan": plan_digest(plan),
+                     "chunk_tokens": str(self.chunk)}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.warned = False
+
+    def _path(self, tokens: torch.Tensor) -> Path:
+        h = hashlib.sha256(f"{self.meta['model']}:{self.meta['plan']}:".encode())
+        h.update(tokens.to(torch.int64).numpy().tobytes())
+        return self.folder / f"{h.hexdigest()}.safetensors"
+
+    def _ignore(self, path: Path, why: str) -> None:
+        if not self.warned:
+            log.warning("prefix cache on disk: ignoring %s (%s); it is replaced by the next store", path, why)
+            self.warned = True
+
+    def lookup(self, ids: torch.Tensor, longer_than: int = 0) -> DynamicCache | None:
+        """A cache holding the longest prefix of `ids` on disk (whole chunks, at least one token left to prefill,
+        longer than `longer_than`), or None."""
+        for n in range((ids.numel() - 1) // self.chunk * self.chunk, longer_than, -self.chunk):
+            path = self._path(ids[:n])
+            if not path.exists():
+                continue
+            try:
+                data = path.read_bytes()
+                meta = _metadata(data)
+                tensors = load_tensors(data) if meta == self.meta else {}
+            except (OSError, SafetensorError, ValueError) as e:
+                self._ignore(path, f"unreadable: {e}")
+                continue
+            if meta != self.meta:
+                self._ignore(path, "made under another model, plan or format")
+                continue
+            if not torch.equal(tensors.get("tokens", torch.empty(0)), ids[:n].to(torch.int64)):
+                self._ignore(path, "its tokens are not this prefix")
+                continue
+            cache = DynamicCache(config=self.model.config)
+            layers = len([k for k in tensors if k.startswith("k")])
+            for i in range(layers):
+                cache.update(tensors[f"k{i}"], tensors[f"v{i}"], i)
+            os.utime(path)  # recently used
+            return cache
+        return None
+
+    def store(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep `tokens`' KV (a whole number of chunks) on disk, then bound the folder."""
+        path = self._path(tokens)
+        if path.exists() and self._is_ours(path):
+            os.utime(path)
+            return
+        tensors = {"tokens": tokens.to(torch.int64).contiguous()}
+        for i, (k, v) in enumerate(layers):
+            tensors[f"k{i}"], tensors[f"v{i}"] = k.contiguous(), v.contiguous()
+        data = save_tensors(tensors, metadata=self.meta)
+        if len(data) > self.max_bytes:
+            return
+        atomic_write_bytes(path, data)
+        self._bound()
+
+    def _is_ours(self, path: Path) -> bool:
+        try:
+            return _metadata(path.read_bytes()) == self.meta
+        except (OSError, ValueError):
+            return False
+
+    def _bound(self) -> None:
+        files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for p in files:
+            if total <= self.max_bytes:
+                break
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
+
+
+def _metadata(data: bytes) -> dict:
+    """A safetensors file's metadata (its JSON header's `__metadata__`)."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError("a header past the end of the file")
+    return json.loads(data[8:8 + n]).get("__metadata__", {})
