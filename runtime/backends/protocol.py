@@ -46,7 +46,16 @@ class StaticBackend(Protocol):
         ...
 
 
+def expert_matrices(module: torch.nn.Module, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert `expert`'s (gate_up [2F, H], down [H, F]): views of the fused parameters, or dequantized from the
+    packed weights of a quantized checkpoint (`runtime.quantized.QuantizedExperts`, `module.npumoe_weights`)."""
+    packed = getattr(module, "npumoe_weights", None)
+    if packed is not None:
+        return packed.expert(expert, dtype)
+    return module.gate_up_proj[expert], module.down_proj[expert]
+
+
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
     """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
-    h = module._apply_gate(F.linear(x, module.gate_up_proj[expert]))
-    return F.linear(h, module.down_proj[expert])
+    gate_up, down = expert_matrices(module, expert, x.dtype)
+    return F.linear(module._apply_gate(F.linear(x, gate_up)), down)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import NpumoeError
-from runtime.loading.checkpoint_reader import meta_skeleton, read_router, read_weights, tensor_index
+from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
     CONFIG_ERRORS,
     check_checkpoint,
@@ -25,6 +25,7 @@ from runtime.loading.checkpoints import (
     load_error,
     quiet_transformers,
 )
+from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -158,7 +159,7 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model, info = read_weights(path, dtype), {}
+        model, info = (read_mlx_model(path, dtype) if is_mlx_checkpoint(path) else read_weights(path, dtype)), {}
         if model is None:
             with quiet_transformers():
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -179,7 +180,8 @@ def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         mlp = getattr(decoder_layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
         router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
-        if experts is not None and hasattr(experts, "gate_up_proj") and router is not None:
+        fused = hasattr(experts, "gate_up_proj") or hasattr(experts, "npumoe_weights")  # or packed (quantized.py)
+        if experts is not None and fused and router is not None:
             layers.append(MoELayer(index, experts, router))
     return layers
 
@@ -221,7 +223,8 @@ def read_model_spec(name: str) -> ModelSpec:
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
-    routers = [read_router(files, names[id(l.router.weight)]) for l in layers]
+    read = dequantized_router if is_mlx_checkpoint(path) else read_router
+    routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
     return _fingerprint(_spec_fields(skeleton, layers), routers)
