@@ -59,10 +59,11 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto") -> Loaded:
-    """Load `model` (a built-in name or a local transformers directory) and install `plan` on it, if given.
-    `package`: the Core ML package `autotune build` made for the plan's `ane` groups."""
-    m, tokenizer = load_model(model, dtype)
+         dtype: str = "auto", cpu_weights: str = "bf16", group_size: int = 64) -> Loaded:
+    """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
+    given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
+    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu_weights`)."""
+    m, tokenizer = load_model(model, dtype, cpu_weights, group_size)
     if plan is None:
         if package:
             raise NpumoeError("a package runs a plan's ane groups: give the plan too")

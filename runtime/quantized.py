@@ -135,5 +135,8 @@ class QuantizedExperts(torch.nn.Module):
         """Expert `e`'s (gate_up [2F, H], down [H, F]) at full width in `dtype`."""
         return torch.cat([self.gate.full(dtype, e), self.up.full(dtype, e)]), self.down.full(dtype, e)
 
+    def kernel(self, rows: int) -> str:
+        return "dequant"  # each call dequantizes the expert it runs (in the rows' dtype)
+
     def stored_bytes(self) -> int:
         return self.gate.stored_bytes() + self.up.stored_bytes() + self.down.stored_bytes()

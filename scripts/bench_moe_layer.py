@@ -12,6 +12,7 @@ for a core on a shared host does not inflate).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -38,12 +39,12 @@ def make_experts() -> torch.nn.Module:
     return module.eval()
 
 
-def make_routing(load: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-2 routing of T tokens: `balanced` (uniform popularity) or `skewed` (Zipf, s=1.2)."""
+def make_routing(load: str, seed: int = 0, tokens: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-2 routing of `tokens` tokens: `balanced` (uniform popularity) or `skewed` (Zipf, s=1.2)."""
     g = torch.Generator().manual_seed(seed)
     popularity = torch.ones(E) if load == "balanced" else 1.0 / torch.arange(1, E + 1).float() ** 1.2
-    idx = torch.multinomial(popularity.expand(T, E), K, replacement=False, generator=g)
-    weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    idx = torch.multinomial(popularity.expand(tokens, E), K, replacement=False, generator=g)
+    weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1)
     return idx, weights
 
 
@@ -78,18 +79,19 @@ def latin_orders(n: int) -> list[list[int]]:
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def bench(threads: int, load: str, impls: dict, x: torch.Tensor, repeats: int) -> tuple[dict, dict]:
-    """Median wall ms and median CPU ms per implementation."""
+def bench(threads: int, load: str, impls: dict, x: torch.Tensor, repeats: int, reference: str = "transformers eager",
+          tolerance: dict[str, float] | None = None) -> tuple[dict, dict]:
+    """Median wall ms and median CPU ms per implementation (each checked against `reference` first)."""
     torch.set_num_threads(threads)
-    idx, w = make_routing(load)
+    idx, w = make_routing(load, tokens=x.shape[0])
     times: dict[str, list[float]] = {name: [] for name in impls}
     cpu: dict[str, list[float]] = {name: [] for name in impls}
     with torch.inference_mode():
         outs = {name: fn(x, idx, w) for name, fn in impls.items()}  # warm-up, and a parity check
-        ref = outs["transformers eager"]
+        ref = outs[reference].float()
         for name, out in outs.items():
-            err = float((out - ref).abs().max() / ref.abs().max())
-            assert err < 1e-4, f"{name} disagrees with eager: {err:.2e}"
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            assert err < (tolerance or {}).get(name, 1e-4), f"{name} disagrees with {reference}: {err:.2e}"
         names, orders = list(impls), latin_orders(len(impls))
         for r in range(repeats):
             for i in orders[r % len(orders)]:
@@ -101,10 +103,49 @@ def bench(threads: int, load: str, impls: dict, x: torch.Tensor, repeats: int) -
             {name: statistics.median(ts) for name, ts in cpu.items()})
 
 
+# Quantization error of one layer's output against bf16 (relative to its largest value), at most.
+TOLERANCE = {"int8": 0.05, "int4": 0.3}
+
+
+def quantized_section(kinds: list[str], threads: int, repeats: int, group_size: int) -> dict:
+    """bf16 experts through transformers' grouped_mm against our exact path over int8 / int4 experts (all-exact
+    plan), at a 512-token chunk and a decode step (one token), side by side; which kernel each ran."""
+    from runtime.cpu_weights import quantize_experts
+
+    module = make_experts().to(torch.bfloat16)
+    impls = {"bf16 grouped_mm": lambda x, idx, w: module(x, idx, w)}
+    module.config._experts_implementation = "grouped_mm"
+    stores = {}
+    for kind in kinds:
+        q = copy.deepcopy(module)
+        quantize_experts(q, kind, group_size)
+        plan, lp = make_plan(False)
+        impls[f"npumoe exact {kind}"] = LayerExecutor(lp, q, plan, LayerStats(), {})
+        stores[kind] = q.npumoe_weights
+    tol = {f"npumoe exact {k}": TOLERANCE[k] for k in kinds}
+    out: dict = {}
+    for label, tokens, reps in (("prefill 512", T, repeats), ("decode 1", 1, repeats * 8)):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        med, cpu = bench(threads, "balanced", impls, x, reps, "bf16 grouped_mm", tol)
+        rows = tokens * K // E if tokens > 1 else 1  # rows per expert at a balanced load
+        out[label] = {"median_ms": med, "median_cpu_ms": cpu,
+                      **{f"speed_{k}_vs_bf16_grouped_mm": med["bf16 grouped_mm"] / med[f"npumoe exact {k}"]
+                         for k in kinds},
+                      **{f"speed_{k}_vs_bf16_grouped_mm_cpu": cpu["bf16 grouped_mm"] / cpu[f"npumoe exact {k}"]
+                         for k in kinds},
+                      "kernel": {k: stores[k].kernel(rows) for k in kinds}, "rows_per_expert": rows}
+        print(f"{label:>12}: " + ", ".join(f"{n} {med[n]:.2f} ms" for n in impls)
+              + "; kernels " + ", ".join(f"{k} {stores[k].kernel(rows)}" for k in kinds))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=8, help="repetitions (default 8: two rounds of the order square)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--cpu-weights", default="", help="comma-separated int8,int4: also time experts stored so "
+                    "against bf16 grouped_mm (first thread count), at a 512-token chunk and a decode step")
+    ap.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
     args = ap.parse_args()
     module = make_experts()
     impls = implementations(module)
@@ -131,6 +172,10 @@ def main() -> None:
         "median_ms": {f"{t}t/{load}": med for t, load, med, _ in rows},
         "median_cpu_ms": {f"{t}t/{load}": cpu for t, load, _, cpu in rows},
     }
+    if args.cpu_weights:
+        kinds = args.cpu_weights.split(",")
+        result["cpu_weights"] = quantized_section(kinds, int(args.threads.split(",")[0]), args.repeats,
+                                                  args.group_size)
     print(json.dumps(result))
 
 

@@ -56,6 +56,10 @@ def expert_matrices(module: torch.nn.Module, expert: int, dtype: torch.dtype) ->
 
 
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
+    """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied); packed
+    storage that has its own kernels (`runtime.cpu_weights`) runs them."""
+    packed = getattr(module, "npumoe_weights", None)
+    if hasattr(packed, "ffn"):
+        return packed.ffn(module, expert, x)
     gate_up, down = expert_matrices(module, expert, x.dtype)
     return F.linear(module._apply_gate(F.linear(x, gate_up)), down)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.backends.cpu import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
@@ -143,11 +144,28 @@ def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
+def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights: str = "bf16",
+               group_size: int = 64) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
-    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy."""
+    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy.
+    `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
+    time (`runtime.cpu_weights`); bf16 keeps them as loaded."""
     dtype = resolve_dtype(name, dtype)
+    model, tokenizer = _load(name, dtype)
+    if cpu_weights != "bf16":
+        from runtime.cpu_weights import quantize_experts
+
+        for layer in moe_layers(model):
+            if hasattr(layer.experts, "npumoe_weights"):
+                raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (its experts are "
+                                  "packed as stored); give a full-width checkpoint")
+            quantize_experts(layer.experts, cpu_weights, group_size)
+        model.set_experts_implementation(PACKED_IMPLEMENTATION)
+    return model, tokenizer
+
+
+def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
     if name.startswith(RANDOM_PREFIX):
         model = _random_model(name[len(RANDOM_PREFIX):])
         return model.to(dtype), ByteTokenizer(model.config.vocab_size)
