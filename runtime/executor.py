@@ -20,6 +20,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
 from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry, run_exact
+from runtime.backends.cpu import exact_experts_forward, is_packed
 from runtime.dense import DenseExecutor
 from runtime.drift import DriftMonitor
 from runtime.loading.model_loader import model_spec, moe_layers
@@ -57,6 +58,8 @@ class LayerExecutor:
         # A layer without groups runs whole chunks through the fused exact call, unless a caller swapped in its
         # own exact compute (the profiler times the chunked exact path's host work that way).
         self.fused = not self.groups and exact is run_exact
+        # transformers' grouped kernel runs full-width experts; packed ones run expert by expert on the exact path.
+        self.fused_fn = exact_experts_forward if is_packed(module) else grouped_mm_experts_forward
         # Where a group runs off the CPU, the chunk's exact path runs meanwhile on one worker thread.
         self.overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
         self.pool: ThreadPoolExecutor | None = None
@@ -127,7 +130,7 @@ class LayerExecutor:
             experts = len(set(idx.reshape(-1).tolist()))
         st.tokens_per_backend[EXACT] += idx.numel()
         st.calls_per_backend[EXACT] += experts
-        return grouped_mm_experts_forward(self.module, x, idx, weights)
+        return self.fused_fn(self.module, x, idx, weights)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
         """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""

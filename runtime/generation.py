@@ -71,15 +71,19 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto") -> Loaded:
-    """Load `model` (a built-in name or a local transformers directory) and install `plan` on it, if given.
-    `package`: the Core ML package `autotune build` made for the plan's `ane` groups."""
-    m, tokenizer = load_model(model, dtype)
-    if plan is None:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64) -> Loaded:
+    """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
+    given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
+    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu_weights`); None: as the
+    plan's optional `cpu_weights` says, else as loaded."""
+    p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
+    if cpu_weights is None and p is not None and p.cpu_weights is not None:
+        cpu_weights, group_size = p.cpu_weights.kind, p.cpu_weights.group_size or group_size
+    m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size)
+    if p is None:
         if package:
             raise NpumoeError("a package runs a plan's ane groups: give the plan too")
         return Loaded(m, tokenizer)
-    p = plan if isinstance(plan, Plan) else load_plan(plan)
     path = "" if isinstance(plan, Plan) else str(plan)
     backends = None
     if package:  # checked on any host, whether or not it can run here (then its groups run where ane falls back)

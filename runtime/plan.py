@@ -102,6 +102,13 @@ class LayerCalibration(_Strict):
     heldout_window_spread: WindowSpread | None = None  # optional; absent when held-out chunks fill no window
 
 
+class CpuWeights(_Strict):
+    """How the CPU holds the experts (runtime/cpu_weights.py): bf16 as loaded, int8 per output channel, int4 per
+    group of `group_size` inputs. Optional in a plan; absent means as loaded."""
+    kind: Literal["bf16", "int8", "int4"]
+    group_size: Literal[32, 64, 128, 256] | None = None  # int4 only (default 64)
+
+
 class LayerPlan(_Strict):
     layer: NonNegInt
     groups: list[Group]
@@ -155,6 +162,7 @@ class Plan(_Strict):
     layers: list[LayerPlan] = Field(min_length=1)
     exact_below_tokens: Annotated[StrictInt, Field(ge=DEFAULT_EXACT_BELOW_TOKENS)] | None = None
     dense: DensePlan | None = None  # absent: every dense op on the CPU in torch
+    cpu_weights: CpuWeights | None = None  # optional, plan-wide: the CPU's storage of every expert
     predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
 

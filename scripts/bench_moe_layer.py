@@ -2,12 +2,17 @@
 transformers' `grouped_mm` (its default) and its eager loop.
 
 Layer: hidden 1024, expert FFN 2048, 16 experts, top-2, 512 tokens; balanced and skewed loads; 1 and 2 threads.
-Implementations are interleaved within each repetition so that machine noise hits them alike. Prints a table,
-then one JSON line with `ratio_exact_vs_grouped_mm` = their time / ours (medians, 1 thread, worst of the loads).
+Implementations are interleaved within each repetition so that machine noise hits them alike, in an order that
+changes every repetition (a balanced Latin square: each runs in every position and after every other one equally
+often), so that no implementation always follows the same one on a shared host. Prints a table, then one JSON
+line with `ratio_exact_vs_grouped_mm` = their time / ours (medians, 1 thread, worst of the loads), and the same
+ratio of CPU time (`ratio_exact_vs_grouped_mm_cpu`: the process's CPU seconds per call, which time spent waiting
+for a core on a shared host does not inflate).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -34,12 +39,12 @@ def make_experts() -> torch.nn.Module:
     return module.eval()
 
 
-def make_routing(load: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-2 routing of T tokens: `balanced` (uniform popularity) or `skewed` (Zipf, s=1.2)."""
+def make_routing(load: str, seed: int = 0, tokens: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-2 routing of `tokens` tokens: `balanced` (uniform popularity) or `skewed` (Zipf, s=1.2)."""
     g = torch.Generator().manual_seed(seed)
     popularity = torch.ones(E) if load == "balanced" else 1.0 / torch.arange(1, E + 1).float() ** 1.2
-    idx = torch.multinomial(popularity.expand(T, E), K, replacement=False, generator=g)
-    weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    idx = torch.multinomial(popularity.expand(tokens, E), K, replacement=False, generator=g)
+    weights = torch.softmax(torch.randn(tokens, K, generator=g), dim=-1)
     return idx, weights
 
 
@@ -66,28 +71,81 @@ def implementations(module: torch.nn.Module) -> dict:
             "transformers eager": transformers_impl("eager")}
 
 
-def bench(threads: int, load: str, impls: dict, x: torch.Tensor, repeats: int) -> dict[str, float]:
+def latin_orders(n: int) -> list[list[int]]:
+    """Williams' balanced Latin square for an even `n`: row r is an order of range(n); over the n rows each item
+    takes every position once and follows every other item once (for odd n the mirrored rows are added)."""
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    rows = [[(v + r) % n for v in first] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def bench(threads: int, load: str, impls: dict, x: torch.Tensor, repeats: int, reference: str = "transformers eager",
+          tolerance: dict[str, float] | None = None) -> tuple[dict, dict]:
+    """Median wall ms and median CPU ms per implementation (each checked against `reference` first)."""
     torch.set_num_threads(threads)
-    idx, w = make_routing(load)
+    idx, w = make_routing(load, tokens=x.shape[0])
     times: dict[str, list[float]] = {name: [] for name in impls}
+    cpu: dict[str, list[float]] = {name: [] for name in impls}
     with torch.inference_mode():
         outs = {name: fn(x, idx, w) for name, fn in impls.items()}  # warm-up, and a parity check
-        ref = outs["transformers eager"]
+        ref = outs[reference].float()
         for name, out in outs.items():
-            err = float((out - ref).abs().max() / ref.abs().max())
-            assert err < 1e-4, f"{name} disagrees with eager: {err:.2e}"
-        for _ in range(repeats):
-            for name, fn in impls.items():
-                t0 = time.perf_counter()
-                fn(x, idx, w)
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            err = float((out.float() - ref).abs().max() / ref.abs().max())
+            assert err < (tolerance or {}).get(name, 1e-4), f"{name} disagrees with {reference}: {err:.2e}"
+        names, orders = list(impls), latin_orders(len(impls))
+        for r in range(repeats):
+            for i in orders[r % len(orders)]:
+                c0, t0 = time.process_time(), time.perf_counter()
+                impls[names[i]](x, idx, w)
+                times[names[i]].append((time.perf_counter() - t0) * 1e3)
+                cpu[names[i]].append((time.process_time() - c0) * 1e3)
+    return ({name: statistics.median(ts) for name, ts in times.items()},
+            {name: statistics.median(ts) for name, ts in cpu.items()})
+
+
+# Quantization error of one layer's output against bf16 (relative to its largest value), at most.
+TOLERANCE = {"int8": 0.05, "int4": 0.3}
+
+
+def quantized_section(kinds: list[str], threads: int, repeats: int, group_size: int) -> dict:
+    """bf16 experts through transformers' grouped_mm against our exact path over int8 / int4 experts (all-exact
+    plan), at a 512-token chunk and a decode step (one token), side by side; which kernel each ran."""
+    from runtime.cpu_weights import quantize_experts
+
+    module = make_experts().to(torch.bfloat16)
+    impls = {"bf16 grouped_mm": lambda x, idx, w: module(x, idx, w)}
+    module.config._experts_implementation = "grouped_mm"
+    stores = {}
+    for kind in kinds:
+        q = copy.deepcopy(module)
+        quantize_experts(q, kind, group_size)
+        plan, lp = make_plan(False)
+        impls[f"npumoe exact {kind}"] = LayerExecutor(lp, q, plan, LayerStats(), {})
+        stores[kind] = q.npumoe_weights
+    tol = {f"npumoe exact {k}": TOLERANCE[k] for k in kinds}
+    out: dict = {}
+    for label, tokens, reps in (("prefill 512", T, repeats), ("decode 1", 1, repeats * 8)):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        med, cpu = bench(threads, "balanced", impls, x, reps, "bf16 grouped_mm", tol)
+        rows = tokens * K // E if tokens > 1 else 1  # rows per expert at a balanced load
+        out[label] = {"median_ms": med, "median_cpu_ms": cpu,
+                      **{f"speed_{k}_vs_bf16_grouped_mm": med["bf16 grouped_mm"] / med[f"npumoe exact {k}"]
+                         for k in kinds},
+                      **{f"speed_{k}_vs_bf16_grouped_mm_cpu": cpu["bf16 grouped_mm"] / cpu[f"npumoe exact {k}"]
+                         for k in kinds},
+                      "kernel": {k: stores[k].kernel(rows) for k in kinds}, "rows_per_expert": rows}
+        print(f"{label:>12}: " + ", ".join(f"{n} {med[n]:.2f} ms" for n in impls)
+              + "; kernels " + ", ".join(f"{k} {stores[k].kernel(rows)}" for k in kinds))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=8, help="repetitions (default 8: two rounds of the order square)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--cpu-weights", default="", help="comma-separated int8,int4: also time experts stored so "
+                    "against bf16 grouped_mm (first thread count), at a 512-token chunk and a decode step")
+    ap.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
     args = ap.parse_args()
     module = make_experts()
     impls = implementations(module)
@@ -95,22 +153,29 @@ def main() -> None:
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         for load in ("balanced", "skewed"):
-            med = bench(threads, load, impls, x, args.repeats)
-            rows.append((threads, load, med))
+            med, cpu = bench(threads, load, impls, x, args.repeats)
+            rows.append((threads, load, med, cpu))
     names = list(impls)
     print(f"one MoE layer: H={H} F={F} E={E} top-{K} T={T}; median ms of {args.repeats} interleaved runs (measured)")
     print(f"{'threads':>7} {'load':>9} " + " ".join(f"{n:>24}" for n in names) + f" {'grouped_mm/exact':>17}")
-    for threads, load, med in rows:
+    for threads, load, med, _ in rows:
         ratio = med["transformers grouped_mm"] / med["npumoe all-exact"]
         print(f"{threads:>7} {load:>9} " + " ".join(f"{med[n]:>24.1f}" for n in names) + f" {ratio:>17.2f}")
-    one = [med for threads, _, med in rows if threads == 1] or [rows[0][2]]
+    one = [med for threads, _, med, _ in rows if threads == 1] or [rows[0][2]]
+    one_cpu = [cpu for threads, _, _, cpu in rows if threads == 1] or [rows[0][3]]
     result = {
         "ratio_exact_vs_grouped_mm": min(m["transformers grouped_mm"] / m["npumoe all-exact"] for m in one),
         "ratio_exact_vs_eager": min(m["transformers eager"] / m["npumoe all-exact"] for m in one),
         "ratio_static_ample_vs_grouped_mm": min(m["transformers grouped_mm"] / m["npumoe all-static ample"]
                                                 for m in one),
-        "median_ms": {f"{t}t/{load}": med for t, load, med in rows},
+        "ratio_exact_vs_grouped_mm_cpu": min(m["transformers grouped_mm"] / m["npumoe all-exact"] for m in one_cpu),
+        "median_ms": {f"{t}t/{load}": med for t, load, med, _ in rows},
+        "median_cpu_ms": {f"{t}t/{load}": cpu for t, load, _, cpu in rows},
     }
+    if args.cpu_weights:
+        kinds = args.cpu_weights.split(",")
+        result["cpu_weights"] = quantized_section(kinds, int(args.threads.split(",")[0]), args.repeats,
+                                                  args.group_size)
     print(json.dumps(result))
 
 

@@ -70,3 +70,64 @@ def test_run_reports_measured_memory_and_cpu_time_next_to_the_prediction(tmp_pat
     assert m["predicted_over_measured"] == pytest.approx(m["predicted"]["total_bytes"] / (m["measured_peak_rss_gb"]
                                                                                           * GB), rel=1e-3)
     assert r["plan_predicted"] is None  # a template carries no predictions
+
+
+def _published(like: str):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_shape_twin import TWINS, twin_config
+
+    return twin_config(like, TWINS[like]["num_hidden_layers"])
+
+
+def test_cpu_storage_counts_each_kind(model):
+    from autotune.costing.memory import cpu_weight_bytes, storage_bytes_per_weight
+
+    size = ModelSize.of(model)
+    assert size.expert_weights == LAYERS * E * 3 * H * F and size.expert_bytes == 4 * size.expert_weights
+    dense = size.weight_bytes - size.expert_bytes
+    assert cpu_weight_bytes(size) == (dense, size.expert_bytes)
+    assert cpu_weight_bytes(size, "int8") == (dense, int(size.expert_weights * (1 + 4 / H)))
+    assert cpu_weight_bytes(size, "int4", 32) == (dense, int(size.expert_weights * (0.5 + 8 / 32)))
+    assert storage_bytes_per_weight("mlx4", 64) == 0.5 + 4 / 64 and storage_bytes_per_weight("mlx6", 32) == 0.875
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
+    from runtime.plan import CpuWeights, plan_from_json
+
+    plan = plan.model_copy(update={"cpu_weights": CpuWeights(kind="int4", group_size=32)})
+    plan = plan_from_json(plan.to_json())
+    m = predict_memory(plan, size, 100)
+    assert m.cpu_experts == int(size.expert_weights * 0.75) and m.cpu_storage == "int4-g32"
+    # one copy: every expert is ANE-resident, and the CPU holds each once, in its int4 storage
+    assert m.cpu_copy_of_ane_resident == pytest.approx(m.cpu_experts, rel=1e-9)
+    assert m.to_json()["cpu_copy_of_ane_resident_bytes"] == m.cpu_copy_of_ane_resident
+
+
+@pytest.mark.parametrize("like,gb", [("qwen3-30b-a3b", 20.0), ("phi-3.5-moe", 28.0)])
+def test_published_models_from_mlx_4bit_fit_their_goal(like, gb):
+    """Every expert on the CPU, packed as the MLX 4-bit (group 64) checkpoint stores it, 4096-token prompts."""
+    from autotune.costing.memory import fixed_memory
+
+    config = _published(like)
+    full = ModelSize.of_config(config, 2)
+    packed = ModelSize.of_config(config, 2, {"bits": 4, "group_size": 64})
+    assert packed.expert_bytes == pytest.approx(full.expert_weights * (0.5 + 4 / 64))
+    assert fixed_memory(packed, 256, 4096).total / GB <= gb
+    assert fixed_memory(full, 256, 4096).total / GB > 60  # bf16: what the issue started from
+
+
+def test_mlx_folder_predicted_as_loaded(tmp_path):
+    """A loaded MLX checkpoint holds what model_size predicts from its config (packed as on disk)."""
+    pytest.importorskip("mlx_lm")
+    from test_mlx_checkpoint import convert
+
+    from autotune.costing.memory import model_size
+    from runtime.loading.model_loader import load_model
+
+    folder = convert(tmp_path / "q4", 4, 64)
+    loaded = ModelSize.of(load_model(str(folder), "auto")[0])
+    predicted = model_size(str(folder))
+    assert predicted.storage == "mlx-4bit-g64" and loaded.storage == "packed"
+    assert predicted.weight_bytes == pytest.approx(loaded.weight_bytes, rel=0.03)
+    assert predicted.expert_bytes == loaded.expert_bytes

@@ -2,8 +2,11 @@
 
     total = CPU-side weights + ANE packages + activations of one chunk + KV cache at the prompt length + runtime
 
-- CPU-side weights: every parameter in the dtype the model runs in. The runtime keeps every expert on the CPU,
-  the ANE-resident ones too: decode steps, spilled overflow and short chunks run exactly on the CPU.
+- CPU-side weights: the dense parts as held (the dtype the model runs in, or packed as an MLX checkpoint stores
+  them) and every expert in the plan's CPU storage (`bf16` as loaded, `int8`, `int4` with its group size, or MLX
+  packed as on disk; `storage_bytes_per_weight`). One copy: the runtime keeps every expert on the CPU, the
+  ANE-resident ones too (decode steps, spilled overflow and short chunks run exactly on the CPU), but only in that
+  storage, never a second full-width copy; `cpu_copy_of_ane_resident_bytes` says how much of it they are.
 - ANE packages: the distinct experts of the plan's `ane` groups, stored as each group's `compress` says (fp16, int8,
   4-bit palettes; `runtime.coreml.ane_limits`). On a Mac this is unified memory, on top of the CPU-side weights.
 - Activations of one chunk: the hidden states, attention and MoE buffers of one decoder layer for `chunk_tokens`
@@ -46,6 +49,10 @@ class ModelSize:
     vocab: int
     top_k: int
     expert_ffn: int
+    expert_bytes: int = 0  # of weight_bytes: the experts' part, as held
+    expert_weights: int = 0  # the experts' weight count (every layer)
+    experts_per_layer: int = 0
+    storage: str = "bf16"  # how the experts are held as loaded: bf16 (the dtype), or mlx-<bits>bit-g<group>
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -57,42 +64,91 @@ class ModelSize:
         """`model`'s sizes; `dtype_bytes` overrides its parameters' (a meta skeleton made in another dtype)."""
         from runtime.loading.model_loader import moe_layers
 
-        params = list(model.parameters()) + list(model.buffers())
         first = next(p for p in model.parameters() if p.is_floating_point())
         d = dtype_bytes or first.element_size()
-        weights = sum(p.numel() * (d if p.is_floating_point() else p.element_size()) for p in params)
+        layers = moe_layers(model)
+        # packed experts (quantized.py, cpu_weights.py): codes and scales as held, whatever the dtype
+        packed = any(hasattr(l.experts, "npumoe_weights") for l in layers)
+
+        def held(tensors: list[torch.Tensor]) -> int:
+            return sum(t.numel() * (d if t.is_floating_point() and not packed else t.element_size()) for t in tensors)
+
+        weights = held([*model.parameters(), *model.buffers()])
+        experts_held = sum(held([*l.experts.parameters(), *l.experts.buffers()]) for l in layers)
         cfg = model.config
         heads = int(cfg.num_attention_heads)
-        experts = moe_layers(model)[0].experts
+        experts = layers[0].experts
+        n_weights = len(layers) * int(experts.num_experts) * 3 * int(experts.hidden_dim) * int(experts.intermediate_dim)
         return cls(weight_bytes=int(weights), dtype_bytes=d, layers=int(cfg.num_hidden_layers),
                    hidden=int(cfg.hidden_size), heads=heads,
                    kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
                    vocab=int(cfg.vocab_size), top_k=int(cfg.num_experts_per_tok),
-                   expert_ffn=int(experts.intermediate_dim))
+                   expert_ffn=int(experts.intermediate_dim), expert_bytes=int(experts_held),
+                   expert_weights=n_weights, experts_per_layer=int(experts.num_experts),
+                   storage="packed" if packed else "bf16")
 
     @classmethod
-    def of_config(cls, config: object, dtype_bytes: int) -> "ModelSize":
-        """Sizes of the model a transformers config describes, built on the meta device (no memory)."""
+    def of_config(cls, config: object, dtype_bytes: int, mlx: dict | None = None) -> "ModelSize":
+        """Sizes of the model a transformers config describes, built on the meta device (no memory); `mlx`: its
+        quantization table (`bits`, `group_size`) where the model is an MLX checkpoint, held packed as on disk."""
         import transformers
 
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
-        return cls.of(skeleton, dtype_bytes)
+        size = cls.of(skeleton, dtype_bytes)
+        if not mlx:
+            return size
+        from dataclasses import replace
+
+        bits, group = int(mlx.get("bits", 4)), int(mlx.get("group_size", 64))
+        rate = storage_bytes_per_weight(f"mlx{bits}", group, dtype_bytes)
+        matrices = sum(p.numel() for p in skeleton.parameters() if p.dim() >= 2)  # packed: every matrix
+        whole = size.weight_bytes - matrices * dtype_bytes
+        return replace(size, weight_bytes=int(whole + matrices * rate), expert_bytes=int(size.expert_weights * rate),
+                       storage=f"mlx-{bits}bit-g{group}")
+
+
+def storage_bytes_per_weight(kind: str, group_size: int = 64, dtype_bytes: int = 2, rows_of: int = 768) -> float:
+    """Bytes one weight takes on the CPU as `kind`: `bf16` (the dtype's), `int8` (a byte, and an fp32 scale per
+    output row of `rows_of` inputs), `int4` (half a byte, an fp32 scale and zero per group), `mlx<bits>` (bits/8,
+    a bf16 scale and bias per group: mlx's affine format)."""
+    if kind in ("bf16", "none"):
+        return float(dtype_bytes)
+    if kind == "int8":
+        return 1.0 + 4.0 / rows_of
+    if kind == "int4":
+        return 0.5 + 8.0 / group_size
+    if kind.startswith("mlx"):
+        return int(kind[3:]) / 8 + 4.0 / group_size
+    raise NpumoeError(f"unknown CPU storage {kind!r}: bf16, int8, int4, mlx<bits>")
+
+
+def cpu_weight_bytes(size: ModelSize, cpu_weights: str | None = None, group_size: int = 64) -> tuple[int, int]:
+    """(dense bytes, expert bytes) the CPU holds: the model as held, its experts re-stored as `cpu_weights` where a
+    plan or `--cpu-weights` says (int8 / int4 of full-width experts)."""
+    dense = size.weight_bytes - size.expert_bytes
+    if not cpu_weights or cpu_weights == "bf16" or size.storage != "bf16":
+        return dense, size.expert_bytes
+    rate = storage_bytes_per_weight(cpu_weights, group_size, size.dtype_bytes, size.hidden)
+    return dense, int(size.expert_weights * rate)
 
 
 def model_size(name: str, dtype: str = "auto") -> ModelSize:
-    """A model's sizes from its config alone (a built-in name or a local directory), in the dtype it would load
-    in (`--dtype`); nothing is read but config.json (`random:` models are tiny and built)."""
+    """A model's sizes from its config alone (a built-in name, a local directory or an MLX folder: held packed),
+    in the dtype it would load in (`--dtype`); nothing is read but config.json (`random:` models are built)."""
     from runtime.loading.model_loader import RANDOM_PREFIX, load_model, resolve_dtype
 
     d = torch.empty(0, dtype=resolve_dtype(name, dtype)).element_size()
     if name.startswith(RANDOM_PREFIX):
         return ModelSize.of(load_model(name, dtype)[0], d)
-    from runtime.loading.checkpoint_reader import meta_skeleton
+    from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_config, transformers_config
     from runtime.loading.model_loader import model_dir
 
-    return ModelSize.of(meta_skeleton(model_dir(name)), d)
+    path = model_dir(name)
+    if is_mlx_checkpoint(path):
+        return ModelSize.of_config(transformers_config(path), d, read_config(path)["quantization"])
+    return ModelSize.of(meta_skeleton(path), d)
 
 
 def is_coreml_function(backend: str) -> bool:
@@ -145,6 +201,9 @@ class MemoryPrediction:
     runtime: int
     chunk_tokens: int
     prompt_tokens: int
+    cpu_experts: int = 0  # of cpu_weights: the experts, in the CPU storage
+    cpu_storage: str = "bf16"
+    cpu_copy_of_ane_resident: int = 0  # of cpu_experts: the ANE-resident experts' one CPU copy
 
     @property
     def total(self) -> int:
@@ -160,6 +219,10 @@ class MemoryPrediction:
                  "activations_bytes": self.activations, "kv_cache_bytes": self.kv_cache,
                  "runtime_bytes": self.runtime}
         return {"total_gb": round(self.total / GB, 4), "total_bytes": self.total, **parts,
+                "cpu_dense_bytes": self.cpu_weights - self.cpu_experts, "cpu_expert_bytes": self.cpu_experts,
+                "cpu_storage": self.cpu_storage, "cpu_copy_of_ane_resident_bytes": self.cpu_copy_of_ane_resident,
+                "one_copy": "each ANE-resident expert is held by the CPU once, in the CPU storage "
+                            f"({self.cpu_storage}), never also at full width",
                 "chunk_tokens": self.chunk_tokens, "prompt_tokens": self.prompt_tokens,
                 "label": "predicted peak memory (autotune/costing/memory.py): CPU-side weights + ANE packages "
                          "(unified memory on a Mac) + one chunk's activations + KV cache at prompt_tokens + the "
@@ -177,9 +240,17 @@ def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows:
     `ane_simulated`: see `ane_package_bytes`)."""
     chunk = min(plan.chunk_tokens, prompt_tokens)
     slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0)
-    return MemoryPrediction(size.weight_bytes, ane_package_bytes(plan, ane_simulated),
+    kind = plan.cpu_weights.kind if plan.cpu_weights else None
+    group = (plan.cpu_weights.group_size if plan.cpu_weights else None) or 64
+    dense, experts = cpu_weight_bytes(size, kind, group)
+    storage = size.storage if size.storage != "bf16" or not kind else (f"int4-g{group}" if kind == "int4" else kind)
+    resident = {(lp.layer, e) for lp in plan.layers for g in lp.groups if is_coreml_function(g.backend)
+                for e in g.experts}
+    per_expert = experts / max(1, size.expert_weights) * 3 * size.hidden * size.expert_ffn
+    return MemoryPrediction(dense + experts, ane_package_bytes(plan, ane_simulated),
                             activation_bytes(size, chunk, prompt_tokens, slots, logits_rows),
-                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens)
+                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens,
+                            experts, storage, int(len(resident) * per_expert))
 
 
 def predicted_memory_gb(plan: Plan, size: ModelSize, prompt_tokens: int) -> float:
@@ -187,16 +258,21 @@ def predicted_memory_gb(plan: Plan, size: ModelSize, prompt_tokens: int) -> floa
     return predict_memory(plan, size, prompt_tokens).total / GB
 
 
-def fixed_memory(size: ModelSize, chunk_tokens: int, prompt_tokens: int) -> MemoryPrediction:
-    """The memory any plan needs at this chunk and prompt length before an expert is resident on the ANE."""
+def fixed_memory(size: ModelSize, chunk_tokens: int, prompt_tokens: int, cpu_weights: str | None = None,
+                 group_size: int = 64) -> MemoryPrediction:
+    """The memory any plan needs at this chunk and prompt length before an expert is resident on the ANE (its
+    experts on the CPU in `cpu_weights` storage where given)."""
     chunk = min(chunk_tokens, prompt_tokens)
-    return MemoryPrediction(size.weight_bytes, 0, activation_bytes(size, chunk, prompt_tokens),
-                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens)
+    dense, experts = cpu_weight_bytes(size, cpu_weights, group_size)
+    return MemoryPrediction(dense + experts, 0, activation_bytes(size, chunk, prompt_tokens),
+                            size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens, experts,
+                            size.storage if size.storage != "bf16" or not cpu_weights else cpu_weights)
 
 
-def ane_budget_bytes(memory_gb: float, size: ModelSize, chunk_tokens: int, prompt_tokens: int) -> float:
+def ane_budget_bytes(memory_gb: float, size: ModelSize, chunk_tokens: int, prompt_tokens: int,
+                     cpu_weights: str | None = None, group_size: int = 64) -> float:
     """What a budget of `memory_gb` leaves for ANE packages; refuses a budget no plan can meet."""
-    fixed = fixed_memory(size, chunk_tokens, prompt_tokens)
+    fixed = fixed_memory(size, chunk_tokens, prompt_tokens, cpu_weights, group_size)
     left = memory_gb * GB - fixed.total
     if left < 0:
         raise NpumoeError(f"--memory-gb {memory_gb:g} is below what any plan needs: {fixed.describe()}; give "

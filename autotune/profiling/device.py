@@ -12,6 +12,7 @@ from tqdm import tqdm
 from autotune.profiling.callers import Rotor, group_caller, host_caller, make_experts, pack_capacity
 from autotune.profiling.dense_records import dense_records
 from autotune.profiling.energy import EnergyMeter, energy_meter
+from autotune.profiling.kernels import kernel_records
 from autotune.profiling.profile import Profile, build_profile, host_facts
 from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
 from autotune.profiling.timing import clock_for, time_call
@@ -151,4 +152,10 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
                      **s.to_json()}
     cmd = "autotune profile-device" + (" --quick" if quick else "")
     dtypes = {b: {"dtype_bytes": registry.get(b).dtype_bytes} for b in backends}  # e.g. Core ML computes in fp16
-    return build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, dtypes)
+    profile = build_profile(records, host_facts(torch.get_num_threads()), cmd, settings_json, energy, dtypes)
+    if s.kernels and any(registry.get(b).cpu_torch for b in backends):
+        # each CPU storage kind's kernels at decode and prefill rows: a list of its own, beside the cost model's
+        with torch.inference_mode():
+            profile.extra["kernel_records"] = [r for name, (h, f) in s.shapes.items()
+                                               for r in kernel_records(s, h, f, name)]
+    return profile

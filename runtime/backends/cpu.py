@@ -4,9 +4,12 @@ dropping; not a plan group's backend, always there)."""
 from __future__ import annotations
 
 import torch
+from transformers.integrations.moe import ExpertsInterface
 
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, dense_reference, expert_ffn
 from runtime.backends.registry import EXACT, REFERENCE, BackendInfo
+
+PACKED_IMPLEMENTATION = "npumoe-packed"  # the experts implementation of a model whose experts are packed
 
 
 class CpuStaticBackend:
@@ -34,6 +37,27 @@ def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int
     """The cpu-exact path: rows of `x_sorted` are grouped by expert (`counts[i]` rows for `experts[i]`)."""
     return torch.cat([expert_ffn(module, e, x) for e, x in zip(experts, x_sorted.split(counts))])
 
+
+def is_packed(module: torch.nn.Module) -> bool:
+    """The experts' weights are packed (`runtime.quantized.QuantizedExperts`): transformers' kernels cannot run them."""
+    return getattr(module, "npumoe_weights", None) is not None
+
+
+def exact_experts_forward(module: torch.nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every assignment on the exact path, expert by expert: what `grouped_mm` computes, for packed experts."""
+    eid = top_k_index.reshape(-1)
+    order = torch.argsort(eid, stable=True)
+    counts = torch.bincount(eid, minlength=module.num_experts)
+    experts = counts.nonzero().squeeze(1).tolist()
+    tok = order // top_k_index.shape[1]
+    y = run_exact(module, x[tok], experts, counts[experts].tolist())
+    out = torch.zeros_like(x)
+    out.index_add_(0, tok, y * top_k_weights.reshape(-1)[order, None].to(y.dtype))
+    return out
+
+
+ExpertsInterface.register(PACKED_IMPLEMENTATION, exact_experts_forward)
 
 BACKENDS = (
     BackendInfo(REFERENCE, CpuStaticBackend, fallback=None, cpu_torch=True),

@@ -100,10 +100,23 @@ def gated_activation(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Te
     return module.act_fn(gate) * up
 
 
+def expert_matrices(module: torch.nn.Module, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert `expert`'s (gate_up [2F, H], down [H, F]): views of the fused parameters, or dequantized from the
+    packed weights of a quantized checkpoint (`runtime.quantized.QuantizedExperts`, `module.npumoe_weights`)."""
+    packed = getattr(module, "npumoe_weights", None)
+    if packed is not None:
+        return packed.expert(expert, dtype)
+    return module.gate_up_proj[expert], module.down_proj[expert]
+
+
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied)."""
-    h = gated_activation(module, F.linear(x, module.gate_up_proj[expert]))
-    return F.linear(h, module.down_proj[expert])
+    """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied); packed
+    storage that has its own kernels (`runtime.cpu_weights`) runs them."""
+    packed = getattr(module, "npumoe_weights", None)
+    if hasattr(packed, "ffn"):
+        return packed.ffn(module, expert, x)
+    gate_up, down = expert_matrices(module, expert, x.dtype)
+    return F.linear(gated_activation(module, F.linear(x, gate_up)), down)
 
 
 def _rows_norm(norm: torch.nn.Module, x: torch.Tensor, form: DenseForm, per_head: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ EXPERT_LAYOUTS = {
     "down_proj": ((".mlp.", ("down_proj",)), (".block_sparse_moe.", ("w2",))),
 }
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+QUANT_KEYS = ("quantization", "quantization_config")  # mlx's tables in config.json (runtime.loading.mlx_checkpoint)
 
 
 def tensor_sources(name: str, shape: torch.Size, keys: dict[str, Path]) -> list[str] | None:
@@ -144,12 +145,40 @@ def read_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
     return None
 
 
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise NpumoeError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def is_mlx_checkpoint(path: Path) -> bool:
+    """A folder mlx-lm quantized: config.json holds mlx's `quantization` table (group_size / bits, no quant_method)."""
+    q = read_config(path).get("quantization")
+    return isinstance(q, dict) and ("bits" in q or "group_size" in q) and "quant_method" not in q
+
+
+def transformers_config(path: Path) -> object:
+    """The transformers config of the folder, without mlx's quantization tables (transformers would look for a
+    quantizer) and with `rope_theta` where mlx-lm put it at the top level only."""
+    import transformers
+
+    config = {k: v for k, v in read_config(path).items() if k not in QUANT_KEYS}
+    model_type = config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise NpumoeError(f"{path / 'config.json'}: model_type {model_type!r} is not a transformers model type")
+    if "rope_theta" in config and "rope_parameters" not in config:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    return transformers.CONFIG_MAPPING[model_type].from_dict(config)
+
+
 def meta_skeleton(path: Path) -> torch.nn.Module:
     """The model's module tree from its config.json on the meta device: parameter names and shapes, no memory."""
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = transformers_config(path) if is_mlx_checkpoint(path) else \
+            transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
     except CONFIG_ERRORS as e:

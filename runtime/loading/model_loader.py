@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from runtime.backends.cpu import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
-from runtime.loading.checkpoint_reader import meta_skeleton, read_router, read_weights, tensor_index
+from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
     CONFIG_ERRORS,
     check_checkpoint,
@@ -25,6 +26,7 @@ from runtime.loading.checkpoints import (
     load_error,
     quiet_transformers,
 )
+from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -142,11 +144,28 @@ def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[torch.nn.Module, object]:
+def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights: str = "bf16",
+               group_size: int = 64) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
-    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy."""
+    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy.
+    `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
+    time (`runtime.cpu_weights`); bf16 keeps them as loaded."""
     dtype = resolve_dtype(name, dtype)
+    model, tokenizer = _load(name, dtype)
+    if cpu_weights != "bf16":
+        from runtime.cpu_weights import quantize_experts
+
+        for layer in moe_layers(model):
+            if hasattr(layer.experts, "npumoe_weights"):
+                raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (its experts are "
+                                  "packed as stored); give a full-width checkpoint")
+            quantize_experts(layer.experts, cpu_weights, group_size)
+        model.set_experts_implementation(PACKED_IMPLEMENTATION)
+    return model, tokenizer
+
+
+def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
     if name.startswith(RANDOM_PREFIX):
         model = _random_model(name[len(RANDOM_PREFIX):])
         return model.to(dtype), ByteTokenizer(model.config.vocab_size)
@@ -158,7 +177,7 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32) -> tuple[tor
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model, info = read_weights(path, dtype), {}
+        model, info = (read_mlx_model(path, dtype) if is_mlx_checkpoint(path) else read_weights(path, dtype)), {}
         if model is None:
             with quiet_transformers():
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -179,7 +198,8 @@ def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
         mlp = getattr(decoder_layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
         router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)
-        if experts is not None and hasattr(experts, "gate_up_proj") and router is not None:
+        fused = hasattr(experts, "gate_up_proj") or hasattr(experts, "npumoe_weights")  # or packed (quantized.py)
+        if experts is not None and fused and router is not None:
             layers.append(MoELayer(index, experts, router))
     return layers
 
@@ -221,7 +241,8 @@ def read_model_spec(name: str) -> ModelSpec:
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
-    routers = [read_router(files, names[id(l.router.weight)]) for l in layers]
+    read = dequantized_router if is_mlx_checkpoint(path) else read_router
+    routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
     return _fingerprint(_spec_fields(skeleton, layers), routers)

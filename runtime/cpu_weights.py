@@ -1,0 +1,147 @@
+"""CPU-side storage of a layer's experts quantized by us, one expert at a time, from full-width fused weights:
+`int8` (one scale per output channel) and `int4` (per group of `group_size` inputs, a scale and a zero), each with
+two kernels:
+
+- `packed`: torch's int kernels on the packed weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), fast
+  for few rows (decode steps, short chunks, spills);
+- `dequant`: the expert dequantized to the rows' dtype (fp32 rows: fp32, where sgemm beats the int kernels, as
+  Accelerate does on Apple's CPUs; bf16 rows: bf16, where AMX does) and one matmul, for many rows sharing it. An
+  int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled.
+
+Which kernel is faster at which row count is the host's fact: `dequant_rows` (rows at and above which `dequant`
+runs) comes from the profile's kernel records (`autotune.profiling.kernels.fastest_kernel`) or, without them, the
+defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.backends.protocol import gated_activation
+from runtime.errors import NpumoeError
+
+KINDS = ("bf16", "int8", "int4")
+KERNELS = ("packed", "dequant")
+INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
+# int8: dequant from 16 rows per expert up; int4: the packed kernel at every row count measured (1-256).
+DEQUANT_ROWS = {"int8": 16, "int4": 1 << 30}
+_BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
+
+
+def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> int8 codes and one fp32 scale per output row (symmetric)."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> codes 0..15 (int32) and [K / group, N, 2] (scale, zero) with w = (q - 8) * scale + zero."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
+
+
+def _int4_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """torch's CPU int4 layout back to codes [N, K]: bytes [N / 64, K, 32], the low nibble row 64b + j, the high
+    one row 64b + 32 + j (checked against the build's own converter before use)."""
+    b = packed.reshape(n // _BLOCK_N, k, _BLOCK_N // 2)
+    codes = torch.stack([b & 15, b >> 4], 1)  # [N/64, 2, K, 32]
+    return codes.permute(0, 1, 3, 2).reshape(n, k)
+
+
+def _int4_layout_known() -> bool:
+    q = torch.randint(0, 16, (2 * _BLOCK_N, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except RuntimeError:
+        return False
+    return packed.numel() * 2 == q.numel() and torch.equal(_int4_unpack(packed, *q.shape).to(torch.int32), q)
+
+
+class QuantizedCpuExperts(torch.nn.Module):
+    """A layer's experts as `int8` or `int4` (module docstring), made from the fused `gate_up [E, 2F, H]` and
+    `down [E, H, F]` one expert at a time (the caller may free each full-width expert as it goes)."""
+
+    def __init__(self, kind: str, experts: int, hidden: int, ffn: int, group_size: int = 64,
+                 dequant_rows: int | None = None) -> None:
+        super().__init__()
+        if kind not in ("int8", "int4"):
+            raise NpumoeError(f"cpu weights {kind!r}: choose from {', '.join(KINDS)}")
+        if kind == "int4":
+            if group_size not in INT4_GROUPS:
+                raise NpumoeError(f"int4 group size {group_size}: choose from {', '.join(map(str, INT4_GROUPS))}")
+            if hidden % group_size or ffn % group_size or hidden % _BLOCK_N or (2 * ffn) % _BLOCK_N:
+                raise NpumoeError(f"int4 experts need hidden {hidden} and FFN {ffn} divisible by the group "
+                                  f"{group_size} and by {_BLOCK_N}")
+            if not _int4_layout_known():
+                raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not the one this runtime reads")
+        self.kind, self.group_size = kind, group_size
+        self.dequant_rows = DEQUANT_ROWS[kind] if dequant_rows is None else dequant_rows
+        self.shapes = ((2 * ffn, hidden), (hidden, ffn))
+        codes = torch.int8 if kind == "int8" else torch.uint8
+        for name, (n, k) in zip(("gate_up", "down"), self.shapes):
+            self.register_buffer(f"{name}_q", torch.empty(experts, n, k if kind == "int8" else k // 2, dtype=codes))
+            aux = (experts, n) if kind == "int8" else (experts, k // group_size, n, 2)
+            self.register_buffer(f"{name}_s", torch.empty(aux, dtype=torch.float32))
+
+    def set_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if self.kind == "int8":
+                q, s = _int8(w)
+            else:
+                codes, s = _int4_codes(w, self.group_size)
+                q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            getattr(self, f"{name}_q")[e].copy_(q)
+            getattr(self, f"{name}_s")[e].copy_(s)
+
+    def _full(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
+        if self.kind == "int8":
+            return (q.to(torch.float32) * s[:, None]).to(dtype)
+        n, k = self.shapes[0 if name == "gate_up" else 1]
+        codes = _int4_unpack(q, n, k).to(torch.float32).reshape(n, k // self.group_size, self.group_size)
+        scale, zero = s[..., 0].T, s[..., 1].T  # [N, K / group]
+        return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(n, k).to(dtype)
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `e`'s (gate_up, down) at full width in `dtype`."""
+        return self._full("gate_up", e, dtype), self._full("down", e, dtype)
+
+    def kernel(self, rows: int) -> str:
+        return "dequant" if rows >= self.dequant_rows else "packed"
+
+    def _mm(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, self.group_size, s.to(x.dtype))
+
+    def ffn(self, module: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s gated FFN of rows `x`, by the kernel for its row count."""
+        if self.kernel(x.shape[0]) == "dequant" and self.kind == "int8":
+            h = gated_activation(module, F.linear(x, self.gate_up_q[e].to(x.dtype)) * self.gate_up_s[e].to(x.dtype))
+            return F.linear(h, self.down_q[e].to(x.dtype)) * self.down_s[e].to(x.dtype)
+        if self.kernel(x.shape[0]) == "dequant":
+            gate_up, down = self.expert(e, x.dtype)
+            return F.linear(gated_activation(module, F.linear(x, gate_up)), down)
+        return self._mm("down", e, gated_activation(module, self._mm("gate_up", e, x)).contiguous())
+
+    def stored_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def quantize_experts(module: torch.nn.Module, kind: str, group_size: int = 64,
+                     dequant_rows: int | None = None) -> None:
+    """Replace a fused experts module's full-width `gate_up_proj` / `down_proj` by `kind` storage, quantized one
+    expert at a time (`module.npumoe_weights`, which the exact path runs)."""
+    with torch.no_grad():
+        store = QuantizedCpuExperts(kind, module.num_experts, module.hidden_dim, module.intermediate_dim, group_size,
+                                    dequant_rows)
+        for e in range(module.num_experts):
+            store.set_expert(e, module.gate_up_proj[e], module.down_proj[e])
+    del module.gate_up_proj, module.down_proj
+    module.npumoe_weights = store
