@@ -25,10 +25,22 @@ NO_EXPERTS = ExpertFigures(0.0, 0.0, 0.0)
 @dataclass
 class DenseChoice:
     """The dense placement chosen at one chunk size and what the dense parts then cost: per prompt
-    (`prediction`, experts left out) and over the calibration prompts (`score`, the search's units)."""
+    (`prediction`, experts left out) and over the calibration prompts (`score`, the search's units); with what it
+    was chosen for, so that another cost model can price it again (`under`)."""
     placement: DensePlacement
     prediction: PrefillPrediction
     score: Score
+    shape: DecoderShape
+    prompts: float
+    backend: str | None
+
+    def under(self, cost: CostModel, weights: Weights) -> tuple[float, float]:
+        """(this placement's weighted cost, the best placement's) under another cost model (a perturbed profile):
+        what the robustness analysis adds to a plan's experts and to a case's optimum at this chunk size."""
+        p = self.prediction
+        mine = predict_prefill(cost, self.shape, p.prompt_tokens, p.chunk_tokens, NO_EXPERTS, self.placement)
+        best = choose_dense(cost, self.shape, p.prompt_tokens, p.chunk_tokens, self.backend, weights, self.prompts)
+        return weighted_cost(dense_score(mine, self.prompts), weights), weighted_cost(best.score, weights)
 
 
 def dense_score(pred: PrefillPrediction, prompts: float) -> Score:
@@ -72,7 +84,7 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
             if (c := cost_of(trial)) < best:
                 place, best = trial, c
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
-    return DenseChoice(place, pred, dense_score(pred, prompts))
+    return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend)
 
 
 def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:

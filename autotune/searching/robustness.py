@@ -110,6 +110,17 @@ class CaseResult:
     pools: dict[int, list[Candidates]]  # per chunk size, the pruned candidates re-scored under the case (the same
     # rows, in the same order, for every case)
     index: dict = dataclasses.field(default_factory=dict, repr=False)  # (chunk, layer) -> {row bytes: position}
+    # the dense functions under the case, per chunk size: the search's placement, and the best one for the case
+    # (empty: a search without dense decisions)
+    plan_dense: dict[int, float] = dataclasses.field(default_factory=dict)
+    best_dense: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def best_cost(self) -> float:
+        """The case's optimum: its experts and its best dense placement at that chunk size."""
+        return _cost(self.best, self.weights) + self.best_dense.get(self.best.chunk_tokens, 0.0)
+
+    weights: Weights = (1.0, 0.0, 0.0)
 
     def cost(self, sol: Solution, outcome: SearchOutcome, w: Weights) -> float:
         """A plan's cost under this case, from the re-scored candidates (decisions not among them: scored)."""
@@ -125,12 +136,24 @@ class CaseResult:
                 i = self.index[sol.chunk_tokens, layer].get(space.key_of(cfg))
                 s = None if i is None else pool.scores.at(i)
             total += weighted_cost(self.scorer.score(d, cfg) if s is None else s, w, sol.exact_partial)
-        return total + partial_cost(search.layers, self.scorer, w, sol.exact_partial)
+        return (total + partial_cost(search.layers, self.scorer, w, sol.exact_partial)
+                + self.plan_dense.get(sol.chunk_tokens, 0.0))
 
 
 def _cost(x, weights: Weights) -> float:
-    """The search's scalar cost of a Solution."""
+    """The search's scalar cost of a Solution (its experts)."""
     return weighted_cost(x, weights)
+
+
+def _nominal_dense(outcome: SearchOutcome, w: Weights, chunk: int) -> float:
+    """The weighted cost of the search's dense placement at a chunk size (0 without dense decisions)."""
+    choice = outcome.dense.get(chunk)
+    return 0.0 if choice is None else weighted_cost(choice.score, w)
+
+
+def _whole(sol: Solution, outcome: SearchOutcome, w: Weights) -> float:
+    """A plan's nominal cost with its chunk size's dense functions: what the search compared chunk sizes on."""
+    return _cost(sol, w) + _nominal_dense(outcome, w, sol.chunk_tokens)
 
 
 def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
@@ -143,29 +166,31 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
     out, index = [], {}
     # chunk sizes by their nominal optimum: a chunk size whose optimum costs more than the best case plan found so
     # far divided by the case's least factor cannot hold the case's optimum (every part scales by >= that factor)
-    order = sorted((s for s in outcome.chunks.values() if s.best), key=lambda s: _cost(s.best, w))
+    order = sorted((s for s in outcome.chunks.values() if s.best), key=lambda s: _whole(s.best, outcome, w))
     for case in cases:
         sc = scorer.with_cost(case.apply(scorer.cost), with_energy=w[1] > 0)
         # a case on a backend the scores never read (cpu-static, when the groups run on the ANE) scores the same
         same = case.backend not in {scorer.cost.backend_model(scorer.backend).name, EXACT}
-        pools, best = {}, None
+        dense = {c: choice.under(sc.cost, w) for c, choice in outcome.dense.items()}
+        pools, best, best_total = {}, None, np.inf
         for search in order:
             c = search.chunk_tokens
-            if best is not None and min(1.0, case.factor) * _cost(search.best, w) >= _cost(best, w):
+            if best is not None and min(1.0, case.factor) * _whole(search.best, outcome, w) >= best_total:
                 continue
             pools[c] = kept[c] if same else [Candidates(p.rows, sc.score_rows(d, outcome.space, p.rows))
                                              for d, p in zip(search.layers, kept[c])]
             sol = best_plan(search, outcome.space, sc, outcome.drop_budget, w, pool=pools[c])
-            if sol and (best is None or _cost(sol, w) < _cost(best, w)):
-                best = sol
-        out.append(CaseResult(case, sc, best, pools, index))  # one index: the pools' rows are the same
+            if sol and _cost(sol, w) + dense.get(c, (0.0, 0.0))[1] < best_total:
+                best, best_total = sol, _cost(sol, w) + dense.get(c, (0.0, 0.0))[1]
+        out.append(CaseResult(case, sc, best, pools, index, {c: d[0] for c, d in dense.items()},
+                              {c: d[1] for c, d in dense.items()}, w))  # one index: the pools' rows are the same
     return out
 
 
 def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
             weights: Weights | None = None) -> list[float]:
     w = outcome.weights if weights is None else weights
-    return [r.cost(sol, outcome, w) / _cost(r.best, w) - 1.0 for r in results]
+    return [r.cost(sol, outcome, w) / r.best_cost - 1.0 for r in results]
 
 
 def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
@@ -215,15 +240,16 @@ def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult
         if search.best is None:
             continue
         here = [i for i, r in enumerate(results) if c in r.pools]
-        bound = sum(lam[i] * (min(1.0, r.case.factor) * _cost(search.best, w) / _cost(r.best, w) - 1.0)
+        bound = sum(lam[i] * (min(1.0, r.case.factor) * _whole(search.best, outcome, w) / r.best_cost - 1.0)
                     for i, r in enumerate(results) if i not in here)
         if here:
             found = cheapest_plan(search, space, outcome.drop_budget, w,
-                                  [(lam[i] / _cost(results[i].best, w), results[i].pools[c], results[i].scorer)
+                                  [(lam[i] / results[i].best_cost, results[i].pools[c], results[i].scorer)
                                    for i in here])
             if found is None:
                 continue
-            bound += found[0] - sum(lam[i] for i in here)
+            dense = sum(lam[i] * results[i].plan_dense.get(c, 0.0) / results[i].best_cost for i in here)
+            bound += found[0] + dense - sum(lam[i] for i in here)
             if len(here) == len(results):  # a candidate plan only where it weighs every case
                 found = (found[0], solution(found[1], search.layers, scorer, found[2]))
                 worst = max(regrets(found[1], outcome, results))
@@ -243,7 +269,7 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
     search = outcome.chunks[c]
     if any(c not in r.pools for r in results):
         return sol
-    best = np.array([_cost(r.best, w) for r in results])
+    best = np.array([r.best_cost for r in results])
     ov = sol.overflow
     layer_costs, drops, rows, current = [], [], [], []
     for layer, (d, cfg) in enumerate(zip(search.layers, sol.configs)):
@@ -261,7 +287,8 @@ def descend(sol: Solution, outcome: SearchOutcome, scorer: Scorer, results: list
         drops.append(p.scores.heldout_drops)
         rows.append(p.rows)
         current.append(int(at[0]))
-    const = np.array([partial_cost(search.layers, r.scorer, w, sol.exact_partial) for r in results])
+    const = np.array([partial_cost(search.layers, r.scorer, w, sol.exact_partial) + r.plan_dense.get(c, 0.0)
+                      for r in results])
     total = const + sum(lc[i] for lc, i in zip(layer_costs, current))
     used = sum(int(dr[i]) for dr, i in zip(drops, current))
     for _ in range(rounds):
@@ -341,4 +368,4 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
                      "regret": g})
     objective = objective_name(w)
     return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
-                            nominal_worst, _cost(plan, w) / _cost(outcome.best, w) - 1.0, floor)
+                            nominal_worst, _whole(plan, outcome, w) / _whole(outcome.best, outcome, w) - 1.0, floor)
