@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import apple_like
 
-from autotune.costing.dense_prices import fit_dense, record_work
+from autotune.costing.dense_prices import fit_dense, record_ms
 from autotune.costing.whole_prefill import (
     PARTS,
     DecoderShape,
@@ -95,5 +95,5 @@ def test_measured_matmul_fit_predicts_held_out_shapes():
                  **time_call(_matmul(m, n, k), s, clock="cpu")} for m, n, k in shapes]
     held = recs[1::4]
     fit = fit_dense([r for r in recs if r not in held])["matmul"]
-    errors = [abs(float(fit.ms(*record_work(r))) / r["median_ms"] - 1) for r in held]
+    errors = [abs(record_ms(fit, r) / r["median_ms"] - 1) for r in held]
     assert fit.source.startswith("measured") and np.mean(errors) < 0.35, errors

@@ -24,9 +24,11 @@ from autotune.costing.dense_prices import (
     DenseFit,
     attention_work,
     elementwise_work,
+    features,
 )
 from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
+from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
 
@@ -50,38 +52,6 @@ def matmul_work(m: Any, n: int, k: int, dtype_bytes: int) -> tuple[np.ndarray, n
     """(GFLOP, MB) of one dense matmul [m, k] x [k, n] (the paper's (M, N, K) records)."""
     m = np.asarray(m, dtype=np.float64)
     return 2.0 * m * n * k / 1e9, dtype_bytes * (n * k + m * k + m * n) / 1e6
-
-
-@dataclass
-class Residual:
-    """Multiplicative correction exp(r) of the compute time, learned from log(measured / analytic) by k-nearest
-    neighbours (distance-weighted: an exact match returns its own record)."""
-    X: np.ndarray  # [n, 3]: log2 tokens, log2 hidden, log2 ffn
-    y: np.ndarray  # [n]: log(measured / analytic)
-    k: int = 3
-
-    def __post_init__(self) -> None:
-        from sklearn.neighbors import KNeighborsRegressor
-
-        self.X, self.y = np.asarray(self.X, dtype=np.float64).reshape(-1, 3), np.asarray(self.y, dtype=np.float64)
-        # Shape axes weigh more than the token axis: a neighbour of another shape is a worse guess than one of
-        # another M of the same shape.
-        self._scale = np.array([1.0, 4.0, 4.0])
-        self._knn = KNeighborsRegressor(n_neighbors=min(self.k, len(self.y)), weights="distance")
-        self._knn.fit(self.X * self._scale, self.y)
-
-    def __call__(self, tokens: np.ndarray, hidden: int, ffn: int) -> np.ndarray:
-        m = np.maximum(np.asarray(tokens, dtype=np.float64).reshape(-1), 1.0)
-        q = np.stack([np.log2(m), np.full_like(m, np.log2(hidden)), np.full_like(m, np.log2(ffn))], axis=1)
-        return np.exp(self._knn.predict(q * self._scale))
-
-    def to_json(self) -> dict:
-        return {"kind": "knn", "k": self.k, "features": ["log2 tokens", "log2 hidden", "log2 ffn"],
-                "X": np.round(self.X, 6).tolist(), "y": np.round(self.y, 6).tolist()}
-
-    @classmethod
-    def from_json(cls, obj: dict | None) -> "Residual | None":
-        return None if not obj else cls(np.array(obj["X"]), np.array(obj["y"]), int(obj.get("k", 3)))
 
 
 @dataclass
@@ -293,19 +263,21 @@ class CostModel:
 
     def matmul_ms(self, backend: str, m: Any, n: int, k: int, weight_bytes: float | None = None) -> np.ndarray:
         """Compute time of [m, k] x [k, n] on `backend` (no call cost; 0 rows cost nothing)."""
-        t = self.dense_fit(backend, "matmul").ms(*dense_matmul_work(m, n, k, self.dtype_bytes(backend), weight_bytes))
+        t = self.dense_fit(backend, "matmul").ms(*dense_matmul_work(m, n, k, self.dtype_bytes(backend), weight_bytes),
+                                                 at=features("matmul", m=m, n=n, k=k))
         return np.where(np.asarray(m) > 0, t, 0.0)
 
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
                      ) -> np.ndarray:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
         g, mb = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "attention").ms(g, mb)
+        return self.dense_fit(backend, "attention").ms(g, mb, at=features("attention", rows=rows, context=context,
+                                                                            width=heads * head_dim))
 
     def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:
         """One layer's norms, rope and residual adds on `rows` tokens."""
         g, mb = elementwise_work(rows, hidden, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "elementwise").ms(g, mb)
+        return self.dense_fit(backend, "elementwise").ms(g, mb, at=features("elementwise", rows=rows, hidden=hidden))
 
     # --- layers ------------------------------------------------------------------------------------------------
     def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from autotune.costing.residual import Residual
+
 OPS = ("matmul", "attention", "elementwise")
 RECORD_OP = {"dense_matmul": "matmul", "attention": "attention", "elementwise": "elementwise"}
 # Elementwise passes per token over the hidden state in one decoder layer, each a read and a write: two norms,
@@ -51,18 +53,33 @@ def matmul_work(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float 
     return 2.0 * m * n * k / 1e9, dtype_bytes * m * (k + n) / 1e6, w * n * k / 1e6
 
 
+def features(kind: str, **shape: Any) -> np.ndarray:
+    """[n, 3] log2 features of a dense op for the residual learner: a matmul's (m, n, k), the attention core's
+    (rows, context, heads x head_dim), elementwise work's (rows, hidden, 1)."""
+    cols = {"matmul": ("m", "n", "k"), "attention": ("rows", "context", "width"),
+            "elementwise": ("rows", "hidden", None)}[kind]
+    vals = [np.asarray(shape[c] if c else 1, dtype=np.float64) for c in cols]
+    return np.log2(np.maximum(np.stack(np.broadcast_arrays(*vals), axis=-1).reshape(-1, 3), 1.0))
+
+
 @dataclass
 class DenseFit:
-    """One backend's price of one op kind: ms = ms_per_gflop * GFLOP + ms_per_mb * MB + ms_per_weight_mb * weight MB."""
+    """One backend's price of one op kind: ms = ms_per_gflop * GFLOP + ms_per_mb * MB + ms_per_weight_mb * weight MB,
+    times the residual learner's correction at the op's shape where measured records trained one."""
     ms_per_gflop: float
     ms_per_mb: float
     source: str  # "measured (N records)" or "derived from the backend's matmul fit"
     ms_per_weight_mb: float | None = None  # None: as ms_per_mb
+    residual: Residual | None = None
 
-    def ms(self, gflop: Any, mb: Any, weight_mb: Any = 0.0) -> np.ndarray:
+    def ms(self, gflop: Any, mb: Any, weight_mb: Any = 0.0, at: np.ndarray | None = None) -> np.ndarray:
+        """The op's time; `at`: its `features` (the residual's correction, where there is one)."""
         per_weight = self.ms_per_mb if self.ms_per_weight_mb is None else self.ms_per_weight_mb
-        return self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb) + per_weight * np.asarray(
+        t = self.ms_per_gflop * np.asarray(gflop) + self.ms_per_mb * np.asarray(mb) + per_weight * np.asarray(
             weight_mb)
+        if self.residual is not None and at is not None:
+            t = t * self.residual.at(at).reshape(np.shape(t))
+        return t
 
     @property
     def derived(self) -> bool:
@@ -70,13 +87,28 @@ class DenseFit:
 
     def to_json(self) -> dict:
         out = {"ms_per_gflop": self.ms_per_gflop, "ms_per_mb": self.ms_per_mb, "source": self.source}
-        return out if self.ms_per_weight_mb is None else {**out, "ms_per_weight_mb": self.ms_per_weight_mb}
+        if self.ms_per_weight_mb is not None:
+            out["ms_per_weight_mb"] = self.ms_per_weight_mb
+        return out if self.residual is None else {**out, "residual": self.residual.to_json()}
 
     @classmethod
     def from_json(cls, obj: dict) -> "DenseFit":
         w = obj.get("ms_per_weight_mb")
         return cls(float(obj["ms_per_gflop"]), float(obj["ms_per_mb"]), str(obj.get("source", "measured")),
-                   None if w is None else float(w))
+                   None if w is None else float(w), Residual.from_json(obj.get("residual")))
+
+
+def record_features(rec: dict) -> np.ndarray:
+    """A dense record's `features` (one row)."""
+    op = RECORD_OP[rec["kind"]]
+    if op == "attention":
+        return features(op, rows=rec["rows"], context=rec["context"], width=rec["heads"] * rec["head_dim"])
+    return features(op, **{k: rec[k] for k in ("m", "n", "k", "rows", "hidden") if k in rec})
+
+
+def record_ms(fit: "DenseFit", rec: dict) -> float:
+    """The fit's time for what a dense record timed."""
+    return float(fit.ms(*record_work(rec), at=record_features(rec)))
 
 
 def record_work(rec: dict) -> tuple[float, float, float]:
@@ -109,6 +141,11 @@ def fit_dense(records: list[dict]) -> dict[str, DenseFit]:
         reg = LinearRegression(fit_intercept=False, positive=True).fit(A[:, used] / t[:, None], np.ones_like(t))
         coef = np.zeros(3)
         coef[used] = reg.coef_
-        out[op] = DenseFit(float(coef[0]), float(coef[1]), f"measured ({len(rs)} records)",
-                           float(coef[2]) if op == "matmul" else None)
+        fit = DenseFit(float(coef[0]), float(coef[1]), f"measured ({len(rs)} records)",
+                       float(coef[2]) if op == "matmul" else None)
+        base = np.array([float(fit.ms(*a)) for a in A])
+        ok = base > 0
+        if ok.sum() >= 2:  # the form's misfit by shape (small matmuls run below the big ones' rate)
+            fit.residual = Residual(np.concatenate([record_features(r) for r in rs])[ok], np.log(t[ok] / base[ok]))
+        out[op] = fit
     return out

@@ -15,7 +15,7 @@ from autotune.costing.costmodel import (
     host_features,
     matmul_work,
 )
-from autotune.costing.dense_prices import RECORD_OP, fit_dense, record_work
+from autotune.costing.dense_prices import RECORD_OP, fit_dense, record_ms
 from runtime.backends import registry
 
 
@@ -165,7 +165,7 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
                 preds = [_host_predict(coef, rs[i]) for i in test]
             elif rs[0]["kind"] in RECORD_OP:
                 fit = fit_dense(tr).get(RECORD_OP[rs[0]["kind"]])
-                preds = [float(fit.ms(*record_work(rs[i]))) if fit else float("nan") for i in test]
+                preds = [record_ms(fit, rs[i]) if fit else float("nan") for i in test]
             else:
                 model = fit_backend(key, tr, **backend_options.get(key, {}))
                 preds = [predict_record(model, rs[i]) for i in test]

@@ -4,6 +4,7 @@ prediction for the plan's profile (`autotune.costing.whole_prefill`): what `run 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -17,11 +18,14 @@ from runtime.plan import Plan
 log = logging.getLogger("npumoe")
 
 
-def measure_parts(model: torch.nn.Module, prefill: Callable[[], object]) -> dict[str, float]:
-    """Wall ms per part of one more run of `prefill` (its forwards' hooks)."""
-    with measured_parts(model) as times:
+def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool) -> dict:
+    """Ms per part of one more run of `prefill` (its forwards' hooks): on this process's CPU clock where the run is
+    one-thread CPU work (what a shared host's other load does not inflate, as profile-device times it), else on
+    the wall clock (`off_cpu`: a backend that ran off the CPU); `clock` says which."""
+    cpu = torch.get_num_threads() == 1 and not off_cpu
+    with measured_parts(model, time.process_time if cpu else time.perf_counter) as times:
         prefill()
-    return times.parts_ms()
+    return {**times.parts_ms(), "clock": "cpu" if cpu else "wall"}
 
 
 def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int) -> dict | None:
