@@ -2,7 +2,7 @@
 printed before the results were typed (recorded from the commands at the commit before; a contract scripts read)."""
 import dataclasses
 
-from helpers import SEARCH_REPORT_KEYS, random_model
+from helpers import SEARCH_REPORT_ADDED, SEARCH_REPORT_KEYS, random_model
 
 import autotune
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
@@ -18,6 +18,9 @@ EVALUATE = ["model", "plan", "text", "tokens", "prompts", "ppl_reference", "ppl_
             "top1_agreement", "kl_mean", "max_rel_diff_vs_reference", "drop_rate", "spill_rate", "padding_fraction",
             "assignments", "tokens_per_backend", "calls_per_backend", "backend_fallbacks", "drop_budget",
             "drop_rate_within_1_5x_budget"]
+# keys added since, after the recorded ones: the run's time per part (measured; predicted where the plan's profile
+# is here); the search's: helpers.SEARCH_REPORT_ADDED
+RUN_ADDED = ["measured_parts_ms"]
 TASKS = ["model", "plan", "limit", "num_fewshot", "tasks", "metric", "drop_rate", "spill_rate", "calls_per_backend",
          "tokens_per_backend", "backend_fallbacks"]
 
@@ -33,13 +36,13 @@ def _plans(tmp_path):
 def test_run_result_keys_are_the_commands(tmp_path, text_file):
     plain, _ = _plans(tmp_path)
     run = autotune.run_plan("random:olmoe", plain, text=text_file, max_tokens=96)
-    assert isinstance(run, RunResult) and list(run.to_json()) == RUN
+    assert isinstance(run, RunResult) and list(run.to_json()) == RUN + RUN_ADDED
     assert run.drop_rate == run.to_json()["drop_rate"] > 0 and run.tokens == 96
     full = autotune.run_plan("random:olmoe", plain, text=text_file, max_tokens=200, reference=True,
                              record_traces=tmp_path / "r.npz").to_json()
     # --reference puts its latency before the plan's and its difference after the drift; traces between
     with_all = RUN[:6] + ["reference_latency_ms"] + RUN[6:23] + ["traces", "max_rel_diff_vs_reference"] + RUN[23:]
-    assert list(full) == with_all
+    assert list(full) == with_all + RUN_ADDED
 
 
 def test_evaluate_result_keys_are_the_commands(tmp_path, text_file):
@@ -55,4 +58,4 @@ def test_evaluate_result_keys_are_the_commands(tmp_path, text_file):
 
 def test_tasks_and_search_results_hold_the_commands_keys():
     assert [f.name for f in dataclasses.fields(TasksResult)] == TASKS
-    assert [f.name for f in dataclasses.fields(SearchReport)] == SEARCH_REPORT_KEYS
+    assert [f.name for f in dataclasses.fields(SearchReport)] == SEARCH_REPORT_KEYS + SEARCH_REPORT_ADDED
