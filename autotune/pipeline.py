@@ -38,7 +38,7 @@ from autotune.calibration.traces import (
 from autotune.calibration.workload import encode_text
 from autotune.costing.memory import against_measured, ane_budget_bytes, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
-from autotune.evaluation.run_parts import measure_parts, predict_parts
+from autotune.evaluation.run_parts import measure_parts, plan_predictions, predict_parts
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -50,12 +50,13 @@ from autotune.profiling.profile import (
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
-from autotune.searching.dense_choice import DenseChoice, choose_dense, dense_plan
+from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
 from autotune.searching.model_record import ModelRecord, check_context, resolve_model
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
+from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
 from autotune.searching.robustness import assess
@@ -270,7 +271,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         if settings is not None:
             sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
             gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
-                                                              lambda sol: _dense_of(outcome, record, sol)),
+                                                              lambda sol: dense_of(outcome, record, sol)),
                              settings, progress=progress)
             if gated["chosen"] is None:
                 raise refusal(gated)
@@ -304,8 +305,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                               "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust,
                               "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
                               "decisions": [cfg.to_json() for cfg in outcome.best.configs],
-                              **({"gate": _gate_meta(gated)} if gated else {})},
-                             dense=_dense_of(outcome, record, outcome.best))
+                              **({"gate": gate_meta(gated)} if gated else {})},
+                             dense=dense_of(outcome, record, outcome.best))
         memory = predict_memory(plan, record.size, prompt)
         if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
             raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
@@ -324,24 +325,6 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
     return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
 
 
-def _dense_of(outcome, record: ModelRecord, sol) -> dict | None:
-    """The plan's `dense` field for a solution: the dense functions chosen at its chunk size, except for the all-CPU
-    plan (the unmodified model's computation, the gate's last resort)."""
-    choice = outcome.dense.get(sol.chunk_tokens)
-    if choice is None or not any(cfg.resident for cfg in sol.configs):
-        return None
-    return dense_plan(choice.placement, record.shape)
-
-
-def compress_counts(configs) -> dict[str, int]:
-    """How many layers' static groups store their weights each way (layers without residents not counted)."""
-    out: dict[str, int] = {}
-    for c in configs:
-        if c.resident:
-            out[c.compress] = out.get(c.compress, 0) + 1
-    return out
-
-
 def _prompt_tokens(record: ModelRecord, traces: Traces, given: int | None) -> int:
     """The prompt length the plan is for: `given` or the traces'; at most the model's context."""
     prompt = given or traces.prompt_tokens
@@ -350,13 +333,6 @@ def _prompt_tokens(record: ModelRecord, traces: Traces, given: int | None) -> in
         raise NpumoeError(f"--prompt-tokens {given}: these traces hold counts per {traces.prompt_tokens}-token "
                           "prompt only (synthetic); they cannot be cut into other prompts")
     return prompt
-
-
-def _gate_meta(gated: dict) -> dict:
-    """The chosen candidate's measured fidelity, as the plan keeps it."""
-    chosen = gated["chosen"]
-    return {"label": gated["label"], "tokens": gated["tokens"], "text": gated["text"],
-            **{k: chosen[k] for k in ("ppl_delta", "top1", "kl")}}
 
 
 def _profile(name: str | None, progress: bool) -> tuple[Profile, str]:
@@ -459,16 +435,6 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
                      predicted_parts_ms=predicted)
-
-
-def plan_predictions(plan: Plan) -> dict | None:
-    """What the plan's search predicted for its profile's device (CPU-busy time of the MoE layers per token,
-    memory at its prompt length), to set beside a run's measurements; None for a plan without predictions."""
-    p = plan.predicted or {}
-    if "predicted_cpu_ms_per_token" not in p and "memory" not in p:
-        return None
-    return {"cpu_ms_per_token": p.get("predicted_cpu_ms_per_token"),
-            "memory_gb": (p.get("memory") or {}).get("total_gb"), "label": p.get("label")}
 
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,

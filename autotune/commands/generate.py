@@ -25,6 +25,7 @@ from autotune.commands.common import (
     print_json,
 )
 from autotune.costing.memory import against_measured, simulated_functions
+from autotune.evaluation.run_parts import plan_predictions
 from runtime.errors import NpumoeError
 from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         extra["memory"] = against_measured(loaded.plan, loaded.model, result.prompt_tokens + result.generated_tokens,
                                            int(result.peak_rss_mb * 2**20),
                                            ane_simulated=simulated_functions(loaded.executor.fallbacks))
-        extra["plan_predicted"] = pipeline.plan_predictions(loaded.plan)
+        extra["plan_predicted"] = plan_predictions(loaded.plan)
     if args.record_traces:
         extra["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
                                                         text=args.prompt_file or "--prompt",

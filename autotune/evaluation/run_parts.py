@@ -1,6 +1,7 @@
 """A run's prefill by part, measured (`runtime.dense.measured_parts`: forward hooks) next to the whole-prefill
 prediction for the plan's profile (`autotune.costing.whole_prefill`): what `run --json` reports as
-`measured_parts_ms` and `predicted_parts_ms`."""
+`measured_parts_ms` and `predicted_parts_ms`; and what the plan's search predicted, to set beside a run
+(`plan_predicted`)."""
 from __future__ import annotations
 
 import logging
@@ -53,3 +54,13 @@ def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int) -> 
         start += p
     return {**{k: round(v, 3) for k, v in parts.items()},
             "label": f"predicted by the cost model of profile {name} (experts: the plan's figure per chunk)"}
+
+
+def plan_predictions(plan: Plan) -> dict | None:
+    """What the plan's search predicted for its profile's device (CPU-busy time of the MoE layers per token,
+    memory at its prompt length), to set beside a run's measurements; None for a plan without predictions."""
+    p = plan.predicted or {}
+    if "predicted_cpu_ms_per_token" not in p and "memory" not in p:
+        return None
+    return {"cpu_ms_per_token": p.get("predicted_cpu_ms_per_token"),
+            "memory_gb": (p.get("memory") or {}).get("total_gb"), "label": p.get("label")}
