@@ -126,7 +126,7 @@ def _eos_ids(loaded: Loaded) -> set[int]:
 
 
 def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator, top_p: float = 1.0) -> int:
-    if temp <= 0:
+    if temp < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 holds it as 0: greedy
         return int(logits.argmax())
     z = logits.float()
     probs = torch.softmax((z - z.max()) / temp, dim=-1)  # shifted first: a tiny temperature cannot overflow
