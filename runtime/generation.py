@@ -130,12 +130,14 @@ def _eos_ids(loaded: Loaded) -> set[int]:
 
 
 def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator, top_p: float = 1.0) -> int:
-    if temp <= 0:
+    if temp < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 holds it as 0: greedy
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temp, dim=-1)
+    z = logits.float()
+    probs = torch.softmax((z - z.max()) / temp, dim=-1)  # shifted first: a tiny temperature cannot overflow
     if top_p < 1.0:  # nucleus: the most likely tokens whose mass reaches top_p (always at least the first)
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        outside[0] = False  # a top_p below float32's smallest still keeps the likeliest token
         sorted_probs[outside] = 0.0
         return int(order[torch.multinomial(sorted_probs, 1, generator=gen)])
     return int(torch.multinomial(probs, 1, generator=gen))

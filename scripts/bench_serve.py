@@ -33,6 +33,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -49,16 +50,18 @@ from autotune.calibration.workload import encode_text  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
 PREFIX_TOKENS = 1024
+BATCH = 8  # the clients of the batching figure, and the server's --max-batch
 
 
 class Server:
     """`autotune serve` in a subprocess, stopped by its pid."""
 
-    def __init__(self, args: argparse.Namespace, model_id: str, max_queue: int) -> None:
+    def __init__(self, args: argparse.Namespace, model_id: str, max_queue: int, extra: list[str] = ()) -> None:
         self.model_id = model_id
         self.key = secrets.token_hex(16)
         cmd = [sys.executable, "-m", "autotune", "serve", "--model", args.model, "--plan", args.plan, "--dtype",
-               args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue)]
+               args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue),
+               "--max-batch", str(BATCH), *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": self.key}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
@@ -102,6 +105,7 @@ class Server:
                 for choice in chunk["choices"]:
                     if choice["finish_reason"] is None:  # one chunk per token (its text may be empty)
                         now = time.perf_counter()
+                        out.setdefault("times", []).append(now)
                         if "first_s" not in out:
                             out["first_s"] = now - t0
                             if on_first is not None and on_first():
@@ -199,6 +203,80 @@ def concurrency(server: Server, loaded: runtime.Loaded, prompts: list[list[int]]
             "p99_ttft_ms": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] if ttfts else None}
 
 
+def batching(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], new: int) -> dict:
+    """`batch_tok_s_ratio`: BATCH clients at once, their total generation tokens/s (from the first one's first
+    token to the last one's last), over one client's alone; their greedy tokens against runtime.generate's."""
+    alone = server.stream(prompts[0], new)
+    results: list[dict | None] = [None] * len(prompts)
+
+    def client(i: int) -> None:
+        results[i] = server.stream(prompts[i], new)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [r for r in results if r and r.get("times")]
+    span = max(r["times"][-1] for r in done) - min(r["times"][0] for r in done)
+    total = sum(len(r["times"]) for r in done) - 1
+    expected = [runtime.generate(loaded, p, max_tokens=new).token_ids for p in prompts]
+    return {"batch_clients": len(prompts), "batch_tok_s": total / span, "single_tok_s": tok_s(alone),
+            "batch_tok_s_ratio": total / span / tok_s(alone),
+            "batch_mismatched": sum(r is None or r["npumoe"]["token_ids"] != e for r, e in zip(results, expected))}
+
+
+def _p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+
+
+def itl_during_prefill(server: Server, prompt: list[int], long_prompt: list[int], new: int) -> dict:
+    """A streaming client's p95 inter-token latency while another request prefills a long prompt, over its p95
+    alone (`itl_p95_during_prefill_ratio`)."""
+    alone = server.stream(prompt, new)
+    window: dict = {}
+
+    def long_request() -> None:
+        window["start"] = time.perf_counter()
+        r = server.stream(long_prompt, 1)
+        window["end"] = window["start"] + r["first_s"]
+    thread = threading.Thread(target=long_request)
+    during = server.stream(prompt, new, on_first=lambda: thread.start() and False)
+    thread.join()
+    times = during["times"]
+    gaps = [b - a for a, b in zip(times, times[1:]) if window["start"] <= b <= window["end"]]
+    gaps_alone = [b - a for a, b in zip(alone["times"], alone["times"][1:])]
+    return {"long_prompt_tokens": len(long_prompt), "itl_p95_alone_ms": _p95(gaps_alone) * 1e3,
+            "itl_p95_during_prefill_ms": _p95(gaps) * 1e3 if gaps else None, "itl_gaps_during_prefill": len(gaps),
+            "itl_p95_during_prefill_ratio": _p95(gaps) / _p95(gaps_alone) if gaps else None}
+
+
+def disk_prefix(args: argparse.Namespace, server: Server, model_id: str, text_ids: list[int], prefix_len: int,
+                folder: Path) -> dict:
+    """`disk_prefix_ttft_speedup`: a long prefix stored by one server with --prefix-cache-dir; after a restart,
+    the first request that shares it, against the same request as the first to a fresh server without the disk
+    cache (both pay a fresh server's first-request costs)."""
+    prefix, tails = text_ids[:prefix_len], [text_ids[prefix_len + 16 * i:prefix_len + 16 * i + 16] for i in (0, 1)]
+    disk = ["--prefix-cache-dir", str(folder)]
+    first = Server(args, model_id, 2, disk)
+    first.stream(prefix + tails[0], 2)
+    first.stop()
+    restarted, plain = Server(args, model_id, 2, disk), Server(args, model_id, 2)  # both fresh after a start
+    try:
+        hit = restarted.stream(prefix + tails[1], 2)
+        cold = plain.stream(prefix + tails[1], 2)
+    finally:
+        for other in (first, restarted, plain):
+            other.stop()
+            server.errors_5xx += other.errors_5xx
+            server.requests += other.requests
+    return {"disk_prefix_tokens": prefix_len,
+            "disk_prefix_cached_tokens": hit["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "disk_prefix_ttft_ms": hit["first_s"] * 1e3, "no_disk_ttft_ms": cold["first_s"] * 1e3,
+            "disk_prefix_ttft_speedup": cold["first_s"] / hit["first_s"],
+            "disk_mismatched": int(hit["npumoe"]["token_ids"] != cold["npumoe"]["token_ids"])}
+
+
 def disconnect(server: Server, loaded: runtime.Loaded, prompt: list[int]) -> bool:
     cancelled = server.metric("npumoe_requests_cancelled_total")
     server.stream(prompt, 1000, on_first=lambda: True)
@@ -235,11 +313,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded = runtime.load(args.model, plan=args.plan, dtype=args.dtype)
     positions = loaded.model.config.max_position_embeddings
-    need = pairs * (PREFIX_TOKENS + 64) + 2048
+    need = pairs * (PREFIX_TOKENS + 64) + 2048 + 6400
     text_ids = encode_text(loaded.tokenizer, "builtin:pydoc-heldout", need).tolist()
     if len(text_ids) < need or PREFIX_TOKENS + 32 >= positions:
         sys.exit(f"bench_serve: needs {need} text tokens and a context past {PREFIX_TOKENS + 32}")
-    server = Server(args, Path(args.model).resolve().name if Path(args.model).is_dir() else args.model, clients)
+    server = Server(args, Path(args.model).resolve().name if Path(args.model).is_dir() else args.model,
+                    max(clients, BATCH))
     try:
         prompt = text_ids[:prompt_len]
         result = {"model": args.model, "plan": args.plan, "dtype": args.dtype, "threads": args.threads,
@@ -250,12 +329,23 @@ def main() -> None:
         start = prompt_len + pairs * (PREFIX_TOKENS + 32)
         prompts = [text_ids[start + 40 * i:start + 40 * i + 24 + i % 16] for i in range(clients * per_client)]
         result.update(concurrency(server, loaded, prompts, clients, 8))
+        start += 40 * len(prompts) + 64  # past the concurrency prompts
+        batch_prompts = [text_ids[start + 40 * i:start + 40 * i + 24] for i in range(BATCH)]
+        result.update(batching(server, loaded, batch_prompts, new))
+        # the text's last 6,400 tokens: a long prompt (4,096, or the most the context holds), then a disk prefix;
+        # neither starts like an earlier prompt, so no prefix of theirs is cached before
+        long_prompt = text_ids[-6400:-6400 + min(4096, positions - 8)]
+        result.update(itl_during_prefill(server, batch_prompts[0], long_prompt, 4 * new))
+        with tempfile.TemporaryDirectory(prefix="npumoe-bench-prefix-") as folder:
+            chunk = loaded.plan.chunk_tokens
+            result.update(disk_prefix(args, server, server.model_id, text_ids[-2200:],
+                                      min(2048, (positions - 64) // chunk * chunk), Path(folder)))
         result["disconnect_ok"] = disconnect(server, loaded, prompt)
         result["sigterm_drain_ok"] = sigterm_drain(server, prompt, new)
     finally:
         if server.proc.poll() is None:
             server.stop()
-    result["mismatched"] += result.pop("overhead_mismatched")
+    result["mismatched"] += result["overhead_mismatched"] + result["batch_mismatched"] + result["disk_mismatched"]
     result.update(requests=server.requests, errors_5xx=server.errors_5xx, load_average=os.getloadavg())
     print(json.dumps(result))
 

@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import runtime
 from autotune.cli import main
@@ -308,6 +310,114 @@ def test_anthropic_stop_sequences_and_errors(served):
                 {"max_tokens": 4, "messages": ANTHROPIC_MESSAGES, "tools": [{"name": "x"}]}):
         r = httpx.post(served.url + "/v1/messages", json={"model": "tiny-moe", **bad}, headers={"x-api-key": KEY})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
+
+
+FUZZ_EXAMPLES = 40  # per endpoint, valid and invalid each: bounded for CI
+FUZZED: dict[str, int] = {}
+
+
+def _from_schema(schema: dict, root: dict):
+    """Values valid under a JSON schema, for the parts pydantic writes (hypothesis-jsonschema does not run on
+    this Hypothesis): $ref, anyOf, const/enum, objects, arrays, strings, numbers, booleans, null."""
+    if "$ref" in schema:
+        return st.deferred(lambda: _from_schema(root["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]],
+                                                root))
+    if "anyOf" in schema:
+        return st.one_of([_from_schema(s, root) for s in schema["anyOf"]])
+    if "const" in schema or "enum" in schema:
+        return st.sampled_from(schema.get("enum", [schema.get("const")]))
+    kind = schema.get("type")
+    if kind == "object":
+        props = {k: _from_schema(v, root) for k, v in schema.get("properties", {}).items()}
+        required = set(schema.get("required", []))
+        return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
+                                     optional={k: v for k, v in props.items() if k not in required})
+    if kind == "array":
+        return st.lists(_from_schema(schema.get("items", {}), root), min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", 5), 5))
+    if kind == "string":
+        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 40), 40))
+    if kind in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        high = schema.get("maximum", schema.get("exclusiveMaximum"))
+        if kind == "integer":
+            return st.integers(low, high)
+        return st.floats(low, high, exclude_min="exclusiveMinimum" in schema,
+                         exclude_max="exclusiveMaximum" in schema, allow_nan=False, allow_infinity=False)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    return _json_values()
+
+
+def _json_values():
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.text(max_size=12), inner, max_size=4), max_leaves=12)
+
+
+def _valid_shape(path: str, r: httpx.Response, body: object) -> None:
+    """The response is within its schema: an answer of its endpoint, or its API's error object."""
+    assert r.status_code < 500, (path, body, r.text[:300])
+    if r.status_code >= 400:
+        error = r.json()
+        if path == "/v1/messages":
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+        else:
+            assert set(error["error"]) == {"message", "type", "param", "code"}
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        lines = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines and all(line == "[DONE]" or isinstance(json.loads(line), dict) for line in lines)
+        return
+    out = r.json()
+    if path == "/v1/messages":
+        assert out["type"] == "message" and out["content"][0]["type"] == "text"
+        assert out["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence")
+    else:
+        choice = out["choices"][0]
+        assert out["object"] == ("chat.completion" if "chat" in path else "text_completion")
+        assert choice["finish_reason"] in ("stop", "length") and isinstance(out["usage"]["total_tokens"], int)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_the_api_fuzzed_from_its_own_openapi_schema_has_no_5xx(served, path):
+    """Requests drawn from /openapi.json's request schema (the model name mostly ours, few new tokens) and
+    arbitrary JSON: never a 5xx, every response within its schema. The count of requests sent is printed."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    doc = httpx.get(served.url + "/openapi.json", headers=auth).json()
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid = _from_schema(ref, doc)
+    sent = FUZZED.setdefault(path, 0)
+
+    def post(body: object) -> None:
+        FUZZED[path] += 1
+        r = httpx.post(served.url + path, json=body, headers=auth, timeout=60)
+        _valid_shape(path, r, body)
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=valid, ours=st.booleans(), stream=st.booleans())
+    def valid_requests(body, ours, stream):
+        if ours:
+            body["model"] = "tiny-moe"
+        for key in ("max_tokens", "max_completion_tokens"):  # a few new tokens: the fuzz stays quick
+            if key in body or (key == "max_tokens" and ours):
+                body[key] = min(body.get(key) or 2, 2)
+        body["stream"] = stream and body.get("stream", True)
+        post(body)
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=_json_values())
+    def invalid_requests(body):
+        post(body)
+    valid_requests()
+    invalid_requests()
+    print(f"fuzz {path}: {FUZZED[path] - sent} requests")
+    assert FUZZED[path] - sent >= FUZZ_EXAMPLES
 
 
 def test_a_key_is_required_but_not_for_health(served):

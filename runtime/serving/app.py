@@ -34,7 +34,7 @@ MAX_BODY_BYTES = 4 << 20  # a prompt as long as any context we serve, as JSON, w
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the runtime's
 DISCONNECT_POLL_S = 0.25  # how often a request that waits checks whether its client is still there
 MESSAGES = "/v1/messages"
-PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", MESSAGES, "/health", "/metrics")
+PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", MESSAGES, "/health", "/metrics", "/openapi.json")
 CLIENT_LEFT = 499  # the status recorded for a client that left before its answer (nginx's convention)
 
 
@@ -180,7 +180,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         yield
         await asyncio.to_thread(engine.close, 10.0)
 
-    app = FastAPI(title="npumoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="npumoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(Guard, engine=engine, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestError)
@@ -209,14 +209,14 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": started,
                                             "owned_by": "npumoe"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
         prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"ids": body.prompt}
         return await _respond_openai(engine, body, request, _reply(engine, False, body.logprobs),
                                      COMPLETION_MAX_TOKENS, {**prompt, "logprobs": body.logprobs, "echo": body.echo})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse(ChatRequest, await request.body())
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
@@ -224,7 +224,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         return await _respond_openai(engine, body, request, _reply(engine, True, logprobs), DEFAULT_MAX_TOKENS,
                                      {"messages": messages, "logprobs": logprobs})
 
-    @app.post(MESSAGES)
+    @app.post(MESSAGES, openapi_extra=_body(anthropic.MessagesRequest))
     async def messages(request: Request) -> Response:
         body = parse(anthropic.MessagesRequest, await request.body())
         job_request = GenerationRequest(body.max_tokens, body.temperature, body.top_p, body.seed,
@@ -237,7 +237,27 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         stream = partial(_anthropic_stream, engine, reply=reply) if body.stream else None
         return await _respond(engine, body.model, request, job_request, whole, stream)
 
+    schema = app.openapi
+
+    def openapi() -> dict:  # the request models' schemas, each with its own definitions, as components
+        doc = schema()
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatRequest, anthropic.MessagesRequest):
+            own = model.model_json_schema(ref_template=REF)
+            components.update(own.pop("$defs", {}))
+            components[model.__name__] = own
+        return doc
+    app.openapi = openapi
     return app
+
+
+REF = "#/components/schemas/{model}"
+
+
+def _body(model: type) -> dict:
+    """A route's request body in /openapi.json (the routes parse the body themselves, for OpenAI's errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": REF.format(model=model.__name__)}}}}}
 
 
 def _reply(engine: Engine, chat: bool, logprobs: int | None) -> Reply:

@@ -186,7 +186,7 @@ class Engine:
                 done.append(prefilling.job)
         decoding = [s for s in live if s.gen in self.batch.rows]
         if decoding:
-            before = executor_counts(self.loaded)
+            before = executor_counts(self.loaded, decode_only=True)
             try:
                 self.batch.step()
             except Exception as e:
@@ -194,7 +194,7 @@ class Engine:
                     self.batch.remove(s.gen)
                     self._fail(s.job, e)
                 return done + [s.job for s in decoding]
-            added = executor_counts(self.loaded) - before
+            added = executor_counts(self.loaded, decode_only=True) - before
             for s in decoding:
                 s.counts.update(added)
                 if not s.take():
