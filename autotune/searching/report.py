@@ -75,6 +75,19 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
             **context}
 
 
+def format_whole_prefill(w: dict) -> list[str]:
+    """The whole prefill in lines: the plan's time and parts, where the dense functions run, each baseline's ratio."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in w["predicted_parts_ms"].items() if v)
+    place = w["dense_placement"]
+    on = [k for k in ("qkv", "o_proj", "attention", "mlp") if place[k]]
+    where = (f"{', '.join(on)} on {place[on[0]]}" + (f" (attention buckets {place['attention_context_buckets']})"
+                                                    if place["attention"] else "")) if on else "all on the CPU"
+    vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
+    return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
+            f"{parts}; dense functions: {where}",
+            f"  baselines' latency over the plan's: {vs}; over the roofline {w['over_roofline_whole']:.2f}x"]
+
+
 def format_report(r: dict) -> str:
     energy = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     cpu = lambda d: "-" if d.get("predicted_cpu_ms_per_token") is None else f"{d['predicted_cpu_ms_per_token']:.4f}"  # noqa: E731
@@ -97,6 +110,8 @@ def format_report(r: dict) -> str:
                      f"{m['cpu_weights_bytes'] / 1e9:.2f} + ANE packages {m['ane_package_bytes'] / 1e9:.2f} + "
                      f"activations {m['activations_bytes'] / 1e9:.3f} + KV cache at {m['prompt_tokens']} tokens "
                      f"{m['kv_cache_bytes'] / 1e9:.3f} + runtime {m['runtime_bytes'] / 1e9:.2f}")
+    if r.get("whole_prefill"):
+        lines += format_whole_prefill(r["whole_prefill"])
     if r.get("robustness"):
         rob = r["robustness"]
         worst = max(rob["cases"], key=lambda c: c["regret"], default=None)
