@@ -29,6 +29,7 @@ from runtime.loading.checkpoints import (
 )
 from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
+from runtime.quantized import return_temporaries_to_the_os
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_MOE_DIR = ASSETS / "tiny-moe"
@@ -162,6 +163,8 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
                               "kept packed as stored); give a full-width checkpoint")
         quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size)
     model, tokenizer = _load(name, dtype, quantize)
+    if quantize is not None or any(hasattr(l.experts, "npumoe_weights") for l in moe_layers(model)):
+        return_temporaries_to_the_os()
     if quantize is not None:
         for layer in moe_layers(model):  # those the streaming read did not quantize (transformers' loader)
             if not hasattr(layer.experts, "npumoe_weights"):
