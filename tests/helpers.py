@@ -95,3 +95,23 @@ def tiny_twin(path, like: str = "qwen3-30b-a3b", layers: int = 2, **overrides):
 
 SMALL = dict(architecture="x", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8, top_k=2,
              hidden_size=1024, expert_ffn_size=512, fingerprint="small")
+
+
+def convert_to_mlx(out, bits: int, group: int):
+    """tiny-moe through mlx_lm.convert -q (test extra) into folder `out`; its config gets `rope_theta` at the top
+    level, which mlx-lm reads."""
+    import json
+    import shutil
+
+    from runtime.loading.model_loader import TINY_MOE_DIR
+
+    src = out.parent / f"{out.name}-src"
+    shutil.copytree(TINY_MOE_DIR, src)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    (src / "config.json").write_text(json.dumps(config))
+    import mlx_lm
+
+    mlx_lm.convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group)
+    shutil.rmtree(src)
+    return out
