@@ -107,3 +107,23 @@ SEARCH_REPORT_KEYS = [
     "predicted_cpu_ms_per_token", "cpu_ratio_vs", "robustness", "gate", "predicted_memory", "explanation"]
 # added to the search's report since those were recorded: the whole prefill (where the model's decoder shape is known)
 SEARCH_REPORT_ADDED = ["predicted_prefill_ms", "predicted_parts_ms", "whole_prefill"]
+
+
+def convert_to_mlx(out, bits: int, group: int):
+    """tiny-moe through mlx_lm.convert -q (test extra) into folder `out`; its config gets `rope_theta` at the top
+    level, which mlx-lm reads."""
+    import json
+    import shutil
+
+    from runtime.loading.model_loader import TINY_MOE_DIR
+
+    src = out.parent / f"{out.name}-src"
+    shutil.copytree(TINY_MOE_DIR, src)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    (src / "config.json").write_text(json.dumps(config))
+    import mlx_lm
+
+    mlx_lm.convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group)
+    shutil.rmtree(src)
+    return out

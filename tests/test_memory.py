@@ -120,7 +120,7 @@ def test_published_models_from_mlx_4bit_fit_their_goal(like, gb):
 def test_mlx_folder_predicted_as_loaded(tmp_path):
     """A loaded MLX checkpoint holds what model_size predicts from its config (packed as on disk)."""
     pytest.importorskip("mlx_lm")
-    from test_mlx_checkpoint import convert
+    from helpers import convert_to_mlx as convert
 
     from autotune.costing.memory import model_size
     from runtime.loading.model_loader import load_model

@@ -15,27 +15,17 @@ import torch.nn.functional as F
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
+from helpers import convert_to_mlx as convert  # noqa: E402
+
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT  # noqa: E402
 from autotune.calibration.workload import encode_text  # noqa: E402
 from autotune.cli import main  # noqa: E402
 from runtime import generation  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
-from runtime.loading.model_loader import TINY_MOE_DIR, load_model, model_spec, read_model_spec  # noqa: E402
+from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
 from runtime.plan import LayerPlan, Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
 from runtime.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear  # noqa: E402
-
-
-def convert(out: Path, bits: int, group: int) -> Path:
-    """tiny-moe through mlx_lm.convert -q; its config gets `rope_theta` at the top level, which mlx-lm reads."""
-    src = out.parent / f"{out.name}-src"
-    shutil.copytree(TINY_MOE_DIR, src)
-    config = json.loads((src / "config.json").read_text())
-    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
-    (src / "config.json").write_text(json.dumps(config))
-    mlx_lm.convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group)
-    shutil.rmtree(src)
-    return out
 
 
 @pytest.fixture(scope="module")

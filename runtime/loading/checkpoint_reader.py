@@ -5,6 +5,7 @@ Beside `checkpoints.py`, which checks the files before anything reads them."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,10 +65,15 @@ def read_tensor_into(f, start: int, entry: dict, dest: torch.Tensor) -> None:
         dest.copy_(torch.frombuffer(bytearray(f.read(b - a)), dtype=src).reshape(dest.shape))
 
 
-def read_weights(path: Path, dtype: torch.dtype) -> torch.nn.Module | None:
+def read_weights(path: Path, dtype: torch.dtype,
+                 on_experts: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module | None:
     """The model with every parameter read from the safetensors files into its place, in `dtype`: memory is the
     model itself (transformers' loader holds a layer's experts a second time while it fuses them). None where a
-    parameter, or a stored tensor, does not map one to one: the caller then loads with transformers."""
+    parameter, or a stored tensor, does not map one to one: the caller then loads with transformers.
+
+    `on_experts(module)` is called on each fused experts module as soon as both its parameters are read (the
+    parameters are allocated but not touched before: quantizing and dropping them there keeps one layer's
+    experts at full width at a time)."""
     import transformers
     from transformers.initialization import no_init_weights
 
@@ -94,10 +100,14 @@ def read_weights(path: Path, dtype: torch.dtype) -> torch.nn.Module | None:
     for file in headers:
         with open(file, "rb") as f:
             starts[file] = 8 + int.from_bytes(f.read(8), "little")
+    experts = {id(p): m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")
+               for p in (m.gate_up_proj, m.down_proj)}
+    pending = {id(m): 2 for m in experts.values()}
     handles = {file: open(file, "rb") for file in headers}  # noqa: SIM115 (closed below)
     try:
         with torch.no_grad():
-            for p, src in sources.values():
+            for name in list(sources):
+                p, src = sources.pop(name)  # no reference kept past its read: quantized experts free theirs
                 parts = len(src) // p.shape[0] if len(src or ()) > 1 else 0  # per-expert tensors per expert
                 for i, key in enumerate(src or ()):
                     entry = headers[keys[key]][key]
@@ -108,6 +118,12 @@ def read_weights(path: Path, dtype: torch.dtype) -> torch.nn.Module | None:
                     else:
                         dest = p
                     read_tensor_into(handles[keys[key]], starts[keys[key]], entry, dest)
+                module = experts.get(id(p))
+                if module is not None and on_experts is not None:
+                    pending[id(module)] -= 1
+                    if not pending[id(module)]:
+                        del p, dest
+                        on_experts(module)
     finally:
         for f in handles.values():
             f.close()

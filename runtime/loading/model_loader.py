@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from runtime.loading.checkpoints import (
 )
 from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
+from runtime.quantized import return_temporaries_to_the_os
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_MOE_DIR = ASSETS / "tiny-moe"
@@ -152,20 +154,26 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
     `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
     time (`runtime.cpu_weights`); bf16 keeps them as loaded."""
     dtype = resolve_dtype(name, dtype)
-    model, tokenizer = _load(name, dtype)
+    quantize = None
     if cpu_weights != "bf16":
         from runtime.cpu_weights import quantize_experts
 
-        for layer in moe_layers(model):
-            if hasattr(layer.experts, "npumoe_weights"):
-                raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (its experts are "
-                                  "packed as stored); give a full-width checkpoint")
-            quantize_experts(layer.experts, cpu_weights, group_size)
+        if not name.startswith(RANDOM_PREFIX) and is_mlx_checkpoint(model_dir(name)):
+            raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX checkpoint, "
+                              "kept packed as stored); give a full-width checkpoint")
+        quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size)
+    model, tokenizer = _load(name, dtype, quantize)
+    if quantize is not None or any(hasattr(l.experts, "npumoe_weights") for l in moe_layers(model)):
+        return_temporaries_to_the_os()
+    if quantize is not None:
+        for layer in moe_layers(model):  # those the streaming read did not quantize (transformers' loader)
+            if not hasattr(layer.experts, "npumoe_weights"):
+                quantize(layer.experts)
         model.set_experts_implementation(PACKED_IMPLEMENTATION)
     return model, tokenizer
 
 
-def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Module, object]:
     if name.startswith(RANDOM_PREFIX):
         model = _random_model(name[len(RANDOM_PREFIX):])
         return model.to(dtype), ByteTokenizer(model.config.vocab_size)
@@ -177,7 +185,8 @@ def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model, info = (read_mlx_model(path, dtype) if is_mlx_checkpoint(path) else read_weights(path, dtype)), {}
+        model, info = (read_mlx_model(path, dtype) if is_mlx_checkpoint(path)
+                       else read_weights(path, dtype, on_experts)), {}
         if model is None:
             with quiet_transformers():
                 model, info = transformers.AutoModelForCausalLM.from_pretrained(
