@@ -11,9 +11,9 @@ from helpers import mil_program, random_model
 from autotune.cli import main
 from autotune.searching.templates import template_plan
 from runtime.coreml.converter import quiet_coremltools_import
+from runtime.coreml.dense_doctor import PROBE_ATTENTION
 from runtime.coreml.dense_programs import (
     OUTPUT,
-    PROBE_ATTENTION,
     check_dense_function,
     dense_program,
     dense_weights,

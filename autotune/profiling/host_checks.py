@@ -250,7 +250,7 @@ def check_predict_overhead(probe: Probe) -> str:
 def check_attention_core(probe: Probe) -> str:
     """One attention-core function (runtime/coreml/dense_programs.py): placement and parity on CPU_AND_NE."""
     _need_macos("an attention-core function on the Neural Engine")
-    from runtime.coreml.dense_programs import check_attention_core as run
+    from runtime.coreml.dense_doctor import check_attention_core as run
 
     r = run(Path(probe.tmp.name))
     if r["off_ane"] or not r["max_rel_error"] <= r["tolerance"]:

@@ -18,8 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -38,6 +37,7 @@ from runtime.coreml.ane import (
     function_name,
     package_bytes,
 )
+from runtime.coreml.build_result import BuildResult
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
 from runtime.loading.expert_weights import ExpertWeights, ModuleExperts
@@ -319,49 +319,6 @@ def default_cache_dir() -> Path:
     return cache_root() / "coreml"
 
 
-@dataclass
-class BuildResult:
-    package: str  # the manifest's first package (the only one when the plan fits one package)
-    functions: list[FunctionSpec]
-    layout: str
-    compress: str  # the one compression every function uses, or "mixed" (each function's is in `functions`)
-    package_bytes: int  # all packages together, on disk
-    unique_weight_bytes: int  # the distinct expert (and dense function) matrices the packages need, counted in fp16
-    cached: int  # functions taken from the cache instead of converted
-    build_seconds: float
-    checks: list = field(default_factory=list)  # per-function numeric checks (runtime.coreml.mil_eval.FunctionCheck)
-    packages: list[dict] = field(default_factory=list)  # per package: path, functions, weight_bytes, bytes
-    manifest: str = ""
-    largest_function_weight_bytes: int = 0
-    seconds: dict = field(default_factory=dict)  # where the time went: convert, merge, verify
-    function_weight_limit_bytes: int = 0  # the limit the functions were split under
-    dense: list = field(default_factory=list)  # the plan's dense functions built (runtime.backends.DenseSpec)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((c.max_rel_error for c in self.checks), default=float("nan"))
-
-    def to_json(self) -> dict:
-        """What `autotune build --json` prints: sizes, the host check against its tolerance, where the time went."""
-        from runtime.coreml.mil_eval import TOLERANCE
-
-        kinds = Counter(fs.compress for fs in self.functions)
-        return {"package": self.package, "package_bytes": self.package_bytes,
-                "unique_weight_bytes": self.unique_weight_bytes,
-                "size_ratio": round(self.package_bytes / self.unique_weight_bytes, 4),
-                "max_rel_error": self.max_rel_error,
-                "tolerance": max(TOLERANCE[fs.compress] for fs in [*self.functions, *self.dense]),
-                "dense_functions": len(self.dense),
-                "attention_functions": sum(spec.kind == "attention" for spec in self.dense),
-                "functions": len(self.functions), "cached_functions": self.cached, "layout": self.layout,
-                "compress": self.compress, "compress_counts": dict(sorted(kinds.items())),
-                "build_seconds": round(self.build_seconds, 2), "manifest": self.manifest, "packages": self.packages,
-                "largest_function_weight_bytes": self.largest_function_weight_bytes,
-                "function_weight_limit_bytes": self.function_weight_limit_bytes,
-                "build_mb_per_s": round(self.unique_weight_bytes / 1e6 / self.build_seconds, 2),
-                "build_seconds_by_stage": self.seconds}
-
-
 def merge_functions(parts: list[tuple[FunctionSpec, Path]], dest: Path, meta: dict) -> None:
     """Merge single-function packages into one multifunction package with deduplicated weights, plus metadata."""
     import coremltools as ct
@@ -442,7 +399,7 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                 if bar:
                     bar.update(1)
             t = time.perf_counter()
-            first = [dense_programs.convert_dense(d, cache, keep) for d in dense] if path == paths[0] else []
+            first = [convert_dense(d, cache, keep) for d in dense] if path == paths[0] else []
             parts += [(c.spec, c.path) for c in first]
             meta_functions.update({c.spec.name: c.manifest() for c in first})
             cached += sum(c.cached for c in first)
@@ -488,6 +445,20 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                        largest_function_weight_bytes=max([fs.usage().weight_bytes for fs in functions] + dense_bytes),
                        seconds={k: round(v, 2) for k, v in seconds.items()},
                        function_weight_limit_bytes=int(function_weight_bytes), dense=dense)
+
+
+def convert_dense(spec, cache: Path, sealed: bool = True) -> dense_programs.ConvertedDense:
+    """One dense function (a DenseSpec) converted into `cache`, reused when its weights, shapes and compression
+    match (runtime/coreml/dense_programs.py builds the program)."""
+    weights = dense_programs.dense_weights(spec)
+    digest = dense_programs.weights_digest(weights)
+    path = cache / f"dense-{dense_programs.cache_key(spec, digest)}.mlpackage"
+    if sealed and build_cache.usable(path):
+        return dense_programs.ConvertedDense(spec, path, digest, True)
+    convert_program(dense_programs.dense_program(spec, weights), spec.compress, path)
+    if sealed:
+        build_cache.seal(path)
+    return dense_programs.ConvertedDense(spec, path, digest, False)
 
 
 CACHE_KEEP_BYTES = 256 * 2**20  # builds of more weights keep no converted functions: no second copy on disk

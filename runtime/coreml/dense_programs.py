@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.backends import DenseForm, DenseSpec, attention_reference, dense_reference
-from runtime.coreml import ane_limits, build_cache
-from runtime.coreml.dense_sim import MASKED
+from runtime.backends import DenseSpec, attention_reference, dense_reference
+from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
 
+MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
 OUTPUT = "y"
 ROW_INPUT = "x"
 ATTENTION_INPUTS = ("q", "k", "v", "mask")
@@ -212,50 +212,11 @@ class ConvertedDense:
                     weights_sha256=self.digest)
 
 
-def convert_dense(spec: DenseSpec, cache: Path, sealed: bool = True) -> ConvertedDense:
-    """One dense function converted into `cache` (reused when its weights, shapes and compression match)."""
+def cache_key(spec: DenseSpec, digest: str) -> str:
+    """What makes a converted dense function reusable: weights, shapes, form, compression, tool versions."""
     import coremltools as ct
 
-    from runtime.coreml.converter import convert_program
-
-    weights = dense_weights(spec)
-    digest = weights_digest(weights)
     key = dict(v=BUILDER_VERSION, coremltools=ct.__version__, name=spec.name, shapes=input_shapes(spec),
                splits=list(spec.splits), compress=spec.compress, scaling=spec.scaling, form=repr(spec.form),
                weights=digest)
-    path = cache / f"dense-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]}.mlpackage"
-    if sealed and build_cache.usable(path):
-        return ConvertedDense(spec, path, digest, True)
-    convert_program(dense_program(spec, weights), spec.compress, path)
-    if sealed:
-        build_cache.seal(path)
-    return ConvertedDense(spec, path, digest, False)
-
-
-# The attention core the doctor checks: small enough to convert and compile in seconds.
-PROBE_ATTENTION = DenseSpec("attention", -1, 16, form=DenseForm(head_dim=16), keys=32, heads=4, kv_heads=2,
-                            scaling=0.25)
-
-
-def check_attention_core(folder: Path, spec: DenseSpec = PROBE_ATTENTION) -> dict:
-    """macOS only (Core ML's runtime): build one attention-core function as `autotune build` does, load it on
-    CPU_AND_NE, and report the ops MLComputePlan places off the Neural Engine and a prediction's max relative error
-    against the torch reference (fp32 sdpa over the same padded, masked keys). `autotune doctor` calls it."""
-    import coremltools as ct
-    from coremltools.models.compute_plan import MLComputePlan
-
-    from runtime.coreml.ane import ops_not_on_ane
-    from runtime.coreml.converter import convert_program
-    from runtime.coreml.mil_eval import TOLERANCE, max_rel_error
-
-    path = Path(folder) / f"{spec.name}.mlpackage"
-    convert_program(dense_program(spec, {}), "none", path)
-    compiled = ct.models.utils.compile_model(str(path), str(Path(folder) / f"{spec.name}.mlmodelc"))
-    plan = MLComputePlan.load_from_path(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-    model = ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
-    feed, allowed = sample_inputs(spec)
-    got = np.asarray(model.predict(feed)[OUTPUT], dtype=np.float32)
-    q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ("q", "k", "v"))
-    ref = attention_reference(q, k, v, allowed, spec.scaling).numpy()
-    return {"function": spec.name, "off_ane": ops_not_on_ane(plan, "main"), "max_rel_error": max_rel_error(got, ref),
-            "tolerance": TOLERANCE["none"]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:40]

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from runtime.backends import DenseFn, DenseSpec
+from runtime.coreml.dense_programs import MASKED
 from runtime.fileio import atomic_write_bytes, cache_root
 
 SIM_VERSION = 1
-MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
 
 
 def r16(t: torch.Tensor) -> torch.Tensor:

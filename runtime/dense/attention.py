@@ -13,10 +13,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from runtime.backends import DenseFn
+from runtime.backends import EXACT, DenseFn
 
 IMPLEMENTATION = "npumoe"
-EXACT = "cpu-exact"
 
 
 def _npumoe_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
