@@ -18,7 +18,7 @@ from autotune.costing.whole_prefill import (
     predict_prefill,
     prompt_chunks,
 )
-from autotune.profiling.dense_records import _matmul
+from autotune.profiling.dense_records import matmul_call
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_call
 from autotune.searching.dense_choice import choose_dense, dense_plan
@@ -92,7 +92,7 @@ def test_measured_matmul_fit_predicts_held_out_shapes():
     shapes = [(m, n, k) for m in (16, 64, 256) for n, k in ((384, 128), (128, 256), (512, 256), (256, 512))]
     with torch.inference_mode():
         recs = [{"kind": "dense_matmul", "m": m, "n": n, "k": k, "backend": "cpu-exact", "dtype_bytes": 4,
-                 **time_call(_matmul(m, n, k), s, clock="cpu")} for m, n, k in shapes]
+                 **time_call(matmul_call(m, n, k), s, clock="cpu")} for m, n, k in shapes]
     held = recs[1::4]
     fit = fit_dense([r for r in recs if r not in held])["matmul"]
     errors = [abs(record_ms(fit, r) / r["median_ms"] - 1) for r in held]

@@ -132,6 +132,22 @@ def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None 
     return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense)
 
 
+def record_group(rec: dict) -> str:
+    """Which part of the model a record measures: a backend, a backend's dense op (`cpu-exact-matmul`), or the
+    host's packing / exact-path work (`host-pack`, `host-exact`)."""
+    if rec["kind"] in RECORD_OP:
+        return f"{rec['backend']}-{RECORD_OP[rec['kind']]}"
+    return {"pack": "host-pack", "exact_host": "host-exact"}.get(rec["kind"], rec["backend"])
+
+
+def predicted_ms(model: CostModel, rec: dict) -> float:
+    """The fitted model's time for what a record timed (nan for a part it does not model)."""
+    if rec["kind"] in RECORD_OP:
+        return record_ms(model.dense_fit(rec["backend"], RECORD_OP[rec["kind"]]), rec)
+    backend = model.models.get(rec["backend"])
+    return predict_record(backend, rec) if backend else float("nan")
+
+
 def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None = None, folds: int = 5,
                    seed: int = 0) -> dict:
     """Mean absolute percentage error of each part of the model on records it was not fitted to (k-fold).
@@ -145,9 +161,7 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
     for r in records:
         if r.get("excluded"):
             continue
-        key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
-        if r["kind"] in RECORD_OP:
-            key = f"{r['backend']}-{RECORD_OP[r['kind']]}"
+        key = record_group(r)
         groups.setdefault(key, []).append(r)
     mape: dict[str, float | None] = {}
     used_k: set[str] = set()

@@ -44,7 +44,7 @@ def matmul_cases(shape: DenseShape) -> list[tuple[int, int, int]]:
     return out + [(1, shape.vocab, shape.hidden)]
 
 
-def _matmul(m: int, n: int, k: int):
+def matmul_call(m: int, n: int, k: int):
     x, w = torch.randn(m, k), torch.randn(n, k) * 0.02
     return lambda: F.linear(x, w)
 
@@ -94,7 +94,7 @@ def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> lis
     """Time every dense case on the CPU (the exact path's backend prices CPU work), fp32, on `clock`."""
     cases = []
     for name, shape in DENSE_SHAPES.items():
-        cases += [({"kind": "dense_matmul", "m": m, "n": n, "k": k}, _matmul(m, n, k))
+        cases += [({"kind": "dense_matmul", "m": m, "n": n, "k": k}, matmul_call(m, n, k))
                   for m, n, k in matmul_cases(shape)]
         points = ATTENTION_POINTS_QUICK if s.quick else ATTENTION_POINTS
         cases += [({"kind": "attention", "rows": r, "context": c, "heads": shape.heads, "kv_heads": shape.kv_heads,

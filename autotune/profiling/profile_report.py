@@ -2,7 +2,7 @@
 of measured against predicted times."""
 from __future__ import annotations
 
-from autotune.costing.fitting import predict_record
+from autotune.costing.fitting import predicted_ms, record_group
 from autotune.profiling.profile import Profile
 from runtime.fileio import output_set
 
@@ -59,8 +59,7 @@ def plot(profile: Profile, path: str) -> None:
 
     groups: dict[str, list[dict]] = {}
     for r in profile.records:
-        key = {"pack": "host-pack", "exact_host": "host-exact"}.get(r["kind"], r["backend"])
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(record_group(r), []).append(r)
     keys = sorted(groups)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -69,8 +68,7 @@ def plot(profile: Profile, path: str) -> None:
         if key.startswith("host-"):
             pred = [r.get("heldout_pred_ms", float("nan")) for r in rs]
         else:
-            model = profile.cost_model.models.get(key)
-            pred = [r.get("heldout_pred_ms", predict_record(model, r) if model else float("nan")) for r in rs]
+            pred = [r.get("heldout_pred_ms", predicted_ms(profile.cost_model, r)) for r in rs]
         ax.loglog(meas, pred, ".", alpha=0.7)
         lo, hi = min(meas) * 0.8, max(meas) * 1.25
         ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
