@@ -148,7 +148,10 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     bucket = place.bucket(context) if place.attention is not None and full else None
     attn = place.attention if bucket is not None else EXACT
     keys = bucket or context
-    out = {"attention_projections": [dense_link(cost, qkv, cost.matmul_ms(qkv, rows, shape.qkv_width, h)),
+    # a static function computes q, k and v as one matmul; the CPU runs the model's three modules
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    widths = [shape.qkv_width] if qkv != EXACT else [q, kv, kv]
+    out = {"attention_projections": [dense_link(cost, qkv, sum(cost.matmul_ms(qkv, rows, w, h) for w in widths)),
                                      dense_link(cost, o, cost.matmul_ms(o, rows, h, shape.heads * shape.head_dim))],
            "attention_core": [dense_link(cost, attn, cost.attention_ms(attn, rows, keys, shape.heads, shape.kv_heads,
                                                                         shape.head_dim))],

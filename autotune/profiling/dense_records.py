@@ -37,11 +37,12 @@ ATTENTION_POINTS_QUICK = ((256, 256), (1024, 1024), (1024, 4096), (256, 2048))
 
 
 def matmul_cases(shape: DenseShape) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the projections, the router and lm_head at each of ROWS."""
-    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    out = [(m, n, k) for m in ROWS for n, k in ((qkv, shape.hidden), (shape.hidden, shape.heads * shape.head_dim),
-                                                (shape.experts, shape.hidden))]
-    return out + [(1, shape.vocab, shape.hidden)]
+    """(m, n, k) of the projections (q, k/v, fused q/k/v, o), the router and lm_head (one row, and a chunk's rows:
+    a run that scores every position) at each of ROWS."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out = [(m, n, k) for m in ROWS for n, k in ((q, shape.hidden), (kv, shape.hidden), (q + 2 * kv, shape.hidden),
+                                                (shape.hidden, q), (shape.experts, shape.hidden))]
+    return out + [(1, shape.vocab, shape.hidden), (256, shape.vocab, shape.hidden)]
 
 
 def matmul_call(m: int, n: int, k: int):
