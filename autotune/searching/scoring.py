@@ -70,7 +70,13 @@ class Scorer:
 
     def partial_exact(self, data: LayerData) -> Score:
         """The layer's partial chunks run wholly on the exact path (the plan's exact_below_tokens above their
-        length): the same whatever the decision, all CPU work."""
+        length): the same whatever the decision, all CPU work (memoised: every DP over the layer adds it)."""
+        key = (data.layer, data.chunk_tokens, id(data), "partial-exact")
+        if key not in self._cache:
+            self._cache[key] = self._partial_exact(data)
+        return self._cache[key]
+
+    def _partial_exact(self, data: LayerData) -> Score:
         counts = data.calib[data.partial]
         every = LayerPlan.model_construct(layer=data.layer, groups=[], cpu_exact=list(range(counts.shape[1])))
         t = evaluator.totals(self.cost.layer_work(every, counts, self.hidden, self.ffn, "drop"),
@@ -263,10 +269,8 @@ class Scorer:
             return v
         # the ANE's: a program's usage but its slots is the same for every full group; slots are summed per group
         full, rest = np.where(r > 0, r // g, 0), np.where(r > 0, r % g, 0)
-        for k in np.unique(kinds):
-            at = kinds == k
-            for n, count in ((g[at], full[at]), (rest[at], rest[at] > 0)):
-                v[at] += count * ane_limits.violation(ane_limits.program_usage(n, self.hidden, self.ffn, str(k)))
+        for n, count in ((g, full), (rest, rest > 0)):
+            v += count * ane_limits.violation(ane_limits.program_usage(n, self.hidden, self.ffn, expert_bytes=eb))
         maybe = np.nonzero((r > 0) & (np.minimum(g, r) * cap_max > ane_limits.MAX_AXIS))[0]
         if maybe.size:  # packed slots per group, from the running sums of capacities at the group bounds
             ri, gi = r[maybe], g[maybe]

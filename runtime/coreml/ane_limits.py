@@ -71,12 +71,15 @@ def violation(usage: dict[str, Any], function_weight_bytes: float = FUNCTION_WEI
     return out
 
 
-def program_usage(experts: Any, hidden: int, ffn: int, compress: str = "none") -> dict[str, Any]:
+def program_usage(experts: Any, hidden: int, ffn: int, compress: str = "none",
+                  expert_bytes: Any = None) -> dict[str, Any]:
     """What a group of `experts` experts (a number or an array) uses, slots aside: the fields of `Usage` but
-    `slots`, as `violation` takes them."""
+    `slots`, as `violation` takes them. `expert_bytes`: each expert's stored bytes (an array: one per group, where
+    groups store their weights differently; default `expert_weight_bytes` of `compress`)."""
     n = np.asarray(experts)
+    per = expert_weight_bytes(hidden, ffn, compress) if expert_bytes is None else np.asarray(expert_bytes)
     return {"hidden": hidden, "gate_up": 2 * ffn, "ops": OPS_PER_EXPERT * n + OPS_PER_FUNCTION,
-            "weight_bytes": n * expert_weight_bytes(hidden, ffn, compress)}
+            "weight_bytes": n * per}
 
 
 @dataclass(frozen=True)
