@@ -416,8 +416,8 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     logits, latency_ms, cpu_ms = _timed(planned, repeat)
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
-    measured = measure_parts(loaded.model, planned, any(registry.get(b).overlaps_cpu for b in stats.get(
-        "calls_per_backend", {}) if registry.get(b) is not None))
+    ran = [registry.get(b) for b in stats.get("calls_per_backend", {})]
+    measured = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None))
     predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n)
     traces = None
     if record_traces:

@@ -81,10 +81,6 @@ class DenseFit:
             t = t * self.residual.at(at).reshape(np.shape(t))
         return t
 
-    @property
-    def derived(self) -> bool:
-        return self.source.startswith("derived")
-
     def to_json(self) -> dict:
         out = {"ms_per_gflop": self.ms_per_gflop, "ms_per_mb": self.ms_per_mb, "source": self.source}
         if self.ms_per_weight_mb is not None:

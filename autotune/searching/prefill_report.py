@@ -3,6 +3,7 @@ whole-model, each predicted over one prompt by `autotune.costing.whole_prefill`,
 from __future__ import annotations
 
 from autotune.costing.whole_prefill import (
+    DENSE_FUNCTIONS,
     DecoderShape,
     DensePlacement,
     ExpertFigures,
@@ -68,7 +69,7 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     vs = {name: {"latency": b.latency_ms / plan.latency_ms,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
-    return {**plan.to_json(),
+    return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
             "dense_placement": placement_json(choice.placement if choice else DensePlacement()),
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
             "vs": vs,
@@ -76,5 +77,4 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
 
 
 def placement_json(place: DensePlacement) -> dict:
-    return {"qkv": place.qkv, "o_proj": place.o_proj, "attention": place.attention, "mlp": place.mlp,
-            "attention_context_buckets": list(place.buckets)}
+    return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets)}

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from autotune.costing.whole_prefill import DENSE_FUNCTIONS
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import SearchOutcome, Solution
 from runtime.backends import EXACT
@@ -79,7 +80,7 @@ def format_whole_prefill(w: dict) -> list[str]:
     """The whole prefill in lines: the plan's time and parts, where the dense functions run, each baseline's ratio."""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in w["predicted_parts_ms"].items() if v)
     place = w["dense_placement"]
-    on = [k for k in ("qkv", "o_proj", "attention", "mlp") if place[k]]
+    on = [k for k in DENSE_FUNCTIONS if place[k]]
     where = (f"{', '.join(on)} on {place[on[0]]}" + (f" (attention buckets {place['attention_context_buckets']})"
                                                     if place["attention"] else "")) if on else "all on the CPU"
     vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
