@@ -120,6 +120,8 @@ class DenseFunction(_Strict):
     """One dense static function of a decoder layer (weights of that layer) on a static backend."""
     backend: StrictStr
     compress: Literal[COMPRESSIONS] | None = None  # optional; absent means "none" (fp16 weights)
+    rows: PositiveInt | None = None  # optional: the function takes a full chunk's first `rows` rows, the CPU the
+    # rest at the same time (absent: every row)
 
     _registered = field_validator("backend")(_registered_backend)
 
@@ -145,6 +147,8 @@ class DensePlan(_Strict):
     chunk or a decode step runs it on the CPU, exactly."""
     attention_context_buckets: list[PositiveInt]  # ascending, each a multiple of chunk_tokens
     layers: list[DenseLayer]  # at most one per decoder layer
+    attention_rows: PositiveInt | None = None  # optional: the core's function takes a full chunk's first queries,
+    # sdpa on the CPU the rest at the same time (absent: every query)
 
     @property
     def backends(self) -> set[str]:
@@ -260,9 +264,17 @@ def _check_dense(plan: Plan) -> tuple[str, str] | None:
             return where, f"{b} is not a multiple of chunk_tokens ({plan.chunk_tokens}){user}"
         if i and b <= buckets[i - 1]:
             return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend{user}"
+    rows = plan.dense.attention_rows
+    if rows is not None and rows >= plan.chunk_tokens:
+        return "dense.attention_rows", f"{rows} is not below chunk_tokens ({plan.chunk_tokens}){user}"
     seen: set[int] = set()
     for i, dl in enumerate(plan.dense.layers):
         where = f"dense.layers[{i}]"
+        for name in ("qkv", "o_proj", "mlp"):
+            f = getattr(dl, name)
+            if f is not None and f.rows is not None and f.rows >= plan.chunk_tokens:
+                return (f"{where}.{name}.rows", f"{f.rows} is not below chunk_tokens ({plan.chunk_tokens}): layer "
+                        f"{dl.layer}'s function would leave the CPU no rows")
         if dl.layer >= plan.model.num_layers:
             return f"{where}.layer", f"{dl.layer} is not a decoder layer (model.num_layers is {plan.model.num_layers})"
         if dl.layer in seen:

@@ -3,6 +3,7 @@ static backends. cpu-static reproduces transformers within 1e-5 in float32 in ev
 fp16's error; partial chunks and decode steps run exactly; a placement the model cannot run is refused naming the
 layer."""
 import json
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from runtime.backends import CpuStaticBackend, DenseSpec
 from runtime.dense import check_dense_fits
 from runtime.dense.attention import allowed_keys
 from runtime.dense.families import FAMILIES, attention_modules
-from runtime.errors import NpumoeError
+from runtime.errors import FileFormatError, NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec
 from runtime.plan import plan_from_json
@@ -64,6 +65,51 @@ def test_ane_sim_dense_functions_stay_within_fp16_error(name):
     assert 1e-6 < max_rel_diff(got, ref) < 3e-3  # fp16 values between ops: measured 5e-4 .. 9e-4
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
     assert calls["attention"]["ane-sim"] == 4 * model.config.num_hidden_layers
+
+
+def _split(plan, rows: int = 20, attention_rows: int = 8):
+    """The plan with every row-wise function taking `rows` of a chunk's rows and the core `attention_rows`."""
+    obj = plan.to_json()
+    for dl in obj["dense"]["layers"]:
+        for name in ("qkv", "o_proj", "mlp"):
+            if dl.get(name):
+                dl[name]["rows"] = rows
+    obj["dense"]["attention_rows"] = attention_rows
+    return plan_from_json(obj)
+
+
+class Overlapping(CpuStaticBackend):
+    """cpu-static as if it ran off the CPU: a split's static call waits on the worker thread."""
+    overlaps_cpu = True
+
+    def prepare_dense(self, spec: DenseSpec):
+        fn = super().prepare_dense(spec)
+        return lambda *a: (_threads.add(threading.current_thread().name), fn(*a))[1]
+
+
+_threads: set[str] = set()
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_functions_split_by_rows_reproduce_transformers(name):
+    """Each function takes a chunk's first rows on its backend and the CPU the rest, at once: still exact."""
+    model, _ = random_model(name)
+    _threads.clear()
+    got, ref, calls = _run(model, _split(_dense_plan(model, "cpu-static")), {"cpu-static": Overlapping()})
+    assert max_rel_diff(got, ref) <= 1e-5
+    layers = model.config.num_hidden_layers
+    # 4 full chunks split; the partial one of 22 rows: its first 20 on the function, 2 on the CPU
+    assert calls["qkv"] == {"cpu-static": 5 * layers, "cpu-share": 5 * layers}
+    assert calls["attention"] == {"cpu-static": 4 * layers, "cpu-share": 4 * layers, "cpu-exact": layers}
+    assert _threads == {"npumoe-dense_0"}  # the static calls ran on the worker
+
+
+def test_a_split_at_or_past_the_chunk_is_refused_naming_the_layer():
+    model, _ = random_model("random:qwen3_moe")
+    with pytest.raises(FileFormatError, match=r"dense.layers\[0\].qkv.rows.*layer 0"):
+        _split(_dense_plan(model, "cpu-static"), rows=CHUNK)
+    with pytest.raises(FileFormatError, match="dense.attention_rows"):
+        _split(_dense_plan(model, "cpu-static"), attention_rows=CHUNK)
 
 
 class Scaled(CpuStaticBackend):

@@ -2,6 +2,7 @@
 (autotune/costing/dense_prices.py) and the search's dense decisions (autotune/searching/dense_choice.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -22,6 +23,7 @@ from autotune.profiling.dense_records import matmul_call
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_call
 from autotune.searching.dense_choice import choose_dense, dense_plan
+from runtime.backends import EXACT
 from runtime.loading.model_loader import TINY_MOE_DIR
 from runtime.plan import plan_from_json
 
@@ -71,7 +73,7 @@ def test_placement_moves_the_dense_work_off_the_cpu():
 def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
     cost, shape = apple_like(), DecoderShape.from_config(QWEN)
     fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0)
-    assert fast.placement == DensePlacement("ane", "ane", "ane", None, (1024, 2048))
+    assert dataclasses.replace(fast.placement, rows=()) == DensePlacement("ane", "ane", "ane", None, (1024, 2048))
     assert fast.score.latency_ms == pytest.approx(4.0 * fast.prediction.latency_ms)
     cost.models["ane"].call_ms = 1e4  # a call dearer than any layer's work on the CPU: nothing moves
     assert choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement == DensePlacement()
@@ -83,6 +85,29 @@ def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
                            "dense": dense_plan(fast.placement, shape)})
     assert plan.dense.attention_context_buckets == [1024, 2048] and len(plan.dense.layers) == 4
     assert plan.dense.layers[0].qkv.backend == "ane" and plan.dense.layers[0].mlp is None
+    assert plan.dense.layers[0].qkv.rows == dict(fast.placement.rows)["qkv"]
+    assert plan.dense.attention_rows == dict(fast.placement.rows)["attention"]
+
+
+def test_a_row_split_runs_the_cpu_beside_the_ane():
+    """A function split at r rows costs the longer of the ANE's r rows (and its call) and the CPU's other rows."""
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    none = ExpertFigures(0.0, 0.0, 0.0)
+    whole = DensePlacement("ane", "ane", "ane", None, (1024, 2048))
+    a, b = (predict_prefill(cost, shape, 2048, 1024, none, p) for p in (whole, whole.with_rows("o_proj", 384)))
+    o = lambda backend, rows: cost.matmul_ms(backend, rows, shape.hidden, shape.heads * shape.head_dim)  # noqa: E731
+    call, n = cost.call_ms("ane"), 2 * shape.num_layers  # two full chunks, every layer
+    split = max(o("ane", 384) + call, o(EXACT, 640))
+    assert a.parts_ms["attention_projections"] - b.parts_ms["attention_projections"] == pytest.approx(
+        n * (o("ane", 1024) + call - split), rel=1e-6)
+    assert b.cpu_ms - a.cpu_ms == pytest.approx(n * o(EXACT, 640), rel=1e-6)  # the CPU's rows are CPU-busy time
+    # the search splits where it pays: a faster prefill than every function whole on the ANE
+    fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 1.0)
+    assert {"qkv", "o_proj", "attention"} <= set(dict(fast.placement.rows))
+    assert all(r % 64 == 0 and 0 < r < 1024 for _, r in fast.placement.rows)
+    assert fast.prediction.latency_ms < 0.85 * a.latency_ms
+    # for energy the CPU's watts make a split dearer: nothing is split
+    assert choose_dense(cost, shape, 2048, 1024, "ane", (0.0, 1.0, 0.0), 1.0).placement.rows == ()
 
 
 def test_measured_matmul_fit_predicts_held_out_shapes():

@@ -7,11 +7,14 @@ own prediction, `autotune.costing.evaluator`), the shared expert or dense MLP (`
 rope, residual adds, the router); then the final norm and `lm_head` for one row (prefill needs one row of logits). The
 parts a `DensePlacement` puts on a static backend run as static functions (one call each, the backend's
 `call_ms`); the rest run on the CPU in torch, priced as the exact path's backend. Parts run one after another: a
-decoder layer is a chain, so only the experts' exact path overlaps anything (inside the expert figure). Partial
+decoder layer is a chain. Inside a step, the CPU works beside the ANE two ways: the experts' exact path (inside the
+expert figure), and a dense function split by rows (`DensePlacement.rows`): the static function computes the
+first rows of each full chunk while the CPU computes the rest, so the step takes the longer of the two. Partial
 chunks run on the CPU, as the runtime runs them. The composition is the evaluator's (`evaluator.chain`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,9 +92,19 @@ class DensePlacement:
     attention: str | None = None
     mlp: str | None = None
     buckets: tuple[int, ...] = ()
+    rows: tuple[tuple[str, int], ...] = ()  # (function, r): its static function takes a full chunk's first r rows
 
     def bucket(self, context: int) -> int | None:
         return next((b for b in self.buckets if b >= context), None)
+
+    def static_rows(self, function: str, chunk: int) -> int:
+        """The rows of a full chunk the function's static backend computes (the CPU, the rest, meanwhile)."""
+        return min(dict(self.rows).get(function, chunk), chunk)
+
+    def with_rows(self, function: str, rows: int | None) -> "DensePlacement":
+        """The same placement with `function` split at `rows` (None: not split)."""
+        kept = tuple((f, r) for f, r in self.rows if f != function)
+        return dataclasses.replace(self, rows=kept + (((function, rows),) if rows else ()))
 
 
 @dataclass
@@ -140,6 +153,17 @@ def dense_link(cost: CostModel, backend: str, ms: Any) -> evaluator.Link:
     return evaluator.Link(t, on_cpu=not (static and cost.overlaps(backend)), power_w=cost.power_w(backend))
 
 
+def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price) -> evaluator.Link:
+    """A step whose static function computes `rows` of the chunk's rows and the CPU the rest at the same time
+    (`price(backend, rows)` -> ms): the longer side's latency where the backend runs off the CPU, else their sum."""
+    if backend == EXACT or rows >= chunk:
+        return dense_link(cost, backend, price(backend, chunk))
+    static, cpu = dense_link(cost, backend, price(backend, rows)), dense_link(cost, EXACT, price(EXACT, chunk - rows))
+    latency = max(static.latency_ms, cpu.latency_ms) if not static.on_cpu else static.latency_ms + cpu.latency_ms
+    energy = None if static.energy_mj is None or cpu.energy_mj is None else static.energy_mj + cpu.energy_mj
+    return evaluator.Link(latency, cpu_ms=static.cpu_ms + cpu.cpu_ms, energy_mj=energy)
+
+
 def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, context: int, full: bool,
                 place: DensePlacement) -> dict[str, list[evaluator.Link]]:
     """The dense steps of one decoder layer for one chunk, by part."""
@@ -147,21 +171,27 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     qkv, o = _on(place.qkv, full), _on(place.o_proj, full)
     bucket = place.bucket(context) if place.attention is not None and full else None
     attn = place.attention if bucket is not None else EXACT
-    keys = bucket or context
-    # a static function computes q, k and v as one matmul; the CPU runs the model's three modules
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    widths = [shape.qkv_width] if qkv != EXACT else [q, kv, kv]
-    out = {"attention_projections": [dense_link(cost, qkv, sum(cost.matmul_ms(qkv, rows, w, h) for w in widths)),
-                                     dense_link(cost, o, cost.matmul_ms(o, rows, h, shape.heads * shape.head_dim))],
-           "attention_core": [dense_link(cost, attn, cost.attention_ms(attn, rows, keys, shape.heads, shape.kv_heads,
-                                                                        shape.head_dim))],
+
+    def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul; the CPU, three
+        return sum(cost.matmul_ms(b, r, w, h) for w in ([shape.qkv_width] if b != EXACT else [q, kv, kv]))
+
+    def attention_ms(b: str, r: int) -> float:  # a static core reads its bucket's keys; the CPU, the context's
+        return cost.attention_ms(b, r, bucket if b != EXACT and bucket else context, shape.heads, shape.kv_heads,
+                                 shape.head_dim)
+
+    def split(function: str, backend: str, price) -> evaluator.Link:
+        return split_link(cost, backend, place.static_rows(function, rows), rows, price)
+
+    out = {"attention_projections": [split("qkv", qkv, qkv_ms),
+                                     split("o_proj", o, lambda b, r: cost.matmul_ms(b, r, h, q))],
+           "attention_core": [split("attention", attn, attention_ms)],
            "rest": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
     if layer in shape.moe_layers:
         out["rest"].append(dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h)))
     if ffn:
-        mlp = _on(place.mlp, full)
-        out["dense_mlp"] = [dense_link(cost, mlp, cost.matmul_ms(mlp, rows, 2 * ffn, h)
-                                       + cost.matmul_ms(mlp, rows, h, ffn))]
+        out["dense_mlp"] = [split("mlp", _on(place.mlp, full), lambda b, r: cost.matmul_ms(b, r, 2 * ffn, h)
+                                  + cost.matmul_ms(b, r, h, ffn))]
     return out
 
 
@@ -207,6 +237,10 @@ def placement_of(dense: Any) -> DensePlacement:
     if dense is None:
         return DensePlacement()
     first = lambda name: next((f.backend for dl in dense.layers if (f := getattr(dl, name)) is not None), None)  # noqa: E731
+    rows = lambda name: next((f.rows for dl in dense.layers if (f := getattr(dl, name)) is not None), None)  # noqa: E731
+    split = tuple((name, r) for name in ("qkv", "o_proj", "mlp") if (r := rows(name)))
+    if dense.attention_rows:
+        split += (("attention", dense.attention_rows),)
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
-                          tuple(dense.attention_context_buckets))
+                          tuple(dense.attention_context_buckets), split)

@@ -1,7 +1,10 @@
 """The search's dense decisions: at one chunk size, which dense functions run on the static backend (q/k/v, o_proj,
 the shared expert or dense MLP) and which attention context buckets get a static function, for the least weighted
-cost of the whole prefill (`autotune.costing.whole_prefill`). The dense steps run in sequence with the experts, so their
-cost adds to the experts' and each function is decided on its own: against the CPU, with the others as chosen."""
+cost of the whole prefill (`autotune.costing.whole_prefill`); and for each function placed, how many of a full chunk's
+rows it takes while the CPU computes the rest (a row split). The dense steps run in sequence with the experts, so
+their cost adds to the experts' and each function is decided on its own: against the CPU, with the others as
+chosen. A split's cost is the longer of its two sides, convex in the rows, so a ternary search over the rows finds
+it in a few evaluations."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +23,7 @@ from autotune.searching.scores import Score, Weights, weighted_cost
 from runtime.coreml import ane_limits
 
 NO_EXPERTS = ExpertFigures(0.0, 0.0, 0.0)
+ROW_GRAIN = 64  # a split function's static rows are a multiple of this (the ANE's preferred multiple of 64)
 
 
 @dataclass
@@ -75,7 +79,8 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
             trial = dataclasses.replace(place, **{name: backend})
             if dense_weight_bytes(shape, trial, per_weight) > ane_limits.WINDOW_BYTES:
                 continue
-            if (c := cost_of(trial)) < best:
+            trial, c = best_split(cost_of, trial, name, chunk_tokens)
+            if c < best:
                 place, best = trial, c
         for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):  # one static function per context bucket
             if rows < chunk_tokens or context > (shape.context or context):
@@ -83,20 +88,52 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
             trial = dataclasses.replace(place, attention=backend, buckets=(*place.buckets, context))
             if (c := cost_of(trial)) < best:
                 place, best = trial, c
+        if place.attention:
+            place, best = best_split(cost_of, place, "attention", chunk_tokens)
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
     return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend)
+
+
+def best_split(cost_of, place: DensePlacement, function: str, chunk: int) -> tuple[DensePlacement, float]:
+    """`place` with `function` split at the rows of least `cost_of` (multiples of ROW_GRAIN below the chunk), or
+    not split where that costs least; with its cost."""
+    whole = cost_of(place)
+    steps = chunk // ROW_GRAIN
+    if steps < 2:
+        return place, whole
+    seen: dict[int, float] = {}
+
+    def at(k: int) -> float:
+        if k not in seen:
+            seen[k] = cost_of(place.with_rows(function, k * ROW_GRAIN))
+        return seen[k]
+
+    lo, hi = 1, steps - 1
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        lo, hi = (lo, b - 1) if at(a) < at(b) else (a + 1, hi)
+    k = min(range(lo, hi + 1), key=at)
+    return (place.with_rows(function, k * ROW_GRAIN), at(k)) if at(k) < whole else (place, whole)
 
 
 def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
     """The plan's `dense` field a placement means (None: nothing placed): every decoder layer's functions."""
     if not any((place.qkv, place.o_proj, place.attention, place.mlp)):
         return None
+    rows = dict(place.rows)
+
+    def function(name: str, backend: str) -> dict:
+        return {"backend": backend, **({"rows": rows[name]} if name in rows else {})}
+
     layers = []
     for layer in range(shape.num_layers):
-        entry = {"layer": layer, **{f: {"backend": b} for f in ("qkv", "o_proj") if (b := getattr(place, f))}}
+        entry = {"layer": layer, **{f: function(f, b) for f in ("qkv", "o_proj") if (b := getattr(place, f))}}
         if place.attention:
             entry["attention"] = place.attention
         if place.mlp and shape.mlp_ffn(layer):
-            entry["mlp"] = {"backend": place.mlp}
+            entry["mlp"] = function("mlp", place.mlp)
         layers.append(entry)
-    return {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers}
+    out = {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers}
+    if place.attention and "attention" in rows:
+        out["attention_rows"] = rows["attention"]
+    return out

@@ -77,4 +77,5 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
 
 
 def placement_json(place: DensePlacement) -> dict:
-    return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets)}
+    return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
+            "static_rows": dict(place.rows)}

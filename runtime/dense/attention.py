@@ -2,11 +2,15 @@
 sdpa's masks, so transformers keeps its KV cache, rope and mask building. A layer with a planned core runs a full
 chunk whose context fits a bucket on the static function of the smallest such bucket (keys padded to the bucket,
 the padding masked); everything else (a partial chunk, a decode step, a context past the last bucket, a batch of
-several sequences, a layer without a planned core) runs on sdpa, exactly as transformers would.
+several sequences, a layer without a planned core) runs on sdpa, exactly as transformers would. Split by rows
+(`Split`), the function takes a full chunk's first queries and the CPU the rest at the same time.
 """
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -47,12 +51,45 @@ def allowed_keys(mask: torch.Tensor | None, queries: int, keys: int, bucket: int
     return allowed
 
 
+CPU_SHARE = "cpu-share"  # the calls counter's name for a split function's rows computed on the CPU
+
+
+def _in_modes(call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`call` under this thread's autograd modes (a worker thread starts with its own)."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return call()
+
+    return run
+
+
+@dataclass
+class Split:
+    """A dense function split by rows: its static function takes the first `rows` rows (queries) of a chunk, `cpu`
+    (the exact reference) the rest. Where `pool` is set (the backend runs off the CPU), the static call waits on its
+    worker while this thread computes the CPU's rows."""
+    rows: int
+    cpu: Callable[..., torch.Tensor]
+    pool: ThreadPoolExecutor | None = None
+
+    def run(self, static: Callable[[], torch.Tensor], cpu: Callable[..., torch.Tensor], rest: torch.Tensor,
+            dtype: torch.dtype, calls: Counter, part: str, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the static call's output, the CPU's on `rest`), both in `dtype`."""
+        future = self.pool.submit(_in_modes(static)) if self.pool is not None else None
+        mine = cpu(rest, *args)
+        calls[(part, CPU_SHARE)] += 1
+        theirs = future.result() if future is not None else static()
+        return theirs.to(dtype), mine.to(dtype)
+
+
 class AttentionCore:
     """One layer's planned attention core: the prepared function of each bucket (shared by every layer)."""
 
     def __init__(self, chunk: int, fns: dict[int, DenseFn], backend: str, scaling: float,
-                 calls: Counter | None = None) -> None:
-        self.chunk, self.fns, self.backend, self.scaling = chunk, fns, backend, scaling
+                 calls: Counter | None = None, split: Split | None = None) -> None:
+        self.chunk, self.fns, self.backend, self.scaling, self.split = chunk, fns, backend, scaling, split
         self.buckets = sorted(fns)
         self.calls = Counter() if calls is None else calls  # ("attention", backend name); cpu-exact: sdpa
 
@@ -70,6 +107,13 @@ class AttentionCore:
         k = key.new_zeros(key.shape[1], bucket, key.shape[3])
         v = value.new_zeros(value.shape[1], bucket, value.shape[3])
         k[:, :keys], v[:, :keys] = key[0], value[0]
-        out = self.fns[bucket](query[0], k, v, allowed)
+        q, fn = query[0], self.fns[bucket]
+        if self.split is None:
+            out = fn(q, k, v, allowed).to(query.dtype)
+        else:
+            cut = self.split.rows
+            out = torch.cat(self.split.run(lambda: fn(q[:, :cut], k, v, allowed[:cut]), self.split.cpu, q[:, cut:],
+                                           query.dtype, self.calls, "attention", key[0], value[0],
+                                           allowed[cut:, :keys]), dim=1)
         self.calls[("attention", self.backend)] += 1
         return out.unsqueeze(0).transpose(1, 2).contiguous()

@@ -8,17 +8,22 @@ the decoder layer's code, its residuals, rope and KV cache run as transformers w
 - `o_proj`, a dense MLP: the function in place of the forward. A shared expert: the function returns the expert's
   output and keeps its gate's logit for `shared_expert_gate` to return (the sigmoid and product stay transformers').
 A chunk of fewer than the plan's `exact_below` rows (a decode step) runs the modules' own forwards: exact. Others are
-cut into the plan's chunks, a partial one padded with zero rows. The attention core: runtime/dense/attention.py.
+cut into the plan's chunks, a partial one padded with zero rows. A function the plan splits by rows (`rows`) takes
+each chunk's first rows while the CPU computes the rest with the exact reference at the same time (`Split`): where
+its backend runs off the CPU, its call waits on one worker thread meanwhile. The attention core:
+runtime/dense/attention.py.
 """
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from runtime.backends import DenseFn, DenseSpec, StaticBackend, registry
-from runtime.dense.attention import EXACT, IMPLEMENTATION, AttentionCore
+from runtime.backends.protocol import attention_reference, dense_reference
+from runtime.dense.attention import EXACT, IMPLEMENTATION, AttentionCore, Split
 from runtime.dense.families import mlp_modules
 from runtime.dense.specs import attention_spec, layer_specs
 from runtime.errors import NpumoeError
@@ -28,11 +33,13 @@ log = logging.getLogger("npumoe")
 
 
 class RowFunction:
-    """A row-wise dense function on its backend: `[..., in]` -> `[..., out]` in the plan's chunks."""
+    """A row-wise dense function on its backend: `[..., in]` -> `[..., out]` in the plan's chunks (`rows`); split,
+    the function takes each chunk's first `split.rows` rows and the CPU the rest."""
 
-    def __init__(self, fn: DenseFn, rows: int, exact_below: int, backend: str, part: str, calls: Counter) -> None:
+    def __init__(self, fn: DenseFn, rows: int, exact_below: int, backend: str, part: str, calls: Counter,
+                 split: Split | None = None) -> None:
         self.fn, self.rows, self.exact_below, self.backend = fn, rows, exact_below, backend
-        self.part, self.calls = part, calls
+        self.part, self.calls, self.split = part, calls, split
 
     def static(self, x: torch.Tensor) -> bool:
         """Whether these rows run on the function (else on the modules' own forwards, exactly)."""
@@ -44,12 +51,17 @@ class RowFunction:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         outs = []
+        cut = self.split.rows if self.split else self.rows  # the static function's rows
         for start in range(0, flat.shape[0], self.rows):
             part = flat[start:start + self.rows]
             n = part.shape[0]
-            if n < self.rows:
-                part = torch.cat([part, part.new_zeros(self.rows - n, part.shape[1])])
-            outs.append(self.fn(part)[:n])
+            if n > cut:
+                outs.append(torch.cat(self.split.run(lambda: self.fn(part[:cut]), self.split.cpu, part[cut:],
+                                                     x.dtype, self.calls, self.part)))
+            else:
+                if n < cut:
+                    part = torch.cat([part, part.new_zeros(cut - n, part.shape[1])])
+                outs.append(self.fn(part)[:n].to(x.dtype))
             self.calls[(self.part, self.backend)] += 1
         y = torch.cat(outs) if len(outs) > 1 else outs[0]
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
@@ -201,6 +213,8 @@ class DenseExecutor:
         self.cores: dict[int, AttentionCore] = {}
         self._attention_fns: dict[tuple[str, int], DenseFn] = {}  # one per (backend, bucket): shared by layers
         self._previous_attention: str | None = None
+        self.splits: list[tuple[Split, bool]] = []  # each split, and whether its backend runs off the CPU
+        self.pool: ThreadPoolExecutor | None = None
         for dl in plan.dense.layers if plan.dense else ():
             self._prepare_layer(dl)
 
@@ -209,10 +223,17 @@ class DenseExecutor:
             self._backends[name] = dense_backend(name, self._given, self._options)
         return self._backends[name]
 
+    def _split(self, backend: StaticBackend, rows: int | None, cpu: DenseFn) -> Split | None:
+        if rows is None:
+            return None
+        split = Split(rows, cpu)
+        self.splits.append((split, bool(getattr(backend, "overlaps_cpu", False))))
+        return split
+
     def _row_function(self, spec: DenseSpec, placed: DenseFunction) -> RowFunction:
         backend = self._backend(placed.backend)
-        return RowFunction(backend.prepare_dense(spec), spec.rows, self.plan.exact_below, backend.name, spec.kind,
-                           self.calls)
+        return RowFunction(backend.prepare_dense(spec), self.plan.chunk_tokens, self.plan.exact_below, backend.name,
+                           spec.kind, self.calls, self._split(backend, placed.rows, dense_reference(spec)))
 
     def _prepare_layer(self, dl: DenseLayer) -> None:
         for spec, placed in layer_specs(self.model, self.plan, dl):
@@ -235,7 +256,9 @@ class DenseExecutor:
                 self._attention_fns[key] = backend.prepare_dense(attention_spec(self.model, self.plan, index, bucket))
             fns[bucket] = self._attention_fns[key]
         scaling = float(self.model.model.layers[index].self_attn.scaling)
-        return AttentionCore(self.plan.chunk_tokens, fns, backend.name, scaling, self.calls)
+        cpu = lambda q, k, v, allowed: attention_reference(q, k, v, allowed, scaling)  # noqa: E731
+        return AttentionCore(self.plan.chunk_tokens, fns, backend.name, scaling, self.calls,
+                             self._split(backend, self.plan.dense.attention_rows, cpu))
 
     @property
     def attention_functions(self) -> int:
@@ -243,6 +266,10 @@ class DenseExecutor:
         return len(self._attention_fns)
 
     def install(self) -> "DenseExecutor":
+        if any(overlaps for _, overlaps in self.splits):
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-dense")
+        for split, overlaps in self.splits:
+            split.pool = self.pool if overlaps else None
         for item in self.fused:
             if isinstance(item, tuple):
                 self.patches.set(item[0], _replaced(*item))
@@ -257,6 +284,11 @@ class DenseExecutor:
 
     def uninstall(self) -> None:
         self.patches.undo()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        for split, _ in self.splits:
+            split.pool = None
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)
             self._previous_attention = None

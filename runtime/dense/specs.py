@@ -8,30 +8,38 @@ from runtime.dense.families import attention_modules, mlp_modules
 from runtime.plan import DenseFunction, DenseLayer, Plan
 
 
+def static_rows(plan: Plan, placed: DenseFunction) -> int:
+    """The rows of a full chunk a row-wise function's static shape takes (a split leaves the CPU the rest)."""
+    return placed.rows or plan.chunk_tokens
+
+
 def layer_specs(model: torch.nn.Module, plan: Plan, dl: DenseLayer) -> list[tuple[DenseSpec, DenseFunction]]:
     """The row-wise functions one dense entry places (`qkv`, `o_proj`, `mlp`), each with its placement."""
-    chunk, index = plan.chunk_tokens, dl.layer
+    index = dl.layer
     modules, form = attention_modules(model, index)
     out = []
     if dl.qkv is not None:
         splits = tuple(modules[r].out_features for r in ("q", "k", "v"))
-        out.append((DenseSpec("qkv", index, chunk, {r: m for r, m in modules.items() if r != "o"}, form, splits,
-                              dl.qkv.compression), dl.qkv))
+        out.append((DenseSpec("qkv", index, static_rows(plan, dl.qkv), {r: m for r, m in modules.items() if r != "o"},
+                              form, splits, dl.qkv.compression), dl.qkv))
     if dl.o_proj is not None:
-        out.append((DenseSpec("o_proj", index, chunk, {"o": modules["o"]}, form, (modules["o"].out_features,),
-                              dl.o_proj.compression), dl.o_proj))
+        out.append((DenseSpec("o_proj", index, static_rows(plan, dl.o_proj), {"o": modules["o"]}, form,
+                              (modules["o"].out_features,), dl.o_proj.compression), dl.o_proj))
     if dl.mlp is not None:
         mlp, mlp_form = mlp_modules(model, index)
         hidden = int(model.config.hidden_size)
         splits = (hidden, 1) if mlp_form.shared_gate else (hidden,)
-        out.append((DenseSpec("mlp", index, chunk, mlp, mlp_form, splits, dl.mlp.compression), dl.mlp))
+        out.append((DenseSpec("mlp", index, static_rows(plan, dl.mlp), mlp, mlp_form, splits, dl.mlp.compression),
+                    dl.mlp))
     return out
 
 
 def attention_spec(model: torch.nn.Module, plan: Plan, layer: int, bucket: int) -> DenseSpec:
-    """The weight-free attention core of a full chunk over `bucket` keys (the same for every layer)."""
+    """The weight-free attention core of a full chunk's queries (its first `attention_rows` where the plan splits
+    it) over `bucket` keys (the same for every layer)."""
     attn, cfg = model.model.layers[layer].self_attn, model.config
-    return DenseSpec("attention", -1, plan.chunk_tokens, form=DenseForm(head_dim=int(attn.head_dim)), keys=bucket,
+    rows = plan.dense.attention_rows if plan.dense and plan.dense.attention_rows else plan.chunk_tokens
+    return DenseSpec("attention", -1, rows, form=DenseForm(head_dim=int(attn.head_dim)), keys=bucket,
                      heads=int(cfg.num_attention_heads), kv_heads=int(cfg.num_key_value_heads),
                      scaling=float(attn.scaling))
 
