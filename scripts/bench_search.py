@@ -1,7 +1,10 @@
 """The search at a paper shape: how close its plan comes to the compute roofline, and how long it takes.
 
 1. Small instance: 8 experts, 2 layers, synthetic skewed traces. The Optuna search alone (exact enumeration off)
-   against the exact optimum of the same space and cost model: `gap_vs_exact` (relative; 0 = optimal).
+   against the exact optimum of the same space and cost model: `gap_vs_exact` (relative; 0 = optimal); and with the
+   dense decisions in the space (`gap_vs_exact_whole`: the whole prefill, the experts' search plus the search's
+   dense choice against the exact experts plus the best of every joint dense placement, enumerated;
+   `dense_gap_vs_exact`: the dense choice alone against that enumeration).
 2. A paper shape (`--shape`: Qwen3-30B-A3B, 48 layers x 128 experts, top-8; or Phi-3.5-MoE, 32 x 16, top-2) on
    Zipf(`--skew`) synthetic token-level traces of `--prompts` prompts of `--prompt-tokens` tokens: the whole search
    (chunk size among 256..4096, compression among `--compress`, every layer's decision) with its robustness
@@ -13,6 +16,7 @@ All on the published-figures M2 Ultra profile (predicted costs). Prints, last, o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections import Counter
@@ -21,7 +25,9 @@ from make_shape_twin import twin_config  # scripts/: the published configs of th
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.memory import ModelSize, predicted_memory_gb
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, predict_prefill, prompt_chunks
 from autotune.profiling.profile import load_profile
+from autotune.searching.dense_choice import NO_EXPERTS, ROW_GRAIN, choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import best_plan, chunk_candidates, optuna_layer, run_search, solution_plan
 from autotune.searching.report import cpu_ms_per_token
@@ -40,12 +46,35 @@ SHAPES = {  # published configs (config.json of each model); context = max_posit
                          moe_layers=list(range(32)), num_experts=16, top_k=2, hidden_size=4096, expert_ffn_size=6400,
                          fingerprint="synthetic-phi-3.5-moe"), 131072),
 }
+SMALL_DECODER = DecoderShape(hidden=1024, heads=8, kv_heads=2, head_dim=128, vocab=32000, num_layers=2,
+                             moe_layers=(0, 1), num_experts=8, top_k=2, expert_ffn=512, context=4096)
+SMALL_PROMPT = 256
 RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights
 
 
+def best_dense_enumerated(cost, chunk: int) -> float:
+    """The least latency of the small instance's dense parts over every joint placement: q/k/v and o_proj each on
+    the CPU or the ANE (whole or split at each multiple of ROW_GRAIN), any subset of the attention buckets, the core
+    whole or split."""
+    rows = [None, *range(ROW_GRAIN, chunk, ROW_GRAIN)]
+    contexts = [c for r, c in prompt_chunks(SMALL_PROMPT, chunk) if r == chunk]
+    functions = [None, *[("ane", r) for r in rows]]
+    subsets = [s for n in range(len(contexts) + 1) for s in itertools.combinations(contexts, n)]
+    best = float("inf")
+    for qkv, o, buckets, core in itertools.product(functions, functions, subsets, rows):
+        if core is not None and not buckets:
+            continue
+        split = tuple((f, p[1]) for f, p in (("qkv", qkv), ("o_proj", o)) if p and p[1])
+        split += (("attention", core),) if core else ()
+        place = DensePlacement(qkv and "ane", o and "ane", "ane" if buckets else None, None, buckets, split)
+        best = min(best, predict_prefill(cost, SMALL_DECODER, SMALL_PROMPT, chunk, NO_EXPERTS, place).latency_ms)
+    return best
+
+
 def small_gap(cost, trials: int, seeds: int) -> dict:
-    """Mean and worst gap of the Optuna-only search over several seeds and trace draws."""
-    gaps = []
+    """Mean and worst gap of the Optuna-only search over several seeds and trace draws, the experts alone and the
+    whole prefill (with the dense decisions)."""
+    gaps, whole, dense = [], [], []
     space = layer_space(SMALL["num_experts"])
     for seed in range(seeds):
         layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2, seed=seed))
@@ -57,7 +86,15 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
                     for d in layers]
         found = best_plan(at, space, scorer, budget, (1.0, 0.0, 0.0), pool=searched)
         gaps.append(found.latency_ms / exact.best.latency_ms - 1.0)
-    return {"gap_vs_exact": max(gaps), "gap_vs_exact_mean": sum(gaps) / len(gaps), "seeds": seeds}
+        prompts = float(layers[0].tokens.sum()) / SMALL_PROMPT
+        chunk = exact.best.chunk_tokens
+        chosen = choose_dense(cost, SMALL_DECODER, SMALL_PROMPT, chunk, "ane", (1.0, 0.0, 0.0), 1.0)
+        enumerated = best_dense_enumerated(cost, chunk)
+        dense.append(chosen.prediction.latency_ms / enumerated - 1.0)
+        whole.append((found.latency_ms + prompts * chosen.prediction.latency_ms)
+                     / (exact.best.latency_ms + prompts * enumerated) - 1.0)
+    return {"gap_vs_exact": max(gaps), "gap_vs_exact_mean": sum(gaps) / len(gaps), "seeds": seeds,
+            "gap_vs_exact_whole": max(whole), "dense_gap_vs_exact": max(dense)}
 
 
 def roofline_ms_per_token(cost, spec: dict) -> float:
