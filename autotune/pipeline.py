@@ -267,6 +267,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                                                                   prompt),
                                         seed=c.seed, progress=progress)
         outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
+        if robustness.dense_choice is not None:  # the robust pick's dense placement
+            outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
         gated, settings = None, c.gate_settings()
         if settings is not None:
             sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)

@@ -30,7 +30,7 @@ ROW_GRAIN = 64  # a split function's static rows are a multiple of this (the ANE
 class DenseChoice:
     """The dense placement chosen at one chunk size and what the dense parts then cost: per prompt
     (`prediction`, experts left out) and over the calibration prompts (`score`, the search's units); with what it
-    was chosen for, so that another cost model can price it again (`under`)."""
+    was chosen for, so that another cost model can price it again (`cost_under`, `best_under`)."""
     placement: DensePlacement
     prediction: PrefillPrediction
     score: Score
@@ -38,13 +38,21 @@ class DenseChoice:
     prompts: float
     backend: str | None
 
-    def under(self, cost: CostModel, weights: Weights) -> tuple[float, float]:
-        """(this placement's weighted cost, the best placement's) under another cost model (a perturbed profile):
-        what the robustness analysis adds to a plan's experts and to a case's optimum at this chunk size."""
+    def priced(self, place: DensePlacement, cost: CostModel) -> "DenseChoice":
+        """Another placement at this one's shape, prompt and chunk size, priced under `cost`."""
         p = self.prediction
-        mine = predict_prefill(cost, self.shape, p.prompt_tokens, p.chunk_tokens, NO_EXPERTS, self.placement)
-        best = choose_dense(cost, self.shape, p.prompt_tokens, p.chunk_tokens, self.backend, weights, self.prompts)
-        return weighted_cost(dense_score(mine, self.prompts), weights), weighted_cost(best.score, weights)
+        pred = predict_prefill(cost, self.shape, p.prompt_tokens, p.chunk_tokens, NO_EXPERTS, place)
+        return DenseChoice(place, pred, dense_score(pred, self.prompts), self.shape, self.prompts, self.backend)
+
+    def cost_under(self, cost: CostModel, weights: Weights, place: DensePlacement | None = None) -> float:
+        """The weighted cost of this placement (or `place`) under another cost model (a perturbed profile)."""
+        return weighted_cost(self.priced(self.placement if place is None else place, cost).score, weights)
+
+    def best_under(self, cost: CostModel, weights: Weights) -> "DenseChoice":
+        """The best placement under another cost model, at this chunk size: a case's optimum in the robustness
+        analysis."""
+        p = self.prediction
+        return choose_dense(cost, self.shape, p.prompt_tokens, p.chunk_tokens, self.backend, weights, self.prompts)
 
 
 def dense_score(pred: PrefillPrediction, prompts: float) -> Score:

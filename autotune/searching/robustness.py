@@ -23,7 +23,9 @@ and cannot be on that case's Pareto front: such candidates are pruned, exactly.
 front, it solves, at every chunk size, the DP for a weighted sum of each case's cost relative to that case's
 optimum, reweighting towards the worst case a few times (multiplicative weights: a minimax search over chunk,
 residency and everything else the DP decides), and keeps the plan with the least worst-case regret (ties: the
-nominal plan).
+nominal plan). The dense functions' placement is part of that choice: at each chunk size the search's placement or
+any case's best placement (each a whole-prefill cost per case, added to the experts'), whichever leaves the least
+worst-case regret.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from autotune.searching.optimizer import (
     partial_cost,
     solution,
 )
+from autotune.searching.regret_floor import least_worst
 from autotune.searching.scores import Weights, objective_name, weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import Space
@@ -114,6 +117,8 @@ class CaseResult:
     # (empty: a search without dense decisions)
     plan_dense: dict[int, float] = dataclasses.field(default_factory=dict)
     best_dense: dict[int, float] = dataclasses.field(default_factory=dict)
+    best_placement: dict[int, object] = dataclasses.field(default_factory=dict)  # the case's best DensePlacement
+    dense_options: dict[int, dict] = dataclasses.field(default_factory=dict)  # chunk -> {placement: cost here}
 
     @property
     def best_cost(self) -> float:
@@ -171,7 +176,9 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
         sc = scorer.with_cost(case.apply(scorer.cost), with_energy=w[1] > 0)
         # a case on a backend the scores never read (cpu-static, when the groups run on the ANE) scores the same
         same = case.backend not in {scorer.cost.backend_model(scorer.backend).name, EXACT}
-        dense = {c: choice.under(sc.cost, w) for c, choice in outcome.dense.items()}
+        best_dense = {c: choice.best_under(sc.cost, w) for c, choice in outcome.dense.items()}
+        dense = {c: (choice.cost_under(sc.cost, w), weighted_cost(best_dense[c].score, w))
+                 for c, choice in outcome.dense.items()}
         pools, best, best_total = {}, None, np.inf
         for search in order:
             c = search.chunk_tokens
@@ -183,8 +190,22 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
             if sol and _cost(sol, w) + dense.get(c, (0.0, 0.0))[1] < best_total:
                 best, best_total = sol, _cost(sol, w) + dense.get(c, (0.0, 0.0))[1]
         out.append(CaseResult(case, sc, best, pools, index, {c: d[0] for c, d in dense.items()},
-                              {c: d[1] for c, d in dense.items()}, w))  # one index: the pools' rows are the same
+                              {c: d[1] for c, d in dense.items()}, {c: b.placement for c, b in best_dense.items()},
+                              weights=w))  # one index: the pools' rows are the same
+    for c, choice in outcome.dense.items():  # the placements a robust plan may take: the search's, each case's best
+        options = dict.fromkeys([choice.placement, *(r.best_placement[c] for r in out)])
+        for r in out:
+            r.dense_options[c] = {p: choice.cost_under(r.scorer.cost, w, p) for p in options}
     return out
+
+
+def dense_regrets(regs: list[float], chunk: int, results: list[CaseResult]) -> dict:
+    """{placement: the case regrets of a plan whose experts have regrets `regs` (with the search's placement) with
+    that dense placement instead}, for each placement the analysis offers at `chunk` (none: {None: regs})."""
+    if not results or chunk not in results[0].dense_options:
+        return {None: list(regs)}
+    return {p: [g + (r.dense_options[chunk][p] - r.plan_dense[chunk]) / r.best_cost for g, r in zip(regs, results)]
+            for p in results[0].dense_options[chunk]}
 
 
 def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
@@ -217,9 +238,11 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
         bounds.append(found[1])
         lam = lam * np.exp(4.0 * np.array(regrets(found[0], outcome, results)))
         lam /= lam.sum()
+    pair = None
     if plans:
         worst = min(plans, key=lambda p: max(regrets(p, outcome, results)))
         i, j = np.argsort(regrets(worst, outcome, results))[-2:]
+        pair = max(pair_floor(outcome, results, int(j), k) for k in range(len(results)) if k != j)
         for a in np.linspace(0.0, 1.0, LINE_POINTS):
             lam = np.zeros(len(results))
             lam[i], lam[j] = a, 1.0 - a
@@ -227,7 +250,44 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
             if found is not None:
                 plans.append(found[0])
                 bounds.append(found[1])
-    return plans, (max(bounds) if bounds and exact else None)
+    return plans, (max(bounds + ([pair] if pair is not None else [])) if bounds and exact else None)
+
+
+def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int) -> float:
+    """No plan of the search's candidates has a worst-case regret below this: the least larger regret of cases `i`
+    and `j` over every combination of the candidates' layer decisions (`regret_floor.least_worst`) with each
+    dense placement offered, over every chunk size and way of running partial chunks. At a chunk size a case did
+    not re-score, the bound of `_at_weights`."""
+    w, a, b = outcome.weights, results[i], results[j]
+    least = np.inf
+    for c, search in outcome.chunks.items():
+        if search.best is None:
+            continue
+        # a case that did not re-score this chunk size: its bound as `_at_weights` has it, its coordinate 0
+        missing = max((min(1.0, r.case.factor) * _whole(search.best, outcome, w) / r.best_cost - 1.0
+                       for r in (a, b) if c not in r.pools), default=-np.inf)
+        here = [k for k, r in enumerate((a, b)) if c in r.pools]
+        if not here:
+            least = min(least, missing)
+            continue
+        scale = np.array([a.best_cost, b.best_cost])
+        options = (a if c in a.pools else b).dense_options.get(c) or {None: 0.0}
+        dense = np.array([[r.dense_options[c][p] if p is not None and c in r.pools else 0.0 for r in (a, b)]
+                          for p in options])
+        for exact_partial in (False, True):
+            steps, drops = [], []
+            for layer in range(len(search.layers)):
+                scores = [r.pools[c][layer].scores if c in r.pools else None for r in (a, b)]
+                ref = scores[here[0]]
+                cost = np.stack([weighted_cost(sc, w, exact_partial) if sc is not None else np.zeros(len(ref.violation))
+                                 for sc in scores], 1)
+                steps.append(np.where((ref.violation == 0)[:, None], cost, np.inf) / scale)
+                drops.append(np.asarray(ref.heldout_drops, dtype=np.float64))
+            const = [partial_cost(search.layers, r.scorer, w, exact_partial) if c in r.pools else 0.0 for r in (a, b)]
+            steps.append((dense + np.array(const)) / scale)
+            drops.append(np.zeros(len(dense)))
+            least = min(least, max(missing, least_worst(steps, drops, outcome.drop_budget) - 1.0))
+    return float(least)
 
 
 def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
@@ -248,7 +308,9 @@ def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult
                                    for i in here])
             if found is None:
                 continue
-            dense = sum(lam[i] * results[i].plan_dense.get(c, 0.0) / results[i].best_cost for i in here)
+            options = results[here[0]].dense_options.get(c) or {None: 0.0}  # the weighted mean's least dense part
+            dense = min(sum(lam[i] * (results[i].dense_options[c][p] if p is not None else 0.0) / results[i].best_cost
+                            for i in here) for p in options)
             bound += found[0] + dense - sum(lam[i] for i in here)
             if len(here) == len(results):  # a candidate plan only where it weighs every case
                 found = (found[0], solution(found[1], search.layers, scorer, found[2]))
@@ -319,6 +381,7 @@ class Robustness:
     nominal_max_regret: float = 0.0  # the nominal plan's worst-case regret
     cost_of_robustness: float = 0.0  # the plan's nominal cost / the nominal plan's - 1 (the trade --robust made)
     regret_floor: float | None = None  # --robust: no candidate plan's worst-case regret is below this (None: unknown)
+    dense_choice: object | None = None  # --robust: the DenseChoice the pick takes where it is not the search's
 
     def to_json(self) -> dict:
         return {"max_regret": self.max_regret, "cases": self.cases, "robust_pick": self.robust,
@@ -333,11 +396,12 @@ class Robustness:
 def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
            cases: list[Case] | None = None) -> tuple[Solution, Robustness]:
     """(plan, Robustness): the outcome's best plan, or with `pick` the least worst-case-regret candidate (as a
-    nominal Solution: predicted under the unperturbed profile). Regret is in the objective that chose the plan."""
+    nominal Solution: predicted under the unperturbed profile) and, where it is not the search's, the dense placement
+    it takes (`Robustness.dense_choice`). Regret is in the objective that chose the plan."""
     t0 = time.perf_counter()
     w = outcome.weights
     results = solve_cases(outcome, scorer, cases or default_cases(scorer.cost), w)
-    plan, candidates, floor = outcome.best, [outcome.best], None
+    plan, candidates, floor, dense = outcome.best, [outcome.best], None, None
     nominal_worst = max(regrets(outcome.best, outcome, results), default=0.0)
     if pick:
         minimax, floor = minimax_plans(outcome, scorer, results)
@@ -351,10 +415,19 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
         for i in starts.values():
             candidates.append(descend(candidates[i], outcome, scorer, results))
             worst.append(max(regrets(candidates[-1], outcome, results), default=0.0))
+        # each candidate with the dense placement that leaves it the least worst-case regret (ties: the search's)
+        picks = [min(dense_regrets(regrets(c, outcome, results), c.chunk_tokens, results).items(),
+                     key=lambda kv: max(kv[1], default=0.0)) for c in candidates]
+        worst = [max(regs, default=0.0) for _, regs in picks]
         i = int(np.argmin(worst))  # argmin keeps the first (nominal) plan on ties
         plan = outcome.best if i == 0 else solution(candidates[i].configs, outcome.chunks[
             candidates[i].chunk_tokens].layers, scorer, candidates[i].exact_partial)
+        place = picks[i][0]
+        if place is not None and place != outcome.dense[plan.chunk_tokens].placement:
+            dense = outcome.dense[plan.chunk_tokens].priced(place, scorer.cost)
     reg = regrets(plan, outcome, results)
+    if dense is not None:
+        reg = dense_regrets(reg, plan.chunk_tokens, results)[dense.placement]
     layers = outcome.chunks[plan.chunk_tokens].layers
     per = 1.0 / max(layers[0].calib_chunks, 1e-12)  # figures per chunk of the plan's size
     rows = []
@@ -367,5 +440,6 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
                      "best_energy_mj": None if r.best.energy_mj is None else r.best.energy_mj * per,
                      "regret": g})
     objective = objective_name(w)
+    whole = _whole(plan, outcome, w) if dense is None else _cost(plan, w) + weighted_cost(dense.score, w)
     return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
-                            nominal_worst, _whole(plan, outcome, w) / _whole(outcome.best, outcome, w) - 1.0, floor)
+                            nominal_worst, whole / _whole(outcome.best, outcome, w) - 1.0, floor, dense)
