@@ -1,5 +1,6 @@
 """The `ane` backend: unavailable off macOS (the runtime falls back to ane-sim and says so once); on macOS,
 prediction parity with cpu-static, op placement on the Neural Engine, and energy windows."""
+import copy
 import logging
 import sys
 
@@ -11,7 +12,7 @@ from helpers import random_model
 from autotune.searching.templates import template_plan
 from runtime.backends import GroupSpec, registry
 from runtime.coreml.ane import AneBackend, from_layout, function_name, open_package, to_layout
-from runtime.errors import FileFormatError
+from runtime.errors import FileFormatError, NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.prefill import max_rel_diff, prefill_logits
@@ -80,7 +81,6 @@ def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
     import json
 
     from runtime.coreml.converter import build_package, quiet_coremltools_import
-    from runtime.errors import NpumoeError
 
     quiet_coremltools_import()
     model, _ = random_model(MODEL)
@@ -189,3 +189,53 @@ def test_macos_energy_windows(built):
         fn(torch.randn(group.slots, model.config.hidden_size))
     totals = backend.energy[function_name(layer.index, 0)]
     assert totals["calls"] == 20 and "ane_mj" in totals
+
+
+@pytest.fixture(scope="module")
+def built_dense(tmp_path_factory):
+    from runtime.coreml.converter import build_package
+
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK, dense="ane",
+                         context_tokens=2 * CHUNK)
+    out = tmp_path_factory.mktemp("ane-dense") / "d.mlpackage"
+    build_package({l.index: l.experts for l in moe_layers(model)}, plan, out,
+                  cache_dir=tmp_path_factory.mktemp("cache"), dense_model=model)
+    return model, plan, str(out)
+
+
+@pytest.mark.macos
+def test_macos_dense_functions_run_on_the_ane(built_dense):
+    """The plan's attention projections and attention core run from the package through Core ML: no fallback to
+    ane-sim, within fp16's error of the unmodified model."""
+    model, plan, package = built_dense
+    _, tok = random_model(MODEL)
+    ids = _ids(tok)
+    ref = prefill_logits(model, ids, CHUNK)
+    with PlanExecutor(model, plan, {"ane": AneBackend(package)}) as ex:
+        got = prefill_logits(model, ids, CHUNK)
+        calls = ex.dense.to_json()
+    assert calls["qkv"].get("ane", 0) > 0 and calls["attention"].get("ane", 0) > 0, calls
+    assert max_rel_diff(got, ref) <= 3e-2
+
+
+def test_a_dense_function_of_another_shape_or_checkpoint_is_refused(built_dense):
+    """On any host: the package's dense functions are checked against the plan's before any prediction."""
+    import dataclasses
+
+    from runtime.dense.specs import backend_specs
+
+    model, plan, package = built_dense
+    backend = AneBackend(package)
+    specs = backend_specs(model, plan, "ane")
+    assert {s.kind for s in specs} == {"qkv", "o_proj", "attention"}
+    for spec in specs:
+        assert backend.check_dense(spec) == package
+    qkv = next(s for s in specs if s.kind == "qkv")
+    with pytest.raises(NpumoeError, match=f"dense function {qkv.name} was built for {CHUNK} rows"):
+        backend.check_dense(dataclasses.replace(qkv, rows=CHUNK // 2))
+    q = copy.deepcopy(qkv.modules["q"])
+    with torch.no_grad():
+        q.weight.mul_(1.5)  # another checkpoint's q_proj
+    with pytest.raises(NpumoeError, match="holds other weights"):
+        backend.check_dense(dataclasses.replace(qkv, modules={**qkv.modules, "q": q}))

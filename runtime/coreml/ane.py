@@ -1,4 +1,5 @@
-"""The `ane` backend: each planned expert group is one function of a Core ML multifunction package.
+"""The `ane` backend: each planned expert group, and each dense function the plan places on it (`prepare_dense`),
+is one function of a Core ML multifunction package.
 
 On macOS the package is compiled once, each group's function is loaded once and kept resident
 (`compute_units=CPU_AND_NE`), and a call feeds the packed buffer as fp16 in the package's layout. The executor
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
-from runtime.backends.protocol import GroupFn, GroupSpec
+from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.macos import macos_module, macos_version
@@ -200,6 +201,54 @@ class AneBackend:
             return torch.from_numpy(from_layout(np.asarray(y), layout)).to(packed.dtype)
 
         return run
+
+    def check_dense(self, spec: DenseSpec) -> str:
+        """Refuse a package whose dense function `spec.name` is missing, of another shape, or built from other
+        weights, naming it; returns its package."""
+        from runtime.coreml import dense_programs
+
+        package = self.packages().get(spec.name)
+        if package is None:
+            raise NpumoeError(f"{self.package_path} has no dense function {spec.name}; rebuild it with "
+                              "`autotune build` for this plan")
+        fn = self.metadata(package)["functions"].get(spec.name, {})
+        if (fn.get("rows"), fn.get("keys") or 0) != (spec.rows, spec.keys):
+            raise NpumoeError(f"{package}: dense function {spec.name} was built for {fn.get('rows')} rows and "
+                              f"{fn.get('keys') or 0} keys, but the plan's has {spec.rows} and {spec.keys}; rebuild it")
+        if spec.kind != "attention" and fn.get("weights_sha256") != dense_programs.weights_digest(
+                dense_programs.dense_weights(spec)):
+            raise NpumoeError(f"{package}: dense function {spec.name} holds other weights than this model's "
+                              "(built from another checkpoint); rebuild it")
+        return package
+
+    def prepare_dense(self, spec: DenseSpec) -> DenseFn:
+        """A plan's dense function (runtime.dense): the package's function of that name, fed fp16 inputs as the
+        builder declared them (runtime/coreml/dense_programs.py: `x` rows, or the core's q, k, v and additive
+        mask), its output in the caller's dtype."""
+        from runtime.coreml.dense_programs import MASKED, OUTPUT, ROW_INPUT
+
+        ok, reason = self.available()
+        if not ok:
+            raise NpumoeError(f"the ane backend is unavailable: {reason}")
+        name, package = spec.name, self.check_dense(spec)
+        model = self._load(name, package)
+        self._warn_if_not_on_ane(name, package)
+
+        def predict(feed: dict[str, np.ndarray], like: torch.Tensor) -> torch.Tensor:
+            with self._energy_window(name):
+                y = model.predict(feed)[OUTPUT]
+            return torch.from_numpy(np.asarray(y, dtype=np.float32)).to(like.dtype)
+
+        def fp16(t: torch.Tensor) -> np.ndarray:
+            return t.detach().to(torch.float16).contiguous().numpy()
+
+        if spec.kind == "attention":
+            def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+                mask = np.where(allowed.numpy(), 0.0, MASKED).astype(np.float16)
+                return predict({"q": fp16(q), "k": fp16(k), "v": fp16(v), "mask": mask}, q)
+
+            return attention
+        return lambda x: predict({ROW_INPUT: fp16(x)}, x)
 
     def _load(self, name: str, package: str):
         import coremltools as ct
