@@ -23,17 +23,19 @@ def pareto(points: np.ndarray) -> np.ndarray:
     return p[p[:, 1] < before]
 
 
-PRICES = (0.0, *np.geomspace(1e-3, 1.0, 10))  # mu x budget, in units of the cases' optima
+PRICES = (0.0, *np.geomspace(1e-3, 1.0, 6))  # mu x budget, in units of the cases' optima
 
 
-def least_worst(steps: list[np.ndarray], drops: list[np.ndarray], budget: float) -> float:
+def least_worst(steps: list[np.ndarray], drops: list[np.ndarray], budget: float, cap: float = np.inf) -> float:
     """A lower bound on min over one decision of each step, with total drops within `budget`, of the larger of the
-    two coordinates' sums (`steps[k]`: [n, 2], a decision's cost in the two cases, each relative to its optimum;
-    `drops[k]`: [n] its held-out drops): the best over `PRICES` of the Lagrangian bound, each exact (the sums'
-    Pareto front, step by step)."""
+    two coordinates' sums (`steps[k]`: [n, 2], a decision's cost in the two cases, each relative to its optimum,
+    >= 0; `drops[k]`: [n] its held-out drops): the best over `PRICES` of the Lagrangian bound, each exact (the sums'
+    Pareto front, step by step). Bounds above `cap` are not needed: partial sums past it are cut (costs only add),
+    and a front cut empty bounds the minimum by `cap` itself."""
     best = -np.inf
     for price in PRICES:
         mu = price / max(budget, 1.0)
+        limit = cap + mu * budget
         front = np.zeros((1, 2))
         for points, dropped in zip(steps, drops):
             p = points + mu * dropped[:, None]
@@ -41,5 +43,8 @@ def least_worst(steps: list[np.ndarray], drops: list[np.ndarray], budget: float)
             if not len(p):
                 return float("inf")
             front = pareto((front[:, None, :] + pareto(p)[None, :, :]).reshape(-1, 2))
-        best = max(best, float(np.min(front.max(1))) - mu * budget)
+            front = front[front.max(1) <= limit]
+            if not len(front):
+                break
+        best = max(best, (float(np.min(front.max(1))) if len(front) else limit) - mu * budget)
     return best

@@ -242,7 +242,8 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
     if plans:
         worst = min(plans, key=lambda p: max(regrets(p, outcome, results)))
         i, j = np.argsort(regrets(worst, outcome, results))[-2:]
-        pair = max(pair_floor(outcome, results, int(j), k) for k in range(len(results)) if k != j)
+        cap = max(regrets(worst, outcome, results))  # a plan reaches it: a floor above it is not needed
+        pair = max(pair_floor(outcome, results, int(j), k, cap) for k in range(len(results)) if k != j)
         for a in np.linspace(0.0, 1.0, LINE_POINTS):
             lam = np.zeros(len(results))
             lam[i], lam[j] = a, 1.0 - a
@@ -253,11 +254,13 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
     return plans, (max(bounds + ([pair] if pair is not None else [])) if bounds and exact else None)
 
 
-def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int) -> float:
+def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int, cap: float = np.inf) -> float:
     """No plan of the search's candidates has a worst-case regret below this: the least larger regret of cases `i`
     and `j` over every combination of the candidates' layer decisions (`regret_floor.least_worst`) with each
     dense placement offered, over every chunk size and way of running partial chunks. At a chunk size a case did
-    not re-score, the bound of `_at_weights`."""
+    not re-score, the bound of `_at_weights`. Bounds past `cap` are cut to it: a chunk size whose layers' least
+    costs (drops aside) already pass the best bound so far is skipped, and without partial chunks the two ways of
+    running them are one."""
     w, a, b = outcome.weights, results[i], results[j]
     least = np.inf
     for c, search in outcome.chunks.items():
@@ -274,7 +277,8 @@ def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int
         options = (a if c in a.pools else b).dense_options.get(c) or {None: 0.0}
         dense = np.array([[r.dense_options[c][p] if p is not None and c in r.pools else 0.0 for r in (a, b)]
                           for p in options])
-        for exact_partial in (False, True):
+        partial = any(d.partial.any() for d in search.layers)
+        for exact_partial in (False, True) if partial else (False,):
             steps, drops = [], []
             for layer in range(len(search.layers)):
                 scores = [r.pools[c][layer].scores if c in r.pools else None for r in (a, b)]
@@ -286,8 +290,13 @@ def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int
             const = [partial_cost(search.layers, r.scorer, w, exact_partial) if c in r.pools else 0.0 for r in (a, b)]
             steps.append((dense + np.array(const)) / scale)
             drops.append(np.zeros(len(dense)))
-            least = min(least, max(missing, least_worst(steps, drops, outcome.drop_budget) - 1.0))
-    return float(least)
+            alone = sum(s.min(0) for s in steps)  # each case's least cost here, drops aside: a bound on both
+            if max(missing, float(alone.max()) - 1.0) >= min(least, cap):
+                least = min(least, max(missing, float(alone.max()) - 1.0))
+                continue
+            least = min(least, max(missing, least_worst(steps, drops, outcome.drop_budget, min(least, cap) + 1.0)
+                                   - 1.0))
+    return float(min(least, cap))
 
 
 def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult],
