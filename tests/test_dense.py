@@ -295,3 +295,23 @@ def test_attention_biases_run_in_the_functions_and_their_programs(family):
             assert any(k.endswith("_b") for k in dense_weights(spec)), spec.name
             prog = dense_program(spec, dense_weights(spec))
             assert check_dense_function(prog.functions["main"], spec).max_rel_error < 2e-3, spec.name
+
+
+def test_two_threads_through_the_same_functions_keep_their_own_hand_overs():
+    """A server prefills a long prompt on its own thread while decode steps run on another, through the same
+    installed functions: a hand-over one thread is in the middle of (its q/k norms already applied by the fused
+    function) is not seen by the other, whose q_norm runs the module's own forward."""
+    from runtime.dense.dense_executor import FusedQKV
+
+    model, _ = random_model("random:qwen3_moe")
+    norm = model.model.layers[0].self_attn.q_norm
+    x = torch.randn(1, 3, norm.weight.shape[0])
+    with PlanExecutor(model, _dense_plan(model, "cpu-static")) as ex:
+        fused = next(f for f in ex.dense.fused if isinstance(f, FusedQKV) and f.modules["q_norm"] is norm)
+        fused.state.normed = {"q_norm", "k_norm"}  # this thread: between the fused call and its q/k norms
+        other: list[torch.Tensor] = []
+        t = threading.Thread(target=lambda: other.append(norm(x)))
+        t.start()
+        t.join()
+        assert torch.equal(norm(x), x)  # this thread's hand-over: the norm was applied already
+    assert torch.equal(other[0], type(norm).forward(norm, x)) and not torch.equal(other[0], x)

@@ -16,6 +16,7 @@ runtime/dense/attention.py.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,14 +87,23 @@ class Patches:
         self._saved.clear()
 
 
+class HandOver(threading.local):
+    """What one forward hands from one module's call to the next, per thread: a server's long prefill runs on its own
+    thread beside the decode steps, through the same modules."""
+
+    def __init__(self) -> None:
+        self.raw: torch.Tensor | None = None
+        self.kept: dict[str, torch.Tensor] = {}
+        self.normed: set[str] = set()
+        self.logit: torch.Tensor | None = None
+
+
 class FusedQKV:
     """The hand-over of one layer's fused norm + q/k/v function between the modules transformers calls in turn."""
 
     def __init__(self, modules: dict[str, torch.nn.Module], fn: RowFunction, splits: tuple[int, ...]) -> None:
         self.modules, self.fn, self.splits = modules, fn, list(splits)
-        self.raw: torch.Tensor | None = None
-        self.kept: dict[str, torch.Tensor] = {}
-        self.normed: set[str] = set()
+        self.state = HandOver()
 
     def install(self, patches: Patches) -> None:
         own = {role: m.forward for role, m in self.modules.items()}
@@ -108,29 +118,29 @@ class FusedQKV:
     def _norm(self, x: torch.Tensor, own) -> torch.Tensor:
         if not self.fn.static(x):
             return own(x)
-        self.raw = x
+        self.state.raw = x
         return x
 
     def _q(self, h: torch.Tensor, own) -> torch.Tensor:
-        if h is not self.raw:
+        if h is not self.state.raw:
             return own(h)
         q, k, v = self.fn(h).split(self.splits, dim=-1)
-        self.kept = {"k": k.contiguous(), "v": v.contiguous()}
-        self.normed = {"q_norm", "k_norm"}
+        self.state.kept = {"k": k.contiguous(), "v": v.contiguous()}
+        self.state.normed = {"q_norm", "k_norm"}
         return q.contiguous()
 
     def _kept(self, role: str, h: torch.Tensor, own) -> torch.Tensor:
-        if h is not self.raw or role not in self.kept:
+        if h is not self.state.raw or role not in self.state.kept:
             return own(h)
-        out = self.kept.pop(role)
-        if not self.kept:
-            self.raw = None
+        out = self.state.kept.pop(role)
+        if not self.state.kept:
+            self.state.raw = None
         return out
 
     def _norm_done(self, role: str, x: torch.Tensor, own) -> torch.Tensor:
-        if role not in self.normed:
+        if role not in self.state.normed:
             return own(x)
-        self.normed.discard(role)
+        self.state.normed.discard(role)
         return x
 
 
@@ -139,8 +149,7 @@ class FusedSharedExpert:
 
     def __init__(self, expert: torch.nn.Module, gate: torch.nn.Module, fn: RowFunction, hidden: int) -> None:
         self.expert, self.gate, self.fn, self.hidden = expert, gate, fn, hidden
-        self.raw: torch.Tensor | None = None
-        self.logit: torch.Tensor | None = None
+        self.state = HandOver()
 
     def install(self, patches: Patches) -> None:
         own_expert, own_gate = self.expert.forward, self.gate.forward
@@ -150,14 +159,14 @@ class FusedSharedExpert:
     def _expert(self, x: torch.Tensor, own) -> torch.Tensor:
         if not self.fn.static(x):
             return own(x)
-        out, self.logit = self.fn(x).split([self.hidden, 1], dim=-1)
-        self.raw = x
+        out, self.state.logit = self.fn(x).split([self.hidden, 1], dim=-1)
+        self.state.raw = x
         return out.contiguous()
 
     def _gate(self, x: torch.Tensor, own) -> torch.Tensor:
-        if x is not self.raw:
+        if x is not self.state.raw:
             return own(x)
-        logit, self.raw, self.logit = self.logit, None, None
+        logit, self.state.raw, self.state.logit = self.state.logit, None, None
         return logit.contiguous()
 
 
