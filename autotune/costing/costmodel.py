@@ -270,14 +270,16 @@ class CostModel:
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
                      ) -> np.ndarray:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
-        g, mb = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "attention").ms(g, mb, at=features("attention", rows=rows, context=context,
+        # the exact path's backend prices the CPU's torch path (sdpa); a static one, its padded masked function
+        work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
+                              sdpa=backend == EXACT)
+        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=context,
                                                                             width=heads * head_dim))
 
     def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:
-        """One layer's norms, rope and residual adds on `rows` tokens."""
-        g, mb = elementwise_work(rows, hidden, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "elementwise").ms(g, mb, at=features("elementwise", rows=rows, hidden=hidden))
+        """One layer's norms and residual adds on `rows` tokens (rope is the attention core's)."""
+        return self.dense_fit(backend, "elementwise").ms(*elementwise_work(rows, hidden, self.dtype_bytes(backend)),
+                                                         at=features("elementwise", rows=rows, hidden=hidden))
 
     # --- layers ------------------------------------------------------------------------------------------------
     def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:
