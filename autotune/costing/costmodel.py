@@ -25,6 +25,7 @@ from autotune.costing.dense_prices import (
     attention_work,
     elementwise_work,
     features,
+    norm_work,
 )
 from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
@@ -280,6 +281,12 @@ class CostModel:
         """One layer's norms and residual adds on `rows` tokens (rope is the attention core's)."""
         return self.dense_fit(backend, "elementwise").ms(*elementwise_work(rows, hidden, self.dtype_bytes(backend)),
                                                          at=features("elementwise", rows=rows, hidden=hidden))
+
+    def norm_ms(self, backend: str, rows: Any, width: int, length: int) -> np.ndarray:
+        """One RMS norm over `rows` x `width` elements in vectors of `length` (the q/k norms, the final norm)."""
+        return self.dense_fit(backend, "elementwise").ms(*norm_work(rows, width, length, self.dtype_bytes(backend)),
+                                                         at=features("elementwise", rows=rows, hidden=width,
+                                                                     length=length))
 
     # --- layers ------------------------------------------------------------------------------------------------
     def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:

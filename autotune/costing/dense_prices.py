@@ -78,6 +78,15 @@ def elementwise_work(rows: Any, hidden: int, dtype_bytes: float) -> tuple[np.nda
         dtype_bytes * rows * hidden)  # a norm writes two: its square and its product
 
 
+def norm_work(rows: Any, width: int, length: int, dtype_bytes: float
+              ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """(GFLOP, MB, 0 weight MB, fresh MB) of one RMS norm over `rows` x `width` elements in vectors of `length` (the
+    q/k norms: per head of head_dim, or over the whole projection; the final norm: over hidden): its square, its
+    product and the weight's product, each a new buffer."""
+    elems = np.asarray(rows, dtype=np.float64) * width
+    return 4.0 * elems / 1e9, 2.0 * 3 * dtype_bytes * elems / 1e6, 0.0, 3 * fresh_mb(dtype_bytes * elems)
+
+
 def matmul_work(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float | None = None
                 ) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
     """(GFLOP, activation MB, weight MB, fresh MB) of [m, k] x [k, n]: weights read once (`weight_bytes` each,
@@ -90,12 +99,12 @@ def matmul_work(m: Any, n: int, k: int, dtype_bytes: float, weight_bytes: float 
 def features(kind: str, **shape: Any) -> np.ndarray:
     """[n, 3] log2 features of a dense op for the residual learner: a matmul's (m, n, k), the attention core's
     (rows, 1 + the keys cached before the chunk, heads x head_dim: a chunk with none cached runs another kernel),
-    elementwise work's (rows, hidden, 1)."""
+    elementwise work's (rows, hidden, 1), a norm's (rows, width, its vectors' length)."""
     if kind == "attention":
         before = np.asarray(shape["context"], dtype=np.float64) - np.asarray(shape["rows"], dtype=np.float64)
         shape = {**shape, "before": 1.0 + np.maximum(before, 0.0)}
     cols = {"matmul": ("m", "n", "k"), "attention": ("rows", "before", "width"),
-            "elementwise": ("rows", "hidden", None)}[kind]
+            "elementwise": ("rows", "hidden", "length" if "length" in shape else None)}[kind]
     vals = [np.asarray(shape[c] if c else 1, dtype=np.float64) for c in cols]
     return np.log2(np.maximum(np.stack(np.broadcast_arrays(*vals), axis=-1).reshape(-1, 3), 1.0))
 
@@ -144,7 +153,7 @@ def record_features(rec: dict) -> np.ndarray:
     op = RECORD_OP[rec["kind"]]
     if op == "attention":
         return features(op, rows=rec["rows"], context=rec["context"], width=rec["heads"] * rec["head_dim"])
-    return features(op, **{k: rec[k] for k in ("m", "n", "k", "rows", "hidden") if k in rec})
+    return features(op, **{k: rec[k] for k in ("m", "n", "k", "rows", "hidden", "length") if k in rec})
 
 
 def record_ms(fit: "DenseFit", rec: dict) -> float:
@@ -160,6 +169,8 @@ def record_work(rec: dict) -> tuple[float, ...]:
     elif kind == "attention":  # profile-device times the CPU's run path
         work = attention_work(rec["rows"], rec["context"], rec["heads"], rec["kv_heads"], rec["head_dim"],
                               dtype_bytes, sdpa=True)
+    elif kind == "elementwise" and "length" in rec:  # one norm (the q/k norms)
+        work = norm_work(rec["rows"], rec["hidden"], rec["length"], dtype_bytes)
     elif kind == "elementwise":
         work = elementwise_work(rec["rows"], rec["hidden"], dtype_bytes)
     else:

@@ -2,8 +2,8 @@
 attention projections, router and lm_head shapes), the attention core as a run's `attention_core` part times it
 (rope, the KV cache's update, transformers' sdpa forward) at several (rows, context) points, chunks with nothing
 cached before them (causal) and later ones (masked), and one layer's elementwise work per token outside the attention
-block (two RMS norms, two residual adds). Records `dense_matmul`, `attention` and `elementwise`, fitted by
-`autotune.costing.dense_prices.fit_dense`."""
+block (two RMS norms, two residual adds) and the q/k norms per head. Records `dense_matmul`, `attention` and
+`elementwise`, fitted by `autotune.costing.dense_prices.fit_dense`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -107,6 +107,18 @@ def _elementwise(shape: DenseShape, rows: int):
     return run
 
 
+def qk_norm_call(shape: DenseShape, rows: int):
+    """The q and k norms of the families that have them per head (qwen3_moe), as a run's projections part counts
+    them: an RMS norm over each head's head_dim."""
+    q, k = torch.randn(rows, shape.heads, shape.head_dim), torch.randn(rows, shape.kv_heads, shape.head_dim)
+    w = torch.ones(shape.head_dim)
+
+    def run():
+        return [t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w for t in (q, k)]
+
+    return run
+
+
 def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> list[dict]:
     """Time every dense case on the CPU (the exact path's backend prices CPU work), fp32, on `clock`."""
     cases = []
@@ -118,6 +130,9 @@ def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> lis
                     "head_dim": shape.head_dim}, attention_call(shape, r, c)) for r, c in points]
         cases += [({"kind": "elementwise", "rows": r, "hidden": shape.hidden}, _elementwise(shape, r))
                   for r in ELEMENTWISE_ROWS]
+        width = (shape.heads + shape.kv_heads) * shape.head_dim
+        cases += [({"kind": "elementwise", "rows": r, "hidden": width, "length": shape.head_dim},
+                   qk_norm_call(shape, r)) for r in ELEMENTWISE_ROWS]
     records = []
     with torch.inference_mode():
         for rec, fn in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
