@@ -419,8 +419,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
     ran = [registry.get(b) for b in stats.get("calls_per_backend", {})]
-    measured = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None))
-    predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n)
+    measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
+                                      chunk)
+    predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,

@@ -25,6 +25,7 @@ from autotune.costing.dense_prices import (
     attention_work,
     elementwise_work,
     features,
+    norm_work,
 )
 from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
@@ -270,14 +271,22 @@ class CostModel:
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
                      ) -> np.ndarray:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
-        g, mb = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "attention").ms(g, mb, at=features("attention", rows=rows, context=context,
+        # the exact path's backend prices the CPU's torch path (sdpa); a static one, its padded masked function
+        work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
+                              sdpa=backend == EXACT)
+        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=context,
                                                                             width=heads * head_dim))
 
     def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:
-        """One layer's norms, rope and residual adds on `rows` tokens."""
-        g, mb = elementwise_work(rows, hidden, self.dtype_bytes(backend))
-        return self.dense_fit(backend, "elementwise").ms(g, mb, at=features("elementwise", rows=rows, hidden=hidden))
+        """One layer's norms and residual adds on `rows` tokens (rope is the attention core's)."""
+        return self.dense_fit(backend, "elementwise").ms(*elementwise_work(rows, hidden, self.dtype_bytes(backend)),
+                                                         at=features("elementwise", rows=rows, hidden=hidden))
+
+    def norm_ms(self, backend: str, rows: Any, width: int, length: int) -> np.ndarray:
+        """One RMS norm over `rows` x `width` elements in vectors of `length` (the q/k norms, the final norm)."""
+        return self.dense_fit(backend, "elementwise").ms(*norm_work(rows, width, length, self.dtype_bytes(backend)),
+                                                         at=features("elementwise", rows=rows, hidden=width,
+                                                                     length=length))
 
     # --- layers ------------------------------------------------------------------------------------------------
     def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:

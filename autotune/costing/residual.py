@@ -14,14 +14,15 @@ class Residual:
     X: np.ndarray  # [n, 3]: log2 of (tokens, hidden, ffn) for an expert FFN; a dense op's own three (dense_prices)
     y: np.ndarray  # [n]: log(measured / analytic)
     k: int = 3
+    # Each axis's weight in the distance. By default the shape axes weigh more than the token axis: a neighbour of
+    # another shape is a worse guess than one of another M of the same shape.
+    scale: tuple[float, ...] = (1.0, 4.0, 4.0)
 
     def __post_init__(self) -> None:
         from sklearn.neighbors import KNeighborsRegressor
 
         self.X, self.y = np.asarray(self.X, dtype=np.float64).reshape(-1, 3), np.asarray(self.y, dtype=np.float64)
-        # Shape axes weigh more than the token axis: a neighbour of another shape is a worse guess than one of
-        # another M of the same shape.
-        self._scale = np.array([1.0, 4.0, 4.0])
+        self._scale = np.asarray(self.scale, dtype=np.float64)
         self._knn = KNeighborsRegressor(n_neighbors=min(self.k, len(self.y)), weights="distance")
         self._knn.fit(self.X * self._scale, self.y)
 
@@ -35,8 +36,9 @@ class Residual:
 
     def to_json(self) -> dict:
         return {"kind": "knn", "k": self.k, "features": ["log2 tokens", "log2 hidden", "log2 ffn"],
-                "X": np.round(self.X, 6).tolist(), "y": np.round(self.y, 6).tolist()}
+                "scale": list(self.scale), "X": np.round(self.X, 6).tolist(), "y": np.round(self.y, 6).tolist()}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "Residual | None":
-        return None if not obj else cls(np.array(obj["X"]), np.array(obj["y"]), int(obj.get("k", 3)))
+        return None if not obj else cls(np.array(obj["X"]), np.array(obj["y"]), int(obj.get("k", 3)),
+                                        tuple(float(v) for v in obj.get("scale", (1.0, 4.0, 4.0))))

@@ -23,6 +23,7 @@ import numpy as np
 from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
 from runtime.backends import EXACT
+from runtime.dense.families import FAMILIES
 
 # The parts as the runtime measures them (runtime.dense.parts): `rest` is the norms, rope, residual adds and router.
 PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
@@ -45,6 +46,7 @@ class DecoderShape:
     shared_ffn: int = 0  # a shared expert's FFN size in every MoE layer (Qwen2-MoE); 0: none
     dense_ffn: int = 0  # the MLP of the layers that are not MoE layers
     context: int = 0  # max_position_embeddings
+    qk_norm: int = 0  # the length of the vectors the q/k norms normalise (runtime.dense.families); 0: none
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderShape":
@@ -59,7 +61,8 @@ class DecoderShape:
                    num_layers=layers, moe_layers=moe, num_experts=experts, top_k=int(cfg.get("num_experts_per_tok", 1)),
                    expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
-                   dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)))
+                   dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)),
+                   qk_norm=qk_norm_length(cfg, heads))
 
     @property
     def qkv_width(self) -> int:
@@ -80,6 +83,13 @@ class DecoderShape:
             if layer in self.moe_layers:
                 per += 6 * self.hidden * self.expert_ffn * self.top_k + 2 * self.hidden * self.num_experts
         return per
+
+
+def qk_norm_length(cfg: dict, heads: int) -> int:
+    """The q/k norms' vector length in a family that has them: per head (head_dim) or over the projection."""
+    fam = FAMILIES.get(cfg.get("model_type"))
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    return 0 if fam is None or fam.qk_norm is None else head_dim if fam.qk_norm == "head" else heads * head_dim
 
 
 @dataclass(frozen=True)
@@ -173,8 +183,12 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     attn = place.attention if bucket is not None else EXACT
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
-    def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul; the CPU, three
-        return sum(cost.matmul_ms(b, r, w, h) for w in ([shape.qkv_width] if b != EXACT else [q, kv, kv]))
+    def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul and holds the q/k
+        # norms; the CPU runs the model's three modules, then the family's q/k norms
+        if b != EXACT:
+            return float(cost.matmul_ms(b, r, shape.qkv_width, h))
+        norms = cost.norm_ms(EXACT, r, q + kv, shape.qk_norm) if shape.qk_norm else 0.0
+        return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
     def attention_ms(b: str, r: int) -> float:  # a static core reads its bucket's keys; the CPU, the context's
         return cost.attention_ms(b, r, bucket if b != EXACT and bucket else context, shape.heads, shape.kv_heads,
@@ -211,7 +225,7 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
             for part, steps in layer_links(cost, shape, same[0], rows, context, full, place).items():
                 links[part] += [s.times(len(same)) for s in steps]
     links["lm_head"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, logits_rows, shape.vocab, shape.hidden)
-                                   + cost.elementwise_ms(EXACT, logits_rows, shape.hidden) / 3)]  # a norm: 1 of 6
+                                   + cost.norm_ms(EXACT, logits_rows, shape.hidden, shape.hidden))]  # the final norm
     links["experts"] = [evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)]
     parts = {p: evaluator.chain(steps) for p, steps in links.items()}
     whole = evaluator.chain([s for steps in links.values() for s in steps])

@@ -1,38 +1,94 @@
 """A run's prefill by part, measured (`runtime.dense.measured_parts`: forward hooks) next to the whole-prefill
 prediction for the plan's profile (`autotune.costing.whole_prefill`): what `run --json` reports as
 `measured_parts_ms` and `predicted_parts_ms`; and what the plan's search predicted, to set beside a run
-(`plan_predicted`)."""
+(`plan_predicted`). The experts are predicted from the run's own routing (its assignments per expert in each chunk
+of each MoE layer, recorded while the parts are timed), priced as the plan runs them."""
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
+from autotune.costing.costmodel import CostModel
 from autotune.costing.whole_prefill import DecoderShape, ExpertFigures, placement_of, predict_prefill
 from autotune.profiling.profile import host_profile_path, load_profile
 from runtime.dense import measured_parts
 from runtime.errors import NpumoeError
-from runtime.plan import Plan
+from runtime.loading.model_loader import moe_layers
+from runtime.plan import LayerPlan, Plan
 
 log = logging.getLogger("npumoe")
 
+Routing = dict[int, list[np.ndarray]]  # per MoE layer, each chunk's assignments per expert, in run order
 
-def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool) -> dict:
+
+@contextmanager
+def recorded_routing(model: torch.nn.Module, chunk_tokens: int) -> Iterator[Routing]:
+    """Each MoE layer's assignments per expert in every chunk of the forwards inside the block (a forward longer
+    than a chunk is cut as the executor cuts it), from a hook on the experts module's inputs."""
+    routing: Routing = {}
+    handles = []
+
+    def hook(layer: int, experts: int):
+        def pre(module, args, kwargs):
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            for start in range(0, idx.shape[0], chunk_tokens):
+                counts = torch.bincount(idx[start:start + chunk_tokens].reshape(-1), minlength=experts)
+                routing.setdefault(layer, []).append(counts.numpy().astype(np.int64))
+        return pre
+
+    for moe in moe_layers(model):
+        handles.append(moe.experts.register_forward_pre_hook(hook(moe.index, int(moe.experts.num_experts)),
+                                                             with_kwargs=True))
+    try:
+        yield routing
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool, chunk_tokens: int
+                  ) -> tuple[dict, Routing]:
     """Ms per part of one more run of `prefill` (its forwards' hooks): on this process's CPU clock where the run is
     one-thread CPU work (what a shared host's other load does not inflate, as profile-device times it), else on
-    the wall clock (`off_cpu`: a backend that ran off the CPU); `clock` says which."""
+    the wall clock (`off_cpu`: a backend that ran off the CPU); `clock` says which. With it, that run's routing
+    (`recorded_routing`)."""
     cpu = torch.get_num_threads() == 1 and not off_cpu
-    with measured_parts(model, time.process_time if cpu else time.perf_counter) as times:
+    with recorded_routing(model, chunk_tokens) as routing, \
+            measured_parts(model, time.process_time if cpu else time.perf_counter) as times:
         prefill()
-    return {**times.parts_ms(), "clock": "cpu" if cpu else "wall"}
+    return {**times.parts_ms(), "clock": "cpu" if cpu else "wall"}, routing
 
 
-def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int) -> dict | None:
+def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Routing) -> list[ExpertFigures]:
+    """The experts' predicted latency and CPU-busy time per chunk (all MoE layers) for the routing a run saw, as
+    the executor runs each chunk: the layer's plan, or wholly exact (a chunk below the plan's
+    `exact_below_tokens`; a layer without groups runs transformers' grouped kernel, priced so too)."""
+    plans = {lp.layer: lp for lp in plan.layers}
+    chunks = max((len(c) for c in routing.values()), default=0)
+    latency, cpu = np.zeros(chunks), np.zeros(chunks)
+    for layer, per_chunk in routing.items():
+        counts = np.stack(per_chunk)
+        every = LayerPlan.model_construct(layer=layer, groups=[], cpu_exact=list(range(counts.shape[1])))
+        planned = counts.sum(axis=1) >= plan.exact_below * shape.top_k  # a chunk's tokens pick top-k experts each
+        for lp, rows in ((plans.get(layer, every), planned), (every, ~planned)):
+            if rows.any():
+                t, c = cost.layer_times(lp, counts[rows], shape.hidden, shape.expert_ffn, plan.overflow)
+                latency[rows] += t
+                cpu[rows] += c
+    return [ExpertFigures(float(t), float(c), None) for t, c in zip(latency, cpu)]
+
+
+def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int, routing: Routing | None = None
+                  ) -> dict | None:
     """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (every position's
-    logits, as a run computes them), on the profile the plan was searched for, the experts at the plan's own
-    predicted figure per chunk; None where the plan carries no prediction or its profile is not here."""
+    logits, as a run computes them), on the profile the plan was searched for; the experts priced from the run's
+    `routing` (`recorded_routing`), or without it at the plan's own predicted figure per chunk. None where the plan
+    carries no prediction or its profile is not here."""
     predicted, meta = plan.predicted or {}, plan.meta or {}
     per_chunk, name = predicted.get("predicted_latency_ms"), meta.get("profile")
     if per_chunk is None or not name:
@@ -43,17 +99,24 @@ def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int) -> 
         log.warning("run: no prediction by part (profile %s: %s)", name, e)
         return None
     shape = DecoderShape.from_config(config)
+    routed = routed_experts(cost, plan, shape, routing) if routing else None
     parts: dict[str, float] = {}
-    start = 0
+    start, chunk = 0, 0
     while start < tokens:
         p = min(prompt_tokens, tokens - start)
-        experts = ExpertFigures(per_chunk * p / plan.chunk_tokens, 0.0, None)
+        n = -(-p // plan.chunk_tokens)  # the prompt's chunks
+        if routed is not None:
+            mine = routed[chunk:chunk + n]
+            experts = ExpertFigures(sum(f.latency_ms for f in mine), sum(f.cpu_ms for f in mine), None)
+        else:
+            experts = ExpertFigures(per_chunk * p / plan.chunk_tokens, 0.0, None)
         pred = predict_prefill(cost, shape, p, plan.chunk_tokens, experts, placement_of(plan.dense), logits_rows=p)
         for k, v in pred.parts_ms.items():
             parts[k] = parts.get(k, 0.0) + v
-        start += p
+        start, chunk = start + p, chunk + n
+    how = "the run's routing, priced as the plan runs it" if routed is not None else "the plan's figure per chunk"
     return {**{k: round(v, 3) for k, v in parts.items()},
-            "label": f"predicted by the cost model of profile {name} (experts: the plan's figure per chunk)"}
+            "label": f"predicted by the cost model of profile {name} (experts: {how})"}
 
 
 def plan_predictions(plan: Plan) -> dict | None:

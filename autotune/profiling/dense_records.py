@@ -1,15 +1,18 @@
 """The dense ops of a decoder layer, timed on this host's CPU as the runtime runs them in torch: matmuls (the
-attention projections, router and lm_head shapes), the attention core (sdpa with a mask, k/v repeated to the query
-heads as transformers does) at several (rows, context) points, and one layer's elementwise work per token (two RMS
-norms, rope on q and k, two residual adds). Records `dense_matmul`, `attention` and `elementwise`, fitted by
-`autotune.costing.dense_prices.fit_dense`."""
+attention projections, router and lm_head shapes), the attention core as a run's `attention_core` part times it
+(rope, the KV cache's update, transformers' sdpa forward) at several (rows, context) points, chunks with nothing
+cached before them (causal) and later ones (masked), and one layer's elementwise work per token outside the attention
+block (two RMS norms, two residual adds) and the q/k norms per head. Records `dense_matmul`, `attention` and
+`elementwise`, fitted by `autotune.costing.dense_prices.fit_dense`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from autotune.profiling.settings import Settings
 from autotune.profiling.timing import time_call
@@ -25,24 +28,32 @@ class DenseShape:
     head_dim: int
     experts: int
     vocab: int
+    lm_head_rows: tuple[int, ...] = (1, 256, 1024)
 
 
 # tiny-moe's (runtime/assets/tiny-moe/config.json) and Qwen3-30B-A3B's (scripts/make_shape_twin.py); lm_head's
-# vocabulary is capped: a GEMV streams its weights, and 32k rows fit the bandwidth term as well as 152k.
-DENSE_SHAPES = {"tiny-moe": DenseShape(256, 4, 2, 64, 16, 4096),
+# vocabulary is capped: a GEMV streams its weights, and 32k rows fit the bandwidth term as well as 152k. lm_head runs
+# at one row and at a chunk's rows (a run scores every position); tiny-moe's 2048 rows of logits (32 MiB) and
+# Qwen's 1024 are the fresh buffers (`dense_prices.fresh_mb`) the fit learns their page faults from.
+DENSE_SHAPES = {"tiny-moe": DenseShape(256, 4, 2, 64, 16, 4096, (1, 256, 1024, 2048)),
                 "qwen3-30b-a3b": DenseShape(2048, 32, 4, 128, 128, 32768)}
 ROWS = (1, 64, 256, 1024)  # chunk rows (1: a decode step)
-ATTENTION_POINTS = ((256, 256), (256, 1024), (1024, 1024), (1024, 2048), (1024, 4096), (256, 4096))
-ATTENTION_POINTS_QUICK = ((256, 256), (1024, 1024), (1024, 4096), (256, 2048))
+ELEMENTWISE_ROWS = (64, 256, 1024, 4096)  # 4096 rows of Qwen's hidden: 32 MiB buffers
+# (rows, context): a first chunk (rows == context: sdpa's causal kernel) up to a whole 4096-token prompt in one chunk,
+# and later chunks (masked) at the contexts of a 4096-token prompt
+ATTENTION_POINTS = ((256, 256), (512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (256, 1024), (256, 2048),
+                    (256, 4096), (512, 2048), (1024, 2048), (1024, 4096), (2048, 4096))
+ATTENTION_POINTS_QUICK = ((256, 256), (1024, 1024), (2048, 2048), (4096, 4096), (256, 1024), (256, 2048),
+                          (1024, 2048), (1024, 4096))
 
 
 def matmul_cases(shape: DenseShape) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the projections (q, k/v, fused q/k/v, o), the router and lm_head (one row, and a chunk's rows:
-    a run that scores every position) at each of ROWS."""
+    """(m, n, k) of the projections (q, k/v, fused q/k/v, o), the router at each of ROWS, and lm_head at one row and
+    at a chunk's rows (a run that scores every position): 256 and 1024."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     out = [(m, n, k) for m in ROWS for n, k in ((q, shape.hidden), (kv, shape.hidden), (q + 2 * kv, shape.hidden),
                                                 (shape.hidden, q), (shape.experts, shape.hidden))]
-    return out + [(1, shape.vocab, shape.hidden), (256, shape.vocab, shape.hidden)]
+    return out + [(m, shape.vocab, shape.hidden) for m in shape.lm_head_rows]
 
 
 def matmul_call(m: int, n: int, k: int):
@@ -50,43 +61,60 @@ def matmul_call(m: int, n: int, k: int):
     return lambda: F.linear(x, w)
 
 
-def _attention(shape: DenseShape, rows: int, context: int):
+def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope as the families compute it (rotate_half)."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
+def attention_call(shape: DenseShape, rows: int, context: int):
+    """What a run's `attention_core` part times (runtime.dense.parts: the attention block less its projections):
+    rope on q and k, the KV cache's update (transformers' DynamicCache concatenates), then transformers' sdpa
+    forward, which dispatches as in the run: a chunk with nothing cached before it gets no mask (causal, sdpa's
+    kernel skips the masked half, grouped heads without a copy); a later chunk gets sdpa's bool mask and k/v
+    repeated to the query heads."""
     q = torch.randn(1, shape.heads, rows, shape.head_dim)
-    k = torch.randn(1, shape.kv_heads, context, shape.head_dim)
-    v = torch.randn(1, shape.kv_heads, context, shape.head_dim)
-    mask = torch.ones(rows, context, dtype=torch.bool).tril(context - rows)[None, None]
-    rep = shape.heads // shape.kv_heads
+    k, v = torch.randn(1, shape.kv_heads, rows, shape.head_dim), torch.randn(1, shape.kv_heads, rows, shape.head_dim)
+    past_k = torch.randn(1, shape.kv_heads, context - rows, shape.head_dim)
+    past_v = torch.randn(1, shape.kv_heads, context - rows, shape.head_dim)
+    cos, sin = torch.randn(1, 1, rows, shape.head_dim), torch.randn(1, 1, rows, shape.head_dim)
+    mask = None if context == rows else torch.ones(rows, context, dtype=torch.bool).tril(context - rows)[None, None]
+    module = SimpleNamespace(num_key_value_groups=shape.heads // shape.kv_heads, is_causal=True)
 
     def run():
-        kk = k[:, :, None].expand(1, shape.kv_heads, rep, context, shape.head_dim).reshape(1, -1, context,
-                                                                                          shape.head_dim)
-        vv = v[:, :, None].expand(1, shape.kv_heads, rep, context, shape.head_dim).reshape(1, -1, context,
-                                                                                          shape.head_dim)
-        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        keys = torch.cat([past_k, _rotated(k, cos, sin)], dim=-2)
+        values = torch.cat([past_v, v], dim=-2)
+        out, _ = sdpa_attention_forward(module, _rotated(q, cos, sin), keys, values, mask,
+                                        scaling=shape.head_dim ** -0.5)
+        return out.reshape(rows, -1).contiguous()
 
     return run
 
 
 def _elementwise(shape: DenseShape, rows: int):
+    """One layer's elementwise work outside the attention block: two RMS norms and two residual adds (rope is
+    timed with the attention core, where a run's parts count it)."""
     x, r = torch.randn(rows, shape.hidden), torch.randn(rows, shape.hidden)
     w = torch.ones(shape.hidden)
-    cos, sin = torch.randn(rows, shape.head_dim), torch.randn(rows, shape.head_dim)
-    q = torch.randn(rows, shape.heads, shape.head_dim)
-    kk = torch.randn(rows, shape.kv_heads, shape.head_dim)
 
     def norm(t):
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
-    def rope(t):
-        half = t.shape[-1] // 2
-        rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-        return t * cos[:, None] + rot * sin[:, None]
+    def run():
+        y = r + norm(x)
+        return norm(y) + y
+
+    return run
+
+
+def qk_norm_call(shape: DenseShape, rows: int):
+    """The q and k norms of the families that have them per head (qwen3_moe), as a run's projections part counts
+    them: an RMS norm over each head's head_dim."""
+    q, k = torch.randn(rows, shape.heads, shape.head_dim), torch.randn(rows, shape.kv_heads, shape.head_dim)
+    w = torch.ones(shape.head_dim)
 
     def run():
-        h = norm(x)
-        rope(q), rope(kk)
-        y = r + h
-        return norm(y) + y
+        return [t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w for t in (q, k)]
 
     return run
 
@@ -99,9 +127,12 @@ def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> lis
                   for m, n, k in matmul_cases(shape)]
         points = ATTENTION_POINTS_QUICK if s.quick else ATTENTION_POINTS
         cases += [({"kind": "attention", "rows": r, "context": c, "heads": shape.heads, "kv_heads": shape.kv_heads,
-                    "head_dim": shape.head_dim}, _attention(shape, r, c)) for r, c in points]
+                    "head_dim": shape.head_dim}, attention_call(shape, r, c)) for r, c in points]
         cases += [({"kind": "elementwise", "rows": r, "hidden": shape.hidden}, _elementwise(shape, r))
-                  for r in ROWS[1:]]
+                  for r in ELEMENTWISE_ROWS]
+        width = (shape.heads + shape.kv_heads) * shape.head_dim
+        cases += [({"kind": "elementwise", "rows": r, "hidden": width, "length": shape.head_dim},
+                   qk_norm_call(shape, r)) for r in ELEMENTWISE_ROWS]
     records = []
     with torch.inference_mode():
         for rec, fn in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
