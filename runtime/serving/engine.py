@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -33,7 +37,19 @@ log = logging.getLogger("npumoe.serve")
 
 DEFAULT_DISK_GB = 4.0  # the prefix cache on disk, when --prefix-cache-dir is given
 DEFAULT_MAX_BATCH = 8  # requests decoding together (a laptop's worth); more wait in the queue
+PREFILL_NICE = 10  # the prefill thread's nice value beside decoding streams (Linux)
+INLINE_PREFILL_TOKENS = 64  # a prefill this short runs in the engine's round even beside decoding streams
 FALLBACK_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+def background() -> None:
+    """Run the calling thread (the prefill thread) at a lower priority than decode where the OS allows it per
+    thread (Linux: its nice value), so decode steps keep their pace on a busy CPU (llama.cpp's `--prio-batch`)."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFILL_NICE)
+        except OSError as e:
+            log.warning("the prefill thread keeps its priority: %s", e)
 
 
 class RequestError(Exception):
@@ -90,6 +106,9 @@ class Engine:
             except OSError as e:
                 raise NpumoeError(f"--prefix-cache-dir {prefix_cache_dir}: {e.strerror or e}") from e
         self.batch = DecodeBatch(loaded)
+        # prefill runs on its own thread (one request at a time) while this engine's thread keeps decoding
+        self.prefill_thread = ThreadPoolExecutor(1, thread_name_prefix="npumoe-prefill", initializer=background)
+        self.prefill: tuple[RequestStream, Future] | None = None
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
@@ -109,6 +128,7 @@ class Engine:
 
     def close(self, timeout_s: float | None = None) -> None:
         self.scheduler.close(timeout_s)
+        self.prefill_thread.shutdown(wait=False, cancel_futures=True)
 
     def health(self) -> dict:
         cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
@@ -165,25 +185,31 @@ class Engine:
             return None
 
     def _round(self, active: dict[Job, RequestStream]) -> list[Job]:
-        """One round of the active requests: the oldest prefilling one's next chunk, then one batched decode
-        step of every decoding one. Returns the jobs that are done."""
+        """One round of the active requests: the oldest prefilling one's prefill started on the prefill thread
+        (one at a time), a finished one joining the batch, then one batched decode step of every decoding one
+        (with none decoding, the round waits for the prefill instead). Returns the jobs that are done."""
         done = [job for job, stream in active.items() if job.cancelled.is_set()]
         for job in done:
             active[job].cancel()
             if active[job].gen in self.batch.rows:
                 self.batch.remove(active[job].gen)
         live = [stream for job, stream in active.items() if job not in done]
-        prefilling = next((s for s in live if s.prefilling), None)
-        if prefilling is not None:
+        if self.prefill is None and (waiting := next((s for s in live if s.prefilling), None)) is not None:
+            self.prefill = waiting, self._start_prefill(waiting)
+        if self.prefill is not None and (self.prefill[1].done() or not self.batch.rows):
+            stream, future = self.prefill
+            self.prefill = None
             try:
-                if prefilling.prefill_chunk():
-                    if prefilling.take():
-                        self.batch.add(prefilling.gen)
+                finished = future.result()  # waits only where nothing decodes meanwhile
+                if finished and not stream.job.cancelled.is_set():
+                    stream.prefilled()
+                    if stream.take():
+                        self.batch.add(stream.gen)
                     else:
-                        done.append(prefilling.job)
+                        done.append(stream.job)
             except Exception as e:
-                self._fail(prefilling.job, e)
-                done.append(prefilling.job)
+                self._fail(stream.job, e)
+                done.append(stream.job)
         decoding = [s for s in live if s.gen in self.batch.rows]
         if decoding:
             before = executor_counts(self.loaded, decode_only=True)
@@ -201,6 +227,20 @@ class Engine:
                     self.batch.remove(s.gen)
                     done.append(s.job)
         return done
+
+    def _start_prefill(self, stream: RequestStream) -> Future:
+        """`stream`'s prefill: a long one on the prefill thread while others decode; here (at this thread's
+        priority, no hand-off) when none does, as nothing else waits on this thread then, or when it is short
+        (at most INLINE_PREFILL_TOKENS: about a decode step's time, so the streams' next token waits at most
+        that; a short prompt never waits for CPU behind the background thread's low priority)."""
+        if self.batch.rows and stream.ids.numel() - stream.gen.cached > INLINE_PREFILL_TOKENS:
+            return self.prefill_thread.submit(stream.prefill, stream.job.cancelled)
+        future = Future()
+        try:
+            future.set_result(stream.prefill(stream.job.cancelled))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.exception("generation failed", exc_info=e)
