@@ -251,6 +251,17 @@ def itl_during_prefill(server: Server, prompt: list[int], long_prompt: list[int]
             "itl_p95_during_prefill_ratio": _p95(gaps) / _p95(gaps_alone) if gaps else None}
 
 
+def disk_prefix_tokens(positions: int, chunk: int, exact_below: int, tail: int = 16, room: int = 64) -> int:
+    """The longest prefix (at most 2,048 tokens) the prefix caches reuse for it plus `tail` tokens within the
+    context less `room`: whole chunks, or past the last boundary by the tail rule (the prompt's partial chunk under
+    `exact_below` tokens)."""
+    top = min(2048, positions - room - tail)
+    best = top // chunk * chunk
+    for boundary in range(chunk, top, chunk):
+        best = max(best, min(boundary + min(exact_below, chunk) - 1 - tail, top))
+    return best
+
+
 def disk_prefix(args: argparse.Namespace, server: Server, model_id: str, text_ids: list[int], prefix_len: int,
                 folder: Path) -> dict:
     """`disk_prefix_ttft_speedup`: a long prefix stored by one server with --prefix-cache-dir; after a restart,
@@ -339,7 +350,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="npumoe-bench-prefix-") as folder:
             chunk = loaded.plan.chunk_tokens
             result.update(disk_prefix(args, server, server.model_id, text_ids[-2200:],
-                                      min(2048, (positions - 64) // chunk * chunk), Path(folder)))
+                                      disk_prefix_tokens(positions, chunk, loaded.plan.exact_below), Path(folder)))
         result["disconnect_ok"] = disconnect(server, loaded, prompt)
         result["sigterm_drain_ok"] = sigterm_drain(server, prompt, new)
     finally:

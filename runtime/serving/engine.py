@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,7 +30,7 @@ from runtime.generation import ContextLimitError, Generation, Loaded, chat_promp
 from runtime.serving.decode_batch import DecodeBatch
 from runtime.serving.disk_prefix_cache import DiskPrefixCache
 from runtime.serving.metrics import Metrics
-from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
+from runtime.serving.prefix_cache import PrefixCache, keeps_tail, supports_prefix_reuse
 from runtime.serving.request_stream import COUNTS, RequestStream, executor_counts
 from runtime.serving.scheduler import Job, Scheduler
 
@@ -94,7 +95,8 @@ class Engine:
         elif prefix_cache_mb <= 0:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
-            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20))
+            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20),
+                                            loaded.plan.exact_below)
         self.disk_cache = None
         if prefix_cache_dir is not None:
             if self.chunk is None or not supports_prefix_reuse(loaded.model):
@@ -185,31 +187,15 @@ class Engine:
             return None
 
     def _round(self, active: dict[Job, RequestStream]) -> list[Job]:
-        """One round of the active requests: the oldest prefilling one's prefill started on the prefill thread
-        (one at a time), a finished one joining the batch, then one batched decode step of every decoding one
-        (with none decoding, the round waits for the prefill instead). Returns the jobs that are done."""
+        """One round of the active requests: prefills (`_prefills`), then one batched decode step of every
+        decoding one. Returns the jobs that are done."""
         done = [job for job, stream in active.items() if job.cancelled.is_set()]
         for job in done:
             active[job].cancel()
             if active[job].gen in self.batch.rows:
                 self.batch.remove(active[job].gen)
         live = [stream for job, stream in active.items() if job not in done]
-        if self.prefill is None and (waiting := next((s for s in live if s.prefilling), None)) is not None:
-            self.prefill = waiting, self._start_prefill(waiting)
-        if self.prefill is not None and (self.prefill[1].done() or not self.batch.rows):
-            stream, future = self.prefill
-            self.prefill = None
-            try:
-                finished = future.result()  # waits only where nothing decodes meanwhile
-                if finished and not stream.job.cancelled.is_set():
-                    stream.prefilled()
-                    if stream.take():
-                        self.batch.add(stream.gen)
-                    else:
-                        done.append(stream.job)
-            except Exception as e:
-                self._fail(stream.job, e)
-                done.append(stream.job)
+        done += self._prefills(live)
         decoding = [s for s in live if s.gen in self.batch.rows]
         if decoding:
             before = executor_counts(self.loaded, decode_only=True)
@@ -228,19 +214,46 @@ class Engine:
                     done.append(s.job)
         return done
 
-    def _start_prefill(self, stream: RequestStream) -> Future:
-        """`stream`'s prefill: a long one on the prefill thread while others decode; here (at this thread's
-        priority, no hand-off) when none does, as nothing else waits on this thread then, or when it is short
-        (at most INLINE_PREFILL_TOKENS: about a decode step's time, so the streams' next token waits at most
-        that; a short prompt never waits for CPU behind the background thread's low priority)."""
-        if self.batch.rows and stream.ids.numel() - stream.gen.cached > INLINE_PREFILL_TOKENS:
-            return self.prefill_thread.submit(stream.prefill, stream.job.cancelled)
-        future = Future()
+    def _prefills(self, live: list[RequestStream]) -> list[Job]:
+        """One prefill at a time, in arrival order. With no stream decoding at the round's start every waiting
+        one runs here, one after another (no stream waits on this thread meanwhile). Beside decoding streams,
+        short ones (INLINE_PREFILL_TOKENS, about a decode step: the streams' next token waits that much) run
+        here up to that many tokens a round, and a long one runs on the prefill thread, at a lower priority,
+        while the rounds keep decoding; it joins the batch at the first round after it ends (or the round waits
+        for it once nothing decodes). Returns the jobs that are done."""
+        done = []
+        if self.prefill is not None:
+            if not self.prefill[1].done() and self.batch.rows:
+                return done
+            stream, future = self.prefill
+            self.prefill = None
+            done += [stream.job] if self._join(stream, future.result) else []
+        idle, budget = not self.batch.rows, INLINE_PREFILL_TOKENS
+        for stream in [s for s in live if s.prefilling]:
+            tokens = stream.ids.numel() - stream.gen.cached
+            if not idle and tokens > INLINE_PREFILL_TOKENS:
+                self.prefill = stream, self.prefill_thread.submit(stream.prefill, stream.job.cancelled)
+                break
+            if not idle and tokens > budget:
+                break
+            budget -= tokens
+            done += [stream.job] if self._join(stream, partial(stream.prefill, stream.job.cancelled)) else []
+        return done
+
+    def _join(self, stream: RequestStream, prefill: Callable[[], bool]) -> bool:
+        """`stream` once `prefill()` (its prefill, or its result) is done: in the batch, or done (True: its
+        job is; a cancelled one was already ended by its round)."""
         try:
-            future.set_result(stream.prefill(stream.job.cancelled))
+            if not prefill() or stream.job.cancelled.is_set():
+                return False
+            stream.prefilled()
+            if stream.take():
+                self.batch.add(stream.gen)
+                return False
+            return True
         except Exception as e:
-            future.set_exception(e)
-        return future
+            self._fail(stream.job, e)
+            return True
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.exception("generation failed", exc_info=e)
@@ -271,10 +284,12 @@ class Engine:
             self.disk_cache.store(tokens, layers)
 
     def keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
-        """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
+        """Where the prompt's KV cache is worth keeping (past what was reused): its end where its last chunk is
+        partial and exact (the tail rule), else its last whole-chunk boundary."""
         if self.prefix_cache is None and self.disk_cache is None:
             return None
-        target = ids.numel() // self.chunk * self.chunk
+        n = ids.numel()
+        target = n if keeps_tail(n, self.chunk, self.loaded.plan.exact_below) else n // self.chunk * self.chunk
         return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None
 
     def figures(self, stream: RequestStream, finish: str, text: str) -> dict:
