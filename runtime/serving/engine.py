@@ -111,6 +111,7 @@ class Engine:
         # prefill runs on its own thread (one request at a time) while this engine's thread keeps decoding
         self.prefill_thread = ThreadPoolExecutor(1, thread_name_prefix="npumoe-prefill", initializer=background)
         self.prefill: tuple[RequestStream, Future] | None = None
+        self.beside_prefill = 0  # decode steps run while a prefill ran on its thread (what a test reads)
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
@@ -198,6 +199,7 @@ class Engine:
         done += self._prefills(live)
         decoding = [s for s in live if s.gen in self.batch.rows]
         if decoding:
+            self.beside_prefill += self.prefill is not None
             before = executor_counts(self.loaded, decode_only=True)
             try:
                 self.batch.step()
