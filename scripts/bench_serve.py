@@ -6,7 +6,8 @@ tokens. Checks, each with a bounded number of requests:
 
 1. overhead: the same greedy request through the server (streamed over HTTP, timed by this client: its first
    token's chunk, then tokens per second between first and last; the server sends a chunk per token, text or not)
-   and through `runtime.generate` here, interleaved within each repeat; `overhead_ttft` = median over repeats of
+   and through `runtime.generate` here, interleaved within each repeat, each repeat on a prompt of its own (none
+   finds an earlier one's KV in the server's prefix cache); `overhead_ttft` = median over repeats of
    server TTFT / runtime TTFT, `overhead_tok_s` = median of runtime tok/s / server tok/s (1.0: no overhead; goal
    <= 1.05 each);
 2. prefix cache: prompts sharing a 1,024-token prefix: the first request's TTFT over a later one's, median over

@@ -1,12 +1,15 @@
 """The engine behind the server: one loaded model (under its plan), its prefix cache, its queue and its metrics.
 
-Everything that touches the model or the tokenizer runs on the scheduler's one worker thread. A request starts in
-arrival order (its prompt encoded: a chat through the tokenizer's template, or the fallback format below; a cached
-prefix looked up) and up to `max_batch` requests are active at once (continuous batching). Each round runs the
-oldest prefilling request's next prefill chunk (the plan's chunks, each request alone, as `runtime.generate`
-runs them) and then one decode step of every decoding request together (`DecodeBatch`: one forward, each row at
-its own position, each with its own sampling and stop sequences), so a long prompt's prefill never stalls the
-streams for more than a chunk. The calls go one way: engine -> prefix cache -> generation -> prefix cache.
+The engine's thread runs every tokenizer call and the decode steps. A request starts in arrival order (its prompt
+encoded: a chat through the tokenizer's template, or the fallback format below; a cached prefix looked up) and up
+to `max_batch` requests are active at once (continuous batching). Each round runs prefills (`_prefills`: one
+request at a time, in the plan's chunks, each request alone, as `runtime.generate` runs them) and then one decode
+step of every decoding request together (`DecodeBatch`: one forward, each row at its own position, each with its
+own sampling and stop sequences). A long prompt that arrives while others decode prefills on the prefill thread,
+with its own KV cache, while the rounds keep decoding (on a Mac its static groups run on the ANE; on Linux it
+takes another core, at a lower priority), so its prefill does not stall the streams; the executor keeps its phase
+per thread, so its counts stay its own. The calls go one way: engine -> prefix cache -> generation -> prefix
+cache (the caches are only touched from the engine's thread).
 
 Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
 `Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
