@@ -176,8 +176,9 @@ def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -
         firsts.append(first["first_s"] * 1e3)
         laters.append(later["first_s"] * 1e3)
         ratios.append(firsts[-1] / laters[-1])
-        print(f"prefix {p + 1}/{pairs}: first {firsts[-1]:.1f} ms, later {laters[-1]:.1f} ms (cached {cached[-1]})",
-              file=sys.stderr)
+        print(f"prefix {p + 1}/{pairs}: first {firsts[-1]:.1f} ms, later {laters[-1]:.1f} ms (cached {cached[-1]}; "
+              f"on its model {first['npumoe']['ttft_ms']:.1f} and {later['npumoe']['ttft_ms']:.1f} ms, queued "
+              f"{first['npumoe']['queue_ms']:.1f} and {later['npumoe']['queue_ms']:.1f} ms)", file=sys.stderr)
     return {"prefix_cache_ttft_speedup": statistics.median(ratios), "prefix_tokens": PREFIX_TOKENS,
             "prefix_cached_tokens": min(cached), "prefix_first_ttft_ms": statistics.median(firsts),
             "prefix_later_ttft_ms": statistics.median(laters)}
