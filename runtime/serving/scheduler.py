@@ -54,6 +54,8 @@ class Mailbox:
         self.loop, self.items, self.lock, self.pending = loop, [], threading.Lock(), False
 
     def put(self, queue: asyncio.Queue, event: object) -> None:
+        if self.loop.is_closed():  # nobody reads these events any more
+            return
         with self.lock:
             self.items.append((queue, event))
             if self.pending:
