@@ -10,6 +10,7 @@ groups cannot pay off. A layer without groups runs every chunk that way.
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +38,12 @@ class LayerExecutor:
                  backends: dict[str, StaticBackend], exact: ExactFn = run_exact) -> None:
         n = module.num_experts
         self.exact = exact  # the exact path's compute (the profiler swaps in identity to time host work alone)
-        self.module, self.stats = module, stats
+        self.module, self.own_stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
         self.exact_below = plan.exact_below
-        self.sequences = 1  # sequences in one forward (batched decode): the exact_below rule counts per sequence
+        # Set by a PlanExecutor: the calling thread's phase and sequences, and this layer's stats per phase.
+        self.context: ForwardContext | None = None
+        self.phase_stats: dict[str, LayerStats] = {}
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
         self.cap = torch.zeros(n, dtype=torch.long)
         self.group_of = torch.full((n,), -1, dtype=torch.long)
@@ -75,8 +78,13 @@ class LayerExecutor:
             self.pool.shutdown(wait=True)
             self.pool = None
 
+    @property
+    def stats(self) -> LayerStats:
+        """Where this call counts: the calling thread's phase's stats (standalone: the layer's own)."""
+        return self.own_stats if self.context is None else self.phase_stats[self.context.phase]
+
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        below = self.exact_below * self.sequences
+        below = self.exact_below * (1 if self.context is None else self.context.sequences)
         if x.shape[0] < below or self.fused:
             return self._all_exact(x, top_k_index, top_k_weights, watched=x.shape[0] >= below)
         if x.shape[0] <= self.chunk:
@@ -99,7 +107,7 @@ class LayerExecutor:
             exact = exact | overflow if self.spill else exact
             n_over = int(overflow.sum())
         st.record_chunk(x.shape[0], loads, n_over, self.spill)
-        future = self.pool.submit(self._exact, x, eid, w, tok, exact) if self.pool else None
+        future = self.pool.submit(self._exact, x, eid, w, tok, exact, st) if self.pool else None
         if self.groups:
             packed = x.new_zeros(self.slots, x.shape[1])
             packed[rows] = x[tok[kept]]
@@ -111,7 +119,7 @@ class LayerExecutor:
                 st.tokens_per_backend[name] += f
                 st.filled += f
                 st.slots += b - a
-        exact_out = future.result() if future else self._exact(x, eid, w, tok, exact)
+        exact_out = future.result() if future else self._exact(x, eid, w, tok, exact, st)
         if exact_out is not None:
             out.index_add_(0, *exact_out)
         return out
@@ -143,8 +151,9 @@ class LayerExecutor:
         kept = grouped & (rank < self.cap[eid])
         return kept, self.base[eid[kept]] + rank[kept], grouped & ~kept
 
-    def _exact(self, x, eid, w, tok, mask) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cpu-exact: the masked assignments, grouped by expert, no padding. Returns (token index, rows)."""
+    def _exact(self, x, eid, w, tok, mask, st: LayerStats) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cpu-exact: the masked assignments, grouped by expert, no padding, counted in `st` (the caller's: this
+        may run on the exact-path worker). Returns (token index, rows)."""
         sel = mask.nonzero().squeeze(1)
         if sel.numel() == 0:
             return None
@@ -152,8 +161,8 @@ class LayerExecutor:
         counts = torch.bincount(eid[sel], minlength=self.base.numel())
         experts = counts.nonzero().squeeze(1).tolist()
         y = self.exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
-        self.stats.tokens_per_backend[EXACT] += sel.numel()
-        self.stats.calls_per_backend[EXACT] += len(experts)
+        st.tokens_per_backend[EXACT] += sel.numel()
+        st.calls_per_backend[EXACT] += len(experts)
         return tok[sel], y * w[sel, None]
 
 
@@ -166,6 +175,15 @@ def _npumoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 
 
 ExpertsInterface.register(IMPLEMENTATION, _npumoe_experts_forward)
+
+
+class ForwardContext(threading.local):
+    """Per thread: the phase its forwards count as (`pinned`: kept until unpinned) and how many sequences one
+    forward holds (a batched decode step: the exact_below rule counts per sequence). Per thread, so a prefill on
+    its own thread and the decode steps beside it each keep theirs."""
+    phase: str = "prefill"
+    pinned: bool = False
+    sequences: int = 1
 
 
 class PlanExecutor:
@@ -184,29 +202,36 @@ class PlanExecutor:
         self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
                                               self.backends) for l in moe_layers(model)}
+        self.context = ForwardContext()
+        for index, layer in self.layers.items():
+            layer.context, layer.phase_stats = self.context, {p: self.stats.layer(index, p) for p in PHASES}
         # The plan's dense functions (Plan.dense), installed and uninstalled with the experts: runtime/dense.
         self.dense = DenseExecutor(model, plan, backends, options) if plan.dense is not None else None
         self.drift = DriftMonitor(plan)
         for index in self.layers:
             self.stats.layer(index).watcher = partial(self.drift.observe, index)
         self._previous: str | None = None
-        self.phase, self.pinned = "prefill", False
         self._hook = None
 
+    @property
+    def phase(self) -> str:
+        """The calling thread's phase."""
+        return self.context.phase
+
+    @property
+    def pinned(self) -> bool:
+        return self.context.pinned
+
     def set_phase(self, phase: str, pin: bool = False) -> None:
-        """Count what follows as `phase`; `pin` keeps it until unpinned (else each forward classifies itself)."""
+        """Count what the calling thread runs next as `phase`; `pin` keeps it until unpinned (else each forward
+        classifies itself)."""
         assert phase in PHASES, phase
-        self.pinned = pin
-        if phase != self.phase:
-            self.phase = phase
-            for index, layer in self.layers.items():
-                layer.stats = self.stats.layer(index, phase)
+        self.context.phase, self.context.pinned = phase, pin
 
     def set_sequences(self, n: int) -> None:
-        """The next forwards run `n` sequences at once (a batched decode step): each layer's exact_below rule
-        counts each sequence's tokens, so n one-token steps run exactly as one would."""
-        for layer in self.layers.values():
-            layer.sequences = n
+        """The calling thread's next forwards run `n` sequences at once (a batched decode step): each layer's
+        exact_below rule counts each sequence's tokens, so n one-token steps run exactly as one would."""
+        self.context.sequences = n
 
     def _classify_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook: a decode step feeds one token per sequence onto a cache that already holds some."""

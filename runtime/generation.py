@@ -25,7 +25,7 @@ from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
-from runtime.prefill import prefill_chunks
+from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
 from runtime.stats import RunStats
 
@@ -239,12 +239,13 @@ class Generation:
     """One generation: produces tokens, then text pieces, and keeps the measured timings.
 
     `prefix`: a KV cache already holding the prompt's first tokens (a multiple of `chunk_tokens`, fewer than the
-    prompt), so prefill starts after them and meets the same chunk boundaries as without it. `keep_at`: a chunk
-    boundary (tokens from the prompt's start) whose KV tensors `kept` holds once prefill has passed it, per layer
-    (keys, values), for the caller to keep. `logprobs`: keep each new token's log-probability and its `logprobs`
-    most likely alternatives (`token_logprobs`; an end-of-text token that stops it included); `echo`: the prompt's
-    too (`prompt_logprobs`, from the logits of every prefill position; no reused prefix then), and `max_tokens` 0
-    scores the prompt only. Stopping the iteration early is cancelling: nothing more runs."""
+    prompt; or more, ending inside the prompt's last chunk where that chunk runs exactly: `prefill.exact_tail`),
+    so prefill starts after them and meets the same chunk boundaries as without it. `keep_at`: a chunk boundary,
+    or the prompt's end (tokens from the prompt's start), whose KV tensors `kept` holds once prefill has passed
+    it, per layer (keys, values), for the caller to keep. `logprobs`: keep each new token's log-probability and
+    its `logprobs` most likely alternatives (`token_logprobs`; an end-of-text token that stops it included); `echo`:
+    the prompt's too (`prompt_logprobs`, from the logits of every prefill position; no reused prefix then), and
+    `max_tokens` 0 scores the prompt only. Stopping the iteration early is cancelling: nothing more runs."""
 
     def __init__(self, loaded: Loaded, ids: torch.Tensor, max_tokens: int, temp: float, seed: int,
                  chunk_tokens: int | None, top_p: float = 1.0, prefix: object | None = None,
@@ -258,9 +259,13 @@ class Generation:
         self.chunk = chunk_tokens or ids.numel()
         self.prefix, self.keep_at = prefix, keep_at
         self.cached = prefix.get_seq_length() if prefix is not None else 0
-        if self.cached % self.chunk or self.cached >= ids.numel():
+        boundary = self.cached // self.chunk * self.chunk
+        exact_below = loaded.plan.exact_below if loaded.plan else self.chunk + 1
+        if self.cached >= ids.numel() or (self.cached > boundary
+                                          and not exact_tail(ids.numel(), boundary, self.chunk, exact_below)):
             raise NpumoeError(f"a reused prefix must be a whole number of {self.chunk}-token chunks shorter than "
-                              f"the prompt, got {self.cached} of {ids.numel()} tokens")
+                              "the prompt, or end in the prompt's last chunk where that chunk runs exactly, got "
+                              f"{self.cached} of {ids.numel()} tokens")
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prompt_logprobs: list[TokenLogprob] = []
         self.token_logprobs: list[TokenLogprob] = []

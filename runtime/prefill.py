@@ -20,6 +20,15 @@ def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
         yield out
 
 
+def exact_tail(prompt_tokens: int, boundary: int, chunk_tokens: int, exact_below: int) -> bool:
+    """Whether a prompt's positions past chunk `boundary` lie in a partial chunk that runs on the exact path
+    (fewer than the plan's `exact_below` tokens: no static call, no drop). Each position's keys and values then
+    depend only on the tokens up to it, so those of another prompt's exact tail with the same tokens there may be
+    reused (the prefix caches' tail rule)."""
+    return boundary % chunk_tokens == 0 and boundary < prompt_tokens < boundary + chunk_tokens \
+        and prompt_tokens - boundary < exact_below
+
+
 def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Logits `[T, vocab]` for a 1-D sequence of token ids, computed chunk by chunk."""
     logits = None

@@ -6,7 +6,8 @@ tokens. Checks, each with a bounded number of requests:
 
 1. overhead: the same greedy request through the server (streamed over HTTP, timed by this client: its first
    token's chunk, then tokens per second between first and last; the server sends a chunk per token, text or not)
-   and through `runtime.generate` here, interleaved within each repeat; `overhead_ttft` = median over repeats of
+   and through `runtime.generate` here, interleaved within each repeat, each repeat on a prompt of its own (none
+   finds an earlier one's KV in the server's prefix cache); `overhead_ttft` = median over repeats of
    server TTFT / runtime TTFT, `overhead_tok_s` = median of runtime tok/s / server tok/s (1.0: no overhead; goal
    <= 1.05 each);
 2. prefix cache: prompts sharing a 1,024-token prefix: the first request's TTFT over a later one's, median over
@@ -130,11 +131,14 @@ def tok_s(r: dict) -> float | None:
     return (n - 1) / span if n > 1 and span > 0 else None
 
 
-def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int, repeats: int) -> dict:
+def overhead(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], new: int) -> dict:
+    """Each repeat its own prompt (the same on both sides): no repeat finds an earlier one's KV in the server's
+    prefix cache (the tail rule keeps a whole short prompt), so both sides do the same work."""
     ours, theirs = [], []
-    server.stream(prompt, 2)  # warm-up, each side
-    runtime.generate(loaded, prompt, max_tokens=2)
-    for r in range(repeats):
+    server.stream(prompts[-1], 2)  # warm-up, each side (the last prompt: no repeat's)
+    runtime.generate(loaded, prompts[-1], max_tokens=2)
+    repeats = len(prompts) - 1
+    for r, prompt in enumerate(prompts[:-1]):
         pair = {}
         for side in (("server", "runtime") if r % 2 == 0 else ("runtime", "server")):
             pair[side] = server.stream(prompt, new) if side == "server" else \
@@ -142,7 +146,8 @@ def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int
         ours.append(pair["server"])
         theirs.append(pair["runtime"])
         print(f"overhead repeat {r + 1}/{repeats}: server ttft {pair['server']['first_s'] * 1e3:.1f} ms (on its "
-              f"model {pair['server']['npumoe']['ttft_ms']:.1f} ms), runtime {pair['runtime']['ttft_ms']:.1f} ms",
+              f"model {pair['server']['npumoe']['ttft_ms']:.1f} ms, cached "
+              f"{pair['server']['npumoe']['cached_tokens']}), runtime {pair['runtime']['ttft_ms']:.1f} ms",
               file=sys.stderr)
     ttft = [s["first_s"] * 1e3 / t["ttft_ms"] for s, t in zip(ours, theirs)]
     speed = [t["generation_tok_s"] / tok_s(s) for s, t in zip(ours, theirs)
@@ -154,7 +159,8 @@ def overhead(server: Server, loaded: runtime.Loaded, prompt: list[int], new: int
             "runtime_ttft_ms": statistics.median(t["ttft_ms"] for t in theirs),
             "server_tok_s": statistics.median(x for x in map(tok_s, ours) if x) if speed else None,
             "runtime_tok_s": statistics.median(t["generation_tok_s"] for t in theirs if t["generation_tok_s"]),
-            "overhead_mismatched": sum(s["npumoe"]["token_ids"] != theirs[0]["token_ids"] for s in ours)}
+            "overhead_cached_tokens": sum(s["npumoe"]["cached_tokens"] for s in ours),
+            "overhead_mismatched": sum(s["npumoe"]["token_ids"] != t["token_ids"] for s, t in zip(ours, theirs))}
 
 
 def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -> dict:
@@ -170,8 +176,9 @@ def prefix_cache(server: Server, text_ids: list[int], pairs: int, suffix: int) -
         firsts.append(first["first_s"] * 1e3)
         laters.append(later["first_s"] * 1e3)
         ratios.append(firsts[-1] / laters[-1])
-        print(f"prefix {p + 1}/{pairs}: first {firsts[-1]:.1f} ms, later {laters[-1]:.1f} ms (cached {cached[-1]})",
-              file=sys.stderr)
+        print(f"prefix {p + 1}/{pairs}: first {firsts[-1]:.1f} ms, later {laters[-1]:.1f} ms (cached {cached[-1]}; "
+              f"on its model {first['npumoe']['ttft_ms']:.1f} and {later['npumoe']['ttft_ms']:.1f} ms, queued "
+              f"{first['npumoe']['queue_ms']:.1f} and {later['npumoe']['queue_ms']:.1f} ms)", file=sys.stderr)
     return {"prefix_cache_ttft_speedup": statistics.median(ratios), "prefix_tokens": PREFIX_TOKENS,
             "prefix_cached_tokens": min(cached), "prefix_first_ttft_ms": statistics.median(firsts),
             "prefix_later_ttft_ms": statistics.median(laters)}
@@ -251,6 +258,17 @@ def itl_during_prefill(server: Server, prompt: list[int], long_prompt: list[int]
             "itl_p95_during_prefill_ratio": _p95(gaps) / _p95(gaps_alone) if gaps else None}
 
 
+def disk_prefix_tokens(positions: int, chunk: int, exact_below: int, tail: int = 16, room: int = 64) -> int:
+    """The longest prefix (at most 2,048 tokens) the prefix caches reuse for it plus `tail` tokens within the
+    context less `room`: whole chunks, or past the last boundary by the tail rule (the prompt's partial chunk under
+    `exact_below` tokens)."""
+    top = min(2048, positions - room - tail)
+    best = top // chunk * chunk
+    for boundary in range(chunk, top, chunk):
+        best = max(best, min(boundary + min(exact_below, chunk) - 1 - tail, top))
+    return best
+
+
 def disk_prefix(args: argparse.Namespace, server: Server, model_id: str, text_ids: list[int], prefix_len: int,
                 folder: Path) -> dict:
     """`disk_prefix_ttft_speedup`: a long prefix stored by one server with --prefix-cache-dir; after a restart,
@@ -324,7 +342,8 @@ def main() -> None:
         result = {"model": args.model, "plan": args.plan, "dtype": args.dtype, "threads": args.threads,
                   "quick": args.quick, "chunk_tokens": loaded.plan.chunk_tokens, "prompt_tokens": prompt_len,
                   "new_tokens": new, "repeats": repeats}
-        result.update(overhead(server, loaded, prompt, new, repeats))
+        # each repeat (and the warm-up) a prompt of its own, starting one token further into the text
+        result.update(overhead(server, loaded, [text_ids[r:r + prompt_len] for r in range(repeats + 1)], new))
         result.update(prefix_cache(server, text_ids[prompt_len:], pairs, 16))
         start = prompt_len + pairs * (PREFIX_TOKENS + 32)
         prompts = [text_ids[start + 40 * i:start + 40 * i + 24 + i % 16] for i in range(clients * per_client)]
@@ -339,7 +358,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="npumoe-bench-prefix-") as folder:
             chunk = loaded.plan.chunk_tokens
             result.update(disk_prefix(args, server, server.model_id, text_ids[-2200:],
-                                      min(2048, (positions - 64) // chunk * chunk), Path(folder)))
+                                      disk_prefix_tokens(positions, chunk, loaded.plan.exact_below), Path(folder)))
         result["disconnect_ok"] = disconnect(server, loaded, prompt)
         result["sigterm_drain_ok"] = sigterm_drain(server, prompt, new)
     finally:

@@ -78,3 +78,22 @@ def test_the_bound_evicts_the_least_recently_used(setup, tmp_path):
     cache.store(prompts[2][:CHUNK], _run(loaded, prompts[2], keep_at=CHUNK).kept)
     assert cache.nbytes <= cache.max_bytes
     assert [cache.lookup(p) is not None for p in prompts] == [True, False, True]
+
+
+def test_an_exact_tail_survives_a_restart_where_the_rule_allows(setup, tmp_path):
+    """exact below 5 tokens, chunk 8: a 12-token prompt is kept whole (a chunk, then a 4-token exact tail) in its
+    whole chunk's file; after a restart a 12-token prompt sharing 11 reuses 11, one of 14 (a 6-token partial chunk,
+    on the static groups) only the chunk, and a later whole-chunk store of the same chunk keeps the tail."""
+    loaded, plan, _, ids = setup
+    plan = plan.model_copy(update={"exact_below_tokens": 5})
+    planned = runtime.load("tiny-moe", plan=plan, dtype="float32")
+    cold = _run(planned, ids[:12], keep_at=12)
+    DiskPrefixCache(tmp_path, 1 << 30, planned.model, plan).store(ids[:12], cold.kept)
+    restarted = DiskPrefixCache(tmp_path, 1 << 30, planned.model, plan)
+    restarted.store(ids[:8], [(k[:, :, :8], v[:, :, :8]) for k, v in cold.kept])  # held already: no overwrite
+    later = torch.cat([ids[:11], ids[20:21]])
+    prefix = restarted.lookup(later)
+    assert prefix is not None and prefix.get_seq_length() == 11
+    assert _run(planned, later, prefix).tokens == _run(planned, later).tokens
+    assert restarted.lookup(torch.cat([ids[:11], ids[20:23]])).get_seq_length() == 8
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1

@@ -1,12 +1,14 @@
 """The prefix cache: whole chunks only, the longest match, least recently used out first, bounded in bytes; a run
 that starts from a reused prefix gives the tokens of a run without it."""
+import pytest
 import torch
 from transformers import Qwen3MoeConfig
 from transformers.cache_utils import DynamicCache
 
 import runtime
+from runtime.errors import NpumoeError
 from runtime.generation import Generation
-from runtime.serving.prefix_cache import PrefixCache, common_prefix, supports_prefix_reuse
+from runtime.serving.prefix_cache import PrefixCache, common_prefix, keeps_tail, reusable, supports_prefix_reuse
 
 CHUNK = 4
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -96,3 +98,63 @@ def test_a_run_from_a_reused_prefix_gives_the_same_tokens(tmp_path):
     cold = run(other)
     assert run(other, pc.lookup(other)) == cold and run(ids, pc.lookup(ids)) == first
     assert loaded.stats.total().dropped > 0  # the plan dropped overflow, per chunk, in every run
+
+
+def test_the_tail_rule_reuses_an_exact_tail_only_where_the_prompt_would_run_it_exactly():
+    """chunk 8, exact_below 5: an entry of 11 tokens (a chunk, then a 3-token exact tail) serves a prompt past its
+    boundary only where the prompt's own last chunk is partial and shorter than 5 tokens."""
+    entry = torch.arange(100, 111)  # 11 tokens
+    assert keeps_tail(11, 8, 5) and not keeps_tail(13, 8, 5) and not keeps_tail(16, 8, 5) and not keeps_tail(7, 8, 5)
+    same10 = torch.cat([entry[:10], torch.tensor([7, 7])])  # shares 10, 12 tokens: its chunk [8, 12) is exact
+    assert reusable(same10, entry, 8, 5) == 10
+    assert reusable(entry[:11], entry, 8, 5) == 10  # the whole entry again: one token left to prefill
+    assert reusable(torch.cat([entry[:10], torch.tensor([7, 7, 7])]), entry, 8, 5) == 8  # 13: its chunk of 5 is not
+    assert reusable(torch.cat([entry[:10], torch.tensor([7] * 7)]), entry, 8, 5) == 8  # 17: [8, 16) is a whole chunk
+    whole = torch.arange(100, 116)  # an entry of two whole chunks: positions 8-15 ran in a whole (static) chunk
+    assert reusable(same10, whole, 8, 5) == 8
+    assert reusable(torch.arange(100, 120), whole, 8, 5) == 16
+    pc = PrefixCache(_Model(), 8, 1 << 20, exact_below=5)
+    _store(pc, entry.tolist())
+    assert pc.lookup(same10).get_seq_length() == 10
+    with pytest.raises(AssertionError):  # a prompt whose partial chunk ran on the static groups is not kept whole
+        _store(pc, list(range(100, 113)))
+
+
+def test_a_run_from_a_reused_exact_tail_gives_the_same_tokens(tmp_path):
+    """tiny-moe (float32) under a spill plan of 8-token chunks, exact below 6 tokens: a 13-token prompt (a chunk,
+    then a 5-token exact tail) kept whole; a later 13-token prompt sharing 12 reuses 12 and generates what it
+    generates alone; one of 15 tokens (its partial chunk of 7 runs the static groups) reuses 8 only."""
+    from autotune.searching.templates import template_plan
+    from runtime.loading.model_loader import model_spec
+
+    base = runtime.load("tiny-moe", dtype="float32")
+    plan = template_plan(model_spec(base.model), "tight", "spill", chunk_tokens=8).model_copy(
+        update={"exact_below_tokens": 6})
+    loaded = runtime.load("tiny-moe", plan=plan, dtype="float32")
+    pc = PrefixCache(loaded.model, 8, 1 << 24, exact_below=6)
+    ids = torch.tensor(loaded.tokenizer.encode("Static groups for the prompt, the exact path for every new "
+                                               "token. " * 3, add_special_tokens=False))
+
+    def run(prompt, keep=False):
+        prefix = pc.lookup(prompt)
+        gen = Generation(loaded, prompt, 8, 0.0, 0, 8, prefix=prefix, keep_at=prompt.numel() if keep else None)
+        list(gen.token_ids())
+        if keep:
+            pc.store(prompt, gen.kept)
+        return gen
+
+    first = run(ids[:13], keep=True)
+    assert len(pc.entries) == 1 and pc.entries[0].tokens.numel() == 13
+    later = torch.cat([ids[:12], ids[20:21]])
+    alone = Generation(loaded, later, 8, 0.0, 0, 8)
+    list(alone.token_ids())
+    reused = run(later)
+    assert reused.cached == 12 and reused.tokens == alone.tokens
+    longer = torch.cat([ids[:12], ids[20:23]])  # 15 tokens: [8, 15) is 7 tokens, on the static groups
+    alone = Generation(loaded, longer, 8, 0.0, 0, 8)
+    list(alone.token_ids())
+    reused = run(longer)
+    assert reused.cached == 8 and reused.tokens == alone.tokens
+    with pytest.raises(NpumoeError):  # a prefix into a static partial chunk is refused by generation itself
+        Generation(loaded, longer, 8, 0.0, 0, 8, prefix=pc.lookup(later))
+    assert first.tokens

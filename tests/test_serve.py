@@ -164,6 +164,38 @@ def test_concurrent_requests_batch_their_decode_and_keep_their_greedy_tokens(ser
     assert _metric(served, 'npumoe_static_calls_total{phase="decode"}') == decode_calls
 
 
+def test_a_long_prefill_runs_beside_the_decoding_stream_and_both_keep_their_tokens(served):
+    """A 13-chunk prompt arrives while a stream decodes: its prefill runs on the prefill thread while decode steps
+    go on (counted), the stream's greedy tokens and the long request's tokens and prefill figures (static calls,
+    spills, drops: the prefill phase's own, not mixed with the decode thread's) equal runtime.generate's alone."""
+    ids = served.loaded.tokenizer.encode(PROMPT * 12, add_special_tokens=False)
+    short, long = ids[:9], ids[200:1:-1]  # no earlier prompt starts like it: nothing of it is cached
+    ref_short, ref_long = _reference(served, short, 40), _reference(served, long, 4)
+    beside = served.engine.beside_prefill
+    body = {"model": "tiny-moe", "prompt": short, "max_tokens": 40, "temperature": 0, "stream": True}
+    first, streamed = threading.Event(), {}
+
+    def stream():
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first.set()
+                    streamed["npumoe"] = json.loads(line[6:]).get("npumoe", streamed.get("npumoe"))
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(60)
+    r = served.client.completions.create(model="tiny-moe", prompt=long, max_tokens=4, temperature=0)
+    thread.join()
+    figures = r.model_extra["npumoe"]
+    assert figures["cached_tokens"] == 0 and figures["token_ids"] == ref_long.token_ids
+    assert (figures["prefill_static_calls"], figures["spilled"], figures["dropped"]) == \
+        (ref_long.prefill_static_calls, ref_long.spilled, ref_long.dropped)
+    assert ref_long.prefill_static_calls > 0 and ref_long.spilled > 0  # the plan's groups really ran
+    assert streamed["npumoe"]["token_ids"] == ref_short.token_ids and streamed["npumoe"]["decode_static_calls"] == 0
+    assert served.engine.beside_prefill > beside  # decode steps ran while the long prompt prefilled
+
+
 def test_sampling_is_seeded(served):
     def sample(seed):
         return served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=6, temperature=1.0,

@@ -1,8 +1,10 @@
 """The prefix cache on disk (`--prefix-cache-dir`): whole-chunk prefixes' KV caches that survive a restart.
 
-One safetensors file per prefix, named by the sha256 of (model digest, plan digest, the prefix's token ids), holding
-per layer the keys and values, the token ids, and in its metadata the schema, both digests and the chunk size. A
-lookup tries the prompt's chunk boundaries longest first; an entry is used only when every one of those matches
+One safetensors file per prefix, named by the sha256 of (model digest, plan digest, the prefix's whole-chunk token
+ids), holding per layer the keys and values, the token ids (the whole chunks, then maybe an exact tail: the tail
+rule of `prefix_cache`), and in its metadata the schema, both digests and the chunk size. A lookup tries the
+prompt's chunk boundaries longest first (the file there may also serve the tail past it, by `reusable`); an
+entry is used only when every one of those matches
 (a file made under another model or plan, or a corrupt one, is ignored, said once in the log, and replaced by the
 next store). Bounded in bytes (`--prefix-cache-disk-gb`): the least recently used files go first (a hit touches
 its file). Writes are atomic (temp file, rename).
@@ -27,6 +29,7 @@ from transformers.cache_utils import DynamicCache
 from runtime.fileio import atomic_write_bytes
 from runtime.loading.model_loader import model_spec
 from runtime.plan import Plan
+from runtime.serving.prefix_cache import reusable
 
 log = logging.getLogger("npumoe.serve")
 
@@ -51,15 +54,16 @@ def plan_digest(plan: Plan) -> str:
 class DiskPrefixCache:
     def __init__(self, folder: str | os.PathLike, max_bytes: int, model: torch.nn.Module, plan: Plan) -> None:
         self.folder, self.max_bytes, self.model = Path(folder), max_bytes, model
-        self.chunk = plan.chunk_tokens
+        self.chunk, self.exact_below = plan.chunk_tokens, plan.exact_below
         self.meta = {"schema": SCHEMA, "model": model_digest(model), "plan": plan_digest(plan),
                      "chunk_tokens": str(self.chunk)}
         self.folder.mkdir(parents=True, exist_ok=True)
         self.warned = False
 
     def _path(self, tokens: torch.Tensor) -> Path:
+        """The file of the prefix whose whole chunks are `tokens`' whole chunks (its tail, if any, inside)."""
         h = hashlib.sha256(f"{self.meta['model']}:{self.meta['plan']}:".encode())
-        h.update(tokens.to(torch.int64).numpy().tobytes())
+        h.update(tokens[:tokens.numel() // self.chunk * self.chunk].to(torch.int64).numpy().tobytes())
         return self.folder / f"{h.hexdigest()}.safetensors"
 
     def _ignore(self, path: Path, why: str) -> None:
@@ -68,11 +72,11 @@ class DiskPrefixCache:
             self.warned = True
 
     def lookup(self, ids: torch.Tensor, longer_than: int = 0) -> DynamicCache | None:
-        """A cache holding the longest prefix of `ids` on disk (whole chunks, at least one token left to prefill,
-        longer than `longer_than`), or None."""
-        for n in range((ids.numel() - 1) // self.chunk * self.chunk, longer_than, -self.chunk):
+        """A cache holding the longest prefix of `ids` on disk (whole chunks, or past them by the tail rule; at
+        least one token left to prefill; longer than `longer_than`), or None."""
+        for n in range((ids.numel() - 1) // self.chunk * self.chunk, longer_than - 1, -self.chunk):
             path = self._path(ids[:n])
-            if not path.exists():
+            if n == 0 or not path.exists():
                 continue
             try:
                 data = path.read_bytes()
@@ -84,21 +88,26 @@ class DiskPrefixCache:
             if meta != self.meta:
                 self._ignore(path, "made under another model, plan or format")
                 continue
-            if not torch.equal(tensors.get("tokens", torch.empty(0)), ids[:n].to(torch.int64)):
+            tokens = tensors.get("tokens", torch.empty(0, dtype=torch.int64))
+            if not torch.equal(tokens[:n], ids[:n].to(torch.int64)) or tokens.numel() // self.chunk * self.chunk != n:
                 self._ignore(path, "its tokens are not this prefix")
+                continue
+            use = reusable(ids, tokens, self.chunk, self.exact_below)
+            if use <= longer_than:
                 continue
             cache = DynamicCache(config=self.model.config)
             layers = len([k for k in tensors if k.startswith("k")])
             for i in range(layers):
-                cache.update(tensors[f"k{i}"], tensors[f"v{i}"], i)
+                cache.update(tensors[f"k{i}"][:, :, :use], tensors[f"v{i}"][:, :, :use], i)
             os.utime(path)  # recently used
             return cache
         return None
 
     def store(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep `tokens`' KV (a whole number of chunks) on disk, then bound the folder."""
+        """Keep `tokens`' KV (whole chunks, or a prompt ending in an exact tail) on disk, in the file of its whole
+        chunks (replacing another tail there: the most recent wins), then bound the folder."""
         path = self._path(tokens)
-        if path.exists() and self._is_ours(path):
+        if path.exists() and self._holds(path, tokens):
             os.utime(path)
             return
         tensors = {"tokens": tokens.to(torch.int64).contiguous()}
@@ -110,11 +119,16 @@ class DiskPrefixCache:
         atomic_write_bytes(path, data)
         self._bound()
 
-    def _is_ours(self, path: Path) -> bool:
+    def _holds(self, path: Path, tokens: torch.Tensor) -> bool:
+        """Whether the file is ours and holds `tokens` (or a longer prefix starting with them)."""
         try:
-            return _metadata(path.read_bytes()) == self.meta
-        except (OSError, ValueError):
+            data = path.read_bytes()
+            if _metadata(data) != self.meta:
+                return False
+            held = load_tensors(data)["tokens"]
+        except (OSError, ValueError, SafetensorError, KeyError):
             return False
+        return held.numel() >= tokens.numel() and torch.equal(held[:tokens.numel()], tokens.to(torch.int64))
 
     def _bound(self) -> None:
         files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)

@@ -1,12 +1,15 @@
 """The engine behind the server: one loaded model (under its plan), its prefix cache, its queue and its metrics.
 
-Everything that touches the model or the tokenizer runs on the scheduler's one worker thread. A request starts in
-arrival order (its prompt encoded: a chat through the tokenizer's template, or the fallback format below; a cached
-prefix looked up) and up to `max_batch` requests are active at once (continuous batching). Each round runs the
-oldest prefilling request's next prefill chunk (the plan's chunks, each request alone, as `runtime.generate`
-runs them) and then one decode step of every decoding request together (`DecodeBatch`: one forward, each row at
-its own position, each with its own sampling and stop sequences), so a long prompt's prefill never stalls the
-streams for more than a chunk. The calls go one way: engine -> prefix cache -> generation -> prefix cache.
+The engine's thread runs every tokenizer call and the decode steps. A request starts in arrival order (its prompt
+encoded: a chat through the tokenizer's template, or the fallback format below; a cached prefix looked up) and up
+to `max_batch` requests are active at once (continuous batching). Each round runs prefills (`_prefills`: one
+request at a time, in the plan's chunks, each request alone, as `runtime.generate` runs them) and then one decode
+step of every decoding request together (`DecodeBatch`: one forward, each row at its own position, each with its
+own sampling and stop sequences). A long prompt that arrives while others decode prefills on the prefill thread,
+with its own KV cache, while the rounds keep decoding (on a Mac its static groups run on the ANE; on Linux it
+takes another core, at a lower priority), so its prefill does not stall the streams; the executor keeps its phase
+per thread, so its counts stay its own. The calls go one way: engine -> prefix cache -> generation -> prefix
+cache (the caches are only touched from the engine's thread).
 
 Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
 `Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
@@ -15,6 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -25,7 +33,7 @@ from runtime.generation import ContextLimitError, Generation, Loaded, chat_promp
 from runtime.serving.decode_batch import DecodeBatch
 from runtime.serving.disk_prefix_cache import DiskPrefixCache
 from runtime.serving.metrics import Metrics
-from runtime.serving.prefix_cache import PrefixCache, supports_prefix_reuse
+from runtime.serving.prefix_cache import PrefixCache, keeps_tail, supports_prefix_reuse
 from runtime.serving.request_stream import COUNTS, RequestStream, executor_counts
 from runtime.serving.scheduler import Job, Scheduler
 
@@ -33,7 +41,19 @@ log = logging.getLogger("npumoe.serve")
 
 DEFAULT_DISK_GB = 4.0  # the prefix cache on disk, when --prefix-cache-dir is given
 DEFAULT_MAX_BATCH = 8  # requests decoding together (a laptop's worth); more wait in the queue
+PREFILL_NICE = 10  # the prefill thread's nice value beside decoding streams (Linux)
+INLINE_PREFILL_TOKENS = 64  # a prefill this short runs in the engine's round even beside decoding streams
 FALLBACK_ROLES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+def background() -> None:
+    """Run the calling thread (the prefill thread) at a lower priority than decode where the OS allows it per
+    thread (Linux: its nice value), so decode steps keep their pace on a busy CPU (llama.cpp's `--prio-batch`)."""
+    if sys.platform == "linux":
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFILL_NICE)
+        except OSError as e:
+            log.warning("the prefill thread keeps its priority: %s", e)
 
 
 class RequestError(Exception):
@@ -78,7 +98,8 @@ class Engine:
         elif prefix_cache_mb <= 0:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
-            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20))
+            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20),
+                                            loaded.plan.exact_below)
         self.disk_cache = None
         if prefix_cache_dir is not None:
             if self.chunk is None or not supports_prefix_reuse(loaded.model):
@@ -90,6 +111,10 @@ class Engine:
             except OSError as e:
                 raise NpumoeError(f"--prefix-cache-dir {prefix_cache_dir}: {e.strerror or e}") from e
         self.batch = DecodeBatch(loaded)
+        # prefill runs on its own thread (one request at a time) while this engine's thread keeps decoding
+        self.prefill_thread = ThreadPoolExecutor(1, thread_name_prefix="npumoe-prefill", initializer=background)
+        self.prefill: tuple[RequestStream, Future] | None = None
+        self.beside_prefill = 0  # decode steps run while a prefill ran on its thread (what a test reads)
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
@@ -109,6 +134,7 @@ class Engine:
 
     def close(self, timeout_s: float | None = None) -> None:
         self.scheduler.close(timeout_s)
+        self.prefill_thread.shutdown(wait=False, cancel_futures=True)
 
     def health(self) -> dict:
         cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
@@ -165,27 +191,18 @@ class Engine:
             return None
 
     def _round(self, active: dict[Job, RequestStream]) -> list[Job]:
-        """One round of the active requests: the oldest prefilling one's next chunk, then one batched decode
-        step of every decoding one. Returns the jobs that are done."""
+        """One round of the active requests: prefills (`_prefills`), then one batched decode step of every
+        decoding one. Returns the jobs that are done."""
         done = [job for job, stream in active.items() if job.cancelled.is_set()]
         for job in done:
             active[job].cancel()
             if active[job].gen in self.batch.rows:
                 self.batch.remove(active[job].gen)
         live = [stream for job, stream in active.items() if job not in done]
-        prefilling = next((s for s in live if s.prefilling), None)
-        if prefilling is not None:
-            try:
-                if prefilling.prefill_chunk():
-                    if prefilling.take():
-                        self.batch.add(prefilling.gen)
-                    else:
-                        done.append(prefilling.job)
-            except Exception as e:
-                self._fail(prefilling.job, e)
-                done.append(prefilling.job)
+        done += self._prefills(live)
         decoding = [s for s in live if s.gen in self.batch.rows]
         if decoding:
+            self.beside_prefill += self.prefill is not None
             before = executor_counts(self.loaded, decode_only=True)
             try:
                 self.batch.step()
@@ -201,6 +218,47 @@ class Engine:
                     self.batch.remove(s.gen)
                     done.append(s.job)
         return done
+
+    def _prefills(self, live: list[RequestStream]) -> list[Job]:
+        """One prefill at a time, in arrival order. With no stream decoding at the round's start every waiting
+        one runs here, one after another (no stream waits on this thread meanwhile). Beside decoding streams,
+        short ones (INLINE_PREFILL_TOKENS, about a decode step: the streams' next token waits that much) run
+        here up to that many tokens a round, and a long one runs on the prefill thread, at a lower priority,
+        while the rounds keep decoding; it joins the batch at the first round after it ends (or the round waits
+        for it once nothing decodes). Returns the jobs that are done."""
+        done = []
+        if self.prefill is not None:
+            if not self.prefill[1].done() and self.batch.rows:
+                return done
+            stream, future = self.prefill
+            self.prefill = None
+            done += [stream.job] if self._join(stream, future.result) else []
+        idle, budget = not self.batch.rows, INLINE_PREFILL_TOKENS
+        for stream in [s for s in live if s.prefilling]:
+            tokens = stream.ids.numel() - stream.gen.cached
+            if not idle and tokens > INLINE_PREFILL_TOKENS:
+                self.prefill = stream, self.prefill_thread.submit(stream.prefill, stream.job.cancelled)
+                break
+            if not idle and tokens > budget:
+                break
+            budget -= tokens
+            done += [stream.job] if self._join(stream, partial(stream.prefill, stream.job.cancelled)) else []
+        return done
+
+    def _join(self, stream: RequestStream, prefill: Callable[[], bool]) -> bool:
+        """`stream` once `prefill()` (its prefill, or its result) is done: in the batch, or done (True: its
+        job is; a cancelled one was already ended by its round)."""
+        try:
+            if not prefill() or stream.job.cancelled.is_set():
+                return False
+            stream.prefilled()
+            if stream.take():
+                self.batch.add(stream.gen)
+                return False
+            return True
+        except Exception as e:
+            self._fail(stream.job, e)
+            return True
 
     def _fail(self, job: Job, e: Exception) -> None:
         log.exception("generation failed", exc_info=e)
@@ -231,10 +289,12 @@ class Engine:
             self.disk_cache.store(tokens, layers)
 
     def keep_at(self, ids: torch.Tensor, prefix: object | None) -> int | None:
-        """The prompt's last whole-chunk boundary, where its KV cache is worth keeping (past what was reused)."""
+        """Where the prompt's KV cache is worth keeping (past what was reused): its end where its last chunk is
+        partial and exact (the tail rule), else its last whole-chunk boundary."""
         if self.prefix_cache is None and self.disk_cache is None:
             return None
-        target = ids.numel() // self.chunk * self.chunk
+        n = ids.numel()
+        target = n if keeps_tail(n, self.chunk, self.loaded.plan.exact_below) else n // self.chunk * self.chunk
         return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None
 
     def figures(self, stream: RequestStream, finish: str, text: str) -> dict:

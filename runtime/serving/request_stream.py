@@ -7,6 +7,7 @@ own prefill chunks and the batched decode steps it was part of, so several reque
 from __future__ import annotations
 
 import secrets
+import threading
 from collections import Counter
 
 import torch
@@ -49,20 +50,26 @@ class RequestStream:
         self.sent = 0  # token log-probabilities sent so far
         self.counts: Counter = Counter({k: 0 for k in COUNTS})
 
-    def prefill_chunk(self) -> bool:
-        """One prefill chunk; True once prefill is done (the first token pending, the prefix kept)."""
+    def prefill(self, cancelled: threading.Event) -> bool:
+        """Every prefill chunk, in the plan's chunks (on the engine's prefill thread, beside the decode steps);
+        True once done (the first token pending), False where `cancelled` stopped it between chunks. Its counts
+        are the prefill phase's, which only this thread adds to while it runs."""
         before = executor_counts(self.loaded)
         try:
-            next(self.steps)
-            done = False
-        except StopIteration:
-            done = True
-        self.counts.update(executor_counts(self.loaded) - before)
-        if done:
-            self.prefilling = False
-            if self.gen.kept is not None:
-                self.engine.store_prefix(self.ids[:self.gen.keep_at], self.gen.kept)
-        return done
+            for _ in self.steps:
+                if cancelled.is_set():
+                    self.steps.close()
+                    return False
+            return True
+        finally:
+            self.counts.update(executor_counts(self.loaded) - before)
+            self.loaded.unpin_phase()
+
+    def prefilled(self) -> None:
+        """Back on the engine's thread once `prefill` is done: decoding next, the prefix it kept stored."""
+        self.prefilling = False
+        if self.gen.kept is not None:
+            self.engine.store_prefix(self.ids[:self.gen.keep_at], self.gen.kept)
 
     def take(self) -> bool:
         """Take the pending token and send its text (a chunk per token, text or not: the client sees each token

@@ -43,10 +43,47 @@ class Job:
 
     def emit(self, event: object) -> None:
         """From the worker thread: hand one event to the request's loop (dropped once that loop has closed)."""
+        _mailbox(self.loop).put(self.events, event)
+
+
+class Mailbox:
+    """Events from the worker to one asyncio loop, with one wake-up of the loop for all that arrive before it
+    runs (a batched decode step's tokens: one self-pipe write and one hand-over of the GIL, not one a row)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.items, self.lock, self.pending = loop, [], threading.Lock(), False
+
+    def put(self, queue: asyncio.Queue, event: object) -> None:
+        if self.loop.is_closed():  # nobody reads these events any more
+            return
+        with self.lock:
+            self.items.append((queue, event))
+            if self.pending:
+                return
+            self.pending = True
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop has closed: nobody reads these events
             pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.pending = self.items, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    with _MAILBOXES_LOCK:
+        if loop not in _MAILBOXES:
+            for closed in [other for other in _MAILBOXES if other.is_closed()]:
+                del _MAILBOXES[closed]
+            _MAILBOXES[loop] = Mailbox(loop)
+        return _MAILBOXES[loop]
 
 
 class Scheduler:
