@@ -32,6 +32,8 @@ import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec
+from runtime.coreml.dense_io import MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
+from runtime.coreml.dense_io import OUTPUT as DENSE_OUTPUT
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.macos import macos_module, macos_version
@@ -205,8 +207,6 @@ class AneBackend:
     def check_dense(self, spec: DenseSpec) -> str:
         """Refuse a package whose dense function `spec.name` is missing, of another shape, or built from other
         weights, naming it; returns its package."""
-        from runtime.coreml import dense_programs
-
         package = self.packages().get(spec.name)
         if package is None:
             raise NpumoeError(f"{self.package_path} has no dense function {spec.name}; rebuild it with "
@@ -215,8 +215,7 @@ class AneBackend:
         if (fn.get("rows"), fn.get("keys") or 0) != (spec.rows, spec.keys):
             raise NpumoeError(f"{package}: dense function {spec.name} was built for {fn.get('rows')} rows and "
                               f"{fn.get('keys') or 0} keys, but the plan's has {spec.rows} and {spec.keys}; rebuild it")
-        if spec.kind != "attention" and fn.get("weights_sha256") != dense_programs.weights_digest(
-                dense_programs.dense_weights(spec)):
+        if spec.kind != "attention" and fn.get("weights_sha256") != dense_digest(dense_weights(spec)):
             raise NpumoeError(f"{package}: dense function {spec.name} holds other weights than this model's "
                               "(built from another checkpoint); rebuild it")
         return package
@@ -225,8 +224,6 @@ class AneBackend:
         """A plan's dense function (runtime.dense): the package's function of that name, fed fp16 inputs as the
         builder declared them (runtime/coreml/dense_programs.py: `x` rows, or the core's q, k, v and additive
         mask), its output in the caller's dtype."""
-        from runtime.coreml.dense_programs import MASKED, OUTPUT, ROW_INPUT
-
         ok, reason = self.available()
         if not ok:
             raise NpumoeError(f"the ane backend is unavailable: {reason}")
@@ -236,11 +233,8 @@ class AneBackend:
 
         def predict(feed: dict[str, np.ndarray], like: torch.Tensor) -> torch.Tensor:
             with self._energy_window(name):
-                y = model.predict(feed)[OUTPUT]
+                y = model.predict(feed)[DENSE_OUTPUT]
             return torch.from_numpy(np.asarray(y, dtype=np.float32)).to(like.dtype)
-
-        def fp16(t: torch.Tensor) -> np.ndarray:
-            return t.detach().to(torch.float16).contiguous().numpy()
 
         if spec.kind == "attention":
             def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from runtime.backends import GroupSpec
-from runtime.coreml import ane_limits, build_cache, dense_programs
+from runtime.coreml import ane_limits, build_cache, dense_io, dense_programs
 from runtime.coreml.ane import (
     LAYOUTS,
     MANIFEST_SCHEMA,
@@ -450,8 +450,8 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
 def convert_dense(spec, cache: Path, sealed: bool = True) -> dense_programs.ConvertedDense:
     """One dense function (a DenseSpec) converted into `cache`, reused when its weights, shapes and compression
     match (runtime/coreml/dense_programs.py builds the program)."""
-    weights = dense_programs.dense_weights(spec)
-    digest = dense_programs.weights_digest(weights)
+    weights = dense_io.dense_weights(spec)
+    digest = dense_io.dense_digest(weights)
     path = cache / f"dense-{dense_programs.cache_key(spec, digest)}.mlpackage"
     if sealed and build_cache.usable(path):
         return dense_programs.ConvertedDense(spec, path, digest, True)

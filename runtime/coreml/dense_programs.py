@@ -26,30 +26,9 @@ import torch
 
 from runtime.backends import DenseSpec, attention_reference, dense_reference
 from runtime.coreml import ane_limits
+from runtime.coreml.dense_io import MASKED, OUTPUT, ROW_INPUT, dense_weights
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
-
-MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
-OUTPUT = "y"
-ROW_INPUT = "x"
-ATTENTION_INPUTS = ("q", "k", "v", "mask")
-
-
-def _fp16(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float16).contiguous().numpy()
-
-
-def dense_weights(spec: DenseSpec) -> dict[str, np.ndarray]:
-    """The function's weights as fp16 arrays, by const name (unique per layer and role)."""
-    out = {}
-    for role, module in spec.modules.items():
-        tensors = {"w": getattr(module, "weight", None), "b": getattr(module, "bias", None)}
-        if role == "mlp":
-            tensors = {f"{n}_w": getattr(module, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
-        for kind, t in tensors.items():
-            if t is not None:
-                out[f"layer{spec.layer}_{role}_{kind}"] = _fp16(t)
-    return out
 
 
 def dense_weight_bytes(spec: DenseSpec, compress: str | None = None) -> int:
@@ -190,13 +169,6 @@ def check_dense_function(function, spec: DenseSpec, seed: int = 0):
 
 
 BUILDER_VERSION = 1  # bump when a dense program changes: invalidates its cache entries
-
-
-def weights_digest(weights: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        h.update(name.encode() + b"\0" + weights[name].tobytes())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
