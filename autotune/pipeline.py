@@ -36,7 +36,7 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-from autotune.costing.memory import against_measured, ane_budget_bytes, predict_memory, simulated_functions
+from autotune.costing.memory import against_measured, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, predict_parts
 from autotune.profiling.profile import (
@@ -50,6 +50,7 @@ from autotune.profiling.profile import (
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
+from autotune.searching.cpu_choice import choose_cpu_storage
 from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
@@ -236,10 +237,11 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
         c.check_gate_tokens(min(chunks))
-        resident_bytes = c.resident_mb * 1e6
-        ane_bytes = resident_bytes
-        if c.memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
-            ane_bytes = min(resident_bytes, ane_budget_bytes(c.memory_gb, record.size, max(chunks), prompt))
+        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
+        cpu = choose_cpu_storage(c.cpu_weights, c.memory_gb, record.size, cost, prof.extra.get("kernel_records") or [],
+                                 workloads[max(chunks)], spec.hidden_size, spec.expert_ffn_size, max(chunks), prompt)
+        cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
+        ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
         for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
             if note:  # held until the inputs are known good, so that an error is always the only line
                 log.warning(note)
@@ -252,7 +254,6 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         scorer = scorer_for(backend)
         # weights stored compressed are a Core ML function's: the backends with the ANE's limits
         kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
-        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
         dense = None
         if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
             calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
@@ -272,7 +273,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
             gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
                                                               lambda sol: dense_of(outcome, record, sol)),
-                             settings, progress=progress)
+                             settings, progress=progress, cpu_weights=cpu.kind_and_group)
             if gated["chosen"] is None:
                 raise refusal(gated)
             if sols[gated["chosen"]["index"]] is not outcome.best:  # the gate passed over the search's pick
@@ -306,13 +307,14 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                               "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
                               "decisions": [cfg.to_json() for cfg in outcome.best.configs],
                               **({"gate": gate_meta(gated)} if gated else {})},
-                             dense=dense_of(outcome, record, outcome.best))
+                             dense=dense_of(outcome, record, outcome.best)).model_copy(
+            update={"cpu_weights": cpu.plan_field()})
         memory = predict_memory(plan, record.size, prompt)
         if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
             raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
                               f"{memory.describe()}; give a larger budget")
         plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
-        report["predicted_memory"] = memory.to_json()
+        report["predicted_memory"], report["cpu_weights"] = memory.to_json(), cpu.to_json()
         report["explanation"] = explain(plan, layers, cost, backend)
         report = SearchReport(**report)
         sidecars = search_sidecars(out, c.objective)
