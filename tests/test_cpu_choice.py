@@ -149,3 +149,43 @@ def test_the_gate_measures_candidates_with_their_cpu_storage(tmp_path, tiny_trac
     assert rc == 0 and gate["cpu_weights"] == "int8" and "CPU experts in int8" in gate["label"]
     assert all(c["ppl_delta"] != 0.0 or c["top1"] < 1.0 for c in gate["candidates"])
     assert plan["cpu_weights"] == {"kind": "int8"} and plan["meta"]["gate"]["top1"] >= 0.99
+
+
+def _template(tmp_path, cpu_weights=None) -> Path:
+    from autotune.searching.templates import template_plan
+    from runtime.loading.model_loader import read_model_spec
+    from runtime.plan import CpuWeights, save_plan
+
+    plan = template_plan(read_model_spec("tiny-moe"), "ample", backend="cpu-static", chunk_tokens=64)
+    path = tmp_path / f"plan-{cpu_weights}.json"
+    save_plan(plan.model_copy(update={"cpu_weights": cpu_weights and CpuWeights(kind=cpu_weights)}), path)
+    return path
+
+
+def test_the_commands_quantize_at_load_and_refuse_a_flag_the_plan_contradicts(tmp_path, capsys, text_file):
+    plan = _template(tmp_path)
+    capsys.readouterr()
+    assert main(["run", "--model", "tiny-moe", "--plan", str(plan), "--text", text_file, "--max-tokens", "128",
+                 "--cpu-weights", "int4:32", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bf16 = 2 * 3 * 4 * 16 * 256 * 256  # tiny-moe's experts at full width
+    held = r["memory"]["predicted"]["cpu_expert_bytes"]
+    assert held == pytest.approx(bf16 * (0.5 + 8 / 32) / 2, rel=1e-3)  # int4, group 32: codes, scale and zero
+    assert main(["generate", "--model", "tiny-moe", "--plan", str(plan), "--prompt", "def f(x):", "--max-tokens",
+                 "4", "--cpu-weights", "int8", "--json"]) == 0
+    g = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert g["generated_tokens"] == 4 and g["memory"]["predicted"]["cpu_storage"] == "packed"
+    assert main(["calibrate", "--model", "tiny-moe", "--text", text_file, "--prompt-tokens", "64", "--chunk", "32",
+                 "--cpu-weights", "int8", "--out", str(tmp_path / "t.npz"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] > 0
+    # a plan that holds its CPU experts as int8 applies it, and a flag saying otherwise is one line, exit 2
+    planned = _template(tmp_path, "int8")
+    assert main(["evaluate", "--model", "tiny-moe", "--plan", str(planned), "--text", text_file, "--max-tokens",
+                 "256", "--prompt-tokens", "128", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert e["ppl_delta_rel"] != 0.0  # int8 experts: not the unmodified model's perplexity
+    for command in (["run"], ["evaluate"]):
+        assert main([*command, "--model", "tiny-moe", "--plan", str(planned), "--text", text_file, "--cpu-weights",
+                     "int4"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--cpu-weights int4:64: the plan" in err[0] and "as int8" in err[0]

@@ -60,5 +60,6 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
                    help=f"use at most N tokens of the text (default {max_tokens_default})")
     p.add_argument("--package", type=input_package, metavar="X.mlpackage",
                    help="Core ML package from `autotune build` for `ane` groups")
+    add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -39,6 +39,14 @@ def parse_storage(text: str) -> tuple[str, int | None]:
                       f"{', '.join(map(str, INT4_GROUPS))})")
 
 
+def load_options(storage: str | None) -> dict:
+    """`runtime.load`'s / `load_model`'s keyword arguments for `--cpu-weights` (none when not given)."""
+    if storage is None:
+        return {}
+    kind, group = parse_storage(storage)
+    return {"cpu_weights": kind, "group_size": group or 64}
+
+
 def storage_name(kind: str, group: int | None) -> str:
     return f"int4:{group or 64}" if kind == "int4" else kind
 
