@@ -5,9 +5,10 @@ the storage chosen.
 - `--cpu-weights` pins one storage for the plan (a budget it cannot meet is refused in one line);
 - without a pin and without `--memory-gb`: the experts as loaded (bf16), as before;
 - with `--memory-gb`: bf16 where its any-plan memory fits the budget (the model as stored, nothing to measure);
-  else, of the quantized storages whose any-plan memory fits (`costing/memory.fixed_memory` at the largest chunk),
-  the one whose CPU expert path is predicted cheapest (every expert on the exact path over the calibration traces,
-  priced by `costing/cpu_storage`); none fitting is one line naming what the smallest needs.
+  else, of the quantized storages whose any-plan memory fits (`costing/memory.fixed_memory` at the largest
+  chunk; int4 only where the expert shapes divide into its blocks of 64), the one whose CPU expert path is
+  predicted cheapest (every expert on the exact path over the calibration traces, priced by
+  `costing/cpu_storage`); none fitting is one line naming what the smallest needs.
 
 A model already packed (an MLX folder) is held as stored: there is nothing to choose.
 """
@@ -68,6 +69,8 @@ def choose_cpu_storage(pin: str | None, memory_gb: float | None, size: ModelSize
         return CpuChoice(size.storage, cost, _left(memory_gb, fixed, size.storage), [], "the checkpoint's own "
                          f"packed storage ({size.storage}): needs {fixed.total / GB:.2f} GB", False)
     storages = [storage_name(*parse_storage(pin))] if pin else list(SEARCHED if memory_gb is not None else ("bf16",))
+    if not pin:  # int4 packs rows in blocks of 64 and groups of inputs: a shape it cannot hold is not a choice
+        storages = [s for s in storages if not s.startswith("int4") or not (hidden % 64 or ffn % 64)]
     options, costs = [], {}
     for s in storages:
         kind, group = parse_storage(s)
