@@ -51,9 +51,10 @@ def config_folder(like: str, quantization: dict | None, out: Path) -> Path:
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(0)
-    routers = {key: torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, ROUTER_STD, generator=gen)
+    # under the model's own parameter names: what the MLX reader looks up (the bf16 reader tries every form)
+    routers = {name: torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, ROUTER_STD, generator=gen)
                for name, p in skeleton.named_parameters()
-               for key, shape, role in _checkpoint_tensors(name, tuple(p.shape), config.model_type) if role == "router"}
+               for _, shape, role in _checkpoint_tensors(name, tuple(p.shape), config.model_type) if role == "router"}
     save_file(routers, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -73,8 +74,11 @@ def search(folder: Path, traces: Path, budget_gb: float, trials: int, out: Path)
                            "--json"], capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"fits": False, "refusal": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    plan = json.loads(out.read_text())
+    return summary(json.loads(proc.stdout.strip().splitlines()[-1]), json.loads(out.read_text()))
+
+
+def summary(r: dict, plan: dict) -> dict:
+    """One cell from a search's report (`--json`, or the plan's .report.json) and its plan."""
     resident = {(lp["layer"], e) for lp in plan["layers"] for g in lp["groups"] if g["backend"] == "ane"
                 for e in g["experts"]}
     experts = len(plan["layers"]) * plan["model"]["num_experts"]
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = search(folder, traces, mac - RESERVED_GB, args.trials, folder / f"plan-{mac}.json")
                     rows.append({"model": like, "storage": label, "mac_gb": mac, "budget_gb": mac - RESERVED_GB,
                                  **r})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     macs = sorted({r["mac_gb"] for r in rows})
     print(f"predicted ({PROFILE}, {PROMPT}-token prompts, budget = RAM - {RESERVED_GB} GB, synthetic routing)")
     print("| model | checkpoint | " + " | ".join(f"{m} GB Mac" for m in macs) + " |")
