@@ -36,7 +36,8 @@ from autotune.calibration.traces import (
     save_traces,
 )
 from autotune.calibration.workload import encode_text
-from autotune.costing.memory import against_measured, ane_budget_bytes, predict_memory, simulated_functions
+from autotune.costing.cpu_storage import load_options
+from autotune.costing.memory import against_measured, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, predict_parts
 from autotune.profiling.profile import (
@@ -50,6 +51,7 @@ from autotune.profiling.profile import (
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
+from autotune.searching.cpu_choice import choose_cpu_storage
 from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
@@ -146,7 +148,7 @@ class Calibration:
 
 def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
               prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
-              dtype: str = "auto", progress: bool = True) -> Calibration:
+              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None) -> Calibration:
     """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
     a built-in text name) and save the traces to `out` (default `traces/<model>.npz`)."""
     if chunk > prompt_tokens:
@@ -155,7 +157,8 @@ def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk
     name = model if isinstance(model, str) else model.name
     check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
     path = str(out or default_traces_path(name))
-    loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model.loaded()
+    loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
+        model.loaded()
     ids = encode_text(tokenizer, text, max_tokens)
     check_token_ids(loaded, ids)
     prompts = -(-len(ids) // prompt_tokens)
@@ -236,10 +239,11 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
         c.check_gate_tokens(min(chunks))
-        resident_bytes = c.resident_mb * 1e6
-        ane_bytes = resident_bytes
-        if c.memory_gb is not None:  # what the budget leaves (at the largest chunk) bounds the ANE-resident experts
-            ane_bytes = min(resident_bytes, ane_budget_bytes(c.memory_gb, record.size, max(chunks), prompt))
+        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
+        cpu = choose_cpu_storage(c.cpu_weights, c.memory_gb, record.size, cost, prof.extra.get("kernel_records") or [],
+                                 workloads[max(chunks)], spec.hidden_size, spec.expert_ffn_size, max(chunks), prompt)
+        cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
+        ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
         for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
             if note:  # held until the inputs are known good, so that an error is always the only line
                 log.warning(note)
@@ -252,7 +256,6 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         scorer = scorer_for(backend)
         # weights stored compressed are a Core ML function's: the backends with the ANE's limits
         kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
-        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
         dense = None
         if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
             calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
@@ -274,7 +277,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
             gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
                                                               lambda sol: dense_of(outcome, record, sol)),
-                             settings, progress=progress)
+                             settings, progress=progress, cpu_weights=cpu.kind_and_group)
             if gated["chosen"] is None:
                 raise refusal(gated)
             if sols[gated["chosen"]["index"]] is not outcome.best:  # the gate passed over the search's pick
@@ -308,13 +311,14 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                               "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
                               "decisions": [cfg.to_json() for cfg in outcome.best.configs],
                               **({"gate": gate_meta(gated)} if gated else {})},
-                             dense=dense_of(outcome, record, outcome.best))
+                             dense=dense_of(outcome, record, outcome.best)).model_copy(
+            update={"cpu_weights": cpu.plan_field()})
         memory = predict_memory(plan, record.size, prompt)
         if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
             raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
                               f"{memory.describe()}; give a larger budget")
         plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
-        report["predicted_memory"] = memory.to_json()
+        report["predicted_memory"], report["cpu_weights"] = memory.to_json(), cpu.to_json()
         report["explanation"] = explain(plan, layers, cost, backend)
         report = SearchReport(**report)
         sidecars = search_sidecars(out, c.objective)
@@ -367,12 +371,13 @@ def _traces(record: ModelRecord, given: str | os.PathLike | None, progress: bool
 
 # --- run and evaluate -----------------------------------------------------------------------------------------------
 def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: str, text: str,
-             max_tokens: int, prompt_tokens: int | None) -> tuple[Loaded, torch.Tensor]:
+             max_tokens: int, prompt_tokens: int | None, cpu_weights: str | None) -> tuple[Loaded, torch.Tensor]:
     """The planned model (the plan checked against it before any text is read) and the text's token ids, its
-    prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context."""
+    prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context; `cpu_weights`: the
+    CPU's expert storage (`--cpu-weights`), quantized at load."""
     if prompt_tokens:  # before the load says anything
         check_context(model, context_length(model), prompt_tokens)
-    loaded = load(model, plan, package, dtype)
+    loaded = load(model, plan, package, dtype, **load_options(cpu_weights))
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
     if not prompt_tokens:  # one prompt: the whole text
@@ -394,13 +399,14 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
-             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None) -> RunResult:
+             reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
+             cpu_weights: str | None = None) -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces."""
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     n = int(ids.numel())
     if record_traces:  # before the run, as calibrate refuses too short a text
@@ -442,13 +448,13 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
              prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
-             progress: bool = True) -> EvaluateResult:
+             progress: bool = True, cpu_weights: str | None = None) -> EvaluateResult:
     """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
     the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
     within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints)."""
     from autotune.evaluation.fidelity import evaluate_plan
 
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens)
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     figures = evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)
     budget = (loaded.plan.meta or {}).get("drop_budget")
     return EvaluateResult(model=model, plan=str(plan), text=text, **figures, drop_budget=budget,
@@ -458,13 +464,13 @@ def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
 
 def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,
                    num_fewshot: int | None = None, include_path: str | None = None, package: str | None = None,
-                   dtype: str = "auto") -> TasksResult:
+                   dtype: str = "auto", cpu_weights: str | None = None) -> TasksResult:
     """lm-evaluation-harness `tasks` (extra `eval`) on the plan and the unmodified model: paired accuracies per
     task (`.to_json()`: what `autotune evaluate --tasks --json` prints)."""
     from autotune.evaluation.harness import prepared_tasks, run_tasks
 
     with prepared_tasks(tasks, include_path) as found:  # a bad task is refused before the load says anything
-        loaded = load(model, plan, package, dtype)
+        loaded = load(model, plan, package, dtype, **load_options(cpu_weights))
         return TasksResult(model=model, plan=str(plan), limit=limit, num_fewshot=num_fewshot,
                            **run_tasks(loaded.executor, loaded.tokenizer, found, limit, num_fewshot))
 

@@ -147,6 +147,7 @@ class SearchReport:
     predicted_prefill_ms: float | None = None
     predicted_parts_ms: dict[str, float] | None = None
     whole_prefill: dict | None = None
+    cpu_weights: dict | None = None  # how the CPU holds the experts, and why (searching/cpu_choice.py)
 
     def to_json(self) -> dict:
         return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill"))

@@ -77,6 +77,13 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu_weights`); None: as the
     plan's optional `cpu_weights` says, else as loaded."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
+    if cpu_weights is not None and p is not None and p.cpu_weights is not None:
+        planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
+        if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
+            said = f"{planned[0]}:{planned[1]}" if planned[1] else planned[0]
+            raise NpumoeError(f"--cpu-weights {cpu_weights}{f':{group_size}' if cpu_weights == 'int4' else ''}: the "
+                              f"plan {'' if isinstance(plan, Plan) else plan} holds its CPU experts as {said}; leave "
+                              "--cpu-weights out, or search a plan with it")
     if cpu_weights is None and p is not None and p.cpu_weights is not None:
         cpu_weights, group_size = p.cpu_weights.kind, p.cpu_weights.group_size or group_size
     m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size)

@@ -319,3 +319,14 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return tuple(dict.fromkeys(items))
 
     return check
+
+
+def cpu_storage(text: str) -> str:
+    """`--cpu-weights`: bf16, int8 or int4[:group] (`autotune.costing.cpu_storage.parse_storage`), as given."""
+    from autotune.costing.cpu_storage import parse_storage
+
+    try:
+        parse_storage(text)
+    except NpumoeError as e:
+        _fail(str(e).split(": ", 1)[1])
+    return text

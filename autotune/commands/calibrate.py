@@ -8,6 +8,7 @@ from autotune.calibration.texts import DEFAULT_CALIB_TEXT
 from autotune.calibration.traces import default_traces_path
 from autotune.commands.argtypes import output_file, positive_int, require_output
 from autotune.commands.common import (
+    add_cpu_weights_argument,
     add_dtype_argument,
     add_model_argument,
     add_text_argument,
@@ -22,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     add_dtype_argument(p)
     add_text_argument(p, DEFAULT_CALIB_TEXT)
+    add_cpu_weights_argument(p, "how the CPU holds the experts while calibrating: quantized at load from a full-width "
+                                "checkpoint (int8, int4[:group]; default bf16, as loaded)")
     p.add_argument("--chunk", type=positive_int, default=pipeline.CHUNK_TOKENS, metavar="N",
                    help=f"prefill chunk in tokens (default {pipeline.CHUNK_TOKENS})")
     p.add_argument("--prompt-tokens", type=positive_int, default=pipeline.PROMPT_TOKENS, metavar="N",
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_traces_path(args.model)
     require_output(out, "--out")
     result = pipeline.calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
-                                max_tokens=args.max_tokens, out=out, dtype=args.dtype, progress=not args.json)
+                                max_tokens=args.max_tokens, out=out, dtype=args.dtype, progress=not args.json,
+                                cpu_weights=args.cpu_weights)
     path, summary = result.path, result.summary
     if args.json:
         print_json(summary)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from autotune.commands.argtypes import input_file, input_package, positive_int
+from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_int
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
 
 
@@ -20,6 +20,13 @@ def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype to load the model in and compute with (default auto: the checkpoint's own dtype, "
                         "bfloat16 for tiny-moe, float32 for the random models)")
+
+
+def add_cpu_weights_argument(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--cpu-weights", type=cpu_storage, default=None, metavar="bf16|int8|int4[:G]",
+                   help=help or "how the CPU holds the experts: quantized at load from a full-width checkpoint "
+                                "(int8 per output channel, int4 per group of G inputs, default 64); default: as "
+                                "the plan says, else as loaded. A flag that differs from the plan's is refused")
 
 
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
@@ -53,5 +60,6 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
                    help=f"use at most N tokens of the text (default {max_tokens_default})")
     p.add_argument("--package", type=input_package, metavar="X.mlpackage",
                    help="Core ML package from `autotune build` for `ane` groups")
+    add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -55,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks:
         result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,
                                          num_fewshot=args.num_fewshot, include_path=args.include_path,
-                                         package=args.package, dtype=args.dtype)
+                                         package=args.package, dtype=args.dtype, cpu_weights=args.cpu_weights)
     else:
         result = pipeline.evaluate(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                    prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
-                                   progress=not args.json)
+                                   progress=not args.json, cpu_weights=args.cpu_weights)
     if args.json:
         print_json(result.to_json())
     elif args.tasks:

@@ -18,12 +18,14 @@ from autotune.commands.argtypes import (
     positive_int,
 )
 from autotune.commands.common import (
+    add_cpu_weights_argument,
     add_dtype_argument,
     add_model_argument,
     add_threads_argument,
     apply_threads,
     print_json,
 )
+from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import against_measured, simulated_functions
 from autotune.evaluation.run_parts import plan_predictions
 from runtime.errors import NpumoeError
@@ -50,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S", help="sampling seed (default 0)")
     add_dtype_argument(p)
+    add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template (says so on stderr when it has none)")
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
                           "give some text")
     apply_threads(args.threads)
-    loaded = load(args.model, args.plan, args.package, args.dtype)
+    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights))
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     result = pipeline.run_plan(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
-                               reference=args.reference, repeat=args.repeat, record_traces=args.record_traces)
+                               reference=args.reference, repeat=args.repeat, record_traces=args.record_traces,
+                               cpu_weights=args.cpu_weights)
     if args.json:
         print_json(result.to_json())
     else:

@@ -20,7 +20,13 @@ from autotune.commands.argtypes import (
     traces_file,
     unit_fraction,
 )
-from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, print_json
+from autotune.commands.common import (
+    add_cpu_weights_argument,
+    add_dtype_argument,
+    add_model_argument,
+    add_threads_argument,
+    print_json,
+)
 from autotune.evaluation import gate
 from autotune.searching.config import DEFAULTS, SearchConfig
 from autotune.searching.gate_candidates import ROUNDS
@@ -63,6 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the most memory the plan may need (predicted: CPU-side weights + ANE packages + one chunk's "
                         "activations + KV cache at the prompt length + the runtime); a plan over it is a violation, "
                         "a budget no plan can meet is refused")
+    add_cpu_weights_argument(p, "the CPU's storage of every expert for the whole plan (default: bf16 as loaded, "
+                                "or under --memory-gb the cheapest storage whose plan fits, bf16 when it fits)")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default=d.saliency,
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
                         f"weight x hidden-state norm (default {d.saliency})")

@@ -14,7 +14,14 @@ from autotune.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from autotune.commands.common import add_dtype_argument, add_model_argument, add_threads_argument, apply_threads
+from autotune.commands.common import (
+    add_cpu_weights_argument,
+    add_dtype_argument,
+    add_model_argument,
+    add_threads_argument,
+    apply_threads,
+)
+from autotune.costing.cpu_storage import load_options
 from runtime.errors import NpumoeError
 from runtime.generation import load
 from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
@@ -32,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--package", type=input_package, metavar="X.mlpackage",
                    help="Core ML package from `autotune build` for the plan's `ane` groups")
     add_dtype_argument(p)
+    add_cpu_weights_argument(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other than loopback needs --api-key)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port)")
@@ -66,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # before loading: a taken port fails at once
     try:
         apply_threads(args.threads)
-        loaded = load(args.model, args.plan, args.package, args.dtype)
+        loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights))
         model_id = served_model_id(args.model)
         host = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{host}:{sock.getsockname()[1]}/v1"

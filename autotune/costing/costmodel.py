@@ -14,6 +14,7 @@ time; without measured power it is None, never guessed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -71,6 +72,8 @@ class BackendModel:
     note: str | None = None
     # ms per MB of stored weights to expand each compression kind, per call (measured or cited); absent: none known
     decompress_ms_per_mb: dict[str, float] | None = None
+    # the experts held in another CPU storage than the fit's (costing/cpu_storage.StoragePrice): compute x its factor
+    storage: Any = None
 
     def analytic(self, calls: Any, experts: Any, gflop: Any, mb: Any) -> np.ndarray:
         return (self.call_ms * np.asarray(calls) + self.expert_ms * np.asarray(experts)
@@ -85,6 +88,8 @@ class BackendModel:
         compute = self.analytic(0.0, 0.0, gflop, mb)
         if self.residual is not None:  # corrects the compute; the per-expert launch cost stays additive
             compute = compute * self.residual(m, hidden, ffn).reshape(m.shape)
+        if self.storage is not None:
+            compute = compute * self.storage.factor(m)
         if stored is not None and self.decompress_ms_per_mb and compress in self.decompress_ms_per_mb:
             compute = compute + self.decompress_ms_per_mb[compress] * ane_limits.expert_weight_bytes(
                 hidden, ffn, compress) / 1e6
@@ -94,7 +99,7 @@ class BackendModel:
         """What `ffn_ms` reads: two models with the same key cost every FFN the same (their call costs or powers
         may differ)."""
         return (self.expert_ms, self.ms_per_gflop, self.ms_per_mb, self.dtype_bytes, id(self.residual),
-                tuple(sorted((self.decompress_ms_per_mb or {}).items())))
+                tuple(sorted((self.decompress_ms_per_mb or {}).items())), getattr(self.storage, "key", None))
 
     def to_json(self) -> dict:
         out = {"call_ms": self.call_ms, "expert_ms": self.expert_ms, "ms_per_gflop": self.ms_per_gflop,
@@ -197,6 +202,17 @@ class CostModel:
     def backend_model(self, backend: str) -> BackendModel:
         """The model a backend is costed with (its own, or its fallback's: see `_model`)."""
         return self._model(backend)
+
+    def with_cpu_storage(self, price: Any) -> "CostModel":
+        """This cost model with the CPU's experts held as `price` says (`costing.cpu_storage.StoragePrice`): the
+        exact path and the CPU's static groups run that storage's kernels (None: as fitted, bf16)."""
+        if price is None:
+            return self
+        models = dict(self.models)
+        for backend in (EXACT, REFERENCE):
+            if backend in models:
+                models[backend] = dataclasses.replace(models[backend], storage=price)
+        return dataclasses.replace(self, models=models, _lut={})
 
     def overlaps(self, backend: str) -> bool:
         """Whether the backend's calls run off the CPU (the exact path overlaps them)."""

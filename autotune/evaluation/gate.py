@@ -27,7 +27,7 @@ from runtime.coreml.ane_sim import AneSimBackend
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
-from runtime.loading.model_loader import load_model
+from runtime.loading.model_loader import load_model, moe_layers
 from runtime.plan import Plan
 from runtime.resources import peak_rss_mb
 
@@ -110,13 +110,38 @@ def _said_once(logger: logging.Logger) -> Iterator[None]:
         logger.removeFilter(once)
 
 
+@contextmanager
+def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None) -> Iterator[None]:
+    """For the block, the CPU's experts also held as `kind` (runtime.cpu_weights), beside the full-width ones: a
+    plan's exact path and CPU groups run that storage (`expert_ffn`), while the unmodified model (transformers'
+    kernels) and the ANE groups (whose packages are built from the full-width checkpoint) read the full-width
+    weights, as on a Mac. bf16, or experts already packed: nothing changes."""
+    from runtime.cpu_weights import QuantizedCpuExperts
+
+    layers = [l for l in moe_layers(model) if kind != "bf16" and not hasattr(l.experts, "npumoe_weights")]
+    with torch.no_grad():
+        for layer in layers:
+            m = layer.experts
+            store = QuantizedCpuExperts(kind, m.num_experts, m.hidden_dim, m.intermediate_dim, group_size or 64)
+            for e in range(m.num_experts):
+                store.set_expert(e, m.gate_up_proj[e], m.down_proj[e])
+            m.npumoe_weights = store
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.experts.npumoe_weights
+
+
 def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[Candidate],
-             settings: GateSettings = GateSettings(), *, dtype: str = "auto", progress: bool = True) -> dict:
+             settings: GateSettings = GateSettings(), *, dtype: str = "auto", progress: bool = True,
+             cpu_weights: tuple[str, int | None] = ("bf16", None)) -> dict:
     """Measure the candidates in order, `settings.candidates` at a time (a round), on the first `settings.tokens`
     tokens of `settings.text` against the unmodified model, until a round holds one within the limits; `model` is
     a name or a loaded (model, tokenizer). Returns the gate's JSON: `candidates` (every one measured: predicted_ms,
     ppl_delta, top1, kl, passed, ...), `chosen` (the first passing one, with its `index`; None when none passes),
-    `rounds` and what the gate cost."""
+    `rounds` and what the gate cost. `cpu_weights`: the CPU storage (kind, int4 group) the candidates run their
+    CPU experts in (`cpu_storage_beside`), measured against the unmodified model."""
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model
     limits, text = settings.limits, settings.text
@@ -124,7 +149,8 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
     check_token_ids(loaded, ids)
     sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
     rows, tokens, rounds, pending = [], 0, 0, iter(candidates)
-    with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")):
+    with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")), \
+            cpu_storage_beside(loaded, *cpu_weights):
         while not any(r["passed"] for r in rows) and (batch := list(islice(pending, settings.candidates))):
             rounds += 1
             chunk = max(c.plan.chunk_tokens for c in batch)
@@ -143,9 +169,10 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
     if not rows:
         raise NpumoeError("the fidelity gate has no candidate to measure")
     chosen = next((r for r in rows if r["passed"]), None)
-    return {"label": f"measured: {tokens} tokens of {text}, ane groups on ane-sim, "
+    storage = f"int4:{cpu_weights[1] or 64}" if cpu_weights[0] == "int4" else cpu_weights[0]
+    return {"label": f"measured: {tokens} tokens of {text}, ane groups on ane-sim, CPU experts in {storage}, "
                      "against the unmodified model; predicted_ms by the cost model",
-            "text": text, "tokens": tokens,
+            "text": text, "cpu_weights": storage, "tokens": tokens,
             "limits": {"max_ppl_delta": limits.max_ppl_delta, "min_top1": limits.min_top1},
             "candidates": rows, "chosen": chosen, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
             "peak_rss_mb": round(peak_rss_mb(), 1)}

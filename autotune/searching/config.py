@@ -7,6 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from autotune.costing.cpu_storage import parse_storage
 from autotune.evaluation import gate
 from runtime.errors import NpumoeError
 from runtime.plan import COMPRESSIONS
@@ -41,8 +42,11 @@ class SearchConfig:
     min_top1: float = gate.MIN_TOP1
     gate_tokens: int = gate.GATE_TOKENS
     dtype: str = "auto"
+    cpu_weights: str | None = None  # bf16, int8 or int4[:group]: pins the CPU's expert storage (None: searched)
 
     def __post_init__(self) -> None:
+        if self.cpu_weights is not None:
+            parse_storage(self.cpu_weights)
         if self.compress is not None:
             object.__setattr__(self, "compress", tuple(self.compress))
             unknown = [k for k in self.compress if k not in COMPRESSIONS]
