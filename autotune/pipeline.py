@@ -486,7 +486,7 @@ def record_prompt_traces(loaded: Loaded, prompt: str, out: str | os.PathLike, *,
 
 # --- build ----------------------------------------------------------------------------------------------------------
 def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None = None, layout: str = "matmul",
-          compress: str = "none", cache_dir: str | os.PathLike | None = None,
+          compress: str | None = None, cache_dir: str | os.PathLike | None = None,
           function_weight_bytes: float | None = None, package_weight_bytes: float | None = None,
           dtype: str = "auto", progress: bool = True):
     """Build the Core ML package(s) of the plan's ANE groups (default `out`: the plan's path with .mlpackage),
