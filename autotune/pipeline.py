@@ -499,7 +499,8 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     quiet_coremltools_import()
     loaded_plan = load_plan(plan)
     # A safetensors checkpoint is never loaded whole: each function's experts are read when it is converted and
-    # checked (build memory is one function, not the model). Other models (random:) are loaded.
+    # checked (build memory is one function, not the model). Other models (random:, MLX folders: kept packed, each
+    # expert dequantized when its function converts) are loaded.
     source = CheckpointExperts.open(model, dtype)
     dense_on_ane = loaded_plan.dense is not None and "ane" in loaded_plan.dense.backends  # needs the dense modules
     loaded = load_model(model, dtype)[0] if source is None or dense_on_ane else None

@@ -46,7 +46,8 @@ def test_formats_refused_by_name():
 
 @pytest.mark.parametrize("kind,bound", [("int8", 0.03), ("int4", 0.3)])
 def test_cpu_experts_kernels_agree(kind, bound):
-    """Both kernels compute the same quantized expert; against the full-width expert, the quantization error."""
+    """packed and dequant compute the same quantized expert, int_mm within its rows' rounding; against the
+    full-width expert, the quantization error."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -64,6 +65,7 @@ def test_cpu_experts_kernels_agree(kind, bound):
     quantize_experts(module, kind, 64)
     store = module.npumoe_weights
     assert not hasattr(module, "gate_up_proj") and store.stored_bytes() < 4 * 3 * 256 * 128 * 2 / 1.5
+    assert store.kernel(1) == "packed" and store.kernel(64) == ("int_mm" if kind == "int8" else "dequant")
     for e in range(4):
         store.dequant_rows = 1 << 30
         packed = expert_ffn(module, e, x)
@@ -72,6 +74,11 @@ def test_cpu_experts_kernels_agree(kind, bound):
         assert float((packed - dequant).abs().max() / dequant.abs().max()) < 1e-4
         err = float((packed - full[e]).abs().max() / full[e].abs().max())
         assert 0 < err < bound
+        if kind == "int8":  # the rows quantized too: their rounding on top of the weights'
+            store.kernel_rows = {"int_mm": 0}
+            int_mm = expert_ffn(module, e, x)
+            assert 1e-4 < float((int_mm - dequant).abs().max() / dequant.abs().max()) < 0.03  # measured 0.020
+            assert float((int_mm - full[e]).abs().max() / full[e].abs().max()) < bound
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
