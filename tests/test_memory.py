@@ -6,9 +6,9 @@ from autotune.costing.memory import (
     GB,
     RUNTIME_BYTES,
     ModelSize,
+    activation_bytes,
     ane_budget_bytes,
     ane_package_bytes,
-    activation_bytes,
     predict_memory,
     stage_memory,
 )
