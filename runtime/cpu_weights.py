@@ -1,16 +1,19 @@
 """CPU-side storage of a layer's experts quantized by us, one expert at a time, from full-width fused weights:
-`int8` (one scale per output channel) and `int4` (per group of `group_size` inputs, a scale and a zero), each with
-two kernels:
+`int8` (one scale per output channel) and `int4` (per group of `group_size` inputs, a scale and a zero), with
+their kernels:
 
 - `packed`: torch's int kernels on the packed weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), fast
   for few rows (decode steps, short chunks, spills);
 - `dequant`: the expert dequantized to the rows' dtype (fp32 rows: fp32, where sgemm beats the int kernels, as
   Accelerate does on Apple's CPUs; bf16 rows: bf16, where AMX does) and one matmul, for many rows sharing it. An
-  int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled.
+  int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled;
+- `int_mm` (int8): the rows quantized to int8 too (one scale per row, on the fly) and one int8 matmul
+  (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows.
 
-Which kernel is faster at which row count is the host's fact: `dequant_rows` (rows at and above which `dequant`
-runs) comes from the profile's kernel records (`autotune.profiling.kernels.fastest_kernel`) or, without them, the
-defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
+Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
+runs; `dequant_rows` its two-kernel form) comes from the profile's kernel records (`autotune.profiling.kernels.
+kernel_rows`) or, without them, the defaults below (measured on the Linux x86-64 host by
+scripts/bench_moe_layer.py --cpu-weights).
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 NEVER = 1 << 30
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
-# int_mm from 16 rows per expert; int4 packed up to 16 rows, then dequantized to the rows' dtype for one matmul.
-KERNEL_ROWS = {"int8": {"packed": 0, "int_mm": 16}, "int4": {"packed": 0, "dequant": 16}}
+# int_mm from 16 rows per expert (1.06-1.2x bf16 on AMX at a 512-token layer); int4 packed at every row count
+# (0.28x bf16 at 64 rows: dequantizing 4M weights in eager torch costs 4x the bf16 matmul they feed, 0.17x).
+KERNEL_ROWS = {"int8": {"packed": 0, "int_mm": 16}, "int4": {"packed": 0}}
 _BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
 
 
