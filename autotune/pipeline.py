@@ -383,6 +383,7 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
     ms."""
     wall, cpu, out = [], [], None
     for _ in range(repeat):
+        out = None  # dropped before the next call makes its own: one result held at a time
         with Clock() as clock:
             out = fn()
         wall.append(clock.wall_s * 1e3)
@@ -417,6 +418,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
     ran = [registry.get(b) for b in stats.get("calls_per_backend", {})]
+    # the logits are compared now and dropped: timing the parts prefills again, and would hold a second copy
+    diff = max_rel_diff(logits, ref) if reference else None
+    del logits, ref
     measured = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None))
     predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n)
     traces = None
@@ -432,7 +436,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      cpu_ms_per_token=cpu_ms / n, stats=stats,
                      backend_fallbacks=executor.fallbacks, drift=drift, memory=memory,
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
-                     max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
+                     max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
                      predicted_parts_ms=predicted)
 

@@ -307,8 +307,8 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
       `tokens` tokens it keeps (per MoE layer and token: top-k expert ids as int16 and weights as fp32, a norm);
     - `search`, its fidelity gate: the unmodified model and `gate_candidates` plans side by side over each prompt,
       each with its own KV cache and one chunk's logits, COMPARED_ROWS positions of fp32 logits and
-      log-probabilities of the reference and of a candidate at a time; the ane groups of `plan` (the written
-      plan, where known) on the host's simulator, their experts in fp16.
+      log-probabilities of the reference and of a candidate at a time; the padded static slots of `plan` (the
+      written plan, where known) and its ane groups on the host's simulator, their experts in fp16.
 
     `run` and `generate` are a plan's own prediction (`predict_memory`)."""
     chunk = min(chunk_tokens, prompt_tokens)
@@ -325,7 +325,8 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
         sides = 1 + gate_candidates
         # fp32 rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's
         # three temporaries (exp, difference, product)
-        activations = activation_bytes(size, chunk, prompt_tokens, logits_rows=7 * COMPARED_ROWS,
+        slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0) if plan else None
+        activations = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=7 * COMPARED_ROWS,
                                        chunk_logits=sides)
         ane = ane_package_bytes(plan, simulated=True) if plan is not None else 0
         return MemoryPrediction(dense + experts, ane, activations, sides * kv, RUNTIME_BYTES, chunk, prompt_tokens,
