@@ -150,3 +150,23 @@ def test_stage_predictions_count_what_each_stage_holds(model):
     assert stage_memory(size, "search", 32, 100, plan=plan).ane_packages == LAYERS * E * 3 * H * F * 2
     with pytest.raises(NpumoeError, match="^stage 'run': calibrate or search"):
         stage_memory(size, "run", 32, 100)
+
+
+@pytest.mark.slow
+def test_calibrate_peak_rss_within_its_stage_prediction(tmp_path):
+    """tiny-moe's calibrate, measured in a process of its own, against stage_memory's calibrate."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from autotune.costing.memory import model_size
+
+    code = ("import json, autotune.pipeline as p; from runtime.resources import peak_rss_bytes; "
+            f"p.calibrate('tiny-moe', max_tokens=5120, out={str(tmp_path / 't.npz')!r}, progress=False); "
+            "print(json.dumps(peak_rss_bytes()))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    measured = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                         env=env).stdout.splitlines()[-1])
+    predicted = stage_memory(model_size("tiny-moe"), "calibrate", 256, 1024, tokens=5120).total
+    assert 1 / 1.15 <= measured / predicted <= 1.15, (measured / GB, predicted / GB)
