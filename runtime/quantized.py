@@ -162,10 +162,12 @@ class QuantizedLinear(torch.nn.Module):
         if self.out_features <= rows:
             return F.linear(x, self.weight_q.full(x.dtype), self.bias)
         # a large matrix (a vocabulary head) in blocks of output rows: dequantizing it whole would hold several
-        # full-width temporaries of it at once
-        out = torch.cat([F.linear(x, self.weight_q.full(x.dtype, slice(a, a + rows)))
-                         for a in range(0, self.out_features, rows)], dim=-1)
-        return out if self.bias is None else out + self.bias
+        # full-width temporaries of it at once; each block's product goes into the output in place (concatenating
+        # them would hold the output twice: 0.31 GB more for a 1024-row chunk of a 152k vocabulary in bf16)
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
+        for a in range(0, self.out_features, rows):
+            out[..., a:a + rows] = F.linear(x, self.weight_q.full(x.dtype, slice(a, a + rows)))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class QuantizedEmbedding(torch.nn.Module):

@@ -100,3 +100,18 @@ def test_quantize_at_load_runs_a_plan(kind):
         ours, ref = loaded.model(ids).logits[0].float(), reference(ids).logits[0].float()
     agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
     assert agree >= (0.9 if kind == "int8" else 0.6), agree
+
+
+def test_quantized_linear_in_blocks_equals_the_whole_weight(monkeypatch):
+    """A large packed matrix (a vocabulary head) runs in blocks of output rows, each written into the output in
+    place: the same values as the whole dequantized weight, bias included."""
+    import runtime.quantized as q
+
+    torch.manual_seed(0)
+    packed = torch.randint(-2**31, 2**31 - 1, (300, 256 * 4 // 32), dtype=torch.int32)
+    weight = q.PackedWeight(packed, torch.rand(300, 4) * 0.01, torch.randn(300, 4) * 0.01, 4, 64)
+    bias = torch.randn(300)
+    x = torch.randn(2, 5, 256)
+    whole = torch.nn.functional.linear(x, weight.full(x.dtype), bias)
+    monkeypatch.setattr(q, "BLOCK_WEIGHTS", 64 * 256)  # blocks of 64 rows: 5 blocks, the last one of 44
+    assert torch.equal(q.QuantizedLinear(weight, bias)(x), whole)
