@@ -390,6 +390,7 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
     ms."""
     wall, cpu, out = [], [], None
     for _ in range(repeat):
+        out = None  # dropped before the next call makes its own: one result held at a time
         with Clock() as clock:
             out = fn()
         wall.append(clock.wall_s * 1e3)
@@ -425,6 +426,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
     ran = [registry.get(b) for b in stats.get("calls_per_backend", {})]
+    # the logits are compared now and dropped: timing the parts prefills again, and would hold a second copy
+    diff = max_rel_diff(logits, ref) if reference else None
+    del logits, ref
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
                                       chunk)
     predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
@@ -441,7 +445,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      cpu_ms_per_token=cpu_ms / n, stats=stats,
                      backend_fallbacks=executor.fallbacks, drift=drift, memory=memory,
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
-                     max_rel_diff_vs_reference=max_rel_diff(logits, ref) if reference else None,
+                     max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
                      predicted_parts_ms=predicted)
 
@@ -495,7 +499,7 @@ def record_prompt_traces(loaded: Loaded, prompt: str, out: str | os.PathLike, *,
 
 # --- build ----------------------------------------------------------------------------------------------------------
 def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None = None, layout: str = "matmul",
-          compress: str = "none", cache_dir: str | os.PathLike | None = None,
+          compress: str | None = None, cache_dir: str | os.PathLike | None = None,
           function_weight_bytes: float | None = None, package_weight_bytes: float | None = None,
           dtype: str = "auto", progress: bool = True):
     """Build the Core ML package(s) of the plan's ANE groups (default `out`: the plan's path with .mlpackage),
@@ -508,7 +512,8 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     quiet_coremltools_import()
     loaded_plan = load_plan(plan)
     # A safetensors checkpoint is never loaded whole: each function's experts are read when it is converted and
-    # checked (build memory is one function, not the model). Other models (random:) are loaded.
+    # checked (build memory is one function, not the model). Other models (random:, MLX folders: kept packed, each
+    # expert dequantized when its function converts) are loaded.
     source = CheckpointExperts.open(model, dtype)
     dense_on_ane = loaded_plan.dense is not None and "ane" in loaded_plan.dense.backends  # needs the dense modules
     loaded = load_model(model, dtype)[0] if source is None or dense_on_ane else None

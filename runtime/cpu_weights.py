@@ -1,16 +1,19 @@
 """CPU-side storage of a layer's experts quantized by us, one expert at a time, from full-width fused weights:
-`int8` (one scale per output channel) and `int4` (per group of `group_size` inputs, a scale and a zero), each with
-two kernels:
+`int8` (one scale per output channel) and `int4` (per group of `group_size` inputs, a scale and a zero), with
+their kernels:
 
 - `packed`: torch's int kernels on the packed weights (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), fast
   for few rows (decode steps, short chunks, spills);
 - `dequant`: the expert dequantized to the rows' dtype (fp32 rows: fp32, where sgemm beats the int kernels, as
   Accelerate does on Apple's CPUs; bf16 rows: bf16, where AMX does) and one matmul, for many rows sharing it. An
-  int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled.
+  int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled;
+- `int_mm` (int8): the rows quantized to int8 too (one scale per row, on the fly) and one int8 matmul
+  (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows.
 
-Which kernel is faster at which row count is the host's fact: `dequant_rows` (rows at and above which `dequant`
-runs) comes from the profile's kernel records (`autotune.profiling.kernels.fastest_kernel`) or, without them, the
-defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
+Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
+runs; `dequant_rows` its two-kernel form) comes from the profile's kernel records (`autotune.profiling.kernels.
+kernel_rows`) or, without them, the defaults below (measured on the Linux x86-64 host by
+scripts/bench_moe_layer.py --cpu-weights).
 """
 from __future__ import annotations
 
@@ -21,10 +24,16 @@ from runtime.backends.protocol import gated_activation
 from runtime.errors import NpumoeError
 
 KINDS = ("bf16", "int8", "int4")
-KERNELS = ("packed", "dequant")
+# int_mm (int8 only): the rows quantized too, per row and on the fly, and one int8 x int8 -> int32 matmul
+# (`torch._int_mm` on the stored codes: AMX/VNNI where the host has them), scaled by both scales after.
+KERNELS = {"int8": ("packed", "dequant", "int_mm"), "int4": ("packed", "dequant")}  # each storage's
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
-# int8: dequant from 16 rows per expert up; int4: the packed kernel at every row count measured (1-256).
-DEQUANT_ROWS = {"int8": 16, "int4": 1 << 30}
+NEVER = 1 << 30
+# The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
+# on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
+# int_mm from 16 rows per expert (1.06-1.2x bf16 on AMX at a 512-token layer); int4 packed at every row count
+# (0.28x bf16 at 64 rows: dequantizing 4M weights in eager torch costs 4x the bf16 matmul they feed, 0.17x).
+KERNEL_ROWS = {"int8": {"packed": 0, "int_mm": 16}, "int4": {"packed": 0}}
 _BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
 
 
@@ -45,12 +54,16 @@ def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     return q, torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
 
 
-def _int4_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """torch's CPU int4 layout back to codes [N, K]: bytes [N / 64, K, 32], the low nibble row 64b + j, the high
-    one row 64b + 32 + j (checked against the build's own converter before use)."""
+def _int4_unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's CPU int4 layout back to codes [N, K] (into `out`, converted as written, where given): bytes
+    [N / 64, K, 32], the low nibble row 64b + j, the high one row 64b + 32 + j (checked against the build's own
+    converter before use)."""
     b = packed.reshape(n // _BLOCK_N, k, _BLOCK_N // 2)
-    codes = torch.stack([b & 15, b >> 4], 1)  # [N/64, 2, K, 32]
-    return codes.permute(0, 1, 3, 2).reshape(n, k)
+    out = torch.empty((n, k), dtype=torch.uint8) if out is None else out
+    halves = out.view(n // _BLOCK_N, 2, _BLOCK_N // 2, k)
+    halves[:, 0].copy_((b & 15).transpose(1, 2))
+    halves[:, 1].copy_((b >> 4).transpose(1, 2))
+    return out
 
 
 def _int4_layout_known() -> bool:
@@ -80,7 +93,9 @@ class QuantizedCpuExperts(torch.nn.Module):
             if not _int4_layout_known():
                 raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not the one this runtime reads")
         self.kind, self.group_size = kind, group_size
-        self.dequant_rows = DEQUANT_ROWS[kind] if dequant_rows is None else dequant_rows
+        self.kernel_rows = dict(KERNEL_ROWS[kind])
+        if dequant_rows is not None:
+            self.dequant_rows = dequant_rows
         self.shapes = ((2 * ffn, hidden), (hidden, ffn))
         codes = torch.int8 if kind == "int8" else torch.uint8
         for name, (n, k) in zip(("gate_up", "down"), self.shapes):
@@ -98,21 +113,33 @@ class QuantizedCpuExperts(torch.nn.Module):
             getattr(self, f"{name}_q")[e].copy_(q)
             getattr(self, f"{name}_s")[e].copy_(s)
 
+    @property
+    def dequant_rows(self) -> int:
+        """Rows at and above which `dequant` runs (`packed` below): the two-kernel form of `kernel_rows`."""
+        return self.kernel_rows.get("dequant", NEVER)
+
+    @dequant_rows.setter
+    def dequant_rows(self, rows: int) -> None:
+        self.kernel_rows = {"packed": 0, "dequant": rows}
+
     def _full(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
         if self.kind == "int8":
             return (q.to(torch.float32) * s[:, None]).to(dtype)
+        # one pass into the output in `dtype`: codes converted as unpacked, then w = q * scale + (zero - 8 * scale)
         n, k = self.shapes[0 if name == "gate_up" else 1]
-        codes = _int4_unpack(q, n, k).to(torch.float32).reshape(n, k // self.group_size, self.group_size)
+        w = _int4_unpack(q, n, k, torch.empty((n, k), dtype=dtype))
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K / group]
-        return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(n, k).to(dtype)
+        groups = w.view(n, k // self.group_size, self.group_size)
+        return groups.mul_(scale.to(dtype)[..., None]).add_((zero - 8 * scale).to(dtype)[..., None]).view(n, k)
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `e`'s (gate_up, down) at full width in `dtype`."""
         return self._full("gate_up", e, dtype), self._full("down", e, dtype)
 
     def kernel(self, rows: int) -> str:
-        return "dequant" if rows >= self.dequant_rows else "packed"
+        """The kernel a call of `rows` rows runs: the one of the largest `kernel_rows` threshold at or under it."""
+        return max((k for k, r in self.kernel_rows.items() if r <= rows), key=self.kernel_rows.__getitem__)
 
     def _mm(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
         q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
@@ -120,12 +147,23 @@ class QuantizedCpuExperts(torch.nn.Module):
             return torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, self.group_size, s.to(x.dtype))
 
+    def _int_mm(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """int8 rows (one symmetric scale per row) times the int8 codes, int32 sums scaled back to x's dtype."""
+        xf = x.float()
+        xs = (xf.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+        xq = torch.round(xf / xs).to(torch.int8)
+        y = torch._int_mm(xq, getattr(self, f"{name}_q")[e].t()).float()
+        return (y.mul_(xs).mul_(getattr(self, f"{name}_s")[e])).to(x.dtype)
+
     def ffn(self, module: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e`'s gated FFN of rows `x`, by the kernel for its row count."""
-        if self.kernel(x.shape[0]) == "dequant" and self.kind == "int8":
+        kernel = self.kernel(x.shape[0])
+        if kernel == "int_mm":
+            return self._int_mm("down", e, gated_activation(module, self._int_mm("gate_up", e, x)))
+        if kernel == "dequant" and self.kind == "int8":
             h = gated_activation(module, F.linear(x, self.gate_up_q[e].to(x.dtype)) * self.gate_up_s[e].to(x.dtype))
             return F.linear(h, self.down_q[e].to(x.dtype)) * self.down_s[e].to(x.dtype)
-        if self.kernel(x.shape[0]) == "dequant":
+        if kernel == "dequant":
             gate_up, down = self.expert(e, x.dtype)
             return F.linear(gated_activation(module, F.linear(x, gate_up)), down)
         return self._mm("down", e, gated_activation(module, self._mm("gate_up", e, x)).contiguous())

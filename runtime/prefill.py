@@ -18,6 +18,7 @@ def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
         out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)
         cache = out.cache
         yield out
+        del out  # the caller holds it if it wants it: the next chunk's forward must not hold its logits as well
 
 
 def exact_tail(prompt_tokens: int, boundary: int, chunk_tokens: int, exact_below: int) -> bool:

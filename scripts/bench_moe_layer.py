@@ -109,32 +109,57 @@ TOLERANCE = {"int8": 0.05, "int4": 0.3}
 
 def quantized_section(kinds: list[str], threads: int, repeats: int, group_size: int) -> dict:
     """bf16 experts through transformers' grouped_mm against our exact path over int8 / int4 experts (all-exact
-    plan), at a 512-token chunk and a decode step (one token), side by side; which kernel each ran."""
-    from runtime.cpu_weights import quantize_experts
+    plan), at a 512-token chunk and a decode step (one token), side by side: each storage with the kernel its
+    defaults pick (`npumoe exact <kind>`) and with each of its kernels forced (`<kind> <kernel>`); each one's
+    relative error against bf16 (max |difference| / max |bf16 output| of the layer)."""
+    from runtime.cpu_weights import KERNELS, quantize_experts
 
     module = make_experts().to(torch.bfloat16)
     impls = {"bf16 grouped_mm": lambda x, idx, w: module(x, idx, w)}
     module.config._experts_implementation = "grouped_mm"
-    stores = {}
+    stores, tol = {}, {}
+
+    def forced(executor, store, kernel_rows):
+        def run(x, idx, w):
+            saved, store.kernel_rows = store.kernel_rows, kernel_rows
+            try:
+                return executor(x, idx, w)
+            finally:
+                store.kernel_rows = saved
+        return run
+
     for kind in kinds:
         q = copy.deepcopy(module)
         quantize_experts(q, kind, group_size)
         plan, lp = make_plan(False)
-        impls[f"npumoe exact {kind}"] = LayerExecutor(lp, q, plan, LayerStats(), {})
-        stores[kind] = q.npumoe_weights
-    tol = {f"npumoe exact {k}": TOLERANCE[k] for k in kinds}
+        executor = LayerExecutor(lp, q, plan, LayerStats(), {})
+        stores[kind] = store = q.npumoe_weights
+        impls[f"npumoe exact {kind}"] = executor
+        tol[f"npumoe exact {kind}"] = TOLERANCE[kind]
+        for kernel in KERNELS[kind]:
+            impls[f"{kind} {kernel}"] = forced(executor, store, {kernel: 0})
+            tol[f"{kind} {kernel}"] = TOLERANCE[kind]
     out: dict = {}
     for label, tokens, reps in (("prefill 512", T, repeats), ("decode 1", 1, repeats * 8)):
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         med, cpu = bench(threads, "balanced", impls, x, reps, "bf16 grouped_mm", tol)
+        idx, w = make_routing("balanced", tokens=tokens)
+        with torch.inference_mode():
+            ref = impls["bf16 grouped_mm"](x, idx, w).float()
+            errors = {n: float((fn(x, idx, w).float() - ref).abs().max() / ref.abs().max())
+                      for n, fn in impls.items() if n != "bf16 grouped_mm"}
         rows = tokens * K // E if tokens > 1 else 1  # rows per expert at a balanced load
         out[label] = {"median_ms": med, "median_cpu_ms": cpu,
                       **{f"speed_{k}_vs_bf16_grouped_mm": med["bf16 grouped_mm"] / med[f"npumoe exact {k}"]
                          for k in kinds},
                       **{f"speed_{k}_vs_bf16_grouped_mm_cpu": cpu["bf16 grouped_mm"] / cpu[f"npumoe exact {k}"]
                          for k in kinds},
+                      "speed_vs_bf16_grouped_mm": {n: med["bf16 grouped_mm"] / m for n, m in med.items()},
+                      "speed_vs_bf16_grouped_mm_cpu": {n: cpu["bf16 grouped_mm"] / m for n, m in cpu.items()},
+                      "rel_error_vs_bf16": errors,
                       "kernel": {k: stores[k].kernel(rows) for k in kinds}, "rows_per_expert": rows}
-        print(f"{label:>12}: " + ", ".join(f"{n} {med[n]:.2f} ms" for n in impls)
+        print(f"{label:>12}: " + ", ".join(f"{n} {med[n]:.2f} ms (x{med['bf16 grouped_mm'] / med[n]:.2f})"
+                                           for n in impls)
               + "; kernels " + ", ".join(f"{k} {stores[k].kernel(rows)}" for k in kinds))
     return out
 

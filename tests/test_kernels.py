@@ -1,7 +1,14 @@
 """The CPU's expert kernels timed per storage kind (autotune/profiling/kernels.py) and the pick of the fastest."""
 from __future__ import annotations
 
-from autotune.profiling.kernels import DECODE_ROWS, PREFILL_ROWS, dequant_rows, fastest_kernel, kernel_records
+from autotune.profiling.kernels import (
+    DECODE_ROWS,
+    PREFILL_ROWS,
+    dequant_rows,
+    fastest_kernel,
+    kernel_records,
+    kernel_rows,
+)
 from autotune.profiling.profile import load_profile, save_profile
 from autotune.profiling.settings import Settings
 
@@ -21,6 +28,9 @@ def test_fastest_kernel_and_the_dequant_threshold():
     assert fastest_kernel(recs, "int8", 20)[0] == "packed"  # nearest measured: 16 rows, 0.16 < 0.216 ms
     assert dequant_rows(recs, "int8") == 64
     assert dequant_rows(recs, "int4:64") == 1 << 30  # packed wins at the most rows measured
+    assert kernel_rows(recs, "int8") == {"packed": 0, "dequant": 64}
+    int_mm = recs + [_rec("int8", "int_mm", r, 0.05 + 0.0005 * r) for r in (1, 4, 16, 64, 256)]
+    assert kernel_rows(int_mm, "int8") == {"packed": 0, "int_mm": 16}  # 0.058 < 0.16 ms at 16 rows, < 0.232 at 64
     try:
         fastest_kernel(recs, "int4:32", 1)
     except KeyError:
@@ -34,8 +44,8 @@ def test_records_measured_and_kept_by_the_profile(tmp_path):
                  min_time_s=0.0)
     recs = kernel_records(s, 64, 64, "t")
     kinds = {(r["storage"], r["kernel"]) for r in recs}
-    assert kinds == {("bf16", "dense"), ("int8", "packed"), ("int8", "dequant"), ("int4", "packed"),
-                     ("int4", "dequant")}
+    assert kinds == {("bf16", "dense"), ("int8", "packed"), ("int8", "dequant"), ("int8", "int_mm"),
+                     ("int4", "packed"), ("int4", "dequant")}
     assert len(recs) == len(kinds) * len(DECODE_ROWS + PREFILL_ROWS) and all(r["median_ms"] > 0 for r in recs)
     from autotune.profiling.profile import SHIPPED_PROFILES
 

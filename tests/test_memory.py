@@ -6,9 +6,11 @@ from autotune.costing.memory import (
     GB,
     RUNTIME_BYTES,
     ModelSize,
+    activation_bytes,
     ane_budget_bytes,
     ane_package_bytes,
     predict_memory,
+    stage_memory,
 )
 from autotune.searching.templates import template_plan
 from runtime.errors import NpumoeError
@@ -131,3 +133,40 @@ def test_mlx_folder_predicted_as_loaded(tmp_path):
     assert predicted.storage == "mlx-4bit-g64" and loaded.storage == "packed"
     assert predicted.weight_bytes == pytest.approx(loaded.weight_bytes, rel=0.03)
     assert predicted.expert_bytes == loaded.expert_bytes
+
+
+def test_stage_predictions_count_what_each_stage_holds(model):
+    """calibrate runs the decoder stack alone and keeps its traces; the search's gate holds the reference and K
+    candidates side by side (a KV cache and a chunk's logits each) and 7 x 64 rows of fp32 logits."""
+    size = ModelSize.of(model)
+    cal = stage_memory(size, "calibrate", 32, 100, tokens=1000)
+    traces = 1000 * LAYERS * (2 * 6 + 4)  # per MoE layer and token: top-2 ids (int16) and weights (fp32), a norm
+    assert cal.activations == activation_bytes(size, 32, 100, logits_rows=0, chunk_logits=0) + traces
+    assert cal.kv_cache == 100 * size.kv_bytes_per_token and cal.ane_packages == 0
+    search = stage_memory(size, "search", 32, 100, gate_candidates=4)
+    assert search.kv_cache == 5 * cal.kv_cache
+    assert search.activations - (cal.activations - traces) == 5 * 32 * size.vocab * 4 + 4 * 7 * 64 * size.vocab
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
+    assert stage_memory(size, "search", 32, 100, plan=plan).ane_packages == LAYERS * E * 3 * H * F * 2
+    with pytest.raises(NpumoeError, match="^stage 'run': calibrate or search"):
+        stage_memory(size, "run", 32, 100)
+
+
+@pytest.mark.slow
+def test_calibrate_peak_rss_within_its_stage_prediction(tmp_path):
+    """tiny-moe's calibrate, measured in a process of its own, against stage_memory's calibrate."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from autotune.costing.memory import model_size
+
+    code = ("import json, autotune.pipeline as p; from runtime.resources import peak_rss_bytes; "
+            f"p.calibrate('tiny-moe', max_tokens=5120, out={str(tmp_path / 't.npz')!r}, progress=False); "
+            "print(json.dumps(peak_rss_bytes()))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    measured = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                         env=env).stdout.splitlines()[-1])
+    predicted = stage_memory(model_size("tiny-moe"), "calibrate", 256, 1024, tokens=5120).total
+    assert 1 / 1.15 <= measured / predicted <= 1.15, (measured / GB, predicted / GB)

@@ -156,3 +156,44 @@ def test_commands_take_the_folder(q4, tmp_path, capsys):
         out = json.loads(capsys.readouterr().out)
         if argv[0] == "evaluate":
             assert out["ppl_delta_rel"] == 0.0 and out["top1_agreement"] == 1.0  # all-CPU: the model itself
+
+
+def test_build_takes_the_folder(q4, tmp_path):
+    """`autotune build` from an MLX folder: each function's experts dequantized from the packed codes (that expert
+    alone, to the fp16 a package stores), compressed as its plan group says, linted and checked on the host."""
+    from autotune.pipeline import build
+    from autotune.searching.templates import template_plan
+    from runtime.coreml.ane import META_KEY, expert_weights_fp16, weights_digest
+    from runtime.coreml.mil_eval import TOLERANCE
+
+    template = template_plan(read_model_spec(str(q4)), "ample", backend="ane", chunk_tokens=32)
+    kinds = {0: "int8", 1: "palettize4"}  # layer 0's first two groups on ane, each stored its own way
+    layers = [lp.model_copy(update={"groups": [
+        g.model_copy(update={"backend": "ane", "compress": kinds[gi]} if (lp.layer, gi) in {(0, 0), (0, 1)}
+                     else {"backend": "cpu-static"}) for gi, g in enumerate(lp.groups)]}) for lp in template.layers]
+    plan = tmp_path / "plan.json"
+    save_plan(template.model_copy(update={"layers": layers}), plan)
+    result = build(str(q4), plan, out=tmp_path / "q4.mlpackage", cache_dir=tmp_path / "cache", progress=False)
+    assert [fs.compress for fs in result.functions] == ["int8", "palettize4"]
+    errors = [c.max_rel_error for c in result.checks]
+    assert errors[0] <= TOLERANCE["int8"] and errors[1] <= TOLERANCE["palettize4"], errors
+    assert result.package_bytes < 0.5 * result.unique_weight_bytes  # compressed, not fp16
+
+    # the weights a function holds are mlx's dequantized expert, rounded to fp16 once
+    model, _ = load_model(str(q4), "auto")
+    experts = model.model.layers[0].mlp.experts
+    gate_up, down = expert_weights_fp16(experts, 3)
+    w = experts.npumoe_weights
+    ref = [np.array(mx.dequantize(mx.array(p.packed[3].view(torch.int32).numpy().view(np.uint32)),
+                                  mx.array(p.scales[3].float().numpy()), mx.array(p.biases[3].float().numpy()),
+                                  p.group_size, p.bits)) for p in (w.gate, w.up, w.down)]
+    np.testing.assert_array_equal(gate_up, np.concatenate(ref[:2]).astype(np.float16))
+    np.testing.assert_array_equal(down, ref[2].astype(np.float16))
+    manifest = json.loads(Path(result.manifest).read_text())
+    assert manifest["model_fingerprint"] == read_model_spec(str(q4)).fingerprint
+    import coremltools as ct
+
+    meta = json.loads(ct.utils.load_spec(result.package).description.metadata.userDefined[META_KEY])
+    group = result.functions[0]
+    # what the ane backend checks a package against at load: the digest of the loaded model's packed experts
+    assert meta["functions"][group.name]["weights_sha256"] == weights_digest(experts, group.experts)

@@ -46,7 +46,8 @@ def test_formats_refused_by_name():
 
 @pytest.mark.parametrize("kind,bound", [("int8", 0.03), ("int4", 0.3)])
 def test_cpu_experts_kernels_agree(kind, bound):
-    """Both kernels compute the same quantized expert; against the full-width expert, the quantization error."""
+    """packed and dequant compute the same quantized expert, int_mm within its rows' rounding; against the
+    full-width expert, the quantization error."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -64,6 +65,7 @@ def test_cpu_experts_kernels_agree(kind, bound):
     quantize_experts(module, kind, 64)
     store = module.npumoe_weights
     assert not hasattr(module, "gate_up_proj") and store.stored_bytes() < 4 * 3 * 256 * 128 * 2 / 1.5
+    assert store.kernel(1) == "packed" and store.kernel(64) == ("int_mm" if kind == "int8" else "packed")
     for e in range(4):
         store.dequant_rows = 1 << 30
         packed = expert_ffn(module, e, x)
@@ -72,6 +74,11 @@ def test_cpu_experts_kernels_agree(kind, bound):
         assert float((packed - dequant).abs().max() / dequant.abs().max()) < 1e-4
         err = float((packed - full[e]).abs().max() / full[e].abs().max())
         assert 0 < err < bound
+        if kind == "int8":  # the rows quantized too: their rounding on top of the weights'
+            store.kernel_rows = {"int_mm": 0}
+            int_mm = expert_ffn(module, e, x)
+            assert 1e-4 < float((int_mm - dequant).abs().max() / dequant.abs().max()) < 0.03  # measured 0.020
+            assert float((int_mm - full[e]).abs().max() / full[e].abs().max()) < bound
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -93,3 +100,18 @@ def test_quantize_at_load_runs_a_plan(kind):
         ours, ref = loaded.model(ids).logits[0].float(), reference(ids).logits[0].float()
     agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
     assert agree >= (0.9 if kind == "int8" else 0.6), agree
+
+
+def test_quantized_linear_in_blocks_equals_the_whole_weight(monkeypatch):
+    """A large packed matrix (a vocabulary head) runs in blocks of output rows, each written into the output in
+    place: the same values as the whole dequantized weight, bias included."""
+    import runtime.quantized as q
+
+    torch.manual_seed(0)
+    packed = torch.randint(-2**31, 2**31 - 1, (300, 256 * 4 // 32), dtype=torch.int32)
+    weight = q.PackedWeight(packed, torch.rand(300, 4) * 0.01, torch.randn(300, 4) * 0.01, 4, 64)
+    bias = torch.randn(300)
+    x = torch.randn(2, 5, 256)
+    whole = torch.nn.functional.linear(x, weight.full(x.dtype), bias)
+    monkeypatch.setattr(q, "BLOCK_WEIGHTS", 64 * 256)  # blocks of 64 rows: 5 blocks, the last one of 44
+    assert torch.equal(q.QuantizedLinear(weight, bias)(x), whole)

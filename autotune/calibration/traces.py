@@ -24,6 +24,7 @@ from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import atomic_write_bytes, check_schema, validation_error
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import ModelSpec
+from runtime.quantized import release_freed_heap
 
 SCHEMA, KIND, VERSION = "npumoe.traces/1", "traces", 1
 HELDOUT_EVERY = 5  # every 5th prompt is held out
@@ -192,6 +193,7 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
                 # The decoder stack only: routing is all calibration records, so the LM head's full-vocabulary
                 # logits (most of the time on a large-vocabulary model) are never computed.
                 cache = model.model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
+                release_freed_heap()
                 heldout.append((p if heldout_per == "prompt" else len(heldout)) % HELDOUT_EVERY == HELDOUT_EVERY - 1)
     return recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
                                      "heldout_rule": f"every {HELDOUT_EVERY}th {heldout_per}", **header})

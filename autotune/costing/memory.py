@@ -27,12 +27,15 @@ from runtime.backends.registry import registry
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
+from runtime.quantized import BLOCK_WEIGHTS
 
 GB = 1e9
-# The process before any weight is read: Python 3.12, torch 2.x (CPU), transformers 5 and a tokenizer, measured as
-# peak RSS on this Linux x86-64 host (tiny-moe: 420 MB after load_model, 28 MB of it weights). A Mac's differs;
-# it is the smallest part at any real model size.
-RUNTIME_BYTES = 392 * 2**20
+# The process around the weights: Python, torch 2.x (CPU), transformers 5 and a tokenizer, and what torch's compute
+# libraries keep once the first forwards ran (kernels' code pages, oneDNN's caches, the heap those calls grew:
+# 0.12 GB on any model, which a figure taken right after load_model missed), measured as peak RSS on this Linux
+# x86-64 host: tiny-moe prefilling a 1024-token prompt in chunks of 256 peaks at 562 MB, 40 MB of it weights,
+# activations and KV cache. A Mac's differs; it is the smallest part at any real model size.
+RUNTIME_BYTES = 498 * 2**20
 HIDDEN_BUFFERS = 8  # [chunk, hidden] tensors alive at once in a decoder layer (residual, norms, attention out, MoE)
 
 
@@ -177,18 +180,21 @@ def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
 
 
 def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_rows: int | None = None,
-                     logits_rows: int = 1) -> int:
+                     logits_rows: int = 1, chunk_logits: int = 1) -> int:
     """One chunk's working set in one decoder layer, plus the logits: hidden-state buffers, q/k/v, attention
     scores (fp32, the chunk against the cache), the MoE rows (`moe_rows`: default chunk x top-k assignments; a
-    plan's padded static slots when more) through gate_up, the gate and down, and `logits_rows` fp32 logits."""
+    plan's padded static slots when more) through gate_up, the gate and down, `chunk_logits` chunks' logits in the
+    model's dtype (0: the decoder stack alone, as calibrate runs it) and `logits_rows` fp32 logits. Packed weights
+    add what one call dequantizes: an expert, and a block of a packed matrix (`runtime.quantized`)."""
     c, d = chunk_tokens, size.dtype_bytes
     rows = max(moe_rows or 0, c * size.top_k)
     hidden = HIDDEN_BUFFERS * c * size.hidden * d
     qkv = c * (size.heads + 2 * size.kv_heads) * size.head_dim * d
     scores = 4 * size.heads * c * max(c, prompt_tokens)  # the last chunk attends to the whole prompt
     moe = rows * (size.hidden * 2 + 3 * size.expert_ffn) * d
-    logits = c * size.vocab * d + 4 * logits_rows * size.vocab
-    return int(hidden + qkv + scores + moe + logits)
+    logits = chunk_logits * c * size.vocab * d + 4 * logits_rows * size.vocab
+    dequantized = (3 * size.hidden * size.expert_ffn + BLOCK_WEIGHTS) * d if size.storage != "bf16" else 0
+    return int(hidden + qkv + scores + moe + logits + dequantized)
 
 
 @dataclass(frozen=True)
@@ -288,3 +294,41 @@ def against_measured(plan: Plan, model: torch.nn.Module, prompt_tokens: int, mea
     return {"measured_peak_rss_gb": round(measured_bytes / GB, 4), "predicted_gb": round(predicted.total / GB, 4),
             "predicted_over_measured": round(predicted.total / measured_bytes, 4),
             "measured": "peak resident set size of this process (ru_maxrss)", "predicted": predicted.to_json()}
+
+
+COMPARED_ROWS = 64  # positions whose fp32 logits the fidelity comparison holds at once (evaluation/fidelity.ROWS)
+
+
+def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: int, tokens: int = 0,
+                 gate_candidates: int = 1, plan: Plan | None = None) -> MemoryPrediction:
+    """The predicted peak of a stage that runs the model without a plan of its own, or besides one:
+
+    - `calibrate`: the decoder stack alone per chunk (routing is all it records: no logits), and the traces of
+      `tokens` tokens it keeps (per MoE layer and token: top-k expert ids as int16 and weights as fp32, a norm);
+    - `search`, its fidelity gate: the unmodified model and `gate_candidates` plans side by side over each prompt,
+      each with its own KV cache and one chunk's logits, COMPARED_ROWS positions of fp32 logits and
+      log-probabilities of the reference and of a candidate at a time; the padded static slots of `plan` (the
+      written plan, where known) and its ane groups on the host's simulator, their experts in fp16.
+
+    `run` and `generate` are a plan's own prediction (`predict_memory`)."""
+    chunk = min(chunk_tokens, prompt_tokens)
+    dense, experts = cpu_weight_bytes(size, plan.cpu_weights.kind if plan and plan.cpu_weights else None,
+                                      (plan.cpu_weights.group_size if plan and plan.cpu_weights else None) or 64)
+    kv = size.kv_bytes_per_token * prompt_tokens
+    if stage == "calibrate":
+        activations = activation_bytes(size, chunk, prompt_tokens, logits_rows=0, chunk_logits=0)
+        layers_moe = size.layers if size.experts_per_layer else 0
+        activations += tokens * layers_moe * (size.top_k * (2 + 4) + 4)
+        return MemoryPrediction(dense + experts, 0, activations, kv, RUNTIME_BYTES, chunk, prompt_tokens, experts,
+                                size.storage)
+    if stage == "search":
+        sides = 1 + gate_candidates
+        # fp32 rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's
+        # three temporaries (exp, difference, product)
+        slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0) if plan else None
+        activations = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=7 * COMPARED_ROWS,
+                                       chunk_logits=sides)
+        ane = ane_package_bytes(plan, simulated=True) if plan is not None else 0
+        return MemoryPrediction(dense + experts, ane, activations, sides * kv, RUNTIME_BYTES, chunk, prompt_tokens,
+                                experts, size.storage)
+    raise NpumoeError(f"stage {stage!r}: calibrate or search (run and generate: predict_memory of the plan)")

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from runtime.executor import PlanExecutor
 from runtime.prefill import prefill_chunks
+from runtime.quantized import release_freed_heap
 
 ROWS = 64  # positions whose full-vocabulary logits are compared at once
 
@@ -94,6 +95,7 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
                         t.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())  # KL(reference || plan)
                         t.diff = max(t.diff, float((got - ref).abs().max()))
                 del ref_out, outs
+                release_freed_heap()  # as calibrate does per chunk: the heap's high-water mark stays one chunk's
         predicted += prompt.numel()
         for t in tallies:
             t.worst, t.diff = max(t.worst, t.diff / max(scale, 1e-30)), 0.0

@@ -2,7 +2,8 @@
 of the fastest one per (storage, rows) from those records.
 
 Storage kinds and their kernels (`runtime.cpu_weights`): `bf16` (`dense`: one matmul on the weights as stored),
-`int8` and `int4` with its group size (`packed`: torch's int kernels; `dequant`: dequantize the expert, one matmul).
+`int8` and `int4` with its group size (`packed`: torch's int kernels; `dequant`: dequantize the expert, one matmul;
+`int_mm`, int8 only: the rows quantized to int8 on the fly, one int8 matmul).
 The records are kept in the profile's optional top-level `kernel_records` list (docs/formats.md): the cost model's
 `records` stay as they were, so older profiles load and older readers skip them.
 """
@@ -19,7 +20,6 @@ from autotune.profiling.timing import time_call
 DECODE_ROWS = (1, 2, 4)
 PREFILL_ROWS = (16, 64, 256)
 STORAGES = ("bf16", "int8", "int4:64")  # kind[:group size]
-KERNELS = {"bf16": ("dense",), "int8": ("packed", "dequant"), "int4": ("packed", "dequant")}
 
 
 def _storage(storage: str) -> tuple[str, int]:
@@ -41,6 +41,7 @@ def _expert_module(hidden: int, ffn: int, storage: str) -> torch.nn.Module:
 def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]:
     """One record per (storage, kernel, rows): the median ms of one expert's gated FFN on `rows` bf16 rows."""
     from runtime.backends.protocol import expert_ffn
+    from runtime.cpu_weights import KERNELS
     from runtime.errors import NpumoeError
 
     out = []
@@ -51,9 +52,9 @@ def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]
             continue
         kind, group = _storage(storage)
         store = getattr(module, "npumoe_weights", None)
-        for kernel in KERNELS[kind]:
+        for kernel in ("dense",) if kind == "bf16" else KERNELS[kind]:
             if store is not None:
-                store.dequant_rows = 0 if kernel == "dequant" else 1 << 30
+                store.kernel_rows = {kernel: 0}  # this kernel at every row count
             for rows in (*DECODE_ROWS, *PREFILL_ROWS):
                 x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
                 timed = time_call(lambda: expert_ffn(module, 0, x), s, None, clock="cpu")
@@ -88,3 +89,19 @@ def dequant_rows(records: list[dict], storage: str, hidden: int | None = None) -
             break
         start = rows
     return start
+
+
+def kernel_rows(records: list[dict], storage: str, hidden: int | None = None) -> dict[str, int]:
+    """`runtime.cpu_weights.QuantizedCpuExperts.kernel_rows` from the records: each kernel from the measured row
+    count at which it becomes the fastest (the first from 0); a kernel that wins two separate ranges runs from the
+    last one's start."""
+    kind, _ = _storage(storage)
+    counts = sorted({r["rows"] for r in records if r.get("kind") == "expert_kernel" and r["storage"] == kind})
+    out: dict[str, int] = {}
+    previous = None
+    for rows in counts:
+        kernel = fastest_kernel(records, storage, rows, hidden)[0]
+        if kernel != previous:
+            out[kernel] = rows if out else 0
+            previous = kernel
+    return out

@@ -142,7 +142,7 @@ def manifest_path(out: str | os.PathLike) -> Path:
 
 def check_expert_form(module: torch.nn.Module, layer: int) -> None:
     """The builder emits `down(silu(gate) * up)` without biases; refuse experts of another form, by behaviour."""
-    f = module.down_proj.shape[-1]
+    f = module.intermediate_dim
     probe = torch.randn(3, 2 * f, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         gated = module._apply_gate(probe)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from runtime.backends import CpuStaticBackend, GroupSpec
+from runtime.backends.cpu import is_packed
 from runtime.coreml.ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
 from runtime.errors import NpumoeError
 
@@ -134,11 +135,13 @@ class FunctionCheck:
 def check_function(function, name: str, group: GroupSpec, layout: str, seed: int = 0) -> FunctionCheck:
     """Evaluate `function` on a random packed buffer and compare with cpu-static on the same fp16 inputs."""
     rng = np.random.default_rng(seed)
-    hidden = group.module.gate_up_proj.shape[-1]
+    hidden = group.module.hidden_dim
     packed = rng.standard_normal((sum(group.capacities), hidden)).astype(np.float16)
     y = evaluate_function(function, {INPUT_NAME: to_layout(packed, layout)})
     got = from_layout(y[OUTPUT_NAME] if OUTPUT_NAME in y else next(iter(y.values())), layout)
     with torch.no_grad():
-        x = torch.from_numpy(packed.astype(np.float32)).to(group.module.gate_up_proj.dtype)  # the model's dtype
+        # in the model's dtype; packed experts (dequantized per call in the rows' dtype) in float32
+        dtype = torch.float32 if is_packed(group.module) else group.module.gate_up_proj.dtype
+        x = torch.from_numpy(packed.astype(np.float32)).to(dtype)
         ref = CpuStaticBackend().prepare(group)(x).float().numpy()
     return FunctionCheck(name, max_rel_error(got, ref))
