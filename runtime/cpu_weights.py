@@ -31,9 +31,11 @@ INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 NEVER = 1 << 30
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
-# int_mm from 16 rows per expert (1.06-1.2x bf16 on AMX at a 512-token layer); int4 packed at every row count
-# (0.28x bf16 at 64 rows: dequantizing 4M weights in eager torch costs 4x the bf16 matmul they feed, 0.17x).
-KERNEL_ROWS = {"int8": {"packed": 0, "int_mm": 16}, "int4": {"packed": 0}}
+# dequant from 16 rows per expert (0.55-0.75x bf16 at a 512-token layer). int_mm is faster there (0.93-1.26x) but
+# rounds the rows to int8 too: tiny-moe's all-CPU int8 plan then measured top-1 0.9871 against the gate's 0.99
+# (0.9919 with dequant), so it runs only where a caller sets it. int4 packed at every row count (0.28-0.33x bf16:
+# torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x the matmul).
+KERNEL_ROWS = {"int8": {"packed": 0, "dequant": 16}, "int4": {"packed": 0}}
 _BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
 
 
