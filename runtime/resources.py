@@ -12,7 +12,16 @@ from dataclasses import dataclass
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """The process's peak resident set size so far: on Linux its address space's high-water mark (`VmHWM`; Linux
+    carries `ru_maxrss` across fork and exec, so a process started by a large one would report its parent's peak),
+    else ru_maxrss (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

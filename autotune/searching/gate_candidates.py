@@ -42,7 +42,8 @@ def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_rou
     """The candidates in the gate's order, each once, at most `rounds` rounds of `per_round`: the search's
     candidates `per_round` at a time, each batch followed by itself tightened (drops turned to spills, then
     uncompressed), and last the all-CPU plan. Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
-    would run exactly there, unmeasured)."""
+    would run exactly there, unmeasured). Each is scored as the search scored its own (energy where it weighs it)."""
+    scorer = dataclasses.replace(scorer, with_energy=outcome.weights[1] > 0)
     primary: list[Solution] = []
     for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
         primary += [s for s in (sol, _variant(sol, outcome, scorer, compress="none")) if s is not None]
