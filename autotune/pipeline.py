@@ -12,16 +12,15 @@ import dataclasses
 import logging
 import os
 import statistics
-import tempfile
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from autotune.build_io import private_tempdir, progress_factory
 from autotune.calibration import modelstats
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT
 from autotune.calibration.traces import (
@@ -523,30 +522,8 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
     else:
         spec = read_model_spec(model)
     check_plan_matches(loaded_plan, spec, str(plan))
-    with _private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
-        return build_package(source, loaded_plan, out, layout, compress, cache_dir, _progress_factory(progress),
+    with private_tempdir():  # coremltools' own tmp*.mlpackage folders go there and leave with it
+        return build_package(source, loaded_plan, out, layout, compress, cache_dir, progress_factory(progress),
                              function_weight_bytes=function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
                              package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES,
                              dense_model=loaded if dense_on_ane else None)
-
-
-def _progress_factory(enabled: bool):
-    if not enabled:
-        return None
-    import sys
-
-    from tqdm import tqdm
-
-    return lambda stage, total: tqdm(total=total, desc=stage, unit="fn", file=sys.stderr, dynamic_ncols=True)
-
-
-@contextmanager
-def _private_tempdir() -> Iterator[None]:
-    """Point `tempfile` at a folder of our own for the block and remove it after, interrupted or not."""
-    previous = tempfile.tempdir
-    with tempfile.TemporaryDirectory(prefix="npumoe-build-") as d:
-        tempfile.tempdir = d
-        try:
-            yield
-        finally:
-            tempfile.tempdir = previous

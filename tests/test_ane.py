@@ -123,16 +123,32 @@ def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
 
 # --- macOS only: these need Core ML's runtime and the Neural Engine ---
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def _build(tmp_path_factory, dense: str | None = None):
+    """The random model's "ample" plan on ane (with its dense functions there too, `dense`), built."""
     from runtime.coreml.converter import build_package
 
     model, _ = random_model(MODEL)
-    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK, dense=dense,
+                         context_tokens=2 * CHUNK if dense else None)
     out = tmp_path_factory.mktemp("ane") / "g.mlpackage"
     build_package({l.index: l.experts for l in moe_layers(model)}, plan, out,
-                  cache_dir=tmp_path_factory.mktemp("cache"))
+                  cache_dir=tmp_path_factory.mktemp("cache"), dense_model=model if dense else None)
     return model, plan, str(out)
+
+
+def _prefill_on_the_ane(model, plan, package):
+    """(logits under the plan with the package on ane, the unmodified model's, the executor after it ran)."""
+    _, tok = random_model(MODEL)
+    ids = _ids(tok)
+    ref = prefill_logits(model, ids, CHUNK)
+    with PlanExecutor(model, plan, {"ane": AneBackend(package)}) as ex:
+        got = prefill_logits(model, ids, CHUNK)
+    return got, ref, ex
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return _build(tmp_path_factory)
 
 
 @pytest.mark.macos
@@ -151,12 +167,7 @@ def test_macos_predict_parity_with_cpu_static(built):
 
 @pytest.mark.macos
 def test_macos_plan_runs_on_the_ane(built):
-    model, plan, package = built
-    _, tok = random_model(MODEL)
-    ids = _ids(tok)
-    ref = prefill_logits(model, ids, CHUNK)
-    with PlanExecutor(model, plan, {"ane": AneBackend(package)}) as ex:
-        got = prefill_logits(model, ids, CHUNK)
+    got, ref, ex = _prefill_on_the_ane(*built)
     assert ex.fallbacks == {}
     assert ex.stats.total().tokens_per_backend["ane"] > 0
     assert max_rel_diff(got, ref) <= 2e-2
@@ -193,28 +204,15 @@ def test_macos_energy_windows(built):
 
 @pytest.fixture(scope="module")
 def built_dense(tmp_path_factory):
-    from runtime.coreml.converter import build_package
-
-    model, _ = random_model(MODEL)
-    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=CHUNK, dense="ane",
-                         context_tokens=2 * CHUNK)
-    out = tmp_path_factory.mktemp("ane-dense") / "d.mlpackage"
-    build_package({l.index: l.experts for l in moe_layers(model)}, plan, out,
-                  cache_dir=tmp_path_factory.mktemp("cache"), dense_model=model)
-    return model, plan, str(out)
+    return _build(tmp_path_factory, dense="ane")
 
 
 @pytest.mark.macos
 def test_macos_dense_functions_run_on_the_ane(built_dense):
     """The plan's attention projections and attention core run from the package through Core ML: no fallback to
     ane-sim, within fp16's error of the unmodified model."""
-    model, plan, package = built_dense
-    _, tok = random_model(MODEL)
-    ids = _ids(tok)
-    ref = prefill_logits(model, ids, CHUNK)
-    with PlanExecutor(model, plan, {"ane": AneBackend(package)}) as ex:
-        got = prefill_logits(model, ids, CHUNK)
-        calls = ex.dense.to_json()
+    got, ref, ex = _prefill_on_the_ane(*built_dense)
+    calls = ex.dense.to_json()
     assert calls["qkv"].get("ane", 0) > 0 and calls["attention"].get("ane", 0) > 0, calls
     assert max_rel_diff(got, ref) <= 3e-2
 
