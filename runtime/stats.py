@@ -65,19 +65,22 @@ class RunStats:
     def layer(self, index: int, phase: str = "prefill") -> LayerStats:
         return (self.decode if phase == "decode" else self.layers).setdefault(index, LayerStats())
 
+    def _of(self, phase: str | None) -> list[LayerStats]:
+        """Every layer's stats of one phase, or of both when `phase` is None."""
+        parts = {"prefill": [self.layers], "decode": [self.decode], None: [self.layers, self.decode]}[phase]
+        return [s for layers in parts for s in layers.values()]
+
     def total(self, phase: str | None = None) -> LayerStats:
         """Summed over layers: of one phase, or of both when `phase` is None."""
-        parts = {"prefill": [self.layers], "decode": [self.decode], None: [self.layers, self.decode]}[phase]
         total = LayerStats()
-        for layers in parts:
-            for s in layers.values():
-                total.merge(s)
+        for s in self._of(phase):
+            total.merge(s)
         return total
 
     def static_calls(self, phase: str | None = None) -> int:
-        """Calls to static groups (every backend but cpu-exact)."""
-        calls = self.total(phase).calls_per_backend
-        return sum(n for name, n in calls.items() if name != EXACT)
+        """Calls to static groups (every backend but cpu-exact); summed without merging the layers' stats (a
+        server reads it around every decode step)."""
+        return sum(n for s in self._of(phase) for name, n in s.calls_per_backend.items() if name != EXACT)
 
     def reset(self) -> None:
         for layers in (self.layers, self.decode):  # in place: executors hold references to their LayerStats
