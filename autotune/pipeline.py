@@ -429,7 +429,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     diff = max_rel_diff(logits, ref) if reference else None
     del logits, ref
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
-                                      chunk)
+                                      chunk, repeat)
     predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
     traces = None
     if record_traces:

@@ -34,7 +34,7 @@ class RunResult:
     max_rel_diff_vs_reference: float | None = None  # with `reference`
     energy_per_backend: dict | None = None  # backends that measure their calls
     traces: dict | None = None  # with `record_traces`
-    measured_parts_ms: dict | None = None  # wall ms per part of one more planned prefill (runtime.dense.parts)
+    measured_parts_ms: dict | None = None  # ms per part: the median of `repeat` more planned prefills (run_parts)
     predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
 
     @property

@@ -89,3 +89,35 @@ def test_a_runs_experts_are_priced_from_its_own_routing():
         want = sum(cost.exact_ms(c, 64, 32) for c in counts)
         assert figures[chunk].latency_ms == pytest.approx(want)
     assert figures[0].latency_ms != pytest.approx(figures[1].latency_ms)  # the routing, not a mean per chunk
+
+
+def test_a_runs_parts_are_each_parts_median_over_its_repeats(monkeypatch):
+    from contextlib import contextmanager
+    from statistics import median
+
+    from autotune.evaluation import run_parts
+    from runtime.loading.model_loader import load_model
+
+    model, _ = load_model("tiny-moe", "float32")
+    seen, calls = [], []
+    real = run_parts.measured_parts
+
+    @contextmanager
+    def spied(m, clock):
+        with real(m, clock) as times:
+            yield times
+        seen.append(times.parts_ms())
+
+    monkeypatch.setattr(run_parts, "measured_parts", spied)
+    ids = torch.arange(10, 138).unsqueeze(0)
+
+    def prefill():
+        calls.append(1)
+        with torch.inference_mode():
+            model(input_ids=ids, logits_to_keep=1)
+
+    parts, routing = run_parts.measure_parts(model, prefill, False, 128, repeat=3)
+    assert len(calls) == len(seen) == 3
+    for part in ("attention_core", "experts", "lm_head"):
+        assert parts[part] == median(run[part] for run in seen)
+    assert all(len(chunks) == 1 for chunks in routing.values())  # the first run's routing alone: one chunk each

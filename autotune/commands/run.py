@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_planned_arguments(p, DEFAULT_TEXT, 1024)
     p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
     p.add_argument("--repeat", type=positive_int, default=1, metavar="R",
-                   help="time R runs, report the median (default 1)")
+                   help="time R runs, report the median, of the whole and of each part (default 1)")
     p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
                    help="cut the text into prompts of N tokens, each prefilled from an empty cache "
                         "(default: the whole text is one prompt)")

@@ -6,6 +6,7 @@ of each MoE layer, recorded while the parts are timed), priced as the plan runs 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,17 +52,23 @@ def recorded_routing(model: torch.nn.Module, chunk_tokens: int) -> Iterator[Rout
             h.remove()
 
 
-def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool, chunk_tokens: int
-                  ) -> tuple[dict, Routing]:
-    """Ms per part of one more run of `prefill` (its forwards' hooks): on this process's CPU clock where the run is
-    one-thread CPU work (what a shared host's other load does not inflate, as profile-device times it), else on
-    the wall clock (`off_cpu`: a backend that ran off the CPU); `clock` says which. With it, that run's routing
-    (`recorded_routing`)."""
+def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool, chunk_tokens: int,
+                  repeat: int = 1) -> tuple[dict, Routing]:
+    """Ms per part of `repeat` more runs of `prefill` (its forwards' hooks), each part's median over them (one run
+    on a shared host moved a part by 20%): on this process's CPU clock where the run is one-thread CPU work (what a
+    shared host's other load does not inflate, as profile-device times it), else on the wall clock (`off_cpu`: a
+    backend that ran off the CPU); `clock` says which. With it, the first run's routing (`recorded_routing`)."""
     cpu = torch.get_num_threads() == 1 and not off_cpu
-    with recorded_routing(model, chunk_tokens) as routing, \
-            measured_parts(model, time.process_time if cpu else time.perf_counter) as times:
+    clock = time.process_time if cpu else time.perf_counter
+    with recorded_routing(model, chunk_tokens) as routing, measured_parts(model, clock) as times:
         prefill()
-    return {**times.parts_ms(), "clock": "cpu" if cpu else "wall"}, routing
+    runs = [times.parts_ms()]
+    for _ in range(repeat - 1):
+        with measured_parts(model, clock) as times:
+            prefill()
+        runs.append(times.parts_ms())
+    return {**{part: statistics.median(r[part] for r in runs) for part in runs[0]}, "clock": "cpu" if cpu else "wall"
+            }, routing
 
 
 def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Routing) -> list[ExpertFigures]:
