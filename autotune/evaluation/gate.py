@@ -6,8 +6,10 @@ ANE function computes: fp16, compressed weights as Core ML stores them), and mea
 model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
 within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
 gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
-it runs what the model runs, so its figures are exact and it passes by construction). Only when every candidate
-fails is nothing written, and the closest is named.
+it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded).
+Quantized CPU experts run the plan's kernels; a round that passes none after int_mm ran (it rounds the rows too)
+is measured again with dequant in its place before the next round. Only when every candidate fails is nothing
+written, and the closest is named.
 """
 from __future__ import annotations
 
