@@ -62,11 +62,10 @@ class CpuChoice:
             return self
         said = ", ".join(f"candidate {r['index']} {_kernels(r['kernel_rows'])}: top-1 {r['top1']:.4f}, perplexity "
                          f"delta {r['ppl_delta']:+.3%} ({'passed' if r['passed'] else 'refused'})"
-                         for r in gate["candidates"] if r["kernel_rows"] != self.kernel_rows or r is chosen
-                         or "retry_of" in chosen and r["index"] == chosen["retry_of"])
+                         for r in gate["candidates"] if r is chosen or r["index"] == chosen.get("retry_of"))
         kept = chosen["kernel_rows"] == self.kernel_rows
         return replace(self, kernel_rows=chosen["kernel_rows"], kernels_reason=(
-            f"{self.kernels_reason}; the gate {'kept them' if kept else 'refused them, so the lossless kernels'}: "
+            f"{self.kernels_reason}; the gate {'passed them' if kept else 'refused them, so the lossless kernels'}: "
             f"{said}"))
 
     def after_refusal(self, gate: dict) -> CpuChoice:
