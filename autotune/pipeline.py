@@ -241,46 +241,55 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
         cpu = choose_cpu_storage(c.cpu_weights, c.memory_gb, record.size, cost, prof.extra.get("kernel_records") or [],
                                  workloads[max(chunks)], spec.hidden_size, spec.expert_ffn_size, max(chunks), prompt)
-        cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
-        ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
         for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
             if note:  # held until the inputs are known good, so that an error is always the only line
                 log.warning(note)
+        while True:  # the CPU storage chosen, then each wider one that fits while the gate refuses every candidate
+            cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
+            ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
 
-        def scorer_for(backend: str) -> Scorer:
-            budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
-            return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
+            def scorer_for(backend: str) -> Scorer:
+                budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
+                return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
 
-        backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
-        scorer = scorer_for(backend)
-        # weights stored compressed are a Core ML function's: the backends with the ANE's limits
-        kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
-        dense = None
-        if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
-            calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
+            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
+            scorer = scorer_for(backend)
+            # weights stored compressed are a Core ML function's: the backends with the ANE's limits
+            kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
+            dense = None
+            if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
+                calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
 
-            def dense(chunk: int, weights) -> DenseChoice:  # the dense functions, Core ML functions like the groups
-                return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts)
+                def dense(chunk: int, weights) -> DenseChoice:  # the dense functions: Core ML ones, as the groups
+                    return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts)
 
-        outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), dense=dense,
-                                        objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
-                                        storage=optuna_storage(c.storage),
-                                        study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
-                                                                  prompt),
-                                        seed=c.seed, progress=progress)
-        outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
-        if robustness.dense_choice is not None:  # the robust pick's dense placement
-            outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
-        gated, settings = None, c.gate_settings()
-        if settings is not None:
-            sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
-            gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
-                                                              lambda sol: dense_of(outcome, record, sol)),
-                             settings, progress=progress, cpu_weights=cpu.kind_and_group)
-            if gated["chosen"] is None:
+            outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), dense=dense,
+                                            objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
+                                            storage=optuna_storage(c.storage),
+                                            study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
+                                                                      prompt),
+                                            seed=c.seed, progress=progress)
+            outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
+            if robustness.dense_choice is not None:  # the robust pick's dense placement
+                outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
+            gated, settings = None, c.gate_settings()
+            if settings is not None:
+                sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
+                gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
+                                                                  lambda sol: dense_of(outcome, record, sol)),
+                                 settings, progress=progress, cpu_weights=cpu.kind_and_group,
+                                 kernel_rows=cpu.kernel_rows)
+            if gated is None or gated["chosen"] is not None:
+                break
+            if cpu.wider is None:
                 raise refusal(gated)
-            if sols[gated["chosen"]["index"]] is not outcome.best:  # the gate passed over the search's pick
-                outcome.best = sols[gated["chosen"]["index"]]
+            log.warning(f"the fidelity gate refused every candidate with {cpu.storage} CPU experts: searching "
+                        f"{cpu.wider.storage}, the next wider storage within --memory-gb")
+            cpu = cpu.after_refusal(gated)
+        if gated is not None:
+            cpu = cpu.after_gate(gated)
+            if sols[gated["chosen"]["candidate"]] is not outcome.best:  # the gate passed over the search's pick
+                outcome.best = sols[gated["chosen"]["candidate"]]
                 robustness = assess(outcome, scorer, pick=False)[1]
         chunk_tokens = outcome.best.chunk_tokens
         layers = outcome.chunks[chunk_tokens].layers

@@ -11,29 +11,35 @@ their kernels:
   (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows.
 
 Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
-runs; `dequant_rows` its two-kernel form) comes from the profile's kernel records (`autotune.profiling.kernels.
-kernel_rows`) or, without them, the defaults below (measured on the Linux x86-64 host by
-scripts/bench_moe_layer.py --cpu-weights).
+runs; `dequant_rows` its two-kernel form) is the plan's `cpu_weights.kernel_rows` (`autotune search` takes it from
+the profile's kernel records, `autotune.profiling.kernels.kernel_rows`, and its fidelity gate decides) or, without
+it, the defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
 from runtime.backends.protocol import gated_activation
 from runtime.errors import NpumoeError
+from runtime.plan import CPU_KERNELS
 
 KINDS = ("bf16", "int8", "int4")
 # int_mm (int8 only): the rows quantized too, per row and on the fly, and one int8 x int8 -> int32 matmul
 # (`torch._int_mm` on the stored codes: AMX/VNNI where the host has them), scaled by both scales after.
-KERNELS = {"int8": ("packed", "dequant", "int_mm"), "int4": ("packed", "dequant")}  # each storage's
+KERNELS = CPU_KERNELS  # each storage's (the names a plan's cpu_weights.kernel_rows uses)
+# A kernel that rounds more than the stored weights do, and the one that replaces it where the gate refuses it.
+LOSSLESS_FALLBACK = {"int_mm": "dequant"}
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 NEVER = 1 << 30
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
 # dequant from 16 rows per expert (0.55-0.75x bf16 at a 512-token layer). int_mm is faster there (0.93-1.26x) but
 # rounds the rows to int8 too: tiny-moe's all-CPU int8 plan then measured top-1 0.9871 against the gate's 0.99
-# (0.9919 with dequant), so it runs only where a caller sets it. int4 packed at every row count (0.28-0.33x bf16:
+# (0.9919 with dequant), so it runs only where a plan sets it (`autotune search` sets it where the profile measured it
+# fastest, and the gate keeps it only where it passes). int4 packed at every row count (0.28-0.33x bf16:
 # torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x the matmul).
 KERNEL_ROWS = {"int8": {"packed": 0, "dequant": 16}, "int4": {"packed": 0}}
 _BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
@@ -82,7 +88,7 @@ class QuantizedCpuExperts(torch.nn.Module):
     `down [E, H, F]` one expert at a time (the caller may free each full-width expert as it goes)."""
 
     def __init__(self, kind: str, experts: int, hidden: int, ffn: int, group_size: int = 64,
-                 dequant_rows: int | None = None) -> None:
+                 kernel_rows: dict[str, int] | None = None) -> None:
         super().__init__()
         if kind not in ("int8", "int4"):
             raise NpumoeError(f"cpu weights {kind!r}: choose from {', '.join(KINDS)}")
@@ -95,9 +101,8 @@ class QuantizedCpuExperts(torch.nn.Module):
             if not _int4_layout_known():
                 raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not the one this runtime reads")
         self.kind, self.group_size = kind, group_size
-        self.kernel_rows = dict(KERNEL_ROWS[kind])
-        if dequant_rows is not None:
-            self.dequant_rows = dequant_rows
+        self.kernel_rows = dict(KERNEL_ROWS[kind] if kernel_rows is None else kernel_rows)
+        self.calls: Counter[str] = Counter()  # expert calls per kernel run (what ran, for reports and tests)
         self.shapes = ((2 * ffn, hidden), (hidden, ffn))
         codes = torch.int8 if kind == "int8" else torch.uint8
         for name, (n, k) in zip(("gate_up", "down"), self.shapes):
@@ -160,6 +165,7 @@ class QuantizedCpuExperts(torch.nn.Module):
     def ffn(self, module: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e`'s gated FFN of rows `x`, by the kernel for its row count."""
         kernel = self.kernel(x.shape[0])
+        self.calls[kernel] += 1
         if kernel == "int_mm":
             return self._int_mm("down", e, gated_activation(module, self._int_mm("gate_up", e, x)))
         if kernel == "dequant" and self.kind == "int8":
@@ -174,13 +180,30 @@ class QuantizedCpuExperts(torch.nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
+def lossless_kernel_rows(kernel_rows: dict[str, int]) -> dict[str, int] | None:
+    """`kernel_rows` with each kernel that rounds the rows too replaced by its `LOSSLESS_FALLBACK` from the same
+    row count (a kernel already running below keeps its start); None where no such kernel runs."""
+    if not any(k in LOSSLESS_FALLBACK for k in kernel_rows):
+        return None
+    out: dict[str, int] = {}
+    for kernel, rows in sorted(kernel_rows.items(), key=lambda kv: kv[1]):
+        out.setdefault(LOSSLESS_FALLBACK.get(kernel, kernel), rows)
+    return out
+
+
+def kernel_calls(stores) -> dict[str, int]:
+    """Expert calls per kernel summed over `stores` (QuantizedCpuExperts) since they were made."""
+    return dict(sum((s.calls for s in stores), Counter()))
+
+
 def quantize_experts(module: torch.nn.Module, kind: str, group_size: int = 64,
-                     dequant_rows: int | None = None) -> None:
+                     kernel_rows: dict[str, int] | None = None) -> None:
     """Replace a fused experts module's full-width `gate_up_proj` / `down_proj` by `kind` storage, quantized one
-    expert at a time (`module.npumoe_weights`, which the exact path runs)."""
+    expert at a time (`module.npumoe_weights`, which the exact path runs); `kernel_rows`: the plan's (None: the
+    defaults)."""
     with torch.no_grad():
         store = QuantizedCpuExperts(kind, module.num_experts, module.hidden_dim, module.intermediate_dim, group_size,
-                                    dequant_rows)
+                                    kernel_rows)
         for e in range(module.num_experts):
             store.set_expert(e, module.gate_up_proj[e], module.down_proj[e])
     del module.gate_up_proj, module.down_proj

@@ -75,7 +75,7 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu_weights`); None: as the
-    plan's optional `cpu_weights` says, else as loaded."""
+    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
@@ -86,7 +86,8 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
                               "--cpu-weights out, or search a plan with it")
     if cpu_weights is None and p is not None and p.cpu_weights is not None:
         cpu_weights, group_size = p.cpu_weights.kind, p.cpu_weights.group_size or group_size
-    m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size)
+    kernel_rows = p.cpu_weights.kernel_rows if p is not None and p.cpu_weights is not None else None
+    m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size, kernel_rows)
     if p is None:
         if package:
             raise NpumoeError("a package runs a plan's ane groups: give the plan too")

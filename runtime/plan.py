@@ -24,6 +24,8 @@ COMPRESSIONS = ("none", "int8", "palettize4")
 # `router_weight`: the assignment's top-k router weight. `weight_x_norm`: router weight x L2 norm of the token's
 # hidden state, an activation-based saliency (the output an assignment adds scales with both).
 SALIENCY_RULES = ("router_weight", "weight_x_norm")
+# The CPU's kernels per quantized expert storage (runtime/cpu_weights.py), as `cpu_weights.kernel_rows` names them.
+CPU_KERNELS = {"int8": ("packed", "dequant", "int_mm"), "int4": ("packed", "dequant")}
 # Chunks with fewer tokens than `exact_below_tokens` run wholly on cpu-exact (no static call, no padding, no drop).
 # A plan without the field gets 2: decode steps (1 token) never call a static group. `autotune search` writes the
 # cost model's break-even instead; values below 2 are refused, so decode always stays exact.
@@ -107,6 +109,9 @@ class CpuWeights(_Strict):
     group of `group_size` inputs. Optional in a plan; absent means as loaded."""
     kind: Literal["bf16", "int8", "int4"]
     group_size: Literal[32, 64, 128, 256] | None = None  # int4 only (default 64)
+    # quantized kinds only: the row count (one expert's call) from which each kernel runs, one from 0 (absent: the
+    # runtime's defaults, runtime/cpu_weights.KERNEL_ROWS)
+    kernel_rows: dict[StrictStr, NonNegInt] | None = None
 
 
 class LayerPlan(_Strict):
@@ -248,7 +253,21 @@ def _check_layers(plan: Plan) -> tuple[str, str] | None:
     absent = sorted(set(plan.model.moe_layers) - seen_layers)
     if absent:
         return "layers", f"MoE layers {absent} have no entry"
-    return _check_dense(plan)
+    return _check_dense(plan) or _check_cpu_weights(plan)
+
+
+def _check_cpu_weights(plan: Plan) -> tuple[str, str] | None:
+    rows = plan.cpu_weights.kernel_rows if plan.cpu_weights is not None else None
+    if rows is None:
+        return None
+    kind, known = plan.cpu_weights.kind, CPU_KERNELS.get(plan.cpu_weights.kind, ())
+    for name in rows:
+        if name not in known:
+            return ("cpu_weights.kernel_rows", f"{name!r} is not a kernel of {kind} experts ("
+                    + (f"choose from {', '.join(known)})" if known else "bf16 runs no quantized kernel)"))
+    if 0 not in rows.values():
+        return "cpu_weights.kernel_rows", f"{rows}: no kernel starts at 0 rows (one must run the fewest rows)"
+    return None
 
 
 def _check_dense(plan: Plan) -> tuple[str, str] | None:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotune.costing.memory import storage_bytes_per_weight
-from autotune.profiling.kernels import DECODE_ROWS, PREFILL_ROWS, fastest_kernel
+from autotune.profiling.kernels import DECODE_ROWS, PREFILL_ROWS, fastest_kernel, kernel_rows
 from runtime.backends import EXACT
+from runtime.cpu_weights import KERNEL_ROWS
 from runtime.errors import NpumoeError
 
 SEARCHED = ("bf16", "int8", "int4:64")  # what a search under --memory-gb chooses among, widest first
@@ -74,11 +75,16 @@ class StoragePrice:
                 "kernel": dict(zip(map(str, self.rows), self.kernels))}
 
 
-def _measured(records: list[dict], storage: str, hidden: int) -> StoragePrice | None:
+def _nearest_shape(records: list[dict], hidden: int) -> int | None:
+    """The measured expert shape (hidden size) nearest the model's on a log scale; None where none is measured."""
     shapes = {r["hidden"] for r in records if r.get("kind") == "expert_kernel"}
-    if not shapes:
+    return min(shapes, key=lambda h: abs(math.log(h) - math.log(hidden))) if shapes else None
+
+
+def _measured(records: list[dict], storage: str, hidden: int) -> StoragePrice | None:
+    near = _nearest_shape(records, hidden)
+    if near is None:
         return None
-    near = min(shapes, key=lambda h: abs(math.log(h) - math.log(hidden)))
     try:
         picks = [(fastest_kernel(records, storage, m, near), fastest_kernel(records, "bf16", m, near)[1])
                  for m in ROWS]
@@ -110,3 +116,21 @@ def storage_price(cost, records: list[dict], storage: str, hidden: int, ffn: int
         return None
     name = storage_name(kind, group)
     return _measured(records, name, hidden) or _derived(cost, name, hidden, ffn)
+
+
+def planned_kernels(records: list[dict], storage: str, hidden: int) -> tuple[dict[str, int] | None, str]:
+    """The row count from which each kernel of `storage` runs (the plan's `cpu_weights.kernel_rows`; None for
+    bf16), and where it comes from: the fastest kernel per measured row range in the profile's `kernel_records`
+    (the shape nearest the model's), else the runtime's defaults."""
+    kind, group = parse_storage(storage)
+    if kind == "bf16":
+        return None, "bf16: one matmul on the weights as loaded"
+    near = _nearest_shape(records, hidden)
+    try:
+        rows = kernel_rows(records, storage_name(kind, group), near) if near is not None else {}
+    except KeyError:  # the profile measured this kind at another int4 group
+        rows = {}
+    if rows:
+        return rows, f"measured: the fastest kernel per row range in the profile's kernel_records (hidden {near})"
+    return dict(KERNEL_ROWS[kind]), f"the runtime's defaults: the profile measured no {storage_name(kind, group)} " \
+        "kernel"

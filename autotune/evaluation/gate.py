@@ -6,13 +6,16 @@ ANE function computes: fp16, compressed weights as Core ML stores them), and mea
 model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
 within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
 gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
-it runs what the model runs, so its figures are exact and it passes by construction). Only when every candidate
-fails is nothing written, and the closest is named.
+it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded).
+Quantized CPU experts run the plan's kernels; a round that passes none after int_mm ran (it rounds the rows too)
+is measured again with dequant in its place before the next round. Only when every candidate fails is nothing
+written, and the closest is named.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,23 +114,26 @@ def _said_once(logger: logging.Logger) -> Iterator[None]:
 
 
 @contextmanager
-def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None) -> Iterator[None]:
+def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None,
+                       kernel_rows: dict[str, int] | None = None) -> Iterator[list]:
     """For the block, the CPU's experts also held as `kind` (runtime.cpu_weights), beside the full-width ones: a
-    plan's exact path and CPU groups run that storage (`expert_ffn`), while the unmodified model (transformers'
-    kernels) and the ANE groups (whose packages are built from the full-width checkpoint) read the full-width
-    weights, as on a Mac. bf16, or experts already packed: nothing changes."""
+    plan's exact path and CPU groups run that storage (`expert_ffn`) with the plan's `kernel_rows` (None: the
+    defaults), while the unmodified model (transformers' kernels) and the ANE groups (whose packages are built from
+    the full-width checkpoint) read the full-width weights, as on a Mac. Yields the stores made (their kernels and
+    call counts); bf16, or experts already packed: nothing changes, none made."""
     from runtime.cpu_weights import QuantizedCpuExperts
 
     layers = [l for l in moe_layers(model) if kind != "bf16" and not hasattr(l.experts, "npumoe_weights")]
     with torch.no_grad():
         for layer in layers:
             m = layer.experts
-            store = QuantizedCpuExperts(kind, m.num_experts, m.hidden_dim, m.intermediate_dim, group_size or 64)
+            store = QuantizedCpuExperts(kind, m.num_experts, m.hidden_dim, m.intermediate_dim, group_size or 64,
+                                        kernel_rows)
             for e in range(m.num_experts):
                 store.set_expert(e, m.gate_up_proj[e], m.down_proj[e])
             m.npumoe_weights = store
     try:
-        yield
+        yield [layer.experts.npumoe_weights for layer in layers]
     finally:
         for layer in layers:
             del layer.experts.npumoe_weights
@@ -135,37 +141,59 @@ def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None
 
 def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[Candidate],
              settings: GateSettings = GateSettings(), *, dtype: str = "auto", progress: bool = True,
-             cpu_weights: tuple[str, int | None] = ("bf16", None)) -> dict:
+             cpu_weights: tuple[str, int | None] = ("bf16", None), kernel_rows: dict[str, int] | None = None) -> dict:
     """Measure the candidates in order, `settings.candidates` at a time (a round), on the first `settings.tokens`
     tokens of `settings.text` against the unmodified model, until a round holds one within the limits; `model` is
     a name or a loaded (model, tokenizer). Returns the gate's JSON: `candidates` (every one measured: predicted_ms,
     ppl_delta, top1, kl, passed, ...), `chosen` (the first passing one, with its `index`; None when none passes),
     `rounds` and what the gate cost. `cpu_weights`: the CPU storage (kind, int4 group) the candidates run their
-    CPU experts in (`cpu_storage_beside`), measured against the unmodified model."""
+    CPU experts in (`cpu_storage_beside`), with their kernels from `kernel_rows` rows (None: the defaults),
+    measured against the unmodified model. Where no candidate of a round passes and a kernel that also rounds the
+    rows ran (int_mm), the round is measured again with the lossless kernel in its place (`lossless_kernel_rows`:
+    dequant) before the next round: each row says the `kernel_rows` it ran, its round's `kernel_calls` (expert
+    calls per kernel, the runtime's own counts, every candidate of the round together), and its `candidate` (the
+    position in `candidates`; `index` numbers the rows, a remeasured one also has `retry_of`, the row it repeats)."""
+    from runtime.cpu_weights import kernel_calls, lossless_kernel_rows
+
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model
     limits, text = settings.limits, settings.text
     ids = encode_text(tokenizer, text, settings.tokens)
     check_token_ids(loaded, ids)
     sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
-    rows, tokens, rounds, pending = [], 0, 0, iter(candidates)
+    rows, tokens, rounds, taken, pending = [], 0, 0, 0, iter(candidates)
     with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")), \
-            cpu_storage_beside(loaded, *cpu_weights):
+            cpu_storage_beside(loaded, *cpu_weights, kernel_rows) as stores:
+        planned = dict(stores[0].kernel_rows) if stores else None  # the plan's, or the runtime's defaults
+
+        def measure(batch: list[Candidate], kernels: dict[str, int] | None) -> list[dict]:
+            nonlocal tokens
+            for store in stores:
+                store.kernel_rows, store.calls = dict(kernels), Counter()
+            executors = [PlanExecutor(loaded, c.plan, sim) for c in batch]
+            measured = []
+            for c, ex, f in zip(batch, executors, compare_plans(executors, ids, PROMPT_TOKENS, progress)):
+                total, tokens = ex.stats.total(), f["tokens"]
+                measured.append({"index": len(rows) + len(measured), "predicted_ms": c.predicted_ms,
+                                 "ppl_delta": f["ppl_delta_rel"], "top1": f["top1_agreement"], "kl": f["kl_mean"],
+                                 "passed": limits.passes(f["ppl_delta_rel"], f["top1_agreement"]),
+                                 "drop_rate": total.dropped / max(1, total.assignments),
+                                 "calls_per_backend": dict(total.calls_per_backend), **_summary(c.plan),
+                                 "kernel_rows": kernels, "kernel_calls": kernel_calls(stores),
+                                 "candidate": taken - len(batch) + len(measured)})
+            return measured
+
         while not any(r["passed"] for r in rows) and (batch := list(islice(pending, settings.candidates))):
-            rounds += 1
+            rounds, taken = rounds + 1, taken + len(batch)
             chunk = max(c.plan.chunk_tokens for c in batch)
             if ids.numel() < chunk:  # no full chunk: every candidate would run exactly, passing as the model
                 raise NpumoeError(f"the fidelity gate has {ids.numel()} tokens of {text}, less than one chunk of "
                                   f"the candidates' ({chunk} tokens): it would run none of their static groups; "
                                   f"give --gate-tokens {chunk} or more")
-            executors = [PlanExecutor(loaded, c.plan, sim) for c in batch]
-            for c, ex, f in zip(batch, executors, compare_plans(executors, ids, PROMPT_TOKENS, progress)):
-                total, tokens = ex.stats.total(), f["tokens"]
-                rows.append({"index": len(rows), "predicted_ms": c.predicted_ms, "ppl_delta": f["ppl_delta_rel"],
-                             "top1": f["top1_agreement"], "kl": f["kl_mean"],
-                             "passed": limits.passes(f["ppl_delta_rel"], f["top1_agreement"]),
-                             "drop_rate": total.dropped / max(1, total.assignments),
-                             "calls_per_backend": dict(total.calls_per_backend), **_summary(c.plan)})
+            rows += measure(batch, planned)
+            lossless = lossless_kernel_rows(planned or {})
+            if not any(r["passed"] for r in rows) and lossless and set(rows[-1]["kernel_calls"]) - set(lossless):
+                rows += [dict(r, retry_of=r["index"] - len(batch)) for r in measure(batch, lossless)]
     if not rows:
         raise NpumoeError("the fidelity gate has no candidate to measure")
     chosen = next((r for r in rows if r["passed"]), None)

@@ -11,14 +11,21 @@ the storage chosen.
   `costing/cpu_storage`); none fitting is one line naming what the smallest needs.
 
 A model already packed (an MLX folder) is held as stored: there is nothing to choose.
+
+A quantized storage's kernels (which runs from which row count: `Plan.cpu_weights.kernel_rows`) are the profile's
+fastest per measured row range, else the runtime's defaults (`costing/cpu_storage.planned_kernels`); the fidelity
+gate keeps them, or the lossless ones where the faster ones fail it (`after_gate`). Where the gate refuses every
+candidate of a storage the budget chose, the search gates the next wider one that fits (`wider`: int4 -> int8 ->
+bf16); a pin is never overridden.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from autotune.costing.costmodel import CostModel
-from autotune.costing.cpu_storage import SEARCHED, parse_storage, storage_name, storage_price
+from autotune.costing.cpu_storage import SEARCHED, parse_storage, planned_kernels, storage_name, storage_price
 from autotune.costing.memory import GB, ModelSize, fixed_memory
+from autotune.evaluation.gate import GateLimits
 from autotune.searching.layer_data import LayerData
 from runtime.errors import NpumoeError
 from runtime.plan import CpuWeights
@@ -32,6 +39,10 @@ class CpuChoice:
     options: list[dict]  # every storage considered: its memory, whether it fits, its CPU expert path's price
     reason: str  # the figure that decided, in words
     decided: bool  # a pin or a budget chose it: the plan records it
+    kernel_rows: dict[str, int] | None = None  # the row count from which each kernel runs (None: bf16 or as loaded)
+    kernels_reason: str = ""  # where kernel_rows comes from, and the gate's figures where it decided
+    wider: CpuChoice | None = None  # the next wider storage that fits the budget (None: a pin, or none fits)
+    refused: list[dict] = field(default_factory=list)  # the narrower storages the gate refused, their closest
 
     @property
     def kind_and_group(self) -> tuple[str, int | None]:
@@ -42,13 +53,42 @@ class CpuChoice:
         if not self.decided:
             return None
         kind, group = self.kind_and_group
-        return CpuWeights(kind=kind, group_size=group)
+        return CpuWeights(kind=kind, group_size=group, kernel_rows=self.kernel_rows)
+
+    def after_gate(self, gate: dict) -> CpuChoice:
+        """This storage with the kernels of the gate's chosen candidate, and why, in the gate's figures."""
+        chosen = gate["chosen"]
+        if self.kernel_rows is None or chosen is None:
+            return self
+        said = ", ".join(f"candidate {r['index']} {_kernels(r['kernel_rows'])}: top-1 {r['top1']:.4f}, perplexity "
+                         f"delta {r['ppl_delta']:+.3%} ({'passed' if r['passed'] else 'refused'})"
+                         for r in gate["candidates"] if r is chosen or r["index"] == chosen.get("retry_of"))
+        kept = chosen["kernel_rows"] == self.kernel_rows
+        return replace(self, kernel_rows=chosen["kernel_rows"], kernels_reason=(
+            f"{self.kernels_reason}; the gate {'passed them' if kept else 'refused them, so the lossless kernels'}: "
+            f"{said}"))
+
+    def after_refusal(self, gate: dict) -> CpuChoice:
+        """The next wider storage, to gate once the gate refused every candidate of this one (`gate`)."""
+        limits = GateLimits(**gate["limits"])
+        closest = min(gate["candidates"], key=lambda r: limits.shortfall(r["ppl_delta"], r["top1"]))
+        said = {"storage": self.storage, "candidates": len(gate["candidates"]),
+                "closest": {k: closest[k] for k in ("index", "ppl_delta", "top1", "kl")}}
+        return replace(self.wider, refused=[*self.refused, said])
 
     def to_json(self) -> dict:
         return {"storage": self.storage, "decided_by": "pin" if self.reason.startswith("--cpu-weights") else
                 ("budget" if self.decided else "as loaded"), "reason": self.reason, "options": self.options,
                 "label": "predicted: memory by costing/memory.py, prices by the profile's cost model "
-                         "(costing/cpu_storage.py)"}
+                         "(costing/cpu_storage.py)",
+                "kernel_rows": self.kernel_rows, "kernels": _kernels(self.kernel_rows) if self.kernel_rows else None,
+                "kernels_reason": self.kernels_reason, "gate_refused": self.refused}
+
+
+def _kernels(rows: dict[str, int]) -> str:
+    """`{"packed": 0, "int_mm": 16}` as "packed from 0 rows, int_mm from 16"."""
+    return ", ".join(f"{k} from {r}{' rows' if not i else ''}"
+                     for i, (k, r) in enumerate(sorted(rows.items(), key=lambda kv: kv[1])))
 
 
 def all_cpu_ms(cost: CostModel, layers: list[LayerData], hidden: int, ffn: int, prompt_tokens: int) -> float:
@@ -87,7 +127,13 @@ def choose_cpu_storage(pin: str | None, memory_gb: float | None, size: ModelSize
         s = option["storage"]
         kind, group = parse_storage(s)
         left = _left(memory_gb, fixed_memory(size, chunk, prompt_tokens, kind, group or 64), s)
-        return CpuChoice(s, costs[s], left, options, reason, decided)
+        rows, why = planned_kernels(kernel_records, s, hidden) if decided else (None, "")
+        at = fitting.index(option) if option in fitting else 0  # fitting: widest first
+        wider = None if pin or memory_gb is None or not at else pick(
+            fitting[at - 1], f"the gate refused every {s} candidate; {fitting[at - 1]['storage']} is the next wider "
+                             f"storage that fits: any plan needs {fitting[at - 1]['memory_gb']:.2f} GB of "
+                             f"{memory_gb:g}")
+        return CpuChoice(s, costs[s], left, options, reason, decided, rows, why, wider)
 
     if pin:
         o = options[0]

@@ -147,12 +147,13 @@ def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights: str = "bf16",
-               group_size: int = 64) -> tuple[torch.nn.Module, object]:
+               group_size: int = 64, kernel_rows: dict[str, int] | None = None) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
     The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy.
     `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
-    time (`runtime.cpu_weights`); bf16 keeps them as loaded."""
+    time (`runtime.cpu_weights`), running their kernels from `kernel_rows` rows (None: the defaults); bf16 keeps
+    them as loaded."""
     dtype = resolve_dtype(name, dtype)
     quantize = None
     if cpu_weights != "bf16":
@@ -161,7 +162,7 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
         if not name.startswith(RANDOM_PREFIX) and is_mlx_checkpoint(model_dir(name)):
             raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX checkpoint, "
                               "kept packed as stored); give a full-width checkpoint")
-        quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size)
+        quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size, kernel_rows=kernel_rows)
     model, tokenizer = _load(name, dtype, quantize)
     if quantize is not None or any(hasattr(l.experts, "npumoe_weights") for l in moe_layers(model)):
         return_temporaries_to_the_os()
