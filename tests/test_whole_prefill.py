@@ -74,9 +74,18 @@ def test_placement_moves_the_dense_work_off_the_cpu():
 def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
     cost, shape = apple_like(), DecoderShape.from_config(QWEN)
     fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0)
-    # the first chunk stays on the CPU: sdpa's causal kernel computes half its block there, as fast as the ANE's
-    # whole padded block at twice the throughput, without a call
-    assert dataclasses.replace(fast.placement, rows=()) == DensePlacement("ane", "ane", "ane", None, (2048,))
+    # the core runs in causal blocks: each block of a chunk's static rows reads only the keys up to its own end
+    # (unblocked, the first chunk stayed on the CPU: sdpa's causal kernel computes half its block there, as fast
+    # as the ANE's whole padded block at twice the throughput, without a call)
+    block, static = fast.placement.attention_block, fast.placement.static_rows("attention", 1024)
+    assert block and static % block == 0 and block % 64 == 0
+    ends = range(block, static + 1, block)
+    assert fast.placement.buckets == tuple(s + e for s in (0, 1024) for e in ends)
+    unblocked = dataclasses.replace(fast.placement, attention_block=None, buckets=(2048,), rows=())
+    assert fast.prediction.latency_ms < choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).priced(
+        unblocked, cost).prediction.latency_ms
+    assert dataclasses.replace(fast.placement, rows=(), buckets=(), attention_block=None) == DensePlacement(
+        "ane", "ane", "ane", None)
     assert fast.score.latency_ms == pytest.approx(4.0 * fast.prediction.latency_ms)
     cost.models["ane"].call_ms = 1e4  # a call dearer than any layer's work on the CPU: nothing moves
     assert choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement == DensePlacement()
@@ -86,7 +95,8 @@ def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
                            "saliency": "router_weight",
                            "layers": [{"layer": i, "groups": [], "cpu_exact": list(range(128))} for i in range(4)],
                            "dense": dense_plan(fast.placement, shape)})
-    assert plan.dense.attention_context_buckets == [2048] and len(plan.dense.layers) == 4
+    assert plan.dense.attention_context_buckets == list(fast.placement.buckets) and len(plan.dense.layers) == 4
+    assert plan.dense.attention_block == block
     assert plan.dense.layers[0].qkv.backend == "ane" and plan.dense.layers[0].mlp is None
     assert plan.dense.layers[0].qkv.rows == dict(fast.placement.rows)["qkv"]
     assert plan.dense.attention_rows == dict(fast.placement.rows)["attention"]
