@@ -20,6 +20,7 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
 )
 from autotune.profiling.dense_records import matmul_call
+from autotune.profiling.profile import load_profile
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_call
 from autotune.searching.dense_choice import choose_dense, dense_plan
@@ -135,3 +136,29 @@ def test_measured_matmul_fit_predicts_held_out_shapes():
     fit = fit_dense([r for r in recs if r not in held])["matmul"]
     errors = [abs(record_ms(fit, r) / r["median_ms"] - 1) for r in held]
     assert fit.source.startswith("measured") and np.mean(errors) < 0.35, errors
+
+
+def test_causal_blocks_price_each_block_over_its_own_keys():
+    """The qwen3-30b-a3b shape on the published profile, one 4096-token chunk: unblocked, the ANE's core reads the
+    whole bucket for every query; in blocks of 1024, block j reads only the first (j + 1) x 1024 keys, one call each."""
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    shape = DecoderShape.from_config({**QWEN, "num_hidden_layers": 48})
+    none, call, layers = ExpertFigures(0.0, 0.0, 0.0), cost.call_ms("ane"), 48
+    attn = lambda backend, rows, keys: float(cost.attention_ms(backend, rows, keys, 32, 4, 128))  # noqa: E731
+    whole = DensePlacement(attention="ane", buckets=(4096,))
+    blocked = DensePlacement(attention="ane", buckets=(1024, 2048, 3072, 4096), attention_block=1024)
+    a, b = (predict_prefill(cost, shape, 4096, 4096, none, p).parts_ms["attention_core"] for p in (whole, blocked))
+    assert a == pytest.approx(layers * (call + attn("ane", 4096, 4096)), rel=1e-9)
+    assert b == pytest.approx(layers * sum(call + attn("ane", 1024, k) for k in (1024, 2048, 3072, 4096)), rel=1e-9)
+    assert b < 0.75 * a, (a, b)
+    # split at 3072 rows: three blocks on the ANE while sdpa computes the last 1024 queries over every key
+    split = predict_prefill(cost, shape, 4096, 4096, none, blocked.with_rows("attention", 3072))
+    ane = sum(call + attn("ane", 1024, k) for k in (1024, 2048, 3072))
+    assert split.parts_ms["attention_core"] == pytest.approx(layers * max(ane, attn(EXACT, 1024, 4096)), rel=1e-9)
+    # the search finds a block: its core is priced below the best unblocked one
+    chosen = choose_dense(cost, shape, 4096, 4096, "ane", (1.0, 0.0, 0.0), 1.0)
+    unblocked = min((chosen.priced(dataclasses.replace(chosen.placement, attention_block=None, buckets=(4096,),
+                                                       rows=r), cost) for r in ((), chosen.placement.rows)),
+                    key=lambda c: c.prediction.latency_ms)
+    assert chosen.placement.attention_block and chosen.prediction.parts_ms["attention_core"] < min(
+        a, unblocked.prediction.parts_ms["attention_core"])
