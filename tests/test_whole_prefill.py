@@ -24,6 +24,8 @@ from autotune.profiling.profile import load_profile
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_call
 from autotune.searching.dense_choice import choose_dense, dense_plan
+from autotune.searching.prefill_report import placement_json
+from autotune.searching.report import format_whole_prefill
 from runtime.backends import EXACT
 from runtime.loading.model_loader import TINY_MOE_DIR
 from runtime.plan import plan_from_json
@@ -162,3 +164,15 @@ def test_causal_blocks_price_each_block_over_its_own_keys():
                     key=lambda c: c.prediction.latency_ms)
     assert chosen.placement.attention_block and chosen.prediction.parts_ms["attention_core"] < min(
         a, unblocked.prediction.parts_ms["attention_core"])
+
+
+def test_the_report_names_the_block_and_the_keys_each_block_reads():
+    place = DensePlacement("ane", None, "ane", None, (128, 256, 640, 768), (("attention", 256),), attention_block=128)
+    j = placement_json(place, 1100, 512)  # two full chunks (at 0 and 512), then a partial one of 76 tokens
+    assert j["attention_block"] == 128 and j["attention_reads"] == {0: [128, 256], 512: [640, 768]}
+    w = {"predicted_parts_ms": {"attention_core": 1.0}, "dense_placement": j, "vs": {}, "prompt_tokens": 1100,
+         "chunk_tokens": 512, "predicted_prefill_ms": 1.0, "over_roofline_whole": 1.0}
+    assert format_whole_prefill(w)[1] == ("  attention core: its first 256 queries of each full chunk in causal "
+                                          "blocks of 128, each reading the smallest bucket holding its keys (the "
+                                          "chunk at 0: 128..256 keys over 2 calls, not 512; the chunk at 512: "
+                                          "640..768 keys over 2 calls, not 1024)")

@@ -210,8 +210,8 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the CPU, the context's
         if b == EXACT or not reads:
             return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim))
-        per = r // len(reads)
-        return float(sum(cost.attention_ms(b, per, k, shape.heads, shape.kv_heads, shape.head_dim) for k in reads))
+        ms = cost.attention_ms(b, r // len(reads), np.asarray(reads), shape.heads, shape.kv_heads, shape.head_dim)
+        return float(np.sum(ms))
 
     def split(function: str, backend: str, price, calls: int = 1) -> evaluator.Link:
         return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls)
