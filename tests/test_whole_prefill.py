@@ -176,3 +176,22 @@ def test_the_report_names_the_block_and_the_keys_each_block_reads():
                                           "blocks of 128, each reading the smallest bucket holding its keys (the "
                                           "chunk at 0: 128..256 keys over 2 calls, not 512; the chunk at 512: "
                                           "640..768 keys over 2 calls, not 1024)")
+
+
+def test_the_searched_block_and_split_are_the_enumerated_best():
+    """The core's block (none, 512 .. 64) and static rows (multiples of the block), every one priced: the search's
+    ternary search over the rows per block finds the cheapest within 1%."""
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 1.0)
+    others = tuple((f, r) for f, r in fast.placement.rows if f != "attention")
+    priced = []
+    for block in (None, 512, 256, 128, 64):
+        step = block or 1024
+        keys = tuple(sorted({s + e for s in (0, 1024) for e in range(step, 1025, step)}))
+        for rows in range(step, 1025, step):
+            split = others + ((("attention", rows),) if rows < 1024 else ())
+            place = dataclasses.replace(fast.placement, buckets=keys, attention_block=block, rows=split)
+            priced.append((fast.priced(place, cost).prediction.latency_ms, block, rows))
+    best = min(priced)
+    assert fast.prediction.latency_ms <= 1.01 * best[0], (fast.placement, best)
+    assert best[1] is not None  # a block is the optimum here
