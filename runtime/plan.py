@@ -35,6 +35,7 @@ PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0, strict=True)]  # a number (an int too), never "0.5" or true
 SHARE_SUM_TOLERANCE = 1e-3  # load shares are written rounded; they must still sum to 1 within this
+ATTENTION_BLOCK_GRAIN = 64  # an attention block's queries: a multiple of the ANE's preferred 64 rows
 
 
 class _Strict(BaseModel):
@@ -149,11 +150,14 @@ class DenseLayer(_Strict):
 class DensePlan(_Strict):
     """The dense static functions. A full chunk whose context (tokens before it and its own) is at most a bucket
     runs the attention core of the smallest such bucket (keys padded and masked); past the last bucket, a partial
-    chunk or a decode step runs it on the CPU, exactly."""
-    attention_context_buckets: list[PositiveInt]  # ascending, each a multiple of chunk_tokens
+    chunk or a decode step runs it on the CPU, exactly. With `attention_block`, a full chunk whose static queries'
+    keys fit the last bucket runs them in causal blocks, each block on the smallest bucket holding its keys."""
+    attention_context_buckets: list[PositiveInt]  # ascending, each a multiple of chunk_tokens (of the block)
     layers: list[DenseLayer]  # at most one per decoder layer
     attention_rows: PositiveInt | None = None  # optional: the core's function takes a full chunk's first queries,
     # sdpa on the CPU the rest at the same time (absent: every query)
+    attention_block: PositiveInt | None = None  # optional: those queries run in causal blocks of this many, each
+    # over the smallest bucket holding its keys (absent: one call per full chunk)
 
     @property
     def backends(self) -> set[str]:
@@ -277,15 +281,20 @@ def _check_dense(plan: Plan) -> tuple[str, str] | None:
     buckets = plan.dense.attention_context_buckets
     users = [dl.layer for dl in plan.dense.layers if dl.attention is not None]
     user = f": the attention core of layer {users[0]} has no such shape" if users else ""
-    for i, b in enumerate(buckets):
-        where = f"dense.attention_context_buckets[{i}]"
-        if b % plan.chunk_tokens:
-            return where, f"{b} is not a multiple of chunk_tokens ({plan.chunk_tokens}){user}"
-        if i and b <= buckets[i - 1]:
-            return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend{user}"
-    rows = plan.dense.attention_rows
+    rows, block = plan.dense.attention_rows, plan.dense.attention_block
     if rows is not None and rows >= plan.chunk_tokens:
         return "dense.attention_rows", f"{rows} is not below chunk_tokens ({plan.chunk_tokens}){user}"
+    static = rows or plan.chunk_tokens
+    if block is not None and (block % ATTENTION_BLOCK_GRAIN or static % block):
+        return "dense.attention_block", (f"{block} is not a multiple of {ATTENTION_BLOCK_GRAIN} dividing the core's "
+                                         f"static rows ({static}: dense.attention_rows or chunk_tokens){user}")
+    step, unit = (block, "dense.attention_block") if block else (plan.chunk_tokens, "chunk_tokens")
+    for i, b in enumerate(buckets):
+        where = f"dense.attention_context_buckets[{i}]"
+        if b % step:
+            return where, f"{b} is not a multiple of {unit} ({step}){user}"
+        if i and b <= buckets[i - 1]:
+            return where, f"{b} does not follow {buckets[i - 1]}: buckets ascend{user}"
     seen: set[int] = set()
     for i, dl in enumerate(plan.dense.layers):
         where = f"dense.layers[{i}]"

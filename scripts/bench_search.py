@@ -54,19 +54,27 @@ RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights
 
 def best_dense_enumerated(cost, chunk: int) -> float:
     """The least latency of the small instance's dense parts over every joint placement: q/k/v and o_proj each on
-    the CPU or the ANE (whole or split at each multiple of ROW_GRAIN), any subset of the attention buckets, the core
-    whole or split."""
+    the CPU or the ANE (whole or split at each multiple of ROW_GRAIN), the attention core unblocked (any subset of
+    the full chunks' contexts as buckets, whole or split) or in causal blocks of any multiple of ROW_GRAIN below the
+    chunk dividing it (any subset of the blocks' key lengths as buckets, whole or split at a multiple of the
+    block)."""
     rows = [None, *range(ROW_GRAIN, chunk, ROW_GRAIN)]
-    contexts = [c for r, c in prompt_chunks(SMALL_PROMPT, chunk) if r == chunk]
+    starts = [c - r for r, c in prompt_chunks(SMALL_PROMPT, chunk) if r == chunk]
     functions = [None, *[("ane", r) for r in rows]]
-    subsets = [s for n in range(len(contexts) + 1) for s in itertools.combinations(contexts, n)]
-    best = float("inf")
-    for qkv, o, buckets, core in itertools.product(functions, functions, subsets, rows):
-        if core is not None and not buckets:
+    cores = []  # (block, buckets, static rows)
+    for block in [None, *range(ROW_GRAIN, chunk, ROW_GRAIN)]:
+        if block and chunk % block:
             continue
+        step = block or chunk
+        keys = sorted({s + e for s in starts for e in range(step, chunk + 1, step)})
+        subsets = [c for n in range(1, len(keys) + 1) for c in itertools.combinations(keys, n)]
+        cores += [(block, b, r) for b in subsets for r in [None, *range(step, chunk, step)]]
+    best = float("inf")
+    for qkv, o, core in itertools.product(functions, functions, [None, *cores]):
         split = tuple((f, p[1]) for f, p in (("qkv", qkv), ("o_proj", o)) if p and p[1])
-        split += (("attention", core),) if core else ()
-        place = DensePlacement(qkv and "ane", o and "ane", "ane" if buckets else None, None, buckets, split)
+        block, buckets, r = core or (None, (), None)
+        split += (("attention", r),) if r else ()
+        place = DensePlacement(qkv and "ane", o and "ane", "ane" if core else None, None, buckets, split, block)
         best = min(best, predict_prefill(cost, SMALL_DECODER, SMALL_PROMPT, chunk, NO_EXPERTS, place).latency_ms)
     return best
 

@@ -24,7 +24,6 @@ from runtime.coreml.mil_eval import evaluate_function, max_rel_error
 from runtime.coreml.mil_lint import lint_program
 from runtime.dense.specs import backend_specs
 from runtime.loading.model_loader import model_spec
-from runtime.plan import save_plan
 
 quiet_coremltools_import()
 FAMILY_MODELS = ["random:qwen3_moe", "random:qwen2_moe", "random:mixtral", "random:olmoe", "random:phimoe"]
@@ -84,17 +83,28 @@ def test_a_compressed_matrix_is_close_and_not_the_original():
 
 
 @pytest.mark.slow
-def test_build_holds_one_attention_core_per_shape(tmp_path, capsys):
+@pytest.mark.parametrize("block", [None, 64])
+def test_build_holds_one_attention_core_per_shape(tmp_path, capsys, block):
+    """Unblocked: one core per (chunk, bucket); in causal blocks of 64 queries: one per (block, bucket), the
+    blocks' buckets at every 64 keys."""
     model, _ = random_model("random:qwen2_moe")
-    plan = template_plan(model_spec(model), "ample", "drop", "ane", chunk_tokens=32, dense="ane", context_tokens=64)
-    save_plan(plan, tmp_path / "plan.json")
+    chunk = 128 if block else 32
+    plan = template_plan(model_spec(model), "ample", "drop", "ane", chunk_tokens=chunk, dense="ane",
+                         context_tokens=2 * chunk).to_json()
+    if block:
+        plan["dense"].update(attention_block=block, attention_context_buckets=[64, 128, 192, 256])
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     out = tmp_path / "p.mlpackage"
     assert main(["build", "--model", "random:qwen2_moe", "--plan", str(tmp_path / "plan.json"), "--out", str(out),
                  "--no-progress", "--cache-dir", str(tmp_path / "cache")]) == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     layers = model.config.num_hidden_layers
-    assert r["attention_functions"] == 2  # buckets 32 and 64, shared by the 4 layers
-    assert r["dense_functions"] == 3 * layers + 2  # qkv, o_proj and the shared expert per layer
+    cores = 4 if block else 2  # buckets 32 and 64 (unblocked); 64 .. 256 (blocks), shared by the 4 layers
+    assert r["attention_functions"] == cores
+    assert r["dense_functions"] == 3 * layers + cores  # qkv, o_proj and the shared expert per layer
     names = r["packages"][0]["functions"]
-    assert sum(n.startswith("attention_") for n in names) == 2 and len(names) == r["functions"] + r["dense_functions"]
+    attention = sorted(n for n in names if n.startswith("attention_"))
+    assert attention == (["attention_q64_k128", "attention_q64_k192", "attention_q64_k256", "attention_q64_k64"]
+                         if block else ["attention_q32_k32", "attention_q32_k64"])
+    assert len(names) == r["functions"] + r["dense_functions"]
     assert r["max_rel_error"] < r["tolerance"]

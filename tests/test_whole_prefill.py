@@ -20,9 +20,12 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
 )
 from autotune.profiling.dense_records import matmul_call
+from autotune.profiling.profile import load_profile
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_call
 from autotune.searching.dense_choice import choose_dense, dense_plan
+from autotune.searching.prefill_report import placement_json
+from autotune.searching.report import format_whole_prefill
 from runtime.backends import EXACT
 from runtime.loading.model_loader import TINY_MOE_DIR
 from runtime.plan import plan_from_json
@@ -74,9 +77,18 @@ def test_placement_moves_the_dense_work_off_the_cpu():
 def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
     cost, shape = apple_like(), DecoderShape.from_config(QWEN)
     fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0)
-    # the first chunk stays on the CPU: sdpa's causal kernel computes half its block there, as fast as the ANE's
-    # whole padded block at twice the throughput, without a call
-    assert dataclasses.replace(fast.placement, rows=()) == DensePlacement("ane", "ane", "ane", None, (2048,))
+    # the core runs in causal blocks: each block of a chunk's static rows reads only the keys up to its own end
+    # (unblocked, the first chunk stayed on the CPU: sdpa's causal kernel computes half its block there, as fast
+    # as the ANE's whole padded block at twice the throughput, without a call)
+    block, static = fast.placement.attention_block, fast.placement.static_rows("attention", 1024)
+    assert block and static % block == 0 and block % 64 == 0
+    ends = range(block, static + 1, block)
+    assert fast.placement.buckets == tuple(s + e for s in (0, 1024) for e in ends)
+    unblocked = dataclasses.replace(fast.placement, attention_block=None, buckets=(2048,), rows=())
+    assert fast.prediction.latency_ms < choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).priced(
+        unblocked, cost).prediction.latency_ms
+    assert dataclasses.replace(fast.placement, rows=(), buckets=(), attention_block=None) == DensePlacement(
+        "ane", "ane", "ane", None)
     assert fast.score.latency_ms == pytest.approx(4.0 * fast.prediction.latency_ms)
     cost.models["ane"].call_ms = 1e4  # a call dearer than any layer's work on the CPU: nothing moves
     assert choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement == DensePlacement()
@@ -86,7 +98,8 @@ def test_the_search_places_what_pays_and_writes_a_valid_plan_field():
                            "saliency": "router_weight",
                            "layers": [{"layer": i, "groups": [], "cpu_exact": list(range(128))} for i in range(4)],
                            "dense": dense_plan(fast.placement, shape)})
-    assert plan.dense.attention_context_buckets == [2048] and len(plan.dense.layers) == 4
+    assert plan.dense.attention_context_buckets == list(fast.placement.buckets) and len(plan.dense.layers) == 4
+    assert plan.dense.attention_block == block
     assert plan.dense.layers[0].qkv.backend == "ane" and plan.dense.layers[0].mlp is None
     assert plan.dense.layers[0].qkv.rows == dict(fast.placement.rows)["qkv"]
     assert plan.dense.attention_rows == dict(fast.placement.rows)["attention"]
@@ -125,3 +138,60 @@ def test_measured_matmul_fit_predicts_held_out_shapes():
     fit = fit_dense([r for r in recs if r not in held])["matmul"]
     errors = [abs(record_ms(fit, r) / r["median_ms"] - 1) for r in held]
     assert fit.source.startswith("measured") and np.mean(errors) < 0.35, errors
+
+
+def test_causal_blocks_price_each_block_over_its_own_keys():
+    """The qwen3-30b-a3b shape on the published profile, one 4096-token chunk: unblocked, the ANE's core reads the
+    whole bucket for every query; in blocks of 1024, block j reads only the first (j + 1) x 1024 keys, one call each."""
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    shape = DecoderShape.from_config({**QWEN, "num_hidden_layers": 48})
+    none, call, layers = ExpertFigures(0.0, 0.0, 0.0), cost.call_ms("ane"), 48
+    attn = lambda backend, rows, keys: float(cost.attention_ms(backend, rows, keys, 32, 4, 128))  # noqa: E731
+    whole = DensePlacement(attention="ane", buckets=(4096,))
+    blocked = DensePlacement(attention="ane", buckets=(1024, 2048, 3072, 4096), attention_block=1024)
+    a, b = (predict_prefill(cost, shape, 4096, 4096, none, p).parts_ms["attention_core"] for p in (whole, blocked))
+    assert a == pytest.approx(layers * (call + attn("ane", 4096, 4096)), rel=1e-9)
+    assert b == pytest.approx(layers * sum(call + attn("ane", 1024, k) for k in (1024, 2048, 3072, 4096)), rel=1e-9)
+    assert b < 0.75 * a, (a, b)
+    # split at 3072 rows: three blocks on the ANE while sdpa computes the last 1024 queries over every key
+    split = predict_prefill(cost, shape, 4096, 4096, none, blocked.with_rows("attention", 3072))
+    ane = sum(call + attn("ane", 1024, k) for k in (1024, 2048, 3072))
+    assert split.parts_ms["attention_core"] == pytest.approx(layers * max(ane, attn(EXACT, 1024, 4096)), rel=1e-9)
+    # the search finds a block: its core is priced below the best unblocked one
+    chosen = choose_dense(cost, shape, 4096, 4096, "ane", (1.0, 0.0, 0.0), 1.0)
+    unblocked = min((chosen.priced(dataclasses.replace(chosen.placement, attention_block=None, buckets=(4096,),
+                                                       rows=r), cost) for r in ((), chosen.placement.rows)),
+                    key=lambda c: c.prediction.latency_ms)
+    assert chosen.placement.attention_block and chosen.prediction.parts_ms["attention_core"] < min(
+        a, unblocked.prediction.parts_ms["attention_core"])
+
+
+def test_the_report_names_the_block_and_the_keys_each_block_reads():
+    place = DensePlacement("ane", None, "ane", None, (128, 256, 640, 768), (("attention", 256),), attention_block=128)
+    j = placement_json(place, 1100, 512)  # two full chunks (at 0 and 512), then a partial one of 76 tokens
+    assert j["attention_block"] == 128 and j["attention_reads"] == {0: [128, 256], 512: [640, 768]}
+    w = {"predicted_parts_ms": {"attention_core": 1.0}, "dense_placement": j, "vs": {}, "prompt_tokens": 1100,
+         "chunk_tokens": 512, "predicted_prefill_ms": 1.0, "over_roofline_whole": 1.0}
+    assert format_whole_prefill(w)[1] == ("  attention core: its first 256 queries of each full chunk in causal "
+                                          "blocks of 128, each reading the smallest bucket holding its keys (the "
+                                          "chunk at 0: 128..256 keys over 2 calls, not 512; the chunk at 512: "
+                                          "640..768 keys over 2 calls, not 1024)")
+
+
+def test_the_searched_block_and_split_are_the_enumerated_best():
+    """The core's block (none, 512 .. 64) and static rows (multiples of the block), every one priced: the search's
+    ternary search over the rows per block finds the cheapest within 1%."""
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    fast = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 1.0)
+    others = tuple((f, r) for f, r in fast.placement.rows if f != "attention")
+    priced = []
+    for block in (None, 512, 256, 128, 64):
+        step = block or 1024
+        keys = tuple(sorted({s + e for s in (0, 1024) for e in range(step, 1025, step)}))
+        for rows in range(step, 1025, step):
+            split = others + ((("attention", rows),) if rows < 1024 else ())
+            place = dataclasses.replace(fast.placement, buckets=keys, attention_block=block, rows=split)
+            priced.append((fast.priced(place, cost).prediction.latency_ms, block, rows))
+    best = min(priced)
+    assert fast.prediction.latency_ms <= 1.01 * best[0], (fast.placement, best)
+    assert best[1] is not None  # a block is the optimum here

@@ -96,16 +96,30 @@ def qk_norm_length(cfg: dict, heads: int) -> int:
 class DensePlacement:
     """Where the dense functions run: a static backend per function (None: the CPU), and the attention core's
     context buckets (a full chunk whose context fits one runs that bucket's static function, keys padded and
-    masked; past the last, the CPU)."""
+    masked; past the last, the CPU). With an `attention_block` b, a full chunk's static rows run in causal blocks
+    of b queries instead, block j over the keys its queries need (the smallest bucket that holds them); the chunk
+    runs them where its static rows' keys fit the last bucket."""
     qkv: str | None = None
     o_proj: str | None = None
     attention: str | None = None
     mlp: str | None = None
     buckets: tuple[int, ...] = ()
     rows: tuple[tuple[str, int], ...] = ()  # (function, r): its static function takes a full chunk's first r rows
+    attention_block: int | None = None  # the core's static rows in causal blocks of this many queries
 
     def bucket(self, context: int) -> int | None:
         return next((b for b in self.buckets if b >= context), None)
+
+    def block_buckets(self, start: int, chunk: int) -> list[int] | None:
+        """The bucket each static call of the attention core reads in a full chunk starting at offset `start`: one
+        (the chunk's context's) without a block, one per block with one; None where the keys fit no bucket (the
+        chunk's core runs on the CPU)."""
+        rows = self.static_rows("attention", chunk)
+        if self.attention_block is None:
+            return None if (b := self.bucket(start + chunk)) is None else [b]
+        if self.bucket(start + rows) is None:
+            return None
+        return [self.bucket(start + end) for end in range(self.attention_block, rows + 1, self.attention_block)]
 
     def static_rows(self, function: str, chunk: int) -> int:
         """The rows of a full chunk the function's static backend computes (the CPU, the rest, meanwhile)."""
@@ -156,19 +170,22 @@ def _on(backend: str | None, full: bool) -> str:
     return backend if backend is not None and full else EXACT
 
 
-def dense_link(cost: CostModel, backend: str, ms: Any) -> evaluator.Link:
-    """One step of the layer's chain on `backend`: a static function pays its call; CPU work does not."""
+def dense_link(cost: CostModel, backend: str, ms: Any, calls: int = 1) -> evaluator.Link:
+    """One step of the layer's chain on `backend`: a static function pays each of its `calls`; CPU work does
+    not."""
     static = backend != EXACT
-    t = float(np.sum(ms)) + (cost.call_ms(backend) if static else 0.0)
+    t = float(np.sum(ms)) + (calls * cost.call_ms(backend) if static else 0.0)
     return evaluator.Link(t, on_cpu=not (static and cost.overlaps(backend)), power_w=cost.power_w(backend))
 
 
-def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price) -> evaluator.Link:
-    """A step whose static function computes `rows` of the chunk's rows and the CPU the rest at the same time
-    (`price(backend, rows)` -> ms): the longer side's latency where the backend runs off the CPU, else their sum."""
+def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, calls: int = 1) -> evaluator.Link:
+    """A step whose static function computes `rows` of the chunk's rows (in `calls` calls) and the CPU the rest at
+    the same time (`price(backend, rows)` -> ms): the longer side's latency where the backend runs off the CPU,
+    else their sum."""
     if backend == EXACT or rows >= chunk:
-        return dense_link(cost, backend, price(backend, chunk))
-    static, cpu = dense_link(cost, backend, price(backend, rows)), dense_link(cost, EXACT, price(EXACT, chunk - rows))
+        return dense_link(cost, backend, price(backend, chunk), calls)
+    static = dense_link(cost, backend, price(backend, rows), calls)
+    cpu = dense_link(cost, EXACT, price(EXACT, chunk - rows))
     latency = max(static.latency_ms, cpu.latency_ms) if not static.on_cpu else static.latency_ms + cpu.latency_ms
     energy = None if static.energy_mj is None or cpu.energy_mj is None else static.energy_mj + cpu.energy_mj
     return evaluator.Link(latency, cpu_ms=static.cpu_ms + cpu.cpu_ms, energy_mj=energy)
@@ -179,8 +196,8 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     """The dense steps of one decoder layer for one chunk, by part."""
     h, ffn = shape.hidden, shape.mlp_ffn(layer)
     qkv, o = _on(place.qkv, full), _on(place.o_proj, full)
-    bucket = place.bucket(context) if place.attention is not None and full else None
-    attn = place.attention if bucket is not None else EXACT
+    reads = place.block_buckets(context - rows, rows) if place.attention is not None and full else None
+    attn = place.attention if reads is not None else EXACT
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
     def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul and holds the q/k
@@ -190,16 +207,18 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
         norms = cost.norm_ms(EXACT, r, q + kv, shape.qk_norm) if shape.qk_norm else 0.0
         return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
-    def attention_ms(b: str, r: int) -> float:  # a static core reads its bucket's keys; the CPU, the context's
-        return cost.attention_ms(b, r, bucket if b != EXACT and bucket else context, shape.heads, shape.kv_heads,
-                                 shape.head_dim)
+    def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the CPU, the context's
+        if b == EXACT or not reads:
+            return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim))
+        ms = cost.attention_ms(b, r // len(reads), np.asarray(reads), shape.heads, shape.kv_heads, shape.head_dim)
+        return float(np.sum(ms))
 
-    def split(function: str, backend: str, price) -> evaluator.Link:
-        return split_link(cost, backend, place.static_rows(function, rows), rows, price)
+    def split(function: str, backend: str, price, calls: int = 1) -> evaluator.Link:
+        return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls)
 
     out = {"attention_projections": [split("qkv", qkv, qkv_ms),
                                      split("o_proj", o, lambda b, r: cost.matmul_ms(b, r, h, q))],
-           "attention_core": [split("attention", attn, attention_ms)],
+           "attention_core": [split("attention", attn, attention_ms, len(reads or ()) or 1)],
            "rest": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
     if layer in shape.moe_layers:
         out["rest"].append(dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h)))
@@ -257,4 +276,4 @@ def placement_of(dense: Any) -> DensePlacement:
         split += (("attention", dense.attention_rows),)
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
-                          tuple(dense.attention_context_buckets), split)
+                          tuple(dense.attention_context_buckets), split, dense.attention_block)

@@ -90,30 +90,73 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
             trial, c = best_split(cost_of, trial, name, chunk_tokens)
             if c < best:
                 place, best = trial, c
-        for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):  # one static function per context bucket
-            if rows < chunk_tokens or context > (shape.context or context):
-                continue
-            trial = dataclasses.replace(place, attention=backend, buckets=(*place.buckets, context))
-            if (c := cost_of(trial)) < best:
-                place, best = trial, c
-        if place.attention:
-            place, best = best_split(cost_of, place, "attention", chunk_tokens)
+        place, best = choose_attention(cost_of, place, best, backend, shape, prompt_tokens, chunk_tokens)
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
     return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend)
 
 
-def best_split(cost_of, place: DensePlacement, function: str, chunk: int) -> tuple[DensePlacement, float]:
-    """`place` with `function` split at the rows of least `cost_of` (multiples of ROW_GRAIN below the chunk), or
+def attention_blocks(chunk: int) -> list[int | None]:
+    """The attention core's block sizes the search tries: none (one call per full chunk), then chunk/2, chunk/4, ...
+    while a multiple of ROW_GRAIN."""
+    out: list[int | None] = [None]
+    while chunk % 2 == 0 and (chunk := chunk // 2) % ROW_GRAIN == 0:
+        out.append(chunk)
+    return out
+
+
+def block_keys(prompt_tokens: int, chunk_tokens: int, block: int | None, context: int) -> tuple[int, ...]:
+    """The key lengths a full chunk's static calls need, over the prompt's full chunks within the model's
+    `context`: each chunk's context without a block, each block's end with one."""
+    step = block or chunk_tokens
+    ends = range(step, chunk_tokens + 1, step)
+    return tuple(sorted({s + end for s in full_starts(prompt_tokens, chunk_tokens, context) for end in ends}))
+
+
+def full_starts(prompt_tokens: int, chunk_tokens: int, context: int) -> list[int]:
+    """The offsets of the prompt's full chunks whose context is within the model's `context`."""
+    return [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens and c <= context]
+
+
+def choose_attention(cost_of, place: DensePlacement, best: float, backend: str, shape: DecoderShape,
+                     prompt_tokens: int, chunk_tokens: int) -> tuple[DensePlacement, float]:
+    """The attention core's buckets, block and row split of least `cost_of` (`place` as it is where none costs
+    less than `best`). Unblocked, each full chunk's context is tried as a bucket in turn; with a block, every key
+    length the blocks need is one, the split in multiples of the block, and the buckets no call reads are
+    dropped."""
+    context = shape.context or prompt_tokens
+    found = [(place, best)]
+    unblocked, cost = place, best
+    for key in block_keys(prompt_tokens, chunk_tokens, None, context):  # one static function per context bucket
+        trial = dataclasses.replace(unblocked, attention=backend, buckets=(*unblocked.buckets, key))
+        if (c := cost_of(trial)) < cost:
+            unblocked, cost = trial, c
+    if unblocked.attention:
+        found.append(best_split(cost_of, unblocked, "attention", chunk_tokens))
+    for block in attention_blocks(chunk_tokens)[1:]:
+        keys = block_keys(prompt_tokens, chunk_tokens, block, context)
+        if not keys:
+            break
+        trial = dataclasses.replace(place, attention=backend, buckets=keys, attention_block=block)
+        trial, c = best_split(cost_of, trial, "attention", chunk_tokens, block)
+        used = {k for s in full_starts(prompt_tokens, chunk_tokens, context)
+                for k in trial.block_buckets(s, chunk_tokens) or ()}
+        found.append((dataclasses.replace(trial, buckets=tuple(k for k in keys if k in used)), c))
+    return min(found, key=lambda pc: pc[1])
+
+
+def best_split(cost_of, place: DensePlacement, function: str, chunk: int, grain: int = ROW_GRAIN
+               ) -> tuple[DensePlacement, float]:
+    """`place` with `function` split at the rows of least `cost_of` (multiples of `grain` below the chunk), or
     not split where that costs least; with its cost."""
     whole = cost_of(place)
-    steps = chunk // ROW_GRAIN
+    steps = chunk // grain
     if steps < 2:
         return place, whole
     seen: dict[int, float] = {}
 
     def at(k: int) -> float:
         if k not in seen:
-            seen[k] = cost_of(place.with_rows(function, k * ROW_GRAIN))
+            seen[k] = cost_of(place.with_rows(function, k * grain))
         return seen[k]
 
     lo, hi = 1, steps - 1
@@ -121,7 +164,7 @@ def best_split(cost_of, place: DensePlacement, function: str, chunk: int) -> tup
         a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
         lo, hi = (lo, b - 1) if at(a) < at(b) else (a + 1, hi)
     k = min(range(lo, hi + 1), key=at)
-    return (place.with_rows(function, k * ROW_GRAIN), at(k)) if at(k) < whole else (place, whole)
+    return (place.with_rows(function, k * grain), at(k)) if at(k) < whole else (place, whole)
 
 
 def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
@@ -144,4 +187,6 @@ def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
     out = {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers}
     if place.attention and "attention" in rows:
         out["attention_rows"] = rows["attention"]
+    if place.attention and place.attention_block:
+        out["attention_block"] = place.attention_block
     return out

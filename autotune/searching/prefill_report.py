@@ -70,12 +70,16 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
-            "dense_placement": placement_json(choice.placement if choice else DensePlacement()),
+            "dense_placement": placement_json(choice.placement if choice else DensePlacement(), prompt_tokens, chunk),
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
             "vs": vs,
             "over_roofline_whole": plan.latency_ms / roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)}
 
 
-def placement_json(place: DensePlacement) -> dict:
+def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int) -> dict:
+    """The placement as the report gives it; `attention_reads`: per full chunk's offset, the keys each of its
+    static core calls reads (one call unblocked, one per block with `attention_block`)."""
+    starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens]
+    reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
-            "static_rows": dict(place.rows)}
+            "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads}

@@ -83,10 +83,23 @@ def format_whole_prefill(w: dict) -> list[str]:
     on = [k for k in DENSE_FUNCTIONS if place[k]]
     where = (f"{', '.join(on)} on {place[on[0]]}" + (f" (attention buckets {place['attention_context_buckets']})"
                                                     if place["attention"] else "")) if on else "all on the CPU"
+    core = [core_reads(place, w["chunk_tokens"])] if place.get("attention_block") and place["attention"] else []
     vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
             f"{parts}; dense functions: {where}",
-            f"  baselines' latency over the plan's: {vs}; over the roofline {w['over_roofline_whole']:.2f}x"]
+            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {w['over_roofline_whole']:.2f}x"]
+
+
+def core_reads(place: dict, chunk: int) -> str:
+    """The attention core in causal blocks: the keys each full chunk's blocks read, against the whole bucket every
+    query would read unblocked (the figure that decides)."""
+    rows = place["static_rows"].get("attention", chunk)
+    chunks = "; ".join(f"the chunk at {s}: {k[0]}..{k[-1]} keys over {len(k)} calls, not {int(s) + chunk}"
+                       for s, k in list(place["attention_reads"].items())[:2])
+    more = len(place["attention_reads"]) - 2
+    return (f"  attention core: its first {rows} queries of each full chunk in causal blocks of "
+            f"{place['attention_block']}, each reading the smallest bucket holding its keys ({chunks}"
+            + (f"; {more} more chunk(s)" if more > 0 else "") + ")")
 
 
 def format_report(r: dict) -> str:

@@ -3,7 +3,9 @@ sdpa's masks, so transformers keeps its KV cache, rope and mask building. A laye
 chunk whose context fits a bucket on the static function of the smallest such bucket (keys padded to the bucket,
 the padding masked); everything else (a partial chunk, a decode step, a context past the last bucket, a batch of
 several sequences, a layer without a planned core) runs on sdpa, exactly as transformers would. Split by rows
-(`Split`), the function takes a full chunk's first queries and the CPU the rest at the same time.
+(`Split`), the function takes a full chunk's first queries and the CPU the rest at the same time. In causal blocks
+(`block`), the static queries run block by block, each on the function of the smallest bucket holding its keys (a
+causal chunk's first queries need only the first keys).
 """
 from __future__ import annotations
 
@@ -85,35 +87,58 @@ class Split:
 
 
 class AttentionCore:
-    """One layer's planned attention core: the prepared function of each bucket (shared by every layer)."""
+    """One layer's planned attention core: the prepared function of each bucket (shared by every layer). With a
+    `block`, a full chunk's static queries run in causal blocks of that many, each on the smallest bucket holding
+    its keys."""
 
     def __init__(self, chunk: int, fns: dict[int, DenseFn], backend: str, scaling: float,
-                 calls: Counter | None = None, split: Split | None = None) -> None:
+                 calls: Counter | None = None, split: Split | None = None, block: int | None = None) -> None:
         self.chunk, self.fns, self.backend, self.scaling, self.split = chunk, fns, backend, scaling, split
-        self.buckets = sorted(fns)
+        self.buckets, self.block = sorted(fns), block
         self.calls = Counter() if calls is None else calls  # ("attention", backend name); cpu-exact: sdpa
+
+    def bucket(self, keys: int) -> int | None:
+        return next((b for b in self.buckets if b >= keys), None)
+
+    def reads(self, start: int, static: int) -> list[int] | None:
+        """The bucket each static call reads for a full chunk at offset `start` whose first `static` queries run
+        static: one (the chunk's context's) without a block, one per block with one; None: none fits."""
+        if self.block is None:
+            return None if (b := self.bucket(start + self.chunk)) is None else [b]
+        if self.bucket(start + static) is None:
+            return None
+        return [self.bucket(start + end) for end in range(self.block, static + 1, self.block)]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                  scaling: float | None) -> torch.Tensor | None:
         """The chunk's attention output `[1, queries, heads, d]` on the static function, or None (run sdpa)."""
         batch, _, queries, _ = query.shape
         keys = key.shape[2]
-        bucket = next((b for b in self.buckets if b >= keys), None)
-        if batch != 1 or queries != self.chunk or bucket is None or (scaling or self.scaling) != self.scaling:
+        if batch != 1 or queries != self.chunk or (scaling or self.scaling) != self.scaling:
             return None
-        allowed = allowed_keys(mask, queries, keys, bucket)
-        if allowed is None:
+        static = self.split.rows if self.split is not None else queries
+        reads = self.reads(keys - queries, static)
+        if reads is None:
             return None
-        k = key.new_zeros(key.shape[1], bucket, key.shape[3])
-        v = value.new_zeros(value.shape[1], bucket, value.shape[3])
+        width = max(keys, reads[-1])
+        allowed = allowed_keys(mask, queries, keys, width)
+        per = static // len(reads)
+        calls = [(i * per, b) for i, b in enumerate(reads)]
+        if allowed is None or any(allowed[r:r + per, b:].any() for r, b in calls):  # a key past its block's bucket
+            return None
+        k = key.new_zeros(key.shape[1], width, key.shape[3])
+        v = value.new_zeros(value.shape[1], width, value.shape[3])
         k[:, :keys], v[:, :keys] = key[0], value[0]
-        q, fn = query[0], self.fns[bucket]
+        q = query[0]
+
+        def run_static() -> torch.Tensor:
+            return torch.cat([self.fns[b](q[:, r:r + per], k[:, :b], v[:, :b], allowed[r:r + per, :b])
+                              for r, b in calls], dim=1)
+
         if self.split is None:
-            out = fn(q, k, v, allowed).to(query.dtype)
+            out = run_static().to(query.dtype)
         else:
-            cut = self.split.rows
-            out = torch.cat(self.split.run(lambda: fn(q[:, :cut], k, v, allowed[:cut]), self.split.cpu, q[:, cut:],
-                                           query.dtype, self.calls, "attention", key[0], value[0],
-                                           allowed[cut:, :keys]), dim=1)
-        self.calls[("attention", self.backend)] += 1
+            out = torch.cat(self.split.run(run_static, self.split.cpu, q[:, static:], query.dtype, self.calls,
+                                           "attention", key[0], value[0], allowed[static:, :keys]), dim=1)
+        self.calls[("attention", self.backend)] += len(calls)
         return out.unsqueeze(0).transpose(1, 2).contiguous()

@@ -267,7 +267,7 @@ class DenseExecutor:
         scaling = float(self.model.model.layers[index].self_attn.scaling)
         cpu = lambda q, k, v, allowed: attention_reference(q, k, v, allowed, scaling)  # noqa: E731
         return AttentionCore(self.plan.chunk_tokens, fns, backend.name, scaling, self.calls,
-                             self._split(backend, self.plan.dense.attention_rows, cpu))
+                             self._split(backend, self.plan.dense.attention_rows, cpu), self.plan.dense.attention_block)
 
     @property
     def attention_functions(self) -> int:

@@ -36,9 +36,11 @@ def layer_specs(model: torch.nn.Module, plan: Plan, dl: DenseLayer) -> list[tupl
 
 def attention_spec(model: torch.nn.Module, plan: Plan, layer: int, bucket: int) -> DenseSpec:
     """The weight-free attention core of a full chunk's queries (its first `attention_rows` where the plan splits
-    it) over `bucket` keys (the same for every layer)."""
+    it, one block of them where it runs in `attention_block`s) over `bucket` keys (the same for every layer)."""
     attn, cfg = model.model.layers[layer].self_attn, model.config
-    rows = plan.dense.attention_rows if plan.dense and plan.dense.attention_rows else plan.chunk_tokens
+    dense = plan.dense
+    rows = (dense.attention_block or dense.attention_rows) if dense else None
+    rows = rows or plan.chunk_tokens
     return DenseSpec("attention", -1, rows, form=DenseForm(head_dim=int(attn.head_dim)), keys=bucket,
                      heads=int(cfg.num_attention_heads), kv_heads=int(cfg.num_key_value_heads),
                      scaling=float(attn.scaling))
