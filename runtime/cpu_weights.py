@@ -17,6 +17,7 @@ it, the defaults below (measured on the Linux x86-64 host by scripts/bench_moe_l
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
@@ -42,6 +43,21 @@ NEVER = 1 << 30
 # fastest, and the gate keeps it only where it passes). int4 packed at every row count (0.28-0.33x bf16:
 # torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x the matmul).
 KERNEL_ROWS = {"int8": {"packed": 0, "dequant": 16}, "int4": {"packed": 0}}
+_SCRATCH = threading.local()  # per thread (a server prefills on one thread while it decodes on another)
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer of `shape` and `dtype` for one expert's matrix at full width, reused call after call
+    (one per shape: a few MB). A fresh one is above the mmap threshold the quantized runtime sets
+    (`runtime.quantized.return_temporaries_to_the_os`), so glibc maps it anew and faulting its pages in cost more than
+    the conversion itself: a 4096 x 1024 int8 matrix to bf16 took 4.0-4.5 ms into a new tensor, 0.9 ms into this."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    key = (tuple(shape), dtype)
+    if key not in bufs:
+        bufs[key] = torch.empty(shape, dtype=dtype)
+    return bufs[key]
+
+
 _BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
 
 
@@ -129,13 +145,14 @@ class QuantizedCpuExperts(torch.nn.Module):
     def dequant_rows(self, rows: int) -> None:
         self.kernel_rows = {"packed": 0, "dequant": rows}
 
-    def _full(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+    def _full(self, name: str, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert `e`'s matrix `name` at full width in `dtype` (int4: written into `out` where given)."""
         q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
         if self.kind == "int8":
             return (q.to(torch.float32) * s[:, None]).to(dtype)
         # one pass into the output in `dtype`: codes converted as unpacked, then w = q * scale + (zero - 8 * scale)
         n, k = self.shapes[0 if name == "gate_up" else 1]
-        w = _int4_unpack(q, n, k, torch.empty((n, k), dtype=dtype))
+        w = _int4_unpack(q, n, k, torch.empty((n, k), dtype=dtype) if out is None else out)
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K / group]
         groups = w.view(n, k // self.group_size, self.group_size)
         return groups.mul_(scale.to(dtype)[..., None]).add_((zero - 8 * scale).to(dtype)[..., None]).view(n, k)
@@ -162,6 +179,11 @@ class QuantizedCpuExperts(torch.nn.Module):
         y = torch._int_mm(xq, getattr(self, f"{name}_q")[e].t()).float()
         return (y.mul_(xs).mul_(getattr(self, f"{name}_s")[e])).to(x.dtype)
 
+    def _codes(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s int8 codes of `name` cast to `dtype`, in this thread's scratch (valid until its next use)."""
+        q = getattr(self, f"{name}_q")[e]
+        return scratch(q.shape, dtype).copy_(q)
+
     def ffn(self, module: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e`'s gated FFN of rows `x`, by the kernel for its row count."""
         kernel = self.kernel(x.shape[0])
@@ -169,10 +191,11 @@ class QuantizedCpuExperts(torch.nn.Module):
         if kernel == "int_mm":
             return self._int_mm("down", e, gated_activation(module, self._int_mm("gate_up", e, x)))
         if kernel == "dequant" and self.kind == "int8":
-            h = gated_activation(module, F.linear(x, self.gate_up_q[e].to(x.dtype)) * self.gate_up_s[e].to(x.dtype))
-            return F.linear(h, self.down_q[e].to(x.dtype)) * self.down_s[e].to(x.dtype)
+            h = F.linear(x, self._codes("gate_up", e, x.dtype)) * self.gate_up_s[e].to(x.dtype)
+            return F.linear(gated_activation(module, h), self._codes("down", e, x.dtype)) * self.down_s[e].to(x.dtype)
         if kernel == "dequant":
-            gate_up, down = self.expert(e, x.dtype)
+            gate_up, down = (self._full(name, e, x.dtype, scratch(shape, x.dtype))
+                             for name, shape in zip(("gate_up", "down"), self.shapes))
             return F.linear(gated_activation(module, F.linear(x, gate_up)), down)
         return self._mm("down", e, gated_activation(module, self._mm("gate_up", e, x)).contiguous())
 
