@@ -37,10 +37,10 @@ INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 NEVER = 1 << 30
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
-# dequant from 16 rows per expert (0.55-0.75x bf16 at a 512-token layer). int_mm is faster there (0.93-1.26x) but
+# dequant from 16 rows per expert (0.55-0.79x bf16 at a 512-token layer). int_mm is faster there (0.93-1.30x) but
 # rounds the rows to int8 too: tiny-moe's all-CPU int8 plan then measured top-1 0.9871 against the gate's 0.99
 # (0.9919 with dequant), so it runs only where a plan sets it (`autotune search` sets it where the profile measured it
-# fastest, and the gate keeps it only where it passes). int4 packed at every row count (0.28-0.33x bf16:
+# fastest, and the gate keeps it only where it passes). int4 packed at every row count (0.26-0.33x bf16:
 # torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x the matmul).
 KERNEL_ROWS = {"int8": {"packed": 0, "dequant": 16}, "int4": {"packed": 0}}
 _SCRATCH = threading.local()  # per thread (a server prefills on one thread while it decodes on another)
