@@ -11,7 +11,7 @@ their kernels:
   (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows.
 
 Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
-runs; `dequant_rows` its two-kernel form) is the plan's `cpu_weights.kernel_rows` (`autotune search` takes it from
+runs) is the plan's `cpu_weights.kernel_rows` (`autotune search` takes it from
 the profile's kernel records, `autotune.profiling.kernels.kernel_rows`, and its fidelity gate decides) or, without
 it, the defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
 """
@@ -34,7 +34,6 @@ KERNELS = CPU_KERNELS  # each storage's (the names a plan's cpu_weights.kernel_r
 # A kernel that rounds more than the stored weights do, and the one that replaces it where the gate refuses it.
 LOSSLESS_FALLBACK = {"int_mm": "dequant"}
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
-NEVER = 1 << 30
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
 # dequant from 16 rows per expert (0.55-0.79x bf16 at a 512-token layer). int_mm is faster there (0.93-1.30x) but
@@ -136,15 +135,6 @@ class QuantizedCpuExperts(torch.nn.Module):
             getattr(self, f"{name}_q")[e].copy_(q)
             getattr(self, f"{name}_s")[e].copy_(s)
 
-    @property
-    def dequant_rows(self) -> int:
-        """Rows at and above which `dequant` runs (`packed` below): the two-kernel form of `kernel_rows`."""
-        return self.kernel_rows.get("dequant", NEVER)
-
-    @dequant_rows.setter
-    def dequant_rows(self, rows: int) -> None:
-        self.kernel_rows = {"packed": 0, "dequant": rows}
-
     def _full(self, name: str, e: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Expert `e`'s matrix `name` at full width in `dtype` (int4: written into `out` where given)."""
         q, s = getattr(self, f"{name}_q")[e], getattr(self, f"{name}_s")[e]
@@ -219,15 +209,22 @@ def kernel_calls(stores) -> dict[str, int]:
     return dict(sum((s.calls for s in stores), Counter()))
 
 
-def quantize_experts(module: torch.nn.Module, kind: str, group_size: int = 64,
-                     kernel_rows: dict[str, int] | None = None) -> None:
-    """Replace a fused experts module's full-width `gate_up_proj` / `down_proj` by `kind` storage, quantized one
-    expert at a time (`module.npumoe_weights`, which the exact path runs); `kernel_rows`: the plan's (None: the
-    defaults)."""
+def quantized_store(module: torch.nn.Module, kind: str, group_size: int = 64,
+                    kernel_rows: dict[str, int] | None = None) -> QuantizedCpuExperts:
+    """A fused experts module's weights as `kind` storage, quantized one expert at a time; the module is left as it
+    is; `kernel_rows`: the plan's (None: the defaults)."""
     with torch.no_grad():
         store = QuantizedCpuExperts(kind, module.num_experts, module.hidden_dim, module.intermediate_dim, group_size,
                                     kernel_rows)
         for e in range(module.num_experts):
             store.set_expert(e, module.gate_up_proj[e], module.down_proj[e])
+    return store
+
+
+def quantize_experts(module: torch.nn.Module, kind: str, group_size: int = 64,
+                     kernel_rows: dict[str, int] | None = None) -> None:
+    """Replace a fused experts module's full-width `gate_up_proj` / `down_proj` by `kind` storage
+    (`quantized_store`: `module.npumoe_weights`, which the exact path runs)."""
+    store = quantized_store(module, kind, group_size, kernel_rows)
     del module.gate_up_proj, module.down_proj
     module.npumoe_weights = store

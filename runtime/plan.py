@@ -38,6 +38,22 @@ SHARE_SUM_TOLERANCE = 1e-3  # load shares are written rounded; they must still s
 ATTENTION_BLOCK_GRAIN = 64  # an attention block's queries: a multiple of the ANE's preferred 64 rows
 
 
+def static_reads(buckets: list[int] | tuple[int, ...], chunk: int, start: int, static: int,
+                 block: int | None) -> list[int] | None:
+    """The context bucket each static attention-core call reads in a full chunk at offset `start` whose first
+    `static` queries run static (ascending `buckets`, `DensePlan`'s rule): one, the chunk's context's, without a
+    `block`; with one, a call per block, each over the smallest bucket holding its keys. None: the keys fit no
+    bucket (the chunk's core runs on the CPU). What the runtime calls and the search prices."""
+    def bucket(keys: int) -> int | None:
+        return next((b for b in buckets if b >= keys), None)
+
+    if block is None:
+        return None if (b := bucket(start + chunk)) is None else [b]
+    if bucket(start + static) is None:
+        return None
+    return [bucket(start + end) for end in range(block, static + 1, block)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 from autotune.profiling.kernels import (
     DECODE_ROWS,
     PREFILL_ROWS,
-    dequant_rows,
     fastest_kernel,
     kernel_records,
     kernel_rows,
@@ -26,8 +25,8 @@ def test_fastest_kernel_and_the_dequant_threshold():
     assert fastest_kernel(recs, "int8", 1) == ("packed", 0.01)
     assert fastest_kernel(recs, "int8", 300)[0] == "dequant"
     assert fastest_kernel(recs, "int8", 20)[0] == "packed"  # nearest measured: 16 rows, 0.16 < 0.216 ms
-    assert dequant_rows(recs, "int8") == 64
-    assert dequant_rows(recs, "int4:64") == 1 << 30  # packed wins at the most rows measured
+    assert kernel_rows(recs, "int8")["dequant"] == 64
+    assert kernel_rows(recs, "int4:64") == {"packed": 0}  # packed wins at the most rows measured: never dequant
     assert kernel_rows(recs, "int8") == {"packed": 0, "dequant": 64}
     int_mm = recs + [_rec("int8", "int_mm", r, 0.05 + 0.0005 * r) for r in (1, 4, 16, 64, 256)]
     assert kernel_rows(int_mm, "int8") == {"packed": 0, "int_mm": 16}  # 0.058 < 0.16 ms at 16 rows, < 0.232 at 64

@@ -67,9 +67,9 @@ def test_cpu_experts_kernels_agree(kind, bound):
     assert not hasattr(module, "gate_up_proj") and store.stored_bytes() < 4 * 3 * 256 * 128 * 2 / 1.5
     assert store.kernel(1) == "packed" and store.kernel(64) == ("dequant" if kind == "int8" else "packed")
     for e in range(4):
-        store.dequant_rows = 1 << 30
+        store.kernel_rows = {"packed": 0}
         packed = expert_ffn(module, e, x)
-        store.dequant_rows = 0
+        store.kernel_rows = {"dequant": 0}
         dequant = expert_ffn(module, e, x)
         assert float((packed - dequant).abs().max() / dequant.abs().max()) < 1e-4
         err = float((packed - full[e]).abs().max() / full[e].abs().max())
@@ -136,7 +136,7 @@ def test_dequant_converts_into_one_reused_buffer_per_thread():
         module.down_proj.normal_(0, 0.02)
     quantize_experts(module, "int8", 64)
     store, x = module.npumoe_weights, torch.randn(32, 256)
-    store.dequant_rows = 0
+    store.kernel_rows = {"dequant": 0}
     for e in (0, 1):
         got = store.ffn(module, e, x)
         h = torch.nn.functional.linear(x, store.gate_up_q[e].float()) * store.gate_up_s[e]

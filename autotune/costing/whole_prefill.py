@@ -24,6 +24,7 @@ from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
 from runtime.backends import EXACT
 from runtime.dense.families import FAMILIES
+from runtime.plan import static_reads
 
 # The parts as the runtime measures them (runtime.dense.parts): `rest` is the norms, rope, residual adds and router.
 PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
@@ -107,19 +108,11 @@ class DensePlacement:
     rows: tuple[tuple[str, int], ...] = ()  # (function, r): its static function takes a full chunk's first r rows
     attention_block: int | None = None  # the core's static rows in causal blocks of this many queries
 
-    def bucket(self, context: int) -> int | None:
-        return next((b for b in self.buckets if b >= context), None)
-
     def block_buckets(self, start: int, chunk: int) -> list[int] | None:
         """The bucket each static call of the attention core reads in a full chunk starting at offset `start`: one
         (the chunk's context's) without a block, one per block with one; None where the keys fit no bucket (the
         chunk's core runs on the CPU)."""
-        rows = self.static_rows("attention", chunk)
-        if self.attention_block is None:
-            return None if (b := self.bucket(start + chunk)) is None else [b]
-        if self.bucket(start + rows) is None:
-            return None
-        return [self.bucket(start + end) for end in range(self.attention_block, rows + 1, self.attention_block)]
+        return static_reads(self.buckets, chunk, start, self.static_rows("attention", chunk), self.attention_block)
 
     def static_rows(self, function: str, chunk: int) -> int:
         """The rows of a full chunk the function's static backend computes (the CPU, the rest, meanwhile)."""

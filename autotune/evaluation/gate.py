@@ -121,17 +121,11 @@ def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None
     defaults), while the unmodified model (transformers' kernels) and the ANE groups (whose packages are built from
     the full-width checkpoint) read the full-width weights, as on a Mac. Yields the stores made (their kernels and
     call counts); bf16, or experts already packed: nothing changes, none made."""
-    from runtime.cpu_weights import QuantizedCpuExperts
+    from runtime.cpu_weights import quantized_store
 
     layers = [l for l in moe_layers(model) if kind != "bf16" and not hasattr(l.experts, "npumoe_weights")]
-    with torch.no_grad():
-        for layer in layers:
-            m = layer.experts
-            store = QuantizedCpuExperts(kind, m.num_experts, m.hidden_dim, m.intermediate_dim, group_size or 64,
-                                        kernel_rows)
-            for e in range(m.num_experts):
-                store.set_expert(e, m.gate_up_proj[e], m.down_proj[e])
-            m.npumoe_weights = store
+    for layer in layers:
+        layer.experts.npumoe_weights = quantized_store(layer.experts, kind, group_size or 64, kernel_rows)
     try:
         yield [layer.experts.npumoe_weights for layer in layers]
     finally:

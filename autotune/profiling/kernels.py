@@ -78,19 +78,6 @@ def fastest_kernel(records: list[dict], storage: str, rows: int, hidden: int | N
     return best["kernel"], float(best["median_ms"])
 
 
-def dequant_rows(records: list[dict], storage: str, hidden: int | None = None) -> int:
-    """The row count from which `dequant` is the fastest kernel of `storage` at every measured count above it
-    (`runtime.cpu_weights.QuantizedCpuExperts.dequant_rows`); never (2**30) where `packed` wins the largest."""
-    kind, _ = _storage(storage)
-    counts = sorted({r["rows"] for r in records if r.get("kind") == "expert_kernel" and r["storage"] == kind})
-    start = 1 << 30
-    for rows in reversed(counts):
-        if fastest_kernel(records, storage, rows, hidden)[0] != "dequant":
-            break
-        start = rows
-    return start
-
-
 def kernel_rows(records: list[dict], storage: str, hidden: int | None = None) -> dict[str, int]:
     """`runtime.cpu_weights.QuantizedCpuExperts.kernel_rows` from the records: each kernel from the measured row
     count at which it becomes the fastest (the first from 0); a kernel that wins two separate ranges runs from the

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from runtime.backends import EXACT, DenseFn
+from runtime.plan import static_reads
 
 IMPLEMENTATION = "npumoe"
 
@@ -97,18 +98,6 @@ class AttentionCore:
         self.buckets, self.block = sorted(fns), block
         self.calls = Counter() if calls is None else calls  # ("attention", backend name); cpu-exact: sdpa
 
-    def bucket(self, keys: int) -> int | None:
-        return next((b for b in self.buckets if b >= keys), None)
-
-    def reads(self, start: int, static: int) -> list[int] | None:
-        """The bucket each static call reads for a full chunk at offset `start` whose first `static` queries run
-        static: one (the chunk's context's) without a block, one per block with one; None: none fits."""
-        if self.block is None:
-            return None if (b := self.bucket(start + self.chunk)) is None else [b]
-        if self.bucket(start + static) is None:
-            return None
-        return [self.bucket(start + end) for end in range(self.block, static + 1, self.block)]
-
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                  scaling: float | None) -> torch.Tensor | None:
         """The chunk's attention output `[1, queries, heads, d]` on the static function, or None (run sdpa)."""
@@ -117,7 +106,7 @@ class AttentionCore:
         if batch != 1 or queries != self.chunk or (scaling or self.scaling) != self.scaling:
             return None
         static = self.split.rows if self.split is not None else queries
-        reads = self.reads(keys - queries, static)
+        reads = static_reads(self.buckets, self.chunk, keys - queries, static, self.block)
         if reads is None:
             return None
         width = max(keys, reads[-1])
