@@ -13,7 +13,7 @@ from autotune.costing.whole_prefill import DecoderShape
 from autotune.evaluation.run_parts import routed_experts
 from autotune.profiling.dense_records import DenseShape, attention_call
 from autotune.profiling.settings import settings_for
-from autotune.profiling.timing import time_call
+from autotune.profiling.timing import time_in_forward
 from runtime.plan import LayerPlan
 
 # Two head shapes: tiny-moe's (4 heads of 64, 2 KV heads) and twice the heads at twice the width.
@@ -51,7 +51,7 @@ def test_measured_attention_fit_predicts_held_out_points_of_two_head_shapes():
     torch.set_num_threads(1)
     s = settings_for(True)
     with torch.inference_mode():
-        recs = [{**_record(shape, r, c), **time_call(attention_call(shape, r, c), s, clock="cpu")}
+        recs = [{**_record(shape, r, c), **time_in_forward(attention_call(shape, r, c), s)}
                 for shape in SHAPES for r, c in POINTS]
     held = [r for r in recs if (r["rows"], r["context"]) in HELD]
     fit = fit_dense([r for r in recs if r not in held])["attention"]

@@ -5,13 +5,15 @@ import contextlib
 import json
 
 import pytest
+import torch
 
 from autotune.cli import main
+from autotune.profiling.cache_state import Call, ForwardCaches
 from autotune.profiling.device import profile_device
 from autotune.profiling.energy import RaplMeter
 from autotune.profiling.profile import save_profile
 from autotune.profiling.settings import Settings
-from autotune.profiling.timing import time_call
+from autotune.profiling.timing import time_call, time_in_forward
 
 
 def test_tiny_real_profile_device_run_and_show_profile(tmp_path, capsys):
@@ -75,3 +77,44 @@ def test_time_call_takes_energy_from_any_meter_window(field, mj):
     rec = time_call(lambda: sum(range(1000)), s, _FixedMeter(), energy_field=field, clock="wall")
     assert rec["runs"] == 4 and rec["energy_mj_per_run"] == pytest.approx(mj / 4)
     assert rec["power_w"] > 0
+
+
+class _CountingMeter:
+    """A meter whose window reads 1 mJ per call of `tick` inside it."""
+    name, source = "counting", "test"
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    @contextlib.contextmanager
+    def window(self):
+        out, start = {}, self.ticks
+        yield out
+        out["cpu_total_mj"] = float(self.ticks - start)
+
+
+def test_time_in_forward_rewrites_the_input_before_each_run_and_keeps_its_energy_out():
+    """The eviction runs ahead of every run (warm-up too), untimed; the op's input keeps its values; the energy of
+    the preparation (measured alone after) is taken off the record's."""
+    s = Settings({}, tokens=[], groups=[], pack_tokens=[], warmup=1, min_runs=5, max_runs=5, min_time_s=0.0)
+    meter, x = _CountingMeter(), torch.randn(64, 8)
+    original, prepared, seen = x.clone(), [], []
+
+    class Caches(ForwardCaches):
+        def before(self, call):
+            inner = super().before(call)
+
+            def prepare():
+                inner()
+                meter.ticks += 3  # an eviction's energy
+                prepared.append(self.buffer[0].item())
+            return prepare
+
+    def run():
+        meter.ticks += 1  # the call's own energy
+        seen.append(torch.equal(x, original))
+
+    rec = time_in_forward(Call(run, (x,)), s, meter, "cpu_total_mj", "cpu", Caches(nbytes=1 << 20))
+    assert rec["runs"] == 5 and len(seen) == 6 and all(seen)
+    assert len(prepared) == 6 + 5 and prepared[0] == 1.0  # before each run and the warm-up, then alone for energy
+    assert rec["energy_mj_per_run"] == pytest.approx(1.0)

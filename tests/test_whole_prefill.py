@@ -22,7 +22,7 @@ from autotune.costing.whole_prefill import (
 from autotune.profiling.dense_records import matmul_call
 from autotune.profiling.profile import load_profile
 from autotune.profiling.settings import settings_for
-from autotune.profiling.timing import time_call
+from autotune.profiling.timing import time_in_forward
 from autotune.searching.dense_choice import choose_dense, dense_plan
 from autotune.searching.prefill_report import placement_json
 from autotune.searching.report import format_whole_prefill
@@ -134,7 +134,7 @@ def test_measured_matmul_fit_predicts_held_out_shapes():
     s = settings_for(True)
     shapes = [(m, n, k) for m in (16, 64, 256) for n, k in ((384, 128), (128, 256), (512, 256), (256, 512))]
     with torch.inference_mode():
-        rounds = [[time_call(matmul_call(m, n, k), s, clock="cpu") for m, n, k in shapes] for _ in range(3)]
+        rounds = [[time_in_forward(matmul_call(m, n, k), s) for m, n, k in shapes] for _ in range(3)]
     recs = [{"kind": "dense_matmul", "m": m, "n": n, "k": k, "backend": "cpu-exact", "dtype_bytes": 4,
              **min((r[i] for r in rounds), key=lambda t: t["median_ms"])} for i, (m, n, k) in enumerate(shapes)]
     held = recs[1::4]

@@ -1,12 +1,11 @@
-"""Benchmark callers: each returns a zero-argument function that makes one call of runtime code (a static group
-through its backend's `StaticBackend` protocol, or as its registry entry says to time it; an exact-path call; the
-executor's host-side work for a chunk), for `timing.time_call`."""
+"""Benchmark callers: each returns a `cache_state.Call` that makes one call of runtime code (a static group through
+its backend's `StaticBackend` protocol, or as its registry entry says to time it; an exact-path call; the
+executor's host-side work for a chunk), with the input a forward's op before it writes, for `timing`."""
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
+from autotune.profiling.cache_state import Call
 from runtime.backends import REFERENCE, BackendInfo, ExactFn, GroupSpec, run_exact
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
@@ -41,21 +40,21 @@ class Rotor:
 
 
 def group_caller(info: BackendInfo, module: torch.nn.Module, caps: list[int], hidden: int,
-                 rotor: Rotor) -> Callable[[], object]:
+                 rotor: Rotor) -> Call:
     """One call of the backend over len(caps) experts, as the executor makes it: the exact path's, the backend's own
     profiling call where its registry entry has one, else its prepared function of a synthetic group (groups over
     other experts in turn)."""
     g = len(caps)
     x = torch.randn(sum(caps), hidden)
     if info.exact:
-        return lambda: run_exact(module, x, rotor.next(g), caps)
+        return Call(lambda: run_exact(module, x, rotor.next(g), caps), (x,))
     if info.profile_call is not None:
-        return info.profile_call(module, caps, hidden)
+        return Call(info.profile_call(module, caps, hidden), ())
     backend = info.create()
     n_sets = max(1, module.num_experts // g)
     fns = [backend.prepare(GroupSpec(0, i, tuple(range(i * g, i * g + g)), tuple(caps), module))
            for i in range(n_sets)]
-    return lambda: fns[rotor.next()[0] % n_sets](x)
+    return Call(lambda: fns[rotor.next()[0] % n_sets](x), (x,))
 
 
 class _NullStatic:
@@ -95,13 +94,13 @@ def pack_capacity(tokens: int, top_k: int, num_experts: int, ample: bool) -> int
 
 
 def host_caller(kind: str, module: torch.nn.Module, tokens: int, top_k: int,
-                capacity: int = 0) -> Callable[[], object]:
+                capacity: int = 0) -> Call:
     """The executor's host-side work for one chunk: `pack` (static path) or `exact_host` (exact path, its expert
     compute replaced by identity, so only the sorting, gathering and scattering are timed)."""
     ex = _layer_executor(module, kind == "pack", tokens, top_k, capacity or tokens, exact=_no_compute)
     x = torch.randn(tokens, module.hidden_dim)
     idx, w = random_routing(tokens, module.num_experts, top_k)
-    return lambda: ex(x, idx, w)
+    return Call(lambda: ex(x, idx, w), (x, w))
 
 
 def _no_compute(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int], counts: list[int]

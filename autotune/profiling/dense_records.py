@@ -2,8 +2,9 @@
 attention projections, router and lm_head shapes), the attention core as a run's `attention_core` part times it
 (rope, the KV cache's update, transformers' sdpa forward) at several (rows, context) points, chunks with nothing
 cached before them (causal) and later ones (masked), and one layer's elementwise work per token outside the attention
-block (two RMS norms, two residual adds) and the q/k norms per head. Records `dense_matmul`, `attention` and
-`elementwise`, fitted by `autotune.costing.dense_prices.fit_dense`."""
+block (two RMS norms, two residual adds) and the q/k norms per head, each run in the cache state a forward leaves
+(`cache_state`). Records `dense_matmul`, `attention` and `elementwise`, fitted by
+`autotune.costing.dense_prices.fit_dense`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from autotune.profiling.cache_state import Call, ForwardCaches
 from autotune.profiling.settings import Settings
-from autotune.profiling.timing import time_call
+from autotune.profiling.timing import time_in_forward
 from runtime.backends import EXACT
 
 
@@ -56,9 +58,9 @@ def matmul_cases(shape: DenseShape) -> list[tuple[int, int, int]]:
     return out + [(m, shape.vocab, shape.hidden) for m in shape.lm_head_rows]
 
 
-def matmul_call(m: int, n: int, k: int):
+def matmul_call(m: int, n: int, k: int) -> Call:
     x, w = torch.randn(m, k), torch.randn(n, k) * 0.02
-    return lambda: F.linear(x, w)
+    return Call(lambda: F.linear(x, w), (x,))
 
 
 def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
 
-def attention_call(shape: DenseShape, rows: int, context: int):
+def attention_call(shape: DenseShape, rows: int, context: int) -> Call:
     """What a run's `attention_core` part times (runtime.dense.parts: the attention block less its projections):
     rope on q and k, the KV cache's update (transformers' DynamicCache concatenates), then transformers' sdpa
     forward, which dispatches as in the run: a chunk with nothing cached before it gets no mask (causal, sdpa's
@@ -88,10 +90,10 @@ def attention_call(shape: DenseShape, rows: int, context: int):
                                         scaling=shape.head_dim ** -0.5)
         return out.reshape(rows, -1).contiguous()
 
-    return run
+    return Call(run, (q, k, v, cos, sin))
 
 
-def _elementwise(shape: DenseShape, rows: int):
+def _elementwise(shape: DenseShape, rows: int) -> Call:
     """One layer's elementwise work outside the attention block: two RMS norms and two residual adds (rope is
     timed with the attention core, where a run's parts count it)."""
     x, r = torch.randn(rows, shape.hidden), torch.randn(rows, shape.hidden)
@@ -104,10 +106,10 @@ def _elementwise(shape: DenseShape, rows: int):
         y = r + norm(x)
         return norm(y) + y
 
-    return run
+    return Call(run, (x, r))
 
 
-def qk_norm_call(shape: DenseShape, rows: int):
+def qk_norm_call(shape: DenseShape, rows: int) -> Call:
     """The q and k norms of the families that have them per head (qwen3_moe), as a run's projections part counts
     them: an RMS norm over each head's head_dim."""
     q, k = torch.randn(rows, shape.heads, shape.head_dim), torch.randn(rows, shape.kv_heads, shape.head_dim)
@@ -116,7 +118,7 @@ def qk_norm_call(shape: DenseShape, rows: int):
     def run():
         return [t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w for t in (q, k)]
 
-    return run
+    return Call(run, (q, k))
 
 
 def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> list[dict]:
@@ -133,8 +135,9 @@ def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> lis
         width = (shape.heads + shape.kv_heads) * shape.head_dim
         cases += [({"kind": "elementwise", "rows": r, "hidden": width, "length": shape.head_dim},
                    qk_norm_call(shape, r)) for r in ELEMENTWISE_ROWS]
-    records = []
+    records, caches = [], ForwardCaches()
     with torch.inference_mode():
-        for rec, fn in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
-            records.append({**rec, "backend": EXACT, "dtype_bytes": 4, **time_call(fn, s, clock=clock)})
+        for rec, op in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
+            timed = time_in_forward(op, s, clock=clock, caches=caches)
+            records.append({**rec, "backend": EXACT, "dtype_bytes": 4, **timed})
     return records

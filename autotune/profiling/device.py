@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from autotune.profiling.cache_state import ForwardCaches
 from autotune.profiling.callers import Rotor, group_caller, host_caller, make_experts, pack_capacity
 from autotune.profiling.dense_records import dense_records
 from autotune.profiling.energy import EnergyMeter, energy_meter
 from autotune.profiling.kernels import kernel_records
 from autotune.profiling.profile import Profile, build_profile, host_facts
 from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
-from autotune.profiling.timing import clock_for, time_call
+from autotune.profiling.timing import clock_for, time_call, time_in_forward
 from runtime.backends import CPU_ENERGY, EXACT, registry
 from runtime.errors import NpumoeError
 
@@ -71,7 +72,7 @@ def plan_tasks(backends: list[str], s: Settings) -> list[Task]:
 def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, progress: bool = True,
               clock: str = "auto") -> list[dict]:
     """Measure every task; modules are built once per shape (and dropped after) to bound memory."""
-    records = []
+    records, caches = [], ForwardCaches()
     modules: dict[str, torch.nn.Module] = {}
     bar = tqdm(tasks, desc="profile-device", unit="rec", disable=not progress, dynamic_ncols=True)
     with torch.inference_mode():
@@ -85,10 +86,10 @@ def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, 
             host = task.kind in ("pack", "exact_host")
             info = None if host else registry.get(task.backend)
             if host:
-                fn = host_caller(task.kind, module, task.tokens, s.top_k,
-                                 task.capacities[0] if task.capacities else 0)
+                call = host_caller(task.kind, module, task.tokens, s.top_k,
+                                   task.capacities[0] if task.capacities else 0)
             else:
-                fn = group_caller(info, module, task.capacities, task.hidden, Rotor(s.num_experts))
+                call = group_caller(info, module, task.capacities, task.hidden, Rotor(s.num_experts))
             rec = task.describe()
             if host:
                 rec["assignments"] = task.tokens * s.top_k
@@ -98,7 +99,10 @@ def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, 
             on_cpu = host or info.cpu_torch
             which = clock_for(on_cpu, torch.get_num_threads()) if clock == "auto" else clock
             field = info.energy_field if info is not None else CPU_ENERGY  # host-side work is CPU work
-            rec.update(time_call(fn, s, meter, energy_field=field, clock=which))
+            if on_cpu:  # CPU work meets the caches as a forward leaves them; a backend off the CPU runs as it is
+                rec.update(time_in_forward(call, s, meter, field, which, caches))
+            else:
+                rec.update(time_call(call.run, s, meter, energy_field=field, clock=which))
             records.append(rec)
     return records
 

@@ -13,8 +13,9 @@ import math
 
 import torch
 
+from autotune.profiling.cache_state import Call, ForwardCaches
 from autotune.profiling.settings import Settings
-from autotune.profiling.timing import time_call
+from autotune.profiling.timing import time_in_forward
 
 # Rows of one expert's call: a decode step (1 token) and short spills, then prefill chunks' per-expert rows.
 DECODE_ROWS = (1, 2, 4)
@@ -39,12 +40,13 @@ def _expert_module(hidden: int, ffn: int, storage: str) -> torch.nn.Module:
 
 
 def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]:
-    """One record per (storage, kernel, rows): the median ms of one expert's gated FFN on `rows` bf16 rows."""
+    """One record per (storage, kernel, rows): the median ms of one expert's gated FFN on `rows` bf16 rows, its
+    weights out of cache as a forward's layer leaves them."""
     from runtime.backends.protocol import expert_ffn
     from runtime.cpu_weights import KERNELS
     from runtime.errors import NpumoeError
 
-    out = []
+    out, caches = [], ForwardCaches()
     for storage in STORAGES:
         try:
             module = _expert_module(hidden, ffn, storage)
@@ -57,7 +59,7 @@ def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]
                 store.kernel_rows = {kernel: 0}  # this kernel at every row count
             for rows in (*DECODE_ROWS, *PREFILL_ROWS):
                 x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-                timed = time_call(lambda: expert_ffn(module, 0, x), s, None, clock="cpu")
+                timed = time_in_forward(Call(lambda: expert_ffn(module, 0, x), (x,)), s, caches=caches)
                 out.append({"kind": "expert_kernel", "backend": "cpu-exact", "shape": shape, "hidden": hidden,
                             "ffn": ffn, "storage": kind, "group_size": group if kind == "int4" else None,
                             "kernel": kernel, "rows": rows, **timed})
