@@ -8,7 +8,10 @@ their kernels:
   Accelerate does on Apple's CPUs; bf16 rows: bf16, where AMX does) and one matmul, for many rows sharing it. An
   int8 expert's per-channel scale factors out of the matmul: its codes are only cast, and the output scaled;
 - `int_mm` (int8): the rows quantized to int8 too (one scale per row, on the fly) and one int8 matmul
-  (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows.
+  (`torch._int_mm`: oneDNN's AMX-int8 / VNNI kernels where the host has them), for many rows;
+- `int_mm_gate_up` (int8): `int_mm` for the gate/up projection (its rows are the normed hidden states, rounded to
+  int8 with little loss) and `dequant` for the down projection (its rows, the gated activations, have the outliers
+  that one scale per row rounds badly).
 
 Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
 runs) is the plan's `cpu_weights.kernel_rows` (`autotune search` takes it from
@@ -31,16 +34,18 @@ KINDS = ("bf16", "int8", "int4")
 # int_mm (int8 only): the rows quantized too, per row and on the fly, and one int8 x int8 -> int32 matmul
 # (`torch._int_mm` on the stored codes: AMX/VNNI where the host has them), scaled by both scales after.
 KERNELS = CPU_KERNELS  # each storage's (the names a plan's cpu_weights.kernel_rows uses)
-# A kernel that rounds more than the stored weights do, and the one that replaces it where the gate refuses it.
-LOSSLESS_FALLBACK = {"int_mm": "dequant"}
+# A kernel that rounds the rows too, and the one that replaces it where the gate refuses it (rounding fewer rows).
+ROUNDING_FALLBACK = {"int_mm": "int_mm_gate_up", "int_mm_gate_up": "dequant"}
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 # The row count from which each kernel runs (the one of the largest threshold at or under a call's rows), measured
 # on this Linux x86-64 host (AMX) by scripts/bench_moe_layer.py --cpu-weights: int8 packed for decode and spills,
-# dequant from 16 rows per expert (0.55-0.79x bf16 at a 512-token layer). int_mm is faster there (0.93-1.30x) but
-# rounds the rows to int8 too: tiny-moe's all-CPU int8 plan then measured top-1 0.9871 against the gate's 0.99
-# (0.9919 with dequant), so it runs only where a plan sets it (`autotune search` sets it where the profile measured it
-# fastest, and the gate keeps it only where it passes). int4 packed at every row count (0.26-0.33x bf16:
-# torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x the matmul).
+# dequant from 16 rows per expert (0.66-0.79x bf16 at a 512-token layer). The kernels that round the rows too are
+# faster there (int_mm 1.1-1.3x, int_mm_gate_up 0.85x) but cost accuracy: tiny-moe's all-CPU int8 plan measured
+# top-1 0.9871 with int_mm and 0.9888 with int_mm_gate_up at chunk 256, against the gate's 0.99 (dequant 0.9919;
+# at chunk 1024 int_mm_gate_up 0.9915, int_mm 0.9851), so they run only where a plan sets them (`autotune search`
+# sets the profile's fastest, and the gate keeps each only where it passes). int4 packed at every row count
+# (0.26-0.33x bf16: torch's int4 CPU kernel does not use AMX, and dequantizing 4M weights in eager torch costs 4x
+# the matmul).
 KERNEL_ROWS = {"int8": {"packed": 0, "dequant": 16}, "int4": {"packed": 0}}
 _SCRATCH = threading.local()  # per thread (a server prefills on one thread while it decodes on another)
 
@@ -169,20 +174,21 @@ class QuantizedCpuExperts(torch.nn.Module):
         y = torch._int_mm(xq, getattr(self, f"{name}_q")[e].t()).float()
         return (y.mul_(xs).mul_(getattr(self, f"{name}_s")[e])).to(x.dtype)
 
-    def _codes(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `e`'s int8 codes of `name` cast to `dtype`, in this thread's scratch (valid until its next use)."""
+    def _dequant_mm(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows `x` times expert `e`'s int8 matrix `name`: its codes cast to x's dtype in this thread's scratch, one
+        matmul, the output scaled per channel."""
         q = getattr(self, f"{name}_q")[e]
-        return scratch(q.shape, dtype).copy_(q)
+        return F.linear(x, scratch(q.shape, x.dtype).copy_(q)) * getattr(self, f"{name}_s")[e].to(x.dtype)
 
     def ffn(self, module: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e`'s gated FFN of rows `x`, by the kernel for its row count."""
         kernel = self.kernel(x.shape[0])
         self.calls[kernel] += 1
-        if kernel == "int_mm":
-            return self._int_mm("down", e, gated_activation(module, self._int_mm("gate_up", e, x)))
+        if kernel in ("int_mm", "int_mm_gate_up"):
+            h = gated_activation(module, self._int_mm("gate_up", e, x))
+            return self._int_mm("down", e, h) if kernel == "int_mm" else self._dequant_mm("down", e, h)
         if kernel == "dequant" and self.kind == "int8":
-            h = F.linear(x, self._codes("gate_up", e, x.dtype)) * self.gate_up_s[e].to(x.dtype)
-            return F.linear(gated_activation(module, h), self._codes("down", e, x.dtype)) * self.down_s[e].to(x.dtype)
+            return self._dequant_mm("down", e, gated_activation(module, self._dequant_mm("gate_up", e, x)))
         if kernel == "dequant":
             gate_up, down = (self._full(name, e, x.dtype, scratch(shape, x.dtype))
                              for name, shape in zip(("gate_up", "down"), self.shapes))
@@ -193,14 +199,15 @@ class QuantizedCpuExperts(torch.nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
-def lossless_kernel_rows(kernel_rows: dict[str, int]) -> dict[str, int] | None:
-    """`kernel_rows` with each kernel that rounds the rows too replaced by its `LOSSLESS_FALLBACK` from the same
-    row count (a kernel already running below keeps its start); None where no such kernel runs."""
-    if not any(k in LOSSLESS_FALLBACK for k in kernel_rows):
+def fallback_kernel_rows(kernel_rows: dict[str, int]) -> dict[str, int] | None:
+    """`kernel_rows` with each kernel that rounds the rows too replaced by its `ROUNDING_FALLBACK` (one step: it
+    rounds fewer) from the same row count (a kernel already running below keeps its start); None where no such
+    kernel runs."""
+    if not any(k in ROUNDING_FALLBACK for k in kernel_rows):
         return None
     out: dict[str, int] = {}
     for kernel, rows in sorted(kernel_rows.items(), key=lambda kv: kv[1]):
-        out.setdefault(LOSSLESS_FALLBACK.get(kernel, kernel), rows)
+        out.setdefault(ROUNDING_FALLBACK.get(kernel, kernel), rows)
     return out
 
 

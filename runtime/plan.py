@@ -25,7 +25,7 @@ COMPRESSIONS = ("none", "int8", "palettize4")
 # hidden state, an activation-based saliency (the output an assignment adds scales with both).
 SALIENCY_RULES = ("router_weight", "weight_x_norm")
 # The CPU's kernels per quantized expert storage (runtime/cpu_weights.py), as `cpu_weights.kernel_rows` names them.
-CPU_KERNELS = {"int8": ("packed", "dequant", "int_mm"), "int4": ("packed", "dequant")}
+CPU_KERNELS = {"int8": ("packed", "dequant", "int_mm", "int_mm_gate_up"), "int4": ("packed", "dequant")}
 # Chunks with fewer tokens than `exact_below_tokens` run wholly on cpu-exact (no static call, no padding, no drop).
 # A plan without the field gets 2: decode steps (1 token) never call a static group. `autotune search` writes the
 # cost model's break-even instead; values below 2 are refused, so decode always stays exact.

@@ -44,7 +44,7 @@ def test_records_measured_and_kept_by_the_profile(tmp_path):
     recs = kernel_records(s, 64, 64, "t")
     kinds = {(r["storage"], r["kernel"]) for r in recs}
     assert kinds == {("bf16", "dense"), ("int8", "packed"), ("int8", "dequant"), ("int8", "int_mm"),
-                     ("int4", "packed"), ("int4", "dequant")}
+                     ("int8", "int_mm_gate_up"), ("int4", "packed"), ("int4", "dequant")}
     assert len(recs) == len(kinds) * len(DECODE_ROWS + PREFILL_ROWS) and all(r["median_ms"] > 0 for r in recs)
     from autotune.profiling.profile import SHIPPED_PROFILES
 

@@ -7,8 +7,9 @@ model: perplexity delta, top-1 next-token agreement, mean KL divergence. The pla
 within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
 gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
 it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded).
-Quantized CPU experts run the plan's kernels; a round that passes none after int_mm ran (it rounds the rows too)
-is measured again with dequant in its place before the next round. Only when every candidate fails is nothing
+Quantized CPU experts run the plan's kernels; a round that passes none after a kernel that rounds the rows too ran
+(int_mm, int_mm_gate_up) is measured again with the one that rounds fewer in its place (int_mm_gate_up, then
+dequant) before the next round. Only when every candidate fails is nothing
 written, and the closest is named.
 """
 from __future__ import annotations
@@ -143,11 +144,12 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
     `rounds` and what the gate cost. `cpu_weights`: the CPU storage (kind, int4 group) the candidates run their
     CPU experts in (`cpu_storage_beside`), with their kernels from `kernel_rows` rows (None: the defaults),
     measured against the unmodified model. Where no candidate of a round passes and a kernel that also rounds the
-    rows ran (int_mm), the round is measured again with the lossless kernel in its place (`lossless_kernel_rows`:
-    dequant) before the next round: each row says the `kernel_rows` it ran, its round's `kernel_calls` (expert
-    calls per kernel, the runtime's own counts, every candidate of the round together), and its `candidate` (the
-    position in `candidates`; `index` numbers the rows, a remeasured one also has `retry_of`, the row it repeats)."""
-    from runtime.cpu_weights import kernel_calls, lossless_kernel_rows
+    rows ran (int_mm, int_mm_gate_up), the round is measured again with the kernel that rounds fewer in its place
+    (`fallback_kernel_rows`: int_mm -> int_mm_gate_up -> dequant), step by step, before the next round: each row
+    says the `kernel_rows` it ran, its round's `kernel_calls` (expert calls per kernel, the runtime's own counts,
+    every candidate of the round together), and its `candidate` (the position in `candidates`; `index` numbers the
+    rows, a remeasured one also has `retry_of`, the row it repeats)."""
+    from runtime.cpu_weights import fallback_kernel_rows, kernel_calls
 
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model
@@ -185,9 +187,11 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
                                   f"the candidates' ({chunk} tokens): it would run none of their static groups; "
                                   f"give --gate-tokens {chunk} or more")
             rows += measure(batch, planned)
-            lossless = lossless_kernel_rows(planned or {})
-            if not any(r["passed"] for r in rows) and lossless and set(rows[-1]["kernel_calls"]) - set(lossless):
-                rows += [dict(r, retry_of=r["index"] - len(batch)) for r in measure(batch, lossless)]
+            kernels = planned or {}
+            while not any(r["passed"] for r in rows) and (fallback := fallback_kernel_rows(kernels)) \
+                    and set(rows[-1]["kernel_calls"]) - set(fallback):
+                rows += [dict(r, retry_of=r["index"] - len(batch)) for r in measure(batch, fallback)]
+                kernels = fallback
     if not rows:
         raise NpumoeError("the fidelity gate has no candidate to measure")
     chosen = next((r for r in rows if r["passed"]), None)

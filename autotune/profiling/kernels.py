@@ -3,7 +3,8 @@ of the fastest one per (storage, rows) from those records.
 
 Storage kinds and their kernels (`runtime.cpu_weights`): `bf16` (`dense`: one matmul on the weights as stored),
 `int8` and `int4` with its group size (`packed`: torch's int kernels; `dequant`: dequantize the expert, one matmul;
-`int_mm`, int8 only: the rows quantized to int8 on the fly, one int8 matmul).
+`int_mm`, int8 only: the rows quantized to int8 on the fly, one int8 matmul; `int_mm_gate_up`, int8 only: int_mm for
+the gate/up projection, dequant for the down projection).
 The records are kept in the profile's optional top-level `kernel_records` list (docs/formats.md): the cost model's
 `records` stay as they were, so older profiles load and older readers skip them.
 """

@@ -14,9 +14,9 @@ A model already packed (an MLX folder) is held as stored: there is nothing to ch
 
 A quantized storage's kernels (which runs from which row count: `Plan.cpu_weights.kernel_rows`) are the profile's
 fastest per measured row range, else the runtime's defaults (`costing/cpu_storage.planned_kernels`); the fidelity
-gate keeps them, or the lossless ones where the faster ones fail it (`after_gate`). Where the gate refuses every
-candidate of a storage the budget chose, the search gates the next wider one that fits (`wider`: int4 -> int8 ->
-bf16); a pin is never overridden.
+gate keeps them, or the ones that round fewer rows where the faster ones fail it (`after_gate`). Where the gate
+refuses every candidate of a storage the budget chose, the search gates the next wider one that fits (`wider`:
+int4 -> int8 -> bf16); a pin is never overridden.
 """
 from __future__ import annotations
 
@@ -60,13 +60,15 @@ class CpuChoice:
         chosen = gate["chosen"]
         if self.kernel_rows is None or chosen is None:
             return self
+        by_index, tried = {r["index"]: r for r in gate["candidates"]}, [chosen]
+        while "retry_of" in tried[0]:  # the chosen row's remeasures, back to the first measure
+            tried.insert(0, by_index[tried[0]["retry_of"]])
         said = ", ".join(f"candidate {r['index']} {_kernels(r['kernel_rows'])}: top-1 {r['top1']:.4f}, perplexity "
-                         f"delta {r['ppl_delta']:+.3%} ({'passed' if r['passed'] else 'refused'})"
-                         for r in gate["candidates"] if r is chosen or r["index"] == chosen.get("retry_of"))
+                         f"delta {r['ppl_delta']:+.3%} ({'passed' if r['passed'] else 'refused'})" for r in tried)
         kept = chosen["kernel_rows"] == self.kernel_rows
         return replace(self, kernel_rows=chosen["kernel_rows"], kernels_reason=(
-            f"{self.kernels_reason}; the gate {'passed them' if kept else 'refused them, so the lossless kernels'}: "
-            f"{said}"))
+            f"{self.kernels_reason}; the gate "
+            f"{'passed them' if kept else 'refused them, so the kernels that round fewer rows'}: {said}"))
 
     def after_refusal(self, gate: dict) -> CpuChoice:
         """The next wider storage, to gate once the gate refused every candidate of this one (`gate`)."""
