@@ -38,7 +38,8 @@ from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import against_measured, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
-from autotune.evaluation.run_parts import measure_parts, plan_predictions, predict_parts
+from autotune.evaluation.host_speed import host_speed
+from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -439,7 +440,8 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     del logits, ref
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
                                       chunk, repeat)
-    predicted = predict_parts(loaded.plan, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
+    profile = plan_profile(loaded.plan)
+    predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,
@@ -455,7 +457,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
-                     predicted_parts_ms=predicted)
+                     predicted_parts_ms=predicted, host_speed=host_speed(profile))
 
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,

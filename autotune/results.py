@@ -36,6 +36,7 @@ class RunResult:
     traces: dict | None = None  # with `record_traces`
     measured_parts_ms: dict | None = None  # ms per part: the median of `repeat` more planned prefills (run_parts)
     predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
+    host_speed: dict | None = None  # this host now against its profile's records (evaluation.host_speed)
 
     @property
     def drop_rate(self) -> float:
@@ -52,7 +53,7 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)
-        for k in ("measured_parts_ms", "predicted_parts_ms"):
+        for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out

@@ -16,7 +16,7 @@ import torch
 
 from autotune.costing.costmodel import CostModel
 from autotune.costing.whole_prefill import DecoderShape, ExpertFigures, placement_of, predict_prefill
-from autotune.profiling.profile import host_profile_path, load_profile
+from autotune.profiling.profile import Profile, host_profile_path, load_profile
 from runtime.dense import measured_parts
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import moe_layers
@@ -90,21 +90,28 @@ def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Ro
     return [ExpertFigures(float(t), float(c), None) for t, c in zip(latency, cpu)]
 
 
-def predict_parts(plan: Plan, config: dict, tokens: int, prompt_tokens: int, routing: Routing | None = None
-                  ) -> dict | None:
-    """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (every position's
-    logits, as a run computes them), on the profile the plan was searched for; the experts priced from the run's
-    `routing` (`recorded_routing`), or without it at the plan's own predicted figure per chunk. None where the plan
-    carries no prediction or its profile is not here."""
-    predicted, meta = plan.predicted or {}, plan.meta or {}
-    per_chunk, name = predicted.get("predicted_latency_ms"), meta.get("profile")
-    if per_chunk is None or not name:
+def plan_profile(plan: Plan) -> Profile | None:
+    """The profile the plan was searched for; None where the plan carries no prediction or its profile is not
+    here (said once, as a warning)."""
+    name = (plan.meta or {}).get("profile")
+    if (plan.predicted or {}).get("predicted_latency_ms") is None or not name:
         return None
     try:
-        cost = load_profile(host_profile_path() if name == "host" else name, check_host=False).cost_model
+        return load_profile(host_profile_path() if name == "host" else name, check_host=False)
     except (NpumoeError, OSError) as e:
         log.warning("run: no prediction by part (profile %s: %s)", name, e)
         return None
+
+
+def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int, prompt_tokens: int,
+                  routing: Routing | None = None) -> dict | None:
+    """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (every position's
+    logits, as a run computes them), on the profile the plan was searched for (`plan_profile`); the experts priced
+    from the run's `routing` (`recorded_routing`), or without it at the plan's own predicted figure per chunk. None
+    without that profile."""
+    if profile is None:
+        return None
+    per_chunk, name, cost = plan.predicted["predicted_latency_ms"], plan.meta["profile"], profile.cost_model
     shape = DecoderShape.from_config(config)
     routed = routed_experts(cost, plan, shape, routing) if routing else None
     parts: dict[str, float] = {}
