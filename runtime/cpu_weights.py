@@ -31,8 +31,6 @@ from runtime.errors import NpumoeError
 from runtime.plan import CPU_KERNELS
 
 KINDS = ("bf16", "int8", "int4")
-# int_mm (int8 only): the rows quantized too, per row and on the fly, and one int8 x int8 -> int32 matmul
-# (`torch._int_mm` on the stored codes: AMX/VNNI where the host has them), scaled by both scales after.
 KERNELS = CPU_KERNELS  # each storage's (the names a plan's cpu_weights.kernel_rows uses)
 # A kernel that rounds the rows too, and the one that replaces it where the gate refuses it (rounding fewer rows).
 ROUNDING_FALLBACK = {"int_mm": "int_mm_gate_up", "int_mm_gate_up": "dequant"}

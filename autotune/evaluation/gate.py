@@ -9,8 +9,7 @@ gate measures the next (autotune/searching/gate_candidates.py orders them, at mo
 it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded).
 Quantized CPU experts run the plan's kernels; a round that passes none after a kernel that rounds the rows too ran
 (int_mm, int_mm_gate_up) is measured again with the one that rounds fewer in its place (int_mm_gate_up, then
-dequant) before the next round. Only when every candidate fails is nothing
-written, and the closest is named.
+dequant) before the next round. Only when every candidate fails is nothing written, and the closest is named.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 
 from autotune.profiling.cache_state import ForwardCaches
 from autotune.profiling.dense_records import matmul_call
-from autotune.profiling.profile import Profile, host_id
+from autotune.profiling.profile import Profile
 from autotune.profiling.settings import settings_for
 from autotune.profiling.timing import time_in_forward
 
@@ -33,8 +33,7 @@ def host_speed(profile: Profile | None) -> dict | None:
     """`profile`'s probe records timed again here: each one's time now over its time then, and their median
     (`now_over_profile`: 1.2 means this host runs those ops 1.2x slower now). None where the profile is not this
     host's own, was timed on other threads than this run's, or has no such record."""
-    if profile is None or profile.published or profile.host.get("id") != host_id() \
-            or profile.host.get("threads", 1) != torch.get_num_threads():
+    if profile is None or not profile.measured_here or profile.host.get("threads", 1) != torch.get_num_threads():
         return None
     recs = probe_records(profile)
     if not recs:

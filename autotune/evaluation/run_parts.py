@@ -91,10 +91,10 @@ def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Ro
 
 
 def plan_profile(plan: Plan) -> Profile | None:
-    """The profile the plan was searched for; None where the plan carries no prediction or its profile is not
-    here (said once, as a warning)."""
+    """The profile the plan was searched for; None where the plan names none or its profile is not here (said
+    once, as a warning)."""
     name = (plan.meta or {}).get("profile")
-    if (plan.predicted or {}).get("predicted_latency_ms") is None or not name:
+    if not name:
         return None
     try:
         return load_profile(host_profile_path() if name == "host" else name, check_host=False)
@@ -108,10 +108,11 @@ def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int
     """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (every position's
     logits, as a run computes them), on the profile the plan was searched for (`plan_profile`); the experts priced
     from the run's `routing` (`recorded_routing`), or without it at the plan's own predicted figure per chunk. None
-    without that profile."""
-    if profile is None:
+    without that profile or where the plan carries no prediction."""
+    per_chunk = (plan.predicted or {}).get("predicted_latency_ms")
+    if profile is None or per_chunk is None:
         return None
-    per_chunk, name, cost = plan.predicted["predicted_latency_ms"], plan.meta["profile"], profile.cost_model
+    name, cost = plan.meta["profile"], profile.cost_model
     shape = DecoderShape.from_config(config)
     routed = routed_experts(cost, plan, shape, routing) if routing else None
     parts: dict[str, float] = {}

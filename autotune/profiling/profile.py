@@ -186,6 +186,11 @@ class Profile:
     def published(self) -> bool:
         return not self.measured_by.startswith("autotune profile-device")
 
+    @property
+    def measured_here(self) -> bool:
+        """Measured by `profile-device` on this host's hardware (its figures describe this host)."""
+        return not self.published and self.host.get("id") == host_id()
+
     def to_json(self) -> dict:
         out = {"schema": SCHEMA, "measured_by": self.measured_by, "created": self.created or utc_now(),
                "host": self.host, "settings": self.settings, "energy": self.energy,
@@ -246,13 +251,12 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
                    measured_by=obj["measured_by"], settings=obj.get("settings") or {},
                    energy=obj.get("energy") or {}, created=obj.get("created", ""), path=path,
                    extra={k: v for k, v in obj.items() if k not in known})
-    if check_host and not prof.published:  # published figures describe no host of ours: no mismatch to warn of
-        here = host_id()
-        if prof.host["id"] != here:
-            warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "
-                          f"({prof.host['description']}), not this host {here!r} "
-                          f"({host_facts()['description']}): its figures describe that host",
-                          ProfileHostWarning, stacklevel=3)
+    # published figures describe no host of ours: no mismatch to warn of
+    if check_host and not prof.published and not prof.measured_here:
+        warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "
+                      f"({prof.host['description']}), not this host {host_id()!r} "
+                      f"({host_facts()['description']}): its figures describe that host",
+                      ProfileHostWarning, stacklevel=3)
     return prof
 
 
