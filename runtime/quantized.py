@@ -163,11 +163,14 @@ class QuantizedLinear(torch.nn.Module):
             return F.linear(x, self.weight_q.full(x.dtype), self.bias)
         # a large matrix (a vocabulary head) in blocks of output rows: dequantizing it whole would hold several
         # full-width temporaries of it at once; each block's product goes into the output in place (concatenating
-        # them would hold the output twice: 0.31 GB more for a 1024-row chunk of a 152k vocabulary in bf16)
+        # them would hold the output twice: 0.31 GB more for a 1024-row chunk of a 152k vocabulary in bf16); each
+        # block takes its slice of the bias, so the sum rounds as the whole weight's does (adding the bias after
+        # the product rounds differently on some hosts: 2.4e-7 apart on an AMD EPYC)
         out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
         for a in range(0, self.out_features, rows):
-            out[..., a:a + rows] = F.linear(x, self.weight_q.full(x.dtype, slice(a, a + rows)))
-        return out if self.bias is None else out.add_(self.bias)
+            bias = None if self.bias is None else self.bias[a:a + rows]
+            out[..., a:a + rows] = F.linear(x, self.weight_q.full(x.dtype, slice(a, a + rows)), bias)
+        return out
 
 
 class QuantizedEmbedding(torch.nn.Module):

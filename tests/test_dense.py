@@ -157,8 +157,10 @@ def test_causal_blocks_read_only_their_keys_and_reproduce_transformers(attention
     assert calls["cpu-static"] == len(per_layer) * layers and calls["cpu-exact"] == layers  # the partial chunk
     assert calls.get("cpu-share", 0) == (2 * layers if attention_rows else 0)
     assert {r[2] for r in _reads} == ({"npumoe-dense_0"} if attention_rows else {threading.current_thread().name})
-    # ane-sim: the blocks compute bit for bit what the whole padded function computes (masked keys add exact
-    # zeros), the chunk's context bucket for every query (this random model's fp16 error at chunk 128: 5e-2)
+    # ane-sim: the blocks compute what the whole padded function computes (masked keys add exact zeros), the
+    # chunk's context bucket for every query, up to the order the host's kernels sum the keys in: bit for bit on
+    # an Intel AMX host, 1.0e-4 apart on an AMD EPYC (AVX-512) one, where fp16 rounding turns another summation
+    # order into an ulp here and there (this random model's fp16 error itself: 5e-2 at chunk 128)
     fp16 = []
     for blocked in (True, False):
         plan = _blocked(model, "ane-sim", attention_rows).to_json()
@@ -166,7 +168,7 @@ def test_causal_blocks_read_only_their_keys_and_reproduce_transformers(attention
             plan["dense"].update(attention_block=None, attention_context_buckets=[128, 256])
         with PlanExecutor(model, plan_from_json(plan)):
             fp16.append(prefill_logits(model, ids, BLOCKED_CHUNK))
-    assert torch.equal(fp16[0], fp16[1]) and 1e-6 < max_rel_diff(fp16[0], ref)
+    assert max_rel_diff(fp16[0], fp16[1]) <= 1e-3 and 1e-6 < max_rel_diff(fp16[0], ref)
     assert (fp16[0].argmax(-1) == ref.argmax(-1)).float().mean() >= 0.99
 
 
