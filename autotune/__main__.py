@@ -3,4 +3,5 @@ import sys
 
 from autotune.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a process that multiprocessing spawns (it imports this as __mp_main__)
+    sys.exit(main())

@@ -114,10 +114,13 @@ def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:
 
 def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) -> torch.Tensor:
     """The prompt's token ids as generation feeds them (chat template applied when asked)."""
-    if not isinstance(prompt, str):  # token ids already
+    if not isinstance(prompt, str):  # token ids already: the caller's, so a bad one is the prompt's fault
         ids = list(prompt)
         if chat:
             raise NpumoeError("chat needs the prompt as text, not token ids")
+        rows = loaded.model.get_input_embeddings().num_embeddings
+        if (bad := next((i for i in ids if not 0 <= i < rows), None)) is not None:
+            raise NpumoeError(f"the prompt's token id {bad} is not in the model's vocabulary (ids 0 to {rows - 1})")
     else:
         text = chat_prompt(loaded.tokenizer, prompt) if chat else None
         if chat and text is None:

@@ -507,6 +507,11 @@ def test_a_long_prompt_or_body_is_refused_and_the_server_stays_up(served):
     r = httpx.post(served.url + "/v1/completions", json={"model": "tiny-moe", "prompt": [5] * positions},
                    headers=auth)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    vocab = served.loaded.model.get_input_embeddings().num_embeddings
+    r = httpx.post(served.url + "/v1/completions", json={"model": "tiny-moe", "prompt": [5, vocab]},
+                   headers=auth)
+    error = r.json()["error"]  # the request's fault, not the model's tokenizer files
+    assert r.status_code == 400 and error["param"] == "prompt" and f"token id {vocab} " in error["message"]
     r = httpx.post(served.url + "/v1/completions", content=b"x" * (5 << 20), headers=auth)
     assert r.status_code == 413
     assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices

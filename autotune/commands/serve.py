@@ -1,6 +1,7 @@
 """`autotune serve`: a model under a plan behind the OpenAI API (FastAPI + uvicorn), on loopback by default.
 
-A thin parser over `runtime.load` and `runtime.serving.server.serve`."""
+A thin parser over `runtime.serving.engine_process.EngineProcess` (the model loaded and run in a process of its
+own) and `runtime.serving.server.serve`."""
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,11 @@ from autotune.commands.common import (
     add_dtype_argument,
     add_model_argument,
     add_threads_argument,
-    apply_threads,
 )
 from autotune.costing.cpu_storage import load_options
 from runtime.errors import NpumoeError
-from runtime.generation import load
 from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
+from runtime.serving.engine_process import EngineProcess
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
 KEY_ENV = "NPUMOE_API_KEY"
@@ -73,17 +73,20 @@ def run(args: argparse.Namespace) -> int:
     check_bind(args.host, api_key)
     sock = listen(args.host, args.port)  # before loading: a taken port fails at once
     try:
-        apply_threads(args.threads)
-        loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights))
         model_id = served_model_id(args.model)
+        load_args = {"model": args.model, "plan": args.plan, "package": args.package, "dtype": args.dtype,
+                     **load_options(args.cpu_weights)}
+        engine_args = {"max_queue": args.max_queue, "prefix_cache_mb": args.prefix_cache_mb,
+                       "max_batch": args.max_batch, "prefix_cache_dir": args.prefix_cache_dir,
+                       "prefix_cache_disk_gb": args.prefix_cache_disk_gb}
+        engine = EngineProcess(load_args, engine_args, model_id, args.threads, f"autotune {args.command}: %(message)s")
         host = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
 
-        def ready(engine: object) -> None:
+        def ready() -> None:
             print(f"autotune serve: {model_id} at {url} (SIGTERM or Ctrl-C: finish the requests in flight, exit)",
                   flush=True)
-        serve(loaded, model_id, sock, api_key, args.max_queue, args.prefix_cache_mb, args.drain_s, ready,
-              args.max_batch, args.prefix_cache_dir, args.prefix_cache_disk_gb)
+        serve(engine, sock, api_key, args.drain_s, ready)
     finally:
         sock.close()
     return 0

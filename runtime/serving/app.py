@@ -26,7 +26,9 @@ from starlette.exceptions import HTTPException
 from runtime.generation import DEFAULT_MAX_TOKENS
 from runtime.serving import anthropic_schema as anthropic
 from runtime.serving.engine import Engine, GenerationRequest, RequestError
+from runtime.serving.engine_process import EngineProcess
 from runtime.serving.logprob_format import LogprobFormat
+from runtime.serving.metrics import HttpMetrics
 from runtime.serving.openai_schema import ChatRequest, CompletionRequest, Reply, Sampling, error_object, usage
 from runtime.serving.scheduler import Closed, Job, QueueFull
 
@@ -35,6 +37,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 DISCONNECT_POLL_S = 0.25  # how often a request that waits checks whether its client is still there
 MESSAGES = "/v1/messages"
 PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", MESSAGES, "/health", "/metrics", "/openapi.json")
+AnyEngine = Engine | EngineProcess  # the same methods, in this process or in its own
 CLIENT_LEFT = 499  # the status recorded for a client that left before its answer (nginx's convention)
 
 
@@ -50,8 +53,8 @@ class Guard:
     but /health; `Authorization: Bearer K` or Anthropic's `x-api-key: K`) and bounds the body, before any
     parsing."""
 
-    def __init__(self, app: object, engine: Engine, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.engine, self.max_body_bytes = app, engine, max_body_bytes
+    def __init__(self, app: object, metrics: HttpMetrics, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
         self.key = api_key.encode() if api_key else None
 
     def _authorized(self, headers: dict) -> bool:
@@ -75,7 +78,7 @@ class Guard:
             await self.app(scope, receive, counted)
         finally:
             path = scope["path"] if scope["path"] in PATHS else "other"
-            self.engine.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.requests.labels(path, str(status[0])).inc()
 
     async def _check(self, scope: dict, receive) -> tuple[Response | None, object]:
         headers, path = dict(scope["headers"]), scope["path"]
@@ -149,7 +152,7 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def _stream(engine: Engine, job: Job, prompt_tokens: int, reply: Reply,
+async def _stream(engine: AnyEngine, job: Job, prompt_tokens: int, reply: Reply,
                   include_usage: bool) -> AsyncIterator[str]:
     try:
         if reply.chat:
@@ -168,12 +171,15 @@ async def _stream(engine: Engine, job: Job, prompt_tokens: int, reply: Reply,
                     yield _sse(reply.usage_chunk(_usage(value), value["npumoe"]))
                 yield _sse("[DONE]")
     finally:
-        engine.scheduler.cancel(job)  # a no-op once the job is done
+        engine.cancel(job)  # a no-op once the job is done
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The server's ASGI app. Its shutdown (after uvicorn's drain) stops the engine's worker."""
+def create_app(engine: AnyEngine, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The server's ASGI app over `engine` (in this process, or in its own). Its shutdown (after uvicorn's drain)
+    stops the engine's worker."""
     started = int(time.time())
+    http_metrics = HttpMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -181,7 +187,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         await asyncio.to_thread(engine.close, 10.0)
 
     app = FastAPI(title="npumoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.add_middleware(Guard, engine=engine, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, metrics=http_metrics, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -202,7 +208,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(http_metrics.render() + engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -260,12 +266,12 @@ def _body(model: type) -> dict:
         "schema": {"$ref": REF.format(model=model.__name__)}}}}}
 
 
-def _reply(engine: Engine, chat: bool, logprobs: int | None) -> Reply:
-    fmt = LogprobFormat(engine.loaded.tokenizer, chat) if logprobs is not None else None
+def _reply(engine: AnyEngine, chat: bool, logprobs: int | None) -> Reply:
+    fmt = LogprobFormat(engine.tokenizer, chat) if logprobs is not None else None
     return Reply(chat, engine.model_id, fmt)
 
 
-async def _respond_openai(engine: Engine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
+async def _respond_openai(engine: AnyEngine, body: Sampling, request: Request, reply: Reply, default_max_tokens: int,
                           prompt: dict) -> Response:
     max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens
     job_request = GenerationRequest(max_tokens, body.temperature, body.top_p, body.seed, body.stop, **prompt)
@@ -276,7 +282,7 @@ async def _respond_openai(engine: Engine, body: Sampling, request: Request, repl
     return await _respond(engine, body.model, request, job_request, whole, stream)
 
 
-async def _anthropic_stream(engine: Engine, job: Job, input_tokens: int,
+async def _anthropic_stream(engine: AnyEngine, job: Job, input_tokens: int,
                             reply: anthropic.MessageReply) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, content_block_start, ping, content_block_delta...,
     content_block_stop, message_delta, message_stop (an error event in place of the rest on a failure)."""
@@ -295,10 +301,10 @@ async def _anthropic_stream(engine: Engine, job: Job, input_tokens: int,
                                              value["completion_tokens"], value["npumoe"]):
                     yield anthropic.sse(closing)
     finally:
-        engine.scheduler.cancel(job)  # a no-op once the job is done
+        engine.cancel(job)  # a no-op once the job is done
 
 
-async def _respond(engine: Engine, model: str, request: Request, job_request: GenerationRequest,
+async def _respond(engine: AnyEngine, model: str, request: Request, job_request: GenerationRequest,
                    whole: Callable[[dict], dict],
                    stream: Callable[[Job, int], AsyncIterator[str]] | None) -> Response:
     """Queue the request and answer it: `whole(done figures)` as one JSON body, or `stream(job, prompt tokens)`
@@ -307,7 +313,6 @@ async def _respond(engine: Engine, model: str, request: Request, job_request: Ge
     if model != engine.model_id:
         raise RequestError(404, f"the model {model!r} is not served here (this server serves "
                                 f"{engine.model_id!r})", "model", "model_not_found")
-    engine.check_max_tokens(job_request.max_tokens, job_request.echo)  # before it queues; the prompt's part later
     try:
         job = engine.submit(job_request, asyncio.get_running_loop())
     except QueueFull as e:
@@ -326,7 +331,7 @@ async def _respond(engine: Engine, model: str, request: Request, job_request: Ge
             finished = True  # the stream owns the job from here
             return StreamingResponse(stream(job, first[1]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(engine.scheduler.cancel, job))
+                                     background=BackgroundTask(engine.cancel, job))
         while (event := await waiter.next()) is not None:
             kind, value = event[:2]
             if kind == "error":
@@ -337,4 +342,4 @@ async def _respond(engine: Engine, model: str, request: Request, job_request: Ge
         return Response(status_code=CLIENT_LEFT)
     finally:
         if not finished:
-            engine.scheduler.cancel(job)
+            engine.cancel(job)

@@ -66,7 +66,8 @@ class DecodeBatch:
         self.loaded = loaded
         self.rows: list[Generation] = []
         self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # [rows, length] bool: True where a row has a real token
+        self.pads: list[int] = []  # each row's padded columns, on the left of the cache's `length`
+        self.length = 0
         self.widest = 0  # the most rows one step has run (what a test of batching reads)
         model = loaded.model
         if model.config._attn_implementation in WRAPS:
@@ -80,47 +81,53 @@ class DecodeBatch:
         """A generation whose prefill is done (its first token taken) joins the batch."""
         layers, n = _layers(gen.cache), gen.cache.get_seq_length()
         if not self.rows:
-            self.cache, self.mask = gen.cache, torch.ones(1, n, dtype=torch.bool)
+            self.cache, self.pads, self.length = gen.cache, [0], n
         else:
-            length = max(n, self.mask.shape[1])
+            length = max(n, self.length)
             merged = [(torch.cat([_left_pad(k, length), _left_pad(k1, length)]),
                        torch.cat([_left_pad(v, length), _left_pad(v1, length)]))
                       for (k, v), (k1, v1) in zip(_layers(self.cache), layers)]
             self.cache = _cache(self.loaded.model, merged)
-            self.mask = torch.cat([F.pad(self.mask, (length - self.mask.shape[1], 0)),
-                                   F.pad(torch.ones(1, n, dtype=torch.bool), (length - n, 0))])
+            self.pads = [p + length - self.length for p in self.pads] + [length - n]
+            self.length = length
         gen.cache = None  # the batch holds it now
         self.rows.append(gen)
 
     def remove(self, gen: Generation) -> None:
         i = self.rows.index(gen)
         self.rows.pop(i)
+        self.pads.pop(i)
         if not self.rows:
-            self.cache = self.mask = None
+            self.cache, self.pads, self.length = None, [], 0
             return
         keep = torch.tensor([j for j in range(len(self.rows) + 1) if j != i])
-        mask = self.mask[keep]
-        first = int(mask.any(0).nonzero()[0])  # columns every remaining row pads go
-        self.mask = mask[:, first:]
+        first = min(self.pads)  # columns every remaining row pads go
+        self.pads = [p - first for p in self.pads]
+        self.length -= first
         self.cache = _cache(self.loaded.model, [(k[keep, :, first:], v[keep, :, first:])
                                                 for k, v in _layers(self.cache)])
 
     def step(self) -> None:
-        """One decode step for every row: each row's next token pending (its own sampling), its step time kept."""
+        """One decode step for every row: each row's next token pending (its own sampling), its step time kept.
+        Rows that pad nothing (one row, or rows of one length) step as one generation alone does: no mask, their
+        positions the cache's length."""
         t = time.perf_counter()
         self.widest = max(self.widest, len(self.rows))
         ids = torch.tensor([[gen.tokens[-1]] for gen in self.rows])
-        positions = self.mask.sum(1, keepdim=True)
-        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.bool)], dim=1)
+        padded = any(self.pads)
+        self.length += 1
+        mask = positions = None
+        if padded:  # each row's real tokens: its own positions, its padding masked
+            pads = torch.tensor(self.pads)
+            mask = (torch.arange(self.length) >= pads[:, None]).long()
+            positions = (self.length - 1 - pads)[:, None]
         executor = self.loaded.executor
         self.loaded.pin_phase("decode")
         if executor is not None:
             executor.set_sequences(len(self.rows))
         try:
             with torch.inference_mode():
-                pads = (~self.mask).sum(1)
-                _padding.pads = pads.tolist() if bool(pads.any()) else None
-                mask = None if _padding.pads is None else self.mask.long()
+                _padding.pads = self.pads if padded else None
                 out = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                         cache=self.cache, use_cache=True, logits_to_keep=1)
                 for gen, logits in zip(self.rows, out.logits[:, -1]):

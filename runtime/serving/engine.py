@@ -64,6 +64,9 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
+    def __reduce__(self) -> tuple:  # across the engine process's pipe
+        return RequestError, (self.status, self.message, self.param, self.code, self.type)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -125,12 +128,26 @@ class Engine:
             pass
         self.loaded.reset()
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue `request` (QueueFull, Closed: refused). Its job's events: ("start", prompt tokens) or ("error",
-        RequestError); then ("text", piece)... and ("done", figures); `None` ends them."""
-        job = Job(partial(self._serve, request), loop)
+    @property
+    def tokenizer(self) -> object:
+        return self.loaded.tokenizer
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None,
+               make_job: Callable[[Callable, asyncio.AbstractEventLoop | None], Job] = Job) -> Job:
+        """Queue `request` (RequestError: a `max_tokens` no prompt could meet; QueueFull, Closed: refused). Its
+        job (`make_job(work, loop)`) sends ("start", prompt tokens) or ("error", RequestError); then ("text",
+        piece)... and ("done", figures); `None` ends them."""
+        self.check_max_tokens(request.max_tokens, request.echo)  # before it queues; the prompt's part later
+        job = make_job(partial(self._serve, request), loop)
         self.scheduler.submit(job)
         return job
+
+    def cancel(self, job: Job) -> None:
+        """The client left (a no-op once the job is done)."""
+        self.scheduler.cancel(job)
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
 
     def close(self, timeout_s: float | None = None) -> None:
         self.scheduler.close(timeout_s)

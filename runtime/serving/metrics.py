@@ -1,4 +1,5 @@
-"""The server's Prometheus metrics (`GET /metrics`), in a registry of their own (one per server)."""
+"""The server's Prometheus metrics (`GET /metrics`), in registries of their own (one per server): the HTTP side's
+(`HttpMetrics`, where the app runs) and the engine's (`Metrics`, where the model runs: the engine's process)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,11 +10,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+class HttpMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("npumoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], prefix_cache_bytes: Callable[[], int]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("npumoe_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=r)
         self.prompt_tokens = Counter("npumoe_prompt_tokens", "prompt tokens of served requests", registry=r)
         self.cached_tokens = Counter("npumoe_prompt_cached_tokens", "prompt tokens served from the prefix cache",
                                      registry=r)

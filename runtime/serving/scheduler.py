@@ -25,6 +25,9 @@ class QueueFull(Exception):
         super().__init__(f"the queue is full; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self) -> tuple:  # across the engine process's pipe
+        return QueueFull, (self.retry_after_s,)
+
 
 class Closed(Exception):
     """The server is shutting down and takes no new job."""

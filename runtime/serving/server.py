@@ -17,9 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from runtime.errors import NpumoeError
-from runtime.generation import Loaded
-from runtime.serving.app import create_app
-from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH, Engine
+from runtime.serving.app import AnyEngine, create_app
 
 DRAIN_S = 30.0
 
@@ -78,24 +76,23 @@ class _DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def make_server(engine: Engine, api_key: str | None = None, drain_s: float = DRAIN_S) -> uvicorn.Server:
+def make_server(engine: AnyEngine, api_key: str | None = None, drain_s: float = DRAIN_S) -> uvicorn.Server:
     """The uvicorn server of `engine`'s app; `.run(sockets=[sock])` serves, `.should_exit = True` stops it."""
     config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_s, lifespan="on")
     return _DrainingServer(config)
 
 
-def serve(loaded: Loaded, model_id: str, sock: socket.socket, api_key: str | None = None, max_queue: int = 16,
-          prefix_cache_mb: float = 256.0, drain_s: float = DRAIN_S,
-          on_ready: Callable[[Engine], None] | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-          prefix_cache_dir: str | None = None, prefix_cache_disk_gb: float = DEFAULT_DISK_GB) -> None:
-    """Serve `loaded` on the listening `sock` until SIGTERM or SIGINT, then drain. `on_ready` runs after the
-    warm-up, before the first request is taken."""
-    engine = Engine(loaded, model_id, max_queue, prefix_cache_mb, max_batch, prefix_cache_dir, prefix_cache_disk_gb)
-    engine.warm_up()
+def serve(engine: AnyEngine, sock: socket.socket, api_key: str | None = None, drain_s: float = DRAIN_S,
+          on_ready: Callable[[], None] | None = None) -> None:
+    """Serve `engine` (warmed up) on the listening `sock` until SIGTERM or SIGINT, then drain and close the
+    engine. `on_ready` runs before the first request is taken."""
     if on_ready is not None:
-        on_ready(engine)
+        on_ready()
     server = make_server(engine, api_key, drain_s)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close(drain_s)  # a no-op after the app's own shutdown; else (it did not start) the engine stops here
     if not server.started:
         raise NpumoeError("the server did not start (see the message above)")

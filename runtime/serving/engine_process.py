@@ -1,0 +1,222 @@
+"""The engine in a process of its own, as `autotune serve` runs it: the HTTP loop and the model never take turns on
+one GIL.
+
+In one process, the uvicorn loop's Python work for each token (its SSE chunk, the socket write) and the model's
+Python-heavy decode step hold one GIL by turns, and each waits for the other's hand-over: tiny-moe's tokens came
+8-9% slower served than from `runtime.generate` (`scripts/bench_serve.py`), though a one-row batched decode step
+alone was within 2% of `Generation.step`. As vLLM's engine core does, the engine runs in a child process (spawned:
+forking a process whose torch has started threads is unsafe) that loads the model, warms up and then serves two
+pipes:
+
+- requests, from this process, each answered in order: submit (None, or the refusal to raise here), cancel (no
+  answer), health, metrics, close;
+- events, from the child: (job key, event) as the engine's jobs emit them, which a reader thread here hands to
+  each job's loop (`Job.emit`, one wake-up of the loop for what arrives together).
+
+The child ignores SIGINT (Ctrl-C reaches the whole process group: this process drains, then closes it) and ends
+when its request pipe closes (this process gone). Its tokenizer comes back pickled once it is ready, for what is
+written here (log-probabilities' token texts).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from collections.abc import Callable
+from functools import partial
+from multiprocessing.connection import Connection
+
+import torch
+
+from runtime.errors import NpumoeError
+from runtime.generation import load as load_model
+from runtime.serving.engine import Engine, GenerationRequest, RequestError
+from runtime.serving.scheduler import Closed, Job, QueueFull
+
+log = logging.getLogger("npumoe.serve")
+
+
+class EngineProcess:
+    """An `Engine` (`engine_args` but the model) over `runtime.load(**load_args)` in a spawned child process, with
+    the engine's methods the app calls. Returns once the child is ready (model loaded, warmed up); a failure to load
+    raises its one-line NpumoeError here."""
+
+    def __init__(self, load_args: dict, engine_args: dict, model_id: str, threads: int | None = None,
+                 log_format: str | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._requests, child_requests = ctx.Pipe()
+        self._events, child_events = ctx.Pipe(duplex=False)
+        self.model_id = model_id
+        self.process = ctx.Process(target=_child, name="npumoe-engine", daemon=True,
+                                   args=(child_requests, child_events, load_args, {**engine_args, "model_id": model_id},
+                                         threads, log_format))
+        self.process.start()
+        child_requests.close()
+        child_events.close()
+        self._lock = threading.Lock()  # one request and its answer at a time
+        first = self._receive("loading the model")
+        if first[0] == "failed":
+            self.process.join()
+            raise NpumoeError(first[1])
+        self.tokenizer = first[1]
+        self._jobs: dict[int, Job] = {}
+        self._keys: dict[Job, int] = {}
+        self._next_key = itertools.count()
+        self._reader = threading.Thread(target=self._read, name="npumoe-events", daemon=True)
+        self._reader.start()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """As `Engine.submit`: the job here, its events from the child's."""
+        job, key = Job(None, loop), next(self._next_key)
+        self._jobs[key], self._keys[job] = job, key  # before the child can answer with an event
+        try:
+            refusal = self._call(("submit", key, request))
+        except NpumoeError:
+            refusal = Closed()
+        if refusal is not None:
+            self._forget(key)
+            raise refusal
+        return job
+
+    def cancel(self, job: Job) -> None:
+        key = self._keys.get(job)
+        if key is not None:
+            try:
+                with self._lock:
+                    self._requests.send(("cancel", key))
+            except OSError:  # the child has ended: its jobs were ended with it
+                pass
+
+    def health(self) -> dict:
+        return self._call(("health",))
+
+    def metrics_text(self) -> bytes:
+        return self._call(("metrics",))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the child's engine (what still runs is cancelled, as `Engine.close`) and wait for it to exit."""
+        if self.process.is_alive():
+            try:
+                self._call(("close", timeout_s))
+            except (NpumoeError, OSError):
+                pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+        self._reader.join(timeout_s)
+
+    def _call(self, message: tuple) -> object:
+        with self._lock:
+            try:
+                self._requests.send(message)
+            except OSError as e:
+                raise NpumoeError(f"the engine process has ended (exit code {self.process.exitcode})") from e
+            return self._receive(message[0])
+
+    def _receive(self, doing: str) -> object:
+        try:
+            return self._requests.recv()
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise NpumoeError(f"the engine process ended (exit code {self.process.exitcode}) while {doing}; its "
+                              "message is above") from None
+
+    def _forget(self, key: int) -> Job | None:
+        job = self._jobs.pop(key, None)
+        self._keys.pop(job, None)
+        return job
+
+    def _read(self) -> None:
+        """The events thread: each event to its job's loop, until the child closes its end."""
+        try:
+            while True:
+                key, event = self._events.recv()
+                job = self._forget(key) if event is None else self._jobs.get(key)
+                if job is not None:
+                    job.emit(event)
+        except (EOFError, OSError):
+            pass
+        for key in list(self._jobs):  # the child ended under them (a clean close has none left)
+            job = self._forget(key)
+            job.emit(("error", RequestError(500, "the engine process ended", type_="server_error")))
+            job.emit(None)
+
+
+class _Outbox:
+    """The child's end of the events pipe, shared by its threads (the engine's worker, the request loop)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, item: tuple) -> None:
+        with self.lock:
+            try:
+                self.conn.send(item)
+            except OSError:  # the server's process is gone; the request loop ends at its pipe's end
+                pass
+
+
+class _ChildJob(Job):
+    """A job in the child: its events go down the events pipe under its key; listed in `jobs` until its end."""
+
+    def __init__(self, work: Callable, loop: None, outbox: _Outbox, key: int, jobs: dict[int, Job]) -> None:
+        super().__init__(work, loop)
+        self.outbox, self.key, self.jobs = outbox, key, jobs
+        jobs[key] = self
+
+    def emit(self, event: object) -> None:
+        if event is None:
+            self.jobs.pop(self.key, None)
+        self.outbox.send((self.key, event))
+
+
+def _child(requests: Connection, events: Connection, load_args: dict, engine_args: dict, threads: int | None,
+           log_format: str | None) -> None:
+    """The engine process: load, warm up, say ready (or why not), then answer requests until closed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_format:
+        logging.basicConfig(level=logging.WARNING, format=log_format)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        engine = Engine(load_model(**load_args), **engine_args)
+        engine.warm_up()
+    except NpumoeError as e:
+        requests.send(("failed", str(e)))
+        return
+    except Exception as e:
+        log.exception("the engine failed to start")
+        requests.send(("failed", f"the engine failed to start: {type(e).__name__}: {e}"))
+        return
+    requests.send(("ready", engine.tokenizer))
+    outbox, jobs = _Outbox(events), {}
+    while True:
+        try:
+            message = requests.recv()
+        except EOFError:  # the server's process is gone
+            engine.close(0)
+            return
+        kind = message[0]
+        if kind == "submit":
+            key, request = message[1:]
+            try:
+                engine.submit(request, None, partial(_ChildJob, outbox=outbox, key=key, jobs=jobs))
+                requests.send(None)
+            except (RequestError, QueueFull, Closed) as e:
+                jobs.pop(key, None)
+                requests.send(e)
+        elif kind == "cancel":
+            if (job := jobs.get(message[1])) is not None:
+                engine.cancel(job)
+        elif kind == "health":
+            requests.send(engine.health())
+        elif kind == "metrics":
+            requests.send(engine.metrics_text())
+        elif kind == "close":
+            engine.close(message[1])
+            requests.send(None)
+            return
