@@ -16,41 +16,6 @@ GROUP_SIZES = (32, 64, 128)
 BLOCK_WEIGHTS = 1 << 22  # weights dequantized at once by QuantizedLinear (its temporaries: about 40 MB)
 
 
-def return_temporaries_to_the_os() -> None:
-    """Packed weights are dequantized per call: many temporaries of a few MB. glibc's malloc raises its mmap
-    threshold as such blocks are freed and then keeps later ones in its heap, which only grows (a 2-layer
-    Qwen3-30B-A3B twin at 4 bits: 2.9 GB peak RSS against 1.7 GB with the threshold fixed at 1 MB). Fixing it
-    (M_MMAP_THRESHOLD) returns each one to the OS when freed. Process-wide; glibc only, a no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
-def release_freed_heap() -> None:
-    """Give the heap's free pages back to the OS now (glibc's malloc_trim; a no-op elsewhere). Between prefill
-    chunks: allocations under the mmap threshold live in the heap, and the few kept per chunk (routing records, a
-    cache's growth) pin the pages freed around them, so the heap's high-water mark grows chunk after chunk (a
-    2-layer Qwen3-30B-A3B twin at 4 bits, 20 chunks of calibrate: 1.89 GB peak RSS, 1.83 trimmed per chunk)."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:
     """Refuse, naming the module, a format this reader cannot decode."""
     if mode != "affine":

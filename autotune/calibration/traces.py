@@ -20,11 +20,11 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from runtime.allocator import release_freed_heap
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import atomic_write_bytes, check_schema, validation_error
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import ModelSpec
-from runtime.quantized import release_freed_heap
 
 SCHEMA, KIND, VERSION = "npumoe.traces/1", "traces", 1
 HELDOUT_EVERY = 5  # every 5th prompt is held out

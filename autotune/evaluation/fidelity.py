@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from runtime.allocator import release_freed_heap
 from runtime.executor import PlanExecutor
 from runtime.prefill import prefill_chunks
-from runtime.quantized import release_freed_heap
 
 ROWS = 64  # positions whose full-vocabulary logits are compared at once
 

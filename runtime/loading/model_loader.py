@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.allocator import return_temporaries_to_the_os, reuse_temporaries
 from runtime.backends.cpu import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
@@ -29,7 +30,6 @@ from runtime.loading.checkpoints import (
 )
 from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
-from runtime.quantized import return_temporaries_to_the_os
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 TINY_MOE_DIR = ASSETS / "tiny-moe"
@@ -166,6 +166,8 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
     model, tokenizer = _load(name, dtype, quantize)
     if quantize is not None or any(hasattr(l.experts, "npumoe_weights") for l in moe_layers(model)):
         return_temporaries_to_the_os()
+    else:
+        reuse_temporaries()
     if quantize is not None:
         for layer in moe_layers(model):  # those the streaming read did not quantize (transformers' loader)
             if not hasattr(layer.experts, "npumoe_weights"):

@@ -268,8 +268,9 @@ class Engine:
         try:
             if not prefill() or stream.job.cancelled.is_set():
                 return False
+            more = stream.take()  # the first token out before the prefix is stored: its client waits on it
             stream.prefilled()
-            if stream.take():
+            if more:
                 self.batch.add(stream.gen)
                 return False
             return True
