@@ -37,7 +37,9 @@ def _libc() -> ctypes.CDLL | None:
 
 def _mallopt(*settings: tuple[int, int]) -> None:
     libc = _libc()
-    for param, value in settings if libc is not None and hasattr(libc, "mallopt") else ():
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    for param, value in settings:
         libc.mallopt(param, value)
 
 

@@ -114,13 +114,10 @@ def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:
 
 def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) -> torch.Tensor:
     """The prompt's token ids as generation feeds them (chat template applied when asked)."""
-    if not isinstance(prompt, str):  # token ids already: the caller's, so a bad one is the prompt's fault
+    if not isinstance(prompt, str):  # token ids already
         ids = list(prompt)
         if chat:
             raise NpumoeError("chat needs the prompt as text, not token ids")
-        rows = loaded.model.get_input_embeddings().num_embeddings
-        if (bad := next((i for i in ids if not 0 <= i < rows), None)) is not None:
-            raise NpumoeError(f"the prompt's token id {bad} is not in the model's vocabulary (ids 0 to {rows - 1})")
     else:
         text = chat_prompt(loaded.tokenizer, prompt) if chat else None
         if chat and text is None:
@@ -129,7 +126,14 @@ def prompt_ids(loaded: Loaded, prompt: str | Sequence[int], chat: bool = False) 
     if len(ids) == 0:
         raise NpumoeError("the prompt holds no tokens")
     tensor = torch.tensor(ids, dtype=torch.long)
-    check_token_ids(loaded.model, tensor)
+    if isinstance(prompt, str):  # ids past the embedding from the tokenizer: its files are another model's
+        check_token_ids(loaded.model, tensor)
+    else:  # the caller's ids: a bad one is the prompt's fault
+        rows = loaded.model.get_input_embeddings().num_embeddings
+        bad = tensor[(tensor < 0) | (tensor >= rows)]
+        if bad.numel():
+            raise NpumoeError(f"the prompt's token id {int(bad[0])} is not in the model's vocabulary (ids 0 to "
+                              f"{rows - 1})")
     return tensor
 
 

@@ -1,11 +1,16 @@
 """Helpers shared by several test files (test modules never import each other)."""
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
+
 import numpy as np
 
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.fitting import record_features
 from runtime.loading.model_loader import load_model
+from runtime.serving.server import listen, make_server
 
 _MODELS: dict = {}
 
@@ -127,3 +132,22 @@ def convert_to_mlx(out, bits: int, group: int):
     mlx_lm.convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=group)
     shutil.rmtree(src)
     return out
+
+
+@contextmanager
+def served_on_a_thread(engine, api_key: str):
+    """`engine`'s app on a free loopback port from a thread (uvicorn, as `autotune serve` runs it): yields its URL,
+    then stops it."""
+    sock = listen("127.0.0.1", 0)
+    server = make_server(engine, api_key)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:  # waits for a condition, not for a time
+        assert thread.is_alive()
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join()
+        sock.close()

@@ -2,18 +2,17 @@
 runs it: greedy tokens as `runtime.generate`'s, refusals raised here with their fields, one /metrics text from both
 processes, a client that leaves cancelling its job in the child, a load failure in one line, and the child gone
 once closed."""
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from helpers import served_on_a_thread
 
 import runtime
 from runtime.errors import NpumoeError
 from runtime.serving.engine_process import EngineProcess
-from runtime.serving.server import listen, make_server
 
 KEY = "test-key"
 PROMPT = "Static groups for the prompt, the exact path for every new token. " * 2
@@ -23,19 +22,9 @@ ENGINE = {"max_queue": 2, "prefix_cache_mb": 64}
 @pytest.fixture(scope="module")
 def served():
     engine = EngineProcess({"model": "tiny-moe", "dtype": "float32"}, ENGINE, "tiny-moe", threads=1)
-    sock = listen("127.0.0.1", 0)
-    server = make_server(engine, KEY)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # waits for a condition, not for a time
-        assert thread.is_alive()
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, engine=engine, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY,
-                                                                       max_retries=0))
-    server.should_exit = True
-    thread.join()
-    sock.close()
+    with served_on_a_thread(engine, KEY) as url:
+        yield SimpleNamespace(url=url, engine=engine, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY,
+                                                                           max_retries=0))
     engine.close(10)
 
 

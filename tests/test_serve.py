@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import served_on_a_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ from runtime.plan import save_plan
 from runtime.prefill import prefill_logits
 from runtime.serving.engine import Engine, fallback_chat_text
 from runtime.serving.scheduler import Job
-from runtime.serving.server import listen, make_server
+from runtime.serving.server import listen
 
 KEY = "test-key"
 CHUNK = 16
@@ -49,19 +50,9 @@ def served(tmp_path_factory):
     loaded = runtime.load("tiny-moe", plan=plan, dtype="float32")
     engine = Engine(loaded, "tiny-moe", max_queue=2, prefix_cache_mb=64)
     engine.warm_up()
-    sock = listen("127.0.0.1", 0)
-    server = make_server(engine, KEY)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # waits for a condition, not for a time
-        assert thread.is_alive()
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    yield SimpleNamespace(url=url, client=client, engine=engine, loaded=loaded, plan=plan)
-    server.should_exit = True
-    thread.join()
-    sock.close()
+    with served_on_a_thread(engine, KEY) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        yield SimpleNamespace(url=url, client=client, engine=engine, loaded=loaded, plan=plan)
 
 
 def _reference(served, prompt, max_tokens: int) -> dict:
