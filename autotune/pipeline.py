@@ -79,7 +79,7 @@ from runtime.loading.model_loader import (
     read_model_spec,
 )
 from runtime.plan import Plan, check_plan_matches, load_plan, save_plan
-from runtime.prefill import max_rel_diff, prefill_prompts_logits
+from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
 from runtime.resources import Clock, peak_rss_bytes
 
 log = logging.getLogger("npumoe")
@@ -421,7 +421,10 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     n = int(ids.numel())
     if record_traces:  # before the run, as calibrate refuses too short a text
         require_recordable(n, chunk, prompt_tokens or n, "give a longer --text or a larger --max-tokens")
-    prefill = lambda: prefill_prompts_logits(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
+    # A prefill computes one row of logits per chunk (what generation needs); comparing with the reference takes
+    # every position's.
+    logits_of = prefill_prompts_logits if reference else prefill_prompts_last_logits
+    prefill = lambda: logits_of(loaded.model, ids, chunk, prompt_tokens)  # noqa: E731
     ref = reference_ms = None
     if reference:
         with loaded.unmodified():
@@ -441,14 +444,17 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
                                       chunk, repeat)
     profile = plan_profile(loaded.plan)
-    predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(), n, prompt_tokens or n, routing)
+    predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(), n, prompt_tokens or n, routing,
+                              every_position=reference)
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,
                                    f"autotune run --plan {plan}")
-    # run keeps [tokens, vocab] fp32 logits (twice with the reference)
+    # with the reference, run keeps [tokens, vocab] fp32 logits twice and each chunk's in the model's dtype; else a
+    # row per prompt
+    prompts = -(-n // (prompt_tokens or n))
     memory = against_measured(loaded.plan, loaded.model, prompt_tokens or n, peak_rss_bytes(),
-                              logits_rows=n * (2 if reference else 1),
+                              logits_rows=2 * n if reference else prompts, chunk_logits=int(reference),
                               ane_simulated=simulated_functions(executor.fallbacks))
     return RunResult(model=model, plan=str(plan), text=text, tokens=n, chunk_tokens=chunk,
                      overflow=loaded.plan.overflow, latency_ms=latency_ms, wall_ms_per_token=latency_ms / n,

@@ -42,6 +42,21 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
     return logits
 
 
+def prefill_prompts_last_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
+                                prompt_tokens: int | None = None) -> torch.Tensor:
+    """Each prompt's logits at its last position, `[prompts, vocab]` in fp32: what a prefill gives generation. The
+    sequence is cut into prompts as `prefill_prompts_logits` cuts it; each chunk computes one row of logits."""
+    n = input_ids.numel()
+    step = prompt_tokens or n
+    rows = []
+    with torch.inference_mode():
+        for s in range(0, n, step):
+            for out in prefill_chunks(model, input_ids[s:s + step], chunk_tokens, last_logits_only=True):
+                last = out.logits[0, -1]
+            rows.append(last.float())
+    return torch.stack(rows)
+
+
 def prefill_prompts_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
                            prompt_tokens: int | None = None) -> torch.Tensor:
     """Logits `[T, vocab]` with the sequence cut into prompts of `prompt_tokens` (default: one prompt), each

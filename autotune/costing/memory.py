@@ -241,9 +241,9 @@ class MemoryPrediction:
 
 
 def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows: int = 1,
-                   ane_simulated: bool = False) -> MemoryPrediction:
-    """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`: see `activation_bytes`;
-    `ane_simulated`: see `ane_package_bytes`)."""
+                   ane_simulated: bool = False, chunk_logits: int = 1) -> MemoryPrediction:
+    """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`, `chunk_logits`: see
+    `activation_bytes`; `ane_simulated`: see `ane_package_bytes`)."""
     chunk = min(plan.chunk_tokens, prompt_tokens)
     slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0)
     kind = plan.cpu_weights.kind if plan.cpu_weights else None
@@ -254,7 +254,7 @@ def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows:
                 for e in g.experts}
     per_expert = experts / max(1, size.expert_weights) * 3 * size.hidden * size.expert_ffn
     return MemoryPrediction(dense + experts, ane_package_bytes(plan, ane_simulated),
-                            activation_bytes(size, chunk, prompt_tokens, slots, logits_rows),
+                            activation_bytes(size, chunk, prompt_tokens, slots, logits_rows, chunk_logits),
                             size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens,
                             experts, storage, int(len(resident) * per_expert))
 
@@ -287,10 +287,10 @@ def ane_budget_bytes(memory_gb: float, size: ModelSize, chunk_tokens: int, promp
 
 
 def against_measured(plan: Plan, model: torch.nn.Module, prompt_tokens: int, measured_bytes: int,
-                     logits_rows: int = 1, ane_simulated: bool = False) -> dict:
+                     logits_rows: int = 1, ane_simulated: bool = False, chunk_logits: int = 1) -> dict:
     """A run's measured peak RSS next to the plan's prediction for that same run (its prompt length, the logits
     it keeps, where its ane groups ran): what `run --json` and `generate --json` report as `memory`."""
-    predicted = predict_memory(plan, ModelSize.of(model), prompt_tokens, logits_rows, ane_simulated)
+    predicted = predict_memory(plan, ModelSize.of(model), prompt_tokens, logits_rows, ane_simulated, chunk_logits)
     return {"measured_peak_rss_gb": round(measured_bytes / GB, 4), "predicted_gb": round(predicted.total / GB, 4),
             "predicted_over_measured": round(predicted.total / measured_bytes, 4),
             "measured": "peak resident set size of this process (ru_maxrss)", "predicted": predicted.to_json()}

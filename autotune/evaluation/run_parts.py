@@ -104,11 +104,12 @@ def plan_profile(plan: Plan) -> Profile | None:
 
 
 def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int, prompt_tokens: int,
-                  routing: Routing | None = None) -> dict | None:
-    """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (every position's
-    logits, as a run computes them), on the profile the plan was searched for (`plan_profile`); the experts priced
-    from the run's `routing` (`recorded_routing`), or without it at the plan's own predicted figure per chunk. None
-    without that profile or where the plan carries no prediction."""
+                  routing: Routing | None = None, every_position: bool = False) -> dict | None:
+    """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (logits for each
+    chunk's last position, as a prefill computes them, or with `every_position` for every one), on the profile the
+    plan was searched for (`plan_profile`); the experts priced from the run's `routing` (`recorded_routing`), or
+    without it at the plan's own predicted figure per chunk. None without that profile or where the plan carries
+    no prediction."""
     per_chunk = (plan.predicted or {}).get("predicted_latency_ms")
     if profile is None or per_chunk is None:
         return None
@@ -125,7 +126,8 @@ def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int
             experts = ExpertFigures(sum(f.latency_ms for f in mine), sum(f.cpu_ms for f in mine), None)
         else:
             experts = ExpertFigures(per_chunk * p / plan.chunk_tokens, 0.0, None)
-        pred = predict_prefill(cost, shape, p, plan.chunk_tokens, experts, placement_of(plan.dense), logits_rows=p)
+        pred = predict_prefill(cost, shape, p, plan.chunk_tokens, experts, placement_of(plan.dense),
+                               logits_rows=p if every_position else n)
         for k, v in pred.parts_ms.items():
             parts[k] = parts.get(k, 0.0) + v
         start, chunk = start + p, chunk + n
