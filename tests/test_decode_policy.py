@@ -3,12 +3,13 @@ import numpy as np
 import pytest
 import torch
 from helpers import random_model
+from transformers.integrations.moe import grouped_mm_experts_forward
 
 from autotune.searching.templates import template_plan
 from runtime.errors import FileFormatError
 from runtime.executor import LayerExecutor, PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
-from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, plan_from_json
+from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, LayerPlan, plan_from_json
 from runtime.stats import LayerStats
 
 
@@ -22,10 +23,32 @@ def _layer(threshold: int | None):
     return layer.experts, ex
 
 
+def test_a_layer_without_groups_runs_planned_chunks_on_the_exact_path_and_decode_through_transformers(monkeypatch):
+    import runtime.executor
+
+    model, _ = random_model("random:qwen3_moe")
+    layer = moe_layers(model)[0]
+    plan = template_plan(model_spec(model), "tight", "drop", chunk_tokens=64)
+    lp = LayerPlan(layer=layer.index, groups=[], cpu_exact=list(range(layer.experts.num_experts)))
+    fused = []  # the rows transformers' kernel ran
+
+    def recorded(module, x, idx, w):
+        fused.append(x.shape[0])
+        return grouped_mm_experts_forward(module, x, idx, w)
+
+    monkeypatch.setattr(runtime.executor, "grouped_mm_experts_forward", recorded)
+    ex = LayerExecutor(lp, layer.experts, plan, LayerStats(), {})
+    torch.manual_seed(0)
+    n, k, experts = 40, 2, layer.experts.num_experts
+    x, idx, w = torch.randn(n, 64), torch.randint(0, experts, (n, k)), torch.rand(n, k)
+    assert torch.allclose(ex(x, idx, w), grouped_mm_experts_forward(layer.experts, x, idx, w), rtol=1e-5, atol=1e-6)
+    assert fused == [] and ex.stats.tokens_per_backend["cpu-exact"] == n * k
+    ex(x[:1], idx[:1], w[:1])  # a decode step: transformers' kernel
+    assert fused == [1]
+
+
 @pytest.mark.parametrize("threshold", [None, 5])
 def test_chunks_below_threshold_run_exact(threshold):
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
     module, ex = _layer(threshold)
     below = (threshold or DEFAULT_EXACT_BELOW_TOKENS) - 1
     torch.manual_seed(0)

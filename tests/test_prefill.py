@@ -2,7 +2,7 @@
 import torch
 
 from runtime.loading.model_loader import load_model
-from runtime.prefill import prefill_logits, prefill_prompts_logits
+from runtime.prefill import prefill_logits, prefill_prompts_last_logits, prefill_prompts_logits
 
 
 def _ids(tok, n):
@@ -16,3 +16,12 @@ def test_prefill_of_several_prompts_is_each_prompt_from_an_empty_cache():
     want = torch.cat([prefill_logits(model, ids[s:s + 64], 32) for s in range(0, 150, 64)])
     assert got.shape == (150, model.config.vocab_size) and torch.equal(got, want)
     assert torch.equal(prefill_prompts_logits(model, ids, 32), prefill_logits(model, ids, 32))
+
+
+def test_last_logits_are_each_prompts_last_row_of_the_full_prefill():
+    model, tok = load_model("random:olmoe")
+    ids = _ids(tok, 150)
+    full = prefill_prompts_logits(model, ids, 32, prompt_tokens=64)
+    last = prefill_prompts_last_logits(model, ids, 32, prompt_tokens=64)
+    assert last.shape == (3, model.config.vocab_size) and last.dtype == torch.float32
+    assert torch.allclose(last, full[[63, 127, 149]], rtol=1e-5, atol=1e-6)

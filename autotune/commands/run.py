@@ -14,7 +14,9 @@ DEFAULT_TEXT = DEFAULT_EVAL_TEXT
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run prefill of a text under a plan and report what the executor did")
     add_planned_arguments(p, DEFAULT_TEXT, 1024)
-    p.add_argument("--reference", action="store_true", help="also run the unmodified model and compare logits")
+    p.add_argument("--reference", action="store_true",
+                   help="also run the unmodified model and compare every position's logits (both sides then "
+                        "compute them all; without it each chunk computes its last row, as a prefill does)")
     p.add_argument("--repeat", type=positive_int, default=1, metavar="R",
                    help="time R runs, report the median, of the whole and of each part (default 1)")
     p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",

@@ -74,7 +74,8 @@ def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu
 def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Routing) -> list[ExpertFigures]:
     """The experts' predicted latency and CPU-busy time per chunk (all MoE layers) for the routing a run saw, as
     the executor runs each chunk: the layer's plan, or wholly exact (a chunk below the plan's
-    `exact_below_tokens`; a layer without groups runs transformers' grouped kernel, priced so too)."""
+    `exact_below_tokens`, through transformers' grouped kernel, priced as the exact path; a layer without groups
+    runs its other chunks on the exact path, expert by expert, as priced)."""
     plans = {lp.layer: lp for lp in plan.layers}
     chunks = max((len(c) for c in routing.values()), default=0)
     latency, cpu = np.zeros(chunks), np.zeros(chunks)
