@@ -36,7 +36,7 @@ from autotune.calibration.traces import (
 )
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
-from autotune.costing.memory import against_measured, predict_memory, simulated_functions
+from autotune.costing.memory import ModelSize, against_measured, predict_memory, simulated_functions
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
@@ -234,7 +234,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             prof, profile_name = _profile(c.profile, progress)
         trs, traces_path = _traces(record, c.traces, progress)
         prompt = _prompt_tokens(record, trs, c.prompt_tokens)
-        cost = prof.cost_model
+        cost, cache_state = prof.cost_model_for(record.size.weight_bytes)
         n_layers = len(spec.moe_layers)
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
@@ -313,7 +313,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
                                             "predicted_cpu_ms_per_token", "predicted_prefill_ms",
                                             "predicted_parts_ms") if k in report}
-        predicted["label"] = "predicted by the cost model of profile " + profile_name
+        predicted["label"] = f"predicted by the cost model of profile {profile_name} ({cache_state})"
         plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, c.saliency, predicted,
                              {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
                               "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust,
@@ -444,7 +444,8 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
                                       chunk, repeat)
     profile = plan_profile(loaded.plan)
-    predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(), n, prompt_tokens or n, routing,
+    predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(),
+                              ModelSize.of(loaded.model).weight_bytes, n, prompt_tokens or n, routing,
                               every_position=reference)
     traces = None
     if record_traces:

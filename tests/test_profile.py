@@ -152,3 +152,23 @@ def test_a_revision_1_profile_still_loads(tmp_path):
         prof = load_profile(tmp_path / "v1.json")
     assert prof.cost_model.call_ms("ane") == pytest.approx(0.095) and not prof.cost_model.has_energy
 
+
+
+def test_a_model_that_fits_the_last_level_cache_is_priced_by_the_in_cache_model(tmp_path):
+    from autotune.profiling.profile import host_facts
+
+    recs = [{**r, "warm_median_ms": r["median_ms"] / 2} for r in synthetic_records("cpu-exact")]
+    host = {**host_facts(1), "last_level_cache_bytes": 256 * 2**20}
+    prof = build_profile(recs, host, "autotune profile-device --quick", {"threads": 1}, {"method": "none"})
+    save_profile(prof, tmp_path / "p.json")
+    prof = load_profile(tmp_path / "p.json")
+    small, state = prof.cost_model_for(100 * 2**20)  # half the cache or less
+    assert small is prof.cost_model_in_cache and state.startswith("in cache")
+    assert small.ffn_ms("cpu-exact", 256, 1024, 2048) == pytest.approx(
+        prof.cost_model.ffn_ms("cpu-exact", 256, 1024, 2048) / 2, rel=0.05)
+    big, state = prof.cost_model_for(200 * 2**20)
+    assert big is prof.cost_model and state.startswith("evicted")
+    cold_only = build_profile(synthetic_records("cpu-exact"), host, "autotune profile-device", {}, {"method": "none"})
+    assert cold_only.cost_model_in_cache is None and cold_only.cost_model_for(1)[0] is cold_only.cost_model
+    unknown = build_profile(recs, {**host, "last_level_cache_bytes": None}, "autotune profile-device", {}, {})
+    assert unknown.cost_model_for(1)[0] is unknown.cost_model  # no cache size known: the evicted state

@@ -104,17 +104,18 @@ def plan_profile(plan: Plan) -> Profile | None:
         return None
 
 
-def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int, prompt_tokens: int,
-                  routing: Routing | None = None, every_position: bool = False) -> dict | None:
+def predict_parts(plan: Plan, profile: Profile | None, config: dict, weights_bytes: int, tokens: int,
+                  prompt_tokens: int, routing: Routing | None = None, every_position: bool = False) -> dict | None:
     """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (logits for each
     chunk's last position, as a prefill computes them, or with `every_position` for every one), on the profile the
-    plan was searched for (`plan_profile`); the experts priced from the run's `routing` (`recorded_routing`), or
-    without it at the plan's own predicted figure per chunk. None without that profile or where the plan carries
-    no prediction."""
+    plan was searched for (`plan_profile`), in the cache state of a model of `weights_bytes` (`Profile.
+    cost_model_for`); the experts priced from the run's `routing` (`recorded_routing`), or without it at the plan's
+    own predicted figure per chunk. None without that profile or where the plan carries no prediction."""
     per_chunk = (plan.predicted or {}).get("predicted_latency_ms")
     if profile is None or per_chunk is None:
         return None
-    name, cost = plan.meta["profile"], profile.cost_model
+    name = plan.meta["profile"]
+    cost, cache_state = profile.cost_model_for(weights_bytes)
     shape = DecoderShape.from_config(config)
     routed = routed_experts(cost, plan, shape, routing) if routing else None
     parts: dict[str, float] = {}
@@ -134,7 +135,7 @@ def predict_parts(plan: Plan, profile: Profile | None, config: dict, tokens: int
         start, chunk = start + p, chunk + n
     how = "the run's routing, priced as the plan runs it" if routed is not None else "the plan's figure per chunk"
     return {**{k: round(v, 3) for k, v in parts.items()},
-            "label": f"predicted by the cost model of profile {name} (experts: {how})"}
+            "label": f"predicted by the cost model of profile {name} (experts: {how}; {cache_state})"}
 
 
 def plan_predictions(plan: Plan) -> dict | None:

@@ -9,7 +9,15 @@ them in cache: on this project's 2-core VM a tiny-moe projection at 2,048 rows r
 before each run (32 MiB: 1.05x and 1.1x; the host's last-level cache is 300 MiB, shared with other guests). So
 before each run `ForwardCaches.before` writes EVICT_BYTES, then rewrites the op's inputs in place (hot again, as
 the op before it leaves them). On this VM an exact expert call at 256 rows ran 1.4x and the exact path's host-side
-work for a 2,048-token chunk 1.5x slower so than in a loop."""
+work for a 2,048-token chunk 1.5x slower so than in a loop.
+
+That is the state of a model whose weights do not fit the host's last-level cache. One whose weights do (tiny-moe's
+experts, about 50 MB, on a host with 480 MiB of L3) finds them there a forward later: an exact expert call at its
+width ran 1.5x (256 rows) and 1.25x (1,024 rows) faster without the eviction. So each record is also timed back to
+back (`warm_median_ms`), and the profile fits a second cost model to those figures for such models
+(`Profile.cost_model_for`). A forward is not quite that warm (tiny-moe-width expert calls took 0.53x their evicted
+time back to back, while its run's experts took about 0.8x), so the in-cache fit prices such a model a little
+fast (its experts 9-16% under the run) where the evicted one priced it 17-25% slow."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -14,6 +14,7 @@ import platform
 import re
 import socket
 import statistics
+import subprocess
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ class _Profile(_Loose):
     host: _Host
     records: list[_Record]
     cost_model: _CostModel
+    cost_model_in_cache: _CostModel | None = None
     heldout: _Heldout
 
 
@@ -141,13 +143,37 @@ def host_id(cpu: str | None = None, cores: int | None = None) -> str:
     return slug[:80]
 
 
+def last_level_cache_bytes() -> int | None:
+    """The CPU's largest cache (Linux: sysfs; macOS: sysctl, the L3 where reported, else the performance cores'
+    L2); None where neither says."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    if sizes:
+        return max(sizes)
+    if platform.system() == "Darwin":
+        for key in ("hw.l3cachesize", "hw.perflevel0.l2cachesize", "hw.l2cachesize"):
+            try:
+                out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5).stdout
+            except OSError:
+                return None
+            if out.strip().isdigit() and int(out) > 0:
+                return int(out)
+    return None
+
+
 def host_facts(threads: int | None = None) -> dict:
     cpu, cores = cpu_model(), os.cpu_count() or 1
     description = f"{cpu}, {cores} cores, {platform.system()} {platform.machine()}"
     facts = {"id": host_id(cpu, cores), "description": description,
              "hostname": socket.gethostname(), "cpu_model": cpu, "logical_cores": cores,
              "os": f"{platform.system()} {platform.release()}", "platform": platform.platform(),
-             "machine": platform.machine(), "libraries": _versions()}
+             "machine": platform.machine(), "libraries": _versions(),
+             "last_level_cache_bytes": last_level_cache_bytes()}
     if threads is not None:
         facts["threads"] = threads
     return facts
@@ -177,6 +203,18 @@ class Profile:
     created: str = ""
     path: str = ""
     extra: dict = field(default_factory=dict)
+    # fitted to the records' back-to-back figures (`warm_median_ms`); None where the profile has none
+    cost_model_in_cache: CostModel | None = None
+
+    def cost_model_for(self, weights_bytes: int) -> tuple[CostModel, str]:
+        """The cost model for a model of `weights_bytes`, and the cache state it prices: the in-cache one where the
+        weights take at most half the host's last-level cache (the rest holds a forward's activations), else the
+        evicted one (`profiling/cache_state.py`)."""
+        llc = self.host.get("last_level_cache_bytes")
+        if self.cost_model_in_cache is not None and llc and weights_bytes <= llc // 2:
+            return self.cost_model_in_cache, (f"in cache: the model's {weights_bytes / 2**20:.0f} MiB of weights fit "
+                                              f"half of the host's {llc / 2**20:.0f} MiB last-level cache")
+        return self.cost_model, "evicted caches, as a forward leaves them to a model that does not fit"
 
     @property
     def heldout_mape(self) -> dict[str, float | None]:
@@ -195,6 +233,8 @@ class Profile:
         out = {"schema": SCHEMA, "measured_by": self.measured_by, "created": self.created or utc_now(),
                "host": self.host, "settings": self.settings, "energy": self.energy,
                "cost_model": self.cost_model.to_json(), "heldout": self.heldout, "records": self.records}
+        if self.cost_model_in_cache is not None:
+            out["cost_model_in_cache"] = self.cost_model_in_cache.to_json()
         out.update(self.extra)
         return out
 
@@ -226,8 +266,10 @@ def build_profile(records: list[dict], host: dict, measured_by: str, settings_js
             opt.setdefault("power_source", energy.get("source"))
     heldout = heldout_errors(records, options)
     model = fit_cost_model(records, options)
+    warm = [{**r, "median_ms": r["warm_median_ms"]} if "warm_median_ms" in r else r for r in records]
+    in_cache = fit_cost_model(warm, options) if any("warm_median_ms" in r for r in records) else None
     return Profile(host=host, cost_model=model, records=records, heldout=heldout, measured_by=measured_by,
-                   settings=settings_json, energy=energy, created=utc_now())
+                   settings=settings_json, energy=energy, created=utc_now(), cost_model_in_cache=in_cache)
 
 
 def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Profile:
@@ -242,15 +284,20 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
             if not isinstance(rec.get(name), (int, float, list)) or isinstance(rec.get(name), bool):
                 raise FileFormatError(KIND, path, f"records[{i}].{name}",
                                       f"missing or not a number (a {rec['kind']} record needs {name})")
-    try:
-        cost_model = CostModel.from_json(obj["cost_model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise FileFormatError(KIND, path, "cost_model", f"cannot rebuild the cost model: {e}") from None
-    known = {"schema", "measured_by", "created", "host", "settings", "energy", "cost_model", "heldout", "records"}
+    models = {}
+    for key in ("cost_model", "cost_model_in_cache"):
+        try:
+            models[key] = CostModel.from_json(obj[key]) if obj.get(key) is not None else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise FileFormatError(KIND, path, key, f"cannot rebuild the cost model: {e}") from None
+    cost_model = models["cost_model"]
+    known = {"schema", "measured_by", "created", "host", "settings", "energy", "cost_model", "cost_model_in_cache",
+             "heldout", "records"}
     prof = Profile(host=obj["host"], cost_model=cost_model, records=obj["records"], heldout=obj["heldout"],
                    measured_by=obj["measured_by"], settings=obj.get("settings") or {},
                    energy=obj.get("energy") or {}, created=obj.get("created", ""), path=path,
-                   extra={k: v for k, v in obj.items() if k not in known})
+                   extra={k: v for k, v in obj.items() if k not in known},
+                   cost_model_in_cache=models["cost_model_in_cache"])
     # published figures describe no host of ours: no mismatch to warn of
     if check_host and not prof.published and not prof.measured_here:
         warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "

@@ -11,7 +11,9 @@ def summary(profile: Profile) -> dict:
     mape = profile.heldout_mape
     out = {"profile": profile.path, "host": profile.host.get("id"), "host_description": profile.host.get("description"),
            "measured_by": profile.measured_by, "threads": profile.settings.get("threads"),
-           "heldout_method": profile.heldout.get("method"), "backends": {}, "host_costs": {}}
+           "heldout_method": profile.heldout.get("method"), "backends": {}, "host_costs": {},
+           "last_level_cache_bytes": profile.host.get("last_level_cache_bytes"),
+           "in_cache_fit": profile.cost_model_in_cache is not None}
     for name, m in sorted(profile.cost_model.models.items()):
         n = sum(1 for r in profile.records if r["backend"] == name and not r.get("excluded"))
         out["backends"][name] = {"heldout_mape": mape.get(name), "records": n, "call_ms": m.call_ms,
@@ -47,6 +49,10 @@ def print_summary(profile: Profile) -> None:
     console = Console(width=max(Console().width, 132))
     console.print(table)
     console.print(f"held-out error: {s['heldout_method']}")
+    if s["in_cache_fit"]:
+        llc = s["last_level_cache_bytes"]
+        console.print("in-cache fit (records timed back to back): prices models whose weights take at most half "
+                      f"the last-level cache ({f'{llc / 2**20:.0f} MiB' if llc else 'size unknown: never used'})")
     if profile.published:
         console.print(f"[bold]not measured by this tool[/bold]: {profile.measured_by}")
 

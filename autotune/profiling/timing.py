@@ -25,7 +25,8 @@ def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None =
     runs off the CPU (Core ML, the ANE) or on several threads. `energy_field`: the meter's field that measures
     what `fn` runs on (the backend's, from its registry entry). `before`: run ahead of each call, untimed (the
     cache state a forward leaves: `cache_state.ForwardCaches`); a meter's window then also holds it, so its energy,
-    measured alone over as many runs after, is taken off."""
+    measured alone over as many runs after, is taken off. With `before`, as many runs again without it give
+    `warm_median_ms`: the state of a forward whose model stays in the host's last-level cache (`cache_state`)."""
     prepare = before if before is not None else (lambda: None)
     for _ in range(s.warmup):
         prepare()
@@ -57,10 +58,24 @@ def time_call(fn: Callable[[], object], s: Settings, meter: EnergyMeter | None =
     rec = {"median_ms": r(statistics.median(times)), "p10_ms": r(q[0]), "p25_ms": r(q[1]), "p75_ms": r(q[2]),
            "p90_ms": r(q[3]), "min_ms": r(min(times)), "clock": clock, "wall_median_ms": r(statistics.median(wall)),
            "cpu_median_ms": r(statistics.median(cpu)), "runs": len(times), "warmup": s.warmup}
+    if before is not None:
+        rec["warm_median_ms"] = r(_warm_median(fn, len(times), clock))
     if energy is not None and wall_ms > 0:
         rec["energy_mj_per_run"] = r(energy / len(times))
         rec["power_w"] = round(energy / wall_ms, 4)  # mJ / ms = W
     return rec
+
+
+def _warm_median(fn: Callable[[], object], runs: int, clock: str) -> float:
+    """Median ms of `runs` calls back to back (after one untimed), on `clock`."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = now()
+        fn()
+        times.append((now() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_in_forward(call: Call, s: Settings, meter: EnergyMeter | None = None, energy_field: str = CPU_ENERGY,
