@@ -17,12 +17,14 @@ Chat fallback format, for a tokenizer without a chat template: one line per mess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -118,6 +120,8 @@ class Engine:
         self.prefill_thread = ThreadPoolExecutor(1, thread_name_prefix="npumoe-prefill", initializer=background)
         self.prefill: tuple[RequestStream, Future] | None = None
         self.beside_prefill = 0  # decode steps run while a prefill ran on its thread (what a test reads)
+        # What the tokens of one batched step are sent under (the engine process holds them and sends them as one)
+        self.step_events: Callable[[], AbstractContextManager] = contextlib.nullcontext
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
@@ -229,11 +233,12 @@ class Engine:
                     self._fail(s.job, e)
                 return done + [s.job for s in decoding]
             added = executor_counts(self.loaded, decode_only=True) - before
-            for s in decoding:
-                s.counts.update(added)
-                if not s.take():
-                    self.batch.remove(s.gen)
-                    done.append(s.job)
+            with self.step_events():
+                for s in decoding:
+                    s.counts.update(added)
+                    if not s.take():
+                        self.batch.remove(s.gen)
+                        done.append(s.job)
         return done
 
     def _prefills(self, live: list[RequestStream]) -> list[Job]:
