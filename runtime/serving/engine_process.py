@@ -11,8 +11,9 @@ pipes:
 - requests, from this process, each answered in order: submit (None, or the refusal to raise here), cancel (no
   answer), health, metrics, close;
 - events, from the child: lists of (job key, event) as the engine's jobs emit them (one event, or a batched decode
-  step's tokens together), which a reader thread here hands to each job's loop (`Job.emit`, one wake-up of the
-  loop for what arrives together).
+  step's tokens together), read here on the asyncio loop that submits (its selector watches the pipe: a token's
+  trip from the child wakes that loop alone, not a reader thread that then wakes the loop; a job of another loop
+  gets its events through `Job.emit`).
 
 The child ignores SIGINT (Ctrl-C reaches the whole process group: this process drains, then closes it) and ends
 when its request pipe closes (this process gone). Its tokenizer comes back pickled once it is ready, for what is
@@ -67,11 +68,13 @@ class EngineProcess:
         self._jobs: dict[int, Job] = {}
         self._keys: dict[Job, int] = {}
         self._next_key = itertools.count()
-        self._reader = threading.Thread(target=self._read, name="npumoe-events", daemon=True)
-        self._reader.start()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the events pipe
+        self._listening = threading.Lock()
+        self._ended = threading.Event()  # the events pipe's end was read and its jobs ended
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         """As `Engine.submit`: the job here, its events from the child's."""
+        self._listen(loop)
         job, key = Job(None, loop), next(self._next_key)
         self._jobs[key], self._keys[job] = job, key  # before the child can answer with an event
         try:
@@ -109,7 +112,10 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join()
-        self._reader.join(timeout_s)
+        with self._listening:
+            reading = self._loop is not None and self._loop.is_running()
+        if not reading or not self._ended.wait(timeout_s):  # no loop will read the pipe's end: read it here
+            self._drain()
 
     def _call(self, message: tuple) -> object:
         with self._lock:
@@ -132,20 +138,51 @@ class EngineProcess:
         self._keys.pop(job, None)
         return job
 
-    def _read(self) -> None:
-        """The events thread: each event to its job's loop, until the child closes its end."""
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the events pipe on `loop` (called on it): the first loop to submit, or the next once that one has
+        closed (a test's loop; the server has one)."""
+        with self._listening:
+            if self._ended.is_set() or (self._loop is not None and not self._loop.is_closed()):
+                return
+            self._loop = loop
+            loop.add_reader(self._events.fileno(), self._on_events)
+
+    def _on_events(self) -> None:
+        """On the reading loop, its selector saw the pipe readable: each event to its job (this loop's directly)."""
+        try:
+            items = self._events.recv()  # one event, or a batched step's, in order
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._events.fileno())
+            self._end()
+            return
+        self._deliver(items, self._loop)
+
+    def _deliver(self, items: list[tuple], here: asyncio.AbstractEventLoop | None) -> None:
+        for key, event in items:
+            job = self._forget(key) if event is None else self._jobs.get(key)
+            if job is None:
+                continue
+            if job.loop is here:
+                job.events.put_nowait(event)
+            else:
+                job.emit(event)
+
+    def _drain(self) -> None:
+        """Off any loop, once the child has ended: what is left in the pipe to its jobs, then the pipe's end."""
         try:
             while True:
-                for key, event in self._events.recv():  # one event, or a batched step's, in order
-                    job = self._forget(key) if event is None else self._jobs.get(key)
-                    if job is not None:
-                        job.emit(event)
+                self._deliver(self._events.recv(), None)
         except (EOFError, OSError):
             pass
-        for key in list(self._jobs):  # the child ended under them (a clean close has none left)
+        self._end()
+
+    def _end(self) -> None:
+        """The child ended (a clean close leaves no job): each job still open ends with a server error."""
+        for key in list(self._jobs):
             job = self._forget(key)
             job.emit(("error", RequestError(500, "the engine process ended", type_="server_error")))
             job.emit(None)
+        self._ended.set()
 
 
 class _Outbox:
