@@ -138,6 +138,14 @@ class QuantizedLinear(torch.nn.Module):
         return out
 
 
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight at full width, as a static function stores it: its own, or (an MLX checkpoint's
+    `QuantizedLinear`) its packed weight dequantized in float32."""
+    if isinstance(module, QuantizedLinear):
+        return module.weight_q.full(torch.float32)
+    return module.weight.detach()
+
+
 class QuantizedEmbedding(torch.nn.Module):
     """`nn.Embedding` over a packed table: only the looked-up rows are dequantized."""
 

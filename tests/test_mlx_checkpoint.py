@@ -22,6 +22,7 @@ from autotune.calibration.workload import encode_text  # noqa: E402
 from autotune.cli import main  # noqa: E402
 from runtime import generation  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
+from runtime.executor import PlanExecutor  # noqa: E402
 from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
 from runtime.plan import LayerPlan, Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
@@ -197,3 +198,34 @@ def test_build_takes_the_folder(q4, tmp_path):
     group = result.functions[0]
     # what the ane backend checks a package against at load: the digest of the loaded model's packed experts
     assert meta["functions"][group.name]["weights_sha256"] == weights_digest(experts, group.experts)
+
+
+def test_dense_functions_from_the_folder(q4):
+    """A plan's dense functions on a packed checkpoint: ane-sim computes them from the dequantized projections (the
+    model's own forward within fp16's error) and a package stores mlx's dequantized weights, rounded to fp16 once
+    (the gate of a search on an MLX folder ran ane-sim's functions over `QuantizedLinear`s: it failed there)."""
+    from autotune.searching.templates import template_plan
+    from runtime.coreml.dense_io import dense_weights
+    from runtime.dense.specs import backend_specs
+
+    model, _ = load_model(str(q4), "float32")
+    def dense_plan(backend: str) -> Plan:
+        return template_plan(model_spec(model), "ample", "drop", "cpu-static", chunk_tokens=32, dense=backend,
+                             context_tokens=128)
+
+    plan = dense_plan("ane-sim")
+    ids = torch.randint(3, 4000, (96,), generator=torch.Generator().manual_seed(0))
+    ref = torch.cat([o.logits[0] for o in prefill_chunks(model, ids, 32)])
+    with PlanExecutor(model, plan) as ex:
+        got = torch.cat([o.logits[0] for o in prefill_chunks(model, ids, 32)])
+        assert ex.dense.to_json()["qkv"] == {"ane-sim": 3 * model.config.num_hidden_layers}
+    assert 0 < (got - ref).abs().max() <= 0.05 * ref.abs().max()
+
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantizedLinear)
+    spec = next(s for s in backend_specs(model, dense_plan("ane"), "ane") if s.kind == "qkv" and s.layer == 0)
+    p = q.weight_q
+    mlx_q = np.array(mx.dequantize(mx.array(p.packed.view(torch.int32).numpy().view(np.uint32)),
+                                   mx.array(p.scales.float().numpy()), mx.array(p.biases.float().numpy()),
+                                   p.group_size, p.bits))
+    np.testing.assert_array_equal(dense_weights(spec)["layer0_q_w"], mlx_q.astype(np.float16))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from runtime.backends import DenseSpec
+from runtime.quantized import QuantizedLinear, linear_weight
 
 MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
 OUTPUT = "y"
@@ -24,9 +25,11 @@ def dense_weights(spec: DenseSpec) -> dict[str, np.ndarray]:
     """The function's weights as fp16 arrays, by const name (unique per layer and role)."""
     out = {}
     for role, module in spec.modules.items():
-        tensors = {"w": getattr(module, "weight", None), "b": getattr(module, "bias", None)}
+        linear = isinstance(module, (torch.nn.Linear, QuantizedLinear))
+        tensors = {"w": linear_weight(module) if linear else getattr(module, "weight", None),
+                   "b": getattr(module, "bias", None)}
         if role == "mlp":
-            tensors = {f"{n}_w": getattr(module, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+            tensors = {f"{n}_w": linear_weight(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")}
         for kind, t in tensors.items():
             if t is not None:
                 out[f"layer{spec.layer}_{role}_{kind}"] = fp16(t)

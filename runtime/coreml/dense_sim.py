@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from runtime.backends import DenseFn, DenseSpec
 from runtime.coreml.dense_programs import MASKED
 from runtime.fileio import atomic_write_bytes, cache_root
+from runtime.quantized import linear_weight
 
 SIM_VERSION = 1
 
@@ -84,8 +85,9 @@ def decompressed_matrix(w: np.ndarray, compress: str) -> np.ndarray:
 
 
 def linear_fp16(module: torch.nn.Module, compress: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear as fp32 tensors holding the fp16 values the function stores (bias uncompressed)."""
-    w = module.weight.detach().to(torch.float16).contiguous().numpy()
+    """(weight, bias) of a Linear (or an MLX checkpoint's packed one) as fp32 tensors holding the fp16 values the
+    function stores (bias uncompressed)."""
+    w = linear_weight(module).to(torch.float16).contiguous().numpy()
     w = torch.from_numpy(np.ascontiguousarray(decompressed_matrix(w, compress))).float()
     b = None if module.bias is None else r16(module.bias.detach().float())
     return w, b
