@@ -191,6 +191,17 @@ def write_tokenizer(out: Path, vocab: int = TOKENIZER_VOCAB) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(out))
 
 
+def add_published_names(path: Path, like: str) -> None:
+    """The saved config.json with the published values transformers 5 renames or folds on save (Qwen3-MoE's
+    `num_experts`, every family's top-level `rope_theta`) written back as the published files hold them: their
+    readers (mlx_lm.convert) look for those names."""
+    config = json.loads(path.read_text())
+    if "num_experts" in TWINS[like] and "num_experts" not in config:
+        config["num_experts"] = config["num_local_experts"]
+    config.setdefault("rope_theta", config["rope_parameters"]["rope_theta"])
+    path.write_text(json.dumps(config, indent=2))
+
+
 def make_twin(like: str, layers: int, out: Path, seed: int = 0, progress: bool = True, **overrides) -> int:
     """Write the whole twin into `out` (created; written into a temp dir and renamed, so never half-made)."""
     import shutil
@@ -201,6 +212,7 @@ def make_twin(like: str, layers: int, out: Path, seed: int = 0, progress: bool =
     try:
         config = twin_config(like, layers, **overrides)
         config.save_pretrained(str(work))
+        add_published_names(work / "config.json", like)
         total = write_weights(config, work, seed, progress)
         write_tokenizer(work)
         (work / "TWIN.json").write_text(json.dumps({"like": like, "layers": layers, "seed": seed,

@@ -1,4 +1,6 @@
 """scripts/make_shape_twin.py on shrunken configs: loadable without missing weights, decisive routing, bf16."""
+import json
+
 import pytest
 import torch
 import transformers
@@ -19,6 +21,10 @@ def test_twin_loads_whole_in_bf16(tmp_path, like):
     assert 0.4 < float(moe_layers(model)[0].router.weight.detach().float().std()) < 0.6  # decisive routing
     assert len(tok.encode("def f(x): return x")) > 1
     assert read_model_spec(str(path)) == model_spec(model)
+    # the published names mlx_lm.convert reads, beside transformers 5's own
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert saved.get("num_experts", saved.get("num_local_experts")) == model_spec(model).num_experts
 
 
 def test_twin_config_is_the_published_one_but_the_layers():
