@@ -54,9 +54,20 @@ def test_gate_reports_measured_candidates_and_writes_the_cheapest_passing(workdi
 
 
 @pytest.mark.slow
-def test_a_gate_whose_first_candidates_fail_goes_on_to_a_passing_plan(workdir, capsys):
+def test_a_gate_whose_first_candidates_fail_goes_on_to_a_passing_plan(workdir, capsys, monkeypatch):
     """The search's pick meets the proxy but fails the gate; the gate goes on (the next candidate, then the
-    failed ones tightened: drops to spills, then uncompressed) and writes the first that passes, never nothing."""
+    failed ones tightened: drops to spills, then uncompressed) and writes the first that passes, never nothing.
+    Each round has a simulator of its own (the rounds' weights never add up), and its peak is predicted."""
+    import autotune.evaluation.gate as gate_module
+
+    simulators = []
+
+    class Counted(gate_module.AneSimBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            simulators.append(self)
+
+    monkeypatch.setattr(gate_module, "AneSimBackend", Counted)
     _slow_cpu_profile(workdir / "slow-cpu.json")
     light = workdir / "light.json"
     assert main(_search(workdir, light, "--no-gate", profile="slow-cpu.json")) == 0
@@ -71,6 +82,7 @@ def test_a_gate_whose_first_candidates_fail_goes_on_to_a_passing_plan(workdir, c
     rows, chosen = gate["candidates"], gate["chosen"]
     assert not rows[0]["passed"] and rows[0]["drop_rate"] > 0  # the search's pick, measured and failed
     assert gate["rounds"] == len(rows) > 1 and chosen["index"] == len(rows) - 1  # one a round, up to the first pass
+    assert len(simulators) == gate["rounds"] and gate["predicted_peak_mb"] > 0
     assert not any(r["passed"] for r in rows[:-1]) and chosen["passed"]
     assert chosen["top1"] == 1.0 and chosen["ppl_delta"] <= 0.0 and chosen["drop_rate"] == 0.0
     plan = load_plan(gated)

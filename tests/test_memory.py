@@ -9,6 +9,7 @@ from autotune.costing.memory import (
     activation_bytes,
     ane_budget_bytes,
     ane_package_bytes,
+    dense_function_bytes,
     predict_memory,
     stage_memory,
 )
@@ -38,6 +39,26 @@ def test_parts_from_the_model_and_the_plan(model):
     assert m.to_json()["total_bytes"] == m.total and "predicted" in m.to_json()["label"]
     on_cpu = template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=32)
     assert predict_memory(on_cpu, size, 100).ane_packages == 0  # cpu-static groups use the torch weights
+
+
+def test_dense_functions_on_the_ane_count_their_matrices(model):
+    """A plan's dense functions on `ane` hold their projections in its package (fp16, or as compressed), and on the
+    host's simulator in fp32; the attention core none; cpu-static ones none (the torch weights)."""
+    size = ModelSize.of(model)
+    attn = model.model.layers[0].self_attn
+    qkv, o = (sum(m.weight.numel() for m in ms) for ms in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,)))
+    assert size.dense_function_weights == ((qkv, o, 0),) * LAYERS  # random:qwen3_moe: no shared expert
+    plan = template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=32, dense="ane",
+                         context_tokens=128)
+    assert dense_function_bytes(plan, size) == LAYERS * (qkv + o) * 2
+    assert dense_function_bytes(plan, size, simulated=True) == LAYERS * (qkv + o) * 4
+    assert predict_memory(plan, size, 100).ane_packages == LAYERS * (qkv + o) * 2
+    on_cpu = template_plan(model_spec(model), "ample", backend="cpu-static", chunk_tokens=32, dense="cpu-static",
+                           context_tokens=128)
+    assert dense_function_bytes(on_cpu, size) == 0
+    # a gate round's candidates side by side on one simulator: both plans' functions
+    assert stage_memory(size, "search", 32, 100, gate_candidates=2, plan=[plan, plan]).ane_packages == \
+        2 * LAYERS * (qkv + o) * 4
 
 
 def test_ane_bytes_follow_each_groups_compression(model):

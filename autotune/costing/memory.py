@@ -8,7 +8,8 @@
   ANE-resident ones too (decode steps, spilled overflow and short chunks run exactly on the CPU), but only in that
   storage, never a second full-width copy; `cpu_copy_of_ane_resident_bytes` says how much of it they are.
 - ANE packages: the distinct experts of the plan's `ane` groups, stored as each group's `compress` says (fp16, int8,
-  4-bit palettes; `runtime.coreml.ane_limits`). On a Mac this is unified memory, on top of the CPU-side weights.
+  4-bit palettes; `runtime.coreml.ane_limits`), and the matrices of its dense functions on `ane`. On a Mac this is
+  unified memory, on top of the CPU-side weights.
 - Activations of one chunk: the hidden states, attention and MoE buffers of one decoder layer for `chunk_tokens`
   rows, and the chunk's logits (generation keeps only the last position's; `autotune run` keeps every position's,
   in fp32, for the whole text: `logits_rows`).
@@ -56,6 +57,9 @@ class ModelSize:
     expert_weights: int = 0  # the experts' weight count (every layer)
     experts_per_layer: int = 0
     storage: str = "bf16"  # how the experts are held as loaded: bf16 (the dtype), or mlx-<bits>bit-g<group>
+    # per decoder layer, the weights (matrix entries) of its dense functions: (norm + q/k/v, o_proj, shared expert
+    # or dense MLP; 0 where the layer has none)
+    dense_function_weights: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -89,7 +93,7 @@ class ModelSize:
                    vocab=int(cfg.vocab_size), top_k=int(cfg.num_experts_per_tok),
                    expert_ffn=int(experts.intermediate_dim), expert_bytes=int(experts_held),
                    expert_weights=n_weights, experts_per_layer=int(experts.num_experts),
-                   storage="packed" if packed else "bf16")
+                   storage="packed" if packed else "bf16", dense_function_weights=_dense_function_weights(model))
 
     @classmethod
     def of_config(cls, config: object, dtype_bytes: int, mlx: dict | None = None) -> "ModelSize":
@@ -110,6 +114,24 @@ class ModelSize:
         whole = size.weight_bytes - matrices * dtype_bytes
         return replace(size, weight_bytes=int(whole + matrices * rate), expert_bytes=int(size.expert_weights * rate),
                        storage=f"mlx-{bits}bit-g{group}")
+
+
+def _matrix_weights(modules: list[torch.nn.Module]) -> int:
+    """Entries of every linear layer in `modules` (full-width or packed: what a function stores of them)."""
+    return sum(int(m.out_features) * int(m.in_features) for root in modules for m in root.modules()
+               if hasattr(m, "out_features") and hasattr(m, "in_features"))
+
+
+def _dense_function_weights(model: torch.nn.Module) -> tuple[tuple[int, int, int], ...]:
+    from runtime.dense.families import attention_modules, mlp_modules
+
+    out = []
+    for index in range(len(model.model.layers)):
+        attn, _ = attention_modules(model, index)
+        mlp = mlp_modules(model, index)
+        out.append((_matrix_weights([attn[r] for r in ("q", "k", "v")]), _matrix_weights([attn["o"]]),
+                    _matrix_weights(list(mlp[0].values())) if mlp else 0))
+    return tuple(out)
 
 
 def storage_bytes_per_weight(kind: str, group_size: int = 64, dtype_bytes: int = 2, rows_of: int = 768) -> float:
@@ -177,6 +199,20 @@ def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
                     stored[(lp.layer, e)] = ane_limits.expert_weight_bytes(h, f, "none" if simulated else
                                                                            g.compression)
     return sum(stored.values())
+
+
+def dense_function_bytes(plan: Plan, size: ModelSize, simulated: bool = False) -> int:
+    """Bytes of the plan's dense functions on a Core ML backend, in its packages: each placed function's matrices as
+    its `compress` stores them (vectors, a few KB, left out). `simulated`: on the host's simulator instead, which
+    holds them in fp32 (runtime/coreml/dense_sim.py). The attention core holds no weights."""
+    if plan.dense is None or not size.dense_function_weights:
+        return 0
+    total = 0
+    for dl in plan.dense.layers:
+        for placed, weights in zip((dl.qkv, dl.o_proj, dl.mlp), size.dense_function_weights[dl.layer]):
+            if placed is not None and is_coreml_function(placed.backend):
+                total += weights * (4 if simulated else ane_limits.BYTES_PER_WEIGHT[placed.compression])
+    return int(total)
 
 
 def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_rows: int | None = None,
@@ -253,7 +289,8 @@ def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows:
     resident = {(lp.layer, e) for lp in plan.layers for g in lp.groups if is_coreml_function(g.backend)
                 for e in g.experts}
     per_expert = experts / max(1, size.expert_weights) * 3 * size.hidden * size.expert_ffn
-    return MemoryPrediction(dense + experts, ane_package_bytes(plan, ane_simulated),
+    return MemoryPrediction(dense + experts, ane_package_bytes(plan, ane_simulated) +
+                            dense_function_bytes(plan, size, ane_simulated),
                             activation_bytes(size, chunk, prompt_tokens, slots, logits_rows, chunk_logits),
                             size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens,
                             experts, storage, int(len(resident) * per_expert))
@@ -300,7 +337,7 @@ COMPARED_ROWS = 64  # positions whose fp32 logits the fidelity comparison holds 
 
 
 def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: int, tokens: int = 0,
-                 gate_candidates: int = 1, plan: Plan | None = None) -> MemoryPrediction:
+                 gate_candidates: int = 1, plan: Plan | list[Plan] | None = None) -> MemoryPrediction:
     """The predicted peak of a stage that runs the model without a plan of its own, or besides one:
 
     - `calibrate`: the decoder stack alone per chunk (routing is all it records: no logits), and the traces of
@@ -308,12 +345,16 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
     - `search`, its fidelity gate: the unmodified model and `gate_candidates` plans side by side over each prompt,
       each with its own KV cache and one chunk's logits, COMPARED_ROWS positions of fp32 logits and
       log-probabilities of the reference and of a candidate at a time; the padded static slots of `plan` (the
-      written plan, where known) and its ane groups on the host's simulator, their experts in fp16.
+      written plan, where known; or a gate round's candidates, measured side by side: the most slots of them)
+      and its ane groups and dense functions on the host's simulator (experts in fp16, dense matrices in fp32;
+      a round's together, an expert two of them share counted twice: a bound).
 
     `run` and `generate` are a plan's own prediction (`predict_memory`)."""
     chunk = min(chunk_tokens, prompt_tokens)
-    dense, experts = cpu_weight_bytes(size, plan.cpu_weights.kind if plan and plan.cpu_weights else None,
-                                      (plan.cpu_weights.group_size if plan and plan.cpu_weights else None) or 64)
+    plans = plan if isinstance(plan, list) else [plan] if plan is not None else []
+    storage = plans[0].cpu_weights if plans else None  # a round's candidates share the CPU's storage
+    dense, experts = cpu_weight_bytes(size, storage.kind if storage else None, (storage.group_size if storage
+                                                                                else None) or 64)
     kv = size.kv_bytes_per_token * prompt_tokens
     if stage == "calibrate":
         activations = activation_bytes(size, chunk, prompt_tokens, logits_rows=0, chunk_logits=0)
@@ -325,10 +366,10 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
         sides = 1 + gate_candidates
         # fp32 rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's
         # three temporaries (exp, difference, product)
-        slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0) if plan else None
+        slots = max((sum(g.slots for g in lp.groups) for p in plans for lp in p.layers), default=0) or None
         activations = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=7 * COMPARED_ROWS,
                                        chunk_logits=sides)
-        ane = ane_package_bytes(plan, simulated=True) if plan is not None else 0
+        ane = sum(ane_package_bytes(p, simulated=True) + dense_function_bytes(p, size, simulated=True) for p in plans)
         return MemoryPrediction(dense + experts, ane, activations, sides * kv, RUNTIME_BYTES, chunk, prompt_tokens,
                                 experts, size.storage)
     raise NpumoeError(f"stage {stage!r}: calibrate or search (run and generate: predict_memory of the plan)")

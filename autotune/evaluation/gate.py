@@ -25,6 +25,7 @@ import torch
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
+from autotune.costing.memory import ModelSize, stage_memory
 from autotune.evaluation.fidelity import compare_plans
 from runtime.coreml.ane_sim import AneSimBackend
 from runtime.errors import NpumoeError
@@ -155,13 +156,13 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
     limits, text = settings.limits, settings.text
     ids = encode_text(tokenizer, text, settings.tokens)
     check_token_ids(loaded, ids)
-    sim = {AneSimBackend.name: AneSimBackend()}  # one simulator: weights prepared once for every candidate
-    rows, tokens, rounds, taken, pending = [], 0, 0, 0, iter(candidates)
+    size = ModelSize.of(loaded)  # as loaded, before the CPU's storage beside it
+    rows, tokens, rounds, taken, pending, measured_rounds = [], 0, 0, 0, iter(candidates), []
     with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")), \
             cpu_storage_beside(loaded, *cpu_weights, kernel_rows) as stores:
         planned = dict(stores[0].kernel_rows) if stores else None  # the plan's, or the runtime's defaults
 
-        def measure(batch: list[Candidate], kernels: dict[str, int] | None) -> list[dict]:
+        def measure(batch: list[Candidate], kernels: dict[str, int] | None, sim: dict) -> list[dict]:
             nonlocal tokens
             for store in stores:
                 store.kernel_rows, store.calls = dict(kernels), Counter()
@@ -185,11 +186,16 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
                 raise NpumoeError(f"the fidelity gate has {ids.numel()} tokens of {text}, less than one chunk of "
                                   f"the candidates' ({chunk} tokens): it would run none of their static groups; "
                                   f"give --gate-tokens {chunk} or more")
-            rows += measure(batch, planned)
+            # a simulator per round, its weights prepared once for the round's candidates and their remeasures:
+            # the rounds' weights never add up (a 2-layer Qwen3-30B-A3B twin's gate held 1.04 GB of them by its
+            # third round with one simulator for all)
+            sim = {AneSimBackend.name: AneSimBackend()}
+            measured_rounds.append([c.plan for c in batch])
+            rows += measure(batch, planned, sim)
             kernels = planned or {}
             while not any(r["passed"] for r in rows) and (fallback := fallback_kernel_rows(kernels)) \
                     and set(rows[-1]["kernel_calls"]) - set(fallback):
-                rows += [dict(r, retry_of=r["index"] - len(batch)) for r in measure(batch, fallback)]
+                rows += [dict(r, retry_of=r["index"] - len(batch)) for r in measure(batch, fallback, sim)]
                 kernels = fallback
     if not rows:
         raise NpumoeError("the fidelity gate has no candidate to measure")
@@ -200,7 +206,15 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
             "text": text, "cpu_weights": storage, "tokens": tokens,
             "limits": {"max_ppl_delta": limits.max_ppl_delta, "min_top1": limits.min_top1},
             "candidates": rows, "chosen": chosen, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 2),
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "predicted_peak_mb": round(predicted_gate_peak(size, measured_rounds) / 2**20, 1)}
+
+
+def predicted_gate_peak(size: ModelSize, rounds: list[list[Plan]]) -> int:
+    """The gate's predicted peak memory (bytes): its largest round, the unmodified model beside the round's
+    candidates (`costing.memory.stage_memory`'s search stage)."""
+    return max(stage_memory(size, "search", max(p.chunk_tokens for p in plans), PROMPT_TOKENS,
+                            gate_candidates=len(plans), plan=plans).total for plans in rounds)
 
 
 def refusal(gate: dict) -> NpumoeError:

@@ -222,7 +222,8 @@ def format_gate(gate: dict) -> list[str]:
     """The fidelity gate's table: each candidate's predicted time and measured fidelity, and the one chosen."""
     limits = gate["limits"]
     lines = [f"fidelity gate ({gate['label']}; limits: perplexity delta <= {limits['max_ppl_delta']:.2%}, top-1 >= "
-             f"{limits['min_top1']:g}; {gate['seconds']:.1f} s):",
+             f"{limits['min_top1']:g}; {gate['seconds']:.1f} s; peak RSS {gate['peak_rss_mb']:.0f} MiB"
+             + (f", {gate['predicted_peak_mb']:.0f} MiB predicted" if gate.get("predicted_peak_mb") else "") + "):",
              f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<26} "
              f"{'compressed':<18} passed"]
     for c in gate["candidates"]:
