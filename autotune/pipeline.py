@@ -36,7 +36,14 @@ from autotune.calibration.traces import (
 )
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
-from autotune.costing.memory import ModelSize, against_measured, predict_memory, simulated_functions
+from autotune.costing.memory import (
+    ModelSize,
+    against_measured,
+    beside_measured,
+    predict_memory,
+    simulated_functions,
+    stage_memory,
+)
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
@@ -169,7 +176,9 @@ def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk
                           "smaller --prompt-tokens)")
     traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
     save_traces(traces, path)
-    return Calibration(path=path, traces=traces, summary=_calibration_summary(traces, path))
+    predicted = stage_memory(ModelSize.of(loaded), "calibrate", chunk, prompt_tokens, tokens=len(ids))
+    return Calibration(path=path, traces=traces, summary={**_calibration_summary(traces, path),
+                                                          "memory": beside_measured(predicted, peak_rss_bytes())})
 
 
 def _calibration_summary(traces: Traces, path: str) -> dict:

@@ -53,4 +53,7 @@ def run(args: argparse.Namespace) -> int:
               f"({summary['heldout_chunks']} held out)")
         print("most-used expert, x the uniform share, per layer: " +
               ", ".join(f"L{l} {v:.2f}" for l, v in summary["max_expert_share_x_uniform"].items()))
+        m = summary["memory"]
+        print(f"peak memory: {m['measured_peak_rss_gb']:.2f} GB (process peak RSS); {m['predicted_gb']:.2f} GB "
+              "predicted for this stage")
     return 0

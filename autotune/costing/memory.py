@@ -327,7 +327,12 @@ def against_measured(plan: Plan, model: torch.nn.Module, prompt_tokens: int, mea
                      logits_rows: int = 1, ane_simulated: bool = False, chunk_logits: int = 1) -> dict:
     """A run's measured peak RSS next to the plan's prediction for that same run (its prompt length, the logits
     it keeps, where its ane groups ran): what `run --json` and `generate --json` report as `memory`."""
-    predicted = predict_memory(plan, ModelSize.of(model), prompt_tokens, logits_rows, ane_simulated, chunk_logits)
+    return beside_measured(predict_memory(plan, ModelSize.of(model), prompt_tokens, logits_rows, ane_simulated,
+                                          chunk_logits), measured_bytes)
+
+
+def beside_measured(predicted: MemoryPrediction, measured_bytes: int) -> dict:
+    """A process's measured peak RSS next to its predicted peak (`memory` in `run`, `generate`, `calibrate`)."""
     return {"measured_peak_rss_gb": round(measured_bytes / GB, 4), "predicted_gb": round(predicted.total / GB, 4),
             "predicted_over_measured": round(predicted.total / measured_bytes, 4),
             "measured": "peak resident set size of this process (ru_maxrss)", "predicted": predicted.to_json()}
