@@ -22,27 +22,23 @@ import torch
 
 from autotune.build_io import private_tempdir, progress_factory
 from autotune.calibration import modelstats
+from autotune.calibration.stage import PROMPT_TOKENS, calibrate
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT
 from autotune.calibration.traces import (
-    HELDOUT_EVERY,
     Traces,
     default_traces_path,
     load_traces,
     record_run_traces,
-    record_traces,
     require_heldout,
     require_recordable,
-    save_traces,
 )
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import (
     ModelSize,
     against_measured,
-    beside_measured,
     predict_memory,
     simulated_functions,
-    stage_memory,
 )
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
@@ -92,7 +88,6 @@ from runtime.resources import Clock, peak_rss_bytes
 log = logging.getLogger("npumoe")
 
 # calibration defaults, shared by `calibrate` and the calibration `search` runs when traces are missing
-CHUNK_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 256, 1024, 32768
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
 _ABOUT = {"tiny-moe": f"embedded trained Qwen3-MoE ({TINY_MOE_DIR}, see MODEL_CARD.md)"}
 
@@ -143,52 +138,6 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
     save_profile(profile, out)
     profile.path = str(out)
     return profile
-
-
-# --- calibrate ------------------------------------------------------------------------------------------------------
-@dataclass
-class Calibration:
-    path: str  # the traces file written
-    traces: Traces
-    summary: dict  # what `calibrate --json` prints
-
-
-def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
-              prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
-              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None) -> Calibration:
-    """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
-    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`)."""
-    if chunk > prompt_tokens:
-        raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
-                          "chunks of at most its length; give --chunk <= --prompt-tokens")
-    name = model if isinstance(model, str) else model.name
-    check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
-    path = str(out or default_traces_path(name))
-    loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
-        model.loaded()
-    ids = encode_text(tokenizer, text, max_tokens)
-    check_token_ids(loaded, ids)
-    prompts = -(-len(ids) // prompt_tokens)
-    if prompts < HELDOUT_EVERY:
-        raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
-                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
-                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
-                          "smaller --prompt-tokens)")
-    traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
-    save_traces(traces, path)
-    predicted = stage_memory(ModelSize.of(loaded), "calibrate", chunk, prompt_tokens, tokens=len(ids))
-    return Calibration(path=path, traces=traces, summary={**_calibration_summary(traces, path),
-                                                          "memory": beside_measured(predicted, peak_rss_bytes())})
-
-
-def _calibration_summary(traces: Traces, path: str) -> dict:
-    layers = traces.header["model"]["moe_layers"]
-    shares = {str(l): (traces.counts(l, "calib").sum(0) / max(1, traces.counts(l, "calib").sum())).round(4).tolist()
-              for l in layers}
-    return {"traces": path, "tokens": traces.header["tokens"], "chunks": traces.n_chunks,
-            "heldout_chunks": int(traces.heldout_chunks.sum()),
-            "max_expert_share_x_uniform": {l: float(np.max(s) * len(s)) for l, s in shares.items()},
-            "layer0_shares": shares[str(layers[0])]}
 
 
 # --- search ---------------------------------------------------------------------------------------------------------

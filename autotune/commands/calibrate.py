@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from autotune import pipeline
+from autotune.calibration import stage
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT
 from autotune.calibration.traces import default_traces_path
 from autotune.commands.argtypes import output_file, positive_int, require_output
@@ -25,13 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_text_argument(p, DEFAULT_CALIB_TEXT)
     add_cpu_weights_argument(p, "how the CPU holds the experts while calibrating: quantized at load from a full-width "
                                 "checkpoint (int8, int4[:group]; default bf16, as loaded)")
-    p.add_argument("--chunk", type=positive_int, default=pipeline.CHUNK_TOKENS, metavar="N",
-                   help=f"prefill chunk in tokens (default {pipeline.CHUNK_TOKENS})")
-    p.add_argument("--prompt-tokens", type=positive_int, default=pipeline.PROMPT_TOKENS, metavar="N",
+    p.add_argument("--chunk", type=positive_int, default=stage.CHUNK_TOKENS, metavar="N",
+                   help=f"prefill chunk in tokens (default {stage.CHUNK_TOKENS})")
+    p.add_argument("--prompt-tokens", type=positive_int, default=stage.PROMPT_TOKENS, metavar="N",
                    help="the text is cut into prompts of N tokens, each prefilled from an empty cache "
-                        f"(default {pipeline.PROMPT_TOKENS})")
-    p.add_argument("--max-tokens", type=positive_int, default=pipeline.MAX_TOKENS, metavar="N",
-                   help=f"use at most N tokens (default {pipeline.MAX_TOKENS})")
+                        f"(default {stage.PROMPT_TOKENS})")
+    p.add_argument("--max-tokens", type=positive_int, default=stage.MAX_TOKENS, metavar="N",
+                   help=f"use at most N tokens (default {stage.MAX_TOKENS})")
     p.add_argument("--out", type=output_file(), metavar="FILE", help="traces file (default traces/<model>.npz)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     out = args.out or default_traces_path(args.model)
     require_output(out, "--out")
-    result = pipeline.calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
+    result = stage.calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
                                 max_tokens=args.max_tokens, out=out, dtype=args.dtype, progress=not args.json,
                                 cpu_weights=args.cpu_weights)
     path, summary = result.path, result.summary

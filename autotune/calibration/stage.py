@@ -1,0 +1,66 @@
+"""The calibrate stage: a model's routing recorded on a text (`record_traces`), saved as traces, with the figures
+`autotune calibrate` reports (expert shares, the process's peak memory beside the stage's prediction)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotune.calibration.texts import DEFAULT_CALIB_TEXT
+from autotune.calibration.traces import HELDOUT_EVERY, Traces, default_traces_path, record_traces, save_traces
+from autotune.calibration.workload import encode_text
+from autotune.costing.cpu_storage import load_options
+from autotune.costing.memory import ModelSize, beside_measured, stage_memory
+from autotune.searching.model_record import ModelRecord, check_context
+from runtime.errors import NpumoeError
+from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.model_loader import context_length, load_model
+from runtime.resources import peak_rss_bytes
+
+CHUNK_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 256, 1024, 32768
+
+
+@dataclass
+class Calibration:
+    path: str  # the traces file written
+    traces: Traces
+    summary: dict  # what `calibrate --json` prints
+
+
+def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
+              prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
+              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None) -> Calibration:
+    """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
+    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`)."""
+    if chunk > prompt_tokens:
+        raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
+                          "chunks of at most its length; give --chunk <= --prompt-tokens")
+    name = model if isinstance(model, str) else model.name
+    check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
+    path = str(out or default_traces_path(name))
+    loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
+        model.loaded()
+    ids = encode_text(tokenizer, text, max_tokens)
+    check_token_ids(loaded, ids)
+    prompts = -(-len(ids) // prompt_tokens)
+    if prompts < HELDOUT_EVERY:
+        raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
+                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
+                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
+                          "smaller --prompt-tokens)")
+    traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
+    save_traces(traces, path)
+    predicted = stage_memory(ModelSize.of(loaded), "calibrate", chunk, prompt_tokens, tokens=len(ids))
+    return Calibration(path=path, traces=traces, summary={**_calibration_summary(traces, path),
+                                                          "memory": beside_measured(predicted, peak_rss_bytes())})
+
+
+def _calibration_summary(traces: Traces, path: str) -> dict:
+    layers = traces.header["model"]["moe_layers"]
+    shares = {str(l): (traces.counts(l, "calib").sum(0) / max(1, traces.counts(l, "calib").sum())).round(4).tolist()
+              for l in layers}
+    return {"traces": path, "tokens": traces.header["tokens"], "chunks": traces.n_chunks,
+            "heldout_chunks": int(traces.heldout_chunks.sum()),
+            "max_expert_share_x_uniform": {l: float(np.max(s) * len(s)) for l, s in shares.items()},
+            "layer0_shares": shares[str(layers[0])]}
