@@ -20,6 +20,8 @@ it, the defaults below (measured on the Linux x86-64 host by scripts/bench_moe_l
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 from collections import Counter
 
@@ -60,9 +62,6 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return bufs[key]
 
 
-_BLOCK_N = 64  # the row block of torch's CPU int4 layout on this build (checked once: _int4_layout_known)
-
-
 def _int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> int8 codes and one fp32 scale per output row (symmetric)."""
     w = w.float()
@@ -80,25 +79,40 @@ def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     return q, torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
 
 
-def _int4_unpack(packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's CPU int4 layout back to codes [N, K] (into `out`, converted as written, where given): bytes
-    [N / 64, K, 32], the low nibble row 64b + j, the high one row 64b + 32 + j (checked against the build's own
-    converter before use)."""
-    b = packed.reshape(n // _BLOCK_N, k, _BLOCK_N // 2)
-    out = torch.empty((n, k), dtype=torch.uint8) if out is None else out
-    halves = out.view(n // _BLOCK_N, 2, _BLOCK_N // 2, k)
-    halves[:, 0].copy_((b & 15).transpose(1, 2))
-    halves[:, 1].copy_((b >> 4).transpose(1, 2))
-    return out
+@dataclasses.dataclass(frozen=True)
+class Int4Layout:
+    """torch's CPU int4 layout, which depends on the CPU its kernel was dispatched for (aten's int4mm_kernel.cpp):
+    bytes [N / block, K, block / 2]; byte j of a block holds rows j and j + block / 2 (`paired` False: AVX-512's
+    block of 64, AVX2's of 32) or rows 2j and 2j + 1 (`paired` True: the non-vectorized path, e.g. Arm's, whose
+    block is four float vectors)."""
+
+    block: int
+    paired: bool
+
+    def unpack(self, packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed bytes back to codes [N, K] (into `out`, converted as written, where given)."""
+        b = packed.reshape(n // self.block, k, self.block // 2)
+        out = torch.empty((n, k), dtype=torch.uint8) if out is None else out
+        rows = out.view(n // self.block, self.block // 2, 2, k) if self.paired else \
+            out.view(n // self.block, 2, self.block // 2, k).transpose(1, 2)
+        rows[:, :, 0].copy_((b & 15).transpose(1, 2))
+        rows[:, :, 1].copy_((b >> 4).transpose(1, 2))
+        return out
 
 
-def _int4_layout_known() -> bool:
-    q = torch.randint(0, 16, (2 * _BLOCK_N, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+@functools.cache
+def int4_layout() -> Int4Layout | None:
+    """This process's CPU int4 layout, found by packing known codes and reading them back; None where no layout
+    this runtime knows reads them back."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     except RuntimeError:
-        return False
-    return packed.numel() * 2 == q.numel() and torch.equal(_int4_unpack(packed, *q.shape).to(torch.int32), q)
+        return None
+    if packed.numel() * 2 != q.numel():
+        return None
+    layouts = (Int4Layout(block, paired) for block in (64, 32, 16) for paired in (False, True))
+    return next((lay for lay in layouts if torch.equal(lay.unpack(packed, *q.shape).to(torch.int32), q)), None)
 
 
 class QuantizedCpuExperts(torch.nn.Module):
@@ -113,11 +127,12 @@ class QuantizedCpuExperts(torch.nn.Module):
         if kind == "int4":
             if group_size not in INT4_GROUPS:
                 raise NpumoeError(f"int4 group size {group_size}: choose from {', '.join(map(str, INT4_GROUPS))}")
-            if hidden % group_size or ffn % group_size or hidden % _BLOCK_N or (2 * ffn) % _BLOCK_N:
+            layout = int4_layout()
+            if layout is None:
+                raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not one this runtime reads")
+            if hidden % group_size or ffn % group_size or hidden % layout.block or (2 * ffn) % layout.block:
                 raise NpumoeError(f"int4 experts need hidden {hidden} and FFN {ffn} divisible by the group "
-                                  f"{group_size} and by {_BLOCK_N}")
-            if not _int4_layout_known():
-                raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not the one this runtime reads")
+                                  f"{group_size} and by {layout.block}")
         self.kind, self.group_size = kind, group_size
         self.kernel_rows = dict(KERNEL_ROWS[kind] if kernel_rows is None else kernel_rows)
         self.calls: Counter[str] = Counter()  # expert calls per kernel run (what ran, for reports and tests)
@@ -145,7 +160,7 @@ class QuantizedCpuExperts(torch.nn.Module):
             return (q.to(torch.float32) * s[:, None]).to(dtype)
         # one pass into the output in `dtype`: codes converted as unpacked, then w = q * scale + (zero - 8 * scale)
         n, k = self.shapes[0 if name == "gate_up" else 1]
-        w = _int4_unpack(q, n, k, torch.empty((n, k), dtype=dtype) if out is None else out)
+        w = int4_layout().unpack(q, n, k, torch.empty((n, k), dtype=dtype) if out is None else out)
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K / group]
         groups = w.view(n, k // self.group_size, self.group_size)
         return groups.mul_(scale.to(dtype)[..., None]).add_((zero - 8 * scale).to(dtype)[..., None]).view(n, k)

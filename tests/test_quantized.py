@@ -44,6 +44,33 @@ def test_formats_refused_by_name():
         check_packed("x.weight", [8, 32], [8, 4], None, 256, 4, 64)
 
 
+def _aten_int4_pack(q: torch.Tensor, block: int, paired: bool) -> torch.Tensor:
+    """Codes [N, K] packed as aten's weight_to_int4pack_kernel writes them for one CPU (its comments' formats)."""
+    n, k = q.shape
+    rows = q.reshape(n // block, block, k)
+    if paired:  # non-vectorized: adjacent rows share a byte
+        low, high = rows[:, 0::2], rows[:, 1::2]
+    else:  # AVX-512 / AVX2: row j with row j + block / 2
+        low, high = rows[:, : block // 2], rows[:, block // 2:]
+    return ((high << 4) | low).transpose(1, 2).to(torch.uint8).reshape(n, k // 2)
+
+
+@pytest.mark.parametrize("block,paired", [(64, False), (32, False), (32, True), (16, True)])
+def test_every_cpus_int4_layout_reads_back(block, paired):
+    """The int4 layout of each CPU torch's kernel is built for reads back to its codes (an AVX2 host's, block 32,
+    was refused before: int4 experts did not load there at all), and this host's is one of them."""
+    from runtime.cpu_weights import Int4Layout, int4_layout
+
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(block))
+    assert torch.equal(Int4Layout(block, paired).unpack(_aten_int4_pack(q, block, paired), 128, 64).to(torch.int32), q)
+    assert not torch.equal(Int4Layout(block, not paired).unpack(_aten_int4_pack(q, block, paired), 128, 64)
+                           .to(torch.int32), q)
+    here = int4_layout()
+    assert here is not None
+    assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
+                       _aten_int4_pack(q, here.block, here.paired))
+
+
 @pytest.mark.parametrize("kind,bound", [("int8", 0.03), ("int4", 0.3)])
 def test_cpu_experts_kernels_agree(kind, bound):
     """packed and dequant compute the same quantized expert, int_mm and int_mm_gate_up within their rows' rounding
