@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from autotune.evaluation.host_speed import PROBES, host_speed, probe_records
+from autotune.evaluation.host_speed import PROBE_MS, PROBES, host_speed, probe_records
 from autotune.profiling.dense_records import matmul_call
 from autotune.profiling.profile import host_facts, load_profile
 from autotune.profiling.settings import settings_for
@@ -27,11 +27,15 @@ def test_host_speed_times_the_profiles_own_records_again(monkeypatch):
     """A record whose profile time is 4x what this host takes for it now reads about 0.25 (a host 4x faster
     now); records too short to time well, or wall-clock ones, are not probed."""
     torch.set_num_threads(1)
-    with torch.inference_mode():
-        now = time_in_forward(matmul_call(512, 512, 512), settings_for(True))["median_ms"]
-    short, wall = _rec(1, 256, 256, 0.01), dict(_rec(512, 512, 512, 4 * now), clock="wall")
-    profile = _this_hosts([short, wall, _rec(512, 512, 512, 4 * now)])
-    assert probe_records(profile) == [_rec(512, 512, 512, 4 * now)]
+    with torch.inference_mode():  # a square matmul whose 4x is a probe's length on this host (AMX: 512; AVX2: 256)
+        for d in (256, 512, 1024):
+            now = time_in_forward(matmul_call(d, d, d), settings_for(True))["median_ms"]
+            if PROBE_MS[0] <= 4 * now <= PROBE_MS[1]:
+                break
+    assert PROBE_MS[0] <= 4 * now <= PROBE_MS[1], (d, now)
+    short, wall = _rec(1, 256, 256, 0.01), dict(_rec(d, d, d, 4 * now), clock="wall")
+    profile = _this_hosts([short, wall, _rec(d, d, d, 4 * now)])
+    assert probe_records(profile) == [_rec(d, d, d, 4 * now)]
     out = host_speed(profile)
     assert 0.1 < out["now_over_profile"] < 0.5, out  # now/then between 0.4x and 2x of this measure
     assert out["records"][0]["profile_ms"] == 4 * now and out["label"].startswith("measured: 1 of profile")
