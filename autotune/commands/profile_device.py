@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", type=backend_list, default=None, metavar="LIST",
                    help="comma-separated backends to profile, plugins included (default: every one this host has: "
                         "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and runs: within 5 minutes on 2 cores")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer shapes and runs: 4-5 minutes on a 2-core Intel AMX host, 14 on an AVX2-only one")
     p.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
     p.add_argument("--out", type=output_file(), default=None, metavar="FILE",
                    help=f"where to write the profile (default: this host's cache, {host_profile_path()})")
