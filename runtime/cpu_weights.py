@@ -100,6 +100,10 @@ class Int4Layout:
         return out
 
 
+# The layouts aten writes: AVX-512, AVX2, the non-vectorized path on x86 (8-float vectors) and on Arm (4-float).
+INT4_LAYOUTS = (Int4Layout(64, False), Int4Layout(32, False), Int4Layout(32, True), Int4Layout(16, True))
+
+
 @functools.cache
 def int4_layout() -> Int4Layout | None:
     """This process's CPU int4 layout, found by packing known codes and reading them back; None where no layout
@@ -111,8 +115,7 @@ def int4_layout() -> Int4Layout | None:
         return None
     if packed.numel() * 2 != q.numel():
         return None
-    layouts = (Int4Layout(block, paired) for block in (64, 32, 16) for paired in (False, True))
-    return next((lay for lay in layouts if torch.equal(lay.unpack(packed, *q.shape).to(torch.int32), q)), None)
+    return next((lay for lay in INT4_LAYOUTS if torch.equal(lay.unpack(packed, *q.shape).to(torch.int32), q)), None)
 
 
 class QuantizedCpuExperts(torch.nn.Module):
@@ -127,7 +130,7 @@ class QuantizedCpuExperts(torch.nn.Module):
         if kind == "int4":
             if group_size not in INT4_GROUPS:
                 raise NpumoeError(f"int4 group size {group_size}: choose from {', '.join(map(str, INT4_GROUPS))}")
-            layout = int4_layout()
+            self.layout = layout = int4_layout()
             if layout is None:
                 raise NpumoeError("int4 experts: this torch build's CPU int4 layout is not one this runtime reads")
             if hidden % group_size or ffn % group_size or hidden % layout.block or (2 * ffn) % layout.block:
@@ -160,7 +163,7 @@ class QuantizedCpuExperts(torch.nn.Module):
             return (q.to(torch.float32) * s[:, None]).to(dtype)
         # one pass into the output in `dtype`: codes converted as unpacked, then w = q * scale + (zero - 8 * scale)
         n, k = self.shapes[0 if name == "gate_up" else 1]
-        w = int4_layout().unpack(q, n, k, torch.empty((n, k), dtype=dtype) if out is None else out)
+        w = self.layout.unpack(q, n, k, torch.empty((n, k), dtype=dtype) if out is None else out)
         scale, zero = s[..., 0].T, s[..., 1].T  # [N, K / group]
         groups = w.view(n, k // self.group_size, self.group_size)
         return groups.mul_(scale.to(dtype)[..., None]).add_((zero - 8 * scale).to(dtype)[..., None]).view(n, k)

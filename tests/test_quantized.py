@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.cpu_weights import INT4_LAYOUTS
 from runtime.errors import NpumoeError
 from runtime.quantized import BITS, GROUP_SIZES, check_format, check_packed, dequantize
 
@@ -55,7 +56,7 @@ def _aten_int4_pack(q: torch.Tensor, block: int, paired: bool) -> torch.Tensor:
     return ((high << 4) | low).transpose(1, 2).to(torch.uint8).reshape(n, k // 2)
 
 
-@pytest.mark.parametrize("block,paired", [(64, False), (32, False), (32, True), (16, True)])
+@pytest.mark.parametrize("block,paired", [(lay.block, lay.paired) for lay in INT4_LAYOUTS])
 def test_every_cpus_int4_layout_reads_back(block, paired):
     """The int4 layout of each CPU torch's kernel is built for reads back to its codes (an AVX2 host's, block 32,
     was refused before: int4 experts did not load there at all), and this host's is one of them."""
