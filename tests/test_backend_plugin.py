@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "cpu-twin"
 # A few records of one small shape: what the test needs, not the minutes a real --quick profile takes.
 SMALL = settings.Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32],
-                          num_experts=4, warmup=1, min_runs=3, max_runs=3, min_time_s=0.0, quick=True)
+                          num_experts=4, warmup=1, min_runs=3, max_runs=3, min_time_s=0.0, quick=True,
+                          dense_shapes=("tiny-moe",))
 
 
 def _docs_backend() -> str:

@@ -124,7 +124,7 @@ def qk_norm_call(shape: DenseShape, rows: int) -> Call:
 def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> list[dict]:
     """Time every dense case on the CPU (the exact path's backend prices CPU work), fp32, on `clock`."""
     cases = []
-    for name, shape in DENSE_SHAPES.items():
+    for shape in (DENSE_SHAPES[name] for name in s.dense_shapes or DENSE_SHAPES):
         cases += [({"kind": "dense_matmul", "m": m, "n": n, "k": k}, matmul_call(m, n, k))
                   for m, n, k in matmul_cases(shape)]
         points = ATTENTION_POINTS_QUICK if s.quick else ATTENTION_POINTS

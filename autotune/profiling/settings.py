@@ -26,13 +26,14 @@ class Settings:
     min_time_s: float = 0.15  # keep repeating small calls until this much time has passed
     quick: bool = False
     kernels: bool = True  # time the CPU's expert kernels per storage kind (autotune/profiling/kernels.py)
+    dense_shapes: tuple[str, ...] | None = None  # the dense ops' model sizes (dense_records.DENSE_SHAPES; None: all)
 
     def to_json(self) -> dict:
         return {"shapes": {k: list(v) for k, v in self.shapes.items()}, "tokens": self.tokens,
                 "groups": [list(g) for g in self.groups], "pack_tokens": self.pack_tokens, "top_k": self.top_k,
                 "num_experts": self.num_experts, "warmup": self.warmup, "min_runs": self.min_runs,
                 "max_runs": self.max_runs, "min_time_s": self.min_time_s, "quick": self.quick,
-                "kernels": self.kernels}
+                "kernels": self.kernels, "dense_shapes": self.dense_shapes}
 
 
 def settings_for(quick: bool) -> Settings:
