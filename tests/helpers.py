@@ -9,6 +9,7 @@ import numpy as np
 
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.fitting import record_features
+from autotune.profiling.settings import Settings
 from runtime.loading.model_loader import load_model
 from runtime.serving.server import listen, make_server
 
@@ -51,6 +52,13 @@ def synthetic_records(backend: str, noise: float = 0.02, seed: int = 0) -> list[
     for r in recs:
         r["median_ms"] = float(truth.analytic(*record_features(r, 4))) * float(np.exp(rng.normal(0, noise)))
     return recs
+
+
+# A real profile-device run's few records of one small shape, tiny-moe's dense ops only: what a test needs, not the
+# minutes a real --quick profile takes.
+TINY_PROFILE = Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32],
+                        num_experts=4, warmup=1, min_runs=3, max_runs=3, min_time_s=0.0, quick=True,
+                        dense_shapes=("tiny-moe",))
 
 
 def apple_like(power: bool = True) -> CostModel:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import apple_like
+from helpers import TINY_PROFILE, apple_like
 
 from autotune.cli import main
 from autotune.costing.costmodel import BackendModel, CostModel
@@ -25,10 +25,6 @@ from runtime.plan import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "cpu-twin"
-# A few records of one small shape: what the test needs, not the minutes a real --quick profile takes.
-SMALL = settings.Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32],
-                          num_experts=4, warmup=1, min_runs=3, max_runs=3, min_time_s=0.0, quick=True,
-                          dense_shapes=("tiny-moe",))
 
 
 def _docs_backend() -> str:
@@ -62,7 +58,7 @@ def test_the_registry_finds_the_plugin_and_gives_it_the_default_facts(plugin):
 
 
 def test_out_of_tree_backend_is_profiled_planned_and_run(plugin, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(settings, "settings_for", lambda quick: SMALL)
+    monkeypatch.setattr(settings, "settings_for", lambda quick: TINY_PROFILE)
     prof, plan = tmp_path / "p.json", tmp_path / "m.json"
     assert main(["profile-device", "--quick", "--backends", f"cpu-exact,{NAME}", "--out", str(prof),
                  "--no-progress"]) == 0

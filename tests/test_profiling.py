@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from helpers import TINY_PROFILE
 
 from autotune.cli import main
 from autotune.profiling.cache_state import Call, ForwardCaches
@@ -18,10 +19,7 @@ from autotune.profiling.timing import time_call, time_in_forward
 
 
 def test_tiny_real_profile_device_run_and_show_profile(tmp_path, capsys):
-    s = Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2, 4)], pack_tokens=[8, 32], num_experts=4,
-                 warmup=1, min_runs=3, max_runs=3, min_time_s=0.0,
-                 dense_shapes=("tiny-moe",))
-    prof = profile_device(["cpu-exact", "cpu-static"], quick=True, threads=1, progress=False, s=s)
+    prof = profile_device(["cpu-exact", "cpu-static"], quick=True, threads=1, progress=False, s=TINY_PROFILE)
     kinds = {r["kind"] for r in prof.records}
     assert {"call", "group", "pack", "exact_host"} <= kinds
     for r in prof.records:
