@@ -8,7 +8,7 @@ from runtime.serving.decode_batch import ROWS, DecodeBatch
 
 
 def test_a_padded_batched_step_gives_each_row_its_own_logits_bitwise():
-    loaded = runtime.load("tiny-moe")  # bf16
+    loaded = runtime.load("tiny-moe", dtype="bfloat16")
     ids = torch.tensor(loaded.tokenizer.encode("Static groups for the prompt, the exact path for every new token. "
                                                * 4, add_special_tokens=False))
     gens = []

@@ -6,7 +6,7 @@ import torch
 import transformers
 from helpers import shape_twin_script, tiny_twin
 
-from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.model_loader import checkpoint_dtype, load_model, model_spec, moe_layers, read_model_spec
 
 
 @pytest.mark.parametrize("like", ["qwen3-30b-a3b", "phi-3.5-moe", "mixtral-8x7b", "olmoe-1b-7b"])
@@ -14,7 +14,8 @@ def test_twin_loads_whole_in_bf16(tmp_path, like):
     path = tiny_twin(tmp_path / "twin", like, layers=2)
     _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    model, tok = load_model(str(path), "auto")
+    assert checkpoint_dtype(str(path)) == torch.bfloat16
+    model, tok = load_model(str(path), "bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.model_type == shape_twin_script().TWINS[like]["model_type"]
     assert len(moe_layers(model)) == 2

@@ -9,9 +9,11 @@ import transformers
 from autotune.cli import main
 from autotune.searching.templates import template_plan
 from runtime.executor import PlanExecutor
+from runtime.loading import compute_dtype
 from runtime.loading.model_loader import (
     RANDOM_MODELS,
     TINY_MOE_DIR,
+    auto_dtype_of,
     checkpoint_dtype,
     load_model,
     model_spec,
@@ -46,12 +48,31 @@ def test_bf16_ample_plan_matches_bf16_reference(name):
 
 
 @needs_tiny
-def test_auto_dtype_is_the_checkpoints():
+@pytest.mark.parametrize("ratio, loads", [(0.8, torch.bfloat16), (1.4, torch.bfloat16), (41.6, torch.float32)])
+def test_auto_dtype_is_the_checkpoints_unless_this_host_emulates_it(monkeypatch, ratio, loads):
+    # half_over_float: this host's bf16 matmul over fp32's (0.8 with AMX; 41.6 measured on an AVX2-only EPYC)
+    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype, threads: ratio)
     assert checkpoint_dtype("tiny-moe") == torch.bfloat16 and checkpoint_dtype("random:olmoe") == torch.float32
+    dtype, why = auto_dtype_of("tiny-moe")
+    assert dtype == loads and f"{ratio:.1f}x" in why
     model, _ = load_model("tiny-moe", "auto")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {loads}
+    assert auto_dtype_of("random:olmoe") == (torch.float32, "the checkpoint's own float32")
     # One checkpoint, one fingerprint, whatever dtype it is loaded in.
-    assert model_spec(model) == model_spec(load_model("tiny-moe", "float32")[0])
+    assert model_spec(model) == model_spec(load_model("tiny-moe", "bfloat16")[0])
+
+
+def test_auto_dtype_keeps_a_half_checkpoint_whose_float32_copy_would_not_fit(monkeypatch):
+    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype, threads: 41.6)
+    monkeypatch.setattr(compute_dtype, "physical_memory_bytes", lambda: 24e9)
+    assert compute_dtype.auto_dtype(torch.bfloat16, 3_000_000_000)[0] == torch.float32  # 12 GB: half of 24
+    dtype, why = compute_dtype.auto_dtype(torch.bfloat16, 30_500_000_000)  # Qwen3-30B-A3B: 122 GB in fp32
+    assert dtype == torch.bfloat16 and "122.00 GB" in why and "41.6x" in why
+
+
+def test_the_probe_times_this_hosts_matmuls():
+    ratio = compute_dtype.half_over_float(torch.bfloat16, torch.get_num_threads())
+    assert 0.05 < ratio < 500  # a time ratio of two real matmuls, whichever way this host leans
 
 
 def _save_checkpoint(name: str, path) -> None:

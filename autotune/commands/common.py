@@ -19,7 +19,9 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype to load the model in and compute with (default auto: the checkpoint's own dtype, "
-                        "bfloat16 for tiny-moe, float32 for the random models)")
+                        "bfloat16 for tiny-moe, float32 for the random models; float32 instead of a bf16/fp16 "
+                        "checkpoint's where this host's torch emulates that dtype's matmuls and the float32 "
+                        "weights fit half the memory: `autotune doctor` says which)")
 
 
 def add_cpu_weights_argument(p: argparse.ArgumentParser, help: str | None = None) -> None:

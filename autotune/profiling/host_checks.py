@@ -112,6 +112,13 @@ def check_python(_: Probe) -> str:
     return f"Python {here} (npumoe requires {spec or 'any'})"
 
 
+def check_cpu_dtype(_: Probe) -> str:
+    """What `--dtype auto` computes the built-in bf16 model in here (`runtime.loading.compute_dtype`)."""
+    from runtime.loading.model_loader import auto_dtype_of
+
+    return f"--dtype auto on tiny-moe (a bfloat16 checkpoint) computes in {auto_dtype_of('tiny-moe')[1]}"
+
+
 def library_check(name: str) -> Callable[[Probe], str]:
     def check(_: Probe) -> str:
         from packaging.specifiers import SpecifierSet
@@ -292,7 +299,7 @@ def check_energy(_: Probe) -> str:
 
 
 CHECKS: list[tuple[str, Callable[[Probe], str]]] = [
-    ("os", check_os), ("chip", check_chip), ("python", check_python),
+    ("os", check_os), ("chip", check_chip), ("python", check_python), ("cpu_dtype", check_cpu_dtype),
     *[(name, library_check(name)) for name in LIBRARIES],
     ("macos_version", check_macos_version), ("ane", check_ane), ("coreml_build", check_coreml_build),
     ("placement", check_placement), ("ane_parity", check_ane_parity), ("predict_overhead", check_predict_overhead),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -27,7 +28,10 @@ from runtime.loading.checkpoints import (
     check_tokenizer_files,
     load_error,
     quiet_transformers,
+    safetensors_files,
+    safetensors_header,
 )
+from runtime.loading.compute_dtype import auto_dtype, dtype_name
 from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
@@ -51,7 +55,8 @@ RANDOM_MODELS = [RANDOM_PREFIX + f for f in _RANDOM_FAMILIES]
 BUILTIN_MODELS = ["tiny-moe", *RANDOM_MODELS]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype (config.json `dtype` / `torch_dtype`)
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype, or float32 where this host emulates it
+# (`compute_dtype`)
 
 
 @dataclass
@@ -135,12 +140,28 @@ def context_length(name: str) -> int | None:
     return int(value) if value else None
 
 
+def checkpoint_parameters(name: str) -> int:
+    """The weights a safetensors checkpoint holds, counted from its headers (nothing else is read)."""
+    return sum(math.prod(t["shape"]) for f in safetensors_files(model_dir(name))
+               for k, t in safetensors_header(f).items() if k != "__metadata__")
+
+
+def auto_dtype_of(name: str) -> tuple[torch.dtype, str]:
+    """What `--dtype auto` loads `name` in on this host, and why (`compute_dtype`): an MLX checkpoint, held packed
+    for its memory, keeps its own dtype."""
+    stored = checkpoint_dtype(name)
+    if name.startswith(RANDOM_PREFIX) or is_mlx_checkpoint(model_dir(name)):
+        return stored, f"the checkpoint's own {dtype_name(stored)}"
+    return auto_dtype(stored, checkpoint_parameters(name))
+
+
 def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
-    """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to load in."""
+    """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to load in
+    (auto: `auto_dtype_of`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return checkpoint_dtype(name)
+        return auto_dtype_of(name)[0]
     if dtype not in DTYPES:
         raise NpumoeError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
@@ -150,7 +171,7 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
                group_size: int = 64, kernel_rows: dict[str, int] | None = None) -> tuple[torch.nn.Module, object]:
     """Return (model in eval mode, tokenizer with `.encode(text) -> list[int]`). Never touches the network.
 
-    The weights are loaded straight into `dtype` ("auto": the checkpoint's dtype), never through an fp32 copy.
+    The weights are loaded straight into `dtype` ("auto": `auto_dtype_of`), never through an fp32 copy.
     `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
     time (`runtime.cpu_weights`), running their kernels from `kernel_rows` rows (None: the defaults); bf16 keeps
     them as loaded."""
