@@ -107,10 +107,12 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     """tiny-moe all on the CPU in int8, 4096 gate tokens, int_mm planned from 16 rows (every projection's rows
     rounded too). At chunk 256: top-1 0.9871 under the gate's 0.99, remeasured with int_mm_gate_up (only the
     gate/up projection's rows rounded) 0.9888, still under, then with dequant (no row rounded) 0.9919, passed. At
-    chunk 1024 (on an Intel AMX host) int_mm_gate_up passes (0.9915): the chain stops at the first that passes."""
+    chunk 1024 (on an Intel AMX host) int_mm_gate_up passes (0.9915): the chain stops at the first that passes.
+    Those are the checkpoint's bf16 figures (in float32, what --dtype auto computes in on an AVX2-only host, the
+    first passes at chunk 256 and no remeasure follows)."""
     torch.set_num_threads(1)
-    gate = run_gate("tiny-moe", [Candidate(_all_cpu(256), 1.0)], GateSettings(candidates=1), progress=False,
-                    cpu_weights=("int8", None), kernel_rows=INT_MM)
+    gate = run_gate("tiny-moe", [Candidate(_all_cpu(256), 1.0)], GateSettings(candidates=1), dtype="bfloat16",
+                    progress=False, cpu_weights=("int8", None), kernel_rows=INT_MM)
     first, fewer, lossless = gate["candidates"]
     assert [r["kernel_rows"] for r in gate["candidates"]] == [
         INT_MM, {"packed": 0, "int_mm_gate_up": 16}, {"packed": 0, "dequant": 16}]
@@ -124,8 +126,8 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     assert abs(fewer["kernel_calls"]["int_mm_gate_up"] / first["kernel_calls"]["int_mm"] - 1) < 0.02
     assert first["top1"] < fewer["top1"] < 0.99
     assert lossless["passed"] and lossless["top1"] >= 0.99 and gate["chosen"] is lossless and gate["rounds"] == 1
-    longer = run_gate("tiny-moe", [Candidate(_all_cpu(1024), 1.0)], GateSettings(candidates=1), progress=False,
-                      cpu_weights=("int8", None), kernel_rows=INT_MM)
+    longer = run_gate("tiny-moe", [Candidate(_all_cpu(1024), 1.0)], GateSettings(candidates=1), dtype="bfloat16",
+                      progress=False, cpu_weights=("int8", None), kernel_rows=INT_MM)
     # where the chain stops is the host's fact (on an AVX2 host without VNNI int_mm_gate_up took 0.9885 here and
     # dequant passed): it stops at the first that passes, and runs no more
     chain = [INT_MM, {"packed": 0, "int_mm_gate_up": 16}, {"packed": 0, "dequant": 16}]
@@ -134,7 +136,7 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     assert longer["chosen"] is longer["candidates"][stop] and longer["chosen"]["top1"] >= 0.99
     # where int_mm passes (a looser top-1 limit), it is kept: no remeasure
     loose = run_gate("tiny-moe", [Candidate(_all_cpu(256), 1.0)],
-                     GateSettings(candidates=1, limits=GateLimits(min_top1=0.98)), progress=False,
+                     GateSettings(candidates=1, limits=GateLimits(min_top1=0.98)), dtype="bfloat16", progress=False,
                      cpu_weights=("int8", None), kernel_rows=INT_MM)
     assert len(loose["candidates"]) == 1 and loose["chosen"]["kernel_rows"] == INT_MM
     assert loose["chosen"]["top1"] == first["top1"]  # the same measurement: deterministic

@@ -51,7 +51,7 @@ def test_bf16_ample_plan_matches_bf16_reference(name):
 @pytest.mark.parametrize("ratio, loads", [(0.8, torch.bfloat16), (1.4, torch.bfloat16), (41.6, torch.float32)])
 def test_auto_dtype_is_the_checkpoints_unless_this_host_emulates_it(monkeypatch, ratio, loads):
     # half_over_float: this host's bf16 matmul over fp32's (0.8 with AMX; 41.6 measured on an AVX2-only EPYC)
-    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype, threads: ratio)
+    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype: ratio)
     assert checkpoint_dtype("tiny-moe") == torch.bfloat16 and checkpoint_dtype("random:olmoe") == torch.float32
     dtype, why = auto_dtype_of("tiny-moe")
     assert dtype == loads and f"{ratio:.1f}x" in why
@@ -63,7 +63,7 @@ def test_auto_dtype_is_the_checkpoints_unless_this_host_emulates_it(monkeypatch,
 
 
 def test_auto_dtype_keeps_a_half_checkpoint_whose_float32_copy_would_not_fit(monkeypatch):
-    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype, threads: 41.6)
+    monkeypatch.setattr(compute_dtype, "half_over_float", lambda dtype: 41.6)
     monkeypatch.setattr(compute_dtype, "physical_memory_bytes", lambda: 24e9)
     assert compute_dtype.auto_dtype(torch.bfloat16, 3_000_000_000)[0] == torch.float32  # 12 GB: half of 24
     dtype, why = compute_dtype.auto_dtype(torch.bfloat16, 30_500_000_000)  # Qwen3-30B-A3B: 122 GB in fp32
@@ -71,7 +71,7 @@ def test_auto_dtype_keeps_a_half_checkpoint_whose_float32_copy_would_not_fit(mon
 
 
 def test_the_probe_times_this_hosts_matmuls():
-    ratio = compute_dtype.half_over_float(torch.bfloat16, torch.get_num_threads())
+    ratio = compute_dtype.half_over_float(torch.bfloat16)
     assert 0.05 < ratio < 500  # a time ratio of two real matmuls, whichever way this host leans
 
 

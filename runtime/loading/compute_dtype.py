@@ -21,9 +21,11 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def half_over_float(dtype: torch.dtype, threads: int) -> float:
-    """This host's `dtype` matmul time over float32's at PROBE_MNK on `threads` threads (the fastest of
-    PROBE_RUNS each, after one untimed: what the kernel costs, not what a busy moment does)."""
+def half_over_float(dtype: torch.dtype) -> float:
+    """This host's `dtype` matmul time over float32's at PROBE_MNK, on one thread (the fastest of PROBE_RUNS each,
+    after one untimed: what the kernel costs, not what a busy moment does). One thread whatever the run's: what the
+    kernel's instructions decide, while on two threads beside another busy process float32's threads waited on each
+    other (0.4x bf16's time in 4 of 6 processes, against 41-47x alone)."""
     m, n, k = PROBE_MNK
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
@@ -37,8 +39,13 @@ def half_over_float(dtype: torch.dtype, threads: int) -> float:
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    with torch.inference_mode():
-        return fastest(a.to(dtype), b.to(dtype)) / fastest(a, b)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            return fastest(a.to(dtype), b.to(dtype)) / fastest(a, b)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def physical_memory_bytes() -> int | None:
@@ -54,7 +61,7 @@ def auto_dtype(stored: torch.dtype, parameters: int) -> tuple[torch.dtype, str]:
     own = dtype_name(stored)
     if stored not in HALF:
         return stored, f"the checkpoint's own {own}"
-    ratio = half_over_float(stored, torch.get_num_threads())
+    ratio = half_over_float(stored)
     if ratio < SLOWER:
         return stored, f"the checkpoint's own {own}: this host computes its matmuls in {ratio:.1f}x float32's time"
     memory, need = physical_memory_bytes(), 4 * parameters
