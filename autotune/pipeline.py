@@ -192,7 +192,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             prof, profile_name = _profile(c.profile, progress)
         trs, traces_path = _traces(record, c.traces, progress)
         prompt = _prompt_tokens(record, trs, c.prompt_tokens)
-        cost, cache_state = prof.cost_model_for(record.size.weight_bytes)
+        cost, cache_state = prof.cost_model_for(record.size.layer_bytes)
         n_layers = len(spec.moe_layers)
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
@@ -403,7 +403,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                                       chunk, repeat)
     profile = plan_profile(loaded.plan)
     predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(),
-                              ModelSize.of(loaded.model).weight_bytes, n, prompt_tokens or n, routing,
+                              ModelSize.of(loaded.model).layer_bytes, n, prompt_tokens or n, routing,
                               every_position=reference)
     traces = None
     if record_traces:

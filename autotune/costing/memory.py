@@ -62,6 +62,12 @@ class ModelSize:
     dense_function_weights: tuple[tuple[int, int, int], ...] = ()
 
     @property
+    def layer_bytes(self) -> int:
+        """One decoder layer's share of the weights as held: all but the input embedding (a gather reads only the
+        prompt's rows of it), over the layers."""
+        return max(0, self.weight_bytes - self.vocab * self.hidden * self.dtype_bytes) // max(1, self.layers)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Keys and values of every layer for one token."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes

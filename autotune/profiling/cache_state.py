@@ -11,13 +11,15 @@ before each run `ForwardCaches.before` writes EVICT_BYTES, then rewrites the op'
 the op before it leaves them). On this VM an exact expert call at 256 rows ran 1.4x and the exact path's host-side
 work for a 2,048-token chunk 1.5x slower so than in a loop.
 
-That is the state of a model whose weights do not fit the host's last-level cache. One whose weights do (tiny-moe's
+That is the state of a model whose layers do not fit the host's last-level cache. One whose weights do (tiny-moe's
 experts, about 50 MB, on a host with 480 MiB of L3) finds them there a forward later: an exact expert call at its
-width ran 1.5x (256 rows) and 1.25x (1,024 rows) faster without the eviction. So each record is also timed back to
+width ran 1.5x (256 rows) and 1.25x (1,024 rows) faster without the eviction. One whose layer does keeps that
+layer's buffers hot (tiny-moe in fp32 on an EPYC with 32 MiB: 58 MB of weights, 13 MiB per layer; its run came
+within 0.6-1.5% of the in-cache prediction, 30-32% under the evicted one). So each record is also timed back to
 back (`warm_median_ms`), and the profile fits a second cost model to those figures for such models
-(`Profile.cost_model_for`). A forward is not quite that warm (tiny-moe-width expert calls took 0.53x their evicted
-time back to back, while its run's experts took about 0.8x), so the in-cache fit prices such a model a little
-fast (its experts 9-16% under the run) where the evicted one priced it 17-25% slow."""
+(`Profile.cost_model_for`, by a layer's weights). A forward is not quite that warm (tiny-moe-width expert calls
+took 0.53x their evicted time back to back, while its run's experts took about 0.8x), so the in-cache fit priced
+such a model a little fast (its experts 9-16% under the run) where the evicted one priced it 17-25% slow."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -206,15 +206,15 @@ class Profile:
     # fitted to the records' back-to-back figures (`warm_median_ms`); None where the profile has none
     cost_model_in_cache: CostModel | None = None
 
-    def cost_model_for(self, weights_bytes: int) -> tuple[CostModel, str]:
-        """The cost model for a model of `weights_bytes`, and the cache state it prices: the in-cache one where the
-        weights take at most half the host's last-level cache (the rest holds a forward's activations), else the
-        evicted one (`profiling/cache_state.py`)."""
+    def cost_model_for(self, layer_bytes: int) -> tuple[CostModel, str]:
+        """The cost model for a model of `layer_bytes` of weights per decoder layer (`ModelSize.layer_bytes`), and
+        the cache state it prices: the in-cache one where a layer's weights take at most half the host's last-level
+        cache (the rest holds its activations), else the evicted one (`profiling/cache_state.py`)."""
         llc = self.host.get("last_level_cache_bytes")
-        if self.cost_model_in_cache is not None and llc and weights_bytes <= llc // 2:
-            return self.cost_model_in_cache, (f"in cache: the model's {weights_bytes / 2**20:.0f} MiB of weights fit "
+        if self.cost_model_in_cache is not None and llc and layer_bytes <= llc // 2:
+            return self.cost_model_in_cache, (f"in cache: a layer's {layer_bytes / 2**20:.0f} MiB of weights fit "
                                               f"half of the host's {llc / 2**20:.0f} MiB last-level cache")
-        return self.cost_model, "evicted caches, as a forward leaves them to a model that does not fit"
+        return self.cost_model, "evicted caches, as a forward leaves them to a model whose layers do not fit"
 
     @property
     def heldout_mape(self) -> dict[str, float | None]:
