@@ -31,7 +31,7 @@ from runtime.loading.checkpoints import (
     safetensors_files,
     safetensors_header,
 )
-from runtime.loading.compute_dtype import auto_dtype, dtype_name
+from runtime.loading.compute_dtype import HALF, auto_dtype, dtype_name
 from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
@@ -152,7 +152,7 @@ def auto_dtype_of(name: str) -> tuple[torch.dtype, str]:
     stored = checkpoint_dtype(name)
     if name.startswith(RANDOM_PREFIX) or is_mlx_checkpoint(model_dir(name)):
         return stored, f"the checkpoint's own {dtype_name(stored)}"
-    return auto_dtype(stored, checkpoint_parameters(name))
+    return auto_dtype(stored, checkpoint_parameters(name) if stored in HALF else 0)  # only a half one is counted
 
 
 def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
