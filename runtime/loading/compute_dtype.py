@@ -14,7 +14,7 @@ import time
 import torch
 
 SLOWER = 1.5  # a half-precision matmul this many times float32's time or more: emulated here
-PROBE_MNK = (64, 256, 256)  # compute-bound; 40 ms in all where emulated (41-106x float32 on the AVX2 host)
+PROBE_MNK = (64, 256, 256)  # compute-bound; 40 ms in all where emulated (35-106x float32 on the AVX2 host)
 PROBE_RUNS = 5
 FIT_SHARE = 0.5  # float32 weights at most this share of physical memory (the rest: activations, KV cache, the OS)
 HALF = (torch.bfloat16, torch.float16)
