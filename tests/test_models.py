@@ -71,8 +71,11 @@ def test_auto_dtype_keeps_a_half_checkpoint_whose_float32_copy_would_not_fit(mon
 
 
 def test_the_probe_times_this_hosts_matmuls():
+    threads = torch.get_num_threads()
+    compute_dtype.half_over_float.cache_clear()
     ratio = compute_dtype.half_over_float(torch.bfloat16)
     assert 0.05 < ratio < 500  # a time ratio of two real matmuls, whichever way this host leans
+    assert torch.get_num_threads() == threads  # timed on one thread, the run's own count given back
 
 
 def _save_checkpoint(name: str, path) -> None:

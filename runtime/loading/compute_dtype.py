@@ -57,10 +57,9 @@ def physical_memory_bytes() -> int | None:
 
 
 def auto_dtype(stored: torch.dtype, parameters: int) -> tuple[torch.dtype, str]:
-    """What `--dtype auto` computes a checkpoint stored in `stored` with `parameters` weights in, and why."""
+    """What `--dtype auto` computes a checkpoint stored in `stored` (one of HALF) with `parameters` weights in, and
+    why."""
     own = dtype_name(stored)
-    if stored not in HALF:
-        return stored, f"the checkpoint's own {own}"
     ratio = half_over_float(stored)
     if ratio < SLOWER:
         return stored, f"the checkpoint's own {own}: this host computes its matmuls in {ratio:.1f}x float32's time"

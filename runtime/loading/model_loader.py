@@ -55,8 +55,8 @@ RANDOM_MODELS = [RANDOM_PREFIX + f for f in _RANDOM_FAMILIES]
 BUILTIN_MODELS = ["tiny-moe", *RANDOM_MODELS]
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype, or float32 where this host emulates it
-# (`compute_dtype`)
+# auto: the checkpoint's own dtype, or float32 where this host emulates it (`auto_dtype_of`)
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -147,12 +147,12 @@ def checkpoint_parameters(name: str) -> int:
 
 
 def auto_dtype_of(name: str) -> tuple[torch.dtype, str]:
-    """What `--dtype auto` loads `name` in on this host, and why (`compute_dtype`): an MLX checkpoint, held packed
-    for its memory, keeps its own dtype."""
+    """What `--dtype auto` loads `name` in on this host, and why: a half-precision checkpoint as `compute_dtype`
+    decides; any other (the random models' float32), and an MLX checkpoint, held packed for its memory, in its own."""
     stored = checkpoint_dtype(name)
-    if name.startswith(RANDOM_PREFIX) or is_mlx_checkpoint(model_dir(name)):
-        return stored, f"the checkpoint's own {dtype_name(stored)}"
-    return auto_dtype(stored, checkpoint_parameters(name) if stored in HALF else 0)  # only a half one is counted
+    if stored in HALF and not is_mlx_checkpoint(model_dir(name)):
+        return auto_dtype(stored, checkpoint_parameters(name))
+    return stored, f"the checkpoint's own {dtype_name(stored)}"
 
 
 def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
