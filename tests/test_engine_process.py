@@ -1,7 +1,7 @@
 """`runtime.serving.engine_process`: the engine in a spawned process of its own behind the app, as `autotune serve`
-runs it: greedy tokens as `runtime.generate`'s, refusals raised here with their fields, one /metrics text from both
-processes, a client that leaves cancelling its job in the child, a load failure in one line, and the child gone
-once closed."""
+runs it: greedy tokens as `runtime.generate`'s, refusals (a full queue's included) reaching the client with their
+fields, one /metrics text from both processes, a client that leaves cancelling its job in the child, a load failure
+in one line, and the child gone once closed."""
 import time
 from types import SimpleNamespace
 
@@ -46,6 +46,22 @@ def test_a_refusal_in_the_child_reaches_the_client_with_its_fields(served):
     with pytest.raises(openai.BadRequestError) as e:
         served.client.completions.create(model="tiny-moe", prompt=PROMPT, max_tokens=10**12)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_a_full_queue_in_the_child_is_429_with_retry_after():
+    """The child refuses as the job's first event (the app does not wait on the child to submit)."""
+    engine = EngineProcess({"model": "tiny-moe", "dtype": "float32"}, {**ENGINE, "max_queue": 0}, "tiny-moe",
+                           threads=1)  # a queue that holds none: every request is refused
+    try:
+        with served_on_a_thread(engine, KEY) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+            for stream in (False, True):
+                with pytest.raises(openai.RateLimitError) as e:
+                    client.completions.create(model="tiny-moe", prompt="x", max_tokens=1, stream=stream)
+                assert e.value.body["code"] == "queue_full" and int(e.value.response.headers["Retry-After"]) >= 1
+            assert not engine._jobs  # each refused job forgotten here
+    finally:
+        engine.close(10)
 
 
 def test_metrics_hold_both_processes_and_health_the_childs(served):

@@ -193,6 +193,16 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, path=request.url.path)
 
+    @app.exception_handler(QueueFull)
+    async def queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+        return error_response(429, str(exc), "rate_limit_exceeded", code="queue_full",
+                              headers={"Retry-After": str(exc.retry_after_s)}, path=request.url.path)
+
+    @app.exception_handler(Closed)
+    async def closed(request: Request, exc: Closed) -> JSONResponse:
+        return error_response(503, "the server is shutting down", "server_error", code="shutting_down",
+                              path=request.url.path)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None,
@@ -308,18 +318,12 @@ async def _respond(engine: AnyEngine, model: str, request: Request, job_request:
                    whole: Callable[[dict], dict],
                    stream: Callable[[Job, int], AsyncIterator[str]] | None) -> Response:
     """Queue the request and answer it: `whole(done figures)` as one JSON body, or `stream(job, prompt tokens)`
-    as server-sent events once the job has its turn."""
-    path = request.url.path
+    as server-sent events once the job has its turn. A refusal (QueueFull, Closed, RequestError) is raised, by
+    `submit` or as the job's first event, for the app's handlers to answer."""
     if model != engine.model_id:
         raise RequestError(404, f"the model {model!r} is not served here (this server serves "
                                 f"{engine.model_id!r})", "model", "model_not_found")
-    try:
-        job = engine.submit(job_request, asyncio.get_running_loop())
-    except QueueFull as e:
-        return error_response(429, str(e), "rate_limit_exceeded", code="queue_full",
-                              headers={"Retry-After": str(e.retry_after_s)}, path=path)
-    except Closed:
-        return error_response(503, "the server is shutting down", "server_error", code="shutting_down", path=path)
+    job = engine.submit(job_request, asyncio.get_running_loop())
     finished, waiter = False, Waiter(job, request)
     try:
         first = await waiter.next()  # ("start", prompt tokens) or ("error", ...) once the job has its turn

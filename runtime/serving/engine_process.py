@@ -8,8 +8,8 @@ alone was within 2% of `Generation.step`. As vLLM's engine core does, the engine
 forking a process whose torch has started threads is unsafe) that loads the model, warms up and then serves two
 pipes:
 
-- requests, from this process, each answered in order: submit (None, or the refusal to raise here), cancel (no
-  answer), health, metrics, close;
+- requests, from this process: submit and cancel, not answered (the event loop that submits does not wait on the
+  child: a refusal is the job's first event), and health, metrics, close, each answered in order;
 - events, from the child: lists of (job key, event) as the engine's jobs emit them (one event, or a batched decode
   step's tokens together), read here on the asyncio loop that submits (its selector watches the pipe: a token's
   trip from the child wakes that loop alone, not a reader thread that then wakes the loop; a job of another loop
@@ -73,17 +73,17 @@ class EngineProcess:
         self._ended = threading.Event()  # the events pipe's end was read and its jobs ended
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """As `Engine.submit`: the job here, its events from the child's."""
+        """As `Engine.submit`, except that a refusal (RequestError, QueueFull) comes as the job's first event
+        ("error", refusal): the job here, its events from the child's."""
         self._listen(loop)
         job, key = Job(None, loop), next(self._next_key)
         self._jobs[key], self._keys[job] = job, key  # before the child can answer with an event
         try:
-            refusal = self._call(("submit", key, request))
-        except NpumoeError:
-            refusal = Closed()
-        if refusal is not None:
+            with self._lock:
+                self._requests.send(("submit", key, request))
+        except OSError:  # the child has ended
             self._forget(key)
-            raise refusal
+            raise Closed from None
         return job
 
     def cancel(self, job: Job) -> None:
@@ -264,10 +264,11 @@ def _child(requests: Connection, events: Connection, load_args: dict, engine_arg
             key, request = message[1:]
             try:
                 engine.submit(request, None, partial(_ChildJob, outbox=outbox, key=key, jobs=jobs))
-                requests.send(None)
             except (RequestError, QueueFull, Closed) as e:
                 jobs.pop(key, None)
-                requests.send(e)
+                with outbox.held():  # the refusal and the job's end, as one message
+                    outbox.send((key, ("error", e)))
+                    outbox.send((key, None))
         elif kind == "cancel":
             if (job := jobs.get(message[1])) is not None:
                 engine.cancel(job)
