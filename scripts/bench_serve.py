@@ -9,7 +9,9 @@ tokens. Checks, each with a bounded number of requests:
    and through `runtime.generate` here, interleaved within each repeat, each repeat on a prompt of its own (none
    finds an earlier one's KV in the server's prefix cache); `overhead_ttft` = median over repeats of
    server TTFT / runtime TTFT, `overhead_tok_s` = median of runtime tok/s / server tok/s (1.0: no overhead; goal
-   <= 1.05 each);
+   <= 1.05 each). The floor under the first: the same client's first token from a bare uvicorn app (no model, no
+   engine; in the same rotation): `http_floor_ms`, and `overhead_ttft_floor` = median of (runtime TTFT + floor) /
+   runtime TTFT, the overhead_ttft of a server that spent nothing but its model's time beside HTTP;
 2. prefix cache: prompts sharing a 1,024-token prefix: the first request's TTFT over a later one's, median over
    prefixes (goal >= 5);
 3. concurrency: several clients at once (the queue holds them all), every answer's token ids checked against
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import secrets
 import signal
@@ -38,15 +41,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import httpx
 import torch
+import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import runtime  # noqa: E402
 from autotune.calibration.workload import encode_text  # noqa: E402
+from runtime.serving.server import listen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PLAN = "plans/tiny-moe@apple-m2-ultra-published.json"
@@ -54,23 +60,12 @@ PREFIX_TOKENS = 1024
 BATCH = 8  # the clients of the batching figure, and the server's --max-batch
 
 
-class Server:
-    """`autotune serve` in a subprocess, stopped by its pid."""
+class Endpoint:
+    """A server this client streams completions from, over one kept connection."""
 
-    def __init__(self, args: argparse.Namespace, model_id: str, max_queue: int, extra: list[str] = ()) -> None:
-        self.model_id = model_id
-        self.key = secrets.token_hex(16)
-        cmd = [sys.executable, "-m", "autotune", "serve", "--model", args.model, "--plan", args.plan, "--dtype",
-               args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue),
-               "--max-batch", str(BATCH), *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": self.key}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        line = self.proc.stdout.readline()
-        if " at " not in line:
-            self.proc.wait()
-            sys.exit(f"bench_serve: the server did not start (exit {self.proc.returncode})")
-        self.url = line.split(" at ")[1].split()[0].removesuffix("/v1")
-        self.headers = {"Authorization": f"Bearer {self.key}"}
+    def __init__(self, url: str, key: str, model_id: str) -> None:
+        self.url, self.model_id = url, model_id
+        self.headers = {"Authorization": f"Bearer {key}"}
         self.errors_5xx = 0
         self.requests = 0
         self.client = httpx.Client(timeout=600)  # made once: a new client builds an SSL context, tens of ms
@@ -119,10 +114,63 @@ class Server:
                 out["npumoe"] = chunk.get("npumoe", out.get("npumoe"))
         return out
 
+
+class Server(Endpoint):
+    """`autotune serve` in a subprocess, stopped by its pid."""
+
+    def __init__(self, args: argparse.Namespace, model_id: str, max_queue: int, extra: list[str] = ()) -> None:
+        key = secrets.token_hex(16)
+        cmd = [sys.executable, "-m", "autotune", "serve", "--model", args.model, "--plan", args.plan, "--dtype",
+               args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue),
+               "--max-batch", str(BATCH), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": key}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if " at " not in line:
+            self.proc.wait()
+            sys.exit(f"bench_serve: the server did not start (exit {self.proc.returncode})")
+        super().__init__(line.split(" at ")[1].split()[0].removesuffix("/v1"), key, model_id)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=120)
+
+
+async def _bare_app(scope: dict, receive: Callable, send: Callable) -> None:
+    """An answer with no model behind it: the body read, then a streamed completion of one empty token."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for chunk in ({"choices": [{"text": "", "finish_reason": None}]}, {"choices": [{"text": "", "finish_reason":
+                                                                                    "length"}]}):
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _serve_bare(port: Connection) -> None:
+    sock = listen("127.0.0.1", 0)
+    port.send(sock.getsockname()[1])
+    uvicorn.Server(uvicorn.Config(_bare_app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+class BareServer(Endpoint):
+    """uvicorn, as `autotune serve` runs it, over `_bare_app` in a process of its own: what this client and HTTP
+    alone take to a first token (the floor under the server's overhead)."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        mine, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_bare, args=(theirs,), daemon=True)
+        self.proc.start()
+        super().__init__(f"http://127.0.0.1:{mine.recv()}", secrets.token_hex(16), "bare")  # a key as the server's
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.join()
 
 
 def tok_s(r: dict) -> float | None:
@@ -131,24 +179,26 @@ def tok_s(r: dict) -> float | None:
     return (n - 1) / span if n > 1 and span > 0 else None
 
 
-def overhead(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], new: int) -> dict:
+def overhead(server: Server, bare: BareServer, loaded: runtime.Loaded, prompts: list[list[int]], new: int) -> dict:
     """Each repeat its own prompt (the same on both sides): no repeat finds an earlier one's KV in the server's
-    prefix cache (the tail rule keeps a whole short prompt), so both sides do the same work."""
-    ours, theirs = [], []
-    server.stream(prompts[-1], 2)  # warm-up, each side (the last prompt: no repeat's)
-    runtime.generate(loaded, prompts[-1], max_tokens=2)
+    prefix cache (the tail rule keeps a whole short prompt), so both sides do the same work. The bare server's
+    first token, in the same rotation, is the floor: what this client and uvicorn take with nothing behind them."""
+    ours, theirs, floor = [], [], []
+    run = {"server": lambda p: server.stream(p, new), "bare": lambda p: bare.stream(p, new),
+           "runtime": lambda p: runtime.generate(loaded, p, max_tokens=new).to_json()}
+    for side in run:  # warm-up, each side (the last prompt: no repeat's)
+        run[side](prompts[-1])
     repeats = len(prompts) - 1
     for r, prompt in enumerate(prompts[:-1]):
-        pair = {}
-        for side in (("server", "runtime") if r % 2 == 0 else ("runtime", "server")):
-            pair[side] = server.stream(prompt, new) if side == "server" else \
-                runtime.generate(loaded, prompt, max_tokens=new).to_json()
-        ours.append(pair["server"])
-        theirs.append(pair["runtime"])
-        print(f"overhead repeat {r + 1}/{repeats}: server ttft {pair['server']['first_s'] * 1e3:.1f} ms (on its "
-              f"model {pair['server']['npumoe']['ttft_ms']:.1f} ms, cached "
-              f"{pair['server']['npumoe']['cached_tokens']}), runtime {pair['runtime']['ttft_ms']:.1f} ms",
-              file=sys.stderr)
+        order = list(run)[r % 3:] + list(run)[:r % 3]  # each side in each place, in turn
+        got = {side: run[side](prompt) for side in order}
+        ours.append(got["server"])
+        theirs.append(got["runtime"])
+        floor.append(got["bare"]["first_s"] * 1e3)
+        print(f"overhead repeat {r + 1}/{repeats}: server ttft {got['server']['first_s'] * 1e3:.1f} ms (on its "
+              f"model {got['server']['npumoe']['ttft_ms']:.1f} ms, cached "
+              f"{got['server']['npumoe']['cached_tokens']}), runtime {got['runtime']['ttft_ms']:.1f} ms, bare "
+              f"server {floor[-1]:.2f} ms", file=sys.stderr)
     ttft = [s["first_s"] * 1e3 / t["ttft_ms"] for s, t in zip(ours, theirs)]
     speed = [t["generation_tok_s"] / tok_s(s) for s, t in zip(ours, theirs)
              if tok_s(s) and t["generation_tok_s"]]
@@ -156,6 +206,11 @@ def overhead(server: Server, loaded: runtime.Loaded, prompts: list[list[int]], n
             "server_ttft_ms": statistics.median(s["first_s"] * 1e3 for s in ours),
             # the server's TTFT outside its model (HTTP, queue hand-off, thread wake-ups): client's less the server's
             "server_outside_model_ms": statistics.median(s["first_s"] * 1e3 - s["npumoe"]["ttft_ms"] for s in ours),
+            # the floor: a bare uvicorn app's first token to this client; the best overhead_ttft any server could show
+            "http_floor_ms": statistics.median(floor),
+            "overhead_ttft_floor": statistics.median((t["ttft_ms"] + f) / t["ttft_ms"] for t, f in zip(theirs, floor)),
+            "server_outside_floor_ms": statistics.median(s["first_s"] * 1e3 - s["npumoe"]["ttft_ms"] - f
+                                                         for s, f in zip(ours, floor)),
             "runtime_ttft_ms": statistics.median(t["ttft_ms"] for t in theirs),
             "server_tok_s": statistics.median(x for x in map(tok_s, ours) if x) if speed else None,
             "runtime_tok_s": statistics.median(t["generation_tok_s"] for t in theirs if t["generation_tok_s"]),
@@ -343,7 +398,12 @@ def main() -> None:
                   "quick": args.quick, "chunk_tokens": loaded.plan.chunk_tokens, "prompt_tokens": prompt_len,
                   "new_tokens": new, "repeats": repeats}
         # each repeat (and the warm-up) a prompt of its own, starting one token further into the text
-        result.update(overhead(server, loaded, [text_ids[r:r + prompt_len] for r in range(repeats + 1)], new))
+        bare = BareServer()
+        try:
+            result.update(overhead(server, bare, loaded, [text_ids[r:r + prompt_len] for r in range(repeats + 1)],
+                                   new))
+        finally:
+            bare.stop()
         result.update(prefix_cache(server, text_ids[prompt_len:], pairs, 16))
         start = prompt_len + pairs * (PREFIX_TOKENS + 32)
         prompts = [text_ids[start + 40 * i:start + 40 * i + 24 + i % 16] for i in range(clients * per_client)]
