@@ -70,10 +70,6 @@ class Endpoint:
         self.requests = 0
         self.client = httpx.Client(timeout=600)  # made once: a new client builds an SSL context, tens of ms
 
-    def metric(self, name: str) -> float:
-        text = self.client.get(self.url + "/metrics", headers=self.headers).text
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
-
     def stream(self, ids: list[int], max_tokens: int, on_first: Callable[[], bool] | None = None) -> dict:
         """One streamed greedy completion, timed here: first text, last text, the text, finish and usage.
         `on_first` runs at the first text; when it says True the client leaves there."""
@@ -131,6 +127,10 @@ class Server(Endpoint):
             sys.exit(f"bench_serve: the server did not start (exit {self.proc.returncode})")
         super().__init__(line.split(" at ")[1].split()[0].removesuffix("/v1"), key, model_id)
 
+    def metric(self, name: str) -> float:
+        text = self.client.get(self.url + "/metrics", headers=self.headers).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -144,8 +144,8 @@ async def _bare_app(scope: dict, receive: Callable, send: Callable) -> None:
     while (await receive()).get("more_body"):
         pass
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-    for chunk in ({"choices": [{"text": "", "finish_reason": None}]}, {"choices": [{"text": "", "finish_reason":
-                                                                                    "length"}]}):
+    for finish in (None, "length"):
+        chunk = {"choices": [{"text": "", "finish_reason": finish}]}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
                     "more_body": True})
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})

@@ -78,22 +78,15 @@ class EngineProcess:
         self._listen(loop)
         job, key = Job(None, loop), next(self._next_key)
         self._jobs[key], self._keys[job] = job, key  # before the child can answer with an event
-        try:
-            with self._lock:
-                self._requests.send(("submit", key, request))
-        except OSError:  # the child has ended
+        if not self._post(("submit", key, request)):
             self._forget(key)
-            raise Closed from None
+            raise Closed
         return job
 
     def cancel(self, job: Job) -> None:
         key = self._keys.get(job)
         if key is not None:
-            try:
-                with self._lock:
-                    self._requests.send(("cancel", key))
-            except OSError:  # the child has ended: its jobs were ended with it
-                pass
+            self._post(("cancel", key))  # a child that has ended ended its jobs with it
 
     def health(self) -> dict:
         return self._call(("health",))
@@ -116,6 +109,15 @@ class EngineProcess:
             reading = self._loop is not None and self._loop.is_running()
         if not reading or not self._ended.wait(timeout_s):  # no loop will read the pipe's end: read it here
             self._drain()
+
+    def _post(self, message: tuple) -> bool:
+        """Send a request the child does not answer; False where the child has ended."""
+        try:
+            with self._lock:
+                self._requests.send(message)
+            return True
+        except OSError:
+            return False
 
     def _call(self, message: tuple) -> object:
         with self._lock:
