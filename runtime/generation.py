@@ -74,7 +74,7 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
          dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64) -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
-    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu_weights`); None: as the
+    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
     plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:

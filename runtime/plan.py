@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
-from runtime.backends.registry import registry
+from runtime.backends.registry import EXACT, registry
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, check_schema, read_versioned_json, validation_error
 
@@ -24,7 +24,7 @@ COMPRESSIONS = ("none", "int8", "palettize4")
 # `router_weight`: the assignment's top-k router weight. `weight_x_norm`: router weight x L2 norm of the token's
 # hidden state, an activation-based saliency (the output an assignment adds scales with both).
 SALIENCY_RULES = ("router_weight", "weight_x_norm")
-# The CPU's kernels per quantized expert storage (runtime/cpu_weights.py), as `cpu_weights.kernel_rows` names them.
+# The CPU's kernels per quantized expert storage (runtime/cpu/cpu_weights.py), as `cpu_weights.kernel_rows` names them.
 CPU_KERNELS = {"int8": ("packed", "dequant", "int_mm", "int_mm_gate_up"), "int4": ("packed", "dequant")}
 # Chunks with fewer tokens than `exact_below_tokens` run wholly on cpu-exact (no static call, no padding, no drop).
 # A plan without the field gets 2: decode steps (1 token) never call a static group. `autotune search` writes the
@@ -75,6 +75,14 @@ class ModelSpec(_Strict):
         return self.model_dump(mode="json")
 
 
+def _registered_exact(name: str | None) -> str | None:
+    """An exact path of the registry (`cpu-exact`, `mlx-exact`, plugins): what a plan's exact placement names."""
+    names = registry.exact_paths()
+    if name is not None and name not in names:
+        raise ValueError(f"unknown exact path {name!r}; registered exact paths: {', '.join(names)}")
+    return name
+
+
 def _registered_backend(name: str | None) -> str | None:
     """A static backend of the registry (runtime.backends), plugins included: what a group or dense function names."""
     names = registry.plannable()
@@ -122,7 +130,7 @@ class LayerCalibration(_Strict):
 
 
 class CpuWeights(_Strict):
-    """How the CPU holds the experts (runtime/cpu_weights.py): bf16 as loaded, int8 per output channel, int4 per
+    """How the CPU holds the experts (runtime/cpu/cpu_weights.py): bf16 as loaded, int8 per output channel, int4 per
     group of `group_size` inputs. Optional in a plan; absent means as loaded."""
     kind: Literal["bf16", "int8", "int4"]
     group_size: Literal[32, 64, 128, 256] | None = None  # int4 only (default 64)
@@ -134,8 +142,21 @@ class CpuWeights(_Strict):
 class LayerPlan(_Strict):
     layer: NonNegInt
     groups: list[Group]
-    cpu_exact: list[NonNegInt]
+    cpu_exact: list[NonNegInt]  # every expert in no group: run exactly (the name predates exact paths off the CPU)
+    # optional: experts of `cpu_exact` that run on an exact path other than the plan's `exact`, by path name
+    exact_split: dict[StrictStr, list[NonNegInt]] | None = None
     calibration: LayerCalibration | None = None
+
+    @field_validator("exact_split")
+    @classmethod
+    def _split_paths(cls, split: dict[str, list[int]] | None) -> dict[str, list[int]] | None:
+        for name in split or {}:
+            _registered_exact(name)
+        return split
+
+    def exact_path_of(self, expert: int, default: str) -> str:
+        """The exact path expert `expert` (one of `cpu_exact`) runs on; `default`: the plan's `exact_path`."""
+        return next((name for name, experts in (self.exact_split or {}).items() if expert in experts), default)
 
 
 class DenseFunction(_Strict):
@@ -192,10 +213,15 @@ class Plan(_Strict):
     exact_below_tokens: Annotated[StrictInt, Field(ge=DEFAULT_EXACT_BELOW_TOKENS)] | None = None
     dense: DensePlan | None = None  # absent: every dense op on the CPU in torch
     cpu_weights: CpuWeights | None = None  # optional, plan-wide: the CPU's storage of every expert
+    # optional: the exact path of every expert in no group (unless its layer's `exact_split` says otherwise), of
+    # spilled assignments and of decode steps (absent: cpu-exact)
+    exact: StrictStr | None = None
     predicted: dict[str, Any] | None = None  # cost-model predictions, labelled as such by whoever writes them
     meta: dict[str, Any] | None = None  # provenance: tool version, search settings, profile used
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    _registered = field_validator("exact")(_registered_exact)
 
     @property
     def calibrated(self) -> bool:
@@ -222,6 +248,11 @@ class Plan(_Strict):
             if lp.layer == index:
                 return lp
         raise KeyError(index)
+
+    @property
+    def exact_path(self) -> str:
+        """The plan-wide exact path (`exact`, default cpu-exact)."""
+        return self.exact or EXACT
 
     @property
     def exact_below(self) -> int:
@@ -261,6 +292,10 @@ def _check_layers(plan: Plan) -> tuple[str, str] | None:
                     return at, (f"duplicate expert id {e}" if placed[e] == field
                                 else f"expert {e} is also in {placed[e]}; an expert has exactly one place")
                 placed[e] = field
+        for name, experts in (lp.exact_split or {}).items():
+            stray = sorted(set(experts) - set(lp.cpu_exact))
+            if stray:
+                return f"{where}.exact_split.{name}", f"experts {stray} are not in cpu_exact (only those run exactly)"
         missing = sorted(set(range(n_experts)) - set(placed))
         if missing:
             return where, f"experts {missing} are in no group and not in cpu_exact"

@@ -112,7 +112,7 @@ def quantized_section(kinds: list[str], threads: int, repeats: int, group_size: 
     plan), at a 512-token chunk and a decode step (one token), side by side: each storage with the kernel its
     defaults pick (`npumoe exact <kind>`) and with each of its kernels forced (`<kind> <kernel>`); each one's
     relative error against bf16 (max |difference| / max |bf16 output| of the layer)."""
-    from runtime.cpu_weights import KERNELS, quantize_experts
+    from runtime.cpu.cpu_weights import KERNELS, quantize_experts
 
     module = make_experts().to(torch.bfloat16)
     impls = {"bf16 grouped_mm": lambda x, idx, w: module(x, idx, w)}

@@ -1,4 +1,4 @@
-"""`runtime.allocator`: under `reuse_temporaries` a prefill-sized temporary allocated again and again is reused from
+"""`runtime.cpu.allocator`: under `reuse_temporaries` a prefill-sized temporary allocated again and again is reused from
 the heap (no page faults after the first), under `return_temporaries_to_the_os` it is mapped and faulted in anew
 each time. Each policy in a process of its own (it is process-wide)."""
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 PROBE = """
 import resource, sys, torch
-from runtime import allocator
+from runtime.cpu import allocator
 getattr(allocator, sys.argv[1])()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -35,7 +35,7 @@ def test_a_temporary_is_reused_or_returned_as_the_policy_says(policy, low):
 
 PRIMITIVES = """
 import sys, torch
-from runtime import allocator
+from runtime.cpu import allocator
 if sys.argv[1] == "bound":
     allocator.bound_primitive_cache()
 torch.set_num_threads(1)

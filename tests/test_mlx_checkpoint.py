@@ -21,12 +21,12 @@ from autotune.calibration.texts import DEFAULT_EVAL_TEXT  # noqa: E402
 from autotune.calibration.workload import encode_text  # noqa: E402
 from autotune.cli import main  # noqa: E402
 from runtime import generation  # noqa: E402
+from runtime.cpu.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import PlanExecutor  # noqa: E402
 from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
 from runtime.plan import LayerPlan, Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
-from runtime.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear  # noqa: E402
 
 
 @pytest.fixture(scope="module")

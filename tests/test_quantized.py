@@ -1,13 +1,14 @@
-"""Packed affine weights (runtime/quantized.py) against mlx's own quantize/dequantize, every width and group size."""
+"""Packed affine weights (runtime/cpu/quantized.py) against mlx's own quantize/dequantize, every width and group
+size."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from runtime.cpu_weights import INT4_LAYOUTS
+from runtime.cpu.cpu_weights import INT4_LAYOUTS
+from runtime.cpu.quantized import BITS, GROUP_SIZES, check_format, check_packed, dequantize
 from runtime.errors import NpumoeError
-from runtime.quantized import BITS, GROUP_SIZES, check_format, check_packed, dequantize
 
 mx = pytest.importorskip("mlx.core")
 
@@ -60,7 +61,7 @@ def _aten_int4_pack(q: torch.Tensor, block: int, paired: bool) -> torch.Tensor:
 def test_every_cpus_int4_layout_reads_back(block, paired):
     """The int4 layout of each CPU torch's kernel is built for reads back to its codes (an AVX2 host's, block 32,
     was refused before: int4 experts did not load there at all), and this host's is one of them."""
-    from runtime.cpu_weights import Int4Layout, int4_layout
+    from runtime.cpu.cpu_weights import Int4Layout, int4_layout
 
     q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(block))
     assert torch.equal(Int4Layout(block, paired).unpack(_aten_int4_pack(q, block, paired), 128, 64).to(torch.int32), q)
@@ -81,7 +82,7 @@ def test_cpu_experts_kernels_agree(kind, bound):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from runtime.backends.protocol import expert_ffn
-    from runtime.cpu_weights import quantize_experts
+    from runtime.cpu.cpu_weights import quantize_experts
 
     module = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4,
                                             num_experts_per_tok=2))
@@ -137,7 +138,7 @@ def test_quantize_at_load_runs_a_plan(kind):
 def test_quantized_linear_in_blocks_equals_the_whole_weight(monkeypatch):
     """A large packed matrix (a vocabulary head) runs in blocks of output rows, each written into the output in
     place: the same values as the whole dequantized weight, bias included."""
-    import runtime.quantized as q
+    import runtime.cpu.quantized as q
 
     torch.manual_seed(0)
     packed = torch.randint(-2**31, 2**31 - 1, (300, 256 * 4 // 32), dtype=torch.int32)
@@ -159,7 +160,7 @@ def test_dequant_converts_into_one_reused_buffer_per_thread():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from runtime.backends.protocol import gated_activation
-    from runtime.cpu_weights import quantize_experts, scratch
+    from runtime.cpu.cpu_weights import quantize_experts, scratch
 
     module = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=2,
                                             num_experts_per_tok=1))

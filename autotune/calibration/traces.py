@@ -20,7 +20,7 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from runtime.allocator import release_freed_heap
+from runtime.cpu.allocator import release_freed_heap
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import atomic_write_bytes, check_schema, validation_error
 from runtime.loading.model_loader import model_spec, moe_layers

@@ -1,6 +1,6 @@
 """What each CPU storage of the experts costs the exact path, relative to the bf16 the cost model was fitted on.
 
-Storages (`runtime.cpu_weights`): `bf16` (as loaded), `int8` (per output channel), `int4:<group>` (per group of
+Storages (`runtime.cpu.cpu_weights`): `bf16` (as loaded), `int8` (per output channel), `int4:<group>` (per group of
 inputs). A storage's price is a factor on the CPU's expert compute per row count (the rows one expert's call gets):
 
 - measured, where the profile has `kernel_records` (`profile-device`): the storage's fastest kernel over bf16's at
@@ -21,7 +21,7 @@ import numpy as np
 from autotune.costing.memory import storage_bytes_per_weight
 from autotune.profiling.kernels import DECODE_ROWS, PREFILL_ROWS, fastest_kernel, kernel_rows
 from runtime.backends import EXACT
-from runtime.cpu_weights import KERNEL_ROWS
+from runtime.cpu.cpu_weights import KERNEL_ROWS
 from runtime.errors import NpumoeError
 
 SEARCHED = ("bf16", "int8", "int4:64")  # what a search under --memory-gb chooses among, widest first

@@ -26,9 +26,9 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.coreml import ane_limits
+from runtime.cpu.quantized import BLOCK_WEIGHTS
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
-from runtime.quantized import BLOCK_WEIGHTS
 
 GB = 1e9
 # The process around the weights: Python, torch 2.x (CPU), transformers 5 and a tokenizer, and what torch's compute
@@ -227,7 +227,7 @@ def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe
     scores (fp32, the chunk against the cache), the MoE rows (`moe_rows`: default chunk x top-k assignments; a
     plan's padded static slots when more) through gate_up, the gate and down, `chunk_logits` chunks' logits in the
     model's dtype (0: the decoder stack alone, as calibrate runs it) and `logits_rows` fp32 logits. Packed weights
-    add what one call dequantizes: an expert, and a block of a packed matrix (`runtime.quantized`)."""
+    add what one call dequantizes: an expert, and a block of a packed matrix (`runtime.cpu.quantized`)."""
     c, d = chunk_tokens, size.dtype_bytes
     rows = max(moe_rows or 0, c * size.top_k)
     hidden = HIDDEN_BUFFERS * c * size.hidden * d

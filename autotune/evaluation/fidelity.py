@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from runtime.allocator import release_freed_heap
+from runtime.cpu.allocator import release_freed_heap
 from runtime.executor import PlanExecutor
 from runtime.prefill import prefill_chunks
 

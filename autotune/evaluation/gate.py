@@ -117,12 +117,12 @@ def _said_once(logger: logging.Logger) -> Iterator[None]:
 @contextmanager
 def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None,
                        kernel_rows: dict[str, int] | None = None) -> Iterator[list]:
-    """For the block, the CPU's experts also held as `kind` (runtime.cpu_weights), beside the full-width ones: a
+    """For the block, the CPU's experts also held as `kind` (runtime.cpu.cpu_weights), beside the full-width ones: a
     plan's exact path and CPU groups run that storage (`expert_ffn`) with the plan's `kernel_rows` (None: the
     defaults), while the unmodified model (transformers' kernels) and the ANE groups (whose packages are built from
     the full-width checkpoint) read the full-width weights, as on a Mac. Yields the stores made (their kernels and
     call counts); bf16, or experts already packed: nothing changes, none made."""
-    from runtime.cpu_weights import quantized_store
+    from runtime.cpu.cpu_weights import quantized_store
 
     layers = [l for l in moe_layers(model) if kind != "bf16" and not hasattr(l.experts, "npumoe_weights")]
     for layer in layers:
@@ -149,7 +149,7 @@ def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[C
     says the `kernel_rows` it ran, its round's `kernel_calls` (expert calls per kernel, the runtime's own counts,
     every candidate of the round together), and its `candidate` (the position in `candidates`; `index` numbers the
     rows, a remeasured one also has `retry_of`, the row it repeats)."""
-    from runtime.cpu_weights import fallback_kernel_rows, kernel_calls
+    from runtime.cpu.cpu_weights import fallback_kernel_rows, kernel_calls
 
     t0 = time.perf_counter()
     loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model

@@ -1,7 +1,7 @@
 """The CPU's expert kernels per storage kind, timed at decode and prefill row counts (`profile-device`), and the pick
 of the fastest one per (storage, rows) from those records.
 
-Storage kinds and their kernels (`runtime.cpu_weights`): `bf16` (`dense`: one matmul on the weights as stored),
+Storage kinds and their kernels (`runtime.cpu.cpu_weights`): `bf16` (`dense`: one matmul on the weights as stored),
 `int8` and `int4` with its group size (`packed`: torch's int kernels; `dequant`: dequantize the expert, one matmul;
 `int_mm`, int8 only: the rows quantized to int8 on the fly, one int8 matmul; `int_mm_gate_up`, int8 only: int_mm for
 the gate/up projection, dequant for the down projection).
@@ -31,7 +31,7 @@ def _storage(storage: str) -> tuple[str, int]:
 
 def _expert_module(hidden: int, ffn: int, storage: str) -> torch.nn.Module:
     from autotune.profiling.callers import make_experts
-    from runtime.cpu_weights import quantize_experts
+    from runtime.cpu.cpu_weights import quantize_experts
 
     module = make_experts(hidden, ffn, 2).to(torch.bfloat16)
     kind, group = _storage(storage)
@@ -44,7 +44,7 @@ def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]
     """One record per (storage, kernel, rows): the median ms of one expert's gated FFN on `rows` bf16 rows, its
     weights out of cache as a forward's layer leaves them."""
     from runtime.backends.protocol import expert_ffn
-    from runtime.cpu_weights import KERNELS
+    from runtime.cpu.cpu_weights import KERNELS
     from runtime.errors import NpumoeError
 
     out, caches = [], ForwardCaches()
@@ -82,7 +82,7 @@ def fastest_kernel(records: list[dict], storage: str, rows: int, hidden: int | N
 
 
 def kernel_rows(records: list[dict], storage: str, hidden: int | None = None) -> dict[str, int]:
-    """`runtime.cpu_weights.QuantizedCpuExperts.kernel_rows` from the records: each kernel from the measured row
+    """`runtime.cpu.cpu_weights.QuantizedCpuExperts.kernel_rows` from the records: each kernel from the measured row
     count at which it becomes the fastest (the first from 0); a kernel that wins two separate ranges runs from the
     last one's start."""
     kind, _ = _storage(storage)

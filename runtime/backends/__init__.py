@@ -6,7 +6,6 @@ per-expert batches with no padding. `cpu-static` is the reference for what an AN
 a backend is in its `BackendInfo`, held by `registry` (built-ins, and plugins found through entry points):
 docs/backends.md.
 """
-from runtime.backends.cpu import CpuStaticBackend, run_exact
 from runtime.backends.protocol import (
     DENSE_KINDS,
     DenseFn,
@@ -29,6 +28,7 @@ from runtime.backends.registry import (
     BackendRegistry,
     registry,
 )
+from runtime.cpu.cpu_backends import CpuStaticBackend, run_exact
 
 __all__ = ["CPU_ENERGY", "DENSE_KINDS", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
            "CpuStaticBackend", "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",

@@ -102,7 +102,7 @@ def gated_activation(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Te
 
 def expert_matrices(module: torch.nn.Module, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert `expert`'s (gate_up [2F, H], down [H, F]): views of the fused parameters, or dequantized from the
-    packed weights of a quantized checkpoint (`runtime.quantized.QuantizedExperts`, `module.npumoe_weights`)."""
+    packed weights of a quantized checkpoint (`runtime.cpu.quantized.QuantizedExperts`, `module.npumoe_weights`)."""
     packed = getattr(module, "npumoe_weights", None)
     if packed is not None:
         return packed.expert(expert, dtype)
@@ -111,7 +111,7 @@ def expert_matrices(module: torch.nn.Module, expert: int, dtype: torch.dtype) ->
 
 def expert_ffn(module: torch.nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
     """One expert's gated FFN, exactly as transformers computes it (weights are views, never copied); packed
-    storage that has its own kernels (`runtime.cpu_weights`) runs them."""
+    storage that has its own kernels (`runtime.cpu.cpu_weights`) runs them."""
     packed = getattr(module, "npumoe_weights", None)
     if hasattr(packed, "ffn"):
         return packed.ffn(module, expert, x)

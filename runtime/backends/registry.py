@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("npumoe")
 
 ENTRY_POINT_GROUP = "npumoe.backends"
-BUILTIN_MODULES = ("runtime.backends.cpu", "runtime.coreml.coreml_backends")
+BUILTIN_MODULES = ("runtime.cpu.cpu_backends", "runtime.coreml.coreml_backends")
 # The two backends with a role of their own: the reference static backend, which is always available and where
 # every other backend's groups end up when nothing in its fallback chain is available; and the exact path.
 REFERENCE, EXACT = "cpu-static", "cpu-exact"
@@ -134,6 +134,10 @@ class BackendRegistry:
 
     def get(self, name: str) -> BackendInfo | None:
         return self.infos().get(name)
+
+    def exact_paths(self) -> list[str]:
+        """The exact paths a plan may name (`Plan.exact`, `LayerPlan.exact_split`)."""
+        return [name for name, info in self.infos().items() if info.exact]
 
     def plannable(self) -> list[str]:
         """The backends a plan's group may name."""

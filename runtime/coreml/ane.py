@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
-from runtime.backends.cpu import is_packed
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, expert_matrices
 from runtime.coreml.dense_io import MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
 from runtime.coreml.dense_io import OUTPUT as DENSE_OUTPUT
+from runtime.cpu.cpu_backends import is_packed
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.macos import macos_module, macos_version
@@ -73,7 +73,7 @@ def from_layout(y: np.ndarray, layout: str) -> np.ndarray:
 
 def expert_weights_fp16(module: torch.nn.Module, expert: int) -> tuple[np.ndarray, np.ndarray]:
     """One expert's (gate_up `[2F, H]`, down `[H, F]`) as fp16 arrays, what a package stores for it. Packed experts
-    (an MLX checkpoint's, `runtime.quantized`) are dequantized, this expert alone, in fp32 and rounded once."""
+    (an MLX checkpoint's, `runtime.cpu.quantized`) are dequantized, this expert alone, in fp32 and rounded once."""
     dtype = torch.float32 if is_packed(module) else module.gate_up_proj.dtype
     return tuple(w.detach().to(torch.float16).contiguous().numpy() for w in expert_matrices(module, expert, dtype))
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from runtime.backends import DenseSpec
-from runtime.quantized import QuantizedLinear, linear_weight
+from runtime.cpu.quantized import QuantizedLinear, linear_weight
 
 MASKED = -1e4  # the additive mask of a key that may not be attended to (ml-ane-transformers' value)
 OUTPUT = "y"

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from runtime.backends import DenseFn, DenseSpec
 from runtime.coreml.dense_programs import MASKED
+from runtime.cpu.quantized import linear_weight
 from runtime.fileio import atomic_write_bytes, cache_root
-from runtime.quantized import linear_weight
 
 SIM_VERSION = 1
 

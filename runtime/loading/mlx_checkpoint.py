@@ -5,7 +5,7 @@ that override them or say `false`), experts under `mlp.switch_mlp.{gate,up,down}
 
 The model is built on the meta device and every module filled from the files: a quantized linear layer becomes a
 `QuantizedLinear`, the embedding a `QuantizedEmbedding` (a tied head shares its table), a layer's experts a
-`QuantizedExperts` (`runtime.quantized`); routers, small, are dequantized into their weight (the routing then is the
+`QuantizedExperts` (`runtime.cpu.quantized`); routers, small, are dequantized into their weight (the routing then is the
 same matrix mlx multiplies by). Nothing is ever held at full width but one call's weight. Bad files fail in one line
 naming the tensor or the module.
 """
@@ -15,7 +15,16 @@ from pathlib import Path
 
 import torch
 
-from runtime.backends.cpu import PACKED_IMPLEMENTATION
+from runtime.cpu.cpu_backends import PACKED_IMPLEMENTATION
+from runtime.cpu.quantized import (
+    PackedWeight,
+    QuantizedEmbedding,
+    QuantizedExperts,
+    QuantizedLinear,
+    check_format,
+    check_packed,
+    dequantize,
+)
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import (
     SAFETENSORS_DTYPES,
@@ -25,15 +34,6 @@ from runtime.loading.checkpoint_reader import (
     transformers_config,
 )
 from runtime.loading.checkpoints import safetensors_header
-from runtime.quantized import (
-    PackedWeight,
-    QuantizedEmbedding,
-    QuantizedExperts,
-    QuantizedLinear,
-    check_format,
-    check_packed,
-    dequantize,
-)
 
 # mlx names of a fused experts module's parts, per block layout: (gate, up, down).
 SWITCH_PARTS = {".mlp.": ("gate_proj", "up_proj", "down_proj"), ".block_sparse_moe.": ("w1", "w3", "w2")}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.allocator import bound_primitive_cache, return_temporaries_to_the_os, reuse_temporaries
-from runtime.backends.cpu import PACKED_IMPLEMENTATION
+from runtime.cpu.allocator import bound_primitive_cache, return_temporaries_to_the_os, reuse_temporaries
+from runtime.cpu.cpu_backends import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
@@ -173,12 +173,12 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
 
     The weights are loaded straight into `dtype` ("auto": `auto_dtype_of`), never through an fp32 copy.
     `cpu_weights` int8 | int4 (groups of `group_size`): every layer's experts quantized at load, one expert at a
-    time (`runtime.cpu_weights`), running their kernels from `kernel_rows` rows (None: the defaults); bf16 keeps
+    time (`runtime.cpu.cpu_weights`), running their kernels from `kernel_rows` rows (None: the defaults); bf16 keeps
     them as loaded."""
     dtype = resolve_dtype(name, dtype)
     quantize = None
     if cpu_weights != "bf16":
-        from runtime.cpu_weights import quantize_experts
+        from runtime.cpu.cpu_weights import quantize_experts
 
         if not name.startswith(RANDOM_PREFIX) and is_mlx_checkpoint(model_dir(name)):
             raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX checkpoint, "

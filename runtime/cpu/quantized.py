@@ -2,7 +2,7 @@
 holding `bits`-wide codes, little-endian and least significant first, one `scale` and `bias` per `group_size` inputs,
 w = q * scale + bias), and the modules that compute with it (`QuantizedLinear`, `QuantizedEmbedding`,
 `QuantizedExperts`). Each dequantizes what one call needs (a weight, the looked-up rows, one expert) and never holds
-a full-width copy of the model. `runtime.loading.mlx_checkpoint` builds them; `runtime.backends.cpu` runs experts.
+a full-width copy of the model. `runtime.loading.mlx_checkpoint` builds them; `runtime.cpu.cpu_backends` runs experts.
 """
 from __future__ import annotations
 

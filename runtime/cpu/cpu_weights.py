@@ -53,8 +53,9 @@ _SCRATCH = threading.local()  # per thread (a server prefills on one thread whil
 def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """This thread's buffer of `shape` and `dtype` for one expert's matrix at full width, reused call after call
     (one per shape: a few MB). A fresh one is above the mmap threshold the quantized runtime sets
-    (`runtime.allocator.return_temporaries_to_the_os`), so glibc maps it anew and faulting its pages in cost more than
-    the conversion itself: a 4096 x 1024 int8 matrix to bf16 took 4.0-4.5 ms into a new tensor, 0.9 ms into this."""
+    (`runtime.cpu.allocator.return_temporaries_to_the_os`), so glibc maps it anew and faulting its pages in cost more
+    than the conversion itself: a 4096 x 1024 int8 matrix to bf16 took 4.0-4.5 ms into a new tensor,
+    0.9 ms into this."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
     key = (tuple(shape), dtype)
     if key not in bufs:

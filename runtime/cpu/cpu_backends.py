@@ -39,7 +39,8 @@ def run_exact(module: torch.nn.Module, x_sorted: torch.Tensor, experts: list[int
 
 
 def is_packed(module: torch.nn.Module) -> bool:
-    """The experts' weights are packed (`runtime.quantized.QuantizedExperts`): transformers' kernels cannot run them."""
+    """The experts' weights are packed (`runtime.cpu.quantized.QuantizedExperts`): transformers' kernels cannot
+    run them."""
     return getattr(module, "npumoe_weights", None) is not None
 
 
