@@ -22,8 +22,8 @@ from functools import partial
 import torch
 from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
-from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry, run_exact
-from runtime.cpu.cpu_backends import exact_experts_forward, is_packed
+from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry
+from runtime.cpu.cpu_backends import exact_experts_forward, is_packed, run_exact
 from runtime.dense import DenseExecutor
 from runtime.drift import DriftMonitor
 from runtime.loading.model_loader import model_spec, moe_layers

@@ -29,7 +29,7 @@ from autotune.costing.fitting import fit_cost_model
 from autotune.profiling.callers import make_experts
 from autotune.profiling.device import profile_device
 from autotune.profiling.profile import load_profile, save_profile
-from runtime.backends import CpuStaticBackend
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats

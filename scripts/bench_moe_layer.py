@@ -21,7 +21,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from runtime.backends import CpuStaticBackend
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats

@@ -159,7 +159,7 @@ def test_macos_predict_parity_with_cpu_static(built):
     spec = GroupSpec(layer.index, 0, tuple(group.experts), tuple(group.capacities), layer.experts)
     packed = torch.randn(group.slots, model.config.hidden_size)
     got = AneBackend(package).prepare(spec)(packed)
-    from runtime.backends import CpuStaticBackend
+    from runtime.cpu.cpu_backends import CpuStaticBackend
 
     ref = CpuStaticBackend().prepare(spec)(packed)
     assert max_rel_diff(got, ref) <= 1e-2

@@ -6,10 +6,11 @@ import torch
 from helpers import one_ane_group, random_model
 
 from autotune.searching.templates import template_plan
-from runtime.backends import CpuStaticBackend, GroupSpec
+from runtime.backends import GroupSpec
 from runtime.coreml.ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
 from runtime.coreml.ane_sim import AneSimBackend
 from runtime.coreml.converter import build_package, quiet_coremltools_import
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.prefill import prefill_logits

@@ -8,7 +8,8 @@ from helpers import random_model
 
 from autotune.searching.templates import template_plan
 from runtime.apple_energy import energy_window
-from runtime.backends import REFERENCE, CpuStaticBackend
+from runtime.backends import REFERENCE
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec
 

@@ -88,7 +88,8 @@ def test_a_plan_on_a_backend_not_installed_is_refused_naming_the_field(tmp_path,
 
 
 UNAVAILABLE = '''
-from runtime.backends import BackendInfo, CpuStaticBackend
+from runtime.backends import BackendInfo
+from runtime.cpu.cpu_backends import CpuStaticBackend
 
 
 class Off(CpuStaticBackend):

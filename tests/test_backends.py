@@ -8,7 +8,8 @@ import torch
 from helpers import random_model
 
 from autotune.searching.templates import template_plan
-from runtime.backends import CpuStaticBackend, GroupSpec, expert_ffn, registry
+from runtime.backends import GroupSpec, expert_ffn, registry
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.prefill import max_rel_diff, prefill_logits

@@ -18,7 +18,7 @@ def _layer(threshold: int | None):
     layer = moe_layers(model)[0]
     plan = template_plan(model_spec(model), "tight", "drop", chunk_tokens=64)
     plan = plan.model_copy(update={"exact_below_tokens": threshold})
-    from runtime.backends import CpuStaticBackend
+    from runtime.cpu.cpu_backends import CpuStaticBackend
     ex = LayerExecutor(plan.layer(layer.index), layer.experts, plan, LayerStats(), {"cpu-static": CpuStaticBackend()})
     return layer.experts, ex
 

@@ -12,7 +12,8 @@ from helpers import random_model
 
 from autotune.cli import main
 from autotune.searching.templates import template_plan
-from runtime.backends import CpuStaticBackend, DenseSpec
+from runtime.backends import DenseSpec
+from runtime.cpu.cpu_backends import CpuStaticBackend
 from runtime.dense import check_dense_fits
 from runtime.dense.attention import allowed_keys
 from runtime.dense.families import FAMILIES, attention_modules

@@ -95,7 +95,7 @@ def _one_layer(rule: str, caps: list[int], overflow: str = "drop"):
     lp = LayerPlan(layer=layer.index, groups=[Group(backend="cpu-static", experts=list(range(8)), capacities=caps)],
                    cpu_exact=[])
     plan = template_plan(spec, "ample", overflow, chunk_tokens=64).model_copy(update={"saliency": rule})
-    from runtime.backends import CpuStaticBackend
+    from runtime.cpu.cpu_backends import CpuStaticBackend
     return layer.experts, LayerExecutor(lp, layer.experts, plan, LayerStats(), {"cpu-static": CpuStaticBackend()})
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from autotune.profiling.cache_state import Call
-from runtime.backends import REFERENCE, BackendInfo, ExactFn, GroupSpec, run_exact
+from runtime.backends import REFERENCE, BackendInfo, ExactFn, GroupSpec
+from runtime.cpu.cpu_backends import run_exact
 from runtime.executor import LayerExecutor
 from runtime.plan import Group, LayerPlan, ModelSpec, Plan
 from runtime.stats import LayerStats

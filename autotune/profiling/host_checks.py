@@ -217,8 +217,8 @@ def check_ane_parity(probe: Probe) -> str:
     _need_package(probe, "Core ML prediction")
     import torch
 
-    from runtime.backends import CpuStaticBackend
     from runtime.coreml.mil_eval import TOLERANCE, max_rel_error
+    from runtime.cpu.cpu_backends import CpuStaticBackend
 
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(
         (sum(probe.group.capacities), probe.module.gate_up_proj.shape[-1])).astype(np.float16).astype(np.float32))

@@ -28,8 +28,7 @@ from runtime.backends.registry import (
     BackendRegistry,
     registry,
 )
-from runtime.cpu.cpu_backends import CpuStaticBackend, run_exact
 
 __all__ = ["CPU_ENERGY", "DENSE_KINDS", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
-           "CpuStaticBackend", "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",
-           "StaticBackend", "attention_reference", "dense_reference", "expert_ffn", "registry", "run_exact"]
+           "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",
+           "StaticBackend", "attention_reference", "dense_reference", "expert_ffn", "registry"]

@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from runtime.backends import CpuStaticBackend, GroupSpec
+from runtime.backends import GroupSpec
 from runtime.coreml.ane import INPUT_NAME, OUTPUT_NAME, from_layout, to_layout
-from runtime.cpu.cpu_backends import is_packed
+from runtime.cpu.cpu_backends import CpuStaticBackend, is_packed
 from runtime.errors import NpumoeError
 
 # Tolerances of the numeric check, on max|y - ref| / max|ref| per function against the fp32 torch reference.
