@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("npumoe")
 
 ENTRY_POINT_GROUP = "npumoe.backends"
-BUILTIN_MODULES = ("runtime.cpu.cpu_backends", "runtime.coreml.coreml_backends")
+BUILTIN_MODULES = ("runtime.cpu.cpu_backends", "runtime.coreml.coreml_backends", "runtime.mlx.mlx_backends")
 # The two backends with a role of their own: the reference static backend, which is always available and where
 # every other backend's groups end up when nothing in its fallback chain is available; and the exact path.
 REFERENCE, EXACT = "cpu-static", "cpu-exact"
