@@ -1,0 +1,101 @@
+"""Write docs/commands.md, the command reference, from the argparse parsers (`autotune.cli.build_parser`).
+
+    python scripts/make_docs.py [--check]
+
+Every command, its usage and every flag with its help (defaults expanded as `--help` prints them). tests/test_docs.py
+fails when the page differs from what the parsers give; `--check` does the same here (exit 1, nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAGE = ROOT / "docs" / "commands.md"
+REGENERATE = "python scripts/make_docs.py"
+HOST_PROFILE = "$NPUMOE_CACHE/profiles/HOST-ID.json"  # a default that names this host: the page names none
+USAGE_COLUMNS = "110"  # argparse wraps usage to the terminal's width: fixed, so the page does not depend on it
+
+
+def _cell(text: str) -> str:
+    """Text for one table cell: one line, its pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _flag(action: argparse.Action) -> str:
+    metavar = None if action.nargs == 0 else (action.metavar or action.dest.upper())
+    if isinstance(metavar, tuple):
+        metavar = " ".join(metavar)
+    if action.choices is not None and action.metavar is None and action.nargs != 0:
+        metavar = "{" + ",".join(map(str, action.choices)) + "}"
+    names = ", ".join(f"`{o}{' ' + metavar if metavar else ''}`" for o in action.option_strings) \
+        if action.option_strings else f"`{metavar}`"
+    return names + (" (required)" if action.required and action.option_strings else "")
+
+
+def _section(name: str, help_text: str, parser: argparse.ArgumentParser) -> list[str]:
+    formatter = parser._get_formatter()
+    usage = parser.format_usage().strip().removeprefix("usage: ")
+    lines = [f"## `autotune {name}`", "", _cell(help_text or ""), ""]
+    if parser.description and parser.description.strip() != (help_text or "").strip():
+        lines += [" ".join(parser.description.split()), ""]
+    lines += ["```", usage, "```", "", "| flag | what it does |", "|---|---|"]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        lines.append(f"| {_flag(action)} | {_cell(formatter._expand_help(action) if action.help else '')} |")
+    return lines + [""]
+
+
+def render(parser: argparse.ArgumentParser | None = None) -> str:
+    """The page for `parser` (default: `autotune`'s own)."""
+    from autotune.cli import build_parser
+
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = USAGE_COLUMNS
+    try:
+        parser = parser or build_parser()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        helps = {a.dest: a.help for a in sub._choices_actions}
+        lines = ["# Command reference", "",
+                 f"Generated from the command's parsers by `{REGENERATE}`; tests/test_docs.py fails when it is out "
+                 "of date.",
+                 "Every command also answers `--help`; `python -m autotune` is the same command, and `autotune "
+                 "--version` prints the version.", "",
+                 *(f"- [`autotune {name}`](#autotune-{name}): {_cell(helps.get(name) or '')}" for name in sub.choices),
+                 ""]
+        for name, p in sub.choices.items():
+            lines += _section(name, helps.get(name) or "", p)
+        from autotune.profiling.profile import host_profile_path
+
+        page = "\n".join(lines).rstrip() + "\n"
+        return page.replace(str(host_profile_path()), HOST_PROFILE)
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/commands.md is out of date; write nothing")
+    args = ap.parse_args()
+    page = render()
+    if args.check:
+        current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
+        if current != page:
+            print(f"docs/commands.md is out of date: run `{REGENERATE}`", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
