@@ -22,8 +22,8 @@ USAGE_COLUMNS = "110"  # argparse wraps usage to the terminal's width: fixed, so
 
 
 def _cell(text: str) -> str:
-    """Text for one table cell: one line, its pipes escaped."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """Text for one table cell: one line, its pipes and angle brackets escaped (GitHub reads `<x>` as HTML)."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _flag(action: argparse.Action) -> str:
@@ -34,7 +34,7 @@ def _flag(action: argparse.Action) -> str:
         metavar = "{" + ",".join(map(str, action.choices)) + "}"
     names = ", ".join(f"`{o}{' ' + metavar if metavar else ''}`" for o in action.option_strings) \
         if action.option_strings else f"`{metavar}`"
-    return names + (" (required)" if action.required and action.option_strings else "")
+    return names.replace("|", "\\|") + (" (required)" if action.required and action.option_strings else "")
 
 
 def _section(name: str, help_text: str, parser: argparse.ArgumentParser) -> list[str]:
