@@ -1,5 +1,6 @@
 """The project's docs live in the repository: README, docs/ and code never point outside it, and every relative
 link in README and docs/ resolves."""
+import fnmatch
 import re
 from pathlib import Path
 
@@ -220,18 +221,21 @@ def _unreal(name: str, text: str, commands: dict[str, set[str]], scripts: dict[s
             if seg.startswith(FOREIGN):
                 continue
             for m in re.finditer(r"(?:^|[\s(])(?:python -m )?autotune (<?[\w-]+)|(?:^|[\s(])(?:python )?scripts/"
-                                 r"([\w.-]+)", seg):
+                                 r"([\w.*-]+)", seg):
                 rest = re.split(r"\bautotune |scripts/", seg[m.end():], maxsplit=1)[0]
                 command, script = m.groups()
                 if command and command.startswith("<"):  # a placeholder: `autotune <command> --help`
                     continue
                 if command and command.startswith("-"):
                     rest, command = command + " " + rest, ""
-                if (command is not None and command not in commands) or (script is not None and script not in scripts):
-                    wrong.append(f"{name}: no such command or script: {m.group(0).strip()}")
+                said = f"autotune {command}" if command is not None else f"scripts/{script}"
+                matched = [n for n in scripts if fnmatch.fnmatch(n, script)] if script is not None else []
+                if (command is not None and command not in commands) or (script is not None and not matched):
+                    wrong.append(f"{name}: no such command or script: {said}")
                     continue
-                known = commands[command] | commands[""] if command is not None else scripts[script]
-                wrong += [f"{name}: {m.group(0).strip()} has no {f}" for f in _flags(rest) if f not in known]
+                known = commands[command] | commands[""] if command is not None else set().union(
+                    *(scripts[n] for n in matched))
+                wrong += [f"{name}: {said} has no {f}" for f in _flags(rest) if f not in known]
             if seg.startswith("--"):
                 wrong += [f"{name}: no command or script has {f}" for f in _flags(seg)[:1] if f not in every]
     return wrong
