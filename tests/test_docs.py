@@ -152,7 +152,7 @@ def _numbers(text: str) -> set[str]:
 
 def test_every_figure_in_the_readme_table_links_to_its_command_host_and_date():
     """Each row of "What it achieves": its figure links to a section of docs/ that holds the same numbers, a
-    command, a date, and says the same kind (predicted or measured)."""
+    command, a host and a date, and says the same kind (predicted or measured)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = readme.split("## What it achieves", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("|")][2:]
@@ -167,6 +167,7 @@ def test_every_figure_in_the_readme_table_links_to_its_command_host_and_date():
         assert kind.split()[0] in ("predicted", "measured") and kind.split()[0] in section.lower(), what
         assert _numbers(shown) <= _numbers(section), f"{what!r}: {shown} not all in {page}#{anchor}"
         assert re.search(r"\d{4}-\d{2}-\d{2}", section), f"{page}#{anchor} gives no date"
+        assert "host" in section.lower(), f"{page}#{anchor} names no host"
         assert re.search(r"`(autotune [a-z-]+|python scripts/\w+\.py)[ `]", section), f"{page}#{anchor}: no command"
 
 
