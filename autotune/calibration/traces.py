@@ -230,6 +230,35 @@ def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, 
                              **header)
 
 
+TIE_TOLERANCE = 1e-4  # router weights closer than this are a tie: fp rounding picks between them
+
+
+def routing_agreement(a: Traces, b: Traces, tol: float = TIE_TOLERANCE) -> dict:
+    """How two recordings of the same tokens (two engines on one folder and text) agree, per MoE layer and in all:
+    `tokens`; `agree`, tokens routed to the same k experts; `ties`, tokens routed apart where both recordings'
+    sorted router weights still agree within `tol` (experts of equal weight swapped: fp rounding decided); `differ`,
+    the rest. `max_weight_diff`: over the tokens routed to the same experts in the same order; `max_norm_rel_diff`:
+    the hidden-state norms', over every token."""
+    if a.chunk is None or b.chunk is None or not np.array_equal(a.chunk, b.chunk):
+        raise NpumoeError("the two traces do not hold the same tokens in the same chunks: record one text, "
+                          "chunking and prompt length with both")
+    rows, total = {}, dict.fromkeys(("tokens", "agree", "ties", "differ"), 0)
+    weight_diff, norm_diff = 0.0, 0.0
+    for layer in a.layers:
+        x, y = a.layers[layer], b.layers[layer]
+        same = (np.sort(x["idx"], 1) == np.sort(y["idx"], 1)).all(1)
+        level = (np.abs(np.sort(x["weight"], 1) - np.sort(y["weight"], 1)) <= tol).all(1)
+        row = {"tokens": int(same.size), "agree": int(same.sum()), "ties": int((~same & level).sum()),
+               "differ": int((~same & ~level).sum())}
+        rows[str(layer)] = row
+        total = {k: total[k] + row[k] for k in total}
+        ordered = (x["idx"] == y["idx"]).all(1)
+        weight_diff = max(weight_diff, float(np.abs(x["weight"] - y["weight"])[ordered].max(initial=0.0)))
+        norm_diff = max(norm_diff, float((np.abs(x["norm"] - y["norm"]) / np.maximum(y["norm"], 1e-12)).max()))
+    return {**total, "tie_tolerance": tol, "max_weight_diff": weight_diff, "max_norm_rel_diff": norm_diff,
+            "layers": rows}
+
+
 def check_prompts(tokens: int, prompt_tokens: int, text: str) -> None:
     """Refuse a text too short for a held-out prompt: every HELDOUT_EVERY-th prompt is held out."""
     prompts = -(-tokens // prompt_tokens)
