@@ -33,9 +33,19 @@ def both(q4, tmp_path_factory):
     return {e: calibrate(str(q4), out=out / f"{e}.npz", engine=e, **RUN) for e in ("torch", "mlx")}
 
 
-def test_same_expert_choices_as_torch(both):
+@pytest.fixture(scope="module")
+def full_width(tmp_path_factory):
+    """tiny-moe as stored (bf16, full width; its rope_theta under rope_parameters, as transformers 5 writes it)."""
+    out = tmp_path_factory.mktemp("full")
+    return {e: calibrate("tiny-moe", out=out / f"{e}.npz", engine=e, **RUN) for e in ("torch", "mlx")}
+
+
+@pytest.mark.parametrize("recorded", ["both", "full_width"])
+def test_same_expert_choices_as_torch(recorded, request):
     """Every token's experts equal torch's (ties within fp rounding would be counted apart: none here), in the same
-    order, with the same router weights and hidden-state norms to fp32 rounding."""
+    order, with the same router weights and hidden-state norms to fp32 rounding: on the MLX folder and on the
+    full-width one."""
+    both = request.getfixturevalue(recorded)
     mlx, torch_ = both["mlx"].traces, both["torch"].traces
     assert mlx.header["model"] == torch_.header["model"]  # one model spec: a search cannot tell them apart
     assert np.array_equal(mlx.chunk, torch_.chunk) and np.array_equal(mlx.heldout_chunks, torch_.heldout_chunks)

@@ -144,8 +144,13 @@ def load_mlx(name: str, dtype: str):
     import mlx_lm
     from mlx.utils import tree_map
 
+    path = model_dir(name)
+    config = read_config(path)
+    # transformers 5 keeps rope_theta under rope_parameters only; mlx-lm reads it at the top level
+    rope = {"rope_theta": config["rope_parameters"]["rope_theta"]} if "rope_theta" not in config and "rope_theta" in (
+        config.get("rope_parameters") or {}) else {}
     try:
-        model, tokenizer = mlx_lm.load(str(model_dir(name)))
+        model, tokenizer = mlx_lm.load(str(path), model_config=rope)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise NpumoeError(f"--engine mlx: mlx-lm cannot load {name}: {str(e).splitlines()[0][:160]}") from None
     if dtype != "auto":
