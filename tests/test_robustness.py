@@ -9,6 +9,7 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
+from autotune.profiling.profile import Profile, save_profile
 from autotune.searching import optimizer, robustness
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import Candidates, best_plan, run_search, usable
@@ -143,4 +144,33 @@ def test_search_json_reports_robustness(workdir, capsys):
                  "--no-gate", "--json"]) == 0
     rob = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["robustness"]
     assert rob["robust_pick"] and len(rob["cases"]) == 8
+    assert rob["max_regret"] == pytest.approx(max(c["regret"] for c in rob["cases"]))
+
+
+def test_gate_passing_over_the_robust_pick_keeps_its_comparison(tmp_path, monkeypatch):
+    """`search --robust` where the fidelity gate refuses the pick and keeps the next candidate (the gate faked here:
+    it passes the second candidate): the report still says how many plans the pick compared and its floor (was 1
+    and null: the gate's plan was assessed afresh, without the comparison), and the gate's plan's regret."""
+    from autotune import pipeline
+    from autotune.calibration.traces import save_traces
+    from autotune.searching.config import SearchConfig
+    from autotune.searching.model_record import resolve_model
+
+    spec = resolve_model("random:qwen3_moe").spec.to_json()
+    save_traces(synthetic_traces(spec, 30, 256, skew=1.2, tokens=True), tmp_path / "t.npz")
+    save_profile(Profile(host={"id": "test-device", "description": "hand-made ANE-like device"},
+                         cost_model=apple_like(), records=[], heldout={"method": "none", "mape": {}},
+                         measured_by="hand-made for tests"), tmp_path / "profile.json")
+
+    def second_passes(model, candidates, settings, **kw) -> dict:
+        rows = [{"index": i, "candidate": i, "passed": i == 1, "kernel_rows": None, "predicted_ms": c.predicted_ms,
+                 "ppl_delta": 0.0, "top1": 1.0, "kl": 0.0} for i, c in zip(range(2), candidates)]
+        return {"label": "faked", "tokens": 256, "text": "none", "candidates": rows, "chosen": rows[1], "rounds": 1}
+
+    monkeypatch.setattr(pipeline, "run_gate", second_passes)
+    config = SearchConfig(profile=str(tmp_path / "profile.json"), traces=tmp_path / "t.npz", out=tmp_path / "p.json",
+                          trials=20, robust=True, prompt_tokens=256)
+    rob = pipeline.search_plan("random:qwen3_moe", config, progress=False).to_json()["robustness"]
+    assert rob["robust_pick"] and rob["candidates_compared"] > 1
+    assert rob["regret_floor"] is not None and rob["max_regret"] >= rob["regret_floor"] - 1e-9
     assert rob["max_regret"] == pytest.approx(max(c["regret"] for c in rob["cases"]))
