@@ -107,7 +107,8 @@ class MlxRecorder(Recording):
 class _Observed:
     """Stands in for a block's router or experts: calls it and keeps its output (the router's logits) or its
     inputs (the experts' hidden state and expert ids) for the recorder. A plain object, not an mlx Module: mlx-lm's
-    block only calls it, and the model's parameter tree stays as loaded."""
+    block only calls it (its module leaves the parameter tree while observed; `MlxRecorder.__exit__` puts it
+    back)."""
 
     def __init__(self, inner, recorder: MlxRecorder, layer: int, what: str) -> None:
         self.inner, self.recorder, self.layer, self.what = inner, recorder, layer, what
