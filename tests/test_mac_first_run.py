@@ -68,3 +68,24 @@ def test_macos_workflow_parses_and_names_its_steps():
     assert "scripts/mac_first_run.sh" in run["First-run script"] and "autotune doctor --json" in run[
         "Doctor (records op placement)"]
     assert job["steps"][-1]["if"] == "always()" and "ci-out" in job["steps"][-1]["with"]["path"]
+
+
+def test_first_run_exits_nonzero_when_a_step_fails(tmp_path):
+    """A step that fails (here `run`, stubbed to exit 3) makes the script exit 1 after writing its report: the macOS
+    workflow's first-run step goes red instead of green."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir / "uname", 'echo Darwin\n')
+    _stub(bin_dir / "autotune", """case "$1" in
+  run) echo "autotune run: error: the stand-in step failed" >&2; exit 3;;
+  *) echo "{\\"step\\": \\"$1\\"}";;
+esac
+""")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    report = tmp_path / "r.json"
+    proc = subprocess.run(["bash", str(SCRIPT), str(report)], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    r = json.loads(report.read_text())
+    assert not r["ok"] and r["steps"]["run"]["exit_code"] == 3 and r["steps"]["evaluate"]["exit_code"] == 0
+    assert "failed: run (exit 3)" in proc.stderr

@@ -25,6 +25,18 @@ from runtime.errors import NpumoeError
 # up to ~0.4 of their scale: there the check catches a wrong graph (wrong expert or slice: errors >= 1), while
 # the quality of a compressed model is a perplexity question, not this check's.
 TOLERANCE = {"none": 1e-2, "int8": 3e-2, "palettize4": 0.5}
+# Values the reference (cpu-static: the model's own modules in its dtype) rounds to its dtype on the longest chain of
+# each function: an expert group's gate_up, activation, gated product and down; qkv's norm, projection and q/k norm;
+# o_proj's projection; an MLP's gate, activation, product and down. The attention core's reference runs in float32.
+REFERENCE_ROUNDINGS = {"group": 4, "qkv": 3, "o_proj": 1, "mlp": 4, "attention": 0}
+
+
+def tolerance(compress: str, reference_dtype: torch.dtype, kind: str = "group") -> float:
+    """The host check's bound for a function of `kind` against a reference computed in `reference_dtype`: its
+    compression's TOLERANCE (set against float32 references) plus what the reference itself rounds, each of its
+    REFERENCE_ROUNDINGS off by up to its dtype's unit roundoff (eps/2: bf16 3.9e-3, fp16 4.9e-4, float32 6e-8) of
+    the output's scale. A bf16 reference is that much less exact than an fp16 function, not a looser check."""
+    return TOLERANCE[compress] + REFERENCE_ROUNDINGS[kind] * torch.finfo(reference_dtype).eps / 2
 
 
 class _Held:
@@ -130,6 +142,7 @@ def max_rel_error(y: np.ndarray, ref: np.ndarray) -> float:
 class FunctionCheck:
     function: str
     max_rel_error: float
+    tolerance: float  # what this function may differ by (`tolerance`: its compression and reference's dtype)
 
 
 def check_function(function, name: str, group: GroupSpec, layout: str, seed: int = 0) -> FunctionCheck:
@@ -144,4 +157,4 @@ def check_function(function, name: str, group: GroupSpec, layout: str, seed: int
         dtype = torch.float32 if is_packed(group.module) else group.module.gate_up_proj.dtype
         x = torch.from_numpy(packed.astype(np.float32)).to(dtype)
         ref = CpuStaticBackend().prepare(group)(x).float().numpy()
-    return FunctionCheck(name, max_rel_error(got, ref))
+    return FunctionCheck(name, max_rel_error(got, ref), tolerance(group.compress, dtype))
