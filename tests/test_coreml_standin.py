@@ -104,3 +104,25 @@ def test_coreml_standin_layouts_with_dense_functions(tmp_path, monkeypatch, layo
     calls = assert_agrees(MODEL, model, plan, result.package, torch.float32, 40)
     assert {part for part, backend in calls["dense"] if backend == "ane"} >= {"qkv", "o_proj", "attention"}
     assert standin.calls["compile"] == 1  # one package, compiled once for every function and both runs
+
+
+def test_coreml_standin_blocks_splits_and_compressed_groups(tmp_path, monkeypatch):
+    """The attention core in causal blocks, q/k/v and o_proj split by rows with the CPU, groups stored as int8 and
+    4-bit palettes beside fp16 ones."""
+    install(monkeypatch, tmp_path / "npumoe-cache")
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=128, dense="ane",
+                         context_tokens=256)
+    d = plan.model_dump(by_alias=True, exclude_none=True)
+    d["layers"][0]["groups"][0]["compress"], d["layers"][0]["groups"][1]["compress"] = "int8", "palettize4"
+    for lp in d["layers"][2:]:  # two layers are enough: the others run exactly on the CPU
+        lp["groups"], lp["cpu_exact"] = [], list(range(model.config.num_experts))
+    d["dense"].update(attention_block=64, attention_context_buckets=[64, 128, 192, 256],
+                      layers=d["dense"]["layers"][:2])
+    for dl in d["dense"]["layers"]:
+        dl["qkv"]["rows"] = dl["o_proj"]["rows"] = 64
+    plan = Plan.model_validate(d)
+    result = built(tmp_path, plan, model)
+    assert {fs.compress for fs in result.functions} == {"int8", "palettize4", "none"}
+    calls = assert_agrees(MODEL, model, plan, result.package, torch.float32, 200)
+    assert calls["dense"].get(("attention", "ane"), 0) > 0 and calls["dense"].get(("qkv", "ane"), 0) > 0

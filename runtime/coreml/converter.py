@@ -525,7 +525,7 @@ def verify_package(path: Path, functions: list[FunctionSpec],
     checks, source = [], _expert_source(model_layers)
     for fs in functions:
         module, index = source.experts(fs.layer, fs.experts)
-        group = GroupSpec(fs.layer, fs.group, index, fs.capacities, module)
+        group = GroupSpec(fs.layer, fs.group, index, fs.capacities, module, fs.compress)
         checks.append(check_function(prog.functions[fs.name], fs.name, group, layout, seed))
         if bar:
             bar.update(1)

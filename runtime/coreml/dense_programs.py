@@ -167,10 +167,10 @@ def sample_inputs(spec: DenseSpec, seed: int = 0) -> tuple[dict[str, np.ndarray]
 def check_dense_function(function, spec: DenseSpec, dtype: torch.dtype = torch.float32, seed: int = 0):
     """Evaluate a built dense function on the host; compare with cpu-static on the same fp16 inputs, computed in
     `dtype`: the model's compute dtype (`runtime.dense.specs.compute_dtype`), what its rows arrive in at run time."""
-    from runtime.coreml.mil_eval import FunctionCheck, evaluate_function, max_rel_error, tolerance
+    from runtime.coreml.mil_eval import FunctionCheck, evaluate_output, max_rel_error, tolerance
 
     feed, allowed = sample_inputs(spec, seed)
-    got = evaluate_function(function, feed)[OUTPUT]
+    got = evaluate_output(function, feed, OUTPUT, spec.name)
     with torch.no_grad():
         if spec.kind == "attention":
             q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ATTENTION_INPUTS[:3])

@@ -115,6 +115,15 @@ def evaluate_function(function, inputs: dict[str, np.ndarray]) -> dict[str, np.n
     return {var.name: env[var.name] for var in function.outputs}
 
 
+def evaluate_output(function, inputs: dict[str, np.ndarray], output: str, name: str) -> np.ndarray:
+    """`evaluate_function`'s output `output`, the one the runtime reads; a function (`name`) without it is refused
+    here, naming what it has, rather than at run time."""
+    y = evaluate_function(function, inputs)
+    if output not in y:
+        raise NpumoeError(f"function {name} has outputs {sorted(y)}, not {output!r}, the output the runtime reads")
+    return y[output]
+
+
 def _coremltools_eval(op, value: Callable):
     """coremltools' own op semantics: bind runtime values to the op's inputs, call value_inference, unbind."""
     bound = [v for v in _input_vars(op) if v.val is None]
@@ -150,8 +159,7 @@ def check_function(function, name: str, group: GroupSpec, layout: str, seed: int
     rng = np.random.default_rng(seed)
     hidden = group.module.hidden_dim
     packed = rng.standard_normal((sum(group.capacities), hidden)).astype(np.float16)
-    y = evaluate_function(function, {INPUT_NAME: to_layout(packed, layout)})
-    got = from_layout(y[OUTPUT_NAME] if OUTPUT_NAME in y else next(iter(y.values())), layout)
+    got = from_layout(evaluate_output(function, {INPUT_NAME: to_layout(packed, layout)}, OUTPUT_NAME, name), layout)
     with torch.no_grad():
         # in the model's dtype; packed experts (dequantized per call in the rows' dtype) in float32
         dtype = torch.float32 if is_packed(group.module) else group.module.gate_up_proj.dtype
