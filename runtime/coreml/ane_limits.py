@@ -135,7 +135,7 @@ def resident_over_window(resident: Mapping[str, float]) -> float:
 def check_window(resident: Mapping[str, float]) -> None:
     """Refuse, in one line naming each part, functions that cannot be resident on the Neural Engine at once."""
     if resident_over_window(resident) > 0:
-        parts = " + ".join(f"{part} {size / 2**20:,.1f} MiB" for part, size in resident.items())
+        parts = " + ".join(f"{part} {size / 1e6:,.1f} MB" for part, size in resident.items())
         raise NpumoeError(f"the functions resident on the Neural Engine at once hold {parts} = "
-                          f"{sum(resident.values()) / 2**30:,.2f} GiB of weights, past its {WINDOW_BYTES / 2**30:g} "
-                          "GiB window; put fewer experts or dense functions on it, or compress them")
+                          f"{sum(resident.values()) / 1e6:,.1f} MB of weights, past its window of "
+                          f"{WINDOW_BYTES / 1e6:,.1f} MB; put fewer experts or dense functions on it, or compress them")
