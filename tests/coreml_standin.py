@@ -85,3 +85,36 @@ def install(monkeypatch, cache: Path) -> StandIn:
     monkeypatch.setattr(ct.models.utils, "compile_model", standin.compile_model)
     monkeypatch.setattr(ct.models, "CompiledMLModel", standin.model_class())
     return standin
+
+
+class LoadedProgram:
+    """Stands in for `ct.convert(..., compute_units=...)`'s loaded model (what `profile-device` times): predicts by
+    evaluating the program's function on the host, after the same feed checks (names, shapes; fp16 values)."""
+
+    def __init__(self, prog, calls: Counter) -> None:
+        self.function, self.calls = prog.functions["main"], calls
+
+    def predict(self, data: dict) -> dict:
+        declared = {name: tuple(var.shape) for name, var in self.function.inputs.items()}
+        assert {k: v.shape for k, v in data.items()} == declared, (sorted(data), declared)
+        assert all(v.dtype == np.float16 for v in data.values())
+        self.calls["predict"] += 1
+        return evaluate_function(self.function, {k: v.astype(np.float32) for k, v in data.items()})
+
+
+def install_loaded_programs(monkeypatch) -> Counter:
+    """`program_mlmodel(prog, compute_units)` (the profiler's converted and loaded functions) replaced: programs are
+    counted by what they hold and evaluated on the host when called."""
+    from runtime.coreml import converter
+
+    calls: Counter = Counter()
+    real = converter.program_mlmodel
+
+    def loaded(prog, compute_units=None):
+        if compute_units is None:
+            return real(prog)
+        calls["load"] += 1
+        return LoadedProgram(prog, calls)
+
+    monkeypatch.setattr(converter, "program_mlmodel", loaded)
+    return calls

@@ -239,3 +239,46 @@ def test_coreml_standin_compressed_package_for_an_fp16_plan_is_refused(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "function layer0_group0 stores its weights as int8" in err[0] and "compress none" in err[0]
+
+
+def test_coreml_standin_profile_rotates_groups_over_experts(monkeypatch):
+    """profile-device's Core ML caller cycles its calls through functions over other experts (as the other
+    backends' groups rotate), each fed as the backend feeds it."""
+    from coreml_standin import install_loaded_programs
+
+    from autotune.profiling.callers import make_experts
+    from runtime.coreml.coreml_backends import ROTATION, profile_caller
+
+    calls = install_loaded_programs(monkeypatch)
+    module = make_experts(32, 32, 16)
+    call = profile_caller("CPU_AND_NE")(module, [4, 4], 32)
+    seen = []
+    for _ in range(2 * ROTATION):
+        y = call()["y"]
+        seen.append(float(abs(y).sum()))
+    assert calls["load"] == ROTATION and calls["predict"] == 2 * ROTATION
+    assert len(set(seen[:ROTATION])) == ROTATION and seen[:ROTATION] == seen[ROTATION:]  # other weights each call
+
+
+def test_coreml_standin_profile_times_dense_functions(monkeypatch):
+    """profile-device times the ane backend's dense functions (the builder's q/k/v, o_proj and attention-core
+    programs, fed their sample inputs): `dense_matmul` and `attention` records of that backend, which the cost model
+    fits as measured prices instead of extrapolating the expert fit."""
+    from coreml_standin import install_loaded_programs
+    from helpers import TINY_PROFILE
+
+    from autotune.costing.dense_prices import fit_dense
+    from autotune.profiling import static_dense_records as sdr
+    from runtime.backends import registry
+
+    calls = install_loaded_programs(monkeypatch)
+    monkeypatch.setattr(sdr, "ATTENTION_POINTS_QUICK", ((64, 64), (64, 256), (256, 256)))
+    records = sdr.static_dense_records(TINY_PROFILE, registry.get("ane"), progress=False)
+    kinds = [(r["function"], r.get("m", r.get("rows"))) for r in records]
+    assert kinds == [(f, m) for m in (64, 256, 1024) for f in ("qkv", "o_proj")] + [("attention", 64),
+                                                                                    ("attention", 64),
+                                                                                    ("attention", 256)]
+    assert all(r["backend"] == "ane" and r["dtype_bytes"] == 2 and r["median_ms"] > 0 for r in records)
+    assert calls["load"] == len(records)
+    fits = fit_dense(records)
+    assert set(fits) == {"matmul", "attention"} and all(f.source.startswith("measured") for f in fits.values())
