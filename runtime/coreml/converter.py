@@ -374,7 +374,8 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     build of more than CACHE_KEEP_BYTES of weights converts into its work folder instead and drops each package's
     converted functions once merged, so no second copy of a large build stays on disk. `progress(stage, total)`
     returns an object with `update(n)` and `close()` (a tqdm bar), or None. `dense_model`: the loaded model, whose
-    dense functions the plan places on `ane` go into the first package (runtime/coreml/dense_programs.py).
+    dense functions the plan places on `ane` follow the groups' in the packages, counted against their budget
+    (runtime/coreml/dense_programs.py); all of them together within the ANE's window (`ane_limits.check_window`).
     """
     t0 = time.perf_counter()
     check_build_options(layout, compress or "none")
