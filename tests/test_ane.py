@@ -242,21 +242,11 @@ def test_a_dense_function_of_another_shape_or_checkpoint_is_refused(built_dense)
 def test_coreml_needs_its_native_bridge(monkeypatch):
     """Without coremltools' Core ML runtime bridge nothing compiles or predicts: the backend says so (and the runtime
     falls back) instead of crashing when it loads a package, as `autotune doctor` checks it."""
-    import builtins
-
     from runtime import macos
     from runtime.coreml import ane
 
-    real_import = builtins.__import__
-
-    def no_bridge(name, *args, **kwargs):
-        if name == "coremltools.libcoremlpython":
-            raise ImportError("no module named coremltools.libcoremlpython")
-        return real_import(name, *args, **kwargs)
-
     monkeypatch.setattr(macos, "on_macos", lambda: True)
     monkeypatch.setattr(ane, "macos_version", lambda: (15, 2))
-    monkeypatch.setattr(builtins, "__import__", no_bridge)
-    monkeypatch.delitem(sys.modules, "coremltools.libcoremlpython", raising=False)
+    monkeypatch.setitem(sys.modules, "coremltools.libcoremlpython", None)  # importing it raises ImportError
     ok, why = ane.coreml_available()
     assert not ok and "runtime bridge" in why
