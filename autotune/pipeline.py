@@ -69,6 +69,7 @@ from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
 from runtime.backends import registry
+from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
@@ -206,6 +207,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         while True:  # the CPU storage chosen, then each wider one that fits while the gate refuses every candidate
             cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
             ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
+            ane_bytes = min(ane_bytes, ane_limits.WINDOW_BYTES)  # the ANE's window holds them with the dense ones
 
             def scorer_for(backend: str) -> Scorer:
                 budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
@@ -219,8 +221,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
                 calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
 
-                def dense(chunk: int, weights) -> DenseChoice:  # the dense functions: Core ML ones, as the groups
-                    return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts)
+                def dense(chunk: int, weights, resident: float) -> DenseChoice:  # Core ML functions, as the groups
+                    return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts, resident)
 
             outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), dense=dense,
                                             objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,

@@ -6,7 +6,8 @@
 # Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's ANE
 # groups (a template plan with every group on the ane backend when the tuned plan puts none there); run on the ane
 # backend against the reference; evaluate. A failing step is recorded with its exit code and output and the run goes
-# on where it can. Off macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
+# on where it can; the script then exits 1 (the report says which steps failed), 0 only when every step passed. Off
+# macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
 # `autotune doctor` already covers what a Linux host can check.
 set -uo pipefail
 
@@ -84,10 +85,13 @@ if profile.exists():
 for name in ("plan.json", "template.json"):
     if (work / name).exists():
         out.setdefault("plans", {})[name] = json.loads((work / name).read_text())
-out["ok"] = all(s["exit_code"] == 0 for n, s in out["steps"].items() if not (n == "build" and "template" in steps))
+failed = [f"{n} (exit {s['exit_code']})" for n, s in out["steps"].items()  # the tuned plan's refused build excused
+          if s["exit_code"] != 0 and not (n == "build" and "template" in steps)]  # where the template's replaced it
+out["ok"] = not failed
 tmp = report.with_name(report.name + ".tmp")
 tmp.write_text(json.dumps(out, indent=1))
 os.replace(tmp, report)
-print(f"mac_first_run.sh: wrote {report} ({'every step passed' if out['ok'] else 'some steps failed: see steps'}); "
+print(f"mac_first_run.sh: wrote {report} ({'every step passed' if out['ok'] else 'failed: ' + ', '.join(failed)}); "
       "attach it to an issue", file=sys.stderr)
+sys.exit(0 if out["ok"] else 1)
 PY

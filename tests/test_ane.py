@@ -237,3 +237,16 @@ def test_a_dense_function_of_another_shape_or_checkpoint_is_refused(built_dense)
         q.weight.mul_(1.5)  # another checkpoint's q_proj
     with pytest.raises(NpumoeError, match="holds other weights"):
         backend.check_dense(dataclasses.replace(qkv, modules={**qkv.modules, "q": q}))
+
+
+def test_coreml_needs_its_native_bridge(monkeypatch):
+    """Without coremltools' Core ML runtime bridge nothing compiles or predicts: the backend says so (and the runtime
+    falls back) instead of crashing when it loads a package, as `autotune doctor` checks it."""
+    from runtime import macos
+    from runtime.coreml import ane
+
+    monkeypatch.setattr(macos, "on_macos", lambda: True)
+    monkeypatch.setattr(ane, "macos_version", lambda: (15, 2))
+    monkeypatch.setitem(sys.modules, "coremltools.libcoremlpython", None)  # importing it raises ImportError
+    ok, why = ane.coreml_available()
+    assert not ok and "runtime bridge" in why

@@ -194,3 +194,16 @@ def test_a_large_build_leaves_no_second_copy_in_the_cache(tmp_path, monkeypatch)
     assert result.max_rel_error <= 1e-2 and (tmp_path / "x.mlpackage").is_dir()
     assert not cache.exists() or not any(cache.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.manifest.json", "x.mlpackage"]
+
+
+def test_build_refuses_functions_past_the_ane_window_before_converting(tmp_path, monkeypatch):
+    """Everything resident at once, experts and dense functions together, against one window (here shrunk so that
+    tiny weights pass it): refused in one line naming both parts, before any conversion."""
+    from runtime.coreml import ane_limits
+
+    model, _ = random_model(MODEL)
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=16, dense="ane")
+    monkeypatch.setattr(ane_limits, "WINDOW_BYTES", 600_000)  # holds the experts (589,824 B) alone, not q/k/v beside
+    with pytest.raises(NpumoeError, match=r"experts 0\.6 MB \+ dense functions 0\.1 MB = 0\.7 MB .* window of 0\.6"):
+        build_package(_layers(model), plan, tmp_path / "w.mlpackage", cache_dir=tmp_path / "cache", dense_model=model)
+    assert not (tmp_path / "cache").exists()

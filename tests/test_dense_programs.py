@@ -108,3 +108,18 @@ def test_build_holds_one_attention_core_per_shape(tmp_path, capsys, block):
                          if block else ["attention_q32_k32", "attention_q32_k64"])
     assert len(names) == r["functions"] + r["dense_functions"]
     assert r["max_rel_error"] < r["tolerance"]
+
+
+def test_the_attention_cores_grouped_queries_are_size_checked():
+    """Qwen3-30B-A3B's heads (32 over 4 key/value heads) at 16,384 unblocked rows: every input axis is within the
+    ANE's 65,536, but the queries grouped per key/value head inside the core, [4, 8 x 16,384, bucket], are not."""
+    from runtime.backends import DenseForm, DenseSpec
+    from runtime.coreml.dense_programs import check_dense_limits
+    from runtime.errors import NpumoeError
+
+    def core(rows: int) -> DenseSpec:
+        return DenseSpec("attention", -1, rows, form=DenseForm(head_dim=128), keys=16384, heads=32, kv_heads=4)
+
+    with pytest.raises(NpumoeError, match="attention_q16384_k16384: an axis of 131,072 is past"):
+        check_dense_limits([core(16384)], 1e9)
+    check_dense_limits([core(8192)], 1e9)  # 65,536 grouped rows: at the limit, within it

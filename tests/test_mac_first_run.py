@@ -26,23 +26,27 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def test_first_run_report_gathers_every_step(tmp_path):
-    """The report's plumbing with stub commands (a stub `uname` says Darwin, a stub `autotune` answers each step):
-    exit codes, JSON outputs, the template fallback when the tuned plan has no ANE group."""
+def _run_stubbed(tmp_path: Path, autotune: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The script on a stub Mac (`uname` says Darwin) with `autotune` stubbed by the bash `case` body given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir / "uname", 'echo Darwin\n')
-    _stub(bin_dir / "autotune", """case "$1" in
-  build) if grep -q template <<<"$*"; then exit 0; fi
-         echo "autotune build: error: the plan puts no group on the ane backend: nothing to build" >&2; exit 2;;
-  doctor) echo '{"checks": [{"name": "os", "status": "pass", "detail": "stub"}], "ok": true}';;
-  *) echo "{\\"step\\": \\"$1\\"}";;
-esac
-""")
+    _stub(bin_dir / "autotune", f'case "$1" in\n{autotune}esac\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
     report = tmp_path / "r.json"
     proc = subprocess.run(["bash", str(SCRIPT), str(report)], capture_output=True, text=True, env=env, timeout=120,
                           cwd=ROOT)
+    return proc, report
+
+
+def test_first_run_report_gathers_every_step(tmp_path):
+    """The report's plumbing with stub commands (a stub `uname` says Darwin, a stub `autotune` answers each step):
+    exit codes, JSON outputs, the template fallback when the tuned plan has no ANE group."""
+    proc, report = _run_stubbed(tmp_path, """  build) if grep -q template <<<"$*"; then exit 0; fi
+         echo "autotune build: error: the plan puts no group on the ane backend: nothing to build" >&2; exit 2;;
+  doctor) echo '{"checks": [{"name": "os", "status": "pass", "detail": "stub"}], "ok": true}';;
+  *) echo "{\\"step\\": \\"$1\\"}";;
+""")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(report.read_text())
     assert r["schema"] == "npumoe.mac-first-run/1" and r["host"]["libraries"]
@@ -68,3 +72,15 @@ def test_macos_workflow_parses_and_names_its_steps():
     assert "scripts/mac_first_run.sh" in run["First-run script"] and "autotune doctor --json" in run[
         "Doctor (records op placement)"]
     assert job["steps"][-1]["if"] == "always()" and "ci-out" in job["steps"][-1]["with"]["path"]
+
+
+def test_first_run_exits_nonzero_when_a_step_fails(tmp_path):
+    """A step that fails (here `run`, stubbed to exit 3) makes the script exit 1 after writing its report: the macOS
+    workflow's first-run step goes red instead of green."""
+    proc, report = _run_stubbed(tmp_path, """  run) echo "autotune run: error: the stand-in step failed" >&2; exit 3;;
+  *) echo "{\\"step\\": \\"$1\\"}";;
+""")
+    assert proc.returncode == 1, proc.stderr
+    r = json.loads(report.read_text())
+    assert not r["ok"] and r["steps"]["run"]["exit_code"] == 3 and r["steps"]["evaluate"]["exit_code"] == 0
+    assert "failed: run (exit 3)" in proc.stderr

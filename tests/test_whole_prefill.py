@@ -198,3 +198,17 @@ def test_the_searched_block_and_split_are_the_enumerated_best():
     best = min(priced)
     assert fast.prediction.latency_ms <= 1.01 * best[0], (fast.placement, best)
     assert best[1] is not None  # a block is the optimum here
+
+
+def test_dense_functions_share_the_ane_window_with_the_resident_experts():
+    """One window for everything resident at once: the same placement that fits beside no experts leaves its weighted
+    functions on the CPU beside experts that take the window (the attention core holds no weights and stays)."""
+    from runtime.coreml import ane_limits
+
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    alone = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0)
+    assert alone.placement.qkv == "ane" and alone.fits_beside(0.0)
+    full = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0, ane_limits.WINDOW_BYTES - 1e6)
+    assert (full.placement.qkv, full.placement.o_proj, full.placement.mlp) == (None, None, None)
+    assert full.placement.attention == "ane" and not alone.fits_beside(ane_limits.WINDOW_BYTES - 1e6)
+    assert ane_limits.resident_over_window({"experts": 3 * 2**30, "dense functions": 2**30 + 5}) == 5

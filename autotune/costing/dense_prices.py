@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from autotune.costing.residual import Residual
+from runtime.backends import EXACT
 
 OPS = ("matmul", "attention", "elementwise")
 RECORD_OP = {"dense_matmul": "matmul", "attention": "attention", "elementwise": "elementwise"}
@@ -166,9 +167,9 @@ def record_work(rec: dict) -> tuple[float, ...]:
     kind, dtype_bytes = rec["kind"], rec.get("dtype_bytes", 4)
     if kind == "dense_matmul":
         work = matmul_work(rec["m"], rec["n"], rec["k"], dtype_bytes)
-    elif kind == "attention":  # profile-device times the CPU's run path
+    elif kind == "attention":  # the CPU's run path (sdpa), or a static backend's padded function (attention_ms)
         work = attention_work(rec["rows"], rec["context"], rec["heads"], rec["kv_heads"], rec["head_dim"],
-                              dtype_bytes, sdpa=True)
+                              dtype_bytes, sdpa=rec.get("backend", EXACT) == EXACT)
     elif kind == "elementwise" and "length" in rec:  # one norm (the q/k norms)
         work = norm_work(rec["rows"], rec["hidden"], rec["length"], dtype_bytes)
     elif kind == "elementwise":

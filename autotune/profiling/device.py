@@ -16,6 +16,7 @@ from autotune.profiling.energy import EnergyMeter, energy_meter
 from autotune.profiling.kernels import kernel_records
 from autotune.profiling.profile import Profile, build_profile, host_facts
 from autotune.profiling.settings import MAX_PACK_ELEMENTS, Settings, settings_for
+from autotune.profiling.static_dense_records import static_dense_records
 from autotune.profiling.timing import clock_for, time_call, time_in_forward
 from runtime.backends import CPU_ENERGY, EXACT, registry
 from runtime.errors import NpumoeError
@@ -146,6 +147,9 @@ def profile_device(backends: list[str] | None = None, quick: bool = False, threa
     if EXACT in backends:  # the rest of a decoder layer, as the runtime runs it on the CPU
         records += dense_records(s, clock_for(True, torch.get_num_threads()) if clock == "auto" else clock,
                                  progress)
+    for info in (registry.get(b) for b in backends):  # the dense functions a static backend runs, on it
+        if info.profile_dense is not None:
+            records += static_dense_records(s, info, meter, progress)
     wall = time.perf_counter() - t0
     energy = {"method": meter.name if meter else "none", "source": meter.source if meter else None,
               "note": why if meter is None else None}

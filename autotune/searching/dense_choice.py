@@ -37,12 +37,19 @@ class DenseChoice:
     shape: DecoderShape
     prompts: float
     backend: str | None
+    resident_bytes: float = 0.0  # the experts resident on the static backend beside these functions (its window)
 
     def priced(self, place: DensePlacement, cost: CostModel) -> "DenseChoice":
         """Another placement at this one's shape, prompt and chunk size, priced under `cost`."""
         p = self.prediction
         pred = predict_prefill(cost, self.shape, p.prompt_tokens, p.chunk_tokens, NO_EXPERTS, place)
-        return DenseChoice(place, pred, dense_score(pred, self.prompts), self.shape, self.prompts, self.backend)
+        return DenseChoice(place, pred, dense_score(pred, self.prompts), self.shape, self.prompts, self.backend,
+                           self.resident_bytes)
+
+    def fits_beside(self, resident_bytes: float) -> bool:
+        """Whether this placement's functions and `resident_bytes` of experts fit the ANE's window at once."""
+        stored = dense_weight_bytes(self.shape, self.placement, ane_limits.BYTES_PER_WEIGHT["none"])
+        return ane_limits.resident_over_window({"experts": resident_bytes, "dense functions": stored}) == 0
 
     def cost_under(self, cost: CostModel, weights: Weights, place: DensePlacement | None = None) -> float:
         """The weighted cost of this placement (or `place`) under another cost model (a perturbed profile)."""
@@ -52,7 +59,8 @@ class DenseChoice:
         """The best placement under another cost model, at this chunk size: a case's optimum in the robustness
         analysis."""
         p = self.prediction
-        return choose_dense(cost, self.shape, p.prompt_tokens, p.chunk_tokens, self.backend, weights, self.prompts)
+        return choose_dense(cost, self.shape, p.prompt_tokens, p.chunk_tokens, self.backend, weights, self.prompts,
+                            self.resident_bytes)
 
 
 def dense_score(pred: PrefillPrediction, prompts: float) -> Score:
@@ -71,10 +79,11 @@ def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, bytes_per_wei
 
 
 def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int, backend: str | None,
-                 weights: Weights, prompts: float) -> DenseChoice:
+                 weights: Weights, prompts: float, resident_bytes: float = 0.0) -> DenseChoice:
     """The placement of least weighted cost (`weights` as the search's, over `prompts` calibration prompts); a
-    function past the ANE's limits per function, or one that would push the dense weights past the ANE's window,
-    stays on the CPU. Without a static backend, everything stays on the CPU."""
+    function past the ANE's limits per function, or one that would push what is resident at once (the dense weights
+    and `resident_bytes` of experts) past the ANE's window, stays on the CPU. Without a static backend, everything
+    stays on the CPU."""
     def cost_of(place: DensePlacement) -> float:
         return weighted_cost(dense_score(predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place),
                                          prompts), weights)
@@ -85,14 +94,15 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
         per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
         for name in ("qkv", "o_proj", "mlp"):
             trial = dataclasses.replace(place, **{name: backend})
-            if dense_weight_bytes(shape, trial, per_weight) > ane_limits.WINDOW_BYTES:
+            resident = {"experts": resident_bytes, "dense functions": dense_weight_bytes(shape, trial, per_weight)}
+            if ane_limits.resident_over_window(resident) > 0:
                 continue
             trial, c = best_split(cost_of, trial, name, chunk_tokens)
             if c < best:
                 place, best = trial, c
         place, best = choose_attention(cost_of, place, best, backend, shape, prompt_tokens, chunk_tokens)
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
-    return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend)
+    return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend, resident_bytes)
 
 
 def attention_blocks(chunk: int) -> list[int | None]:

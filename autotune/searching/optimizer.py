@@ -381,11 +381,12 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
                objective: str = "latency", drop_budget: float = 0.10, trials: int = 60,
                storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
                exact_limit: int = EXACT_LIMIT, progress: bool = True,
-               dense: Callable[[int, Weights], DenseChoice] | None = None) -> SearchOutcome:
+               dense: Callable[[int, Weights, float], DenseChoice] | None = None) -> SearchOutcome:
     """Search every chunk size (`workloads`: the layers' traces per chunk size, or one chunk size's list), combine
     under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum.
-    `dense(chunk, weights)`: the dense functions' choice at a chunk size (`dense_choice.choose_dense`), whose cost
-    the chunk sizes are compared with (the whole prefill); without it, the experts' alone."""
+    `dense(chunk, weights, resident_bytes)`: the dense functions' choice at a chunk size (`dense_choice.choose_dense`)
+    beside the solution's resident experts, whose cost the chunk sizes are compared with (the whole prefill); without
+    it, the experts' alone."""
     if objective in ("energy", "both") and not scorer.cost.has_energy:
         raise NpumoeError(f"--objective {objective} needs power figures, and this profile has none "
                           "(it measured no energy); use --objective latency or a profile with energy")
@@ -417,7 +418,8 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
     if not solved:
         bar.close()
         raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
-    dense_at = {s.chunk_tokens: dense(s.chunk_tokens, mid) for s in solved} if dense else {}
+    beside = lambda sol: resident_bytes(sol, scorer.hidden, scorer.ffn)  # noqa: E731  (the window's other part)
+    dense_at = {s.chunk_tokens: dense(s.chunk_tokens, mid, beside(s.best)) for s in solved} if dense else {}
     at = min(solved, key=lambda s: weighted_cost(s.best, mid) + (weighted_cost(dense_at[s.chunk_tokens].score, mid)
                                                                  if dense else 0.0))
     gap = None
@@ -433,12 +435,19 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
             gap = weighted_cost(only, mid) / weighted_cost(at.best, mid) - 1.0 if only else None
         at.pool = [p.merged(s) for p, s in zip(at.pool, searched)]
         at.best = best_plan(at, space, scorer, budget, mid)
+        if dense:  # beside the experts the trials kept resident
+            dense_at[at.chunk_tokens] = dense(at.chunk_tokens, mid, beside(at.best))
     bar.close()
     front = [s for w in weight_sets if (s := best_plan(at, space, scorer, budget, w))]
     return SearchOutcome(best=at.best, baselines=baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
                          front=_pareto_solutions(front) if objective == "both" else [], gap_vs_exact=gap,
                          trials=trials * len(first) if trials > 0 else 0, exact_layers=len(first) if exact else 0,
                          chunks=chunks, drop_budget=budget, weights=mid, space=space, dense=dense_at)
+
+
+def resident_bytes(sol: Solution, hidden: int, ffn: int) -> float:
+    """The stored bytes of every expert a solution keeps resident on its static backend (all layers)."""
+    return float(sum(c.resident * ane_limits.expert_weight_bytes(hidden, ffn, c.compress) for c in sol.configs))
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:

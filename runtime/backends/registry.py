@@ -22,7 +22,7 @@ from runtime.errors import NpumoeError
 if TYPE_CHECKING:
     import torch
 
-    from runtime.backends.protocol import StaticBackend
+    from runtime.backends.protocol import DenseSpec, StaticBackend
 
 log = logging.getLogger("npumoe")
 
@@ -34,6 +34,8 @@ REFERENCE, EXACT = "cpu-static", "cpu-exact"
 CPU_ENERGY = "cpu_total_mj"  # the energy meters' field for work on the CPU
 
 ProfileCall = Callable[["torch.nn.Module", Sequence[int], int], Callable[[], object]]
+# How the profiler times one of a backend's dense functions (a `DenseSpec` over synthetic modules): one call.
+ProfileDense = Callable[["DenseSpec"], Callable[[], object]]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class BackendInfo:
     energy_field: str = CPU_ENERGY  # the energy meter's field that measures its calls
     # How the profiler times one call; None: through the StaticBackend protocol on synthetic groups.
     profile_call: ProfileCall | None = None
+    # How the profiler times its dense functions (q/k/v, o_proj, the attention core); None: it has none to time
+    profile_dense: ProfileDense | None = None
     # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
     profile_available: Callable[[], tuple[bool, str]] | None = None
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes

@@ -20,7 +20,6 @@ import logging
 import os
 import platform
 import sys
-import tempfile
 import threading
 from collections import Counter, defaultdict
 from contextlib import contextmanager
@@ -32,7 +31,8 @@ import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, expert_matrices
-from runtime.coreml.dense_io import MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
+from runtime.coreml.compiled_cache import compiled_package
+from runtime.coreml.dense_io import ATTENTION_INPUTS, MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
 from runtime.coreml.dense_io import OUTPUT as DENSE_OUTPUT
 from runtime.cpu.cpu_backends import is_packed
 from runtime.errors import FileFormatError, NpumoeError
@@ -94,9 +94,12 @@ def arrays_digest(expert_arrays: Iterable[tuple[np.ndarray, np.ndarray]]) -> str
 
 
 def coreml_available() -> tuple[bool, str]:
-    """Whether Core ML can predict here: macOS 15+ (multifunction packages) with coremltools installed."""
-    ok, why = macos_module("coremltools", f"Core ML prediction needs macOS; this host runs {sys.platform}",
-                           "coremltools is not installed", "Core ML")
+    """Whether Core ML can predict here: macOS 15+ (multifunction packages) with coremltools and its Core ML runtime
+    bridge (`coremltools.libcoremlpython`, as `autotune doctor` checks: without it nothing compiles or predicts)."""
+    ok, why = macos_module("coremltools.libcoremlpython",
+                           f"Core ML prediction needs macOS; this host runs {sys.platform}",
+                           "coremltools is not installed, or has no Core ML runtime bridge (coremltools."
+                           "libcoremlpython: install a coremltools wheel built for this macOS)", "Core ML")
     if ok and macos_version() < (15,):
         return False, f"multifunction Core ML packages need macOS 15+, this is {platform.mac_ver()[0]}"
     return ok, why
@@ -110,7 +113,8 @@ class AneBackend:
     def __init__(self, package: str | None = None) -> None:
         self.package_path = package  # one .mlpackage, or the <out>.manifest.json of a build split in several
         self.energy: dict[str, Counter] = defaultdict(Counter)  # per function: summed mJ per field, and calls
-        self._compiled: dict[str, str] = {}  # package path -> its compiled .mlmodelc
+        self._compiled: dict[str, str] = {}  # package path -> its compiled .mlmodelc (compiled_cache)
+        self.compiles: Counter = Counter()  # packages compiled by this process, and reused from the compiled cache
         self._functions: dict[str, object] = {}  # function name -> resident CompiledMLModel
         self._meta: dict[str, dict] = {}  # package path -> its build metadata
         self._packages: dict[str, str] | None = None  # function name -> the package that holds it
@@ -160,7 +164,7 @@ class AneBackend:
         """Refuse a package built for another plan or checkpoint, naming the group; returns the function's package
         (a group checked once is not hashed again)."""
         name = function_name(group.layer, group.index)
-        key = (name, group.experts, group.capacities, id(group.module))
+        key = (name, group.experts, group.capacities, group.compress, id(group.module))
         if key in self._checked:
             return self._checked[key]
         self._checked[key] = self._check(group, name)
@@ -180,6 +184,7 @@ class AneBackend:
             raise NpumoeError(f"{package}: function {name} was built for experts {fn['experts']} with "
                               f"capacities {fn['capacities']}, but the plan's {where} has experts "
                               f"{list(group.experts)} with capacities {list(group.capacities)}; rebuild it")
+        check_compress(package, name, where, fn, group.compress)
         if fn["weights_sha256"] != weights_digest(group.module, group.experts):
             raise NpumoeError(f"{package}: function {name} holds other weights than this model's "
                               f"{where} (built from another checkpoint); rebuild it")
@@ -216,6 +221,8 @@ class AneBackend:
         if (fn.get("rows"), fn.get("keys") or 0) != (spec.rows, spec.keys):
             raise NpumoeError(f"{package}: dense function {spec.name} was built for {fn.get('rows')} rows and "
                               f"{fn.get('keys') or 0} keys, but the plan's has {spec.rows} and {spec.keys}; rebuild it")
+        if spec.kind != "attention":
+            check_compress(package, spec.name, f"dense function {spec.name}", fn, spec.compress)
         if spec.kind != "attention" and fn.get("weights_sha256") != dense_digest(dense_weights(spec)):
             raise NpumoeError(f"{package}: dense function {spec.name} holds other weights than this model's "
                               "(built from another checkpoint); rebuild it")
@@ -240,7 +247,7 @@ class AneBackend:
         if spec.kind == "attention":
             def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
                 mask = np.where(allowed.numpy(), 0.0, MASKED).astype(np.float16)
-                return predict({"q": fp16(q), "k": fp16(k), "v": fp16(v), "mask": mask}, q)
+                return predict(dict(zip(ATTENTION_INPUTS, (fp16(q), fp16(k), fp16(v), mask))), q)
 
             return attention
         return lambda x: predict({ROW_INPUT: fp16(x)}, x)
@@ -250,9 +257,9 @@ class AneBackend:
 
         with self._lock:
             if package not in self._compiled:
-                # Compile each package once; its functions then load from the same .mlmodelc.
-                out = Path(tempfile.mkdtemp(prefix="npumoe-ane-")) / "package.mlmodelc"
-                self._compiled[package] = ct.models.utils.compile_model(package, str(out))
+                # Each package compiled once per machine (cached by digest); its functions load from that .mlmodelc.
+                self._compiled[package], hit = compiled_package(package)
+                self.compiles["reused" if hit else "compiled"] += 1
             if name not in self._functions:
                 self._functions[name] = ct.models.CompiledMLModel(
                     self._compiled[package], compute_units=ct.ComputeUnit.CPU_AND_NE, function_name=name)
@@ -295,6 +302,15 @@ class AneBackend:
         with energy_window(self._monitor, f"{name}@{threading.get_ident()}") as used:
             yield
         self.energy[name].update(used, calls=1)
+
+
+def check_compress(package: str, name: str, where: str, fn: dict, planned: str) -> None:
+    """Refuse a function whose weights are stored otherwise than the plan says (a `--compress` build run with a plan
+    of another compression computes other numbers than the plan was searched and gated for)."""
+    built = fn.get("compress", "none")
+    if built != planned:
+        raise NpumoeError(f"{package}: function {name} stores its weights as {built}, but the plan's {where} has "
+                          f"compress {planned}; rebuild it without --compress, or with a plan searched for {built}")
 
 
 def package_bytes(path: str | os.PathLike) -> int:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from runtime.errors import NpumoeError
 
 # Per tensor axis: channels <= 65,536 (width/height <= 16,384). A group's packed slots are one axis of its input.
 MAX_AXIS = 65_536
@@ -28,7 +30,8 @@ FUNCTION_WEIGHT_BYTES = 1_500_000_000
 # time grows with program size (coremltools issue 1900: ~40 min for one 32-block program, ~7.7 min split).
 PACKAGE_WEIGHT_BYTES = 2_000_000_000
 # Weights the ANE holds mapped at once: about a 4 GiB address window per ANE (oMLX's measurements, as cited in
-# docs/ane-facts.md); the search keeps the dense functions' weights within it.
+# docs/ane-facts.md). A run loads every function of its packages once and keeps it for its whole length, so the
+# window bounds everything resident together: experts and dense functions (`resident_over_window`).
 WINDOW_BYTES = 4 * 2**30
 # Bytes per stored weight by the builder's --compress (fp16, int8 per channel, 4-bit palettes).
 BYTES_PER_WEIGHT = {"none": 2.0, "int8": 1.0, "palettize4": 0.5}
@@ -119,3 +122,20 @@ def group_usage(capacities: Sequence[int], hidden: int, ffn: int, compress: str 
 def group_violation(capacities: Sequence[int], hidden: int, ffn: int, compress: str = "none") -> float:
     """The ANE backends' `limits` (the registry's hook): how far one group's program is past the limits."""
     return group_usage(capacities, hidden, ffn, compress).violation()
+
+
+def resident_over_window(resident: Mapping[str, float]) -> float:
+    """Bytes by which everything resident on the Neural Engine at once passes its window (0 when within):
+    `resident` maps each part (e.g. "experts", "dense functions") to its stored weight bytes. The one measure of the
+    window for every user: the search's choices, `autotune build`'s refusal, any backend that keeps functions
+    resident on the ANE."""
+    return max(0.0, float(sum(resident.values())) - WINDOW_BYTES)
+
+
+def check_window(resident: Mapping[str, float]) -> None:
+    """Refuse, in one line naming each part, functions that cannot be resident on the Neural Engine at once."""
+    if resident_over_window(resident) > 0:
+        parts = " + ".join(f"{part} {size / 1e6:,.1f} MB" for part, size in resident.items())
+        raise NpumoeError(f"the functions resident on the Neural Engine at once hold {parts} = "
+                          f"{sum(resident.values()) / 1e6:,.1f} MB of weights, past its window of "
+                          f"{WINDOW_BYTES / 1e6:,.1f} MB; put fewer experts or dense functions on it, or compress them")

@@ -38,6 +38,7 @@ from runtime.coreml.ane import (
     package_bytes,
 )
 from runtime.coreml.build_result import BuildResult
+from runtime.dense.specs import compute_dtype
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
 from runtime.loading.expert_weights import ExpertWeights, ModuleExperts
@@ -85,10 +86,10 @@ def ane_functions(plan: Plan, compress: str | None = None) -> list[FunctionSpec]
             for lp in plan.layers for gi, g in enumerate(lp.groups) if g.backend == "ane"]
 
 
-def compression_summary(functions: list[FunctionSpec]) -> str:
-    """The build's compression: the one kind every function uses, or `mixed`."""
-    kinds = {fs.compress for fs in functions}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
+def compression_summary(functions: list) -> str:
+    """The build's compression: the one kind every function with weights uses (none without any), or `mixed`."""
+    kinds = {fs.compress for fs in functions if getattr(fs, "kind", None) != "attention"}
+    return kinds.pop() if len(kinds) == 1 else "mixed" if kinds else "none"
 
 
 def check_ane_limits(functions: list[FunctionSpec],
@@ -107,25 +108,39 @@ def check_ane_limits(functions: list[FunctionSpec],
                               f"the Neural Engine's limit of {limit_s} per program; {advice}")
 
 
-def split_packages(functions: list[FunctionSpec], package_weight_bytes: float) -> list[list[FunctionSpec]]:
-    """Functions in plan order, cut into packages of at most `package_weight_bytes` of distinct expert weights as
-    stored (an expert shared by two functions of one package is stored once)."""
-    packages: list[list[FunctionSpec]] = [[]]
-    experts: dict[tuple[int, int], int] = {}  # (layer, expert) -> stored bytes, in the current package
-    for fs in functions:
-        new = {(fs.layer, e): fs.expert_bytes for e in fs.experts if (fs.layer, e) not in experts}
-        if packages[-1] and sum(experts.values()) + sum(new.values()) > package_weight_bytes:
-            packages.append([])
-            experts = {}
-            new = {(fs.layer, e): fs.expert_bytes for e in fs.experts}
-        packages[-1].append(fs)
-        experts.update(new)
+def split_packages(functions: list[FunctionSpec], package_weight_bytes: float, dense: list = ()
+                   ) -> list[tuple[list[FunctionSpec], list]]:
+    """The groups' functions in plan order, then the `dense` functions (DenseSpec), cut into packages of at most
+    `package_weight_bytes` of distinct weights as stored (an expert shared by two functions of one package is stored
+    once; a dense function's weights are its own, the attention core holds none): per package, (groups, dense)."""
+    packages: list[tuple[list, list]] = [([], [])]
+    held: dict = {}  # weight -> stored bytes, in the current package
+    for item in [*functions, *dense]:
+        weights = stored_weights([item])
+        new = {k: b for k, b in weights.items() if k not in held}
+        if any(packages[-1]) and sum(held.values()) + sum(new.values()) > package_weight_bytes:
+            packages.append(([], []))
+            held, new = {}, weights
+        packages[-1][0 if isinstance(item, FunctionSpec) else 1].append(item)
+        held.update(new)
     return packages
 
 
-def stored_weight_bytes(functions: list[FunctionSpec]) -> int:
-    """Distinct expert weights of `functions` as stored."""
-    return sum({(fs.layer, e): fs.expert_bytes for fs in functions for e in fs.experts}.values())
+def stored_weights(items: list) -> dict:
+    """Each distinct weight of package functions (FunctionSpec: its experts by (layer, expert); DenseSpec: its own,
+    by name) -> its stored bytes."""
+    out: dict = {}
+    for item in items:
+        if isinstance(item, FunctionSpec):
+            out.update({(item.layer, e): item.expert_bytes for e in item.experts})
+        else:
+            out[item.name] = dense_programs.dense_weight_bytes(item)
+    return out
+
+
+def stored_weight_bytes(items: list) -> int:
+    """Distinct weights of package functions as stored (`stored_weights`)."""
+    return sum(stored_weights(items).values())
 
 
 def package_paths(out: Path, n: int) -> list[Path]:
@@ -359,23 +374,26 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     build of more than CACHE_KEEP_BYTES of weights converts into its work folder instead and drops each package's
     converted functions once merged, so no second copy of a large build stays on disk. `progress(stage, total)`
     returns an object with `update(n)` and `close()` (a tqdm bar), or None. `dense_model`: the loaded model, whose
-    dense functions the plan places on `ane` go into the first package (runtime/coreml/dense_programs.py).
+    dense functions the plan places on `ane` follow the groups' in the packages, counted against their budget
+    (runtime/coreml/dense_programs.py); all of them together within the ANE's window (`ane_limits.check_window`).
     """
     t0 = time.perf_counter()
     check_build_options(layout, compress or "none")
     functions, h, f = ane_functions(plan, compress), plan.model.hidden_size, plan.model.expert_ffn_size
     dense = dense_programs.ane_dense_specs(dense_model, plan, compress) if dense_model is not None else []
+    dtype = compute_dtype(dense_model) if dense_model is not None else torch.float32
     if not functions and not dense:
         raise NpumoeError("the plan puts no group on the ane backend, nor a dense function: nothing to build")
     check_ane_limits(functions, min(function_weight_bytes, package_weight_bytes))  # before conversion
     dense_programs.check_dense_limits(dense, min(function_weight_bytes, package_weight_bytes))
+    ane_limits.check_window({"experts": stored_weight_bytes(functions), "dense functions": stored_weight_bytes(dense)})
     source = _expert_source(model_layers)
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(source.experts(layer, (0,))[0], layer)
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    groups = split_packages(functions, package_weight_bytes)
+    groups = split_packages(functions, package_weight_bytes, dense)
     paths = package_paths(out, len(groups))
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     keep = sum(fs.usage().weight_bytes for fs in functions) <= CACHE_KEEP_BYTES
@@ -385,7 +403,7 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     cached, checks, packages = 0, [], []
     bar = progress("converting functions", len(functions)) if progress else None
     try:
-        for group, path in zip(groups, paths):
+        for (group, dense_group), path in zip(groups, paths):
             parts, meta_functions = [], {}
             for fs in group:
                 t = time.perf_counter()
@@ -399,13 +417,13 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                 if bar:
                     bar.update(1)
             t = time.perf_counter()
-            first = [convert_dense(d, cache, keep) for d in dense] if path == paths[0] else []
-            parts += [(c.spec, c.path) for c in first]
-            meta_functions.update({c.spec.name: c.manifest() for c in first})
-            cached += sum(c.cached for c in first)
+            converted = [convert_dense(d, cache, keep) for d in dense_group]
+            parts += [(c.spec, c.path) for c in converted]
+            meta_functions.update({c.spec.name: c.manifest() for c in converted})
+            cached += sum(c.cached for c in converted)
             seconds["convert"] += time.perf_counter() - t
             t = time.perf_counter()
-            meta = dict(layout=layout, compress=compression_summary(group), hidden=h, ffn=f,
+            meta = dict(layout=layout, compress=compression_summary([*group, *dense_group]), hidden=h, ffn=f,
                         model_fingerprint=plan.model.fingerprint, functions=meta_functions)
             staged = work / path.name
             merge_functions(parts, staged, meta)
@@ -414,10 +432,10 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                     shutil.rmtree(cpath, ignore_errors=True)
             seconds["merge"] += time.perf_counter() - t
             t = time.perf_counter()
-            checks += verify_package(staged, group, source, layout, None, seed, [c.spec for c in first])
+            checks += verify_package(staged, group, source, layout, None, seed, dense_group, dtype)
             seconds["verify"] += time.perf_counter() - t
             packages.append(dict(path=path.name, functions=[name for name in meta_functions],
-                                 weight_bytes=stored_weight_bytes(group), bytes=package_bytes(staged)))
+                                 weight_bytes=stored_weight_bytes([*group, *dense_group]), bytes=package_bytes(staged)))
         if bar:
             bar.close()
         for path in (out, *paths, *_stale_parts(out)):
@@ -429,7 +447,7 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
         shutil.rmtree(work, ignore_errors=True)
     total = sum(pk["bytes"] for pk in packages)
     manifest = manifest_path(out)
-    summary = compression_summary(functions)
+    summary = compression_summary([*functions, *dense])
     atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
                                  "layout": layout, "compress": summary,
                                  "function_weight_limit_bytes": int(function_weight_bytes),
@@ -493,11 +511,13 @@ def _convert_cached(fs: FunctionSpec, source: ExpertWeights, layout: str, cache:
 
 def verify_package(path: Path, functions: list[FunctionSpec],
                    model_layers: dict[int, torch.nn.Module] | ExpertWeights, layout: str,
-                   progress: Callable[[str, int], object] | None = None, seed: int = 0, dense: list = ()) -> list:
+                   progress: Callable[[str, int], object] | None = None, seed: int = 0, dense: list = (),
+                   dense_dtype: torch.dtype = torch.float32) -> list:
     """Lint the saved program, then evaluate each function on the host against cpu-static (see mil_eval), with
     only that function's experts at hand from `model_layers` (see build_package), and each `dense` function
-    (DenseSpec) likewise; each function's error must be within its compression's tolerance."""
-    from runtime.coreml.mil_eval import TOLERANCE, check_function
+    (DenseSpec) likewise, its reference in `dense_dtype` (the model's compute dtype); each function's error must be
+    within its tolerance (`mil_eval.tolerance`: its compression's and its reference's rounding)."""
+    from runtime.coreml.mil_eval import check_function
     from runtime.coreml.mil_lint import lint_package, load_package_program
 
     spec, prog = load_package_program(path)
@@ -506,16 +526,16 @@ def verify_package(path: Path, functions: list[FunctionSpec],
     checks, source = [], _expert_source(model_layers)
     for fs in functions:
         module, index = source.experts(fs.layer, fs.experts)
-        group = GroupSpec(fs.layer, fs.group, index, fs.capacities, module)
+        group = GroupSpec(fs.layer, fs.group, index, fs.capacities, module, fs.compress)
         checks.append(check_function(prog.functions[fs.name], fs.name, group, layout, seed))
         if bar:
             bar.update(1)
     if bar:
         bar.close()
-    checks += [dense_programs.check_dense_function(prog.functions[d.name], d, seed) for d in dense]
+    checks += [dense_programs.check_dense_function(prog.functions[d.name], d, dense_dtype, seed) for d in dense]
     for fs, check in zip([*functions, *dense], checks):
-        if not check.max_rel_error <= TOLERANCE[fs.compress]:
+        if not check.max_rel_error <= check.tolerance:
             raise NpumoeError(f"function {check.function} differs from cpu-static by a relative error of "
-                              f"{check.max_rel_error:.3g}, over the {TOLERANCE[fs.compress]:g} allowed for "
+                              f"{check.max_rel_error:.3g}, over the {check.tolerance:.3g} allowed for "
                               f"compress {fs.compress}")
     return checks

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from runtime.backends import DenseForm, DenseSpec, attention_reference
+from runtime.coreml.dense_io import ATTENTION_INPUTS
 from runtime.coreml.dense_programs import OUTPUT, dense_program, sample_inputs
 
 # The attention core the doctor checks: small enough to convert and compile in seconds.
@@ -33,7 +34,7 @@ def check_attention_core(folder: Path, spec: DenseSpec = PROBE_ATTENTION) -> dic
     model = ct.models.CompiledMLModel(compiled, compute_units=ct.ComputeUnit.CPU_AND_NE)
     feed, allowed = sample_inputs(spec)
     got = np.asarray(model.predict(feed)[OUTPUT], dtype=np.float32)
-    q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ("q", "k", "v"))
+    q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ATTENTION_INPUTS[:3])
     ref = attention_reference(q, k, v, allowed, spec.scaling).numpy()
     return {"function": spec.name, "off_ane": ops_not_on_ane(plan, "main"), "max_rel_error": max_rel_error(got, ref),
             "tolerance": TOLERANCE["none"]}

@@ -26,7 +26,7 @@ import torch
 
 from runtime.backends import DenseSpec, attention_reference, dense_reference
 from runtime.coreml import ane_limits
-from runtime.coreml.dense_io import MASKED, OUTPUT, ROW_INPUT, dense_weights
+from runtime.coreml.dense_io import ATTENTION_INPUTS, MASKED, OUTPUT, ROW_INPUT, dense_weights
 from runtime.errors import NpumoeError
 from runtime.plan import Plan
 
@@ -41,8 +41,9 @@ def dense_weight_bytes(spec: DenseSpec, compress: str | None = None) -> int:
 def input_shapes(spec: DenseSpec) -> dict[str, tuple[int, ...]]:
     if spec.kind == "attention":
         d = spec.form.head_dim
-        return {"q": (spec.heads, spec.rows, d), "k": (spec.kv_heads, spec.keys, d),
-                "v": (spec.kv_heads, spec.keys, d), "mask": (spec.rows, spec.keys)}
+        shapes = ((spec.heads, spec.rows, d), (spec.kv_heads, spec.keys, d), (spec.kv_heads, spec.keys, d),
+                  (spec.rows, spec.keys))
+        return dict(zip(ATTENTION_INPUTS, shapes))
     module = spec.modules["o" if spec.kind == "o_proj" else "norm" if spec.kind == "qkv" else "mlp"]
     width = module.in_features if spec.kind == "o_proj" else (
         module.weight.shape[0] if spec.kind == "qkv" else module.gate_proj.in_features)
@@ -57,10 +58,20 @@ def ane_dense_specs(model: torch.nn.Module, plan: Plan, compress: str | None = N
     return [replace(s, compress=compress) if compress and s.kind != "attention" else s for s in specs]
 
 
+def internal_shapes(spec: DenseSpec) -> list[tuple[int, ...]]:
+    """The tensors a function makes inside, past its inputs: the attention core's queries grouped per key/value
+    head, its scores and its mask tiled over the group, `[kv_heads, group x rows, d | bucket]` (`dense_program`)."""
+    if spec.kind != "attention":
+        return []
+    grouped = spec.heads // spec.kv_heads * spec.rows
+    return [(spec.kv_heads, grouped, spec.form.head_dim), (spec.kv_heads, grouped, spec.keys), (grouped, spec.keys)]
+
+
 def check_dense_limits(specs: list[DenseSpec], function_weight_bytes: float) -> None:
     """Refuse, before conversion, a dense function past the ANE's limits: one line naming it."""
     for spec in specs:
-        sizes = [d for shape in input_shapes(spec).values() for d in shape] + list(spec.splits)
+        shapes = [*input_shapes(spec).values(), *internal_shapes(spec)]
+        sizes = [d for shape in shapes for d in shape] + list(spec.splits)
         if max(sizes) > ane_limits.MAX_AXIS:
             raise NpumoeError(f"dense function {spec.name}: an axis of {max(sizes):,} is past the Neural Engine's "
                               f"{ane_limits.MAX_AXIS:,}")
@@ -142,30 +153,32 @@ def sample_inputs(spec: DenseSpec, seed: int = 0) -> tuple[dict[str, np.ndarray]
     (a causal chunk over half the padded keys, so the padding and causality are both exercised)."""
     rng = np.random.default_rng(seed)
     shapes = input_shapes(spec)
-    feed = {n: rng.standard_normal(s).astype(np.float16) for n, s in shapes.items() if n != "mask"}
+    mask = ATTENTION_INPUTS[-1]
+    feed = {n: rng.standard_normal(s).astype(np.float16) for n, s in shapes.items() if n != mask}
     if spec.kind != "attention":
         return feed, None
     from runtime.dense.attention import allowed_keys
 
     allowed = allowed_keys(None, spec.rows, spec.rows + (spec.keys - spec.rows) // 2, spec.keys)
-    feed["mask"] = np.where(allowed.numpy(), 0.0, MASKED).astype(np.float16)
+    feed[mask] = np.where(allowed.numpy(), 0.0, MASKED).astype(np.float16)
     return feed, allowed
 
 
-def check_dense_function(function, spec: DenseSpec, seed: int = 0):
-    """Evaluate a built dense function on the host; compare with cpu-static on the same fp16 inputs."""
-    from runtime.coreml.mil_eval import FunctionCheck, evaluate_function, max_rel_error
+def check_dense_function(function, spec: DenseSpec, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Evaluate a built dense function on the host; compare with cpu-static on the same fp16 inputs, computed in
+    `dtype`: the model's compute dtype (`runtime.dense.specs.compute_dtype`), what its rows arrive in at run time."""
+    from runtime.coreml.mil_eval import FunctionCheck, evaluate_output, max_rel_error, tolerance
 
     feed, allowed = sample_inputs(spec, seed)
-    got = evaluate_function(function, feed)[OUTPUT]
+    got = evaluate_output(function, feed, OUTPUT, spec.name)
     with torch.no_grad():
         if spec.kind == "attention":
-            q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ("q", "k", "v"))
+            q, k, v = (torch.from_numpy(feed[n].astype(np.float32)) for n in ATTENTION_INPUTS[:3])
             ref = attention_reference(q, k, v, allowed, spec.scaling)
+            dtype = torch.float32
         else:
-            dtype = next(next(iter(spec.modules.values())).parameters()).dtype
             ref = dense_reference(spec)(torch.from_numpy(feed[ROW_INPUT].astype(np.float32)).to(dtype))
-    return FunctionCheck(spec.name, max_rel_error(got, ref.float().numpy()))
+    return FunctionCheck(spec.name, max_rel_error(got, ref.float().numpy()), tolerance(spec.compress, dtype, spec.kind))
 
 
 BUILDER_VERSION = 1  # bump when a dense program changes: invalidates its cache entries

@@ -8,6 +8,14 @@ from runtime.dense.families import attention_modules, mlp_modules
 from runtime.plan import DenseFunction, DenseLayer, Plan
 
 
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes its hidden states in, what a dense function's rows arrive in: its input
+    embedding's output (a packed MLX embedding's `dtype`; else its weight's). Not a parameter of the function's own
+    modules: an MLX QuantizedLinear without a bias has none, and its packed codes are integers."""
+    embedding = model.get_input_embeddings()
+    return getattr(embedding, "dtype", None) or embedding.weight.dtype
+
+
 def static_rows(plan: Plan, placed: DenseFunction) -> int:
     """The rows of a full chunk a row-wise function's static shape takes (a split leaves the CPU the rest)."""
     return placed.rows or plan.chunk_tokens
