@@ -15,6 +15,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from runtime.errors import NpumoeError
@@ -58,6 +59,12 @@ class BackendInfo:
     profile_call: ProfileCall | None = None
     # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
     profile_available: Callable[[], tuple[bool, str]] | None = None
+    # Where its profiled calls run when the name does not say (mlx-exact: "gpu", or "cpu" for MLX's CPU device off a
+    # Mac), marked on its profile records as `device`.
+    profile_device: Callable[[], str] | None = None
+    # Refuses (NpumoeError, one line) a model folder whose weights it cannot run as stored, when a plan is made for
+    # it (`plan-template --exact`): mlx-exact runs an MLX folder's own packed experts.
+    check_weights: Callable[[Path], None] | None = None
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
     profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
 
