@@ -65,8 +65,8 @@ class LayerExecutor:
         self.slots = row
         # The layer's exact paths, the plan's first (spills, decode steps, cold experts), then its exact_split's;
         # `path_of[e]`: which one runs expert e's exact assignments.
-        paths = exact_paths or resolve_exact_paths(plan)
         names = [plan.exact_path, *(p for p in (layer_plan.exact_split or {}) if p != plan.exact_path)]
+        paths = {p: (exact_paths or {}).get(p) or registry.resolve_exact(p) for p in names}
         self.paths = [(paths[p].name, paths[p].prepare(module)) for p in names]
         self.path_of = torch.zeros(n, dtype=torch.long)
         for i, p in enumerate(names[1:], 1):

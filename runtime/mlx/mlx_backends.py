@@ -21,10 +21,10 @@ PROFILE_BITS, PROFILE_GROUP = 4, 64  # the profiler's synthetic experts, packed 
 def mlx_available() -> tuple[bool, str]:
     """Whether MLX imports here, and on which device it computes."""
     try:
-        from runtime.mlx import mlx_exact
+        import mlx.core as mx
     except ImportError as e:
         return False, f"mlx does not import here ({e})"
-    if mlx_exact.device() == "gpu":
+    if mx.default_device() == mx.gpu:
         return True, "MLX on the Metal GPU"
     return True, "MLX's CPU device (no Metal GPU here: its times say nothing about a GPU)"
 
