@@ -164,6 +164,29 @@ def all_cpu_plan(model, chunk: int = 256):
                         for l in spec.moe_layers])
 
 
+def prefilled_with_own_steps(loaded, ids, lengths):
+    """A Generation per prompt length (prefilled, its first token accepted) and each one's next-step logits run
+    alone (its cache cropped back after): what a batched decode step must give each row."""
+    import torch
+
+    from runtime.generation import Generation
+
+    gens, alone = [], []
+    for n in lengths:
+        gen = Generation(loaded, ids[:n], 8, 0.0, 0, None)
+        for _ in gen.prefill_steps():
+            pass
+        gen.accept()
+        gens.append(gen)
+    for gen in gens:
+        with torch.inference_mode():
+            out = loaded.model(input_ids=torch.tensor([[gen.tokens[-1]]]), cache=gen.cache, use_cache=True,
+                               logits_to_keep=1)
+        alone.append(out.logits[0, -1].clone())
+        gen.cache.crop(-1)
+    return gens, alone
+
+
 @contextmanager
 def served_on_a_thread(engine, api_key: str):
     """`engine`'s app on a free loopback port from a thread (uvicorn, as `autotune serve` runs it): yields its URL,

@@ -17,7 +17,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, mlx_fp32, random_model  # noqa: E402
+from helpers import all_cpu_plan, mlx_fp32, prefilled_with_own_steps, random_model  # noqa: E402
 from helpers import convert_to_mlx as convert  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
@@ -90,25 +90,11 @@ def test_greedy_tokens_equal_mlx_lm_generate_for_64_tokens(q4, planned_tokens):
 
 
 def test_batched_decode_steps_run_on_mlx_exact(q4, plan):
-    from runtime.generation import Generation
     from runtime.serving.decode_batch import DecodeBatch
 
     loaded = generation.load(str(q4), str(plan), dtype="float32")
     ids = torch.tensor(loaded.tokenizer.encode(PROMPT, add_special_tokens=False))
-    gens = []
-    for n in (9, 17, 12):
-        gen = Generation(loaded, ids[:n], 8, 0.0, 0, None)
-        for _ in gen.prefill_steps():
-            pass
-        gen.accept()
-        gens.append(gen)
-    alone = []
-    for gen in gens:
-        with torch.inference_mode():
-            out = loaded.model(input_ids=torch.tensor([[gen.tokens[-1]]]), cache=gen.cache, use_cache=True,
-                               logits_to_keep=1)
-        alone.append(out.logits[0, -1].clone())
-        gen.cache.crop(-1)
+    gens, alone = prefilled_with_own_steps(loaded, ids, (9, 17, 12))
     loaded.reset()
     batch, got = DecodeBatch(loaded), []
     for gen in gens:
