@@ -11,8 +11,10 @@ shared machine hits them alike; figures are medians over repetitions:
 - `generate`: `runtime.generate`'s median decode step on tiny-moe converted by mlx-lm to 4 bits (64 new greedy
   tokens), its plan's exact path cpu-exact against mlx-exact; and the run statistics' mean crossing per call.
 
-`crossing_us`: the crossing alone at the layer width (a decode step's rows into MLX, its output back as a torch
-view), timed apart from any compute. Off a Mac MLX runs on its CPU device: these are CPU figures, not a GPU's.
+`crossing_us`: the crossing alone at the layer width (a one-row decode step's rows, expert ids and router weights
+into MLX, its output back as a torch view: what `forward` crosses), median, apart from any compute; the run's
+figure is the statistics' mean per call (descheduling on a loaded machine included). Off a Mac MLX runs on its CPU
+device: these are CPU figures, not a GPU's.
 
     python scripts/bench_mlx_exact.py --threads 1 [--repeats 15] [--model MLX_FOLDER]
 """
@@ -34,7 +36,7 @@ import runtime  # noqa: E402
 from runtime.cpu.cpu_backends import CpuExactLayer  # noqa: E402
 from runtime.loading.model_loader import model_spec  # noqa: E402
 from runtime.mlx.mlx_backends import packed_like  # noqa: E402
-from runtime.mlx.mlx_exact import MlxExactLayer, device, to_mx, to_torch  # noqa: E402
+from runtime.mlx.mlx_exact import MlxExactLayer, device, step_inputs, to_mx, to_torch  # noqa: E402
 from runtime.plan import LayerPlan, Plan  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 8), "tiny-moe": (256, 256, 2)}
@@ -78,9 +80,9 @@ def layer_bench(shape: str, repeats: int) -> dict:
                               "mlx-exact": lambda: mlx.forward(x, idx, w)}, repeats, 20)
             out[f"rows_{rows}"] = {"cpu_exact_us": t["cpu-exact"], "mlx_exact_us": t["mlx-exact"],
                                    "ratio_cpu_over_mlx": t["cpu-exact"] / t["mlx-exact"], "max_abs_diff": gap}
-        x = torch.randn(1, hidden, generator=gen)
+        x, idx, w = x[:1], idx[:1], w[:1]
         y = to_mx(torch.randn(1, hidden, generator=gen))
-        out["crossing_us"] = _median_us(lambda: (to_mx(x), to_torch(y, torch.float32)), 2000)
+        out["crossing_us"] = _median_us(lambda: (step_inputs(x, idx, w), to_torch(y, torch.float32)), 2000)
     return out
 
 
@@ -153,7 +155,7 @@ def main() -> None:
           f"{g['decode_step_ms']['mlx-exact']:.2f} ms, ratio {g['ratio_cpu_over_mlx']:.2f}, same tokens "
           f"{g['same_tokens']}")
     print(f"crossing: {report['layer']['crossing_us']:.1f} us bare at the layer width, "
-          f"{g['crossing_us_per_call']:.1f} us per call in the run ({report['device']})")
+          f"{g['crossing_us_per_call']:.1f} us mean per call in the run ({report['device']})")
     print(json.dumps(report))
 
 

@@ -62,6 +62,12 @@ def to_torch(a: mx.array, dtype: torch.dtype) -> torch.Tensor:
     return out.view(dtype) if out.dtype != dtype else out
 
 
+def step_inputs(x: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> tuple[mx.array, mx.array, mx.array]:
+    """A decode step's crossing in: its rows, expert ids and router weights (in the rows' dtype) as MLX arrays."""
+    return to_mx(x), mx.array(top_k_index.numpy().astype(np.uint32)), to_mx(top_k_weights.to(x.dtype))
+
+
 def _shared(t: torch.Tensor) -> tuple[mx.array, torch.Tensor]:
     """`t` moved into MLX's memory once: the MLX array and a torch view of the same memory to hold in its place."""
     a = to_mx(t)
@@ -151,8 +157,7 @@ class MlxExactLayer:
         """As mlx-lm's SwitchGLU: each token's k experts, rows sorted by expert from `SORT_FROM` assignments; the
         router weights applied and the k outputs summed in MLX, so one array crosses back."""
         start = time.perf_counter()
-        xm, idx = to_mx(x), mx.array(top_k_index.numpy().astype(np.uint32))
-        w = to_mx(top_k_weights.to(x.dtype))
+        xm, idx, w = step_inputs(x, top_k_index, top_k_weights)
         crossed = time.perf_counter() - start
         with _LOCK:
             y = self._weighted(xm, idx, w)
