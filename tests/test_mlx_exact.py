@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +187,37 @@ def test_the_profiler_times_mlx_exact_marked_with_mlxs_device():
     records = run_tasks(tasks, s, progress=False)
     assert [r["device"] for r in records] == ["cpu", "cpu"] and all(r["median_ms"] > 0 for r in records)
     assert np.isfinite([r["median_ms"] for r in records]).all()
+
+
+def test_served_requests_decode_together_on_mlx_exact_beside_a_prefill(q4, tmp_path):
+    """`serve`: concurrent requests batch their decode steps on mlx-exact while other prompts prefill (their spills
+    on mlx-exact too, from the prefill thread); each gets runtime.generate's greedy tokens alone."""
+    import openai
+    from helpers import served_on_a_thread
+
+    from runtime.serving.engine import Engine
+
+    plan = tmp_path / "p.json"
+    assert main(["plan-template", "--model", str(q4), "--capacity", "tight", "--overflow", "spill", "--chunk", "16",
+                 "--exact", "mlx-exact", "--out", str(plan)]) == 0
+    loaded = generation.load(str(q4), str(plan), dtype="float32")
+    ids = loaded.tokenizer.encode(PROMPT * 3, add_special_tokens=False)
+    prompts, news = [ids[:n] for n in (5, 40, 23, 64)], [12, 9, 10, 6]
+    refs = [generation.generate(loaded, p, max_tokens=n).token_ids for p, n in zip(prompts, news)]
+    engine = Engine(loaded, "q4", max_queue=16, prefix_cache_mb=0)
+    results = [None] * len(prompts)
+    with served_on_a_thread(engine, "k") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        loaded.reset()
+
+        def ask(i):
+            results[i] = client.completions.create(model="q4", prompt=prompts[i], max_tokens=news[i], temperature=0)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [r.model_extra["npumoe"]["token_ids"] for r in results] == refs
+    assert engine.batch.widest >= 2
+    assert loaded.stats.total("decode").tokens_per_backend["mlx-exact"] > 0
+    assert loaded.stats.total("prefill").tokens_per_backend["mlx-exact"] > 0
