@@ -91,13 +91,17 @@ def packed_like(module: torch.nn.Module, bits: int = PROFILE_BITS, group: int = 
 
 def profile_call(module: torch.nn.Module, caps: Sequence[int], hidden: int) -> Callable[[], object]:
     """How `autotune profile-device` times mlx-exact: one exact-path call over len(caps) experts (caps[i] rows for
-    the i-th), 4-bit packed experts, crossings included, as the executor makes it."""
+    the i-th), 4-bit packed experts as an MLX folder holds them, crossings included, as the executor makes it."""
     from runtime.mlx.mlx_exact import MlxExactLayer
 
     ok, why = mlx_available()
     if not ok:
         raise NpumoeError(f"{NAME}: {why}")
-    layer = MlxExactLayer(packed_like(module))
+    # packed in groups of 64, or 32 where the widths need it; widths neither divides (the 16-wide dispatch probe)
+    # run full width (gather_mm)
+    group = next((g for g in (PROFILE_GROUP, 32) if module.hidden_dim % g == 0 and module.intermediate_dim % g == 0),
+                 None)
+    layer = MlxExactLayer(packed_like(module, group=group) if group else module)
     x = torch.randn(sum(caps), hidden)
     n, g = module.num_experts, len(caps)
     turn = [0]
