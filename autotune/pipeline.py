@@ -64,7 +64,7 @@ from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
-from autotune.searching.robustness import assess
+from autotune.searching.robustness import assess, reassess
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
@@ -249,7 +249,9 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             cpu = cpu.after_gate(gated)
             if sols[gated["chosen"]["candidate"]] is not outcome.best:  # the gate passed over the search's pick
                 outcome.best = sols[gated["chosen"]["candidate"]]
-                robustness = assess(outcome, scorer, pick=False)[1]
+                # --robust: the gate's plan on the pick's analysis (its candidates compared, its floor)
+                robustness = reassess(outcome, robustness, outcome.best) if c.robust else \
+                    assess(outcome, scorer, pick=False)[1]
         chunk_tokens = outcome.best.chunk_tokens
         layers = outcome.chunks[chunk_tokens].layers
         heldout_assignments = sum(int(d.heldout.sum()) for d in layers)

@@ -53,6 +53,8 @@ BAD = [  # (path, value, field named in the error)
     (["model", "num_experts"], 0, "model.num_experts"),
     (["layers", 1, "layer"], 0, "layers[1].layer"),
     (["extra"], 1, "extra"),
+    (["exact"], "cpu-static", "exact"),  # a static backend is not an exact path
+    (["layers", 1, "exact_split"], {"gpu": [0]}, "layers[1].exact_split"),  # no such exact path
 ]
 
 
@@ -61,6 +63,21 @@ def test_bad_plan_names_field(good, path, value, field):
     with pytest.raises(FileFormatError) as e:
         plan_from_json(_mutate(good, path, value), "p.json")
     assert e.value.field == field, str(e.value)
+
+
+def test_exact_paths_are_optional_and_checked(good):
+    assert plan_from_json(good).exact_path == "cpu-exact"  # a plan written before exact paths runs on the CPU
+    layer = {**good["layers"][1], "groups": good["layers"][1]["groups"][:1]}
+    cold = layer["cpu_exact"] = good["layers"][1]["groups"][1]["experts"]  # the second group's experts run exactly
+    split = _mutate(_mutate(good, ["layers", 1], {**layer, "exact_split": {"mlx-exact": cold[:1]}}), ["exact"],
+                    "cpu-exact")
+    plan = plan_from_json(split)
+    lp = plan.layer(good["layers"][1]["layer"])
+    assert [lp.exact_path_of(e, plan.exact_path) for e in cold[:2]] == ["mlx-exact", "cpu-exact"]
+    stray = _mutate(good, ["layers", 1, "exact_split"], {"mlx-exact": [good["layers"][1]["groups"][0]["experts"][0]]})
+    with pytest.raises(FileFormatError) as e:
+        plan_from_json(stray, "p.json")
+    assert e.value.field == "layers[1].exact_split.mlx-exact" and "not in cpu_exact" in str(e.value)
 
 
 def _calibrated(good, shares=None, rate=0.05):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from autotune.calibration.mlx_engine import choose_engine, peak_memory_gb, record_mlx_traces
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT
-from autotune.calibration.traces import HELDOUT_EVERY, Traces, default_traces_path, record_traces, save_traces
+from autotune.calibration.traces import Traces, check_prompts, default_traces_path, record_traces, save_traces
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
-from autotune.costing.memory import ModelSize, beside_measured, stage_memory
+from autotune.costing.memory import ModelSize, beside_measured, model_size, stage_memory
 from autotune.searching.model_record import ModelRecord, check_context
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoints import check_token_ids
@@ -30,30 +32,42 @@ class Calibration:
 
 def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
               prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
-              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None) -> Calibration:
+              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None,
+              engine: str = "torch") -> Calibration:
     """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
-    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`)."""
+    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`). `engine`: torch (our
+    loader's model), mlx (mlx-lm's own model of the folder, on the GPU on a Mac) or auto (`choose_engine`)."""
     if chunk > prompt_tokens:
         raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
                           "chunks of at most its length; give --chunk <= --prompt-tokens")
     name = model if isinstance(model, str) else model.name
     check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
     path = str(out or default_traces_path(name))
-    loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
-        model.loaded()
-    ids = encode_text(tokenizer, text, max_tokens)
-    check_token_ids(loaded, ids)
-    prompts = -(-len(ids) // prompt_tokens)
-    if prompts < HELDOUT_EVERY:
-        raise NpumoeError(f"{len(ids)} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
-                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
-                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
-                          "smaller --prompt-tokens)")
-    traces = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress)
+    engine = choose_engine(engine, name) if isinstance(model, str) else "torch"
+    t0 = time.perf_counter()
+    if engine == "mlx":
+        if cpu_weights:
+            raise NpumoeError("--cpu-weights is how the torch engine holds the experts; --engine mlx runs mlx-lm's "
+                              "model on the folder's own weights: leave --cpu-weights out")
+        traces, tokens = record_mlx_traces(name, text, chunk, prompt_tokens, max_tokens, dtype, progress)
+        size = model_size(name, dtype)
+    else:
+        loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
+            model.loaded()
+        ids = encode_text(tokenizer, text, max_tokens)
+        check_token_ids(loaded, ids)
+        check_prompts(len(ids), prompt_tokens, text)
+        traces, tokens, size = record_traces(loaded, ids, chunk, prompt_tokens, text, progress=progress,
+                                             engine="torch"), len(ids), ModelSize.of(loaded)
+    seconds = time.perf_counter() - t0
     save_traces(traces, path)
-    predicted = stage_memory(ModelSize.of(loaded), "calibrate", chunk, prompt_tokens, tokens=len(ids))
-    return Calibration(path=path, traces=traces, summary={**_calibration_summary(traces, path),
-                                                          "memory": beside_measured(predicted, peak_rss_bytes())})
+    predicted = stage_memory(size, "calibrate", chunk, prompt_tokens, tokens=tokens)
+    memory = beside_measured(predicted, peak_rss_bytes())
+    if engine == "mlx":
+        memory["mlx_peak_gb"] = peak_memory_gb()
+    return Calibration(path=path, traces=traces, summary={
+        **_calibration_summary(traces, path), "engine": engine, "device": traces.header.get("device", "cpu"),
+        "seconds": round(seconds, 3), "memory": memory})
 
 
 def _calibration_summary(traces: Traces, path: str) -> dict:

@@ -12,6 +12,7 @@ import json
 import os
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,36 +125,24 @@ class Workload:
         return full[{"calib": ~self.heldout, "heldout": self.heldout}[split]]
 
 
-class RoutingRecorder:
-    """Records every MoE layer's routing through forward pre-hooks on its experts module, one model forward per
-    chunk: each assignment's expert id and router weight, and the token's hidden-state norm. Works under any
-    experts implementation (the plan's executor included), so a run records the routing it saw."""
+class Recording:
+    """Routing recorded chunk by chunk, per MoE layer: each assignment's expert id and router weight, and the token's
+    hidden-state norm. The engines' recorders (`RoutingRecorder` here in torch, `mlx_engine.MlxRecorder` in mlx-lm)
+    fill it; `traces` turns it into traces, whichever engine recorded."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model, self.spec = model, model_spec(model)
-        self.layers = moe_layers(model)
-        self.rec: dict[int, dict[str, list]] = {l.index: {"idx": [], "weight": [], "norm": []} for l in self.layers}
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.rec: dict[int, dict[str, list]] = {i: {"idx": [], "weight": [], "norm": []} for i in spec.moe_layers}
         self.chunk_ids: list[np.ndarray] = []
-        self._hooks: list = []
 
-    def _hook(self, mod, args, kwargs, i: int) -> None:
-        x, idx, w = args if len(args) == 3 else (kwargs["hidden_states"], kwargs["top_k_index"],
-                                                  kwargs["top_k_weights"])
-        if i == self.layers[0].index:  # the first MoE layer opens a new chunk
-            self.chunk_ids.append(np.full(idx.shape[0], len(self.chunk_ids), dtype=np.int32))
-        self.rec[i]["idx"].append(idx.to(torch.int16).numpy().copy())
-        self.rec[i]["weight"].append(w.float().numpy().copy())
-        self.rec[i]["norm"].append(x.float().norm(dim=-1).numpy().copy())
+    def open_chunk(self, tokens: int) -> None:
+        self.chunk_ids.append(np.full(tokens, len(self.chunk_ids), dtype=np.int32))
 
-    def __enter__(self) -> "RoutingRecorder":
-        self._hooks = [layer.experts.register_forward_pre_hook(
-            lambda mod, args, kwargs, i=layer.index: self._hook(mod, args, kwargs, i), with_kwargs=True)
-            for layer in self.layers]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._hooks:
-            h.remove()
+    def add(self, layer: int, idx: np.ndarray, weight: np.ndarray, norm: np.ndarray) -> None:
+        """One chunk's routing at one MoE layer: idx, weight [tokens, k], norm [tokens]."""
+        self.rec[layer]["idx"].append(idx.astype(np.int16))
+        self.rec[layer]["weight"].append(weight.astype(np.float32))
+        self.rec[layer]["norm"].append(norm.astype(np.float32))
 
     @property
     def n_chunks(self) -> int:
@@ -177,26 +166,107 @@ class RoutingRecorder:
         return Traces(full, arrays, chunk, np.asarray(heldout, dtype=bool))
 
 
-def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int,
-                  text: str, progress: bool = True, heldout_per: str = "prompt", **header) -> Traces:
-    """Prefill `ids` as prompts of `prompt_tokens`, chunk by chunk, recording every layer's routing under whatever
-    experts implementation the model has (a plan's executor included). Every HELDOUT_EVERY-th prompt is held out
-    (`heldout_per="chunk"`: every HELDOUT_EVERY-th chunk, for a run that is often one long prompt); `header`
-    adds to the traces header."""
+class RoutingRecorder(Recording):
+    """Records every MoE layer's routing through forward pre-hooks on its experts module, one model forward per
+    chunk. Works under any experts implementation (the plan's executor included), so a run records the routing it
+    saw."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model_spec(model))
+        self.model, self.layers = model, moe_layers(model)
+        self._hooks: list = []
+
+    def _hook(self, mod, args, kwargs, i: int) -> None:
+        x, idx, w = args if len(args) == 3 else (kwargs["hidden_states"], kwargs["top_k_index"],
+                                                  kwargs["top_k_weights"])
+        if i == self.layers[0].index:  # the first MoE layer opens a new chunk
+            self.open_chunk(idx.shape[0])
+        self.add(i, idx.numpy(), w.float().numpy(), x.float().norm(dim=-1).numpy())
+
+    def __enter__(self) -> "RoutingRecorder":
+        self._hooks = [layer.experts.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=layer.index: self._hook(mod, args, kwargs, i), with_kwargs=True)
+            for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def record_chunks(recording: Recording, forward: Callable[[torch.Tensor, bool], None], ids: torch.Tensor,
+                  chunk_tokens: int, prompt_tokens: int, text: str, progress: bool = True,
+                  heldout_per: str = "prompt", **header) -> Traces:
+    """Prefill `ids` as prompts of `prompt_tokens`, chunk by chunk (`forward(chunk ids, opens a prompt)`, one engine's
+    forward that fills `recording`), and return the traces. Every HELDOUT_EVERY-th prompt is held out
+    (`heldout_per="chunk"`: every HELDOUT_EVERY-th chunk, for a run that is often one long prompt); `header` adds to
+    the traces header."""
     heldout = []
     starts = range(0, ids.numel(), prompt_tokens)
+    for p, start in enumerate(tqdm(starts, desc="calibrate", unit="prompt", disable=not progress)):
+        prompt = ids[start:start + prompt_tokens]
+        for s in range(0, prompt.numel(), chunk_tokens):
+            forward(prompt[s:s + chunk_tokens], s == 0)
+            heldout.append((p if heldout_per == "prompt" else len(heldout)) % HELDOUT_EVERY == HELDOUT_EVERY - 1)
+    return recording.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
+                                      "heldout_rule": f"every {HELDOUT_EVERY}th {heldout_per}", **header})
+
+
+def record_traces(model: torch.nn.Module, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int,
+                  text: str, progress: bool = True, heldout_per: str = "prompt", **header) -> Traces:
+    """`record_chunks` in torch, under whatever experts implementation the model has (a plan's executor
+    included)."""
+    cache = None
+
+    def forward(chunk: torch.Tensor, first: bool) -> None:
+        nonlocal cache
+        # The decoder stack only: routing is all calibration records, so the LM head's full-vocabulary logits
+        # (most of the time on a large-vocabulary model) are never computed.
+        cache = model.model(input_ids=chunk[None], cache=None if first else cache, use_cache=True).cache
+        release_freed_heap()
+
     with RoutingRecorder(model) as recorder, torch.inference_mode():
-        for p, start in enumerate(tqdm(starts, desc="calibrate", unit="prompt", disable=not progress)):
-            prompt = ids[start:start + prompt_tokens].reshape(1, -1)
-            cache = None
-            for s in range(0, prompt.shape[1], chunk_tokens):
-                # The decoder stack only: routing is all calibration records, so the LM head's full-vocabulary
-                # logits (most of the time on a large-vocabulary model) are never computed.
-                cache = model.model(input_ids=prompt[:, s:s + chunk_tokens], cache=cache, use_cache=True).cache
-                release_freed_heap()
-                heldout.append((p if heldout_per == "prompt" else len(heldout)) % HELDOUT_EVERY == HELDOUT_EVERY - 1)
-    return recorder.traces(heldout, {"text": text, "chunk_tokens": chunk_tokens, "prompt_tokens": prompt_tokens,
-                                     "heldout_rule": f"every {HELDOUT_EVERY}th {heldout_per}", **header})
+        return record_chunks(recorder, forward, ids, chunk_tokens, prompt_tokens, text, progress, heldout_per,
+                             **header)
+
+
+TIE_TOLERANCE = 1e-4  # router weights closer than this are a tie: fp rounding picks between them
+
+
+def routing_agreement(a: Traces, b: Traces, tol: float = TIE_TOLERANCE) -> dict:
+    """How two recordings of the same tokens (two engines on one folder and text) agree, per MoE layer and in all:
+    `tokens`; `agree`, tokens routed to the same k experts; `ties`, tokens routed apart where both recordings'
+    sorted router weights still agree within `tol` (experts of equal weight swapped: fp rounding decided); `differ`,
+    the rest. `max_weight_diff`: over the tokens routed to the same experts in the same order; `max_norm_rel_diff`:
+    the hidden-state norms', over every token."""
+    if a.chunk is None or b.chunk is None or not np.array_equal(a.chunk, b.chunk):
+        raise NpumoeError("the two traces do not hold the same tokens in the same chunks: record one text, "
+                          "chunking and prompt length with both")
+    rows, total = {}, dict.fromkeys(("tokens", "agree", "ties", "differ"), 0)
+    weight_diff, norm_diff = 0.0, 0.0
+    for layer in a.layers:
+        x, y = a.layers[layer], b.layers[layer]
+        same = (np.sort(x["idx"], 1) == np.sort(y["idx"], 1)).all(1)
+        level = (np.abs(np.sort(x["weight"], 1) - np.sort(y["weight"], 1)) <= tol).all(1)
+        row = {"tokens": int(same.size), "agree": int(same.sum()), "ties": int((~same & level).sum()),
+               "differ": int((~same & ~level).sum())}
+        rows[str(layer)] = row
+        total = {k: total[k] + row[k] for k in total}
+        ordered = (x["idx"] == y["idx"]).all(1)
+        weight_diff = max(weight_diff, float(np.abs(x["weight"] - y["weight"])[ordered].max(initial=0.0)))
+        norm_diff = max(norm_diff, float((np.abs(x["norm"] - y["norm"]) / np.maximum(y["norm"], 1e-12)).max()))
+    return {**total, "tie_tolerance": tol, "max_weight_diff": weight_diff, "max_norm_rel_diff": norm_diff,
+            "layers": rows}
+
+
+def check_prompts(tokens: int, prompt_tokens: int, text: str) -> None:
+    """Refuse a text too short for a held-out prompt: every HELDOUT_EVERY-th prompt is held out."""
+    prompts = -(-tokens // prompt_tokens)
+    if prompts < HELDOUT_EVERY:
+        raise NpumoeError(f"{tokens} tokens of {text} make {prompts} prompt(s) of {prompt_tokens} tokens; held-out "
+                          f"chunks come from every {HELDOUT_EVERY}th prompt, so give at least "
+                          f"{HELDOUT_EVERY * prompt_tokens} tokens (a longer --text, a larger --max-tokens or a "
+                          "smaller --prompt-tokens)")
 
 
 def require_recordable(tokens: int, chunk_tokens: int, prompt_tokens: int, remedy: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from autotune.calibration import stage
+from autotune.calibration.mlx_engine import ENGINES
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT
 from autotune.calibration.traces import default_traces_path
 from autotune.commands.argtypes import output_file, positive_int, require_output
@@ -32,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"(default {stage.PROMPT_TOKENS})")
     p.add_argument("--max-tokens", type=positive_int, default=stage.MAX_TOKENS, metavar="N",
                    help=f"use at most N tokens (default {stage.MAX_TOKENS})")
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="what runs the forward passes: torch (our loader, on the CPU; default), mlx (mlx-lm's own "
+                        "model of the folder, routers observed: the GPU on a Mac, MLX's CPU elsewhere) or auto (mlx "
+                        "for an MLX folder where MLX and mlx-lm run it, else torch)")
     p.add_argument("--out", type=output_file(), metavar="FILE", help="traces file (default traces/<model>.npz)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
@@ -44,13 +49,14 @@ def run(args: argparse.Namespace) -> int:
     require_output(out, "--out")
     result = stage.calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
                                 max_tokens=args.max_tokens, out=out, dtype=args.dtype, progress=not args.json,
-                                cpu_weights=args.cpu_weights)
+                                cpu_weights=args.cpu_weights, engine=args.engine)
     path, summary = result.path, result.summary
     if args.json:
         print_json(summary)
     else:
         print(f"wrote {path}: {summary['tokens']} tokens, {summary['chunks']} chunks "
-              f"({summary['heldout_chunks']} held out)")
+              f"({summary['heldout_chunks']} held out) in {summary['seconds']:.1f} s through {summary['engine']} "
+              f"on {summary['device']}")
         print("most-used expert, x the uniform share, per layer: " +
               ", ".join(f"L{l} {v:.2f}" for l, v in summary["max_expert_share_x_uniform"].items()))
         m = summary["memory"]

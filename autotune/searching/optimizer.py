@@ -224,9 +224,15 @@ def usable(space: Space, cands: Candidates, policy: str) -> np.ndarray:
                                             (space.column(cands.rows, "resident") == 0))
 
 
-def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int) -> list[int] | None:
+def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int,
+            relax: bool = False) -> list[int] | None:
     """Pick one candidate per layer minimising total cost with total held-out drops <= budget (exact DP over each
     layer's Pareto front; infinite cost = not allowed). Returns chosen indices, or None when nothing fits.
+
+    A budget past DP_MAX_BUDGET is solved in coarse units of drops: rounded up, every choice fits the budget (a
+    plan); with `relax`, rounded down, every choice that fits the budget stays allowed (the sum of the rounded-down
+    drops is at most the rounded-down sum), so the least cost found is at most the true least cost: a bound, not
+    always a plan. Within DP_MAX_BUDGET both are exact.
 
     dp[b] is the least cost of the layers so far within b drop units. Each layer keeps the dp it started from, not
     its choices: walking back, a layer's choice is the first of its front whose cost on top of that dp gives the
@@ -238,8 +244,9 @@ def combine(costs: list[np.ndarray], drops: list[np.ndarray], drop_budget: int) 
     layers = []
     for cost, drop in zip(costs, drops):
         cost, drop = np.asarray(cost, dtype=np.float64), np.asarray(drop, dtype=np.int64)
-        # rounding drops up to units keeps the coarse solution feasible
-        front = [(i, math.ceil(drop[i] / scale)) for i in _pareto(cost, drop) if np.isfinite(cost[i])]
+        # rounding drops up to units keeps the coarse solution feasible; down, it relaxes the problem
+        front = [(i, drop[i] // scale if relax else math.ceil(drop[i] / scale)) for i in _pareto(cost, drop)
+                 if np.isfinite(cost[i])]
         front = [(i, units) for i, units in front if units <= budget]
         new = np.full(budget + 1, np.inf)
         for i, units in front:
@@ -299,11 +306,12 @@ def best_plan(search: ChunkSearch, space: Space, scorer: Scorer, budget: int, we
 Term = tuple[float, list[Candidates], Scorer]  # a weight, each layer's candidates as one case scored them, its scorer
 
 
-def cheapest_plan(search: ChunkSearch, space: Space, budget: int, weights: Weights, terms: list[Term]
-                  ) -> tuple[float, list[LayerConfig], bool] | None:
+def cheapest_plan(search: ChunkSearch, space: Space, budget: int, weights: Weights, terms: list[Term],
+                  relax: bool = False) -> tuple[float, list[LayerConfig], bool] | None:
     """(least cost, decisions, exact_partial) over every overflow policy and way of running the partial chunks: the
     exact DP over the candidates (the first term's rows; every term holds the same rows), each costed as the sum of
-    weight x its weighted cost in each term, plus each term's partial chunks run exactly where they are."""
+    weight x its weighted cost in each term, plus each term's partial chunks run exactly where they are. `relax`:
+    a budget past DP_MAX_BUDGET relaxed (`combine`), so the cost is a lower bound rather than a plan's."""
     best = None
     for ov in OVERFLOW_POLICIES:
         for exact_partial in partial_modes(search.layers):
@@ -314,7 +322,7 @@ def cheapest_plan(search: ChunkSearch, space: Space, budget: int, weights: Weigh
                     total += weight * weighted_cost(pools[layer].scores, weights, exact_partial)
                 costs.append(np.where(usable(space, first, ov), total, np.inf))
                 drops.append(first.scores.heldout_drops)
-            chosen = combine(costs, drops, budget)
+            chosen = combine(costs, drops, budget, relax)
             if chosen is None:
                 continue
             cost = sum(c[i] for c, i in zip(costs, chosen)) + sum(

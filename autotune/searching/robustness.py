@@ -228,10 +228,11 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
     weighted mean of its regrets, and the weighted DP finds the least weighted mean exactly (the pruning keeps
     every candidate that is best in some case, hence under any weighting); at a chunk size a case did not re-score,
     its regret is bounded by its least factor times the chunk's nominal optimum. The best such bound over every
-    weighting tried; None where the DP coarsens the drop budget (not exact)."""
+    weighting tried. Where the drop budget is past what the DP solves exactly, the bound comes from the DP relaxed
+    (drops rounded down to its units: `optimizer.combine`), still a bound, and the two-case floor counts drops
+    exactly (`regret_floor`)."""
     if not results:
         return [], None
-    exact = outcome.drop_budget <= DP_MAX_BUDGET  # a coarsened budget: the DP is not exact, no bound
     lam = np.ones(len(results)) / len(results)
     plans, bounds = [], []
     for _ in range(REWEIGHTS):
@@ -256,7 +257,7 @@ def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
             if found is not None:
                 plans.append(found[0])
                 bounds.append(found[1])
-    return plans, (max(bounds + ([pair] if pair is not None else [])) if bounds and exact else None)
+    return plans, (max(bounds + ([pair] if pair is not None else [])) if bounds else None)
 
 
 def pair_floor(outcome: SearchOutcome, results: list[CaseResult], i: int, j: int, cap: float = np.inf) -> float:
@@ -317,16 +318,19 @@ def _at_weights(outcome: SearchOutcome, scorer: Scorer, results: list[CaseResult
         bound = sum(lam[i] * (min(1.0, r.case.factor) * _whole(search.best, outcome, w) / r.best_cost - 1.0)
                     for i, r in enumerate(results) if i not in here)
         if here:
-            found = cheapest_plan(search, space, outcome.drop_budget, w,
-                                  [(lam[i] / results[i].best_cost, results[i].pools[c], results[i].scorer)
-                                   for i in here])
-            if found is None:
+            terms = [(lam[i] / results[i].best_cost, results[i].pools[c], results[i].scorer) for i in here]
+            found = cheapest_plan(search, space, outcome.drop_budget, w, terms)
+            # the bound from the relaxed DP where the budget is coarsened (the plan's DP rounds drops up: its cost
+            # may lie above the least one); within DP_MAX_BUDGET the two are one
+            least_here = cheapest_plan(search, space, outcome.drop_budget, w, terms, relax=True) \
+                if outcome.drop_budget > DP_MAX_BUDGET else found
+            if least_here is None:
                 continue
             options = results[here[0]].dense_options.get(c) or {None: 0.0}  # the weighted mean's least dense part
             dense = min(sum(lam[i] * (results[i].dense_options[c][p] if p is not None else 0.0) / results[i].best_cost
                             for i in here) for p in options)
-            bound += found[0] + dense - sum(lam[i] for i in here)
-            if len(here) == len(results):  # a candidate plan only where it weighs every case
+            bound += least_here[0] + dense - sum(lam[i] for i in here)
+            if found is not None and len(here) == len(results):  # a candidate plan only where it weighs every case
                 found = (found[0], solution(found[1], search.layers, scorer, found[2]))
                 worst = max(regrets(found[1], outcome, results))
                 if best is None or worst < best[0]:
@@ -396,6 +400,9 @@ class Robustness:
     cost_of_robustness: float = 0.0  # the plan's nominal cost / the nominal plan's - 1 (the trade --robust made)
     regret_floor: float | None = None  # --robust: no candidate plan's worst-case regret is below this (None: unknown)
     dense_choice: object | None = None  # --robust: the DenseChoice the pick takes where it is not the search's
+    # the analysis, kept to report another plan on it (`reassess`): each case's optimum, the nominal plan's cost
+    results: list[CaseResult] = dataclasses.field(default_factory=list, repr=False)
+    nominal_cost: float = 0.0
 
     def to_json(self) -> dict:
         return {"max_regret": self.max_regret, "cases": self.cases, "robust_pick": self.robust,
@@ -416,7 +423,6 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
     w = outcome.weights
     results = solve_cases(outcome, scorer, cases or default_cases(scorer.cost), w)
     plan, candidates, floor, dense = outcome.best, [outcome.best], None, None
-    nominal_worst = max(regrets(outcome.best, outcome, results), default=0.0)
     if pick:
         minimax, floor = minimax_plans(outcome, scorer, results)
         candidates += [r.best for r in results] + outcome.front + minimax
@@ -439,6 +445,25 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
         place = picks[i][0]
         if place is not None and place != outcome.dense[plan.chunk_tokens].placement:
             dense = outcome.dense[plan.chunk_tokens].priced(place, scorer.cost)
+    analysis = Robustness(0.0, [], pick, len(candidates), 0.0, objective_name(w),
+                          nominal_max_regret=max(regrets(outcome.best, outcome, results), default=0.0),
+                          regret_floor=floor, results=results, nominal_cost=_whole(outcome.best, outcome, w))
+    return plan, _report(outcome, analysis, plan, dense, t0)
+
+
+def reassess(outcome: SearchOutcome, robustness: Robustness, plan: Solution) -> Robustness:
+    """`robustness` reporting `plan` instead of its pick (the fidelity gate's choice, where the gate passed over the
+    pick): the same cases and optima, the same candidates compared and the same floor (no candidate plan, this one
+    included, has a worst-case regret below it); the pick's dense placement where `plan` is at its chunk size."""
+    dense = robustness.dense_choice
+    if dense is not None and dense.prediction.chunk_tokens != plan.chunk_tokens:
+        dense = None
+    return _report(outcome, robustness, plan, dense, time.perf_counter() - robustness.seconds)
+
+
+def _report(outcome: SearchOutcome, analysis: Robustness, plan: Solution, dense, t0: float) -> Robustness:
+    """`plan`'s regrets in each case (with the dense placement `dense`, None: the search's) on `analysis`."""
+    w, results = outcome.weights, analysis.results
     reg = regrets(plan, outcome, results)
     if dense is not None:
         reg = dense_regrets(reg, plan.chunk_tokens, results)[dense.placement]
@@ -453,7 +478,7 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
                      "plan_energy_mj": None if mine.energy_mj is None else mine.energy_mj * per,
                      "best_energy_mj": None if r.best.energy_mj is None else r.best.energy_mj * per,
                      "regret": g})
-    objective = objective_name(w)
     whole = _whole(plan, outcome, w) if dense is None else _cost(plan, w) + weighted_cost(dense.score, w)
-    return plan, Robustness(max(reg, default=0.0), rows, pick, len(candidates), time.perf_counter() - t0, objective,
-                            nominal_worst, whole / _whole(outcome.best, outcome, w) - 1.0, floor, dense)
+    return dataclasses.replace(analysis, max_regret=max(reg, default=0.0), cases=rows,
+                               seconds=time.perf_counter() - t0, cost_of_robustness=whole / analysis.nominal_cost - 1.0,
+                               dense_choice=dense)

@@ -1,0 +1,113 @@
+"""Write docs/commands.md, the command reference, from the argparse parsers (`autotune.cli.build_parser`).
+
+    python scripts/make_docs.py [--check]
+
+Every command, its usage and every flag with its help (defaults expanded as `--help` prints them). tests/test_docs.py
+fails when the page differs from what the parsers give; `--check` does the same here (exit 1, nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAGE = ROOT / "docs" / "commands.md"
+REGENERATE = "python scripts/make_docs.py"
+HOST_PROFILE = "$NPUMOE_CACHE/profiles/HOST-ID.json"  # a default that names this host: the page names none
+
+
+def _cell(text: str) -> str:
+    """Text for one table cell: one line, its pipes and angle brackets escaped (GitHub reads `<x>` as HTML)."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _metavar(action: argparse.Action) -> str:
+    """What follows a flag on the command line: its metavar, or its choices, or its destination in capitals."""
+    if action.nargs == 0:
+        return ""
+    if action.metavar is not None:
+        return " ".join(action.metavar) if isinstance(action.metavar, tuple) else action.metavar
+    if action.choices is not None:
+        return "{" + ",".join(map(str, action.choices)) + "}"
+    return action.dest.upper()
+
+
+def _synopsis(action: argparse.Action) -> str:
+    """An argument as the usage line shows it: `--flag METAVAR`, or the positional's metavar."""
+    if not action.option_strings:
+        return _metavar(action)
+    return " ".join(filter(None, (action.option_strings[0], _metavar(action))))
+
+
+def _flag(action: argparse.Action) -> str:
+    """The flag cell: every spelling with its metavar, `(required)` where it must be given."""
+    metavar = _metavar(action)
+    names = ", ".join(f"`{o}{' ' + metavar if metavar else ''}`" for o in action.option_strings) \
+        if action.option_strings else f"`{metavar}`"
+    return names.replace("|", "\\|") + (" (required)" if action.required and action.option_strings else "")
+
+
+def _arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+
+
+def _usage(name: str, parser: argparse.ArgumentParser) -> str:
+    """One usage line, built here rather than by argparse, whose wrapping changes across Python versions."""
+    parts = [_synopsis(a) if a.required or not a.option_strings else f"[{_synopsis(a)}]" for a in _arguments(parser)]
+    return " ".join([f"autotune {name}", *parts])
+
+
+def _section(name: str, help_text: str, parser: argparse.ArgumentParser) -> list[str]:
+    """One command's section: what it does, its usage, and a row per flag with its help as `--help` expands it."""
+    formatter = parser._get_formatter()
+    lines = [f"## `autotune {name}`", "", _cell(help_text or ""), ""]
+    if parser.description and parser.description.strip() != (help_text or "").strip():
+        lines += [_cell(parser.description), ""]
+    lines += ["```", _usage(name, parser), "```", "", "| flag | what it does |", "|---|---|"]
+    for action in _arguments(parser):
+        lines.append(f"| {_flag(action)} | {_cell(formatter._expand_help(action) if action.help else '')} |")
+    return lines + [""]
+
+
+def render(parser: argparse.ArgumentParser | None = None) -> str:
+    """The page for `parser` (default: `autotune`'s own)."""
+    from autotune.cli import build_parser
+    from autotune.profiling.profile import host_profile_path
+
+    parser = parser or build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    lines = ["# Command reference", "",
+             f"Generated from the command's parsers by `{REGENERATE}`; tests/test_docs.py fails when it is out "
+             "of date.",
+             "Every command also answers `--help`; `python -m autotune` is the same command, and `autotune "
+             "--version` prints the version.", "",
+             *(f"- [`autotune {name}`](#autotune-{name}): {_cell(helps.get(name) or '')}" for name in sub.choices),
+             ""]
+    for name, p in sub.choices.items():
+        lines += _section(name, helps.get(name) or "", p)
+    page = "\n".join(lines).rstrip() + "\n"
+    return page.replace(str(host_profile_path()), HOST_PROFILE)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/commands.md is out of date; write nothing")
+    args = ap.parse_args()
+    page = render()
+    if args.check:
+        current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
+        if current != page:
+            print(f"docs/commands.md is out of date: run `{REGENERATE}`", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page, encoding="utf-8")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
