@@ -1,11 +1,12 @@
 """The MoE executor: keeps transformers' routing and replaces expert compute by the plan.
 
 Per layer and chunk: rank each expert's assignments by saliency, pack the ones that fit into the group's
-fixed slices, run each group in one static call, run cold experts (and spilled overflow) exactly on the CPU,
-then combine with the router weights. Registered as a transformers experts implementation.
+fixed slices, run each group in one static call, run cold experts (and spilled overflow) exactly on the plan's exact
+paths (cpu-exact, or another registered one: `Plan.exact`, `LayerPlan.exact_split`), then combine with the router
+weights. Registered as a transformers experts implementation.
 
 Decode policy: a chunk with fewer tokens than the plan's `exact_below` (every decode step) runs wholly on the exact
-path, through transformers' own grouped kernel: no static call, no padding, no drop, no overhead where static
+path (cpu-exact: transformers' own grouped kernel): no static call, no padding, no drop, no overhead where static
 groups cannot pay off. A layer without groups runs its other chunks on the chunked exact path, expert by expert,
 as the cost model prices it (and faster than transformers' kernel at a chunk's rows: measured on the Linux x86-64
 host, fp32, one thread, 1.6x at a Qwen3-30B-A3B-width 4,096-token chunk, 1.14x at tiny-moe's 2,048).
@@ -20,10 +21,9 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
+from transformers.integrations.moe import ExpertsInterface
 
-from runtime.backends import EXACT, ExactFn, GroupFn, GroupSpec, StaticBackend, registry
-from runtime.cpu.cpu_backends import exact_experts_forward, is_packed, run_exact
+from runtime.backends import ExactFn, ExactPath, GroupFn, GroupSpec, StaticBackend, registry
 from runtime.dense import DenseExecutor
 from runtime.drift import DriftMonitor
 from runtime.loading.model_loader import model_spec, moe_layers
@@ -37,9 +37,12 @@ class LayerExecutor:
     """One MoE layer under its plan: lookup tables from expert id to slice, and the prepared group calls."""
 
     def __init__(self, layer_plan: LayerPlan, module: torch.nn.Module, plan: Plan, stats: LayerStats,
-                 backends: dict[str, StaticBackend], exact: ExactFn = run_exact) -> None:
+                 backends: dict[str, StaticBackend], exact: ExactFn | None = None,
+                 exact_paths: dict[str, ExactPath] | None = None) -> None:
+        """`exact_paths`: the exact paths the plan names, resolved (`resolve_exact_paths`; default: resolved here);
+        `exact`: a compute replacing theirs (the profiler swaps in identity to time host work alone)."""
         n = module.num_experts
-        self.exact = exact  # the exact path's compute (the profiler swaps in identity to time host work alone)
+        self.exact = exact
         self.module, self.own_stats = module, stats
         self.chunk, self.spill, self.rule = plan.chunk_tokens, plan.overflow == "spill", plan.saliency
         self.exact_below = plan.exact_below
@@ -60,10 +63,17 @@ class LayerExecutor:
                 row += c
             self.groups.append((backend.name, fn, row - g.slots, row))
         self.slots = row
-        # transformers' grouped kernel runs full-width experts; packed ones run expert by expert on the exact path.
-        self.fused_fn = exact_experts_forward if is_packed(module) else grouped_mm_experts_forward
-        # Where a group runs off the CPU, the chunk's exact path runs meanwhile on one worker thread.
-        self.overlap = any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
+        # The layer's exact paths, the plan's first (spills, decode steps, cold experts), then its exact_split's;
+        # `path_of[e]`: which one runs expert e's exact assignments.
+        names = [plan.exact_path, *(p for p in (layer_plan.exact_split or {}) if p != plan.exact_path)]
+        paths = {p: (exact_paths or {}).get(p) or registry.resolve_exact(p) for p in names}
+        self.paths = [(paths[p].name, paths[p].prepare(module)) for p in names]
+        self.path_of = torch.zeros(n, dtype=torch.long)
+        for i, p in enumerate(names[1:], 1):
+            self.path_of[(layer_plan.exact_split or {})[p]] = i
+        # Where a group or an exact path runs off the CPU, the chunk's exact path runs meanwhile on one worker.
+        self.overlap = bool(layer_plan.groups) and (any(backends[g.backend].overlaps_cpu for g in layer_plan.groups)
+                                                    or any(paths[p].overlaps_cpu for p in names))
         self.pool: ThreadPoolExecutor | None = None
         self.open()
 
@@ -124,15 +134,16 @@ class LayerExecutor:
         return out
 
     def _all_exact(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every assignment exact, in one grouped call: what transformers computes. Not shown to the drift monitor:
-        the plan never ran these chunks."""
+        """Every assignment exact, in one call of the plan's exact path (cpu-exact: transformers' grouped kernel).
+        Not shown to the drift monitor: the plan never ran these chunks."""
         st = self.stats
         st.tokens += x.shape[0]  # a few tokens (a decode step): counting in Python is cheaper than more torch ops
         st.assignments += idx.numel()
         experts = len(set(idx.reshape(-1).tolist()))
-        st.tokens_per_backend[EXACT] += idx.numel()
-        st.calls_per_backend[EXACT] += experts
-        return self.fused_fn(self.module, x, idx, weights)
+        name, path = self.paths[0]
+        st.tokens_per_backend[name] += idx.numel()
+        st.calls_per_backend[name] += experts
+        return path.forward(x, idx, weights, st)
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
         """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""
@@ -146,17 +157,31 @@ class LayerExecutor:
         return kept, self.base[eid[kept]] + rank[kept], grouped & ~kept
 
     def _exact(self, x, eid, w, tok, mask, st: LayerStats) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cpu-exact: the masked assignments, grouped by expert, no padding, counted in `st` (the caller's: this
-        may run on the exact-path worker). Returns (token index, rows)."""
+        """The masked assignments on their exact paths, grouped by expert, no padding, counted in `st` (the
+        caller's: this may run on the exact-path worker). Returns (token index, rows)."""
         sel = mask.nonzero().squeeze(1)
         if sel.numel() == 0:
             return None
         sel = sel[torch.argsort(eid[sel], stable=True)]
+        if len(self.paths) == 1:
+            return self._exact_on(0, x, eid, w, tok, sel, st)
+        on = self.path_of[eid[sel]]
+        parts = [self._exact_on(i, x, eid, w, tok, sel[on == i], st) for i in range(len(self.paths))]
+        parts = [p for p in parts if p is not None]
+        return torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
+
+    def _exact_on(self, path: int, x, eid, w, tok, sel, st: LayerStats) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Assignments `sel` (sorted by expert) on exact path `path`."""
+        if sel.numel() == 0:
+            return None
         counts = torch.bincount(eid[sel], minlength=self.base.numel())
         experts = counts.nonzero().squeeze(1).tolist()
-        y = self.exact(self.module, x[tok[sel]], experts, counts[experts].tolist())
-        st.tokens_per_backend[EXACT] += sel.numel()
-        st.calls_per_backend[EXACT] += len(experts)
+        counts = counts[experts].tolist()
+        name, layer = self.paths[path]
+        xs = x[tok[sel]]
+        y = self.exact(self.module, xs, experts, counts) if self.exact else layer.run(xs, experts, counts, st)
+        st.tokens_per_backend[name] += sel.numel()
+        st.calls_per_backend[name] += len(experts)
         return tok[sel], y * w[sel, None]
 
 
@@ -169,6 +194,13 @@ def _npumoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 
 
 ExpertsInterface.register(IMPLEMENTATION, _npumoe_experts_forward)
+
+
+def resolve_exact_paths(plan: Plan) -> dict[str, ExactPath]:
+    """Every exact path the plan names (`Plan.exact`, each layer's `exact_split`), each resolved once: an
+    unavailable one runs on its fallback (cpu-exact), said once."""
+    names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}
+    return {name: registry.resolve_exact(name) for name in sorted(names)}
 
 
 class ForwardContext(threading.local):
@@ -193,9 +225,11 @@ class PlanExecutor:
         # Resolve each named backend once per run, so an unavailable one falls back (and says so) once.
         named = {g.backend for lp in plan.layers for g in lp.groups}
         self.backends = {name: registry.resolve(name, backends, options) for name in sorted(named)}
-        self.fallbacks = {name: b.name for name, b in self.backends.items() if b.name != name}
+        self.exact_paths = resolve_exact_paths(plan)
+        self.fallbacks = {name: b.name for name, b in [*self.backends.items(), *self.exact_paths.items()]
+                          if b.name != name}
         self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
-                                              self.backends) for l in moe_layers(model)}
+                                              self.backends, exact_paths=self.exact_paths) for l in moe_layers(model)}
         self.context = ForwardContext()
         for index, layer in self.layers.items():
             layer.context, layer.phase_stats = self.context, {p: self.stats.layer(index, p) for p in PHASES}

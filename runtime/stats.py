@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from runtime.backends.registry import EXACT
+from runtime.backends.registry import registry
 
 
 @dataclass
@@ -21,6 +21,10 @@ class LayerStats:
     filled: int = 0  # static slice rows that held a real assignment
     tokens_per_backend: Counter = field(default_factory=Counter)  # assignments computed per backend
     calls_per_backend: Counter = field(default_factory=Counter)
+    # per exact path computing off torch (mlx-exact): microseconds spent moving its calls' inputs and outputs
+    # between torch and that runtime (copies, views, dtype views; not its compute), and how many calls crossed
+    crossing_us: Counter = field(default_factory=Counter)
+    crossings: Counter = field(default_factory=Counter)
     watcher: Callable[[np.ndarray, int], None] | None = None  # sees each chunk's expert loads (drift monitor)
 
     def record_chunk(self, tokens: int, loads: torch.Tensor, overflow: int, spill: bool) -> None:
@@ -43,14 +47,19 @@ class LayerStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.tokens_per_backend.update(other.tokens_per_backend)
         self.calls_per_backend.update(other.calls_per_backend)
+        self.crossing_us.update(other.crossing_us)
+        self.crossings.update(other.crossings)
 
     def to_json(self) -> dict:
+        """Counts and rates; `crossing_us_per_call` (mean per exact path that crossed) only where one crossed."""
+        crossing = {name: self.crossing_us[name] / n for name, n in self.crossings.items() if n}
         return {"assignments": self.assignments, "dropped": self.dropped, "spilled": self.spilled,
                 "tokens": self.tokens, "drop_rate": self.dropped / self.assignments if self.assignments else 0.0,
                 "spill_rate": self.spilled / self.assignments if self.assignments else 0.0,
                 "padding_fraction": self.padding_fraction, "static_slots": self.slots,
                 "tokens_per_backend": dict(self.tokens_per_backend),
-                "calls_per_backend": dict(self.calls_per_backend)}
+                "calls_per_backend": dict(self.calls_per_backend),
+                **({"crossing_us_per_call": crossing} if crossing else {})}
 
 
 PHASES = ("prefill", "decode")
@@ -78,9 +87,10 @@ class RunStats:
         return total
 
     def static_calls(self, phase: str | None = None) -> int:
-        """Calls to static groups (every backend but cpu-exact); summed without merging the layers' stats (a
+        """Calls to static groups (every backend but the exact paths); summed without merging the layers' stats (a
         server reads it around every decode step)."""
-        return sum(n for s in self._of(phase) for name, n in s.calls_per_backend.items() if name != EXACT)
+        exact = registry.exact_paths()
+        return sum(n for s in self._of(phase) for name, n in s.calls_per_backend.items() if name not in exact)
 
     def reset(self) -> None:
         for layers in (self.layers, self.decode):  # in place: executors hold references to their LayerStats

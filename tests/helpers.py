@@ -142,6 +142,51 @@ def convert_to_mlx(out, bits: int, group: int):
     return out
 
 
+def mlx_fp32(folder):
+    """mlx-lm's model of the folder, computing in float32 (its bf16 scales and norms widened exactly)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_map
+
+    model, _ = mlx_lm.load(str(folder))
+    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
+    return model
+
+
+def all_cpu_plan(model, chunk: int = 256):
+    """Every expert of every MoE layer of `model` on cpu-exact."""
+    from runtime.loading.model_loader import model_spec
+    from runtime.plan import LayerPlan, Plan
+
+    spec = model_spec(model)
+    return Plan(model=spec, chunk_tokens=chunk, overflow="drop", saliency="router_weight",
+                layers=[LayerPlan(layer=l, groups=[], cpu_exact=list(range(spec.num_experts)))
+                        for l in spec.moe_layers])
+
+
+def prefilled_with_own_steps(loaded, ids, lengths):
+    """A Generation per prompt length (prefilled, its first token accepted) and each one's next-step logits run
+    alone (its cache cropped back after): what a batched decode step must give each row."""
+    import torch
+
+    from runtime.generation import Generation
+
+    gens, alone = [], []
+    for n in lengths:
+        gen = Generation(loaded, ids[:n], 8, 0.0, 0, None)
+        for _ in gen.prefill_steps():
+            pass
+        gen.accept()
+        gens.append(gen)
+    for gen in gens:
+        with torch.inference_mode():
+            out = loaded.model(input_ids=torch.tensor([[gen.tokens[-1]]]), cache=gen.cache, use_cache=True,
+                               logits_to_keep=1)
+        alone.append(out.logits[0, -1].clone())
+        gen.cache.crop(-1)
+    return gens, alone
+
+
 @contextmanager
 def served_on_a_thread(engine, api_key: str):
     """`engine`'s app on a free loopback port from a thread (uvicorn, as `autotune serve` runs it): yields its URL,

@@ -1,9 +1,9 @@
 """The batched decode step: each padded row's logits equal its own step's bitwise (bf16, where a masked padded
 softmax rounded differently and greedy decoding flipped on a near tie)."""
 import torch
+from helpers import prefilled_with_own_steps
 
 import runtime
-from runtime.generation import Generation
 from runtime.serving.decode_batch import ROWS, DecodeBatch
 
 
@@ -11,20 +11,7 @@ def test_a_padded_batched_step_gives_each_row_its_own_logits_bitwise():
     loaded = runtime.load("tiny-moe", dtype="bfloat16")
     ids = torch.tensor(loaded.tokenizer.encode("Static groups for the prompt, the exact path for every new token. "
                                                * 4, add_special_tokens=False))
-    gens = []
-    for n in (9, 17, 30, 12):  # different lengths: every row but the longest is left-padded
-        gen = Generation(loaded, ids[:n], 8, 0.0, 0, None)
-        for _ in gen.prefill_steps():
-            pass
-        gen.accept()
-        gens.append(gen)
-    alone = []
-    for gen in gens:
-        with torch.inference_mode():
-            out = loaded.model(input_ids=torch.tensor([[gen.tokens[-1]]]), cache=gen.cache, use_cache=True,
-                               logits_to_keep=1)
-        alone.append(out.logits[0, -1].clone())
-        gen.cache.crop(-1)
+    gens, alone = prefilled_with_own_steps(loaded, ids, (9, 17, 30, 12))  # every row but the longest left-padded
     batch = DecodeBatch(loaded)
     assert loaded.model.config._attn_implementation == ROWS
     for gen in gens:

@@ -24,7 +24,7 @@ def _layer(threshold: int | None):
 
 
 def test_a_layer_without_groups_runs_planned_chunks_on_the_exact_path_and_decode_through_transformers(monkeypatch):
-    import runtime.executor
+    import runtime.cpu.cpu_backends
 
     model, _ = random_model("random:qwen3_moe")
     layer = moe_layers(model)[0]
@@ -36,7 +36,7 @@ def test_a_layer_without_groups_runs_planned_chunks_on_the_exact_path_and_decode
         fused.append(x.shape[0])
         return grouped_mm_experts_forward(module, x, idx, w)
 
-    monkeypatch.setattr(runtime.executor, "grouped_mm_experts_forward", recorded)
+    monkeypatch.setattr(runtime.cpu.cpu_backends, "grouped_mm_experts_forward", recorded)
     ex = LayerExecutor(lp, layer.experts, plan, LayerStats(), {})
     torch.manual_seed(0)
     n, k, experts = 40, 2, layer.experts.num_experts

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
+from helpers import all_cpu_plan, mlx_fp32  # noqa: E402
 from helpers import convert_to_mlx as convert  # noqa: E402
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT  # noqa: E402
@@ -25,7 +26,7 @@ from runtime.cpu.quantized import QuantizedEmbedding, QuantizedExperts, Quantize
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import PlanExecutor  # noqa: E402
 from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
-from runtime.plan import LayerPlan, Plan, save_plan  # noqa: E402
+from runtime.plan import Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
 
 
@@ -34,24 +35,8 @@ def q4(tmp_path_factory) -> Path:
     return convert(tmp_path_factory.mktemp("mlx") / "q4g64", 4, 64)
 
 
-def mlx_fp32(folder: Path):
-    """mlx-lm's model of the folder, computing in float32 (its bf16 scales and norms widened exactly)."""
-    from mlx.utils import tree_map
-
-    model, _ = mlx_lm.load(str(folder))
-    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
-    return model
-
-
 def mlx_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(model(mx.array(ids.numpy()[None])).astype(mx.float32))[0])
-
-
-def all_cpu_plan(model: torch.nn.Module, chunk: int = 256) -> Plan:
-    spec = model_spec(model)
-    return Plan(model=spec, chunk_tokens=chunk, overflow="drop", saliency="router_weight",
-                layers=[LayerPlan(layer=l, groups=[], cpu_exact=list(range(spec.num_experts)))
-                        for l in spec.moe_layers])
 
 
 def stored_bytes(folder: Path) -> int:

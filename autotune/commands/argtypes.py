@@ -298,6 +298,16 @@ def static_backend(text: str) -> str:
     return text
 
 
+def exact_path(text: str) -> str:
+    """An exact path a plan may name: a registered one (built-in or plugin)."""
+    from runtime.backends import registry
+
+    names = registry.exact_paths()
+    if text not in names:
+        _fail(f"unknown exact path {text!r}; choose from {', '.join(names)}")
+    return text
+
+
 def backend_list(text: str) -> list[str]:
     """A comma-separated list of registered backends (what `profile-device` measures)."""
     from runtime.backends import registry

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from autotune.commands.argtypes import output_file, positive_int, static_backend
+from autotune.commands.argtypes import exact_path, output_file, positive_int, static_backend
 from autotune.commands.common import add_model_argument
 from autotune.searching.templates import CAPACITIES, template_plan
-from runtime.backends import REFERENCE
+from runtime.backends import EXACT, REFERENCE, registry
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import context_length, read_model_spec
+from runtime.loading.model_loader import RANDOM_PREFIX, context_length, model_dir, read_model_spec
 from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, save_plan
 
 
@@ -19,7 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ample: capacity >= chunk tokens (nothing can overflow); tight: a quarter of the mean load")
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="drop",
                    help="what happens to tokens beyond a group's capacity: drop them (the router's other experts "
-                        "still count) or spill them to cpu-exact (default drop)")
+                        "still count) or spill them to the exact path (default drop)")
+    p.add_argument("--exact", type=exact_path, metavar="NAME",
+                   help=f"the exact path of every expert in no group, of spilled assignments and of decode steps: "
+                        f"a registered exact path (default {EXACT}); a model whose weights it cannot run as stored "
+                        "is refused")
     p.add_argument("--backend", type=static_backend, default=REFERENCE, metavar="NAME",
                    help=f"backend of every group: a registered static backend, plugins included (default {REFERENCE})")
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
@@ -39,11 +43,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     context = _dense_context(args)
+    check = registry.get(args.exact).check_weights if args.exact else None
+    if check is not None and not args.model.startswith(RANDOM_PREFIX):
+        check(model_dir(args.model))
     plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk,
-                         args.saliency, dense=args.dense, context_tokens=context)
+                         args.saliency, dense=args.dense, context_tokens=context, exact=args.exact)
     save_plan(plan, args.out)
     print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
-          f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}")
+          f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}, "
+          f"exact path {plan.exact_path}")
     if plan.dense is not None:
         buckets = plan.dense.attention_context_buckets
         print(f"dense functions of {len(plan.dense.layers)} layers on {args.dense}; attention buckets "

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from autotune.evaluation import nextsent
-from runtime.backends import EXACT
+from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 
@@ -128,7 +128,7 @@ def run_tasks(executor: PlanExecutor, tokenizer: object, tasks: tuple[list[str],
         planned = evaluate()
     total = executor.stats.total()
     results = {t: paired(reference[t], planned[t]) for t in reference if reference[t]}
-    if any(lp.groups for lp in executor.plan.layers) and not set(total.calls_per_backend) - {EXACT}:
+    if any(lp.groups for lp in executor.plan.layers) and not set(total.calls_per_backend) - set(registry.exact_paths()):
         log.warning("every request of the tasks is shorter than the plan's exact_below_tokens (%d): they ran wholly "
                     "on the exact path, so the accuracies say nothing of the plan's static groups",
                     executor.plan.exact_below)

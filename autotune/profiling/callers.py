@@ -42,15 +42,15 @@ class Rotor:
 
 def group_caller(info: BackendInfo, module: torch.nn.Module, caps: list[int], hidden: int,
                  rotor: Rotor) -> Call:
-    """One call of the backend over len(caps) experts, as the executor makes it: the exact path's, the backend's own
-    profiling call where its registry entry has one, else its prepared function of a synthetic group (groups over
-    other experts in turn)."""
+    """One call of the backend over len(caps) experts, as the executor makes it: the backend's own profiling call
+    where its registry entry has one, else cpu-exact's for an exact path, else its prepared function of a synthetic
+    group (groups over other experts in turn)."""
     g = len(caps)
     x = torch.randn(sum(caps), hidden)
-    if info.exact:
-        return Call(lambda: run_exact(module, x, rotor.next(g), caps), (x,))
     if info.profile_call is not None:
         return Call(info.profile_call(module, caps, hidden), ())
+    if info.exact:
+        return Call(lambda: run_exact(module, x, rotor.next(g), caps), (x,))
     backend = info.create()
     n_sets = max(1, module.num_experts // g)
     fns = [backend.prepare(GroupSpec(0, i, tuple(range(i * g, i * g + g)), tuple(caps), module))

@@ -92,6 +92,8 @@ def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, 
             else:
                 call = group_caller(info, module, task.capacities, task.hidden, Rotor(s.num_experts))
             rec = task.describe()
+            if info is not None and info.profile_device is not None:
+                rec["device"] = info.profile_device()  # e.g. mlx-exact on MLX's CPU device: no GPU's time
             if host:
                 rec["assignments"] = task.tokens * s.top_k
                 rec["slots"] = s.num_experts * task.capacities[0] if task.kind == "pack" else 0

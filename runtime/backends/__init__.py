@@ -12,6 +12,8 @@ from runtime.backends.protocol import (
     DenseForm,
     DenseSpec,
     ExactFn,
+    ExactLayer,
+    ExactPath,
     GroupFn,
     GroupSpec,
     StaticBackend,
@@ -30,5 +32,5 @@ from runtime.backends.registry import (
 )
 
 __all__ = ["CPU_ENERGY", "DENSE_KINDS", "ENTRY_POINT_GROUP", "EXACT", "REFERENCE", "BackendInfo", "BackendRegistry",
-           "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "GroupFn", "GroupSpec",
+           "DenseFn", "DenseForm", "DenseSpec", "ExactFn", "ExactLayer", "ExactPath", "GroupFn", "GroupSpec",
            "StaticBackend", "attention_reference", "dense_reference", "expert_ffn", "registry"]

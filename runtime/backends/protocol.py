@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from runtime.stats import LayerStats
 
 GroupFn = Callable[[torch.Tensor], torch.Tensor]
 # A row-wise dense function: [rows, in] -> [rows, out]; the attention core: (q, k, v, allowed) -> out (DenseSpec).
@@ -90,6 +93,39 @@ class StaticBackend(Protocol):
 
     # Optional: `prepare_dense(spec: DenseSpec) -> DenseFn`, a plan's dense function (runtime.dense). A backend
     # without it cannot run dense functions: they run on the first backend down its fallbacks that has it.
+
+
+class ExactLayer(Protocol):
+    """One layer's experts on an exact path (exact token counts, no padding, no drop), prepared by `ExactPath`.
+    Both calls count what crossing to another runtime cost (`LayerStats.crossing_us`) in `stats` where given;
+    they may run on the layer's exact-path worker while the static groups run on the forward pass's thread."""
+
+    def run(self, x_sorted: torch.Tensor, experts: list[int], counts: list[int],
+            stats: LayerStats | None = None) -> torch.Tensor:
+        """Rows of `x_sorted` grouped by expert (`counts[i]` rows for `experts[i]`) -> their expert outputs."""
+        ...
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                stats: LayerStats | None = None) -> torch.Tensor:
+        """Every assignment of `x` [T, H] (a decode step): the router-weighted sum of its experts' outputs."""
+        ...
+
+
+class ExactPath(Protocol):
+    """An exact path (a registry entry with `exact=True`, made by its factory): where a plan's experts in no group,
+    its spilled assignments and its decode steps run (`Plan.exact`, `LayerPlan.exact_split`)."""
+
+    name: str
+    overlaps_cpu: bool  # computes off the CPU: the layer's exact work then runs on a worker beside the static calls
+
+    def available(self) -> tuple[bool, str]:
+        """(usable on this host, why); False runs the plan's work for it on its fallback (cpu-exact), said once."""
+        ...
+
+    def prepare(self, module: torch.nn.Module) -> ExactLayer:
+        """The layer's experts ready to run (weights wrapped once, here, never per call); refuses (NpumoeError, one
+        line) weights this path cannot run."""
+        ...
 
 
 def gated_activation(module: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from runtime.errors import NpumoeError
@@ -22,7 +23,7 @@ from runtime.errors import NpumoeError
 if TYPE_CHECKING:
     import torch
 
-    from runtime.backends.protocol import DenseSpec, StaticBackend
+    from runtime.backends.protocol import DenseSpec, ExactPath, StaticBackend
 
 log = logging.getLogger("npumoe")
 
@@ -43,9 +44,9 @@ class BackendInfo:
     """Everything npumoe knows about one backend, read by the plan's validation, the runtime, the profiler, the
     cost model and the search; nothing else names a backend."""
     name: str
-    # Makes the runtime backend (a `StaticBackend`), given as keywords the registry options it declares in
-    # `options`; None for backends that only the profiler runs (the exact path, Core ML on the CPU).
-    factory: Callable[..., StaticBackend] | None
+    # Makes the runtime backend (a `StaticBackend`; an `ExactPath` for an exact path), given as keywords the
+    # registry options it declares in `options`; None for backends that only the profiler runs (Core ML on the CPU).
+    factory: Callable[..., StaticBackend | ExactPath] | None
     overlaps_cpu: bool = False  # calls run off the CPU: the exact path runs meanwhile (executor, cost model)
     fallback: str | None = REFERENCE  # where its groups run when it is unavailable; None: always available
     options: tuple[str, ...] = ()  # registry options its factory takes (the ANE: `package`)
@@ -62,6 +63,12 @@ class BackendInfo:
     profile_dense: ProfileDense | None = None
     # Whether the profiler can run it here, when that differs from the runtime backend's `available()`.
     profile_available: Callable[[], tuple[bool, str]] | None = None
+    # Where its profiled calls run when the name does not say (mlx-exact: "gpu", or "cpu" for MLX's CPU device off a
+    # Mac), marked on its profile records as `device`.
+    profile_device: Callable[[], str] | None = None
+    # Refuses (NpumoeError, one line) a model folder whose weights it cannot run as stored, when a plan is made for
+    # it (`plan-template --exact`): mlx-exact runs an MLX folder's own packed experts.
+    check_weights: Callable[[Path], None] | None = None
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
     profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
 
@@ -70,7 +77,7 @@ class BackendInfo:
         """Whether a plan's group may name it."""
         return self.factory is not None and not self.exact
 
-    def create(self, options: dict[str, Any] | None = None) -> StaticBackend:
+    def create(self, options: dict[str, Any] | None = None) -> StaticBackend | ExactPath:
         """The runtime backend, given the options it declares (absent or None ones left out)."""
         if self.factory is None:
             raise NpumoeError(f"backend {self.name!r} is profiled only: nothing runs a plan's groups on it")
@@ -200,6 +207,24 @@ class BackendRegistry:
                 return backend
             reason = reason or why
         raise NpumoeError(f"no backend to run {name!r} on: {reason}")
+
+    def resolve_exact(self, name: str) -> ExactPath:
+        """The exact path to run what a plan places on exact path `name`: it if available, else the first available
+        one along its fallbacks (cpu-exact at the end), said once, with the reason."""
+        reason = ""
+        for candidate in self.fallbacks(name):
+            info = self.get(candidate)
+            if info is None or not info.exact or info.factory is None:
+                continue
+            path = info.create()
+            ok, why = path.available()
+            if ok:
+                if candidate != name:
+                    log.warning("plan names exact path %r but it is unavailable (%s): running its experts on %s",
+                                name, reason or why, candidate)
+                return path
+            reason = reason or why
+        raise NpumoeError(f"no exact path to run {name!r} on: {reason or 'it is not registered'}")
 
 
 registry = BackendRegistry()

@@ -3,11 +3,16 @@ against and every backend's last fallback) and `cpu-exact` (the exact path: exac
 dropping; not a plan group's backend, always there)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
 
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, dense_reference, expert_ffn
 from runtime.backends.registry import EXACT, REFERENCE, BackendInfo
+
+if TYPE_CHECKING:
+    from runtime.stats import LayerStats
 
 PACKED_IMPLEMENTATION = "npumoe-packed"  # the experts implementation of a model whose experts are packed
 
@@ -60,7 +65,36 @@ def exact_experts_forward(module: torch.nn.Module, x: torch.Tensor, top_k_index:
 
 ExpertsInterface.register(PACKED_IMPLEMENTATION, exact_experts_forward)
 
+
+class CpuExactLayer:
+    """A layer's experts on cpu-exact: expert by expert in torch (`run_exact`); a decode step in one call of
+    transformers' grouped kernel (packed experts: `exact_experts_forward`). Nothing crosses: no crossing counted."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.fused = exact_experts_forward if is_packed(module) else grouped_mm_experts_forward
+
+    def run(self, x_sorted: torch.Tensor, experts: list[int], counts: list[int],
+            stats: LayerStats | None = None) -> torch.Tensor:
+        return run_exact(self.module, x_sorted, experts, counts)
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                stats: LayerStats | None = None) -> torch.Tensor:
+        return self.fused(self.module, x, top_k_index, top_k_weights)
+
+
+class CpuExactPath:
+    """cpu-exact: torch on this process's threads, always there (every exact path's last fallback)."""
+    name = EXACT
+    overlaps_cpu = False
+
+    def available(self) -> tuple[bool, str]:
+        return True, "torch on the CPU"
+
+    def prepare(self, module: torch.nn.Module) -> CpuExactLayer:
+        return CpuExactLayer(module)
+
 BACKENDS = (
     BackendInfo(REFERENCE, CpuStaticBackend, fallback=None, cpu_torch=True),
-    BackendInfo(EXACT, None, fallback=None, exact=True, cpu_torch=True),
+    BackendInfo(EXACT, CpuExactPath, fallback=None, exact=True, cpu_torch=True),
 )

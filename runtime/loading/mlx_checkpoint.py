@@ -92,6 +92,19 @@ class _Formats:
         return self.default
 
 
+def expert_formats(path: Path) -> dict[str, tuple[int, int, str]]:
+    """The (bits, group size, mode) each packed expert projection of MLX folder `path` states, by module prefix
+    (`default` for those no per-module entry overrides): what an exact path running the packed codes must take."""
+    formats = _Formats(read_config(path)["quantization"])
+    out = {"default": formats.default}
+    for module in formats.table:
+        if "switch_mlp" in module:
+            fmt = formats.of(module)
+            if fmt is not None:
+                out[module] = fmt
+    return out
+
+
 def _packed(files: _Files, formats: _Formats, module: str, inputs: int) -> PackedWeight | None:
     """The packed weight of mlx module `module` (None where it is stored whole), checked against its format."""
     weight = f"{module}.weight"
