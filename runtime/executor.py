@@ -220,7 +220,8 @@ class PlanExecutor:
         """`backends`: ready backends by name; the others the plan names are made by the registry, with `options`
         (e.g. `{"package": path}` for the ane backend) given to those that take them."""
         check_plan_matches(plan, model_spec(model), plan_path)
-        self.model, self.plan, self.stats = model, plan, RunStats()
+        self.model, self.plan = model, plan
+        self.stats = RunStats(exact_paths=frozenset(registry.exact_paths()))
         registry.check_options(options or {})
         # Resolve each named backend once per run, so an unavailable one falls back (and says so) once.
         named = {g.backend for lp in plan.layers for g in lp.groups}

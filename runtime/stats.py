@@ -8,8 +8,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from runtime.backends.registry import registry
-
 
 @dataclass
 class LayerStats:
@@ -70,6 +68,7 @@ class RunStats:
     """Per-layer statistics, kept apart for prefill and decode (one new token per sequence on a filled cache)."""
     layers: dict[int, LayerStats] = field(default_factory=dict)  # prefill
     decode: dict[int, LayerStats] = field(default_factory=dict)
+    exact_paths: frozenset[str] = frozenset()  # the registry's exact paths: their calls are not static calls
 
     def layer(self, index: int, phase: str = "prefill") -> LayerStats:
         return (self.decode if phase == "decode" else self.layers).setdefault(index, LayerStats())
@@ -89,8 +88,8 @@ class RunStats:
     def static_calls(self, phase: str | None = None) -> int:
         """Calls to static groups (every backend but the exact paths); summed without merging the layers' stats (a
         server reads it around every decode step)."""
-        exact = registry.exact_paths()
-        return sum(n for s in self._of(phase) for name, n in s.calls_per_backend.items() if name not in exact)
+        return sum(n for s in self._of(phase) for name, n in s.calls_per_backend.items()
+                   if name not in self.exact_paths)
 
     def reset(self) -> None:
         for layers in (self.layers, self.decode):  # in place: executors hold references to their LayerStats

@@ -11,10 +11,8 @@ import torch
 
 from runtime.backends.registry import EXACT, BackendInfo
 from runtime.errors import NpumoeError
+from runtime.mlx.formats import NAME, check_format
 
-NAME = "mlx-exact"
-BITS = (2, 3, 4, 5, 6, 8)  # what mx.gather_qmm runs in affine mode
-GROUP_SIZES = (32, 64, 128)
 PROFILE_BITS, PROFILE_GROUP = 4, 64  # the profiler's synthetic experts, packed as mlx_lm.convert -q packs them
 
 
@@ -27,14 +25,6 @@ def mlx_available() -> tuple[bool, str]:
     if mx.default_device() == mx.gpu:
         return True, "MLX on the Metal GPU"
     return True, "MLX's CPU device (no Metal GPU here: its times say nothing about a GPU)"
-
-
-def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:
-    """Refuse, in one line, packed weights `mx.gather_qmm` cannot run as mlx-exact runs them (affine mode)."""
-    if mode != "affine" or bits not in BITS or group_size not in GROUP_SIZES:
-        raise NpumoeError(f"{NAME}: {name} is packed in {mode} mode, {bits} bits, groups of {group_size}; "
-                          f"{NAME} runs affine {', '.join(map(str, BITS))} bits in groups of "
-                          f"{', '.join(map(str, GROUP_SIZES))}")
 
 
 def check_folder(path: Path) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from runtime.cpu.quantized import PackedWeight, QuantizedExperts
 from runtime.errors import NpumoeError
-from runtime.mlx.mlx_backends import NAME, check_format
+from runtime.mlx.formats import NAME, check_format
 from runtime.stats import LayerStats
 
 SORT_FROM = 64  # assignments from which a decode step's rows are sorted by expert (mlx-lm's SwitchGLU: indices >= 64)

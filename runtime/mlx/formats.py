@@ -1,0 +1,16 @@
+"""What mlx-exact runs, without importing mlx: its name and the packed formats `mx.gather_qmm` takes."""
+from __future__ import annotations
+
+from runtime.errors import NpumoeError
+
+NAME = "mlx-exact"
+BITS = (2, 3, 4, 5, 6, 8)  # what mx.gather_qmm runs in affine mode
+GROUP_SIZES = (32, 64, 128)
+
+
+def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:
+    """Refuse, in one line, packed weights `mx.gather_qmm` cannot run as mlx-exact runs them (affine mode)."""
+    if mode != "affine" or bits not in BITS or group_size not in GROUP_SIZES:
+        raise NpumoeError(f"{NAME}: {name} is packed in {mode} mode, {bits} bits, groups of {group_size}; "
+                          f"{NAME} runs affine {', '.join(map(str, BITS))} bits in groups of "
+                          f"{', '.join(map(str, GROUP_SIZES))}")
