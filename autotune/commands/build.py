@@ -8,10 +8,10 @@ from pathlib import Path
 from autotune import pipeline
 from autotune.commands.argtypes import directory, input_file, output_package, positive_float, require_output
 from autotune.commands.common import add_dtype_argument, add_model_argument, print_json
+from runtime.backends import registry
 from runtime.coreml import ane_limits
 from runtime.coreml.converter import LAYOUTS
 from runtime.coreml.mil_eval import TOLERANCE
-from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.plan import COMPRESSIONS, load_plan
 
@@ -98,8 +98,8 @@ def _run_coreai(args: argparse.Namespace, out: str) -> int:
     s = result.to_json()
     print(f"wrote {s['package']} and {s['manifest']}: {s['functions']} group functions + {s['dense_functions']} dense "
           f"({s['attention_functions']} attention cores, one per shape), {s['dtype']}, weights "
-          f"{', '.join(s['compress'])}; {s['package_bytes']:,} bytes, largest function {s['largest_function_weight_bytes']:,} "
-          f"weight bytes")
+          f"{', '.join(s['compress'])}; {s['package_bytes']:,} bytes, largest function "
+          f"{s['largest_function_weight_bytes']:,} weight bytes")
     print(f"every function run by {s['runs_on']}: max relative error {s['max_rel_error']:.2e} against "
           f"{s['checked_against']} (tolerance {s['tolerance']:g})")
     print_json(s)

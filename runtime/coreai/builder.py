@@ -72,7 +72,8 @@ class AssetBuild:
                 "compress": sorted(set(kinds)), "package_bytes": self.package_bytes,
                 "weight_bytes": self.weight_bytes,
                 "largest_function_weight_bytes": self.largest_function_weight_bytes,
-                "max_rel_error": max(self.checks.values(), default=float("nan")), "checked_against": self.checked_against,
+                "max_rel_error": max(self.checks.values(), default=float("nan")),
+                "checked_against": self.checked_against,
                 "tolerance": self.tolerance, "checks": self.checks, "runs_on": assets.where_it_runs(),
                 "build_seconds_by_stage": {k: round(v, 2) for k, v in self.seconds.items()}}
 
@@ -155,7 +156,8 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
         record[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
                                capacities=list(fs.capacities), compress=fs.compress, weights_sha256=digest,
                                weight_bytes=programs.stored_bytes(program), inputs={ROW_INPUT: list(x.shape)})
-        checks_todo.append((fs.name, {ROW_INPUT: x}, lambda x=x, g=group: _group_expected(g, x, tdtype != torch.float32)))
+        checks_todo.append((fs.name, {ROW_INPUT: x},
+                            lambda x=x, g=group: _group_expected(g, x, tdtype != torch.float32)))
         if bar:
             bar.update(1)
     for spec in dense:

@@ -1,0 +1,249 @@
+"""The `coreai` backend, executed for real: plans built into Core AI assets by coreai-torch and run by Apple's own
+runtime (coreai-core's in-package runtime, on this host's CPU). float32 assets are checked exact against
+transformers; float16 ones against ane-sim (fp16 is emulated on x86: the fp16 plans are kept small)."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("coreai_torch")
+pytest.importorskip("coreai.runtime")
+
+from helpers import convert_to_mlx  # noqa: E402
+
+from autotune.cli import main  # noqa: E402
+from runtime import generation  # noqa: E402
+from runtime.coreai import assets, programs  # noqa: E402
+from runtime.coreml.dense_sim import decompressed_matrix  # noqa: E402
+from runtime.loading.model_loader import load_model, moe_layers  # noqa: E402
+from runtime.prefill import prefill_chunks  # noqa: E402
+
+TEXT = "Static capacity tiers, grouped experts and load-aware residency on the Neural Engine. " * 60
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def template(plan, *args: str, model: str = "tiny-moe") -> None:
+    assert main(["plan-template", "--model", model, "--capacity", "ample", "--overflow", "spill", *args,
+                 "--out", str(plan)]) == 0
+
+
+def set_capacities(plan, capacity: int) -> None:
+    p = json.loads(plan.read_text())
+    for layer in p["layers"]:
+        for g in layer["groups"]:
+            g["capacities"] = [capacity] * len(g["experts"])
+    plan.write_text(json.dumps(p))
+
+
+def build(capsys, model: str, plan, asset, *args: str) -> dict:
+    code = main(["build", "--model", model, "--plan", str(plan), "--out", str(asset), "--no-progress", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return last_json(out.out)
+
+
+def run_json(capsys, model: str, plan, asset, dtype: str, tokens: int) -> dict:
+    text = plan.parent / "text.txt"
+    text.write_text(TEXT)
+    code = main(["run", "--model", model, "--plan", str(plan), "--package", str(asset), "--dtype", dtype,
+                 "--reference", "--json", "--text", str(text), "--max-tokens", str(tokens)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads(out.out)
+
+
+def only_coreai(run: dict) -> None:
+    """Every group and dense function ran on coreai: no fallback, no other backend."""
+    assert run["backend_fallbacks"] == {}
+    assert set(run["calls_per_backend"]) == {"coreai"}
+    assert run["dense_calls"] and all(set(calls) == {"coreai"} for calls in run["dense_calls"].values())
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """tiny-moe with every group and dense function on coreai (two attention buckets), built in float32."""
+    d = tmp_path_factory.mktemp("coreai32")
+    plan, asset = d / "P.json", d / "X.aimodel"
+    template(plan, "--backend", "coreai", "--dense", "coreai", "--prompt-tokens", "512")
+    code = main(["build", "--model", "tiny-moe", "--plan", str(plan), "--format", "coreai", "--dtype", "float32",
+                 "--out", str(asset), "--no-progress"])
+    assert code == 0
+    return plan, asset
+
+
+@pytest.fixture(scope="module")
+def fp16(tmp_path_factory):
+    """A plan small enough for emulated fp16: 64-token chunks, 8 rows per expert, one attention bucket."""
+    d = tmp_path_factory.mktemp("coreai16")
+    plan, asset = d / "P.json", d / "X.aimodel"
+    template(plan, "--backend", "coreai", "--dense", "coreai", "--chunk", "64", "--prompt-tokens", "64")
+    set_capacities(plan, 8)
+    assert main(["build", "--model", "tiny-moe", "--plan", str(plan), "--dtype", "float16", "--out", str(asset),
+                 "--no-progress"]) == 0
+    return plan, asset
+
+
+def test_float32_build_is_exact_in_apples_runtime(fp32, capsys):
+    plan, asset = fp32
+    capsys.readouterr()
+    manifest = json.loads(asset.with_suffix(".manifest.json").read_text())
+    record = assets.read_record(asset)
+    assert record["dtype"] == "float32"
+    names = set(record["functions"])
+    assert {f"layer{l}_group{g}" for l in range(4) for g in range(4)} <= names
+    assert {f"layer{l}_{k}" for l in range(4) for k in ("qkv", "o_proj")} <= names
+    assert {"attention_q256_k256", "attention_q256_k512"} <= names and len(names) == 16 + 8 + 2
+    weights = manifest["packages"][0]["function_weight_bytes"]
+    assert weights["layer0_group0"] == 4 * 3 * 256 * 256 * 4  # four experts' gate, up and down in float32
+    assert weights["layer0_o_proj"] == 256 * 256 * 4 and weights["attention_q256_k256"] == 0
+    run = run_json(capsys, "tiny-moe", plan, asset, "float32", 512)
+    only_coreai(run)
+    assert run["calls_per_backend"]["coreai"] == 16 * 2  # every group, both chunks
+    assert run["max_rel_diff_vs_reference"] <= 1e-5
+
+
+def test_float16_functions_match_ane_sim(fp16, capsys):
+    """Each function of a float16 asset, run by Apple's runtime, within 1e-2 of ane-sim's output scale (checked by
+    the build on random inputs), and the run's last-position logits against ane-sim's run of the same plan."""
+    plan, asset = fp16
+    capsys.readouterr()
+    record = assets.read_record(asset)
+    assert record["dtype"] == "float16" and len(record["functions"]) == 16 + 8 + 1
+    model, tok = load_model("tiny-moe", "float16")
+    ids = tok.encode(TEXT, add_special_tokens=False)[:64]
+    logits, calls = {}, {}
+    for name, package in (("coreai", str(asset)), ("ane-sim", None)):
+        loaded = generation.load("tiny-moe", str(plan), package, "float16")
+        with torch.inference_mode():
+            out = list(prefill_chunks(loaded.model, torch.tensor(ids), 64))
+        logits[name] = out[-1].logits[0, -1].float()
+        calls[name] = (loaded.executor.stats.to_json()["calls_per_backend"], loaded.executor.dense.to_json(),
+                       loaded.executor.fallbacks)
+        loaded.executor.uninstall()
+    assert calls["coreai"][0] == {"coreai": 16} and calls["coreai"][2] == {}
+    assert all(set(c) == {"coreai"} for c in calls["coreai"][1].values())
+    assert calls["ane-sim"][2] == {"coreai": "ane-sim"}  # no asset given: ane-sim ran the same plan
+    diff = float((logits["coreai"] - logits["ane-sim"]).abs().max() / logits["ane-sim"].abs().max())
+    print(f"float16 last-position logits, Apple's runtime vs ane-sim: max relative difference {diff:.3e}")
+    assert diff <= 2e-2
+    assert int(logits["coreai"].argmax()) == int(logits["ane-sim"].argmax())
+    del model
+
+
+def test_build_checks_every_float16_function_against_ane_sim(fp16, capsys):
+    plan, asset = fp16
+    capsys.readouterr()
+    out = build(capsys, "tiny-moe", plan, plan.parent / "again.aimodel")
+    assert out["checked_against"] == "ane-sim" and len(out["checks"]) == 25
+    assert 0 < out["max_rel_error"] <= 1e-2  # fp16 rounding, not zero: Apple's runtime computed it
+
+
+@pytest.mark.parametrize("case", ["capacities", "compress", "weights"])
+def test_mismatched_asset_refused_naming_the_function(case, fp16, tmp_path, capsys):
+    plan, asset = fp16
+    mine, copy = tmp_path / "P.json", tmp_path / "X.aimodel"
+    shutil.copytree(asset, copy)
+    p = json.loads(plan.read_text())
+    if case == "capacities":
+        p["layers"][1]["groups"][2]["capacities"] = [16, 8, 8, 8]
+    elif case == "compress":
+        p["layers"][1]["groups"][2]["compress"] = "int8"
+    else:
+        meta = json.loads((copy / "metadata.json").read_text())
+        record = json.loads(meta["creatorDefinedMetadata"][assets.META_KEY])
+        record["functions"]["layer1_group2"]["weights_sha256"] = "0" * 64
+        meta["creatorDefinedMetadata"][assets.META_KEY] = json.dumps(record)
+        (copy / "metadata.json").write_text(json.dumps(meta))
+    mine.write_text(json.dumps(p))
+    capsys.readouterr()
+    code = main(["run", "--model", "tiny-moe", "--plan", str(mine), "--package", str(copy), "--dtype", "float16",
+                 "--max-tokens", "64", "--json"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and "layer1_group2" in err[0], err
+
+
+def test_missing_core_ai_falls_back_to_ane_sim_said_once(fp16, monkeypatch, caplog):
+    plan, asset = fp16
+    monkeypatch.setattr(assets, "coreai_import_error", lambda: "Core AI's packages are not installed (coreai)")
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        loaded = generation.load("tiny-moe", str(plan), str(asset), "float16")
+    said = [r.getMessage() for r in caplog.records if "coreai" in r.getMessage() and "ane-sim" in r.getMessage()]
+    assert loaded.executor.fallbacks == {"coreai": "ane-sim"}
+    assert len(said) == 1 and "not installed" in said[0], said
+    loaded.executor.uninstall()
+
+
+def test_limits_refused_before_conversion(fp16, tmp_path, capsys):
+    plan, _ = fp16
+    out = tmp_path / "X.aimodel"
+    capsys.readouterr()
+    code = main(["build", "--model", "tiny-moe", "--plan", str(plan), "--out", str(out), "--no-progress",
+                 "--function-weight-mb", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "layer0_group0" in err[0] and "limit" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("compress,stored", [("int8", "Int8"), ("palettize4", "UInt4")])
+def test_compressed_weights_are_core_ais_own_and_core_mls_values(compress, stored, tmp_path):
+    """A compressed group stores its matrices through Core AI's constant ops (int8, 4-bit tables) holding the values
+    the Core ML builder stores (coremltools' pass, as ane-sim decompresses them): Apple's runtime computes with them."""
+    model = load_model("tiny-moe", "float32")[0]
+    experts = moe_layers(model)[0].experts
+    from runtime.backends.protocol import expert_matrices
+
+    weights = [expert_matrices(experts, e, torch.float32) for e in (3, 5)]
+    program = programs.GroupProgram(weights, (4, 4), torch.float32, compress)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    asset = tmp_path / "g.aimodel"
+    assets.convert([("g", program, (x,), ["x"])], asset, {"functions": {}})
+    from coreai.authoring import AIModelAsset
+
+    assert any(s.startswith(f"({stored},") for s in AIModelAsset.load(asset).summary().storage_types)
+    got = assets.call(assets.load_model(asset).load_function("g"), {"x": x.numpy()})
+
+    def core_ml(w: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(decompressed_matrix(w.to(torch.float16).numpy(), compress).astype(np.float32))
+
+    ref = []
+    for xe, (gu, d) in zip(x.split(4), weights):
+        gate, up = (xe @ core_ml(gu).T).chunk(2, dim=-1)
+        ref.append((torch.nn.functional.silu(gate) * up) @ core_ml(d).T)
+    ref = torch.cat(ref).numpy()
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5
+    assert programs.stored_bytes(program) < sum(w.numel() for pair in weights for w in pair) * 4 / 3
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    pytest.importorskip("mlx_lm")
+    return convert_to_mlx(tmp_path_factory.mktemp("mlx") / "q4g64", 4, 64)
+
+
+def test_mlx_checkpoint_qkv_and_o_proj_on_coreai(q4, tmp_path, capsys):
+    """tiny-moe converted by mlx-lm to 4 bits, its qkv and o_proj functions on coreai (groups and the attention core
+    on the CPU): `build` with default options exits 0; a float32 build runs within 1e-5 of the reference."""
+    plan = tmp_path / "P.json"
+    template(plan, "--backend", "cpu-static", "--dense", "coreai", "--chunk", "64", "--prompt-tokens", "128",
+             model=str(q4))
+    p = json.loads(plan.read_text())
+    for dl in p["dense"]["layers"]:
+        dl["attention"] = None
+    plan.write_text(json.dumps(p))
+    default = build(capsys, str(q4), plan, tmp_path / "D.aimodel")
+    assert default["functions"] == 0 and default["dense_functions"] == 8
+    out = build(capsys, str(q4), plan, tmp_path / "X.aimodel", "--dtype", "float32")
+    assert out["dtype"] == "float32" and out["max_rel_error"] <= 1e-5
+    run = run_json(capsys, str(q4), plan, tmp_path / "X.aimodel", "float32", 128)
+    assert run["backend_fallbacks"] == {}
+    assert run["dense_calls"]["qkv"] == {"coreai": 8} and run["dense_calls"]["o_proj"] == {"coreai": 8}
+    assert run["max_rel_diff_vs_reference"] <= 1e-5
