@@ -32,11 +32,20 @@ def _load_custom_ops() -> None:
 
 
 def _int8(w16: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 data, per-row scale) whose product is the fp16 matrix `w16` of a symmetric per-channel int8 pass."""
+    """(int8 data, per-row fp16 scale) of a symmetric per-channel int8 matrix stored as the fp16 values `w16` (what
+    coremltools' pass decompresses to): the scale is the fp16 value, within a few ulps of max|row| / 127, whose
+    products round to `w16` (coremltools' own), so an fp16 asset computes with `w16` exactly."""
     w = w16.astype(np.float32)
-    scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
-    scale[scale == 0] = 1.0
-    return torch.from_numpy(np.clip(np.rint(w / scale), -127, 127).astype(np.int8)), torch.from_numpy(scale)
+    base = (np.abs(w).max(axis=1, keepdims=True) / 127.0).astype(np.float16)
+    base[base == 0] = 1.0
+    q = np.clip(np.rint(w / base.astype(np.float32)), -127, 127)
+    scale = base.copy()
+    found = np.zeros(len(w), dtype=bool)
+    for step in (0, -1, 1, -2, 2, -3, 3):
+        cand = (base.view(np.uint16).astype(np.int32) + step).astype(np.uint16).view(np.float16)
+        match = ~found & np.all((q * cand.astype(np.float32)).astype(np.float16) == w16, axis=1)
+        scale[match], found = cand[match], found | match
+    return torch.from_numpy(q.astype(np.int8)), torch.from_numpy(scale.astype(np.float32))
 
 
 def _palette(w16: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
