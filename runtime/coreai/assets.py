@@ -74,21 +74,31 @@ def where_it_runs() -> str:
     return "Apple's in-package Core AI runtime on the CPU (no Neural Engine here: its times say nothing about one)"
 
 
-def convert(functions: Sequence[tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], Sequence[str]]],
-            out: Path, record: dict) -> None:
-    """Convert `(name, module, example inputs, input names)` functions into one asset at `out` (written whole in a
-    folder beside it, then renamed), `record` stored as its build metadata."""
+Function = tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], Sequence[str]]  # name, module, inputs, input names
+
+
+def to_program(functions: Sequence[Function], debug: bool = False):
+    """`(name, module, example inputs, input names)` functions as one Core AI program (`AIProgram`), each exported
+    with coreai-torch's decompositions; `debug`: with torch stack traces (what a compute plan reports against)."""
     with quiet():
         import coreai_torch
         from coreai_torch._compression.utils import inject_subbyte_tensors
 
-        converter = coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
+        mode = coreai_torch.TorchConverter.Mode
+        converter = coreai_torch.TorchConverter(mode=mode.DEBUG if debug else mode.RELEASE)
         for name, module, args, input_names in functions:
             with torch.no_grad():
                 ep = torch.export.export(module.eval(), args).run_decompositions(coreai_torch.get_decomp_table())
             converter.add_exported_program(inject_subbyte_tensors(ep), entrypoint_name=name,
                                            input_names=list(input_names), output_names=[OUTPUT_NAME])
-        program = converter.to_coreai()
+        return converter.to_coreai()
+
+
+def convert(functions: Sequence[Function], out: Path, record: dict) -> None:
+    """Convert functions (`to_program`) into one asset at `out` (written whole in a folder beside it, then renamed),
+    `record` stored as its build metadata."""
+    program = to_program(functions)
+    with quiet():
         staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent)) / out.name
         try:
             asset = program.save_asset(staging)
@@ -163,16 +173,20 @@ def compiled_path(path: str | os.PathLike, cache_dir: Path | None = None) -> Pat
     return dest
 
 
+def neural_engine_options():
+    """Core AI's specialization asking for the Neural Engine (macOS 27's framework only)."""
+    from coreai.runtime import ComputeUnitKind, SpecializationOptions
+
+    return SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())
+
+
 def load_model(path: str | os.PathLike):
     """The asset as a loaded `AIModel`: specialized for the Neural Engine on macOS 27, else on Apple's in-package
     runtime from its cached lowering."""
     from coreai.runtime import AIModel
 
     if on_neural_engine():
-        from coreai.runtime import ComputeUnitKind, SpecializationOptions
-
-        options = SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())
-        return run_sync(AIModel.load(Path(path), specialization_options=options))
+        return run_sync(AIModel.load(Path(path), specialization_options=neural_engine_options()))
     return run_sync(AIModel.load(compiled_path(path)))
 
 
