@@ -211,7 +211,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                 budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
                 return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
 
-            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
+            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for, c.backend)
             scorer = scorer_for(backend)
             # weights stored compressed are a Core ML function's: the backends with the ANE's limits
             kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)

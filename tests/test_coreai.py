@@ -3,6 +3,7 @@ runtime (coreai-core's in-package runtime, on this host's CPU). float32 assets a
 transformers; float16 ones against ane-sim (fp16 is emulated on x86: the fp16 plans are kept small)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -252,3 +253,30 @@ def test_torchao_stays_out_of_transformers_and_coremltools():
             "print(sys.modules.get('torchao') is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False" and "torchao" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("macos27", [True, False])
+def test_search_picks_core_ai_where_it_runs_on_the_neural_engine(macos27, monkeypatch):
+    """With both fitted, the search plans on coreai on macOS 27 and on Core ML's ane before it; --backend pins."""
+    from helpers import apple_like
+
+    from autotune.costing.costmodel import CostModel
+    from autotune.searching.backend_choice import choose_static_backend
+    from autotune.searching.layer_data import LayerData
+    from autotune.searching.scoring import Scorer
+    from runtime.errors import NpumoeError
+
+    monkeypatch.setattr(assets, "on_neural_engine", lambda: macos27)
+    apple = apple_like()
+    both = CostModel({**apple.models, "coreai": dataclasses.replace(apple.models["ane"], name="coreai")})
+    rng = np.random.default_rng(0)
+    calib = rng.poisson(rng.uniform(1, 40, size=16), size=(12, 16))
+    layers = [LayerData(0, calib, calib[:4])]
+
+    def scorer_for(cost):
+        return lambda backend: Scorer(cost, 256, 256, backend, 1e12)
+
+    assert choose_static_backend(both, layers, scorer_for(both)) == ("coreai" if macos27 else "ane")
+    assert choose_static_backend(both, layers, scorer_for(both), "ane") == "ane"
+    with pytest.raises(NpumoeError, match="--backend coreai: the profile fits no model of it"):
+        choose_static_backend(apple, layers, scorer_for(apple), "coreai")

@@ -63,6 +63,8 @@ class BackendInfo:
     profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
     # The built artifact its `package` option names (`autotune build`): its suffix, and how it is opened and checked
     # against a plan and model before the plan runs: (path, plan, model, plan path) -> the backend over it.
+    # The backends it replaces on this host, when both are fitted (the search plans on it instead): () by default.
+    supersedes: Callable[[], tuple[str, ...]] | None = None
     package_suffix: str = ""
     open_package: Callable[[str, Any, Any, str], StaticBackend] | None = None
 

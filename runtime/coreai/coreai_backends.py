@@ -6,15 +6,17 @@ was given) its groups run on ane-sim, the Neural Engine's fp16 numerics. Its lim
 from __future__ import annotations
 
 from runtime.backends.registry import BackendInfo
-from runtime.coreai.assets import on_neural_engine
+from runtime.coreai import assets
 from runtime.coreai.coreai_backend import CoreAiBackend, open_asset
 from runtime.coreai.device_checks import available_on_device, profile_caller
 from runtime.coreml import ane_limits
+from runtime.coreml.ane import AneBackend
 from runtime.coreml.ane_sim import AneSimBackend
 
 BACKENDS = (
     BackendInfo(CoreAiBackend.name, CoreAiBackend, overlaps_cpu=True, fallback=AneSimBackend.name,
                 options=("package",), limits=ane_limits.group_violation, dtype_bytes=2, energy_field="ane_mj",
-                profiled_by_default=on_neural_engine(), package_suffix=".aimodel", open_package=open_asset,
-                profile_call=profile_caller, profile_available=available_on_device, compiles_per_shape=True),
+                profiled_by_default=assets.on_neural_engine(), package_suffix=".aimodel", open_package=open_asset,
+                profile_call=profile_caller, profile_available=available_on_device, compiles_per_shape=True,
+                supersedes=lambda: (AneBackend.name,) if assets.on_neural_engine() else ()),
 )
