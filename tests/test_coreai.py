@@ -280,3 +280,33 @@ def test_search_picks_core_ai_where_it_runs_on_the_neural_engine(macos27, monkey
     assert choose_static_backend(both, layers, scorer_for(both), "ane") == "ane"
     with pytest.raises(NpumoeError, match="--backend coreai: the profile fits no model of it"):
         choose_static_backend(apple, layers, scorer_for(apple), "coreai")
+
+
+def _on_device() -> None:
+    if not assets.on_neural_engine():
+        pytest.skip("Core AI runs on the Neural Engine from macOS 27 (the OS framework)")
+
+
+@pytest.mark.macos
+def test_compute_plan_places_a_group_and_an_attention_core_on_the_neural_engine():
+    """macOS 27: Core AI's compute plan puts every op of a group function and of an attention core on the Neural
+    Engine, and both agree with torch within fp16's tolerance there (what `autotune doctor` reports)."""
+    _on_device()
+    from runtime.coreai.device_checks import compute_plan_report
+
+    experts = moe_layers(load_model("tiny-moe", "float32")[0])[0].experts
+    r = compute_plan_report(experts, (16,) * 4, 256)
+    assert r["ops_off_neural_engine"] == [] and r["device_histogram"].get("NEURAL_ENGINE", 0) > 0, r
+    assert max(r["group_max_rel_error"], r["attention_max_rel_error"]) <= r["tolerance"], r
+
+
+@pytest.mark.macos
+def test_profile_device_times_coreai_group_calls_on_the_device():
+    _on_device()
+    from runtime.backends import registry
+
+    info = registry.get("coreai")
+    assert info.available_to_profile()[0] and info.profiled_by_default
+    experts = moe_layers(load_model("tiny-moe", "float32")[0])[0].experts
+    out = info.profile_call(experts, (16, 16), 256)()
+    assert out.shape == (32, 256) and np.isfinite(out).all()
