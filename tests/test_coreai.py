@@ -216,6 +216,24 @@ def test_compressed_weights_are_core_ais_own_and_core_mls_values(compress, store
     assert programs.stored_bytes(program) < sum(w.numel() for pair in weights for w in pair) * 4 / 3
 
 
+def test_an_asset_is_lowered_once_and_loaded_from_the_cache(tmp_path, monkeypatch):
+    """Off macOS 27 the in-package runtime needs the asset lowered (`.aimodelx`): done once per asset digest into
+    the cache, so a later process loads it compiled."""
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    weights = [(torch.randn(64, 32), torch.randn(32, 32))]
+    x = torch.randn(4, 32)
+    asset = tmp_path / "g.aimodel"
+    assets.convert([("g", programs.GroupProgram(weights, (4,), torch.float32), (x,), ["x"])], asset, {})
+    first = assets.compiled_path(asset)
+    assert first.parent == tmp_path / "cache" / "coreai" and first.name == f"{assets.asset_digest(asset)}.aimodelx"
+    stamp = (first / "main-universal.odix").stat().st_mtime_ns
+    assert assets.compiled_path(asset) == first and (first / "main-universal.odix").stat().st_mtime_ns == stamp
+    y = assets.call(assets.load_model(asset).load_function("g"), {"x": x.numpy()})
+    gate, up = (x @ weights[0][0].T).chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate) * up @ weights[0][1].T).numpy()
+    assert np.abs(y - ref).max() / np.abs(ref).max() <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def q4(tmp_path_factory):
     pytest.importorskip("mlx_lm")

@@ -12,6 +12,7 @@ a function of other shapes, weights or compression is refused in one line naming
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from pathlib import Path
@@ -28,6 +29,8 @@ from runtime.coreml.dense_io import ROW_INPUT, dense_digest, dense_weights
 from runtime.errors import NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.plan import Plan
+
+log = logging.getLogger("npumoe")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -123,6 +126,8 @@ class CoreAiBackend:
         with self._lock:
             if self._model is None:
                 self._model = assets.load_model(self.asset)
+                if not assets.on_neural_engine():
+                    log.warning("coreai: %s runs %s", assets.where_it_runs(), self.asset)
             if name not in self._functions:
                 with native_stderr_silenced():
                     self._functions[name] = self._model.load_function(name)
