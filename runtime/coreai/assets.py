@@ -8,8 +8,9 @@ build record, and running its functions (coreai-core's runtime).
 - Run: on macOS 27 the OS framework loads the asset specialized for the Neural Engine
   (`SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())`), once per process
   (whether it keeps the specialized form between processes is for a Mac to show). Elsewhere (Linux, macOS 26)
-  Apple's in-package runtime runs it on the CPU: it needs the program lowered to an `.aimodelx` first (what `AIModelAsset.executable()` does in a temporary folder each time);
-  that is done once per asset digest into the cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled.
+  Apple's in-package runtime runs it on the CPU: it needs the program lowered to an `.aimodelx` first (what
+  `AIModelAsset.executable()` does in a temporary folder each time); that is done once per asset digest into the
+  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled.
 - Calls are coroutines: one event loop on a thread of its own serves every call, from any thread.
 """
 from __future__ import annotations
