@@ -213,7 +213,7 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                 budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
                 return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
 
-            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for)
+            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for, c.backend)
             scorer = scorer_for(backend)
             # weights stored compressed are a Core ML function's: the backends with the ANE's limits
             kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
@@ -399,6 +399,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     logits, latency_ms, cpu_ms = _timed(planned, repeat)
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
+    dense_calls = executor.dense.to_json() if executor.dense is not None else None
     ran = [registry.get(b) for b in stats.get("calls_per_backend", {})]
     # the logits are compared now and dropped: timing the parts prefills again, and would hold a second copy
     diff = max_rel_diff(logits, ref) if reference else None
@@ -426,7 +427,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
-                     predicted_parts_ms=predicted, host_speed=host_speed(profile))
+                     predicted_parts_ms=predicted, host_speed=host_speed(profile), dense_calls=dense_calls)
 
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
@@ -480,13 +481,16 @@ def record_prompt_traces(loaded: Loaded, prompt: str, out: str | os.PathLike, *,
 def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None = None, layout: str = "matmul",
           compress: str | None = None, cache_dir: str | os.PathLike | None = None,
           function_weight_bytes: float | None = None, package_weight_bytes: float | None = None,
-          dtype: str = "auto", progress: bool = True):
+          dtype: str = "auto", progress: bool = True, format: str = "coreml"):
     """Build the Core ML package(s) of the plan's ANE groups (default `out`: the plan's path with .mlpackage),
-    linted and checked numerically on the host; returns `runtime.coreml.converter.BuildResult`."""
+    linted and checked numerically on the host; returns `runtime.coreml.converter.BuildResult`. `format` coreai:
+    the plan's coreai groups and dense functions as one Core AI asset (`runtime.coreai.builder.AssetBuild`)."""
     from runtime.coreml import ane_limits
     from runtime.coreml.converter import build_package, quiet_coremltools_import
     from runtime.loading.expert_weights import CheckpointExperts, ModuleExperts
 
+    if format == "coreai":
+        return _build_coreai(model, plan, out, compress, function_weight_bytes, dtype, progress)
     out = out or Path(plan).with_suffix(".mlpackage")
     quiet_coremltools_import()
     loaded_plan = load_plan(plan)
@@ -507,3 +511,22 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
                              function_weight_bytes=function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
                              package_weight_bytes=package_weight_bytes or ane_limits.PACKAGE_WEIGHT_BYTES,
                              dense_model=loaded if dense_on_ane else None)
+
+
+def _build_coreai(model: str, plan: str | os.PathLike, out: str | os.PathLike | None, compress: str | None,
+                  function_weight_bytes: float | None, dtype: str, progress: bool):
+    """`build` of a Core AI asset: the model loaded (its dense functions' modules and its experts, an MLX folder's
+    kept packed), the asset computing in float32 for a float32 build, else in float16 (the Neural Engine's)."""
+    from runtime.coreai.builder import build_asset
+    from runtime.coreml import ane_limits
+    from runtime.loading.expert_weights import ModuleExperts
+
+    loaded_plan = load_plan(plan)
+    loaded = load_model(model, dtype)[0]
+    check_plan_matches(loaded_plan, model_spec(loaded), str(plan))
+    source = ModuleExperts({layer.index: layer.experts for layer in moe_layers(loaded)})
+    asset_dtype = "float32" if loaded.dtype == torch.float32 else "float16"
+    with private_tempdir():
+        return build_asset(source, loaded_plan, out or Path(plan).with_suffix(".aimodel"), asset_dtype, compress,
+                           loaded, function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,
+                           progress_factory(progress))

@@ -37,6 +37,7 @@ class RunResult:
     measured_parts_ms: dict | None = None  # ms per part: the median of `repeat` more planned prefills (run_parts)
     predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
     host_speed: dict | None = None  # this host now against its profile's records (evaluation.host_speed)
+    dense_calls: dict | None = None  # a plan with dense functions: calls per part and backend (DenseExecutor)
 
     @property
     def drop_rate(self) -> float:
@@ -49,7 +50,7 @@ class RunResult:
         out.update(latency_ms=self.latency_ms, wall_ms_per_token=self.wall_ms_per_token,
                    cpu_ms_per_token=self.cpu_ms_per_token, **self.stats, backend_fallbacks=self.backend_fallbacks,
                    drift=self.drift)
-        for k in ("energy_per_backend", "traces", "max_rel_diff_vs_reference"):
+        for k in ("energy_per_backend", "traces", "max_rel_diff_vs_reference", "dense_calls"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)

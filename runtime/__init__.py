@@ -4,7 +4,11 @@ The application API (`load`, `generate`, `stream_generate`, from `runtime.genera
 so `import runtime.plan` stays light."""
 from __future__ import annotations
 
+from runtime.torchao_hidden import hide_torchao
+
 _API = ("load", "generate", "stream_generate", "Loaded")
+
+hide_torchao()
 
 
 def __getattr__(name: str):

@@ -235,7 +235,9 @@ class PlanExecutor:
         for index, layer in self.layers.items():
             layer.context, layer.phase_stats = self.context, {p: self.stats.layer(index, p) for p in PHASES}
         # The plan's dense functions (Plan.dense), installed and uninstalled with the experts: runtime/dense.
-        self.dense = DenseExecutor(model, plan, backends, options) if plan.dense is not None else None
+        # Given the backends resolved for the groups: a backend named by both is one instance, its fallback said once.
+        self.dense = (DenseExecutor(model, plan, {**(backends or {}), **self.backends}, options)
+                      if plan.dense is not None else None)
         self.drift = DriftMonitor(plan)
         for index in self.layers:
             self.stats.layer(index).watcher = partial(self.drift.observe, index)

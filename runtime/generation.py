@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from runtime.backends.registry import registry
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
@@ -94,11 +95,9 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
         return Loaded(m, tokenizer)
     path = "" if isinstance(plan, Plan) else str(plan)
     backends = None
-    if package:  # checked on any host, whether or not it can run here (then its groups run where ane falls back)
-        from runtime.coreml.ane import open_package
-
-        ane = open_package(package, p, m, path)
-        backends = {ane.name: ane}
+    if package:  # checked on any host, whether or not it can run here (then its groups run where it falls back)
+        opened = registry.package_backend(package).open_package(package, p, m, path)
+        backends = {opened.name: opened}
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
 

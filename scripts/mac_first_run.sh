@@ -5,9 +5,10 @@
 #
 # Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's ANE
 # groups (a template plan with every group on the ane backend when the tuned plan puts none there); run on the ane
-# backend against the reference; evaluate. A failing step is recorded with its exit code and output and the run goes
-# on where it can; the script then exits 1 (the report says which steps failed), 0 only when every step passed. Off
-# macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
+# backend against the reference; evaluate; on macOS 27, a plan with every group and dense function on the coreai
+# backend built into a Core AI asset and run against the reference. A failing step is recorded with its exit code
+# and output and the run goes on where it can; the script then exits 1 (the report says which steps failed), 0 only
+# when every step passed. Off macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
 # `autotune doctor` already covers what a Linux host can check.
 set -uo pipefail
 
@@ -46,6 +47,15 @@ if [ "$(cat "$WORK/build.rc")" != 0 ] && grep -q "no group on the ane backend" "
 fi
 step run autotune run --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --reference --json
 step evaluate autotune evaluate --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --json
+# macOS 27: the same through Core AI on the Neural Engine (every group and dense function in one .aimodel asset).
+if [ "$(sw_vers -productVersion 2>/dev/null | cut -d. -f1)" -ge 27 ] 2>/dev/null; then
+    step coreai_template autotune plan-template --model "$MODEL" --capacity ample --overflow spill --backend coreai \
+        --dense coreai --chunk 64 --prompt-tokens 256 --out "$WORK/coreai.json"
+    step coreai_build autotune build --model "$MODEL" --plan "$WORK/coreai.json" --out "$WORK/coreai.aimodel" \
+        --no-progress
+    step coreai_run autotune run --model "$MODEL" --plan "$WORK/coreai.json" --package "$WORK/coreai.aimodel" \
+        --reference --json
+fi
 
 "$PYTHON" - "$WORK" "$REPORT" "$PLAN" "${STEPS[@]}" <<'PY'
 """Gather every step into one JSON report (written whole, then renamed)."""
@@ -93,5 +103,5 @@ tmp.write_text(json.dumps(out, indent=1))
 os.replace(tmp, report)
 print(f"mac_first_run.sh: wrote {report} ({'every step passed' if out['ok'] else 'failed: ' + ', '.join(failed)}); "
       "attach it to an issue", file=sys.stderr)
-sys.exit(0 if out["ok"] else 1)
+sys.exit(0 if out["ok"] else 1)  # the script (and the workflow's step) fails when a step failed
 PY

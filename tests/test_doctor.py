@@ -9,7 +9,7 @@ from autotune.cli import main
 from autotune.profiling import host_checks as doctor
 
 MACOS_CHECKS = {"chip", "macos_version", "ane", "placement", "ane_parity", "predict_overhead", "matmul_throughput",
-                "energy", "attention_core"}
+                "energy", "attention_core", "coreai"}
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="checks the non-macOS answer")

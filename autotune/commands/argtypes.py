@@ -98,15 +98,18 @@ def input_file(text: str) -> str:
     return text
 
 
+PACKAGE_SUFFIXES = (".mlpackage", ".aimodel")  # what `autotune build` writes: Core ML packages, Core AI assets
+
+
 def input_package(text: str) -> str:
-    """An existing Core ML package folder (X.mlpackage) or a split build's X.manifest.json."""
+    """An existing built package folder (X.mlpackage, X.aimodel) or a build's X.manifest.json."""
     p = Path(text)
     if not p.exists():
         _fail(f"no such package: {text}")
-    if p.name.endswith(".mlpackage") and not p.is_dir():
+    if p.name.endswith(PACKAGE_SUFFIXES) and not p.is_dir():
         _fail(f"{text} is not a package folder")
-    if not p.name.endswith((".mlpackage", ".json")):
-        _fail(f"{text} is neither an .mlpackage folder nor a .json manifest")
+    if not p.name.endswith((*PACKAGE_SUFFIXES, ".json")):
+        _fail(f"{text} is neither a package folder ({', '.join(PACKAGE_SUFFIXES)}) nor a .json manifest")
     return text
 
 
@@ -166,10 +169,10 @@ def plot_file(text: str) -> str:
 
 
 def output_package(text: str) -> str:
-    """A Core ML package to (over)write: ends in .mlpackage, is not a file, its folder writable."""
+    """A package to (over)write: ends in .mlpackage or .aimodel, is not a file, its folder writable."""
     p = Path(text)
-    if not p.name.endswith(".mlpackage") or p.name == ".mlpackage":
-        _fail(f"{text} must end in .mlpackage")
+    if not p.name.endswith(PACKAGE_SUFFIXES) or p.name in PACKAGE_SUFFIXES:
+        _fail(f"{text} must end in {' or '.join(PACKAGE_SUFFIXES)}")
     if p.exists() and not p.is_dir():
         _fail(f"{text} exists and is not a package folder")
     _check_writable_dir(_nearest_existing(p.parent), text)

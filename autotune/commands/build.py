@@ -8,10 +8,15 @@ from pathlib import Path
 from autotune import pipeline
 from autotune.commands.argtypes import directory, input_file, output_package, positive_float, require_output
 from autotune.commands.common import add_dtype_argument, add_model_argument, print_json
+from runtime.backends import registry
 from runtime.coreml import ane_limits
 from runtime.coreml.converter import LAYOUTS
 from runtime.coreml.mil_eval import TOLERANCE
-from runtime.plan import COMPRESSIONS
+from runtime.errors import NpumoeError
+from runtime.plan import COMPRESSIONS, load_plan
+
+FORMATS = ("coreml", "coreai")
+SUFFIX = {"coreml": ".mlpackage", "coreai": ".aimodel"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="weights of every group: none (fp16), int8 (per-channel linear), palettize4 (4-bit k-means "
                         "tables); default: each group's `compress` in the plan (absent: none). Numeric-check "
                         "tolerance: " + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()))
-    p.add_argument("--out", type=output_package, metavar="X.mlpackage", help="default: the plan's path with .mlpackage")
+    p.add_argument("--format", choices=FORMATS,
+                   help="coreml: Core ML packages (the ane backend); coreai: one Core AI asset (the coreai backend: "
+                        "float32 for --dtype float32, else float16). Default: what the plan's groups and dense "
+                        "functions name")
+    p.add_argument("--out", type=output_package, metavar="X.mlpackage",
+                   help="default: the plan's path with .mlpackage (.aimodel for --format coreai)")
     p.add_argument("--cache-dir", type=directory, metavar="D",
                    help="converted-function cache (default $NPUMOE_CACHE/coreml, else ~/.cache/npumoe/coreml)")
     p.add_argument("--function-weight-mb", type=positive_float, metavar="MB",
@@ -43,8 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out or str(Path(args.plan).with_suffix(".mlpackage"))
+    fmt = args.format or plan_format(args.plan)
+    out = args.out or str(Path(args.plan).with_suffix(SUFFIX[fmt]))
     require_output(out, "--out", package=True)
+    if Path(out).suffix != SUFFIX[fmt]:
+        raise NpumoeError(f"--out {out}: a {fmt} build writes {SUFFIX[fmt]}")
+    if fmt == "coreai":
+        return _run_coreai(args, out)
     result = pipeline.build(args.model, args.plan, out=out, layout=args.layout, compress=args.compress,
                             cache_dir=args.cache_dir, function_weight_bytes=args.function_weight_mb * 1e6,
                             package_weight_bytes=args.package_weight_mb * 1e6, dtype=args.dtype,
@@ -63,5 +78,29 @@ def run(args: argparse.Namespace) -> int:
           f"bytes (limit {s['function_weight_limit_bytes']:,}); lint passed")
     print(f"host evaluation of every function vs cpu-static: max relative error {s['max_rel_error']:.2e} "
           f"(tolerance {s['tolerance']:g})")
+    print_json(s)
+    return 0
+
+
+def plan_format(plan: str) -> str:
+    """The format a plan's device functions need: coreai where a backend its groups or dense functions name runs
+    Core AI assets (the registry's `package_suffix`), else coreml."""
+    p = load_plan(plan)
+    named = {g.backend for lp in p.layers for g in lp.groups} | set(p.dense.backends if p.dense is not None else ())
+    suffixes = {info.package_suffix for info in map(registry.get, named) if info is not None}
+    return "coreai" if SUFFIX["coreai"] in suffixes else "coreml"
+
+
+def _run_coreai(args: argparse.Namespace, out: str) -> int:
+    result = pipeline.build(args.model, args.plan, out=out, compress=args.compress, dtype=args.dtype,
+                            function_weight_bytes=args.function_weight_mb * 1e6, progress=not args.no_progress,
+                            format="coreai")
+    s = result.to_json()
+    print(f"wrote {s['package']} and {s['manifest']}: {s['functions']} group functions + {s['dense_functions']} dense "
+          f"({s['attention_functions']} attention cores, one per shape), {s['dtype']}, weights "
+          f"{', '.join(s['compress'])}; {s['package_bytes']:,} bytes, largest function "
+          f"{s['largest_function_weight_bytes']:,} weight bytes")
+    print(f"every function run by {s['runs_on']}: max relative error {s['max_rel_error']:.2e} against "
+          f"{s['checked_against']} (tolerance {s['tolerance']:g})")
     print_json(s)
     return 0

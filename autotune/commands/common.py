@@ -60,8 +60,9 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     add_text_argument(p, text_default)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",
                    help=f"use at most N tokens of the text (default {max_tokens_default})")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage",
-                   help="Core ML package from `autotune build` for `ane` groups")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
+                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
+                        "or a Core AI asset (`coreai`)")
     add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -38,8 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage",
-                   help="Core ML package from `autotune build` for the plan's `ane` groups")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
+                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
+                        "or a Core AI asset (`coreai`)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="S", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="F",
@@ -68,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
-        raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+        raise NpumoeError("--package runs a plan's device functions: give --plan too")
     if args.record_traces and not args.plan:
         raise NpumoeError("--record-traces records the routing under a plan: give --plan too")
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)

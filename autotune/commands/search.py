@@ -16,6 +16,7 @@ from autotune.commands.argtypes import (
     positive_float,
     positive_int,
     require_output,
+    static_backend,
     storage_url,
     traces_file,
     unit_fraction,
@@ -100,6 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gate-tokens", type=positive_int, default=d.gate_tokens, metavar="N",
                    help=f"held-out tokens ({gate.GATE_TEXT}) each gate candidate runs, at least one chunk of the "
                         f"smallest chunk searched (default {d.gate_tokens})")
+    p.add_argument("--backend", type=static_backend, default=d.backend, metavar="NAME",
+                   help="the static backend the plan's groups run on (one the profile fits); default: chosen, the "
+                        "Neural Engine's preferred framework first (Core AI on macOS 27, Core ML before)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

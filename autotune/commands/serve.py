@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs (no prefix cache)")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage",
-                   help="Core ML package from `autotune build` for the plan's `ane` groups")
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
+                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
+                        "or a Core AI asset (`coreai`)")
     add_dtype_argument(p)
     add_cpu_weights_argument(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -65,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
-        raise NpumoeError("--package runs a plan's ane groups: give --plan too")
+        raise NpumoeError("--package runs a plan's device functions: give --plan too")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
         raise NpumoeError(f"{'--api-key' if args.api_key == '' else KEY_ENV} is empty: an empty key would let anyone "
                           "in; give a key, or leave it out to serve without one (loopback only)")

@@ -267,6 +267,25 @@ def check_attention_core(probe: Probe) -> str:
             f"{r['max_rel_error']:.2e} (tolerance {r['tolerance']:g})")
 
 
+def check_coreai(_: Probe) -> str:
+    """macOS 27: Core AI's compute plan of a group function and an attention core on the Neural Engine, and parity."""
+    from runtime.coreai.device_checks import available_on_device, compute_plan_report
+    from runtime.loading.model_loader import load_model, moe_layers
+
+    ok, why = available_on_device()
+    if not ok:
+        raise Skip(why)
+    layer = moe_layers(load_model(PROBE_MODEL)[0])[0]
+    hidden = layer.experts.gate_up_proj.shape[-1]
+    r = compute_plan_report(layer.experts, (PROBE_CAPACITY,) * PROBE_EXPERTS, hidden)
+    errors = f"group {r['group_max_rel_error']:.2e}, {r['attention_function']} {r['attention_max_rel_error']:.2e}"
+    if r["ops_off_neural_engine"] or max(r["group_max_rel_error"], r["attention_max_rel_error"]) > r["tolerance"]:
+        raise Failed(f"Core AI: ops off the Neural Engine {r['ops_off_neural_engine'][:8]}; max relative error "
+                     f"{errors} (tolerance {r['tolerance']:g})")
+    return (f"Core AI's compute plan: every op of a group function and an attention core on the Neural Engine "
+            f"({r['device_histogram']}); max relative error vs torch {errors} (tolerance {r['tolerance']:g})")
+
+
 def check_matmul_throughput(_: Probe) -> str:
     _need_macos("a Core ML matmul on the Neural Engine")
     import coremltools as ct
@@ -303,7 +322,7 @@ CHECKS: list[tuple[str, Callable[[Probe], str]]] = [
     *[(name, library_check(name)) for name in LIBRARIES],
     ("macos_version", check_macos_version), ("ane", check_ane), ("coreml_build", check_coreml_build),
     ("placement", check_placement), ("ane_parity", check_ane_parity), ("predict_overhead", check_predict_overhead),
-    ("attention_core", check_attention_core),
+    ("attention_core", check_attention_core), ("coreai", check_coreai),
     ("matmul_throughput", check_matmul_throughput), ("energy", check_energy),
 ]
 

@@ -43,6 +43,7 @@ class SearchConfig:
     gate_tokens: int = gate.GATE_TOKENS
     dtype: str = "auto"
     cpu_weights: str | None = None  # bf16, int8 or int4[:group]: pins the CPU's expert storage (None: searched)
+    backend: str | None = None  # pins the static backend the plan's groups name (None: chosen, backend_choice)
 
     def __post_init__(self) -> None:
         if self.cpu_weights is not None:

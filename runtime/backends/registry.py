@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("npumoe")
 
 ENTRY_POINT_GROUP = "npumoe.backends"
-BUILTIN_MODULES = ("runtime.cpu.cpu_backends", "runtime.coreml.coreml_backends", "runtime.mlx.mlx_backends")
+BUILTIN_MODULES = ("runtime.cpu.cpu_backends", "runtime.coreml.coreml_backends", "runtime.coreai.coreai_backends",
+                   "runtime.mlx.mlx_backends")
 # The two backends with a role of their own: the reference static backend, which is always available and where
 # every other backend's groups end up when nothing in its fallback chain is available; and the exact path.
 REFERENCE, EXACT = "cpu-static", "cpu-exact"
@@ -71,6 +72,12 @@ class BackendInfo:
     check_weights: Callable[[Path], None] | None = None
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
     profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
+    # The built artifact its `package` option names (`autotune build`): its suffix, and how it is opened and checked
+    # against a plan and model before the plan runs: (path, plan, model, plan path) -> the backend over it.
+    # The backends it replaces on this host, when both are fitted (the search plans on it instead): () by default.
+    supersedes: Callable[[], tuple[str, ...]] | None = None
+    package_suffix: str = ""
+    open_package: Callable[[str, Any, Any, str], StaticBackend] | None = None
 
     @property
     def plannable(self) -> bool:
@@ -164,6 +171,21 @@ class BackendRegistry:
         if info is None or info.fallback is not None:
             chain.append(REFERENCE)  # an unknown name, or a cycle: the reference is always there
         return chain
+
+    def package_backend(self, path: str) -> BackendInfo:
+        """The backend whose built artifact `path` is, by its suffix (a build's manifest: by its first package's)."""
+        name = str(path)
+        if name.endswith(".json"):
+            from runtime.fileio import read_versioned_json
+
+            packages = read_versioned_json(name, "manifest", 1).get("packages")
+            first = packages[0] if isinstance(packages, list) and packages and isinstance(packages[0], dict) else {}
+            name = str(first.get("path", ""))
+        for info in self.infos().values():
+            if info.package_suffix and name.rstrip("/").endswith(info.package_suffix):
+                return info
+        known = ", ".join(sorted(i.package_suffix for i in self.infos().values() if i.package_suffix))
+        raise NpumoeError(f"{path}: no backend runs this kind of package (packages end in {known})")
 
     def check_options(self, options: dict[str, Any]) -> None:
         """Refuse an option no registered backend takes."""

@@ -78,12 +78,12 @@ class FunctionSpec:
         return (self.slots, self.hidden) if layout == "matmul" else (1, self.hidden, 1, self.slots)
 
 
-def ane_functions(plan: Plan, compress: str | None = None) -> list[FunctionSpec]:
-    """The package functions a plan needs: one per group whose backend is `ane`, compressed as its group says
-    (`compress`: the same for all instead)."""
+def ane_functions(plan: Plan, compress: str | None = None, backend: str = "ane") -> list[FunctionSpec]:
+    """The package functions a plan needs: one per group whose backend is `backend` (an asset of Core AI's holds
+    the same functions), compressed as its group says (`compress`: the same for all instead)."""
     h, f = plan.model.hidden_size, plan.model.expert_ffn_size
     return [FunctionSpec(lp.layer, gi, tuple(g.experts), tuple(g.capacities), h, f, compress or g.compression)
-            for lp in plan.layers for gi, g in enumerate(lp.groups) if g.backend == "ane"]
+            for lp in plan.layers for gi, g in enumerate(lp.groups) if g.backend == backend]
 
 
 def compression_summary(functions: list) -> str:

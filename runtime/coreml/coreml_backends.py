@@ -13,7 +13,7 @@ import torch
 from runtime.backends.protocol import DenseSpec
 from runtime.backends.registry import BackendInfo
 from runtime.coreml import ane_limits
-from runtime.coreml.ane import INPUT_NAME, AneBackend, coreml_available, expert_weights_fp16, to_layout
+from runtime.coreml.ane import INPUT_NAME, AneBackend, coreml_available, expert_weights_fp16, open_package, to_layout
 from runtime.coreml.ane_sim import AneSimBackend
 
 ROTATION = 4  # group functions a profiled shape cycles through, each over other experts: one conversion each
@@ -70,7 +70,8 @@ BACKENDS = (
     BackendInfo("ane", AneBackend, overlaps_cpu=True, fallback=AneSimBackend.name, options=("package",),
                 limits=ane_limits.group_violation, dtype_bytes=2, energy_field="ane_mj",
                 profile_call=profile_caller("CPU_AND_NE"), profile_dense=dense_caller("CPU_AND_NE"),
-                profile_available=coreml_available, compiles_per_shape=True),
+                profile_available=coreml_available, compiles_per_shape=True, package_suffix=".mlpackage",
+                open_package=open_package),
     # Always available; not profiled by default (its time says nothing about a device).
     BackendInfo(AneSimBackend.name, AneSimBackend, fallback=None, limits=ane_limits.group_violation, dtype_bytes=2,
                 cpu_torch=True, profiled_by_default=False),

@@ -50,11 +50,12 @@ def input_shapes(spec: DenseSpec) -> dict[str, tuple[int, ...]]:
     return {ROW_INPUT: (spec.rows, int(width))}
 
 
-def ane_dense_specs(model: torch.nn.Module, plan: Plan, compress: str | None = None) -> list[DenseSpec]:
-    """The dense functions a build converts: those the plan places on `ane` (`compress`: the same for all)."""
+def ane_dense_specs(model: torch.nn.Module, plan: Plan, compress: str | None = None,
+                    backend: str = "ane") -> list[DenseSpec]:
+    """The dense functions a build converts: those the plan places on `backend` (`compress`: the same for all)."""
     from runtime.dense.specs import backend_specs
 
-    specs = backend_specs(model, plan, "ane")
+    specs = backend_specs(model, plan, backend)
     return [replace(s, compress=compress) if compress and s.kind != "attention" else s for s in specs]
 
 

@@ -1,0 +1,199 @@
+"""Core AI assets through Apple's packages: converting torch modules into one `.aimodel` (coreai-torch), reading its
+build record, and running its functions (coreai-core's runtime).
+
+- Convert: each function's module is exported (`torch.export`, coreai-torch's decompositions), its compressed
+  constants typed (`inject_subbyte_tensors`: 4-bit tables' indices become uint4), added to one `TorchConverter` as
+  an entrypoint, and the program saved as an asset; the build record goes in the asset's own metadata
+  (`creator_defined_metadata`, key `npumoe.build`).
+- Run: on macOS 27 the OS framework loads the asset specialized for the Neural Engine
+  (`SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())`), once per process
+  (whether it keeps the specialized form between processes is for a Mac to show). Elsewhere (Linux, macOS 26)
+  Apple's in-package runtime runs it on the CPU: it needs the program lowered to an `.aimodelx` first (what
+  `AIModelAsset.executable()` does in a temporary folder each time); that is done once per asset digest into the
+  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled.
+- Calls are coroutines: one event loop on a thread of its own serves every call, from any thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from runtime.errors import NpumoeError
+from runtime.fileio import cache_root
+from runtime.macos import macos_version, on_macos
+
+log = logging.getLogger("npumoe")
+
+META_KEY = "npumoe.build"
+OUTPUT_NAME = "y"
+ASSET_SUFFIX = ".aimodel"
+OS_FRAMEWORK_MACOS = (27,)  # Core AI is part of the OS from macOS 27: the Neural Engine through SpecializationOptions
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """coreai-torch's import warnings (its torch validation stamp, torch.export's deprecations) and its progress line
+    stay out of our output: said where it matters, in the backend's availability."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def coreai_import_error() -> str | None:
+    """Why Core AI's packages cannot be used here, or None."""
+    try:
+        with quiet():
+            import coreai.runtime  # noqa: F401
+            import coreai_torch  # noqa: F401
+    except ImportError as e:
+        return f"Core AI's packages are not installed ({e.name}): pip install 'npumoe[coreai]'"
+    return None
+
+
+def on_neural_engine() -> bool:
+    """Whether Core AI runs here on the Neural Engine: the OS framework (macOS 27) taking SpecializationOptions."""
+    return on_macos() and macos_version() >= OS_FRAMEWORK_MACOS
+
+
+def where_it_runs() -> str:
+    """What runs an asset's functions here, said once by the backend."""
+    if on_neural_engine():
+        return "Core AI (macOS framework) on the Neural Engine"
+    return "Apple's in-package Core AI runtime on the CPU (no Neural Engine here: its times say nothing about one)"
+
+
+Function = tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], Sequence[str]]  # name, module, inputs, input names
+
+
+def to_program(functions: Sequence[Function], debug: bool = False):
+    """`(name, module, example inputs, input names)` functions as one Core AI program (`AIProgram`), each exported
+    with coreai-torch's decompositions; `debug`: with torch stack traces (what a compute plan reports against)."""
+    with quiet():
+        import coreai_torch
+        from coreai_torch._compression.utils import inject_subbyte_tensors
+
+        mode = coreai_torch.TorchConverter.Mode
+        converter = coreai_torch.TorchConverter(mode=mode.DEBUG if debug else mode.RELEASE)
+        for name, module, args, input_names in functions:
+            with torch.no_grad():
+                ep = torch.export.export(module.eval(), args).run_decompositions(coreai_torch.get_decomp_table())
+            converter.add_exported_program(inject_subbyte_tensors(ep), entrypoint_name=name,
+                                           input_names=list(input_names), output_names=[OUTPUT_NAME])
+        return converter.to_coreai()
+
+
+def convert(functions: Sequence[Function], out: Path, record: dict) -> None:
+    """Convert functions (`to_program`) into one asset at `out` (written whole in a folder beside it, then renamed),
+    `record` stored as its build metadata."""
+    program = to_program(functions)
+    with quiet():
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent)) / out.name
+        try:
+            asset = program.save_asset(staging)
+            asset.update_metadata(lambda m: m.set_custom(META_KEY, json.dumps(record)))
+            if out.exists():
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
+            os.replace(staging, out)
+        finally:
+            shutil.rmtree(staging.parent, ignore_errors=True)
+
+
+def read_record(path: str | os.PathLike) -> dict:
+    """The build record of an asset `autotune build --format coreai` wrote; refused in one line otherwise."""
+    meta = Path(path) / "metadata.json"
+    try:
+        custom = json.loads(meta.read_text()).get("creatorDefinedMetadata") or {}
+    except (OSError, ValueError) as e:
+        raise NpumoeError(f"{path} is not a Core AI asset ({meta}: {e})") from None
+    raw = custom.get(META_KEY) if isinstance(custom, dict) else None
+    if raw is None:
+        raise NpumoeError(f"{path} was not built by `autotune build --format coreai` (no {META_KEY} metadata)")
+    return json.loads(raw) if isinstance(raw, str) else raw
+
+
+def asset_digest(path: str | os.PathLike) -> str:
+    """The asset's program digest (the `main.hash` it stores), hex: what its compiled form is cached by."""
+    return (Path(path) / "main.hash").read_bytes().hex()
+
+
+class _Loop:
+    """One asyncio loop on a daemon thread: Core AI's calls are coroutines, the executor's are plain calls."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="npumoe-coreai", daemon=True).start()
+
+    def run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+_LOOP: _Loop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def run_sync(coro) -> Any:
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = _Loop()
+    return _LOOP.run(coro)
+
+
+def compiled_path(path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
+    """The asset lowered for the in-package runtime (`.aimodelx`), made once per program digest."""
+    from coreai.authoring import AIModelAsset
+
+    dest = (cache_dir or cache_root() / "coreai") / f"{asset_digest(path)}.aimodelx"
+    if (dest / "main-universal.odix").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".lower-", suffix=".aimodelx", dir=dest.parent))
+    try:
+        with quiet():
+            AIModelAsset.load(path)._write_odix(staging)
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            if not (dest / "main-universal.odix").is_file():  # else a concurrent process lowered it first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def neural_engine_options():
+    """Core AI's specialization asking for the Neural Engine (macOS 27's framework only)."""
+    from coreai.runtime import ComputeUnitKind, SpecializationOptions
+
+    return SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())
+
+
+def load_model(path: str | os.PathLike):
+    """The asset as a loaded `AIModel`: specialized for the Neural Engine on macOS 27, else on Apple's in-package
+    runtime from its cached lowering."""
+    from coreai.runtime import AIModel
+
+    if on_neural_engine():
+        return run_sync(AIModel.load(Path(path), specialization_options=neural_engine_options()))
+    return run_sync(AIModel.load(compiled_path(path)))
+
+
+def call(function, feed: dict[str, np.ndarray]) -> np.ndarray:
+    """One call of a loaded function: numpy inputs by name -> its output."""
+    from coreai.runtime import NDArray
+
+    out = run_sync(function({k: NDArray(np.ascontiguousarray(v)) for k, v in feed.items()}))
+    return out[OUTPUT_NAME].numpy()
