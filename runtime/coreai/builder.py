@@ -36,6 +36,7 @@ from runtime.coreml.converter import (
     check_expert_form,
     compression_summary,
     manifest_path,
+    stored_weight_bytes,
 )
 from runtime.coreml.dense_io import ROW_INPUT, dense_digest, dense_weights
 from runtime.coreml.mil_eval import TOLERANCE, max_rel_error
@@ -76,16 +77,6 @@ class AssetBuild:
                 "checked_against": self.checked_against,
                 "tolerance": self.tolerance, "checks": self.checks, "runs_on": assets.where_it_runs(),
                 "build_seconds_by_stage": {k: round(v, 2) for k, v in self.seconds.items()}}
-
-
-def check_window(functions: list[FunctionSpec], dense: list[DenseSpec]) -> None:
-    """Refuse a plan whose device functions' weights, resident at once, pass the ANE's address window."""
-    total = sum(fs.usage().weight_bytes for fs in functions) + sum(dense_programs.dense_weight_bytes(d)
-                                                                   for d in dense)
-    if total > ane_limits.WINDOW_BYTES:
-        raise NpumoeError(f"the plan's {BACKEND} functions hold {total / 2**30:.2f} GiB of weights, past the Neural "
-                          f"Engine's {ane_limits.WINDOW_BYTES / 2**30:.0f} GiB window; compress them or place fewer "
-                          "groups on it")
 
 
 def _group_program(fs: FunctionSpec, source: ExpertWeights, dtype: torch.dtype
@@ -141,7 +132,8 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
         raise NpumoeError(f"the plan puts no group on the {BACKEND} backend, nor a dense function: nothing to build")
     check_ane_limits(functions, function_weight_bytes)  # before conversion, as for Core ML packages
     dense_programs.check_dense_limits(dense, function_weight_bytes)
-    check_window(functions, dense)
+    ane_limits.check_window({"experts": stored_weight_bytes(functions),
+                             "dense functions": stored_weight_bytes(dense)})
     for layer in sorted({fs.layer for fs in functions}):
         check_expert_form(source.experts(layer, (0,))[0], layer)
 
