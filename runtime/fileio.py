@@ -1,6 +1,7 @@
 """Atomic writes and versioned JSON reading shared by every stage's file format."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -40,6 +41,28 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if isinstance(e, OSError) and e.errno and not e.filename:  # a full disk mid-write: say which file
             raise OSError(e.errno, e.strerror, str(path)) from None
         raise
+
+
+DIGEST_SLOT = "0" * 64  # where a self-digesting file's own sha256 goes (hex), before it is known
+
+
+def seal(data: bytes) -> bytes:
+    """`data`, whose first DIGEST_SLOT marks where its digest belongs (in its header, ahead of any payload), with
+    that slot filled by the sha256 of `data` as it is (slot still zeros): one digest over every byte, header
+    included, so a reader detects any changed byte (`sealed_ok`)."""
+    at = data.find(DIGEST_SLOT.encode())
+    if at < 0:
+        raise ValueError("no digest slot to seal")
+    return data[:at] + hashlib.sha256(data).hexdigest().encode() + data[at + len(DIGEST_SLOT):]
+
+
+def sealed_ok(data: bytes, digest: str) -> bool:
+    """Whether `data` is what `seal` made with `digest` in its slot: the slot set back to zeros hashes to it."""
+    mark = digest.encode()
+    at = data.find(mark)
+    if len(mark) != len(DIGEST_SLOT) or at < 0:
+        return False
+    return hashlib.sha256(data[:at] + DIGEST_SLOT.encode() + data[at + len(mark):]).hexdigest() == digest
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
