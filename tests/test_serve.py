@@ -337,6 +337,55 @@ def test_anthropic_stop_sequences_and_errors(served):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
 
 
+@pytest.mark.parametrize("where,block", [
+    ("messages.0.content", {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}),
+    ("messages.0.content", {"type": "tool_result", "tool_use_id": "t1", "content": "42"}),
+    ("system", {"type": "document", "source": {}}),
+])
+def test_an_unsupported_anthropic_block_is_named(served, where, block):
+    """Before, pydantic tried the content as a string: "messages.0.content.str: Input should be a valid string"."""
+    body = {"model": "tiny-moe", "max_tokens": 4, "messages": ANTHROPIC_MESSAGES}
+    if where == "system":
+        body["system"] = [{"type": "text", "text": "be brief"}, block]
+    else:
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "look:"}, block]}]
+    r = httpx.post(served.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{where}: content block 1 is of type {block['type']!r}, which this "
+                                       "server does not support"), error
+
+
+@pytest.mark.parametrize("case", ["file", "unwritable", "no plan"])
+def test_serve_refuses_a_bad_prefix_cache_dir_before_loading(case, tmp_path, capsys, monkeypatch):
+    """Refused at once in one line: before, the model was loaded first (9 s on a large one) and a file said only
+    "File exists"."""
+    import autotune.commands.serve as serve_command
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(serve_command, "EngineProcess", must_not_load)
+    folder = tmp_path / "cache"
+    if case == "file":
+        folder.write_text("not a folder")
+    elif case == "unwritable":
+        folder.mkdir()
+        folder.chmod(0o500)
+        try:  # root writes anywhere permission bits say no: take a folder no one can create files in
+            (folder / "probe").touch()
+            folder = Path("/proc/self")
+        except PermissionError:
+            pass
+    plan = [] if case == "no plan" else ["--plan", str(_spill_plan(tmp_path / "spill.json"))]
+    try:
+        code = main(["serve", "--model", "tiny-moe", *plan, "--port", "0", "--prefix-cache-dir", str(folder)])
+    except SystemExit as e:  # the flag's own check: argparse's exit
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    expect = {"file": "is a file, not a directory", "unwritable": "cannot write in", "no plan": "needs --plan"}[case]
+    assert code == 2 and len(err) == 1 and expect in err[0] and "--prefix-cache-dir" in err[0], err
+
+
 FUZZ_EXAMPLES = 40  # per endpoint, valid and invalid each: bounded for CI
 FUZZED: dict[str, int] = {}
 
