@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FileFormatError, NpumoeError
+from runtime.interrupts import held
 
 
 def cache_root() -> Path:
@@ -79,10 +80,10 @@ def _remove(path: Path) -> None:
 @contextmanager
 def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     """Write a command's outputs as one set: yields a temp path beside each target (same suffix, for writers that
-    go by it); when the block succeeds all are renamed into place, when it fails or is interrupted none is, and
-    the temps (and any folder made for them) are removed. A target that is a folder is refused before the block
-    runs; a rename that fails midway puts back the files the set had replaced, so the set lands whole or not at
-    all (NpumoeError naming the file)."""
+    go by it); when the block succeeds all are renamed into place, when it fails or is interrupted (SIGTERM,
+    Ctrl-C: runtime.interrupts) none is, and the temps (and any folder made for them) are removed. A target that
+    is a folder is refused before the block runs; a rename that fails midway puts back the files the set had
+    replaced, so the set lands whole or not at all (NpumoeError naming the file)."""
     targets = [Path(p) for p in paths]
     for t in targets:
         if t.is_dir():
@@ -95,17 +96,19 @@ def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     done = False
     try:
         yield temps
-        _commit(temps, targets, tag)
-        done = True
+        with held():  # a signal during the renames waits for the set to be whole (or put back)
+            _commit(temps, targets, tag)
+            done = True
     finally:
-        for tmp in temps:
-            _remove(tmp)
-        if not done:
-            for d in sorted(set(made), key=lambda d: len(d.parts), reverse=True):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+        with held():  # nor does one cut the removal of the temps short
+            for tmp in temps:
+                _remove(tmp)
+            if not done:
+                for d in sorted(set(made), key=lambda d: len(d.parts), reverse=True):
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        pass
 
 
 def _commit(temps: list[Path], targets: list[Path], tag: str) -> None:
