@@ -176,7 +176,7 @@ def outcome(tmp_path_factory):
     work = tmp_path_factory.mktemp("signals")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_CACHE": str(work / "npumoe-cache")}
     done = subprocess.run([sys.executable, __file__, str(work)], env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((work / "results.json").read_text())
 
