@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -115,7 +116,7 @@ class DiskPrefixCache:
             layers = len([k for k in tensors if k.startswith("k")])
             for i in range(layers):
                 cache.update(tensors[f"k{i}"][:, :, :use], tensors[f"v{i}"][:, :, :use], i)
-            os.utime(path)  # recently used
+            _touch(path)
             return cache
         return None
 
@@ -124,7 +125,7 @@ class DiskPrefixCache:
         chunks (replacing another tail there: the most recent wins), then bound the folder."""
         path = self._path(tokens)
         if path.exists() and self._holds(path, tokens):
-            os.utime(path)
+            _touch(path)
             return
         tensors = {"tokens": tokens.to(torch.int64).contiguous()}
         for i, (k, v) in enumerate(layers):
@@ -133,6 +134,7 @@ class DiskPrefixCache:
         if len(data) > self.max_bytes:
             return
         atomic_write_bytes(path, data)
+        _touch(path)
         self.warned.discard(path)  # a new entry: should it go bad in turn, say so again
         self._bound()
 
@@ -154,6 +156,13 @@ class DiskPrefixCache:
     @property
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
+
+
+def _touch(path: Path) -> None:
+    """Mark the file most recently used. The clock is the fine one: a write's own mtime comes from the kernel's
+    coarse clock (a few ms), so a hit right after a store could tie with it and the eviction order be arbitrary."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _metadata(data: bytes) -> dict:
