@@ -227,8 +227,9 @@ def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor 
 def check_mlx_checkpoint(path: Path) -> str:
     """An MLX folder checked from config.json and the tensor headers alone, before any command works on it: every
     format its `quantization` names (the default and each module's) is one we decode, every tensor's dtype one we
-    read, and every packed weight's shape fits its format. Returns the quantization table in a canonical form (what
-    the model fingerprint covers). Each failure is one line naming the module or the tensor."""
+    read, and every packed weight's shape fits its format. Returns the format each packed module is stored in, as
+    canonical JSON (what the model fingerprint covers: however the table spells it). Each failure is one line
+    naming config.json, the module or the tensor."""
     table = read_config(path)["quantization"]
     formats = _Formats(table)
     check_format(str(path / "config.json"), *formats.default)
@@ -236,6 +237,7 @@ def check_mlx_checkpoint(path: Path) -> str:
         if isinstance(entry, dict):
             check_format(f"{path / 'config.json'} quantization.{module}", *formats.of(module))
     files = _Files(path)
+    applied = {}
     for key in files.keys:
         if files.dtype(key) not in RAW_DTYPES:
             raise NpumoeError(f"{files.keys[key]}: tensor {key} has dtype {files.dtype(key)}, which this reader "
@@ -244,10 +246,10 @@ def check_mlx_checkpoint(path: Path) -> str:
         if key.endswith(".weight") and files.dtype(key) in ("U32", "I32") and f"{module}.scales" not in files:
             raise NpumoeError(f"{key}: quantized weight without its {module}.scales")
         if key.endswith(".scales"):
-            bits, group, _ = formats.of(module) or formats.default
+            bits, group, _ = applied[module] = formats.of(module) or formats.default
             weight, scales = f"{module}.weight", files.shape(key)
             if weight not in files:
                 raise NpumoeError(f"{key}: scales without their quantized weight {weight}")
             check_packed(weight, files.shape(weight), scales, files.shape(f"{module}.biases"),
                          scales[-1] * group if scales else 0, bits, group)
-    return json.dumps(table, sort_keys=True)
+    return json.dumps(applied, sort_keys=True)
