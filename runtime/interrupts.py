@@ -2,8 +2,10 @@
 and its `finally` blocks remove what it half wrote.
 
 Python runs a signal's handler between two bytecodes of the main thread, and the exception it raises can be
-swallowed: coremltools imports its optional dependencies (scikit-learn, torchao, transformers...) under a bare
-`except:`, so a SIGTERM that lands during that import marks the library missing and the build runs to its end. So
+swallowed: `ct.convert` ends in `gc.collect()`, where coremltools' palettizer objects run their `__del__`, and an
+exception raised in a `__del__` is dropped ("Exception ignored", and coremltools' output is hidden at that point):
+a SIGTERM landing there let `build --compress palettize4` run to its end. Import guards under a bare `except:`
+(coremltools' optional dependencies) drop it the same way. So
 while a signal is pending, a watchdog thread looks at the main thread every POLL_S: when the main thread is not
 unwinding that signal's exception (the exception is neither raised nor being handled there: it was swallowed),
 the signal is delivered again (`_thread.interrupt_main`), until the command ends. `held()` keeps the exception out

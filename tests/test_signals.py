@@ -1,12 +1,14 @@
 """SIGTERM and SIGINT during build, calibrate, search, profile-device and evaluate: the command stops, leaves no
 partial output and exits non-zero, whatever stage the signal lands in: a function's conversion, a model forward,
-the search's trials, a save, the moment a build's packages land, and a library's import guard that swallows the
-exception (coremltools imports its optional dependencies under a bare `except:`: a SIGTERM landing there let
-`build` run to its end). One subprocess runs every case (this file as a script: `python test_signals.py DIR`),
-each signal sent by the process to itself where a wrapped function is entered, so nothing depends on timing."""
+the search's trials, a save, the moment a build's packages land, and where a library swallows the exception: a
+`__del__` run by the `gc.collect()` that ends every `ct.convert` (measured: a SIGTERM landing there let `build
+--compress palettize4` run to its end), an import guard under a bare `except:` (coremltools' optional imports).
+One subprocess runs every case (this file as a script: `python test_signals.py DIR`), each signal sent by the
+process to itself where a wrapped function is entered, so nothing depends on timing."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -63,6 +65,33 @@ def _swallowed_import(swallowed: list):
     return _patched(converter, "quiet_coremltools_import", guarded_import)
 
 
+def _swallowed_in_a_finalizer(swallowed: list):
+    """The swallow measured on `build --compress palettize4`: `ct.convert` ends in `gc.collect()`, a palettizer
+    pass object's `__del__` runs there, and an exception raised in a `__del__` is dropped ("Exception ignored"):
+    the signal lands in one; then the work goes on (until the signal is raised again)."""
+    import gc
+    import time
+
+    from runtime.coreml import converter
+
+    class Pass:
+        def __del__(self):
+            swallowed.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, inside the finalizer
+                pass
+
+    def converted():
+        cycle = Pass()
+        cycle.me = cycle
+        del cycle
+        with contextlib.redirect_stderr(io.StringIO()):  # as quiet_progress hides the "Exception ignored" notice
+            gc.collect()
+        while True:
+            time.sleep(0.01)
+    return _patched(converter, "quiet_coremltools_import", converted)
+
+
 @contextlib.contextmanager
 def _at_forward(nth: int):
     """SIGTERM at the `nth` forward of the decoder stack (`<Family>Model`: a calibration chunk, an evaluation
@@ -90,8 +119,6 @@ def _files(folder: Path) -> set[str]:
 
 def drive(work: Path) -> dict:
     """Run every case in this process; return {case: {code, left, stderr...}}."""
-    import io
-
     from autotune.cli import main
     from autotune.profiling import settings
     from autotune.searching.templates import template_plan
@@ -120,6 +147,7 @@ def drive(work: Path) -> dict:
     assert main([*calibrate, "--out", str(inputs / "traces.npz")]) == 0
     cache = work / "coreml-cache"
     swallowed: list = []
+    finalized: list = []
 
     def build(out: Path) -> list[str]:
         return ["build", "--model", "tiny-moe", "--plan", str(inputs / "ane.json"), "--compress", "none",
@@ -140,6 +168,7 @@ def drive(work: Path) -> dict:
     fsync = os.fsync
     cases = {
         "build: coremltools' import guard swallows it": (build, _swallowed_import(swallowed)),
+        "build: a finalizer in coremltools' gc.collect() swallows it": (build, _swallowed_in_a_finalizer(finalized)),
         "build: a function's conversion": (build, _kill_on_entry(converter, "_compress")),
         "build: Ctrl-C in a function's conversion": (build, _kill_on_entry(converter, "_compress", signal.SIGINT)),
         "build: the packages land": (build, _kill_on_entry(converter, "atomic_write_json")),
@@ -167,7 +196,7 @@ def drive(work: Path) -> dict:
                        if Path(p).name.startswith(".convert-") or ".tmp" in p)
         results[name] = {"code": code, "left": sorted(_files(out)), "cache_temps": temps,
                          "last_line": (err.getvalue().strip().splitlines() or [""])[-1]}
-    results["swallowed"] = bool(swallowed)
+    results["swallowed"] = bool(swallowed) and bool(finalized)
     return results
 
 
@@ -181,9 +210,11 @@ def outcome(tmp_path_factory):
     return json.loads((work / "results.json").read_text())
 
 
-def test_the_swallowed_signal_is_raised_again_and_the_build_stops(outcome):
+@pytest.mark.parametrize("name", ["build: coremltools' import guard swallows it",
+                                  "build: a finalizer in coremltools' gc.collect() swallows it"])
+def test_the_swallowed_signal_is_raised_again_and_the_build_stops(outcome, name):
     """Before the watchdog, the build ran to its end (exit 0, the package and manifest written)."""
-    case = outcome["build: coremltools' import guard swallows it"]
+    case = outcome[name]
     assert outcome["swallowed"] and case["code"] == 128 + signal.SIGTERM, case
     assert case["left"] == [] and case["cache_temps"] == [] and case["last_line"] == "autotune build: terminated"
 
