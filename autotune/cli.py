@@ -8,13 +8,11 @@ import logging
 import os
 import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from autotune.commands.argtypes import OneLineParser
 from runtime.errors import NpumoeError
+from runtime.interrupts import Terminated, signals_raise
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
@@ -35,26 +33,6 @@ def _version() -> str:
         return version("npumoe")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
-
-
-class Terminated(BaseException):
-    """SIGTERM as an exception, so `finally` blocks remove temp files as they do on Ctrl-C."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # What a full disk or a closed reader looks like to a writer.
@@ -83,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"autotune {args.command}: %(message)s")
     try:
-        with _sigterm_raises():
+        with signals_raise():
             code = int(args.func(args) or 0)
             sys.stdout.flush()  # a full disk or a closed pipe shows here at the latest, not at exit
             return code

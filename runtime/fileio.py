@@ -1,6 +1,7 @@
 """Atomic writes and versioned JSON reading shared by every stage's file format."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FileFormatError, NpumoeError
+from runtime.interrupts import held
 
 
 def cache_root() -> Path:
@@ -42,6 +44,28 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+DIGEST_SLOT = "0" * 64  # where a self-digesting file's own sha256 goes (hex), before it is known
+
+
+def seal(data: bytes) -> bytes:
+    """`data`, whose first DIGEST_SLOT marks where its digest belongs (in its header, ahead of any payload), with
+    that slot filled by the sha256 of `data` as it is (slot still zeros): one digest over every byte, header
+    included, so a reader detects any changed byte (`sealed_ok`)."""
+    at = data.find(DIGEST_SLOT.encode())
+    if at < 0:
+        raise ValueError("no digest slot to seal")
+    return data[:at] + hashlib.sha256(data).hexdigest().encode() + data[at + len(DIGEST_SLOT):]
+
+
+def sealed_ok(data: bytes, digest: str) -> bool:
+    """Whether `data` is what `seal` made with `digest` in its slot: the slot set back to zeros hashes to it."""
+    mark = digest.encode()
+    at = data.find(mark)
+    if len(mark) != len(DIGEST_SLOT) or at < 0:
+        return False
+    return hashlib.sha256(data[:at] + DIGEST_SLOT.encode() + data[at + len(mark):]).hexdigest() == digest
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
 
@@ -56,10 +80,10 @@ def _remove(path: Path) -> None:
 @contextmanager
 def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     """Write a command's outputs as one set: yields a temp path beside each target (same suffix, for writers that
-    go by it); when the block succeeds all are renamed into place, when it fails or is interrupted none is, and
-    the temps (and any folder made for them) are removed. A target that is a folder is refused before the block
-    runs; a rename that fails midway puts back the files the set had replaced, so the set lands whole or not at
-    all (NpumoeError naming the file)."""
+    go by it); when the block succeeds all are renamed into place, when it fails or is interrupted (SIGTERM,
+    Ctrl-C: runtime.interrupts) none is, and the temps (and any folder made for them) are removed. A target that
+    is a folder is refused before the block runs; a rename that fails midway puts back the files the set had
+    replaced, so the set lands whole or not at all (NpumoeError naming the file)."""
     targets = [Path(p) for p in paths]
     for t in targets:
         if t.is_dir():
@@ -72,17 +96,19 @@ def output_set(*paths: str | os.PathLike) -> Iterator[list[Path]]:
     done = False
     try:
         yield temps
-        _commit(temps, targets, tag)
-        done = True
+        with held():  # a signal during the renames waits for the set to be whole (or put back)
+            _commit(temps, targets, tag)
+            done = True
     finally:
-        for tmp in temps:
-            _remove(tmp)
-        if not done:
-            for d in sorted(set(made), key=lambda d: len(d.parts), reverse=True):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
+        with held():  # nor does one cut the removal of the temps short
+            for tmp in temps:
+                _remove(tmp)
+            if not done:
+                for d in sorted(set(made), key=lambda d: len(d.parts), reverse=True):
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        pass
 
 
 def _commit(temps: list[Path], targets: list[Path], tag: str) -> None:

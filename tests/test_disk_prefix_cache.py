@@ -1,11 +1,15 @@
 """The prefix cache on disk: a prefix stored by one server is reused by the next (same tokens as without it), an
-entry of another plan or a corrupt one is ignored (said once) and replaced, the folder's bound evicts the least
-recently used."""
+entry of another plan or a corrupt one (any changed byte) is ignored (said once, naming it) and replaced, the
+folder's bound evicts the least recently used."""
 import logging
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import runtime
 from autotune.searching.templates import template_plan
@@ -97,3 +101,58 @@ def test_an_exact_tail_survives_a_restart_where_the_rule_allows(setup, tmp_path)
     assert _run(planned, later, prefix).tokens == _run(planned, later).tokens
     assert restarted.lookup(torch.cat([ids[:11], ids[20:23]])).get_seq_length() == 8
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
+
+
+def _header_end(data: bytes) -> int:
+    return 8 + int.from_bytes(data[:8], "little")
+
+
+def test_an_entry_whose_tensors_are_overwritten_is_ignored_named_and_replaced(setup, tmp_path, caplog):
+    """The header and the prefix's tokens intact, the key/value bytes random: before the digest this entry was
+    served (a wrong cache, a wrong text); now it is ignored in one line naming it, recomputed, and replaced."""
+    loaded, plan, _, ids = setup
+    n = len(ids) // CHUNK * CHUNK
+    cold = _run(loaded, ids, keep_at=n)
+    DiskPrefixCache(tmp_path, 1 << 30, loaded.model, plan).store(ids[:n], cold.kept)
+    restarted = DiskPrefixCache(tmp_path, 1 << 30, loaded.model, plan)
+    path = restarted._path(ids[:n])
+    data = bytearray(path.read_bytes())
+    kv = data.index(ids[:n].to(torch.int64).numpy().tobytes())  # the tokens tensor: keep it as it was
+    start, tokens_end = _header_end(data), kv + n * 8
+    for i in range(start, len(data)):
+        if not kv <= i < tokens_end:
+            data[i] = torch.randint(0, 256, ()).item()
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="npumoe.serve"):
+        assert restarted.lookup(ids) is None and restarted.lookup(ids) is None
+    lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(lines) == 1 and str(path) in lines[0] and "sha256" in lines[0]
+    again = _run(loaded, ids, keep_at=n)  # recomputed: the same tokens as before the damage
+    assert again.tokens == cold.tokens
+    restarted.store(ids[:n], again.kept)  # replaces the damaged file
+    prefix = DiskPrefixCache(tmp_path, 1 << 30, loaded.model, plan).lookup(ids)
+    assert prefix is not None and _run(loaded, ids, prefix).tokens == cold.tokens
+
+
+@pytest.fixture(scope="module")
+def stored_entry(setup, tmp_path_factory):
+    loaded, plan, _, ids = setup
+    folder = tmp_path_factory.mktemp("entry")
+    cache = DiskPrefixCache(folder, 1 << 30, loaded.model, plan)
+    cache.store(ids[:CHUNK], _run(loaded, ids, keep_at=CHUNK).kept)
+    return cache, cache._path(ids[:CHUNK]).read_bytes()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(draw=st.data(), flip=st.integers(1, 255))
+def test_any_single_changed_byte_of_an_entry_is_detected(stored_entry, draw, flip):
+    cache, data = stored_entry
+    i = draw.draw(st.integers(0, len(data) - 1), label="byte")
+    bad = bytearray(data)
+    bad[i] ^= flip
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "entry.safetensors"
+        path.write_bytes(data)
+        assert cache._read(path) is not None  # the entry as stored reads back
+        path.write_bytes(bytes(bad))
+        assert cache._read(path) is None, f"byte {i} ^ {flip} went unnoticed"

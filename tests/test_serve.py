@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -335,6 +337,55 @@ def test_anthropic_stop_sequences_and_errors(served):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", bad
 
 
+@pytest.mark.parametrize("where,block", [
+    ("messages.0.content", {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}),
+    ("messages.0.content", {"type": "tool_result", "tool_use_id": "t1", "content": "42"}),
+    ("system", {"type": "document", "source": {}}),
+])
+def test_an_unsupported_anthropic_block_is_named(served, where, block):
+    """Before, pydantic tried the content as a string: "messages.0.content.str: Input should be a valid string"."""
+    body = {"model": "tiny-moe", "max_tokens": 4, "messages": ANTHROPIC_MESSAGES}
+    if where == "system":
+        body["system"] = [{"type": "text", "text": "be brief"}, block]
+    else:
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "look:"}, block]}]
+    r = httpx.post(served.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{where}: content block 1 is of type {block['type']!r}, which this "
+                                       "server does not support"), error
+
+
+@pytest.mark.parametrize("case", ["file", "unwritable", "no plan"])
+def test_serve_refuses_a_bad_prefix_cache_dir_before_loading(case, tmp_path, capsys, monkeypatch):
+    """Refused at once in one line: before, the model was loaded first (9 s on a large one) and a file said only
+    "File exists"."""
+    import autotune.commands.serve as serve_command
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(serve_command, "EngineProcess", must_not_load)
+    folder = tmp_path / "cache"
+    if case == "file":
+        folder.write_text("not a folder")
+    elif case == "unwritable":
+        folder.mkdir()
+        folder.chmod(0o500)
+        try:  # root writes anywhere permission bits say no: take a folder no one can create files in
+            (folder / "probe").touch()
+            folder = Path("/proc/self")
+        except PermissionError:
+            pass
+    plan = [] if case == "no plan" else ["--plan", str(_spill_plan(tmp_path / "spill.json"))]
+    try:
+        code = main(["serve", "--model", "tiny-moe", *plan, "--port", "0", "--prefix-cache-dir", str(folder)])
+    except SystemExit as e:  # the flag's own check: argparse's exit
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    expect = {"file": "is a file, not a directory", "unwritable": "cannot write in", "no plan": "needs --plan"}[case]
+    assert code == 2 and len(err) == 1 and expect in err[0] and "--prefix-cache-dir" in err[0], err
+
+
 FUZZ_EXAMPLES = 40  # per endpoint, valid and invalid each: bounded for CI
 FUZZED: dict[str, int] = {}
 
@@ -506,6 +557,44 @@ def test_a_long_prompt_or_body_is_refused_and_the_server_stays_up(served):
     r = httpx.post(served.url + "/v1/completions", content=b"x" * (5 << 20), headers=auth)
     assert r.status_code == 413
     assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices
+
+
+def _posted_by_three_clients(url: str, body: bytes, auth: dict, tmp_path: Path) -> list[tuple[str, int, dict]]:
+    """(client, status, JSON answer) of `body` POSTed by urllib (Content-Length, the whole body sent before the
+    answer is read), httpx (chunked: no length, the server counts the bytes) and curl (Expect: 100-continue)."""
+    headers = {**auth, "Content-Type": "application/json"}
+    out = []
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=120) as r:
+            out.append(("urllib", r.status, json.loads(r.read())))
+    except urllib.error.HTTPError as e:
+        out.append(("urllib", e.code, json.loads(e.read())))
+    r = httpx.post(url, content=iter([body[i:i + (1 << 16)] for i in range(0, len(body), 1 << 16)]),
+                   headers=headers, timeout=120)
+    out.append(("httpx", r.status_code, r.json()))
+    (tmp_path / "body.json").write_bytes(body)
+    curl = subprocess.run(["curl", "-sS", "-o", str(tmp_path / "answer.json"), "-w", "%{http_code}",
+                           "--data-binary", f"@{tmp_path / 'body.json'}", url]
+                          + [a for k, v in headers.items() for a in ("-H", f"{k}: {v}")],
+                          capture_output=True, text=True, timeout=120)
+    out.append(("curl", int(curl.stdout or 0), json.loads((tmp_path / "answer.json").read_text())))
+    return out
+
+
+def test_an_oversized_body_gets_its_413_in_the_apis_shape_through_every_client(served, tmp_path):
+    """Before the body was drained, urllib met a broken pipe (or a reset) instead of the 413."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = {"model": "tiny-moe", "max_tokens": 1, "prompt": "x" * (5 << 20)}
+    openai_answers = _posted_by_three_clients(served.url + "/v1/completions", json.dumps(big).encode(), auth,
+                                              tmp_path)
+    assert [(c, s, a["error"]["code"]) for c, s, a in openai_answers] == \
+        [(c, 413, "request_too_large") for c in ("urllib", "httpx", "curl")]
+    big = {"model": "tiny-moe", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    anthropic_answers = _posted_by_three_clients(served.url + "/v1/messages", json.dumps(big).encode(), auth,
+                                                 tmp_path)
+    assert [(c, s, a["type"], a["error"]["type"]) for c, s, a in anthropic_answers] == \
+        [(c, 413, "error", "request_too_large") for c in ("urllib", "httpx", "curl")]
+    assert served.client.completions.create(model="tiny-moe", prompt="x", max_tokens=1).choices  # still up
 
 
 class _Gate:

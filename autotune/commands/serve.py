@@ -8,6 +8,7 @@ import argparse
 import os
 
 from autotune.commands.argtypes import (
+    directory,
     input_file,
     input_package,
     non_negative_float,
@@ -53,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait behind the active ones (default 16); past it: HTTP 429")
     p.add_argument("--prefix-cache-mb", type=non_negative_float, default=256.0, metavar="MB",
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
-    p.add_argument("--prefix-cache-dir", metavar="DIR",
+    p.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
                    help="also keep reusable prefixes' KV caches in DIR, across restarts (whole prefill chunks, tied to "
                         "the model's and the plan's digests; needs --plan)")
     p.add_argument("--prefix-cache-disk-gb", type=positive_float, default=DEFAULT_DISK_GB, metavar="GB",
@@ -67,6 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's device functions: give --plan too")
+    if args.prefix_cache_dir and not args.plan:
+        raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
         raise NpumoeError(f"{'--api-key' if args.api_key == '' else KEY_ENV} is empty: an empty key would let anyone "
                           "in; give a key, or leave it out to serve without one (loopback only)")

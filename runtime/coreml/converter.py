@@ -41,6 +41,7 @@ from runtime.coreml.build_result import BuildResult
 from runtime.dense.specs import compute_dtype
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
+from runtime.interrupts import held
 from runtime.loading.expert_weights import ExpertWeights, ModuleExperts
 from runtime.plan import COMPRESSIONS, Plan
 
@@ -308,11 +309,11 @@ def convert_program(prog, compress: str, dest: Path) -> None:
     mlmodel = program_mlmodel(prog)
     with quiet_progress():
         mlmodel = _compress(mlmodel, compress)
-        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
+    try:
         # The converter already wrote a whole package to its temp folder; `save` would copy it (weights written
         # twice: ~13% of a large function's conversion time). Move it instead: a rename on the same filesystem.
         shutil.move(mlmodel.package_path, tmp)
-    try:
         os.replace(tmp, dest)
     except OSError:
         if not dest.is_dir():  # else a concurrent build stored the same function first: keep that one
@@ -438,20 +439,22 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
                                  weight_bytes=stored_weight_bytes([*group, *dense_group]), bytes=package_bytes(staged)))
         if bar:
             bar.close()
-        for path in (out, *paths, *_stale_parts(out)):
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        for path in paths:
-            os.replace(work / path.name, path)
+        manifest = manifest_path(out)
+        summary = compression_summary([*functions, *dense])
+        with held():  # the packages and their manifest land together: a signal here is raised once they have
+            for path in (out, *paths, *_stale_parts(out)):
+                if path.exists():
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            for path in paths:
+                os.replace(work / path.name, path)
+            atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
+                                         "layout": layout, "compress": summary,
+                                         "function_weight_limit_bytes": int(function_weight_bytes),
+                                         "package_weight_limit_bytes": int(package_weight_bytes),
+                                         "packages": packages})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     total = sum(pk["bytes"] for pk in packages)
-    manifest = manifest_path(out)
-    summary = compression_summary([*functions, *dense])
-    atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
-                                 "layout": layout, "compress": summary,
-                                 "function_weight_limit_bytes": int(function_weight_bytes),
-                                 "package_weight_limit_bytes": int(package_weight_bytes), "packages": packages})
     unique = {(fs.layer, e) for fs in functions for e in fs.experts}
     dense_bytes = [dense_programs.dense_weight_bytes(d) for d in dense]
     return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary, cached=cached,

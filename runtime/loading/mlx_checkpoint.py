@@ -11,6 +11,7 @@ naming the tensor or the module.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -234,3 +235,34 @@ def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor 
                  shape[-1] * 32 // fmt[0], fmt[0], fmt[1])
     scales = table.read(f"{module}.scales")
     return dequantize(table.read(module_key), scales, table.read(f"{module}.biases"), fmt[0], scales.dtype)
+
+
+def check_mlx_checkpoint(path: Path) -> str:
+    """An MLX folder checked from config.json and the tensor headers alone, before any command works on it: every
+    format its `quantization` names (the default and each module's) is one we decode, every tensor's dtype one we
+    read, and every packed weight's shape fits its format. Returns the format each packed module is stored in, as
+    canonical JSON (what the model fingerprint covers: however the table spells it). Each failure is one line
+    naming config.json, the module or the tensor."""
+    table = read_config(path)["quantization"]
+    formats = _Formats(table)
+    check_format(str(path / "config.json"), *formats.default)
+    for module, entry in table.items():
+        if isinstance(entry, dict):
+            check_format(f"{path / 'config.json'} quantization.{module}", *formats.of(module))
+    files = _Files(path)
+    applied = {}
+    for key in files.keys:
+        if files.dtype(key) not in RAW_DTYPES:
+            raise NpumoeError(f"{files.keys[key]}: tensor {key} has dtype {files.dtype(key)}, which this reader "
+                              "does not take")
+        module = key.rpartition(".")[0]
+        if key.endswith(".weight") and files.dtype(key) in ("U32", "I32") and f"{module}.scales" not in files:
+            raise NpumoeError(f"{key}: quantized weight without its {module}.scales")
+        if key.endswith(".scales"):
+            bits, group, _ = applied[module] = formats.of(module) or formats.default
+            weight, scales = f"{module}.weight", files.shape(key)
+            if weight not in files:
+                raise NpumoeError(f"{key}: scales without their quantized weight {weight}")
+            check_packed(weight, files.shape(weight), scales, files.shape(f"{module}.biases"),
+                         scales[-1] * group if scales else 0, bits, group)
+    return json.dumps(applied, sort_keys=True)

@@ -32,7 +32,7 @@ from runtime.loading.checkpoints import (
     safetensors_header,
 )
 from runtime.loading.compute_dtype import HALF, auto_dtype, dtype_name
-from runtime.loading.mlx_checkpoint import dequantized_router, read_mlx_model
+from runtime.loading.mlx_checkpoint import check_mlx_checkpoint, dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -205,7 +205,7 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     import transformers
 
     path = model_dir(name)
-    check_checkpoint(path)
+    quantization = open_checkpoint(path)
     check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
@@ -222,7 +222,16 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     check_loading_info(path, info)
     if not moe_layers(model):
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
+    model.npumoe_quantization = quantization  # what the fingerprint covers beside the shape and the routers
     return model.eval(), tokenizer
+
+
+def open_checkpoint(path: Path) -> str | None:
+    """Check a checkpoint folder once, before any command works on it: its files whole and its config agreeing
+    with them, and an MLX folder's quantization, dtypes and packed shapes (`check_mlx_checkpoint`). Returns the
+    MLX quantization table in canonical form, None for a full-width checkpoint."""
+    check_checkpoint(path)
+    return check_mlx_checkpoint(path) if is_mlx_checkpoint(path) else None
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
@@ -246,10 +255,13 @@ def _spec_fields(model: torch.nn.Module, layers: list[MoELayer]) -> dict:
                 expert_ffn_size=int(first.intermediate_dim))
 
 
-def _fingerprint(fields: dict, routers: list[torch.Tensor]) -> ModelSpec:
-    """Config shape + router weights. Routers are hashed rounded to bfloat16, so that one checkpoint loaded in
-    any --dtype (and its routers read alone from the files) has one fingerprint."""
+def _fingerprint(fields: dict, routers: list[torch.Tensor], quantization: str | None = None) -> ModelSpec:
+    """Config shape + router weights (+ an MLX checkpoint's quantization table: a plan for one format is not taken
+    for another). Routers are hashed rounded to bfloat16, so that one checkpoint loaded in any --dtype (and its
+    routers read alone from the files) has one fingerprint."""
     h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    if quantization is not None:
+        h.update(b"quantization:" + quantization.encode())
     for w in routers:
         h.update(w.detach().to(torch.bfloat16).view(torch.int16).contiguous().numpy().tobytes())
     return ModelSpec(**fields, fingerprint="sha256:" + h.hexdigest()[:32])
@@ -258,7 +270,8 @@ def _fingerprint(fields: dict, routers: list[torch.Tensor]) -> ModelSpec:
 def model_spec(model: torch.nn.Module) -> ModelSpec:
     """Shape and fingerprint (config shape + router weights) of a loaded MoE model."""
     layers = moe_layers(model)
-    return _fingerprint(_spec_fields(model, layers), [l.router.weight for l in layers])
+    return _fingerprint(_spec_fields(model, layers), [l.router.weight for l in layers],
+                        getattr(model, "npumoe_quantization", None))
 
 
 def read_model_spec(name: str) -> ModelSpec:
@@ -268,7 +281,7 @@ def read_model_spec(name: str) -> ModelSpec:
     if name.startswith(RANDOM_PREFIX):
         return model_spec(load_model(name)[0])
     path = model_dir(name)
-    check_checkpoint(path)
+    quantization = open_checkpoint(path)
     skeleton = meta_skeleton(path)
     layers = moe_layers(skeleton)
     if not layers:
@@ -279,4 +292,4 @@ def read_model_spec(name: str) -> ModelSpec:
     routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
-    return _fingerprint(_spec_fields(skeleton, layers), routers)
+    return _fingerprint(_spec_fields(skeleton, layers), routers, quantization)

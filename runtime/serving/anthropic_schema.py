@@ -26,10 +26,24 @@ class TextBlock(BaseModel):
     text: str
 
 
+def text_blocks_only(content: object) -> object:
+    """Refuse, naming it, a content block this server does not take (image, tool_use, tool_result, document...),
+    before pydantic would try the content as a string and say only that."""
+    if isinstance(content, list):
+        for i, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content block {i} is of type {kind!r}, which this server does not support "
+                                 "(text blocks only)")
+    return content
+
+
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["user", "assistant"]
     content: str | list[TextBlock]
+
+    _text_only = field_validator("content", mode="before")(text_blocks_only)
 
     @property
     def text(self) -> str:
@@ -48,6 +62,8 @@ class MessagesRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
+
+    _text_only = field_validator("system", mode="before")(text_blocks_only)
 
     @field_validator("stop_sequences")
     @classmethod

@@ -33,6 +33,7 @@ from runtime.serving.openai_schema import ChatRequest, CompletionRequest, Reply,
 from runtime.serving.scheduler import Closed, Job, QueueFull
 
 MAX_BODY_BYTES = 4 << 20  # a prompt as long as any context we serve, as JSON, with room to spare
+DRAIN_BYTES = 64 << 20  # a refused body up to this size is read through so every client sees the 413
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the runtime's
 DISCONNECT_POLL_S = 0.25  # how often a request that waits checks whether its client is still there
 MESSAGES = "/v1/messages"
@@ -88,8 +89,10 @@ class Guard:
                                   headers={"WWW-Authenticate": "Bearer"}, path=path), receive
         too_big = error_response(413, f"the request body is past {self.max_body_bytes} bytes",
                                  code="request_too_large", path=path)
-        if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
-            return too_big, receive
+        declared = int(headers.get(b"content-length", b"0") or 0)
+        if declared > self.max_body_bytes and (headers.get(b"expect", b"").lower() == b"100-continue"
+                                               or declared > DRAIN_BYTES):
+            return too_big, receive  # the client waits for our word before sending, or the body is past reading
         body, more = b"", True
         while more:
             message = await receive()
@@ -98,6 +101,8 @@ class Guard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body_bytes:
+                if more:
+                    await _drain(receive, DRAIN_BYTES - len(body))
                 return too_big, receive
         replayed = False
 
@@ -108,6 +113,17 @@ class Guard:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
         return None, replay
+
+
+async def _drain(receive, budget: int) -> None:
+    """Read the rest of a refused body (up to `budget` bytes) and drop it: a client that sends its whole body
+    before reading the answer (Python's urllib) would otherwise meet a closed socket (a broken pipe, a reset)
+    instead of the 413."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
 
 
 class Waiter:

@@ -2,12 +2,13 @@
 
 One safetensors file per prefix, named by the sha256 of (model digest, plan digest, the prefix's whole-chunk token
 ids), holding per layer the keys and values, the token ids (the whole chunks, then maybe an exact tail: the tail
-rule of `prefix_cache`), and in its metadata the schema, both digests and the chunk size. A lookup tries the
+rule of `prefix_cache`), and in its metadata the schema, both digests, the chunk size and the sha256 of the file
+itself (`fileio.seal`: every byte, header and tensors, so a flipped bit is caught). A lookup tries the
 prompt's chunk boundaries longest first (the file there may also serve the tail past it, by `reusable`); an
-entry is used only when every one of those matches
-(a file made under another model or plan, or a corrupt one, is ignored, said once in the log, and replaced by the
-next store). Bounded in bytes (`--prefix-cache-disk-gb`): the least recently used files go first (a hit touches
-its file). Writes are atomic (temp file, rename).
+entry is used only when every one of those matches (a file made under another model or plan, or a corrupt one, is
+ignored, said once in the log naming it, recomputed and replaced by the next store). Bounded in bytes
+(`--prefix-cache-disk-gb`): the least recently used files go first (a hit touches its file). Writes are atomic
+(temp file, rename).
 
 The model digest hashes the model's spec fingerprint (shape and routers), its dtype and a sample of every
 parameter (the first and last 4,096 values of each): enough to tell checkpoints apart without reading 60 GB.
@@ -18,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -26,14 +28,14 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from transformers.cache_utils import DynamicCache
 
-from runtime.fileio import atomic_write_bytes
+from runtime.fileio import DIGEST_SLOT, atomic_write_bytes, seal, sealed_ok
 from runtime.loading.model_loader import model_spec
 from runtime.plan import Plan
 from runtime.serving.prefix_cache import reusable
 
 log = logging.getLogger("npumoe.serve")
 
-SCHEMA = "npumoe.prefix/1"
+SCHEMA = "npumoe.prefix/2"  # 2: a sha256 over the whole file (header and tensors)
 SAMPLE = 4096
 
 
@@ -58,7 +60,7 @@ class DiskPrefixCache:
         self.meta = {"schema": SCHEMA, "model": model_digest(model), "plan": plan_digest(plan),
                      "chunk_tokens": str(self.chunk)}
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.warned = False
+        self.warned: set[Path] = set()
 
     def _path(self, tokens: torch.Tensor) -> Path:
         """The file of the prefix whose whole chunks are `tokens`' whole chunks (its tail, if any, inside)."""
@@ -67,9 +69,31 @@ class DiskPrefixCache:
         return self.folder / f"{h.hexdigest()}.safetensors"
 
     def _ignore(self, path: Path, why: str) -> None:
-        if not self.warned:
+        if path not in self.warned:  # one line per entry, not one per lookup that meets it
             log.warning("prefix cache on disk: ignoring %s (%s); it is replaced by the next store", path, why)
-            self.warned = True
+            self.warned.add(path)
+
+    def _read(self, path: Path) -> dict[str, torch.Tensor] | None:
+        """The entry's tensors when the file is ours (model, plan, format) and every byte matches its digest;
+        otherwise None, said once in the log."""
+        try:
+            data = path.read_bytes()
+            meta = _metadata(data)
+        except (OSError, ValueError) as e:
+            self._ignore(path, f"unreadable: {e}")
+            return None
+        digest = meta.pop("sha256", None)
+        if meta != self.meta:
+            self._ignore(path, "made under another model, plan or format")
+            return None
+        if not isinstance(digest, str) or not sealed_ok(data, digest):
+            self._ignore(path, "corrupt: its bytes do not match its sha256")
+            return None
+        try:
+            return load_tensors(data)
+        except SafetensorError as e:
+            self._ignore(path, f"unreadable: {e}")
+            return None
 
     def lookup(self, ids: torch.Tensor, longer_than: int = 0) -> DynamicCache | None:
         """A cache holding the longest prefix of `ids` on disk (whole chunks, or past them by the tail rule; at
@@ -78,15 +102,8 @@ class DiskPrefixCache:
             path = self._path(ids[:n])
             if n == 0 or not path.exists():
                 continue
-            try:
-                data = path.read_bytes()
-                meta = _metadata(data)
-                tensors = load_tensors(data) if meta == self.meta else {}
-            except (OSError, SafetensorError, ValueError) as e:
-                self._ignore(path, f"unreadable: {e}")
-                continue
-            if meta != self.meta:
-                self._ignore(path, "made under another model, plan or format")
+            tensors = self._read(path)
+            if tensors is None:
                 continue
             tokens = tensors.get("tokens", torch.empty(0, dtype=torch.int64))
             if not torch.equal(tokens[:n], ids[:n].to(torch.int64)) or tokens.numel() // self.chunk * self.chunk != n:
@@ -99,7 +116,7 @@ class DiskPrefixCache:
             layers = len([k for k in tensors if k.startswith("k")])
             for i in range(layers):
                 cache.update(tensors[f"k{i}"][:, :, :use], tensors[f"v{i}"][:, :, :use], i)
-            os.utime(path)  # recently used
+            _touch(path)
             return cache
         return None
 
@@ -108,27 +125,24 @@ class DiskPrefixCache:
         chunks (replacing another tail there: the most recent wins), then bound the folder."""
         path = self._path(tokens)
         if path.exists() and self._holds(path, tokens):
-            os.utime(path)
+            _touch(path)
             return
         tensors = {"tokens": tokens.to(torch.int64).contiguous()}
         for i, (k, v) in enumerate(layers):
             tensors[f"k{i}"], tensors[f"v{i}"] = k.contiguous(), v.contiguous()
-        data = save_tensors(tensors, metadata=self.meta)
+        data = seal(save_tensors(tensors, metadata={**self.meta, "sha256": DIGEST_SLOT}))
         if len(data) > self.max_bytes:
             return
         atomic_write_bytes(path, data)
+        _touch(path)
+        self.warned.discard(path)  # a new entry: should it go bad in turn, say so again
         self._bound()
 
     def _holds(self, path: Path, tokens: torch.Tensor) -> bool:
-        """Whether the file is ours and holds `tokens` (or a longer prefix starting with them)."""
-        try:
-            data = path.read_bytes()
-            if _metadata(data) != self.meta:
-                return False
-            held = load_tensors(data)["tokens"]
-        except (OSError, ValueError, SafetensorError, KeyError):
-            return False
-        return held.numel() >= tokens.numel() and torch.equal(held[:tokens.numel()], tokens.to(torch.int64))
+        """Whether the file is ours, whole, and holds `tokens` (or a longer prefix starting with them)."""
+        held = (self._read(path) or {}).get("tokens")
+        return held is not None and held.numel() >= tokens.numel() and \
+            torch.equal(held[:tokens.numel()], tokens.to(torch.int64))
 
     def _bound(self) -> None:
         files = sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
@@ -144,6 +158,13 @@ class DiskPrefixCache:
         return sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
 
 
+def _touch(path: Path) -> None:
+    """Mark the file most recently used. The clock is the fine one: a write's own mtime comes from the kernel's
+    coarse clock (a few ms), so a hit right after a store could tie with it and the eviction order be arbitrary."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+
+
 def _metadata(data: bytes) -> dict:
     """A safetensors file's metadata (its JSON header's `__metadata__`)."""
     if len(data) < 8:
@@ -151,4 +172,8 @@ def _metadata(data: bytes) -> dict:
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise ValueError("a header past the end of the file")
-    return json.loads(data[8:8 + n]).get("__metadata__", {})
+    header = json.loads(data[8:8 + n])
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError("no metadata in its header")
+    return meta
