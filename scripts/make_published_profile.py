@@ -2,7 +2,9 @@
 by npumoe).
 
 Revision 2 (`settings.revision`): the fixed cost per ANE call is the Core ML `predict()` path's, the path the
-runtime takes, and CPU and ANE power are given, so `--objective energy|both` works on this profile. Every figure
+runtime takes, and CPU and ANE power are given, so `--objective energy|both` works on this profile. Revision 3: the
+GPU, as `mlx-exact` (MLX's exact path, and every dense op a plan runs there), and the memory bus the three lanes
+share. Every figure
 names its source in `sources` and says whether it was read at the source (`seen: primary`) or only quoted by
 another page (`seen: second-hand`).
 
@@ -16,6 +18,11 @@ another page (`seen: second-hand`).
 - Power: ANE ~1.58 W during ANE prefill on an M2 Ultra (atomgradient hybrid-ane-mlx-bench); CPU ~61 W under CPU
   load, M2 Ultra Mac Studio (Ars Technica's review, as quoted). Apple's 295 W maximum is the whole system at the
   wall (CPU + GPU + everything): kept as a bound, not used as the CPU's power.
+- GPU (`mlx-exact`): 76-core M2 Ultra, peak 27.2 TFLOP/s fp16 = fp32 (Apple; metal-benchmarks) kept as the bound;
+  priced at MLX's own measured GEMM rate on an M2 Ultra (19.1-20.8 TFLOP/s, MLX PRs 424 and 1518: 20.5), weights
+  and activations over the 800 GB/s memory (Apple), one CPU<->GPU synchronisation per call (150-200 us with MLX's
+  default shared events, MLX PR 1773), 62.05 W under MLX prefill on an M2 Ultra (atomgradient). Kernel launches
+  inside one MLX graph are not priced (none of the sources times them; they overlap the GPU's work).
 
 Run: python scripts/make_published_profile.py [--out profiles/apple-m2-ultra-published.json]
 """
@@ -24,17 +31,23 @@ from __future__ import annotations
 import argparse
 import copy
 
-from autotune.costing.costmodel import CostModel, HostCosts
+from autotune.costing.costmodel import BackendModel, CostModel, HostCosts
 from autotune.costing.fitting import fit_backend, heldout_errors, predict_record
 from autotune.profiling.profile import Profile, save_profile, utc_now
 
-REVISION = 2
+REVISION = 3
 PAPER = ("NPUMoE: Benazir & Lin, 'Efficient Mixture-of-Experts LLM Inference with Apple Silicon NPUs', "
          "arXiv:2604.18788 (2026), dense matmul table, M2 Ultra, Core ML CPU-only vs CPU+ANE (figures as transcribed "
          "in npumoe issue 4)")
 ANE_CALL_MS = 0.27
 ANE_POWER_W = 1.58
 CPU_POWER_W = 61.0
+GPU = "mlx-exact"
+GPU_PEAK_TFLOPS = 27.2
+GPU_GEMM_TFLOPS = 20.5
+GPU_SYNC_MS = 0.18
+GPU_POWER_W = 62.05
+MEMORY_GB_S = 800.0
 
 
 def cite(source: str, seen: str, says: str) -> dict:
@@ -77,6 +90,42 @@ SOURCES = {
                        "https://support.apple.com/102027", "primary",
                        "M2 Ultra 24-core CPU, 76-core GPU, 192 GB: idle 10 W, max 295 W, measured at the wall, "
                        "whole system under a compute-intensive test: an upper bound, not the CPU's power")]},
+}
+SOURCES |= {
+    "gpu_peak_tflops": {
+        "value": GPU_PEAK_TFLOPS, "unit": "TFLOP/s", "used": False,
+        "cites": [cite("Apple, Mac Pro (M2 Ultra) product page: 'up to 76 GPU cores ... up to 27.2 teraflops'",
+                       "primary", "M2 Ultra 76-core GPU peak"),
+                  cite("philipturner/metal-benchmarks README, GPU table", "primary",
+                       "M2 Ultra 76 cores: >=27,200 GFLOPS F32 and F16 (F16 is not faster than F32 on Apple GPUs)")]},
+    "gpu_gemm_tflops": {
+        "value": GPU_GEMM_TFLOPS, "unit": "TFLOP/s",
+        "how": "the sustained rate every GPU matmul is priced at: MLX's measured GEMM on an M2 Ultra, 75% of peak",
+        "cites": [cite("ml-explore/mlx PR 424 'Update GEMM' (awni, 2024-01-18), https://github.com/ml-explore/mlx/"
+                       "pull/424", "primary", "M2 Ultra: 4096^3 float32 GEMM 20,464 GFLOPS; 16x1024^3 19,013"),
+                  cite("ml-explore/mlx PR 1518 'Gemm update' (jagrit06, 2024-10-31), https://github.com/ml-explore/"
+                       "mlx/pull/1518", "primary", "M2 Ultra: float32 GEMMs 1024-8192 x 4096 x 11008 at "
+                       "19,117-20,832 GFLOPS")]},
+    "memory_gb_s": {
+        "value": MEMORY_GB_S, "unit": "GB/s",
+        "how": "the GPU's ms per MB, and the bus the CPU's and the GPU's exact lanes share (`bus_ms_per_mb`)",
+        "cites": [cite("Apple newsroom, 'Apple introduces M2 Ultra' (2023-06-05), as quoted by lowyat.net and "
+                       "fudzilla.net", "second-hand", "800GB/s of memory bandwidth")]},
+    "gpu_call_ms": {
+        "value": GPU_SYNC_MS, "unit": "ms",
+        "how": "one CPU<->GPU synchronisation per exact-path call (torch hands MLX its rows and waits); the middle "
+               "of 150-200 us",
+        "cites": [cite("ml-explore/mlx PR 1773 'Faster synchronization Fence primitive' (awni, 2025-01-17), "
+                       "https://github.com/ml-explore/mlx/pull/1773", "primary",
+                       "150-200 us per CPU/GPU synchronisation with shared events (the default), 15-20 us with "
+                       "MLX_METAL_FAST_SYNCH=1; tested on M1 Max, M2 Ultra, M3 Max"),
+                  cite("ml-explore/mlx issue 4438, https://github.com/ml-explore/mlx/issues/4438", "primary",
+                       "M3 Ultra, mlx 0.32.2: ~180 us per CPU<->GPU stream crossing with the default fence")]},
+    "gpu_power_w": {
+        "value": GPU_POWER_W, "unit": "W",
+        "cites": [cite("atomgradient, hybrid-ane-mlx-bench, https://atomgradient.github.io/hybrid-ane-mlx-bench/",
+                       "primary", "M2 Ultra 192 GB: prefill GPU power 62.05 W under MLX, 0.22 W with ANE prefill "
+                       "(282x less)")]},
 }
 SUPERSEDED = {"ane_call_ms": "revision 1 pinned 0.095 ms (the private _ANEClient path on an M4)",
               "ane_power_w": "revision 1 used 2.8 W (M4 ANE peak, maderix)", "cpu_power_w": "revision 1 had none"}
@@ -129,6 +178,10 @@ def main() -> None:
     models["cpu-static"] = copy.deepcopy(models["cpu-exact"])
     models["cpu-static"].name = "cpu-static"
     models["cpu-static"].note = "the same CPU as cpu-exact (a padded static call on the CPU): same fit"
+    models[GPU] = BackendModel(GPU, GPU_SYNC_MS, 0.0, 1.0 / GPU_GEMM_TFLOPS, 1.0 / MEMORY_GB_S, 2, True, GPU_POWER_W,
+                               _said("gpu_power_w"), note="published, not fitted: matmuls at MLX's measured GEMM rate "
+                               "(sources.gpu_gemm_tflops), bytes at the memory's 800 GB/s, one CPU<->GPU sync per call "
+                               "(sources.gpu_call_ms); every dense op priced at the same rates")
     for r in recs:
         if r.get("excluded"):
             r["pred_ms"] = round(predict_record(models[r["backend"]], r), 4)
@@ -136,15 +189,19 @@ def main() -> None:
     profile = Profile(
         host={"id": "apple-m2-ultra-published", "description": "Apple M2 Ultra (published figures, not measured)",
               "chip": "Apple M2 Ultra", "os": "macOS"},
-        cost_model=CostModel(models, HostCosts(), 2048), records=recs, heldout=heldout,
+        cost_model=CostModel(models, HostCosts(), 2048, bus_ms_per_mb=1.0 / MEMORY_GB_S), records=recs,
+        heldout=heldout,
         measured_by="published figures: not measured by npumoe's profile-device (see sources)",
         settings={"note": "built by scripts/make_published_profile.py", "revision": REVISION},
         energy={"method": "published", "cpu_power_w": CPU_POWER_W, "ane_power_w": ANE_POWER_W,
-                "source": "see sources.cpu_power_w and sources.ane_power_w; energy = power x predicted busy time"},
+                "gpu_power_w": GPU_POWER_W,
+                "source": "see sources.cpu_power_w, sources.ane_power_w and sources.gpu_power_w; energy = power x "
+                          "predicted busy time"},
         created=utc_now(),
         extra={"sources": SOURCES, "superseded": SUPERSEDED,
                "not_measured": ["host-side pack/unpack and exact-path bookkeeping (0 in predictions)",
                                 "per-expert launch cost inside a CPU call (0)",
+                                "kernel launches inside one MLX graph (0; the GPU's per-call cost is its sync)",
                                 "idle and uncore power (energy counts busy backends only)"]})
     save_profile(profile, args.out)
     print(f"wrote {args.out}: held-out MAPE " + ", ".join(f"{k} {v:.1%}" for k, v in heldout["mape"].items()))

@@ -108,12 +108,17 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
     assert prof.published
     cm = prof.cost_model
     assert {"ane", "cpu-exact", "cpu-static"} <= set(cm.backends)
-    # revision 2: the Core ML predict() path's fixed cost, and cited CPU and ANE power
-    assert prof.settings["revision"] == 2
+    # revision 2: the Core ML predict() path's fixed cost, and cited CPU and ANE power; 3: the GPU (mlx-exact)
+    assert prof.settings["revision"] == 3
     assert cm.call_ms("ane") == pytest.approx(0.27)
     assert cm.models["ane"].overlaps_cpu and cm.power_w("ane") == pytest.approx(1.58)
     assert cm.power_w("cpu-exact") == cm.power_w("cpu-static") == pytest.approx(61.0) and cm.has_energy
-    for key in ("ane_call_ms", "ane_power_w", "cpu_power_w"):
+    gpu = cm.models["mlx-exact"]
+    assert gpu.overlaps_cpu and gpu.power_w == pytest.approx(62.05) and gpu.call_ms == pytest.approx(0.18)
+    assert 1 / gpu.ms_per_gflop == pytest.approx(20.5) and 1 / gpu.ms_per_mb == pytest.approx(800.0)
+    assert cm.bus_ms_per_mb == pytest.approx(1 / 800.0) and cm.plan_exact() == "mlx-exact"
+    for key in ("ane_call_ms", "ane_power_w", "cpu_power_w", "gpu_gemm_tflops", "gpu_call_ms", "gpu_power_w",
+                "memory_gb_s", "gpu_peak_tflops"):
         cites = prof.extra["sources"][key]["cites"]
         assert cites and all(c["seen"] in ("primary", "second-hand") and c["source"] for c in cites)
     assert prof.extra["sources"]["cpu_power_w"]["cites"][0]["seen"] == "second-hand"  # Ars, as quoted
@@ -143,6 +148,8 @@ def test_a_revision_1_profile_still_loads(tmp_path):
     obj["settings"].pop("revision")
     obj["sources"] = {"ane_fixed_cost": "a string, as revision 1 wrote it"}
     obj.pop("superseded")
+    obj["cost_model"]["backends"].pop("mlx-exact")
+    obj["cost_model"].pop("bus_ms_per_mb")
     for b in ("cpu-exact", "cpu-static"):
         obj["cost_model"]["backends"][b]["power_w"] = None
     obj["cost_model"]["backends"]["ane"]["call_ms"] = 0.095

@@ -170,12 +170,22 @@ class HostCosts:
 
 
 @dataclass
+class ExactLanes:
+    """A chunk's exact paths composed (`CostModel.exact_lanes`), per chunk: the lanes' latency side by side, the CPU
+    lane's busy time and their energy (mJ; None where a power is unknown)."""
+    latency: np.ndarray
+    cpu: np.ndarray
+    mj: np.ndarray | None
+
+
+@dataclass
 class CostModel:
     """Latency (ms) and energy (mJ) predictions for calls and MoE layers on one device. All outputs are predicted."""
     models: dict[str, BackendModel]
     host: HostCosts = field(default_factory=HostCosts)
     default_hidden: int = 1024  # used by pack_ms when the caller gives no hidden size
     dense: dict[str, dict[str, DenseFit]] = field(default_factory=dict)  # measured dense-op fits, by backend and op
+    bus_ms_per_mb: float | None = None  # the memory bus the lanes share (ms per MB); None: not known, no floor
     _lut: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -214,6 +224,18 @@ class CostModel:
                 models[backend] = dataclasses.replace(models[backend], storage=price)
         return dataclasses.replace(self, models=models, _lut={})
 
+    @staticmethod
+    def is_exact(backend: str) -> bool:
+        """Whether `backend` is an exact path (the registry's: cpu-exact, mlx-exact, plugins), not a static one."""
+        info = registry.get(backend)
+        return info is not None and info.exact
+
+    def plan_exact(self) -> str:
+        """The exact path the search gives a plan (`Plan.exact`): an exact path off the CPU that this profile prices
+        (the GPU's, mlx-exact), else cpu-exact."""
+        return next((name for name, m in sorted(self.models.items()) if name != EXACT and m.overlaps_cpu
+                     and self.is_exact(name)), EXACT)
+
     def overlaps(self, backend: str) -> bool:
         """Whether the backend's calls run off the CPU (the exact path overlaps them)."""
         return self._model(backend).overlaps_cpu
@@ -239,18 +261,56 @@ class CostModel:
         caps = np.asarray(capacities, dtype=np.int64)
         return float(self.static_ms(backend, np.sum(self.ffn_ms(backend, caps, hidden, ffn, compress)), 1))
 
-    def exact_ms(self, counts: np.ndarray, hidden: int, ffn: int) -> Any:
-        """cpu-exact over per-expert counts ([E] -> float, [chunks, E] -> array), incl. call and host costs."""
+    def exact_ms(self, counts: np.ndarray, hidden: int, ffn: int, path: str = EXACT) -> Any:
+        """One exact path (default cpu-exact) over per-expert counts ([E] -> float, [chunks, E] -> array), incl. its
+        call and the host's costs."""
         c = np.asarray(counts, dtype=np.int64)
-        t = self.exact_path_ms(np.sum(self.ffn_ms(EXACT, c, hidden, ffn), axis=-1), c.sum(axis=-1), hidden)
+        t = self.exact_lanes([self.path_work(path, c, hidden, ffn)], hidden).latency
         return float(t) if np.ndim(t) == 0 else t
 
-    def exact_path_ms(self, ffn_ms: Any, assignments: Any, hidden: int) -> np.ndarray:
-        """The exact path of a chunk whose experts' FFNs take `ffn_ms` over `assignments` rows: one call and the
-        host's gather/scatter on top (nothing when no assignment takes it)."""
-        a = np.asarray(assignments, dtype=np.float64)
-        return np.where(a > 0, np.asarray(ffn_ms) + self.call_ms(EXACT), 0.0) + HostCosts.evaluate(self.host.exact,
-                                                                                                    a, hidden)
+    def path_work(self, path: str, counts: np.ndarray, hidden: int, ffn: int) -> tuple:
+        """(path, FFN ms, assignments, MB) of an exact path over per-expert counts ([..., E]): what `exact_lanes`
+        composes."""
+        c = np.asarray(counts, dtype=np.int64)
+        return (path, np.sum(self.ffn_ms(path, c, hidden, ffn), axis=-1), c.sum(axis=-1),
+                np.sum(self.ffn_mb(path, c, hidden, ffn), axis=-1))
+
+    def ffn_mb(self, backend: str, tokens: Any, hidden: int, ffn: int) -> np.ndarray:
+        """MB one expert's FFN over `tokens` rows moves on `backend` (0 rows move nothing): the memory bus's share."""
+        m = np.asarray(tokens, dtype=np.float64)
+        return np.where(m > 0, ffn_work(m, hidden, ffn, self.dtype_bytes(backend))[1], 0.0)
+
+    def exact_lanes(self, work: Sequence[tuple], hidden: int) -> ExactLanes:
+        """A chunk's exact paths side by side, from `work`: (path, its experts' FFN ms, assignments, MB) per chunk,
+        a path listed more than once adding up. Paths on the CPU share one lane (the cpu-exact thread), with the
+        host's gather/scatter of every exact assignment; paths off the CPU (the GPU) the other, each path paying
+        its call where any assignment takes it. The lanes overlap each other (and the ANE's calls: the evaluator);
+        both stream their experts' weights over one memory bus, so the pair takes at least the bus's time for their
+        bytes together (`bus_ms_per_mb`; the ANE's stream is left out: its own rate keeps it under a tenth of the
+        bus). Energy: each lane's busy time at its device's power (None where one is unknown)."""
+        paths: dict[str, list] = {}
+        for path, ms, n, mb in work:
+            acc = paths.setdefault(path, [0.0, 0.0, 0.0])
+            acc[0], acc[1], acc[2] = acc[0] + np.asarray(ms, dtype=np.float64), acc[1] + np.asarray(n), acc[2] + mb
+        n_all = sum(acc[1] for acc in paths.values())
+        cpu = HostCosts.evaluate(self.host.exact, n_all, hidden)
+        off, bytes_mb = np.zeros_like(cpu), np.zeros_like(cpu)
+        cpu_w = self.power_w(EXACT) if EXACT in self.models else None
+        off_mj: Any = 0.0
+        for path, (ms, n, mb) in paths.items():
+            t = np.where(np.asarray(n) > 0, ms + self.call_ms(path), 0.0)
+            bytes_mb = bytes_mb + mb
+            if self.overlaps(path):
+                off = off + t
+                w = self.power_w(path)
+                off_mj = None if off_mj is None or w is None else off_mj + w * t
+            else:
+                cpu = cpu + t
+        latency = np.maximum(cpu, off)
+        if self.bus_ms_per_mb:
+            latency = np.maximum(latency, self.bus_ms_per_mb * bytes_mb)
+        mj = None if cpu_w is None or off_mj is None else cpu_w * cpu + off_mj
+        return ExactLanes(latency, cpu, mj)
 
     def static_ms(self, backend: str, ffn_ms: Any, calls: Any) -> np.ndarray:
         """Static calls on `backend` whose experts' slices take `ffn_ms` (every slot computed, padding too)."""
@@ -287,9 +347,9 @@ class CostModel:
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
                      ) -> np.ndarray:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
-        # the exact path's backend prices the CPU's torch path (sdpa); a static one, its padded masked function
+        # an exact path prices its sdpa (causal, no padding); a static one, its padded masked function
         work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
-                              sdpa=backend == EXACT)
+                              sdpa=self.is_exact(backend))
         return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=context,
                                                                             width=heads * head_dim))
 
@@ -305,13 +365,20 @@ class CostModel:
                                                                      length=length))
 
     # --- layers ------------------------------------------------------------------------------------------------
-    def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> LayerWork:
+    def layer_work(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str,
+                   exact: str = EXACT) -> LayerWork:
         """One layer plan's busy parts over chunks of `counts` ([chunks, E]) as the evaluator's one row: static calls
-        split by whether their backend runs off the CPU, the exact path (cold experts, and the overflow under
-        `spill`) and packing per chunk."""
+        split by whether their backend runs off the CPU, the exact paths (cold experts on the path `exact_split`
+        names, else the plan's `exact`; the overflow under `spill` on `exact`) as lanes, and packing per chunk."""
         c = np.asarray(counts, dtype=np.int64).reshape(-1, np.shape(counts)[-1])
-        exact_counts = np.zeros_like(c)
-        exact_counts[:, list(layer_plan.cpu_exact)] = c[:, list(layer_plan.cpu_exact)]
+        on_path: dict[str, np.ndarray] = {}
+
+        def put(path: str, experts: list[int], values: np.ndarray) -> None:
+            into = on_path.setdefault(path, np.zeros_like(c))
+            into[:, experts] += values
+
+        for e in layer_plan.cpu_exact:
+            put(layer_plan.exact_path_of(e, exact), [e], c[:, [e]])
         static: dict[str, float] = {}  # by the model that costs each group's backend
         for g in layer_plan.groups:
             name = self._model(g.backend).name
@@ -319,37 +386,42 @@ class CostModel:
                                                                        g.compression)
             if overflow == "spill":
                 idx, caps = list(g.experts), np.asarray(g.capacities)
-                exact_counts[:, idx] = np.maximum(c[:, idx] - caps, 0)
+                put(exact, idx, np.maximum(c[:, idx] - caps, 0))
         on_cpu = sum(t for b, t in static.items() if not self.models[b].overlaps_cpu)
         off_cpu = sum(t for b, t in static.items() if self.models[b].overlaps_cpu)
         powers = [self.models[b].power_w for b in static]
         mj = None if None in powers else sum(p * t for p, t in zip(powers, static.values()))
         slots = sum(g.slots for g in layer_plan.groups)
         pack = self.pack_ms(c.sum(axis=-1), hidden, slots) if layer_plan.groups else np.zeros(len(c))
+        lanes = self.exact_lanes([self.path_work(p, v, hidden, ffn) for p, v in on_path.items()]
+                                 or [self.path_work(exact, np.zeros_like(c), hidden, ffn)], hidden)
         one = np.zeros(1, dtype=np.int64)
-        return LayerWork(np.array([on_cpu]), np.array([off_cpu]), np.asarray(self.exact_ms(exact_counts, hidden,
-                                                                                           ffn)).reshape(1, -1),
-                         np.asarray(pack, dtype=np.float64).reshape(1, -1), one, one,
-                         None if mj is None else np.array([mj]), self.power_w(EXACT) if EXACT in self.models else None)
+        row = lambda a: None if a is None else np.asarray(a, dtype=np.float64).reshape(1, -1)  # noqa: E731
+        return LayerWork(np.array([on_cpu]), np.array([off_cpu]), row(lanes.latency), row(pack), one, one,
+                         None if mj is None else np.array([mj]), self.power_w(EXACT) if EXACT in self.models else None,
+                         row(lanes.cpu), row(lanes.mj))
 
-    def _per_chunk(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Totals:
-        return evaluator.per_chunk(self.layer_work(layer_plan, counts, hidden, ffn, overflow))
+    def _per_chunk(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str,
+                   exact: str = EXACT) -> Totals:
+        return evaluator.per_chunk(self.layer_work(layer_plan, counts, hidden, ffn, overflow, exact))
 
     @staticmethod
     def _shaped(values: np.ndarray, counts: np.ndarray) -> Any:
         """A row of per-chunk figures as the counts were given: [E] -> float, [chunks, E] -> [chunks]."""
         return float(values[0, 0]) if np.ndim(counts) == 1 else values[0]
 
-    def layer_times(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str
-                    ) -> tuple[Any, Any]:
+    def layer_times(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str,
+                    exact: str = EXACT) -> tuple[Any, Any]:
         """Predicted (latency, CPU-busy time) in ms of one MoE layer for one chunk ([E] counts -> floats;
-        [chunks, E] -> arrays), composed by the evaluator (`autotune.costing.evaluator`)."""
-        t = self._per_chunk(layer_plan, counts, hidden, ffn, overflow)
+        [chunks, E] -> arrays), composed by the evaluator (`autotune.costing.evaluator`); `exact`: the plan's exact
+        path."""
+        t = self._per_chunk(layer_plan, counts, hidden, ffn, overflow, exact)
         return self._shaped(t.latency_ms, counts), self._shaped(t.cpu_ms, counts)
 
-    def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
+    def layer_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str,
+                 exact: str = EXACT) -> Any:
         """Predicted latency of one MoE layer for one chunk (see `layer_times`)."""
-        return self.layer_times(layer_plan, counts, hidden, ffn, overflow)[0]
+        return self.layer_times(layer_plan, counts, hidden, ffn, overflow, exact)[0]
 
     def layer_cpu_ms(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int, overflow: str) -> Any:
         """Predicted CPU-busy time of one MoE layer for one chunk (see `layer_times`): the paper's CPU cycles, in
@@ -357,24 +429,24 @@ class CostModel:
         return self.layer_times(layer_plan, counts, hidden, ffn, overflow)[1]
 
     def layer_energy_mj(self, layer_plan: Any, counts: np.ndarray, hidden: int, ffn: int,
-                        overflow: str) -> Any | None:
+                        overflow: str, exact: str = EXACT) -> Any | None:
         """Predicted energy (mJ = W x ms) of the layer's busy parts; None if any part's power was not measured."""
-        e = self._per_chunk(layer_plan, counts, hidden, ffn, overflow).energy_mj
+        e = self._per_chunk(layer_plan, counts, hidden, ffn, overflow, exact).energy_mj
         return None if e is None else self._shaped(e, counts)
 
     def static_break_even(self, layer_plans: Sequence[Any], mean_counts: Sequence[np.ndarray], chunk_tokens: int,
-                          hidden: int, ffn: int, overflow: str) -> int:
+                          hidden: int, ffn: int, overflow: str, exact: str = EXACT) -> int:
         """Smallest chunk (tokens) at which the plans' static groups are predicted to beat running every assignment
         exactly, summed over layers; a chunk of n tokens gets n/chunk_tokens of each expert's mean load. At least 2
         (a decode step never calls a static group), at most `chunk_tokens` (full chunks run the plan)."""
         n = np.arange(1, chunk_tokens + 1)
         static = np.zeros(n.size)
-        exact = np.zeros(n.size)
+        every = np.zeros(n.size)
         for lp, mean in zip(layer_plans, mean_counts):
             counts = np.rint(np.outer(n, np.asarray(mean, dtype=float) / chunk_tokens)).astype(np.int64)
-            static += self.layer_ms(lp, counts, hidden, ffn, overflow)
-            exact += self.exact_ms(counts, hidden, ffn)
-        pays = np.nonzero(static <= exact)[0]
+            static += self.layer_ms(lp, counts, hidden, ffn, overflow, exact)
+            every += self.exact_ms(counts, hidden, ffn, exact)
+        pays = np.nonzero(static <= every)[0]
         return int(max(2, min(n[pays[0]] if pays.size else chunk_tokens, chunk_tokens)))
 
     @property
@@ -386,6 +458,7 @@ class CostModel:
         return {"form": "calls*call_ms + experts*expert_ms + GFLOP*ms_per_gflop + MB*ms_per_mb, x residual",
                 "backends": {n: m.to_json() for n, m in sorted(self.models.items())},
                 "host": self.host.to_json(), "default_hidden": self.default_hidden,
+                **({"bus_ms_per_mb": self.bus_ms_per_mb} if self.bus_ms_per_mb else {}),
                 **({"dense": {b: {op: f.to_json() for op, f in fits.items()} for b, fits in self.dense.items()}}
                    if self.dense else {})}
 
@@ -394,4 +467,5 @@ class CostModel:
         return cls({n: BackendModel.from_json(n, m) for n, m in obj["backends"].items()},
                    HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)),
                    {b: {op: DenseFit.from_json(f) for op, f in fits.items()}
-                    for b, fits in (obj.get("dense") or {}).items()})
+                    for b, fits in (obj.get("dense") or {}).items()},
+                   None if obj.get("bus_ms_per_mb") is None else float(obj["bus_ms_per_mb"]))

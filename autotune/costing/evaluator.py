@@ -2,13 +2,19 @@
 
 A decision is a row; one plan is one row. A row's static calls take the same time in every chunk (their
 capacities are fixed): `on_cpu` ms on backends that compute on the CPU, `off_cpu` ms on a backend that runs off it
-(the ANE), `static_mj` their energy. Its exact path and host packing vary by chunk: rows of the tables `exact`
+(the ANE), `static_mj` their energy. Its exact paths and host packing vary by chunk: rows of the tables `exact`
 [K, chunks] and `pack` [P, chunks], picked per decision by `exact_of` / `pack_of` (the decisions that share
 residency and tiers share them: what makes scoring thousands of decisions affordable). Per chunk:
 
-    latency = pack + on_cpu + max(off_cpu, exact)   # the exact path overlaps off-CPU calls, not CPU work
-    cpu     = pack + on_cpu + exact                 # while an off-CPU call runs, the calling thread waits
-    energy  = static_mj + cpu_w * (exact + pack)
+    latency = pack + on_cpu + max(off_cpu, exact)     # the exact paths overlap off-CPU calls, not CPU work
+    cpu     = pack + on_cpu + exact_cpu               # while an off-CPU call runs, the calling thread waits
+    energy  = static_mj + cpu_w * pack + exact_mj
+
+Three lanes run side by side: the static calls off the CPU (the ANE), the exact path off the CPU (the GPU: MLX) and
+the exact path on the CPU. `exact` is the two exact lanes already composed per chunk (`CostModel.exact_lanes`: the
+longer lane, or the memory bus's floor when both stream more than it carries), `exact_cpu` the CPU lane's share of
+it and `exact_mj` their energy. With one exact path on the CPU (no `exact_cpu` / `exact_mj` tables) both are
+`exact` and `cpu_w * exact`.
 
 `totals` sums them over a set of chunks for every row (the sum of max() from each table's sorted times);
 `per_chunk` gives them chunk by chunk. Both are `_compose`. The prices that fill the tables are the cost model's
@@ -33,6 +39,16 @@ class LayerWork:
     pack_of: np.ndarray  # [rows] -> a row of `pack`
     static_mj: np.ndarray | None = None  # [rows] energy of the static calls per chunk; None: a power is unknown
     cpu_w: float | None = None  # the CPU's power (W); None: unknown
+    exact_cpu: np.ndarray | None = None  # [K, chunks] the CPU lane's busy time within `exact` (None: all of it)
+    exact_mj: np.ndarray | None = None  # [K, chunks] the exact lanes' energy (None: cpu_w x exact)
+
+    def cpu_table(self) -> np.ndarray:
+        return self.exact if self.exact_cpu is None else self.exact_cpu
+
+    def mj_table(self) -> np.ndarray | None:
+        if self.exact_mj is not None:
+            return self.exact_mj
+        return None if self.cpu_w is None else self.cpu_w * self.exact
 
 
 @dataclass
@@ -43,30 +59,34 @@ class Totals:
     energy_mj: np.ndarray | None
 
 
-def _compose(work: LayerWork, n: Any, pack: np.ndarray, exact: np.ndarray, exact_over_calls: np.ndarray) -> Totals:
-    """The formulas, once: `n` chunks whose packing sums to `pack`, exact path to `exact` and max(off_cpu, exact)
-    to `exact_over_calls`."""
+def _compose(work: LayerWork, n: Any, pack: np.ndarray, exact_cpu: np.ndarray, exact_mj: np.ndarray | None,
+             exact_over_calls: np.ndarray) -> Totals:
+    """The formulas, once: `n` chunks whose packing sums to `pack`, the CPU's exact lane to `exact_cpu`, the exact
+    lanes' energy to `exact_mj` and max(off_cpu, exact) to `exact_over_calls`."""
     on = work.on_cpu.reshape(work.on_cpu.shape + (1,) * (np.ndim(pack) - 1))
     latency = pack + (n * on + exact_over_calls)
-    cpu = pack + exact + n * on
+    cpu = pack + exact_cpu + n * on
     energy = None
-    if work.static_mj is not None and work.cpu_w is not None:
-        energy = n * work.static_mj.reshape(on.shape) + work.cpu_w * (exact + pack)
+    if work.static_mj is not None and work.cpu_w is not None and exact_mj is not None:
+        energy = n * work.static_mj.reshape(on.shape) + work.cpu_w * pack + exact_mj
     return Totals(latency, cpu, energy)
 
 
 def per_chunk(work: LayerWork) -> Totals:
     """Each row's figures chunk by chunk ([rows, chunks])."""
-    exact = work.exact[work.exact_of]
-    return _compose(work, 1, work.pack[work.pack_of], exact, np.maximum(work.off_cpu[:, None], exact))
+    exact, mj = work.exact[work.exact_of], work.mj_table()
+    return _compose(work, 1, work.pack[work.pack_of], work.cpu_table()[work.exact_of],
+                    None if mj is None else mj[work.exact_of], np.maximum(work.off_cpu[:, None], exact))
 
 
 def totals(work: LayerWork, chunks: np.ndarray) -> Totals:
     """Each row's figures summed over the chunks where `chunks` (a bool mask) is set ([rows])."""
-    exact = work.exact[:, chunks]
-    summed = exact.sum(1)[work.exact_of]
-    over_calls = sum_max(work.off_cpu, exact, work.exact_of) if work.off_cpu.any() else summed
-    return _compose(work, int(chunks.sum()), work.pack[:, chunks].sum(1)[work.pack_of], summed, over_calls)
+    exact, mj = work.exact[:, chunks], work.mj_table()
+    over_calls = (sum_max(work.off_cpu, exact, work.exact_of) if work.off_cpu.any()
+                  else exact.sum(1)[work.exact_of])
+    return _compose(work, int(chunks.sum()), work.pack[:, chunks].sum(1)[work.pack_of],
+                    work.cpu_table()[:, chunks].sum(1)[work.exact_of],
+                    None if mj is None else mj[:, chunks].sum(1)[work.exact_of], over_calls)
 
 
 def sum_max(level: np.ndarray, table: np.ndarray, of: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 from autotune.costing.evaluator import over_budget
 from autotune.searching.layer_data import LayerData
 from autotune.searching.space import MAX_TIERS, QUANTILES, LayerConfig
-from runtime.backends import registry
+from runtime.backends import EXACT, registry
 from runtime.coreml import ane_limits
 from runtime.drift import WINDOW_CHUNKS
 from runtime.plan import Group, LayerCalibration, LayerPlan, WindowSpread
@@ -28,8 +28,9 @@ def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
     return caps, tier_of
 
 
-def layer_plan(data: LayerData, cfg: LayerConfig, backend: str) -> LayerPlan:
-    """The plan entry a decision means (pydantic objects built without re-validation: inputs are ours)."""
+def layer_plan(data: LayerData, cfg: LayerConfig, backend: str, exact: str = EXACT) -> LayerPlan:
+    """The plan entry a decision means (pydantic objects built without re-validation: inputs are ours): with a plan
+    exact path `exact` off the CPU, the least popular `cpu_tail` cold experts run on cpu-exact (`exact_split`)."""
     resident = [int(e) for e in data.rank[:cfg.resident]]
     caps, tier_of = tiers(data, cfg) if resident else ([], [])
     compress = None if cfg.compress == "none" else cfg.compress
@@ -37,8 +38,10 @@ def layer_plan(data: LayerData, cfg: LayerConfig, backend: str) -> LayerPlan:
                                     capacities=caps[i:i + cfg.group_size],
                                     tier=tier_of[i:i + cfg.group_size], compress=compress)
               for i in range(0, len(resident), cfg.group_size)]
-    cold = sorted(int(e) for e in data.rank[cfg.resident:])
-    return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=cold)
+    ranked_cold = [int(e) for e in data.rank[cfg.resident:]]
+    tail = sorted(ranked_cold[len(ranked_cold) - min(cfg.cpu_tail, len(ranked_cold)):]) if exact != EXACT else []
+    return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=sorted(ranked_cold),
+                                     exact_split={EXACT: tail} if tail else None)
 
 
 def chunk_overflow(lp: LayerPlan, loads: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 import optuna
 from tqdm import tqdm
 
-from autotune.searching.decisions import calibration, heuristic_config, layer_plan
+from autotune.searching.decisions import calibration, heuristic_config
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scores import Scores, Weights, total_score, weighted_cost
@@ -179,8 +179,8 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
 
 
 def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndarray, bool]:
-    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part; without
-    the decisions another dominates whatever the traces: where the profile knows no decompression cost, weights
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part (with CPU
+    tails of 0, E/16 and E/4 only); without the decisions another dominates whatever the traces: where the profile knows no decompression cost, weights
     stored in fewer bytes only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
     rows, exact = space.enumerate(), True
     if space.size() > exact_limit:
@@ -188,6 +188,9 @@ def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndar
             dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims))
         rows, exact = one_tier.enumerate(), False
         rows[:, [p for p, _ in space.params].index("tiers")] = 0  # tiers value 1 is index 0 in both
+        if "cpu_tail" in dict(space.params):  # the CPU's share in three steps; Optuna refines it at the chosen chunk
+            n = len(space.dim("resident").values) - 1
+            rows = rows[np.isin(space.column(rows, "cpu_tail"), (0, max(1, n // 16), max(1, n // 4)))]
     kinds = space.dim("compress").values
     if len(kinds) > 1 and not scorer.cost.decompresses(scorer.backend):
         smallest = min(kinds, key=lambda k: ane_limits.BYTES_PER_WEIGHT[k])
@@ -369,11 +372,13 @@ def baselines(layers: list[LayerData], scorer: Scorer, budget_rate: float, chunk
     n = layers[0].calib.shape[1]
     u = uniform_capacity(layers, budget_rate, chunk_tokens)
     designs = {
-        "cpu_only": [LayerConfig(0) for _ in layers],
+        "cpu_only": [LayerConfig(0, cpu_tail=n) for _ in layers],
         "naive_coreml": [LayerConfig(n, 1, capacity=u) for _ in layers],
         "uniform_grouped": [LayerConfig(n, min(4, n), capacity=u) for _ in layers],
-        "paper_heuristic": [heuristic_config(d) for d in layers],
+        "paper_heuristic": [dataclasses.replace(heuristic_config(d), cpu_tail=n) for d in layers],  # cold: CPU
     }
+    if scorer.splits_exact:  # every expert on the GPU's exact path, as mlx-lm runs them
+        designs["mlx_gpu"] = [LayerConfig(0) for _ in layers]
     return {name: solution(cfgs, layers, scorer) for name, cfgs in designs.items()}
 
 
@@ -464,7 +469,7 @@ def exact_below(sol: Solution, entries: list, layers: list[LayerData], scorer: S
     search ran them exactly, or down to them when it charged their padded static calls."""
     c = sol.chunk_tokens
     be = scorer.cost.static_break_even(entries, [d.full_calib.mean(0) for d in layers], c, scorer.hidden,
-                                       scorer.ffn, sol.overflow or "drop")
+                                       scorer.ffn, sol.overflow or "drop", scorer.exact)
     sizes = sorted({int(n) for n in layers[0].tokens[layers[0].partial]})
     if not sizes:
         return be
@@ -479,14 +484,14 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
     """The validated plan file a solution means, with each layer's calibration statistics (and `dense`, the dense
     functions' placement: `dense_choice.dense_plan`)."""
     chunk_tokens = chunk_tokens or sol.chunk_tokens
-    entries = [layer_plan(d, c, scorer.backend) for d, c in zip(layers, sol.configs)]
+    entries = [scorer.layer_plan(d, c) for d, c in zip(layers, sol.configs)]
     entries = [e.model_copy(update={"calibration": calibration(d, e)}) for d, e in zip(layers, entries)]
     obj = {"schema": "npumoe.plan/1", "model": ModelSpec(**model).model_dump(), "chunk_tokens": chunk_tokens,
            "overflow": sol.overflow or "drop", "saliency": saliency,
            "exact_below_tokens": exact_below(dataclasses.replace(sol, chunk_tokens=chunk_tokens), entries, layers,
                                              scorer),
            "layers": [e.model_dump(exclude_none=True) for e in entries], "dense": dense, "predicted": predicted,
-           "meta": meta}
+           "meta": meta, "exact": scorer.exact if scorer.splits_exact else None}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autotune.costing import evaluator
-from autotune.costing.costmodel import CostModel
+from autotune.costing.costmodel import CostModel, ExactLanes
 from autotune.searching.decisions import layer_plan, overflow, violation
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scores import Score, Scores
@@ -23,10 +23,11 @@ BATCH = 65_536  # decisions scored per numpy pass (bounds the [decisions, chunks
 
 @dataclass
 class _LayerParts:
-    """What every decision of one layer shares: per residency, the cold experts' exact path; per band (lo, hi) and
-    quantile, its capacity, static cost per compression, held-out overflow and calibration overflow."""
-    ffn_exact: np.ndarray  # [chunks, E] cpu-exact ms of each ranked expert's calibration load
-    cold_ms: np.ndarray  # [E+1, chunks] exact ms of experts ranked r.. (no call/host cost)
+    """What every decision of one layer shares: per residency, the cold experts' exact work on each exact path; per
+    band (lo, hi) and quantile, its capacity, static cost per compression, held-out overflow and calibration
+    overflow."""
+    cold_ms: dict  # path -> [E+1, chunks] its exact ms of experts ranked r.. (no call/host cost)
+    cold_mb: dict  # path -> [E+1, chunks] the MB they move
     cold_n: np.ndarray  # [E+1, chunks] their assignments
     total_n: np.ndarray  # [chunks] all assignments
     bands: dict = field(default_factory=dict)  # (lo, hi) -> dict of arrays over QUANTILES
@@ -41,16 +42,30 @@ class Scorer:
     backend: str  # the static backend every group runs on (search_plan picks it among the profile's)
     resident_bytes_per_layer: float
     with_energy: bool = False  # score energy too (the energy objectives); else only `energy()` computes it
+    # the plan's exact path (`Plan.exact`): cold experts but a layer's CPU tail, spills, partial chunks; default:
+    # the profile's exact path off the CPU where it prices one (`CostModel.plan_exact`)
+    exact: str | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # a copy (dataclasses.replace) starts empty
     _parts: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.exact = self.exact or self.cost.plan_exact()
+
+    @property
+    def splits_exact(self) -> bool:
+        """Whether a layer may split its cold experts between the plan's exact path and the CPU (a `cpu_tail`)."""
+        return self.exact != EXACT
+
+    def layer_plan(self, data: LayerData, cfg: LayerConfig) -> LayerPlan:
+        return layer_plan(data, cfg, self.backend, self.exact)
 
     def score(self, data: LayerData, cfg: LayerConfig) -> Score:
         """One decision through its plan entry and the cost model (the reference for `score_rows`)."""
         key = (data.layer, data.chunk_tokens, cfg)
         if key not in self._cache:
-            lp = layer_plan(data, cfg, self.backend)
+            lp = self.layer_plan(data, cfg)
             per_chunk, cpu = map(np.asarray, self.cost.layer_times(lp, data.calib, self.hidden, self.ffn,
-                                                                   cfg.overflow))
+                                                                   cfg.overflow, self.exact))
             energy = self._energy_chunks(data, lp, cfg) if self.with_energy else None
             drops = overflow(lp, data.heldout) if cfg.overflow == "drop" else 0
             v = violation(lp, self.backend, self.hidden, self.ffn, self.resident_bytes_per_layer)
@@ -61,16 +76,16 @@ class Scorer:
         return self._cache[key]
 
     def _energy_chunks(self, data: LayerData, lp: LayerPlan, cfg: LayerConfig) -> np.ndarray | None:
-        e = self.cost.layer_energy_mj(lp, data.calib, self.hidden, self.ffn, cfg.overflow)
+        e = self.cost.layer_energy_mj(lp, data.calib, self.hidden, self.ffn, cfg.overflow, self.exact)
         return None if e is None else np.asarray(e, dtype=np.float64)
 
     def energy(self, data: LayerData, cfg: LayerConfig) -> float | None:
-        e = self._energy_chunks(data, layer_plan(data, cfg, self.backend), cfg)
+        e = self._energy_chunks(data, self.layer_plan(data, cfg), cfg)
         return None if e is None else float(np.sum(e))
 
     def partial_exact(self, data: LayerData) -> Score:
-        """The layer's partial chunks run wholly on the exact path (the plan's exact_below_tokens above their
-        length): the same whatever the decision, all CPU work (memoised: every DP over the layer adds it)."""
+        """The layer's partial chunks run wholly on the plan's exact path (its exact_below_tokens above their
+        length): the same whatever the decision (memoised: every DP over the layer adds it)."""
         key = (data.layer, data.chunk_tokens, id(data), "partial-exact")
         if key not in self._cache:
             self._cache[key] = self._partial_exact(data)
@@ -79,7 +94,7 @@ class Scorer:
     def _partial_exact(self, data: LayerData) -> Score:
         counts = data.calib[data.partial]
         every = LayerPlan.model_construct(layer=data.layer, groups=[], cpu_exact=list(range(counts.shape[1])))
-        t = evaluator.totals(self.cost.layer_work(every, counts, self.hidden, self.ffn, "drop"),
+        t = evaluator.totals(self.cost.layer_work(every, counts, self.hidden, self.ffn, "drop", self.exact),
                              np.ones(len(counts), dtype=bool))
         ms, cpu = float(t.latency_ms[0]), float(t.cpu_ms[0])
         mj = None if t.energy_mj is None else float(t.energy_mj[0])
@@ -95,16 +110,21 @@ class Scorer:
         return out
 
     def _layer_parts(self, data: LayerData) -> _LayerParts:
+        paths = sorted({EXACT, self.exact})
         key = (data.layer, data.chunk_tokens, id(data), self.hidden, self.ffn,
-               self.cost.backend_model(self.backend).ffn_key(), self.cost.backend_model(EXACT).ffn_key())
+               self.cost.backend_model(self.backend).ffn_key(), *(self.cost.backend_model(p).ffn_key() for p in paths))
         if key not in self._parts:
             ranked = data.calib[:, data.rank]
-            f = np.asarray(self.cost.ffn_ms("cpu-exact", ranked, self.hidden, self.ffn), dtype=np.float64)
-            f = f.reshape(ranked.shape)
             zeros = np.zeros((1, ranked.shape[0]))
-            cold_ms = np.concatenate([np.cumsum(f[:, ::-1], axis=1)[:, ::-1].T, zeros])
-            cold_n = np.concatenate([np.cumsum(ranked[:, ::-1], axis=1)[:, ::-1].T, zeros])
-            self._parts[key] = _LayerParts(f, cold_ms, cold_n, ranked.sum(1).astype(np.float64))
+
+            def cold(per_expert: np.ndarray) -> np.ndarray:  # [chunks, E] -> [E+1, chunks]: sums over ranks r..
+                f = np.asarray(per_expert, dtype=np.float64).reshape(ranked.shape)
+                return np.concatenate([np.cumsum(f[:, ::-1], axis=1)[:, ::-1].T, zeros])
+
+            self._parts[key] = _LayerParts(
+                {p: cold(self.cost.ffn_ms(p, ranked, self.hidden, self.ffn)) for p in paths},
+                {p: cold(self.cost.ffn_mb(p, ranked, self.hidden, self.ffn)) for p in paths},
+                cold(ranked), ranked.sum(1).astype(np.float64))
         return self._parts[key]
 
     def _band(self, data: LayerData, parts: _LayerParts, lo: int, hi: int, sizing: str) -> dict:
@@ -133,12 +153,15 @@ class Scorer:
         def ffn(backend: str, rows: np.ndarray, kind: str = "none") -> np.ndarray:
             return np.asarray(self.cost.ffn_ms(backend, rows, self.hidden, self.ffn, kind), dtype=np.float64)
 
+        def mb(rows: np.ndarray) -> np.ndarray:
+            return np.asarray(self.cost.ffn_mb(self.exact, rows, self.hidden, self.ffn), dtype=np.float64)
+
         if sizing == "expert":  # [Q, W] per rank: every band's figure is the running sum at its end
             caps = data.expert_capacities(lo, lo + width)
             over = np.maximum(calib[None] - caps[:, None, :], 0)  # [Q, C, W]
             at = lambda a: np.moveaxis(running(a)[..., n], -1, 0)  # noqa: E731  [..., W] -> [B, ...]
             static = {k: at(ffn(self.backend, caps, k)) for k in COMPRESSIONS}
-            spill_ms, spill_n = at(ffn(EXACT, over)), at(over)
+            spill_ms, spill_n, spill_mb = at(ffn(self.exact, over)), at(over), at(mb(over))
             drops = at(np.maximum(held[None] - caps[:, None, :], 0).sum(1))
             caps_b = np.where(np.arange(width)[None, None, :] < n[:, None, None], caps[None], 0)  # [B, Q, W]
             cum = np.zeros((len(n), len(QUANTILES), e1))
@@ -151,7 +174,8 @@ class Scorer:
             which = which.reshape(cap_bq.shape)
             over = np.maximum(calib[None] - values[:, None, None], 0)  # [V, C, W]
             pick = lambda a: a[which, ..., n[:, None]]  # noqa: E731  [V, ..., W+1] -> [B, Q, ...]
-            spill_ms, spill_n = pick(running(ffn(EXACT, over))), pick(running(over))
+            spill_ms, spill_n = pick(running(ffn(self.exact, over))), pick(running(over))
+            spill_mb = pick(running(mb(over)))
             drops = pick(running(np.maximum(held[None] - values[:, None, None], 0).sum(1)))
             static = {k: n[:, None] * ffn(self.backend, cap_bq, k) for k in COMPRESSIONS}
             cum = np.minimum(np.arange(e1)[None, None, :], n[:, None, None]) * cap_bq[:, :, None].astype(np.float64)
@@ -160,7 +184,7 @@ class Scorer:
             parts.bands[(lo, h, sizing)] = {
                 "cap_max": cap_max[b], "slots": slots[b], "cum": cum[b],
                 "static": {k: v[b] for k, v in static.items()}, "drops": drops[b],
-                "spill_n": spill_n[b], "spill_ms": spill_ms[b]}
+                "spill_n": spill_n[b], "spill_ms": spill_ms[b], "spill_mb": spill_mb[b]}
 
     def score_rows(self, data: LayerData, space: Space, rows: np.ndarray) -> Scores:
         """Scores of canonical rows of `space` (equal to `score` of each row's decision), in batches."""
@@ -198,6 +222,7 @@ class Scorer:
         slots = np.zeros(n_cores)
         spill_n = np.zeros((n_cores, n_chunks))
         spill_ms = np.zeros((n_cores, n_chunks))
+        spill_mb = np.zeros((n_cores, n_chunks))
         cap_max = np.zeros(n_cores)
         cums = np.zeros((n_cores, MAX_TIERS, len(data.rank) + 1))  # running capacity sums per band, padded
         lo_of = np.zeros((n_cores, MAX_TIERS), dtype=np.int64)
@@ -226,10 +251,13 @@ class Scorer:
                 slots[sel] += band["slots"][q]
                 spill_n[sel] += band["spill_n"][q]
                 spill_ms[sel] += band["spill_ms"][q]
-        # per core and overflow policy (0 drop, 1 spill): each chunk's exact path, packing; per decision its calls
-        exact_n = parts.cold_n[cr][:, None] + np.stack([np.zeros_like(spill_n), spill_n], 1)  # [C, 2, n]
-        exact = self.cost.exact_path_ms(parts.cold_ms[cr][:, None] + np.stack([np.zeros_like(spill_ms), spill_ms], 1),
-                                        exact_n, self.hidden)
+                spill_mb[sel] += band["spill_mb"][q]
+        # per core, CPU tail and overflow policy (0 drop, 1 spill): each chunk's exact lanes, packing; per decision
+        # its calls
+        tails = space.dim("cpu_tail").values if "cpu_tail" in dict(space.params) else (0,)
+        ti = (np.searchsorted(tails, space.column(rows, "cpu_tail")) if len(tails) > 1
+              else np.zeros(len(rows), dtype=np.int64))
+        lanes = self._exact_lanes(parts, cr, tails, (spill_ms, spill_n, spill_mb))
         total = np.broadcast_to(parts.total_n, (n_cores, n_chunks))
         pack = np.where((cr > 0)[:, None], self.cost.pack_ms(total, self.hidden, slots[:, None]), 0.0)  # [C, n]
         calls = np.where(r > 0, -(-r // g), 0)
@@ -237,16 +265,36 @@ class Scorer:
         off_cpu = self.cost.overlaps(self.backend)
         zero = np.zeros(len(rows))
         power = self.cost.power_w(self.backend) if self.with_energy else None
-        work = evaluator.LayerWork(zero if off_cpu else s_row, s_row if off_cpu else zero,
-                                   exact.reshape(2 * n_cores, n_chunks), pack, 2 * ci + spill, ci,
+        flat = lambda a: None if a is None else a.reshape(-1, n_chunks)  # noqa: E731  [C, T, 2, n] -> [C*T*2, n]
+        work = evaluator.LayerWork(zero if off_cpu else s_row, s_row if off_cpu else zero, flat(lanes.latency),
+                                   pack, (ci * len(tails) + ti) * 2 + spill, ci,
                                    None if power is None else power * s_row,
-                                   self.cost.power_w(EXACT) if self.with_energy else None)
+                                   self.cost.power_w(EXACT) if self.with_energy else None, flat(lanes.cpu),
+                                   flat(lanes.mj) if self.with_energy else None)
         full, part = evaluator.totals(work, ~data.partial), evaluator.totals(work, data.partial)
-        v = self._violation_rows(r, g, kinds, cap_max[ci], lambda rows_at, bounds: _slots_at(
-            cums[ci[rows_at]], lo_of[ci[rows_at]], bounds))
+        # the limits do not depend on where the cold experts run: once per decision but its CPU tail
+        others = [i for i, (p, _) in enumerate(space.params) if p != "cpu_tail"]
+        _, one, back = np.unique(rows[:, others], axis=0, return_index=True, return_inverse=True)
+        v = self._violation_rows(r[one], g[one], kinds[one], cap_max[ci[one]], lambda rows_at, bounds: _slots_at(
+            cums[ci[one[rows_at]]], lo_of[ci[one[rows_at]]], bounds))[back.reshape(-1)]
         energy = None if full.energy_mj is None else full.energy_mj + part.energy_mj
         return Scores(full.latency_ms + part.latency_ms, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64),
                       v, part.latency_ms, part.energy_mj, full.cpu_ms + part.cpu_ms, part.cpu_ms)
+
+    def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, tails: tuple, spill: tuple) -> ExactLanes:
+        """[cores, tails, 2, chunks] exact lanes of each core (residents `r`), CPU tail and overflow policy (0 drop,
+        1 spill: the overflow `spill` = (ms, n, MB) [cores, chunks] on the plan's exact path): the plan's path runs
+        cold ranks r..s-1 (s = max(r, E - tail)), cpu-exact ranks s.. (with one exact path, s = E)."""
+        e = len(parts.cold_n) - 1
+        t = np.asarray(tails)[None, :]
+        s = np.maximum(r[:, None], e - t) if self.splits_exact else np.full((len(r), len(tails)), e)
+        policy = lambda a: np.stack([np.zeros_like(a), a], 1)[:, None]  # noqa: E731 [C, n] -> [C, 1, 2, n]
+        on = lambda table: (table[r][:, None] - table[s])[:, :, None]  # noqa: E731 ranks r..s-1: [C, T, 1, n]
+        work = [(self.exact, on(parts.cold_ms[self.exact]) + policy(spill[0]), on(parts.cold_n) + policy(spill[1]),
+                 on(parts.cold_mb[self.exact]) + policy(spill[2])),
+                (EXACT, parts.cold_ms[EXACT][s][:, :, None], parts.cold_n[s][:, :, None],
+                 parts.cold_mb[EXACT][s][:, :, None])]
+        return self.cost.exact_lanes(work, self.hidden)
 
     def _violation_rows(self, r: np.ndarray, g: np.ndarray, kinds: np.ndarray, cap_max: np.ndarray,
                         slots_at) -> np.ndarray:

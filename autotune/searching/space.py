@@ -8,7 +8,10 @@ A decision (`LayerConfig`) for one MoE layer, with experts ranked by calibration
 - `sizing`: `band`, one capacity per tier as above, or `expert`, each resident expert the tier's quantile of its
   own per-chunk loads (less padding where a tier's experts are loaded unequally);
 - `overflow`: drop (lowest saliency first) or spill to cpu-exact;
-- `compress`: how the layer's static groups store their weights (the plan's per-group `compress`).
+- `compress`: how the layer's static groups store their weights (the plan's per-group `compress`);
+- `cpu_tail` (where the plan's exact path runs off the CPU, the GPU's): the least popular `cpu_tail` cold experts
+  run on cpu-exact, the other cold experts (and spills) on the plan's exact path: three lanes, the ANE's groups,
+  the GPU's exact path and the CPU's (the plan's `exact` and `exact_split`).
 The space is one `Space`: a tuple of `Dimension`s (a field of the decision and its values, in order). Optuna's
 distributions, a trial's suggestion, parameters <-> decision, the local polish's neighbours, the exact yardstick's
 enumeration and the study name's digest are all derived from it; the one rule of meaning (`Space.canonical`: a
@@ -47,11 +50,12 @@ class LayerConfig:
     compress: str = "none"
     capacity: int | None = None  # a uniform capacity instead of tiers (the uniform-capacity baselines)
     sizing: str = "band"
+    cpu_tail: int = 0  # the least popular cold experts on cpu-exact (where the plan's exact path is another)
 
     def to_json(self) -> dict:
         return {"resident": self.resident, "group_size": self.group_size, "tiers": self.tiers,
                 "quantiles": list(self.quantiles), "sizing": self.sizing, "overflow": self.overflow,
-                "compress": self.compress, "capacity": self.capacity}
+                "compress": self.compress, "capacity": self.capacity, "cpu_tail": self.cpu_tail}
 
 
 @dataclass(frozen=True)
@@ -156,21 +160,28 @@ class Space:
         for i, p in enumerate(qdim.params):
             rows[t <= i, col(p)] = unused
         rows[t >= r, col("sizing")] = 0  # a tier per expert: sized by its own loads either way
+        if "cpu_tail" in names:  # a tail of all the cold experts or more is all of them; none without cold experts
+            cold = len(self.dim("resident").values) - 1 - r
+            tails = np.asarray(self.dim("cpu_tail").values)
+            all_cold = 2 ** np.ceil(np.log2(np.maximum(cold, 1))).astype(np.int64)
+            rows[:, col("cpu_tail")] = np.searchsorted(tails, np.where(cold > 0, np.minimum(
+                self.column(rows, "cpu_tail"), all_cold), 0))
         none = r == 0
         for p, d in self.params:
-            if p != "resident":
+            if p not in ("resident", "cpu_tail"):
                 rows[none, col(p)] = unused if d is qdim else 0
         return rows
 
     def config(self, row: np.ndarray) -> LayerConfig:
         """The decision a canonical row means."""
         p = self.params_of_row(row)
+        tail = int(p.get("cpu_tail", 0))
         if p["resident"] == 0:
-            return LayerConfig(0)
+            return LayerConfig(0, cpu_tail=tail)
         t = int(p["tiers"])
         qs = tuple(float(p[q]) for q in self.dim("quantiles").params[:t])
         return LayerConfig(int(p["resident"]), int(p["group_size"]), t, qs, p["overflow"], p.get("compress", "none"),
-                           sizing=p.get("sizing", "band"))
+                           sizing=p.get("sizing", "band"), cpu_tail=tail)
 
     def config_from_params(self, params: dict) -> LayerConfig:
         return self.config(self.canonical(self.row_of(params))[0])
@@ -179,7 +190,7 @@ class Space:
         """A point of the space that means `cfg` (unused quantiles at 1.0)."""
         qs = list(cfg.quantiles) + [1.0] * MAX_TIERS
         fields = {"resident": cfg.resident, "group_size": cfg.group_size, "tiers": max(1, cfg.tiers),
-                  "sizing": cfg.sizing, "overflow": cfg.overflow, "compress": cfg.compress}
+                  "sizing": cfg.sizing, "overflow": cfg.overflow, "compress": cfg.compress, "cpu_tail": cfg.cpu_tail}
         out = {}
         for p, d in self.params:
             v = qs[d.params.index(p)] if d.width > 1 else fields[d.field]
@@ -211,15 +222,18 @@ class Space:
         return len(self.enumerate()) if self.product_size <= ENUMERABLE else self.product_size
 
 
-def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",)) -> Space:
-    """The decision space of one layer with `n_experts` experts; `compress`: the weight storage kinds allowed."""
+def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",), cpu_tail: bool = False) -> Space:
+    """The decision space of one layer with `n_experts` experts; `compress`: the weight storage kinds allowed;
+    `cpu_tail`: the plan's exact path runs off the CPU, so cold experts may split between it and the CPU (tails of
+    0 and powers of two up to every expert)."""
     unknown = [c for c in compress if c not in COMPRESSIONS]
     if unknown or not compress:
         raise ValueError(f"compression kinds must be among {COMPRESSIONS}, got {list(compress)}")
+    tail = (Dimension("cpu_tail", (0, *group_sizes(n_experts))),) if cpu_tail else ()
     return Space((Dimension("resident", tuple(range(n_experts + 1))),
                   Dimension("group_size", tuple(group_sizes(n_experts))),
                   Dimension("tiers", tuple(range(1, MAX_TIERS + 1))),
                   Dimension("quantiles", QUANTILES, MAX_TIERS, "q"),
                   Dimension("sizing", SIZINGS),
                   Dimension("overflow", OVERFLOW_POLICIES),
-                  Dimension("compress", tuple(c for c in COMPRESSIONS if c in compress))))
+                  Dimension("compress", tuple(c for c in COMPRESSIONS if c in compress)), *tail))
