@@ -195,6 +195,11 @@ class DensePlan(_Strict):
     # sdpa on the CPU the rest at the same time (absent: every query)
     attention_block: PositiveInt | None = None  # optional: those queries run in causal blocks of this many, each
     # over the smallest bucket holding its keys (absent: one call per full chunk)
+    # optional: the exact path running the dense work no static function takes (functions not placed, the rows past
+    # a split, partial chunks, the core past the buckets, norms, router, lm_head); absent: the CPU in torch
+    exact: StrictStr | None = None
+
+    _registered = field_validator("exact")(_registered_exact)
 
     @property
     def backends(self) -> set[str]:

@@ -6,11 +6,13 @@ chunk), per layer: the attention projections (q/k/v, then o), the attention core
 own prediction, `autotune.costing.evaluator`), the shared expert or dense MLP (`dense_mlp`) and the rest (norms,
 rope, residual adds, the router); then the final norm and `lm_head` for one row (prefill needs one row of logits). The
 parts a `DensePlacement` puts on a static backend run as static functions (one call each, the backend's
-`call_ms`); the rest run on the CPU in torch, priced as the exact path's backend. Parts run one after another: a
-decoder layer is a chain. Inside a step, the CPU works beside the ANE two ways: the experts' exact path (inside the
-expert figure), and a dense function split by rows (`DensePlacement.rows`): the static function computes the
-first rows of each full chunk while the CPU computes the rest, so the step takes the longer of the two. Partial
-chunks run on the CPU, as the runtime runs them. The composition is the evaluator's (`evaluator.chain`).
+`call_ms`); the rest run on the placement's `host`, an exact path: the CPU in torch (cpu-exact, the default) or the
+GPU through MLX (mlx-exact, priced at its own rates, off the CPU). Parts run one after another: a decoder layer is
+a chain. Inside a step, the host works beside the ANE two ways: the experts' exact paths (inside the expert
+figure), and a dense function split by rows (`DensePlacement.rows`): the static function computes the first rows
+of each full chunk while the host computes the rest, so the step takes the longer of the two (their sum where both
+are CPU work). Partial chunks run on the host, as the runtime runs them. The composition is the evaluator's
+(`evaluator.chain`).
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class DensePlacement:
     buckets: tuple[int, ...] = ()
     rows: tuple[tuple[str, int], ...] = ()  # (function, r): its static function takes a full chunk's first r rows
     attention_block: int | None = None  # the core's static rows in causal blocks of this many queries
+    host: str = EXACT  # the exact path running what no static function takes (the plan's `dense.exact`)
 
     def block_buckets(self, start: int, chunk: int) -> list[int] | None:
         """The bucket each static call of the attention core reads in a full chunk starting at offset `start`: one
@@ -157,66 +160,66 @@ def prompt_chunks(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]
             for start in range(0, prompt_tokens, chunk_tokens)]
 
 
-def _on(backend: str | None, full: bool) -> str:
-    """Where a dense function runs in a chunk: its static backend on full chunks, else the CPU (the exact path's
-    backend prices CPU work)."""
-    return backend if backend is not None and full else EXACT
+def _on(backend: str | None, full: bool, host: str) -> str:
+    """Where a dense function runs in a chunk: its static backend on full chunks, else the host (an exact path)."""
+    return backend if backend is not None and full else host
 
 
 def dense_link(cost: CostModel, backend: str, ms: Any, calls: int = 1) -> evaluator.Link:
-    """One step of the layer's chain on `backend`: a static function pays each of its `calls`; CPU work does
-    not."""
-    static = backend != EXACT
-    t = float(np.sum(ms)) + (calls * cost.call_ms(backend) if static else 0.0)
-    return evaluator.Link(t, on_cpu=not (static and cost.overlaps(backend)), power_w=cost.power_w(backend))
+    """One step of the layer's chain on `backend`: a static function pays each of its `calls`; an exact path's
+    work does not (the CPU's is torch's own; MLX's runs in the graph it is part of)."""
+    t = float(np.sum(ms)) + (0.0 if cost.is_exact(backend) else calls * cost.call_ms(backend))
+    return evaluator.Link(t, on_cpu=not cost.overlaps(backend), power_w=cost.power_w(backend))
 
 
-def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, calls: int = 1) -> evaluator.Link:
-    """A step whose static function computes `rows` of the chunk's rows (in `calls` calls) and the CPU the rest at
-    the same time (`price(backend, rows)` -> ms): the longer side's latency where the backend runs off the CPU,
-    else their sum."""
-    if backend == EXACT or rows >= chunk:
+def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, calls: int = 1,
+               host: str = EXACT) -> evaluator.Link:
+    """A step whose static function computes `rows` of the chunk's rows (in `calls` calls) and the host the rest
+    at the same time (`price(backend, rows)` -> ms): the longer side's latency where either runs off the CPU, else
+    their sum."""
+    if backend == host or rows >= chunk:
         return dense_link(cost, backend, price(backend, chunk), calls)
     static = dense_link(cost, backend, price(backend, rows), calls)
-    cpu = dense_link(cost, EXACT, price(EXACT, chunk - rows))
-    latency = max(static.latency_ms, cpu.latency_ms) if not static.on_cpu else static.latency_ms + cpu.latency_ms
-    energy = None if static.energy_mj is None or cpu.energy_mj is None else static.energy_mj + cpu.energy_mj
-    return evaluator.Link(latency, cpu_ms=static.cpu_ms + cpu.cpu_ms, energy_mj=energy)
+    rest = dense_link(cost, host, price(host, chunk - rows))
+    both_cpu = static.on_cpu and rest.on_cpu
+    latency = static.latency_ms + rest.latency_ms if both_cpu else max(static.latency_ms, rest.latency_ms)
+    energy = None if static.energy_mj is None or rest.energy_mj is None else static.energy_mj + rest.energy_mj
+    return evaluator.Link(latency, cpu_ms=static.cpu_ms + rest.cpu_ms, energy_mj=energy)
 
 
 def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, context: int, full: bool,
                 place: DensePlacement) -> dict[str, list[evaluator.Link]]:
     """The dense steps of one decoder layer for one chunk, by part."""
-    h, ffn = shape.hidden, shape.mlp_ffn(layer)
-    qkv, o = _on(place.qkv, full), _on(place.o_proj, full)
+    h, ffn, host = shape.hidden, shape.mlp_ffn(layer), place.host
+    qkv, o = _on(place.qkv, full, host), _on(place.o_proj, full, host)
     reads = place.block_buckets(context - rows, rows) if place.attention is not None and full else None
-    attn = place.attention if reads is not None else EXACT
+    attn = place.attention if reads is not None else host
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
     def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul and holds the q/k
-        # norms; the CPU runs the model's three modules, then the family's q/k norms
-        if b != EXACT:
+        # norms; an exact path runs the model's three modules, then the family's q/k norms
+        if not cost.is_exact(b):
             return float(cost.matmul_ms(b, r, shape.qkv_width, h))
-        norms = cost.norm_ms(EXACT, r, q + kv, shape.qk_norm) if shape.qk_norm else 0.0
+        norms = cost.norm_ms(b, r, q + kv, shape.qk_norm) if shape.qk_norm else 0.0
         return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
-    def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the CPU, the context's
-        if b == EXACT or not reads:
+    def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the host, the context's
+        if cost.is_exact(b) or not reads:
             return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim))
         ms = cost.attention_ms(b, r // len(reads), np.asarray(reads), shape.heads, shape.kv_heads, shape.head_dim)
         return float(np.sum(ms))
 
     def split(function: str, backend: str, price, calls: int = 1) -> evaluator.Link:
-        return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls)
+        return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls, host)
 
     out = {"attention_projections": [split("qkv", qkv, qkv_ms),
                                      split("o_proj", o, lambda b, r: cost.matmul_ms(b, r, h, q))],
            "attention_core": [split("attention", attn, attention_ms, len(reads or ()) or 1)],
-           "rest": [dense_link(cost, EXACT, cost.elementwise_ms(EXACT, rows, h))]}
+           "rest": [dense_link(cost, host, cost.elementwise_ms(host, rows, h))]}
     if layer in shape.moe_layers:
-        out["rest"].append(dense_link(cost, EXACT, cost.matmul_ms(EXACT, rows, shape.num_experts, h)))
+        out["rest"].append(dense_link(cost, host, cost.matmul_ms(host, rows, shape.num_experts, h)))
     if ffn:
-        out["dense_mlp"] = [split("mlp", _on(place.mlp, full), lambda b, r: cost.matmul_ms(b, r, 2 * ffn, h)
+        out["dense_mlp"] = [split("mlp", _on(place.mlp, full, host), lambda b, r: cost.matmul_ms(b, r, 2 * ffn, h)
                                   + cost.matmul_ms(b, r, h, ffn))]
     return out
 
@@ -236,12 +239,13 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
         for same in kinds.values():
             for part, steps in layer_links(cost, shape, same[0], rows, context, full, place).items():
                 links[part] += [s.times(len(same)) for s in steps]
-    links["lm_head"] = [dense_link(cost, EXACT, cost.matmul_ms(EXACT, logits_rows, shape.vocab, shape.hidden)
-                                   + cost.norm_ms(EXACT, logits_rows, shape.hidden, shape.hidden))]  # the final norm
+    host = place.host
+    links["lm_head"] = [dense_link(cost, host, cost.matmul_ms(host, logits_rows, shape.vocab, shape.hidden)
+                                   + cost.norm_ms(host, logits_rows, shape.hidden, shape.hidden))]  # the final norm
     links["experts"] = [evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)]
     parts = {p: evaluator.chain(steps) for p, steps in links.items()}
     whole = evaluator.chain([s for steps in links.values() for s in steps])
-    used = {b for b in (place.qkv, place.o_proj, place.attention, place.mlp) if b} | {EXACT}
+    used = {b for b in (place.qkv, place.o_proj, place.attention, place.mlp) if b} | {host}
     sources = {f"{cost.backend_model(b).name}.{op}": cost.dense_fit(b, op).source for b in sorted(used)
                for op in ("matmul", "attention", "elementwise")}
     return PrefillPrediction(prompt_tokens, chunk_tokens, whole.latency_ms, whole.cpu_ms, whole.energy_mj,
@@ -249,11 +253,12 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
 
 
 def roofline_ms(cost: CostModel, shape: DecoderShape, prompt_tokens: int, static_backend: str) -> float:
-    """The prompt's FLOPs at the static backend's and the CPU's matmul throughput together (the floor that
-    `over_roofline_whole` divides by)."""
+    """The prompt's FLOPs at the static backend's, the CPU's and (where the profile prices one) the GPU's matmul
+    throughput together (the floor that `over_roofline_whole` divides by)."""
     mean_context = (prompt_tokens + 1) / 2
     gflop = shape.flops_per_token(mean_context) * prompt_tokens / 1e9
-    rate = sum(1.0 / cost.dense_fit(b, "matmul").ms_per_gflop for b in {static_backend, EXACT})  # GFLOP per ms
+    rate = sum(1.0 / cost.dense_fit(b, "matmul").ms_per_gflop
+               for b in {static_backend, EXACT, cost.plan_exact()})  # GFLOP per ms
     return gflop / rate
 
 
@@ -262,6 +267,7 @@ def placement_of(dense: Any) -> DensePlacement:
     name per function (the search writes one per function for every layer)."""
     if dense is None:
         return DensePlacement()
+    host = dense.exact or EXACT
     first = lambda name: next((f.backend for dl in dense.layers if (f := getattr(dl, name)) is not None), None)  # noqa: E731
     rows = lambda name: next((f.rows for dl in dense.layers if (f := getattr(dl, name)) is not None), None)  # noqa: E731
     split = tuple((name, r) for name in ("qkv", "o_proj", "mlp") if (r := rows(name)))
@@ -269,4 +275,4 @@ def placement_of(dense: Any) -> DensePlacement:
         split += (("attention", dense.attention_rows),)
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
-                          tuple(dense.attention_context_buckets), split, dense.attention_block)
+                          tuple(dense.attention_context_buckets), split, dense.attention_block, host)

@@ -20,6 +20,7 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
 )
 from autotune.searching.scores import Score, Weights, weighted_cost
+from runtime.backends import EXACT
 from runtime.coreml import ane_limits
 
 NO_EXPERTS = ExpertFigures(0.0, 0.0, 0.0)
@@ -82,13 +83,14 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
                  weights: Weights, prompts: float, resident_bytes: float = 0.0) -> DenseChoice:
     """The placement of least weighted cost (`weights` as the search's, over `prompts` calibration prompts); a
     function past the ANE's limits per function, or one that would push what is resident at once (the dense weights
-    and `resident_bytes` of experts) past the ANE's window, stays on the CPU. Without a static backend, everything
-    stays on the CPU."""
+    and `resident_bytes` of experts) past the ANE's window, stays on the host: the profile's exact path off the CPU
+    where it prices one (the GPU, `CostModel.plan_exact`), else the CPU. Without a static backend, everything stays
+    on the host."""
     def cost_of(place: DensePlacement) -> float:
         return weighted_cost(dense_score(predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place),
                                          prompts), weights)
 
-    place = DensePlacement()
+    place = DensePlacement(host=cost.plan_exact())
     if backend is not None:
         best = cost_of(place)
         per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
@@ -178,9 +180,11 @@ def best_split(cost_of, place: DensePlacement, function: str, chunk: int, grain:
 
 
 def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
-    """The plan's `dense` field a placement means (None: nothing placed): every decoder layer's functions."""
+    """The plan's `dense` field a placement means (None: nothing placed and the host the CPU): every decoder
+    layer's functions, and the host where it is not the CPU (`exact`)."""
+    host = {"exact": place.host} if place.host != EXACT else {}
     if not any((place.qkv, place.o_proj, place.attention, place.mlp)):
-        return None
+        return {"attention_context_buckets": [], "layers": [], **host} if host else None
     rows = dict(place.rows)
 
     def function(name: str, backend: str) -> dict:
@@ -194,7 +198,7 @@ def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
         if place.mlp and shape.mlp_ffn(layer):
             entry["mlp"] = function("mlp", place.mlp)
         layers.append(entry)
-    out = {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers}
+    out = {"attention_context_buckets": list(place.buckets) if place.attention else [], "layers": layers, **host}
     if place.attention and "attention" in rows:
         out["attention_rows"] = rows["attention"]
     if place.attention and place.attention_block:

@@ -24,6 +24,7 @@ PREFILL_BASELINES = {
     "ane-dense-masked-experts": "dense ops on the ANE, all experts as one masked dense graph (ANEForge's MoE)",
     "paper-heuristic": "dense ops on the ANE, the paper's heuristic for the experts",
     "experts-only": "the experts-only plan (the search without dense decisions), dense ops on the CPU",
+    "mlx-gpu": "every op on the GPU through MLX, as mlx-lm runs it (where the profile prices the GPU)",
 }
 
 
@@ -60,6 +61,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                "ane-dense-masked-experts": (masked, ane),
                "paper-heuristic": (outcome.baselines["paper_heuristic"], ane),
                "experts-only": (experts_only, DensePlacement())}
+    if "mlx_gpu" in outcome.baselines:
+        designs["mlx-gpu"] = (outcome.baselines["mlx_gpu"], DensePlacement(host=scorer.exact))
     base: dict[str, PrefillPrediction] = {}
     for name, (sol, place) in designs.items():
         at = outcome.chunks[sol.chunk_tokens].layers if sol.chunk_tokens in outcome.chunks else layers

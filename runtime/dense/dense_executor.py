@@ -213,6 +213,9 @@ class DenseExecutor:
     def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
                  options: dict | None = None) -> None:
         check_dense_fits(model, plan)
+        if plan.dense is not None and plan.dense.exact not in (None, EXACT):
+            log.warning("dense.exact names %r: the dense work no static function takes runs on the CPU in torch "
+                        "(no dense runner for that path yet)", plan.dense.exact)
         self.model, self.plan = model, plan
         self.calls: Counter = Counter()  # (part, backend name) -> calls
         self.patches = Patches()
