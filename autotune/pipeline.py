@@ -63,7 +63,14 @@ from autotune.searching.model_record import ModelRecord, check_context, resolve_
 from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
-from autotune.searching.report import add_cpu_figures, plot_pareto, plot_plan_map, search_report, sidecar
+from autotune.searching.report import (
+    add_cpu_figures,
+    plot_pareto,
+    plot_plan_map,
+    plot_tradeoff,
+    search_report,
+    sidecar,
+)
 from autotune.searching.robustness import assess, reassess
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
@@ -160,9 +167,10 @@ def default_plan_path(model: str, profile: str | None) -> Path:
     return Path("plans") / f"{Path(model).name.replace(':', '_')}@{profile or 'host'}.json"
 
 
-def search_sidecars(out: str | os.PathLike, objective: str) -> list[Path]:
-    """The files a search writes next to its plan."""
-    extras = [".report.json", ".map.png"] + ([".pareto.png"] if objective == "both" else [])
+def search_sidecars(out: str | os.PathLike, objective: str, tradeoff: bool = False) -> list[Path]:
+    """The files a search writes next to its plan (`tradeoff`: with the whole prefill's latency/energy chart)."""
+    extras = ([".report.json", ".map.png"] + ([".tradeoff.png"] if tradeoff else [])
+              + ([".pareto.png"] if objective == "both" else []))
     return [sidecar(out, e) for e in extras]
 
 
@@ -224,7 +232,8 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                 def dense(chunk: int, weights, resident: float) -> DenseChoice:  # Core ML functions, as the groups
                     return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts, resident)
 
-            outcome, seconds = timed_search(workloads, scorer, layer_space(spec.num_experts, kinds), dense=dense,
+            space = layer_space(spec.num_experts, kinds, scorer.splits_exact)
+            outcome, seconds = timed_search(workloads, scorer, space, dense=dense,
                                             objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
                                             storage=optuna_storage(c.storage),
                                             study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
@@ -292,12 +301,15 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         report["predicted_memory"], report["cpu_weights"] = memory.to_json(), cpu.to_json()
         report["explanation"] = explain(plan, layers, cost, backend)
         report = SearchReport(**report)
-        sidecars = search_sidecars(out, c.objective)
-        with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *pareto_tmp):
+        whole = report.to_json().get("whole_prefill")
+        sidecars = search_sidecars(out, c.objective, tradeoff=whole is not None)
+        with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *plots):
             save_plan(plan, plan_tmp)
             atomic_write_json(report_tmp, report.to_json())
             plot_plan_map(plan, map_tmp)
-            for path in pareto_tmp:
+            if whole is not None:
+                plot_tradeoff(whole, plots.pop(0))
+            for path in plots:
                 plot_pareto(report.to_json(), path)
     return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
 

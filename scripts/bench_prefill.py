@@ -5,9 +5,12 @@
 On Zipf(`--skew`) synthetic token-level traces of `--prompts` prompts at the shape's published config
 (scripts/make_shape_twin.py), the search (chunk size, every layer's expert decision, the dense functions'
 placement) on the published M2 Ultra profile, timed (`search_seconds`); then the plan's whole prefill of one prompt
-and every whole-model baseline (`autotune.searching.prefill_report`), all predicted by the cost model. Prints, last,
-one JSON line: `predicted_prefill_ms`, `predicted_parts_ms`, `chunk_tokens`, `over_roofline_whole`, `vs` (each
-baseline's latency, energy and CPU-busy time over the plan's) and `search_seconds`.
+and every whole-model baseline (`autotune.searching.prefill_report`; `mlx-gpu`: every op on the GPU through MLX),
+all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill_ms`, `predicted_parts_ms`,
+`chunk_tokens`, `over_roofline_whole`, `vs` (each baseline's latency, energy and CPU-busy time over the plan's),
+`search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them) and `mlx_gpu_pp`:
+the all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk each), beside llama.cpp's measured M2
+Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 """
 from __future__ import annotations
 
@@ -23,19 +26,40 @@ from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import chunk_candidates, run_search
-from autotune.searching.prefill_report import whole_prefill
+from autotune.searching.prefill_report import mlx_gpu_prefill, whole_prefill
+from autotune.searching.report import plot_tradeoff
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
 from runtime.plan import COMPRESSIONS
 
 SHAPES = ("qwen3-30b-a3b", "phi-3.5-moe", "phi-tiny-moe")
 RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights (as bench_search.py)
+# measured by others on an M2 Ultra: llama.cpp Metal, Qwen3-30B-A3B Q8_0, -ub 2048 (llama.cpp PR #15616), tok/s
+LLAMA_CPP_M2_ULTRA = {"qwen3-30b-a3b": {512: 2045.0, 2048: 2273.0}}
 
 
 def spec_of(name: str, shape: DecoderShape) -> dict:
     return dict(architecture=name, model_type=TWINS[name]["model_type"], num_layers=shape.num_layers,
                 moe_layers=list(shape.moe_layers), num_experts=shape.num_experts, top_k=shape.top_k,
                 hidden_size=shape.hidden, expert_ffn_size=shape.expert_ffn, fingerprint=f"synthetic-{name}")
+
+
+def gpu_pp(cost, name: str, skew: float, prompts: int) -> dict:
+    """The all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk of the prompt, as llama-bench
+    -ub 2048 and mlx-lm's 2048-token prefill step run them), beside the measured figures others published."""
+    shape = DecoderShape.from_config(TWINS[name])
+    scorer = Scorer(cost, shape.hidden, shape.expert_ffn, "ane", RESIDENT_BYTES / len(shape.moe_layers))
+    if not scorer.splits_exact:
+        return {}
+    out = {}
+    for p in (512, 2048):
+        layers = LayerData.from_traces(synthetic_traces(spec_of(name, shape), prompts, p, skew=skew, tokens=True), p, p)
+        tok_s = p / mlx_gpu_prefill(scorer, shape, layers, p).latency_ms * 1e3
+        measured = LLAMA_CPP_M2_ULTRA.get(name, {}).get(p)
+        out[f"pp{p}"] = {"predicted_tok_s": tok_s, "llama_cpp_measured_tok_s": measured,
+                         "predicted_over_measured": None if measured is None else tok_s / measured}
+    return {"label": "predicted (published M2 Ultra profile) beside measured (llama.cpp Metal, Q8_0, PR #15616)",
+            **out}
 
 
 def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prompts: int, trials: int,
@@ -52,13 +76,15 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
     def dense(chunk: int, weights) -> object:
         return choose_dense(cost, shape, prompt_tokens, chunk, scorer.backend, weights, calib_prompts)
 
-    out = run_search(workloads, scorer, layer_space(shape.num_experts, compress), objective=objective,
+    out = run_search(workloads, scorer, layer_space(shape.num_experts, compress, scorer.splits_exact),
+                     objective=objective,
                      trials=trials, progress=True, dense=dense)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     report = whole_prefill(out, scorer, shape, prompt_tokens)
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
             "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
-            "label": "predicted by the cost model of the published M2 Ultra profile", **report}
+            "label": "predicted by the cost model of the published M2 Ultra profile", **report,
+            "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
 
 
 def main() -> None:
@@ -71,10 +97,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=10, help="synthetic prompts (every 5th held out; default 10)")
     ap.add_argument("--trials", type=int, default=40, help="Optuna trials per layer (default 40)")
     ap.add_argument("--compress", default=",".join(COMPRESSIONS))
+    ap.add_argument("--chart", help="write the latency/energy trade of the candidate plans to this PNG")
     args = ap.parse_args()
     cost = load_profile(args.profile).cost_model
     result = bench(cost, args.shape, args.prompt_tokens, args.objective, args.skew, args.prompts, args.trials,
                    tuple(args.compress.split(",")))
+    if args.chart:
+        plot_tradeoff(result, args.chart)
     print(json.dumps(result))
 
 

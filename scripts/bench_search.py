@@ -83,10 +83,10 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
     """Mean and worst gap of the Optuna-only search over several seeds and trace draws, the experts alone and the
     whole prefill (with the dense decisions)."""
     gaps, whole, dense = [], [], []
-    space = layer_space(SMALL["num_experts"])
     for seed in range(seeds):
         layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2, seed=seed))
         scorer = Scorer(cost, SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)
+        space = layer_space(SMALL["num_experts"], cpu_tail=scorer.splits_exact)
         budget = int(0.10 * sum(int(d.heldout.sum()) for d in layers))
         exact = run_search(layers, scorer, space, trials=0, progress=False)
         at = exact.chunks[exact.best.chunk_tokens]
@@ -106,9 +106,9 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
 
 
 def roofline_ms_per_token(cost, spec: dict) -> float:
-    """GFLOP per token of the experts (top-k gated FFNs, every MoE layer) / (ANE + CPU GFLOP per ms)."""
+    """GFLOP per token of the experts (top-k gated FFNs, every MoE layer) / (ANE + CPU [+ GPU] GFLOP per ms)."""
     gflop = len(spec["moe_layers"]) * spec["top_k"] * 6.0 * spec["hidden_size"] * spec["expert_ffn_size"] / 1e9
-    return gflop / (1.0 / cost.models["ane"].ms_per_gflop + 1.0 / cost.models["cpu-exact"].ms_per_gflop)
+    return gflop / sum(1.0 / cost.models[b].ms_per_gflop for b in {"ane", "cpu-exact", cost.plan_exact()})
 
 
 def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], prompt_tokens: int, prompts: int,
@@ -120,7 +120,8 @@ def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], promp
     t0, cpu0 = time.perf_counter(), time.process_time()
     workloads = {c: LayerData.from_traces(traces, c, prompt_tokens) for c in chunk_candidates(prompt_tokens, context)}
     scorer = Scorer(cost, spec["hidden_size"], spec["expert_ffn_size"], "ane", RESIDENT_BYTES / len(spec["moe_layers"]))
-    out = run_search(workloads, scorer, layer_space(spec["num_experts"], compress), trials=trials, progress=True)
+    out = run_search(workloads, scorer, layer_space(spec["num_experts"], compress, scorer.splits_exact),
+                     trials=trials, progress=True)
     robust_plan, robust = assess(out, scorer, pick=True)  # the nominal plan's regret too
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(int(t) for t in out.layers[0].tokens)

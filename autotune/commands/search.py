@@ -116,7 +116,7 @@ def search_config(args: argparse.Namespace) -> SearchConfig:
 def run(args: argparse.Namespace) -> int:
     config = search_config(args)
     out = Path(config.out) if config.out else pipeline.default_plan_path(args.model, config.profile)
-    for path in (out, *pipeline.search_sidecars(out, config.objective)):  # the plan and its sidecars, one set
+    for path in (out, *pipeline.search_sidecars(out, config.objective, tradeoff=True)):  # the plan and sidecars
         require_output(path, "--out")
     if not config.traces and not default_traces_path(args.model).exists():  # the search calibrates into it
         require_output(default_traces_path(args.model), "--traces")

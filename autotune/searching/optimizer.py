@@ -179,18 +179,25 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
 
 
 def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndarray, bool]:
-    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part (with CPU
-    tails of 0, E/16 and E/4 only); without the decisions another dominates whatever the traces: where the profile knows no decompression cost, weights
-    stored in fewer bytes only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
-    rows, exact = space.enumerate(), True
-    if space.size() > exact_limit:
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part, with CPU
+    tails of 0, E/16 and E/4 only (Optuna refines the tail at the chosen chunk size); without the decisions another
+    dominates whatever the traces: where the profile knows no decompression cost, weights stored in fewer bytes
+    only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
+    if space.size() <= exact_limit:
+        rows, exact = space.enumerate(), True
+    else:
         one_tier = dataclasses.replace(space, dims=tuple(
-            dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims))
+            dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims
+            if d.field != "cpu_tail"))
         rows, exact = one_tier.enumerate(), False
-        rows[:, [p for p, _ in space.params].index("tiers")] = 0  # tiers value 1 is index 0 in both
-        if "cpu_tail" in dict(space.params):  # the CPU's share in three steps; Optuna refines it at the chosen chunk
+        names = [p for p, _ in space.params]
+        rows[:, names.index("tiers")] = 0  # tiers value 1 is index 0 in both
+        if "cpu_tail" in names:  # each decision with each screened tail, as the full space's rows
             n = len(space.dim("resident").values) - 1
-            rows = rows[np.isin(space.column(rows, "cpu_tail"), (0, max(1, n // 16), max(1, n // 4)))]
+            tails = np.searchsorted(space.dim("cpu_tail").values, sorted({0, max(1, n // 16), max(1, n // 4)}))
+            j = names.index("cpu_tail")
+            rows = np.concatenate([np.insert(rows, j, t, axis=1) for t in tails])
+            rows = np.unique(space.canonical(rows), axis=0)
     kinds = space.dim("compress").values
     if len(kinds) > 1 and not scorer.cost.decompresses(scorer.backend):
         smallest = min(kinds, key=lambda k: ane_limits.BYTES_PER_WEIGHT[k])

@@ -12,7 +12,8 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     roofline_ms,
 )
-from autotune.searching.optimizer import SearchOutcome, Solution, solution
+from autotune.searching.layer_data import LayerData
+from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, solution
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
@@ -40,13 +41,43 @@ def expert_figures(sol: Solution, prompts: float) -> ExpertFigures:
                          None if sol.energy_mj is None else sol.energy_mj / prompts)
 
 
+def prompts_in(layers: list[LayerData], prompt_tokens: int) -> float:
+    """The calibration prompts the layers' traces hold (what a solution's totals are summed over)."""
+    return float(layers[0].tokens.sum()) / prompt_tokens
+
+
+def mlx_gpu_prefill(scorer: Scorer, shape: DecoderShape, layers: list[LayerData], prompt_tokens: int
+                    ) -> PrefillPrediction:
+    """mlx-lm's way, predicted: every expert on the GPU's exact path and every dense op on the GPU, in chunks of
+    the layers' chunk size (`scorer.exact` must be the GPU's path)."""
+    sol = solution([LayerConfig(0) for _ in layers], layers, scorer)
+    return predict_prefill(scorer.cost, shape, prompt_tokens, layers[0].chunk_tokens,
+                           expert_figures(sol, prompts_in(layers, prompt_tokens)), DensePlacement(host=scorer.exact))
+
+
+def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> list[dict]:
+    """The candidate plans a user could pick, whole prefill (experts and the chunk size's dense choice): each chunk
+    size's optimum at each share of the drop budget (`ranked_solutions`), predicted latency and energy."""
+    out = []
+    for sol in ranked_solutions(outcome, scorer):
+        choice = outcome.dense.get(sol.chunk_tokens)
+        layers = outcome.chunks[sol.chunk_tokens].layers
+        pred = predict_prefill(scorer.cost, shape, prompt_tokens, sol.chunk_tokens,
+                               expert_figures(sol, prompts_in(layers, prompt_tokens)),
+                               choice.placement if choice else DensePlacement())
+        out.append({"chunk_tokens": sol.chunk_tokens, "heldout_drops": sol.heldout_drops,
+                    "predicted_prefill_ms": pred.latency_ms, "predicted_prefill_energy_mj": pred.energy_mj})
+    return out
+
+
 def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> dict:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
-    energy and CPU-busy time) and `vs` (each baseline's figure over the plan's: > 1, the plan is ahead), and
-    `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the ANE's and the CPU's throughput)."""
+    energy and CPU-busy time), `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the
+    plan's is 0), `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the throughput of the
+    ANE, the CPU and the GPU together) and `tradeoff` (the candidate plans' latency and energy)."""
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
-    prompts = float(layers[0].tokens.sum()) / prompt_tokens
+    prompts = prompts_in(layers, prompt_tokens)
     choice = outcome.dense_choice
     plan = predict_prefill(scorer.cost, shape, prompt_tokens, chunk, expert_figures(outcome.best, prompts),
                            choice.placement if choice else DensePlacement())
@@ -61,14 +92,13 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                "ane-dense-masked-experts": (masked, ane),
                "paper-heuristic": (outcome.baselines["paper_heuristic"], ane),
                "experts-only": (experts_only, DensePlacement())}
-    if "mlx_gpu" in outcome.baselines:
-        designs["mlx-gpu"] = (outcome.baselines["mlx_gpu"], DensePlacement(host=scorer.exact))
     base: dict[str, PrefillPrediction] = {}
     for name, (sol, place) in designs.items():
         at = outcome.chunks[sol.chunk_tokens].layers if sol.chunk_tokens in outcome.chunks else layers
-        per = float(at[0].tokens.sum()) / prompt_tokens
         base[name] = predict_prefill(scorer.cost, shape, prompt_tokens, sol.chunk_tokens or chunk,
-                                     expert_figures(sol, per), place)
+                                     expert_figures(sol, prompts_in(at, prompt_tokens)), place)
+    if scorer.splits_exact:  # at the plan's chunk size (mlx-lm's prefill step is 2048)
+        base["mlx-gpu"] = mlx_gpu_prefill(scorer, shape, layers, prompt_tokens)
     vs = {name: {"latency": b.latency_ms / plan.latency_ms,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
@@ -76,7 +106,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
             "dense_placement": placement_json(choice.placement if choice else DensePlacement(), prompt_tokens, chunk),
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
             "vs": vs,
-            "over_roofline_whole": plan.latency_ms / roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)}
+            "over_roofline_whole": plan.latency_ms / roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend),
+            "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
 
 
 def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int) -> dict:

@@ -213,6 +213,43 @@ def plot_pareto(report: dict, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def plot_tradeoff(whole: dict, path: str | os.PathLike) -> None:
+    """The whole prefill's trade (a report's `whole_prefill`): the candidate plans' predicted latency against
+    energy, the pick, mlx-gpu and the paper's heuristic marked (the other baselines faint)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def point(d: dict) -> tuple[float, float]:
+        return d["predicted_prefill_ms"] / 1e3, (d["predicted_prefill_energy_mj"] or 0.0) / 1e3
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    cands = [point(c) for c in whole.get("tradeoff", []) if c["predicted_prefill_energy_mj"] is not None]
+    if cands:
+        ax.scatter(*zip(*cands), s=18, c="0.6", label="candidate plans (chunk size x drop budget)")
+    marks = {"mlx-gpu": ("s", "tab:blue", "mlx-gpu (every op on the GPU)"),
+             "paper-heuristic": ("^", "tab:orange", "the paper's heuristic")}
+    for name, b in whole["prefill_baselines"].items():
+        if b["predicted_prefill_energy_mj"] is None:
+            continue
+        shape, color, label = marks.get(name, ("x", "0.8", None))
+        ax.scatter(*point(b), marker=shape, s=60 if label else 25, c=color, label=label or None, zorder=3)
+        if not label:
+            ax.annotate(name, point(b), fontsize=6, color="0.5")
+    if whole.get("predicted_prefill_energy_mj") is not None:
+        ax.scatter(*point(whole), marker="*", s=220, c="tab:red", label="the pick", zorder=4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"predicted prefill latency (s, {whole['prompt_tokens']}-token prompt)")
+    ax.set_ylabel("predicted prefill energy (J)")
+    ax.set_title("latency vs energy, whole prefill (predicted by the cost model)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def sidecar(plan_path: str | os.PathLike, suffix: str) -> Path:
     p = Path(plan_path)
     return p.with_name(p.stem + suffix)
