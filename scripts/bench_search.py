@@ -86,7 +86,7 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
     for seed in range(seeds):
         layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2, seed=seed))
         scorer = Scorer(cost, SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12)
-        space = layer_space(SMALL["num_experts"], cpu_tail=scorer.splits_exact)
+        space = layer_space(SMALL["num_experts"], split_exact=scorer.splits_exact)
         budget = int(0.10 * sum(int(d.heldout.sum()) for d in layers))
         exact = run_search(layers, scorer, space, trials=0, progress=False)
         at = exact.chunks[exact.best.chunk_tokens]

@@ -59,7 +59,7 @@ def _search(cost: CostModel):
     spec = {**SPEC, "hidden_size": 2048, "expert_ffn_size": 768}  # compute, not the calls, decides
     layers = LayerData.from_traces(synthetic_traces(spec, 20, 256, skew=1.2, seed=3))
     scorer = Scorer(cost, spec["hidden_size"], spec["expert_ffn_size"], "ane", 1e12)
-    out = run_search(layers, scorer, layer_space(8, cpu_tail=scorer.splits_exact), trials=0, progress=False)
+    out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
     return solution_plan(out.best, out.layers, scorer, spec), out
 
 

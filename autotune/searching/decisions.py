@@ -21,7 +21,7 @@ def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
     if cfg.capacity is not None:
         return [cfg.capacity] * cfg.resident, [0] * cfg.resident
     caps, tier_of = [], []
-    bands = np.array_split(np.arange(cfg.resident), min(cfg.tiers, cfg.resident))
+    bands = np.array_split(np.arange(cfg.resident) + cfg.gpu_head, min(cfg.tiers, cfg.resident))
     for t, (band, q) in enumerate(zip(bands, cfg.quantiles)):
         caps += data.capacities(int(band[0]), int(band[-1]) + 1, cfg.sizing)[QUANTILES.index(q)].tolist()
         tier_of += [t] * len(band)
@@ -29,18 +29,21 @@ def tiers(data: LayerData, cfg: LayerConfig) -> tuple[list[int], list[int]]:
 
 
 def layer_plan(data: LayerData, cfg: LayerConfig, backend: str, exact: str = EXACT) -> LayerPlan:
-    """The plan entry a decision means (pydantic objects built without re-validation: inputs are ours): with a plan
-    exact path `exact` off the CPU, the least popular `cpu_tail` cold experts run on cpu-exact (`exact_split`)."""
-    resident = [int(e) for e in data.rank[:cfg.resident]]
+    """The plan entry a decision means (pydantic objects built without re-validation: inputs are ours): the residents
+    ranked after the `gpu_head` hottest experts; with a plan exact path `exact` off the CPU, the least popular
+    `cpu_tail` cold experts run on cpu-exact (`exact_split`)."""
+    h = cfg.gpu_head
+    resident = [int(e) for e in data.rank[h:h + cfg.resident]]
     caps, tier_of = tiers(data, cfg) if resident else ([], [])
     compress = None if cfg.compress == "none" else cfg.compress
     groups = [Group.model_construct(backend=backend, experts=resident[i:i + cfg.group_size],
                                     capacities=caps[i:i + cfg.group_size],
                                     tier=tier_of[i:i + cfg.group_size], compress=compress)
               for i in range(0, len(resident), cfg.group_size)]
-    ranked_cold = [int(e) for e in data.rank[cfg.resident:]]
-    tail = sorted(ranked_cold[len(ranked_cold) - min(cfg.cpu_tail, len(ranked_cold)):]) if exact != EXACT else []
-    return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=sorted(ranked_cold),
+    after = [int(e) for e in data.rank[h + cfg.resident:]]
+    tail = sorted(after[len(after) - min(cfg.cpu_tail, len(after)):]) if exact != EXACT else []
+    cold = [int(e) for e in data.rank[:h]] + after
+    return LayerPlan.model_construct(layer=data.layer, groups=groups, cpu_exact=sorted(cold),
                                      exact_split={EXACT: tail} if tail else None)
 
 

@@ -179,24 +179,27 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
 
 
 def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndarray, bool]:
-    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part, with CPU
-    tails of 0, E/16 and E/4 only (Optuna refines the tail at the chosen chunk size); without the decisions another
-    dominates whatever the traces: where the profile knows no decompression cost, weights stored in fewer bytes
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part, with GPU
+    heads or CPU tails of E/16 and E/4 only (Optuna refines them at the chosen chunk size); without the decisions
+    another dominates whatever the traces: where the profile knows no decompression cost, weights stored in fewer bytes
     only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
     if space.size() <= exact_limit:
         rows, exact = space.enumerate(), True
     else:
         one_tier = dataclasses.replace(space, dims=tuple(
             dataclasses.replace(d, values=(1,)) if d.field == "tiers" else d for d in space.dims
-            if d.field != "cpu_tail"))
+            if d.field not in ("gpu_head", "cpu_tail")))
         rows, exact = one_tier.enumerate(), False
         names = [p for p, _ in space.params]
         rows[:, names.index("tiers")] = 0  # tiers value 1 is index 0 in both
-        if "cpu_tail" in names:  # each decision with each screened tail, as the full space's rows
+        if "cpu_tail" in names:  # each decision with each screened (head, tail), as the full space's rows
             n = len(space.dim("resident").values) - 1
-            tails = np.searchsorted(space.dim("cpu_tail").values, sorted({0, max(1, n // 16), max(1, n // 4)}))
-            j = names.index("cpu_tail")
-            rows = np.concatenate([np.insert(rows, j, t, axis=1) for t in tails])
+            few = sorted({max(1, n // 16), max(1, n // 4)})
+            pairs = [(0, 0)] + [(k, 0) for k in few] + [(0, k) for k in few]
+            index = lambda dim, v: space.dim(dim).values.index(v)  # noqa: E731
+            at = names.index("gpu_head")  # the last two parameters: gpu_head, cpu_tail
+            rows = np.concatenate([np.insert(rows, [at, at], [index("gpu_head", h), index("cpu_tail", t)], axis=1)
+                                   for h, t in pairs])
             rows = np.unique(space.canonical(rows), axis=0)
     kinds = space.dim("compress").values
     if len(kinds) > 1 and not scorer.cost.decompresses(scorer.backend):

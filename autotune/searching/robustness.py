@@ -178,8 +178,9 @@ def solve_cases(outcome: SearchOutcome, scorer: Scorer, cases: list[Case],
     order = sorted((s for s in outcome.chunks.values() if s.best), key=lambda s: _whole(s.best, outcome, w))
     for case in cases:
         sc = scorer.with_cost(case.apply(scorer.cost), with_energy=w[1] > 0)
-        # a case on a backend the scores never read (cpu-static, when the groups run on the ANE) scores the same
-        same = case.backend not in {scorer.cost.backend_model(scorer.backend).name, EXACT}
+        # a case on a backend the scores never read (cpu-static, when the groups run on the ANE; not the plan's
+        # exact path, the GPU's where it has one) scores the same
+        same = case.backend not in {scorer.cost.backend_model(b).name for b in (scorer.backend, EXACT, scorer.exact)}
         best_dense = {c: choice.best_under(sc.cost, w) for c, choice in outcome.dense.items()}
         dense = {c: (choice.cost_under(sc.cost, w), weighted_cost(best_dense[c].score, w))
                  for c, choice in outcome.dense.items()}

@@ -206,13 +206,17 @@ class Scorer:
         qcols = [[p for p, _ in space.params].index(q) for q in space.dim("quantiles").params]
         tcol = [p for p, _ in space.params].index("tiers")
         scol = [p for p, _ in space.params].index("sizing")
-        core_key = np.concatenate([r[:, None], rows[:, [tcol] + qcols + [scol]]], 1)
-        radices = (int(r.max()) + 1, len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols),
+        heads = space.dim("gpu_head").values if "gpu_head" in dict(space.params) else (0,)
+        hi = (rows[:, [p for p, _ in space.params].index("gpu_head")] if len(heads) > 1
+              else np.zeros(len(rows), dtype=np.int64))
+        core_key = np.concatenate([r[:, None], hi[:, None], rows[:, [tcol] + qcols + [scol]]], 1)
+        radices = (int(r.max()) + 1, len(heads), len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols),
                    len(space.dim("sizing").values))
         keys, first, ci = np.unique(np.ravel_multi_index(core_key.T, radices), return_index=True,
                                     return_inverse=True)
         cores, ci = core_key[first], ci.reshape(-1)
-        cr = cores[:, 0]
+        cr, ch = cores[:, 0], np.asarray(heads)[cores[:, 1]]
+        cores = np.delete(cores, 1, axis=1)  # as before the head: residents, tiers, quantiles, sizing
         ct = np.minimum(np.asarray(space.dim("tiers").values)[cores[:, 1]], np.maximum(cr, 1))
         cq = np.searchsorted(QUANTILES, np.asarray(QUANTILES)[cores[:, 2:2 + len(qcols)]])
         csizing = np.asarray(space.dim("sizing").values)[cores[:, -1]]
@@ -228,9 +232,10 @@ class Scorer:
         lo_of = np.zeros((n_cores, MAX_TIERS), dtype=np.int64)
         base, extra = cr // np.maximum(ct, 1), cr % np.maximum(ct, 1)
         e1 = len(data.rank) + 1
-        for j in range(MAX_TIERS):  # band j of each core: ranks lo..hi-1, as np.array_split cuts them
+        for j in range(MAX_TIERS):  # band j of each core: ranks lo..hi-1 after the head, as np.array_split cuts them
             size = np.where(j < ct, base + (j < extra), 0)
-            lo = lo_of[:, j] = j * base + np.minimum(j, extra)
+            lo_of[:, j] = j * base + np.minimum(j, extra)
+            lo = ch + lo_of[:, j]
             used = np.nonzero(size > 0)[0]
             by_sizing = np.searchsorted(SIZINGS, csizing[used])
             bands, which = np.unique((by_sizing * e1 + lo[used]) * e1 + size[used], return_inverse=True)
@@ -257,7 +262,7 @@ class Scorer:
         tails = space.dim("cpu_tail").values if "cpu_tail" in dict(space.params) else (0,)
         ti = (np.searchsorted(tails, space.column(rows, "cpu_tail")) if len(tails) > 1
               else np.zeros(len(rows), dtype=np.int64))
-        lanes = self._exact_lanes(parts, cr, tails, (spill_ms, spill_n, spill_mb))
+        lanes = self._exact_lanes(parts, cr, ch, tails, (spill_ms, spill_n, spill_mb))
         total = np.broadcast_to(parts.total_n, (n_cores, n_chunks))
         pack = np.where((cr > 0)[:, None], self.cost.pack_ms(total, self.hidden, slots[:, None]), 0.0)  # [C, n]
         calls = np.where(r > 0, -(-r // g), 0)
@@ -281,15 +286,21 @@ class Scorer:
         return Scores(full.latency_ms + part.latency_ms, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64),
                       v, part.latency_ms, part.energy_mj, full.cpu_ms + part.cpu_ms, part.cpu_ms)
 
-    def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, tails: tuple, spill: tuple) -> ExactLanes:
-        """[cores, tails, 2, chunks] exact lanes of each core (residents `r`), CPU tail and overflow policy (0 drop,
-        1 spill: the overflow `spill` = (ms, n, MB) [cores, chunks] on the plan's exact path): the plan's path runs
-        cold ranks r..s-1 (s = max(r, E - tail)), cpu-exact ranks s.. (with one exact path, s = E)."""
+    def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, h: np.ndarray, tails: tuple, spill: tuple
+                     ) -> ExactLanes:
+        """[cores, tails, 2, chunks] exact lanes of each core (residents `r` after a head of `h`), CPU tail and
+        overflow policy (0 drop, 1 spill: the overflow `spill` = (ms, n, MB) [cores, chunks] on the plan's exact
+        path): the plan's path runs the head's ranks ..h-1 and cold ranks h+r..s-1 (s = max(h+r, E - tail)),
+        cpu-exact ranks s.. (with one exact path, s = E)."""
         e = len(parts.cold_n) - 1
         t = np.asarray(tails)[None, :]
-        s = np.maximum(r[:, None], e - t) if self.splits_exact else np.full((len(r), len(tails)), e)
+        after = h + r
+        s = np.maximum(after[:, None], e - t) if self.splits_exact else np.full((len(r), len(tails)), e)
         policy = lambda a: np.stack([np.zeros_like(a), a], 1)[:, None]  # noqa: E731 [C, n] -> [C, 1, 2, n]
-        on = lambda table: (table[r][:, None] - table[s])[:, :, None]  # noqa: E731 ranks r..s-1: [C, T, 1, n]
+
+        def on(table: np.ndarray) -> np.ndarray:  # ranks ..h-1 and h+r..s-1: [C, T, 1, n]
+            return ((table[0] - table[h] + table[after])[:, None] - table[s])[:, :, None]
+
         work = [(self.exact, on(parts.cold_ms[self.exact]) + policy(spill[0]), on(parts.cold_n) + policy(spill[1]),
                  on(parts.cold_mb[self.exact]) + policy(spill[2])),
                 (EXACT, parts.cold_ms[EXACT][s][:, :, None], parts.cold_n[s][:, :, None],

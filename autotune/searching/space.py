@@ -9,9 +9,11 @@ A decision (`LayerConfig`) for one MoE layer, with experts ranked by calibration
   own per-chunk loads (less padding where a tier's experts are loaded unequally);
 - `overflow`: drop (lowest saliency first) or spill to cpu-exact;
 - `compress`: how the layer's static groups store their weights (the plan's per-group `compress`);
-- `cpu_tail` (where the plan's exact path runs off the CPU, the GPU's): the least popular `cpu_tail` cold experts
-  run on cpu-exact, the other cold experts (and spills) on the plan's exact path: three lanes, the ANE's groups,
-  the GPU's exact path and the CPU's (the plan's `exact` and `exact_split`).
+- `gpu_head`, `cpu_tail` (where the plan's exact path runs off the CPU, the GPU's): the most popular `gpu_head`
+  experts run on the plan's exact path and the residents are the next ones (a GPU faster than the ANE takes the
+  hottest experts); the least popular `cpu_tail` cold experts run on cpu-exact, the other cold experts (and spills)
+  on the plan's exact path: three lanes, the ANE's groups, the GPU's exact path and the CPU's (the plan's `exact`
+  and `exact_split`).
 The space is one `Space`: a tuple of `Dimension`s (a field of the decision and its values, in order). Optuna's
 distributions, a trial's suggestion, parameters <-> decision, the local polish's neighbours, the exact yardstick's
 enumeration and the study name's digest are all derived from it; the one rule of meaning (`Space.canonical`: a
@@ -36,7 +38,8 @@ from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES
 QUANTILES = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
 SIZINGS = ("band", "expert")  # a tier's capacity: one for its experts' loads together, or one per expert
-ENUMERABLE = 1_000_000  # points of the product space past which the distinct decisions are not counted
+ENUMERABLE = 2_500_000  # points of the product space past which the distinct decisions are not counted (an
+# 8-expert layer with the GPU's head and tail: 2.3M, counted and enumerated)
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,13 @@ class LayerConfig:
     capacity: int | None = None  # a uniform capacity instead of tiers (the uniform-capacity baselines)
     sizing: str = "band"
     cpu_tail: int = 0  # the least popular cold experts on cpu-exact (where the plan's exact path is another)
+    gpu_head: int = 0  # the most popular experts on the plan's exact path, the residents ranked after them
 
     def to_json(self) -> dict:
         return {"resident": self.resident, "group_size": self.group_size, "tiers": self.tiers,
                 "quantiles": list(self.quantiles), "sizing": self.sizing, "overflow": self.overflow,
-                "compress": self.compress, "capacity": self.capacity, "cpu_tail": self.cpu_tail}
+                "compress": self.compress, "capacity": self.capacity, "cpu_tail": self.cpu_tail,
+                "gpu_head": self.gpu_head}
 
 
 @dataclass(frozen=True)
@@ -160,15 +165,21 @@ class Space:
         for i, p in enumerate(qdim.params):
             rows[t <= i, col(p)] = unused
         rows[t >= r, col("sizing")] = 0  # a tier per expert: sized by its own loads either way
+        head = np.zeros_like(r)
+        if "gpu_head" in names:  # a head ahead of residents only (none without), and within the experts left
+            heads = np.asarray(self.dim("gpu_head").values)
+            room = np.where(r > 0, len(self.dim("resident").values) - 1 - r, 0)
+            at = np.searchsorted(heads, np.minimum(self.column(rows, "gpu_head"), room), side="right") - 1
+            rows[:, col("gpu_head")], head = at, heads[at]
         if "cpu_tail" in names:  # a tail of all the cold experts or more is all of them; none without cold experts
-            cold = len(self.dim("resident").values) - 1 - r
+            cold = len(self.dim("resident").values) - 1 - r - head
             tails = np.asarray(self.dim("cpu_tail").values)
             all_cold = 2 ** np.ceil(np.log2(np.maximum(cold, 1))).astype(np.int64)
             rows[:, col("cpu_tail")] = np.searchsorted(tails, np.where(cold > 0, np.minimum(
                 self.column(rows, "cpu_tail"), all_cold), 0))
         none = r == 0
         for p, d in self.params:
-            if p not in ("resident", "cpu_tail"):
+            if p not in ("resident", "cpu_tail", "gpu_head"):
                 rows[none, col(p)] = unused if d is qdim else 0
         return rows
 
@@ -181,7 +192,7 @@ class Space:
         t = int(p["tiers"])
         qs = tuple(float(p[q]) for q in self.dim("quantiles").params[:t])
         return LayerConfig(int(p["resident"]), int(p["group_size"]), t, qs, p["overflow"], p.get("compress", "none"),
-                           sizing=p.get("sizing", "band"), cpu_tail=tail)
+                           sizing=p.get("sizing", "band"), cpu_tail=tail, gpu_head=int(p.get("gpu_head", 0)))
 
     def config_from_params(self, params: dict) -> LayerConfig:
         return self.config(self.canonical(self.row_of(params))[0])
@@ -190,7 +201,8 @@ class Space:
         """A point of the space that means `cfg` (unused quantiles at 1.0)."""
         qs = list(cfg.quantiles) + [1.0] * MAX_TIERS
         fields = {"resident": cfg.resident, "group_size": cfg.group_size, "tiers": max(1, cfg.tiers),
-                  "sizing": cfg.sizing, "overflow": cfg.overflow, "compress": cfg.compress, "cpu_tail": cfg.cpu_tail}
+                  "sizing": cfg.sizing, "overflow": cfg.overflow, "compress": cfg.compress, "cpu_tail": cfg.cpu_tail,
+                  "gpu_head": cfg.gpu_head}
         out = {}
         for p, d in self.params:
             v = qs[d.params.index(p)] if d.width > 1 else fields[d.field]
@@ -222,14 +234,16 @@ class Space:
         return len(self.enumerate()) if self.product_size <= ENUMERABLE else self.product_size
 
 
-def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",), cpu_tail: bool = False) -> Space:
+def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",), split_exact: bool = False) -> Space:
     """The decision space of one layer with `n_experts` experts; `compress`: the weight storage kinds allowed;
-    `cpu_tail`: the plan's exact path runs off the CPU, so cold experts may split between it and the CPU (tails of
-    0 and powers of two up to every expert)."""
+    `split_exact`: the plan's exact path runs off the CPU (the GPU), so the hottest experts may run there ahead of
+    the residents and cold experts split between it and the CPU (heads and tails of 0 and powers of two up to every
+    expert)."""
     unknown = [c for c in compress if c not in COMPRESSIONS]
     if unknown or not compress:
         raise ValueError(f"compression kinds must be among {COMPRESSIONS}, got {list(compress)}")
-    tail = (Dimension("cpu_tail", (0, *group_sizes(n_experts))),) if cpu_tail else ()
+    tail = (Dimension("gpu_head", (0, *group_sizes(n_experts))),
+            Dimension("cpu_tail", (0, *group_sizes(n_experts)))) if split_exact else ()
     return Space((Dimension("resident", tuple(range(n_experts + 1))),
                   Dimension("group_size", tuple(group_sizes(n_experts))),
                   Dimension("tiers", tuple(range(1, MAX_TIERS + 1))),
