@@ -259,10 +259,12 @@ class Scorer:
                 spill_mb[sel] += band["spill_mb"][q]
         # per core, CPU tail and overflow policy (0 drop, 1 spill): each chunk's exact lanes, packing; per decision
         # its calls
-        tails = space.dim("cpu_tail").values if "cpu_tail" in dict(space.params) else (0,)
-        ti = (np.searchsorted(tails, space.column(rows, "cpu_tail")) if len(tails) > 1
-              else np.zeros(len(rows), dtype=np.int64))
-        lanes = self._exact_lanes(parts, cr, ch, tails, (spill_ms, spill_n, spill_mb))
+        tail = (space.column(rows, "cpu_tail").astype(np.int64) if "cpu_tail" in dict(space.params)
+                else np.zeros(len(rows), dtype=np.int64))
+        # the (core, tail) pairs the rows take: each pair's lanes once, under both overflow policies
+        pairs, pi = np.unique(np.stack([ci, tail], 1), axis=0, return_inverse=True)
+        lanes = self._exact_lanes(parts, cr[pairs[:, 0]], ch[pairs[:, 0]], pairs[:, 1],
+                                  tuple(a[pairs[:, 0]] for a in (spill_ms, spill_n, spill_mb)))
         total = np.broadcast_to(parts.total_n, (n_cores, n_chunks))
         pack = np.where((cr > 0)[:, None], self.cost.pack_ms(total, self.hidden, slots[:, None]), 0.0)  # [C, n]
         calls = np.where(r > 0, -(-r // g), 0)
@@ -270,9 +272,9 @@ class Scorer:
         off_cpu = self.cost.overlaps(self.backend)
         zero = np.zeros(len(rows))
         power = self.cost.power_w(self.backend) if self.with_energy else None
-        flat = lambda a: None if a is None else a.reshape(-1, n_chunks)  # noqa: E731  [C, T, 2, n] -> [C*T*2, n]
+        flat = lambda a: None if a is None else a.reshape(-1, n_chunks)  # noqa: E731  [P, 2, n] -> [P*2, n]
         work = evaluator.LayerWork(zero if off_cpu else s_row, s_row if off_cpu else zero, flat(lanes.latency),
-                                   pack, (ci * len(tails) + ti) * 2 + spill, ci,
+                                   pack, pi.reshape(-1) * 2 + spill, ci,
                                    None if power is None else power * s_row,
                                    self.cost.power_w(EXACT) if self.with_energy else None, flat(lanes.cpu),
                                    flat(lanes.mj) if self.with_energy else None)
@@ -286,25 +288,23 @@ class Scorer:
         return Scores(full.latency_ms + part.latency_ms, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64),
                       v, part.latency_ms, part.energy_mj, full.cpu_ms + part.cpu_ms, part.cpu_ms)
 
-    def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, h: np.ndarray, tails: tuple, spill: tuple
+    def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, h: np.ndarray, tail: np.ndarray, spill: tuple
                      ) -> ExactLanes:
-        """[cores, tails, 2, chunks] exact lanes of each core (residents `r` after a head of `h`), CPU tail and
-        overflow policy (0 drop, 1 spill: the overflow `spill` = (ms, n, MB) [cores, chunks] on the plan's exact
-        path): the plan's path runs the head's ranks ..h-1 and cold ranks h+r..s-1 (s = max(h+r, E - tail)),
-        cpu-exact ranks s.. (with one exact path, s = E)."""
+        """[pairs, 2, chunks] exact lanes of each (residents `r` after a head of `h`, CPU `tail`) under each overflow
+        policy (0 drop, 1 spill: the overflow `spill` = (ms, n, MB) [pairs, chunks] on the plan's exact path): the
+        plan's path runs the head's ranks ..h-1 and cold ranks h+r..s-1 (s = max(h+r, E - tail)), cpu-exact ranks
+        s.. (with one exact path, s = E)."""
         e = len(parts.cold_n) - 1
-        t = np.asarray(tails)[None, :]
         after = h + r
-        s = np.maximum(after[:, None], e - t) if self.splits_exact else np.full((len(r), len(tails)), e)
-        policy = lambda a: np.stack([np.zeros_like(a), a], 1)[:, None]  # noqa: E731 [C, n] -> [C, 1, 2, n]
+        s = np.maximum(after, e - tail) if self.splits_exact else np.full(len(r), e)
+        policy = lambda a: np.stack([np.zeros_like(a), a], 1)  # noqa: E731 [P, n] -> [P, 2, n]
 
-        def on(table: np.ndarray) -> np.ndarray:  # ranks ..h-1 and h+r..s-1: [C, T, 1, n]
-            return ((table[0] - table[h] + table[after])[:, None] - table[s])[:, :, None]
+        def on(table: np.ndarray) -> np.ndarray:  # ranks ..h-1 and h+r..s-1: [P, 1, n]
+            return (table[0] - table[h] + table[after] - table[s])[:, None]
 
         work = [(self.exact, on(parts.cold_ms[self.exact]) + policy(spill[0]), on(parts.cold_n) + policy(spill[1]),
                  on(parts.cold_mb[self.exact]) + policy(spill[2])),
-                (EXACT, parts.cold_ms[EXACT][s][:, :, None], parts.cold_n[s][:, :, None],
-                 parts.cold_mb[EXACT][s][:, :, None])]
+                (EXACT, parts.cold_ms[EXACT][s][:, None], parts.cold_n[s][:, None], parts.cold_mb[EXACT][s][:, None])]
         return self.cost.exact_lanes(work, self.hidden)
 
     def _violation_rows(self, r: np.ndarray, g: np.ndarray, kinds: np.ndarray, cap_max: np.ndarray,
