@@ -179,8 +179,8 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
 
 
 def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndarray, bool]:
-    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part, with GPU
-    heads or CPU tails of E/16 and E/4 only (Optuna refines them at the chosen chunk size); without the decisions
+    """(rows, exact): every decision where the space has at most `exact_limit`, else its one-tier part, with no GPU
+    head and no CPU tail, or either of E/8 (Optuna refines them at the chosen chunk size); without the decisions
     another dominates whatever the traces: where the profile knows no decompression cost, weights stored in fewer bytes
     only shorten a call and ease the limits, so only the smallest allowed kind is scored."""
     if space.size() <= exact_limit:
@@ -193,9 +193,9 @@ def screen_rows(space: Space, exact_limit: int, scorer: Scorer) -> tuple[np.ndar
         names = [p for p, _ in space.params]
         rows[:, names.index("tiers")] = 0  # tiers value 1 is index 0 in both
         if "cpu_tail" in names:  # each decision with each screened (head, tail), as the full space's rows
-            n = len(space.dim("resident").values) - 1
-            few = sorted({max(1, n // 16), max(1, n // 4)})
-            pairs = [(0, 0)] + [(k, 0) for k in few] + [(0, k) for k in few]
+            k = space.dim("cpu_tail").values[np.searchsorted(space.dim("cpu_tail").values,
+                                                             max(1, (len(space.dim("resident").values) - 1) // 8))]
+            pairs = [(0, 0), (k, 0), (0, k)]
             index = lambda dim, v: space.dim(dim).values.index(v)  # noqa: E731
             at = names.index("gpu_head")  # the last two parameters: gpu_head, cpu_tail
             rows = np.concatenate([np.insert(rows, [at, at], [index("gpu_head", h), index("cpu_tail", t)], axis=1)
