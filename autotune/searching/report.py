@@ -204,9 +204,17 @@ def plot_pareto(report: dict, path: str | os.PathLike) -> None:
     for name, b in report["baseline_details"].items():
         if b["predicted_energy_mj"] is not None:
             ax.plot([b["predicted_latency_ms"]], [b["predicted_energy_mj"]], "s", label=BASELINE_LABELS.get(name, name))
-    ax.set_xlabel("predicted latency per chunk (ms)")
-    ax.set_ylabel("predicted energy per chunk (mJ)")
-    ax.set_title("latency vs energy (predicted by the cost model)", fontsize=9)
+    _save_chart(fig, ax, path, "predicted latency per chunk (ms)", "predicted energy per chunk (mJ)",
+                "latency vs energy (predicted by the cost model)")
+
+
+def _save_chart(fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, title: str) -> None:
+    """A latency/energy chart's labels, legend and file."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -241,13 +249,8 @@ def plot_tradeoff(whole: dict, path: str | os.PathLike) -> None:
         ax.scatter(*point(whole), marker="*", s=220, c="tab:red", label="the pick", zorder=4)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel(f"predicted prefill latency (s, {whole['prompt_tokens']}-token prompt)")
-    ax.set_ylabel("predicted prefill energy (J)")
-    ax.set_title("latency vs energy, whole prefill (predicted by the cost model)", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    _save_chart(fig, ax, path, f"predicted prefill latency (s, {whole['prompt_tokens']}-token prompt)",
+                "predicted prefill energy (J)", "latency vs energy, whole prefill (predicted by the cost model)")
 
 
 def sidecar(plan_path: str | os.PathLike, suffix: str) -> Path:
