@@ -54,10 +54,10 @@ RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights
 
 def best_dense_enumerated(cost, chunk: int) -> float:
     """The least latency of the small instance's dense parts over every joint placement: q/k/v and o_proj each on
-    the CPU or the ANE (whole or split at each multiple of ROW_GRAIN), the attention core unblocked (any subset of
+    the host or the ANE (whole or split at each multiple of ROW_GRAIN), the attention core unblocked (any subset of
     the full chunks' contexts as buckets, whole or split) or in causal blocks of any multiple of ROW_GRAIN below the
     chunk dividing it (any subset of the blocks' key lengths as buckets, whole or split at a multiple of the
-    block)."""
+    block); the host is the one `choose_dense` gives (the GPU where the profile prices it, else the CPU)."""
     rows = [None, *range(ROW_GRAIN, chunk, ROW_GRAIN)]
     starts = [c - r for r, c in prompt_chunks(SMALL_PROMPT, chunk) if r == chunk]
     functions = [None, *[("ane", r) for r in rows]]
@@ -74,7 +74,8 @@ def best_dense_enumerated(cost, chunk: int) -> float:
         split = tuple((f, p[1]) for f, p in (("qkv", qkv), ("o_proj", o)) if p and p[1])
         block, buckets, r = core or (None, (), None)
         split += (("attention", r),) if r else ()
-        place = DensePlacement(qkv and "ane", o and "ane", "ane" if core else None, None, buckets, split, block)
+        place = DensePlacement(qkv and "ane", o and "ane", "ane" if core else None, None, buckets, split, block,
+                               cost.plan_exact())  # the host the search's choice has: the GPU where priced
         best = min(best, predict_prefill(cost, SMALL_DECODER, SMALL_PROMPT, chunk, NO_EXPERTS, place).latency_ms)
     return best
 
