@@ -8,6 +8,7 @@ import pytest
 from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
+from autotune.costing.costmodel import BackendModel
 from autotune.searching.decisions import heuristic_config, layer_plan, tiers, violation
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scoring import Scorer
@@ -122,22 +123,33 @@ def test_compressed_weights_stream_fewer_bytes_on_the_ane():
     assert fp16 - pal == pytest.approx(0.02 * weights_mb * 3 / 4)
 
 
-@pytest.mark.parametrize("backend,prompt,ffn,axis", [("ane", 512, 512, None), ("cpu-static", 384, 512, None),
-                                                     ("ane", 384, 65536, 300)])
-def test_bulk_scores_equal_the_plan_entry_through_the_cost_model(backend, prompt, ffn, axis, monkeypatch):
+@pytest.mark.parametrize("backend,prompt,ffn,axis,gpu", [("ane", 512, 512, None, False),
+                                                         ("cpu-static", 384, 512, None, False),
+                                                         ("ane", 384, 65536, 300, False),
+                                                         ("ane", 384, 512, None, True)])
+def test_bulk_scores_equal_the_plan_entry_through_the_cost_model(backend, prompt, ffn, axis, gpu, monkeypatch):
     """score_rows (numpy over many decisions) against score (the plan entry through the cost model's layer_ms),
-    on sampled decisions of the whole space, compression and partial chunks included; the last case puts groups
-    past the ANE's weight bytes per function and (with a lowered axis limit) its packed slots."""
+    on sampled decisions of the whole space, compression and partial chunks included; the third case puts groups
+    past the ANE's weight bytes per function and (with a lowered axis limit) its packed slots; the last has a GPU
+    (the plan's exact path mlx-exact: GPU heads and CPU tails, the memory bus)."""
     if axis:
         monkeypatch.setattr(ane_limits, "MAX_AXIS", axis)
     cost = apple_like()
     cost.models["ane"].ms_per_mb = 0.01
+    if gpu:
+        cost.models["mlx-exact"] = BackendModel("mlx-exact", 0.05, 0.0, 0.1, 0.002, 2, True, 30.0)
+        cost.bus_ms_per_mb = 0.003  # a slow bus: its floor takes part in the lanes
     layers = LayerData.from_traces(synthetic_traces(SMALL, 12, 512, skew=1.2, tokens=True), 256, prompt)
     d = layers[1]
     assert d.partial.any() == (prompt % 256 != 0)
-    space = layer_space(SMALL["num_experts"], ("none", "int8", "palettize4"))
-    rows = space.enumerate()[::97]
+    space = layer_space(SMALL["num_experts"], ("none", "int8", "palettize4"), split_exact=gpu)
+    if gpu:  # a random sample of the product space (7M points), as canonical decisions
+        radices = [len(dim.values) for _, dim in space.params]
+        rows = np.unique(space.canonical(np.random.default_rng(0).integers(0, radices, (400, len(radices)))), axis=0)
+    else:
+        rows = space.enumerate()[::97]
     scorer = Scorer(cost, 1024, ffn, backend, 3e6 * ffn / 512, with_energy=True)
+    assert scorer.splits_exact == gpu
     bulk = scorer.score_rows(d, space, rows)
     for i, row in enumerate(rows):
         ref, got = scorer.score(d, space.config(row)), bulk.at(i)
