@@ -249,6 +249,10 @@ def plot_tradeoff(whole: dict, path: str | os.PathLike) -> None:
         ax.scatter(*point(whole), marker="*", s=220, c="tab:red", label="the pick", zorder=4)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
+        axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     _save_chart(fig, ax, path, f"predicted prefill latency (s, {whole['prompt_tokens']}-token prompt)",
                 "predicted prefill energy (J)", "latency vs energy, whole prefill (predicted by the cost model)")
 
