@@ -114,3 +114,17 @@ def test_tradeoff_chart_is_written(tmp_path):
     plot_tradeoff(whole, tmp_path / "plan.tradeoff.png")
     assert (tmp_path / "plan.tradeoff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "plan.tradeoff.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("device,overlaps", [("gpu", True), ("cpu", False)])
+def test_mlx_exact_timed_on_mlx_cpu_device_is_no_lane_beside_the_cpu(device, overlaps):
+    """On Linux the profiler times mlx-exact on MLX's CPU device (records marked `device: cpu`): those calls run on
+    this process's CPU, so the fitted model must not price them as a lane beside it."""
+    from autotune.costing.fitting import fit_backend
+
+    recs = [{"kind": "matmul", "backend": GPU, "m": m, "n": 1024, "k": 1024, "median_ms": 0.01 * m, "device": device}
+            for m in (16, 64, 256)]
+    model = fit_backend(GPU, recs, dtype_bytes=2, residual=False)
+    assert model.overlaps_cpu is overlaps
+    assert CostModel({GPU: model, "cpu-exact": three_lanes().models["cpu-exact"]}).plan_exact() == (
+        GPU if overlaps else "cpu-exact")

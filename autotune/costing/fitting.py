@@ -61,7 +61,8 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
     """Fit one backend's analytic form to its records, then the residual learner on single-expert records.
 
     `fixed` pins coefficients (e.g. a cited fixed cost per call) instead of fitting them. `overlaps_cpu` defaults
-    to the backend's registry entry (False for a backend not registered here)."""
+    to the backend's registry entry (False for a backend not registered here, or whose records say they ran on the
+    CPU: `device` "cpu")."""
     fixed = fixed or {}
     A = np.stack([record_features(r, dtype_bytes) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
@@ -74,8 +75,10 @@ def fit_backend(name: str, records: list[dict], dtype_bytes: int = 4, overlaps_c
     coef = pinned.copy()
     if free:
         coef[free] = _positive_lsq(A[:, free], rest)
+    if overlaps_cpu is None:  # calls that ran on this process's CPU (mlx-exact on MLX's CPU device) overlap nothing
+        overlaps_cpu = _overlaps_cpu(name) and not any(r.get("device") == "cpu" for r in records)
     model = BackendModel(name, float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), dtype_bytes,
-                         _overlaps_cpu(name) if overlaps_cpu is None else overlaps_cpu, power_w, power_source)
+                         overlaps_cpu, power_w, power_source)
     if residual:
         X, y = [], []
         for r in records:
