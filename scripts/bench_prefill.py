@@ -73,8 +73,8 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
     scorer = Scorer(cost, shape.hidden, shape.expert_ffn, "ane", RESIDENT_BYTES / len(shape.moe_layers))
     calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt_tokens
 
-    def dense(chunk: int, weights) -> object:
-        return choose_dense(cost, shape, prompt_tokens, chunk, scorer.backend, weights, calib_prompts)
+    def dense(chunk: int, weights, resident: float) -> object:  # beside `resident` bytes of experts on the ANE
+        return choose_dense(cost, shape, prompt_tokens, chunk, scorer.backend, weights, calib_prompts, resident)
 
     out = run_search(workloads, scorer, layer_space(shape.num_experts, compress, scorer.splits_exact),
                      objective=objective,
