@@ -376,7 +376,9 @@ def test_search_on_a_published_profile_says_so_once_and_leaves_no_lock(bad, tmp_
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # the CLI's stderr lines
     assert len(said) == 1 and "note: profile apple-m2-ultra-published holds published figures" in said[0], said
     assert capsys.readouterr().err == ""
-    assert {p.name for p in tmp_path.iterdir()} == {"study.db", "plan.json", "plan.report.json", "plan.map.png"}
+    assert {p.name for p in tmp_path.iterdir()} == {"study.db", "plan.json", "plan.report.json", "plan.map.png",
+                                                    "plan.tradeoff.png"}  # the whole prefill's latency/energy chart
+    assert (tmp_path / "plan.tradeoff.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("how", ["full-disk", "closed-pipe"])
