@@ -30,6 +30,7 @@ from autotune.costing.dense_prices import (
 )
 from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
+from autotune.costing.fit_range import Ranges
 from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
@@ -176,6 +177,7 @@ class CostModel:
     host: HostCosts = field(default_factory=HostCosts)
     default_hidden: int = 1024  # used by pack_ms when the caller gives no hidden size
     dense: dict[str, dict[str, DenseFit]] = field(default_factory=dict)  # measured dense-op fits, by backend and op
+    ranges: Ranges = field(default_factory=dict)  # each fit's shape range (`fit_range`): where it interpolates
     _lut: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -387,11 +389,11 @@ class CostModel:
                 "backends": {n: m.to_json() for n, m in sorted(self.models.items())},
                 "host": self.host.to_json(), "default_hidden": self.default_hidden,
                 **({"dense": {b: {op: f.to_json() for op, f in fits.items()} for b, fits in self.dense.items()}}
-                   if self.dense else {})}
+                   if self.dense else {}), **({"ranges": self.ranges} if self.ranges else {})}
 
     @classmethod
     def from_json(cls, obj: dict) -> "CostModel":
         return cls({n: BackendModel.from_json(n, m) for n, m in obj["backends"].items()},
                    HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)),
                    {b: {op: DenseFit.from_json(f) for op, f in fits.items()}
-                    for b, fits in (obj.get("dense") or {}).items()})
+                    for b, fits in (obj.get("dense") or {}).items()}, obj.get("ranges") or {})

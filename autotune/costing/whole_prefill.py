@@ -22,6 +22,7 @@ import numpy as np
 
 from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
+from autotune.costing.fit_range import Reach, merge_reaches, reach
 from runtime.backends import EXACT
 from runtime.dense.families import FAMILIES
 from runtime.plan import static_reads
@@ -270,3 +271,28 @@ def placement_of(dense: Any) -> DensePlacement:
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
                           tuple(dense.attention_context_buckets), split, dense.attention_block)
+
+
+def priced_outside(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
+                   static_backend: str | None = None) -> dict[str, list[Reach]]:
+    """The parts of a prefill whose ops this cost model prices past its fits' ranges (`fit_range`), each with the
+    axes it reaches past and how far: the experts at the rows an expert's call gets on average in a chunk, on the
+    exact path's backend and the static one; the dense ops on the CPU at a full chunk's rows and the prompt's
+    context."""
+    rows, q, kv = chunk_tokens, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    name = lambda b: cost.backend_model(b).name  # noqa: E731
+    matmul = lambda m, n, k: reach(cost.ranges, name(EXACT), "matmul", rows=m, out=n, **{"in": k})  # noqa: E731
+    load = max(1.0, chunk_tokens * shape.top_k / max(1, shape.num_experts))
+    experts = [r for b in {EXACT, static_backend or EXACT}
+               for r in reach(cost.ranges, name(b), "experts", rows=load, hidden=shape.hidden, ffn=shape.expert_ffn)]
+    parts = {"attention_projections": [*matmul(rows, q, shape.hidden), *matmul(rows, kv, shape.hidden),
+                                       *matmul(rows, shape.hidden, q)],
+             "attention_core": reach(cost.ranges, name(EXACT), "attention", rows=rows, context=prompt_tokens,
+                                     width=q),
+             "experts": experts if shape.moe_layers else [],
+             "dense_mlp": [r for f in {shape.mlp_ffn(layer) for layer in range(shape.num_layers)} if f
+                           for r in (*matmul(rows, 2 * f, shape.hidden), *matmul(rows, shape.hidden, f))],
+             "lm_head": matmul(1, shape.vocab, shape.hidden),
+             "rest": [*reach(cost.ranges, name(EXACT), "elementwise", rows=rows, hidden=shape.hidden),
+                      *(matmul(rows, shape.num_experts, shape.hidden) if shape.moe_layers else [])]}
+    return {part: merge_reaches(rs) for part, rs in parts.items() if rs}

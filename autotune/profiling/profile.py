@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from autotune.costing.costmodel import CostModel
+from autotune.costing.fit_range import fit_ranges
 from autotune.costing.fitting import fit_cost_model, heldout_errors
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
@@ -290,6 +291,9 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
             models[key] = CostModel.from_json(obj[key]) if obj.get(key) is not None else None
         except (KeyError, TypeError, ValueError) as e:
             raise FileFormatError(KIND, path, key, f"cannot rebuild the cost model: {e}") from None
+    for model in models.values():  # a profile written before the fits' ranges were kept: from its records
+        if model is not None and not model.ranges:
+            model.ranges = fit_ranges(obj["records"])
     cost_model = models["cost_model"]
     known = {"schema", "measured_by", "created", "host", "settings", "energy", "cost_model", "cost_model_in_cache",
              "heldout", "records"}

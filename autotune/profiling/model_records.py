@@ -1,0 +1,138 @@
+"""Records at one model's own shapes, added to a profile (`profile-device --model M`, and a search on a measured
+host profile that lacks them): its experts' hidden x FFN at the row counts a plan gives an expert's call, static
+groups of them, the executor's host work at its hidden size, its projections, router, MLP and lm_head at a chunk's
+rows, its attention core at its heads and the contexts of a prompt, its norms. Timed as `profile-device` times
+everything (`device.run_tasks`, `dense_records`), tagged `"model"` with the model's label, merged into the profile
+(an earlier set of the same model's records replaced) and the cost model refitted over all of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from autotune.costing.costmodel import CostModel
+from autotune.costing.fit_range import Reach, describe_parts
+from autotune.costing.whole_prefill import DecoderShape, priced_outside
+from autotune.profiling.dense_records import DenseShape, dense_records
+from autotune.profiling.device import plan_tasks, run_tasks
+from autotune.profiling.profile import Profile, build_profile, host_id, save_profile, utc_now
+from autotune.profiling.settings import Settings, settings_for
+from autotune.profiling.timing import clock_for
+from runtime.backends import EXACT, registry
+from runtime.errors import NpumoeError
+
+log = logging.getLogger("npumoe")
+
+# An expert call's rows in a plan: one token's (decode) up to a skewed chunk's share; quick keeps one per octave.
+ROWS_QUICK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
+ROWS_FULL = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
+DENSE_ROWS = (1, 64, 256, 1024, 4096)  # a decode step up to a whole 4096-token chunk
+PACK_TOKENS = (256, 1024, 4096)  # the chunks the executor's host work is timed at
+MEASURE_PROBE_TOKENS = 256  # a chunk and context inside every profile's range: what is left is the model's shape
+
+
+def model_settings(shape: DecoderShape, label: str, quick: bool) -> Settings:
+    """What to time at the model's shapes: its experts (hidden x FFN) at the plan's row counts and a few static
+    groups, its top-k for the host's packing, over as few experts as that takes (a large model's experts would not
+    fit in memory; every record runs in a forward's evicted cache state anyway); no kernel records (the storage
+    prices keep the default shapes')."""
+    base = settings_for(quick)
+    return dataclasses.replace(base, shapes={label: (shape.hidden, shape.expert_ffn)},
+                               tokens=list(ROWS_QUICK if quick else ROWS_FULL), groups=[(4, 64), (4, 256)],
+                               pack_tokens=list(PACK_TOKENS), top_k=max(1, shape.top_k),
+                               num_experts=max(4, shape.top_k), kernels=False)
+
+
+def dense_shape(shape: DecoderShape) -> DenseShape:
+    """The model's dense ops as `dense_records` times them (lm_head's vocabulary capped as for the default shapes:
+    its GEMV streams the weights, a capped width fits the same bandwidth term)."""
+    mlp = max((shape.mlp_ffn(layer) for layer in range(shape.num_layers)), default=0)
+    return DenseShape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, max(1, shape.num_experts),
+                      min(shape.vocab, 32768), (1,), mlp, DENSE_ROWS)
+
+
+def measure_model(shape: DecoderShape, label: str, backends: list[str], quick: bool = True, clock: str = "auto",
+                  progress: bool = True) -> list[dict]:
+    """Time the model's shapes on `backends` (the profile's); every record tagged `"model": label`."""
+    s = model_settings(shape, label, quick)
+    records = []
+    if shape.num_experts:
+        tasks = [t for t in plan_tasks(backends, s) if t.kind != "call"]  # dispatch costs: the profile has them
+        records += run_tasks(tasks, s, None, progress, clock)
+    if EXACT in backends:
+        which = clock_for(True, torch.get_num_threads()) if clock == "auto" else clock
+        records += dense_records(s, which, progress, {label: dense_shape(shape)})
+    return [{**r, "model": label} for r in records]
+
+
+def add_model_records(profile: Profile, shape: DecoderShape, label: str, quick: bool = True,
+                      progress: bool = True) -> tuple[Profile, int, float]:
+    """The profile with the model's records added (the same model's earlier ones replaced) and refitted; with how
+    many records were timed and in how many seconds. Timed on the profile's threads and clock, on its backends."""
+    backends = [b for b in profile.settings.get("backends") or profile.cost_model.backends if registry.get(b)]
+    threads = int(profile.settings.get("threads") or 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        new = measure_model(shape, label, backends, quick, profile.settings.get("clock", "auto"), progress)
+    finally:
+        torch.set_num_threads(before)
+    seconds = time.perf_counter() - t0
+    records = [r for r in profile.records if r.get("model") != label] + new
+    options = {b: {"dtype_bytes": m.dtype_bytes} for b, m in profile.cost_model.models.items()}
+    models = {**profile.settings.get("models", {}),
+              label: {"hidden": shape.hidden, "ffn": shape.expert_ffn, "heads": shape.heads,
+                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "records": len(new),
+                      "wall_s": round(seconds, 1), "quick": quick, "measured": utc_now()}}
+    merged = build_profile(records, profile.host, profile.measured_by, {**profile.settings, "models": models},
+                           profile.energy, options)
+    merged.created, merged.path, merged.extra = profile.created, profile.path, profile.extra
+    return merged, len(new), seconds
+
+
+def require_measurable(profile: Profile, name: str) -> None:
+    """Records can be added only to a profile measured by `profile-device` on this host's hardware."""
+    if profile.published:
+        raise NpumoeError(f"profile {name} holds published figures ({profile.measured_by}): records cannot be "
+                          "measured into it here")
+    if not profile.measured_here:
+        raise NpumoeError(f"profile {name} was measured on {profile.host.get('id')!r}, not this host "
+                          f"({host_id()!r}): records timed here would not describe it")
+
+
+def model_label(model: str) -> str:
+    """A model's name as its records are tagged: a folder by its last part."""
+    return Path(model).name if Path(model).exists() else model
+
+
+def shape_outside(cost: CostModel, shape: DecoderShape) -> dict[str, list[Reach]]:
+    """The parts whose fits the model's own shape (hidden, FFN, heads, widths; not a plan's rows or context) lies
+    past: what records at its shapes would cover."""
+    parts = priced_outside(cost, shape, MEASURE_PROBE_TOKENS, MEASURE_PROBE_TOKENS)
+    return {p: kept for p, rs in parts.items() if (kept := [r for r in rs if r.axis not in ("rows", "context")])}
+
+
+def cover_model(profile: Profile, name: str, shape: DecoderShape, label: str, measure: bool, progress: bool,
+                layer_bytes: int) -> Profile:
+    """The profile a search prices `label` on: where its shapes lie past the fits' ranges and the profile was
+    measured here, with its records added first, saved into the profile's file and said in one line (unless not
+    `measure`); else as it is, the parts it prices outside said in one line."""
+    outside = shape_outside(profile.cost_model_for(layer_bytes)[0], shape)
+    if not outside:
+        return profile
+    why = describe_parts(outside)
+    if not measure or profile.published or not profile.measured_here or not profile.path:
+        whose = "published figures" if profile.published else "--no-measure" if not measure else \
+            "measured on another host"
+        log.warning(f"profile {name} ({whose}) prices {label} past its records: {why}")
+        return profile
+    merged, n, seconds = add_model_records(profile, shape, label, quick=True, progress=progress)
+    save_profile(merged, profile.path)
+    log.warning(f"measured {n} records at {label}'s shapes in {seconds:.0f} s into {profile.path} (profile {name} "
+                f"lacked them: {why}); --no-measure keeps the profile as it is")
+    return merged
