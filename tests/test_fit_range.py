@@ -1,0 +1,171 @@
+"""The cost model's fitting ranges (autotune/costing/fit_range.py): the bookkeeping, the parts a prefill prices past
+them and the one line that says so, records at a model's own shapes merged into a profile
+(autotune/profiling/model_records.py), and the held-out error past the fitting range on records whose true law is
+known."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+from helpers import SHAPES, TRUE, synthetic_records
+
+from autotune import pipeline
+from autotune.costing.costmodel import BackendModel
+from autotune.costing.fit_range import describe_parts, fit_ranges, reach
+from autotune.costing.fitting import fit_cost_model, heldout_errors, out_of_range_errors, record_features, record_groups
+from autotune.costing.whole_prefill import DecoderShape, priced_outside
+from autotune.profiling import model_records
+from autotune.profiling.profile import build_profile, host_facts, load_profile, save_profile
+from runtime.errors import NpumoeError
+
+PHI = DecoderShape(hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=32064, num_layers=1, moe_layers=(0,),
+                   num_experts=16, top_k=2, expert_ffn=6400)
+SMALL = DecoderShape(hidden=1024, heads=8, kv_heads=2, head_dim=128, vocab=4096, num_layers=1, moe_layers=(0,),
+                     num_experts=16, top_k=2, expert_ffn=768)
+
+
+def dense_records(hidden: int, model: str | None = None) -> list[dict]:
+    """cpu-exact dense records at one width: projections and the router at a few rows, lm_head at one, the attention
+    core, elementwise work."""
+    shapes = [(m, n) for m in (1, 64, 256, 1024) for n in (hidden, hidden // 4, 16)] + [(1, 32768)]
+    recs = [{"kind": "dense_matmul", "backend": "cpu-exact", "m": m, "n": n, "k": hidden, "median_ms": 1e-7 * m * n
+             * hidden + 0.01} for m, n in shapes]
+    recs += [{"kind": "attention", "backend": "cpu-exact", "rows": r, "context": c, "heads": hidden // 128,
+              "kv_heads": 2, "head_dim": 128, "median_ms": 1e-7 * r * c * hidden + 0.01}
+             for r, c in ((256, 256), (1024, 1024), (256, 2048), (1024, 4096))]
+    recs += [{"kind": "elementwise", "backend": "cpu-exact", "rows": r, "hidden": hidden,
+              "median_ms": 1e-6 * r * hidden + 0.01} for r in (64, 256, 1024, 4096)]
+    return [{**r, "model": model} if model else r for r in recs]
+
+
+def host_profile(records: list[dict]):
+    facts = host_facts(1)
+    return build_profile(records, facts, "autotune profile-device --quick", {"threads": 1, "clock": "cpu",
+                                                                            "backends": ["cpu-exact"]}, {}, None)
+
+
+def test_ranges_hold_each_kind_s_smallest_and_largest_shape_and_reach_says_how_far_past():
+    records = synthetic_records("cpu-exact") + dense_records(2048)
+    ranges = fit_ranges(records)
+    experts = ranges["cpu-exact"]["experts"]
+    assert experts["hidden"] == [256, 2048] and experts["ffn"] == [256, 2048] and experts["rows"] == [1, 2048]
+    assert ranges["cpu-exact"]["matmul"] == {"rows": [1, 1024], "out": [16, 32768], "in": [2048, 2048]}
+    assert ranges["cpu-exact"]["attention"]["context"] == [256, 4096]
+    far = reach(ranges, "cpu-exact", "experts", rows=64, hidden=4096, ffn=6400)
+    assert [(r.axis, r.value, r.end) for r in far] == [("hidden", 4096, 2048), ("ffn", 6400, 2048)]
+    assert far[0].describe() == "hidden 4096 > 2048 profiled" and far[1].factor == pytest.approx(3.125)
+    assert reach(ranges, "cpu-exact", "experts", rows=64, hidden=1024, ffn=768) == []  # inside: interpolated
+    below = reach(ranges, "cpu-exact", "experts", rows=64, hidden=64, ffn=768)
+    assert below[0].describe() == "hidden 64 < 256 profiled" and below[0].factor == 4
+    assert reach(ranges, "ane", "experts", hidden=1e9) == []  # no such fit: no range to reach past
+
+
+def test_a_prefill_names_the_parts_priced_past_the_profile_and_how_far():
+    cost = fit_cost_model(synthetic_records("cpu-exact") + synthetic_records("cpu-static") + dense_records(2048))
+    outside = priced_outside(cost, PHI, 4096, 1024, "cpu-static")
+    assert [r.describe() for r in outside["experts"]] == ["hidden 4096 > 2048 profiled", "ffn 6400 > 2048 profiled"]
+    assert [r.describe() for r in outside["attention_projections"]] == ["in 4096 > 2048 profiled"]
+    assert outside["attention_core"][0].describe() == "width 4096 > 2048 profiled"
+    assert "dense_mlp" not in outside  # no MLP in this model
+    assert describe_parts({"experts": outside["experts"]}) == ("experts: hidden 4096 > 2048 profiled, ffn 6400 > "
+                                                               "2048 profiled")
+    assert priced_outside(cost, DecoderShape(**{**SMALL.__dict__, "hidden": 2048, "heads": 16}), 1024, 1024) == {}
+    assert [r.describe() for r in priced_outside(cost, SMALL, 4096, 4096)["attention_core"]] == [
+        "rows 4096 > 1024 profiled", "width 1024 < 2048 profiled"]
+    # the ranges travel with the model's JSON
+    assert type(cost).from_json(cost.to_json()).ranges == cost.ranges
+
+
+def test_the_search_s_one_line_names_the_parts_and_no_measure_keeps_the_profile(tmp_path, caplog, monkeypatch):
+    prof = host_profile(synthetic_records("cpu-exact") + dense_records(2048))
+    prof.path = str(tmp_path / "p.json")
+    save_profile(prof, prof.path)
+    monkeypatch.setattr(model_records, "add_model_records", lambda *a, **k: pytest.fail("measured"))
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        kept = model_records.cover_model(prof, "p.json", PHI, "phi", False, False, 10**9)
+    assert kept is prof and len(caplog.records) == 1
+    assert caplog.records[0].getMessage() == (
+        "profile p.json (--no-measure) prices phi past its records: attention_projections: in 4096 > 2048 "
+        "profiled; attention_core: width 4096 > 2048 profiled; experts: hidden 4096 > 2048 profiled, ffn 6400 > "
+        "2048 profiled; lm_head: in 4096 > 2048 profiled; rest: hidden 4096 > 2048 profiled, in 4096 > 2048 profiled")
+    prof.measured_by = "published figures"  # a published profile is never measured into: said the same way
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        model_records.cover_model(prof, "pub", PHI, "phi", True, False, 10**9)
+    assert caplog.records[0].getMessage().startswith("profile pub (published figures) prices phi past its records")
+
+
+def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones(tmp_path, caplog, monkeypatch):
+    base = synthetic_records("cpu-exact") + dense_records(2048)
+    prof = host_profile(copy.deepcopy(base))
+    prof.path = str(tmp_path / "p.json")
+    save_profile(prof, prof.path)
+    timed = []
+
+    def fake_measure(shape, label, backends, quick, clock, progress):
+        timed.append((shape.hidden, label, backends, quick))
+        recs = [{"kind": "group", "backend": "cpu-exact", "capacities": [m], "hidden": shape.hidden,
+                 "ffn": shape.expert_ffn, "tokens": m, "model": label} for m in (1, 16, 256)]
+        for r in recs:
+            r["median_ms"] = float(BackendModel("t", **TRUE).analytic(*record_features(r, 4)))
+        return recs + dense_records(shape.hidden, label)
+
+    monkeypatch.setattr(model_records, "measure_model", fake_measure)
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        merged = model_records.cover_model(prof, "p.json", PHI, "phi", True, False, 10**9)
+    assert timed == [(4096, "phi", ["cpu-exact"], True)]
+    assert "measured 24 records at phi's shapes" in caplog.records[0].getMessage()
+    assert len(merged.records) == len(base) + 24 and merged.settings["models"]["phi"]["records"] == 24
+    assert merged.cost_model.ranges["cpu-exact"]["experts"]["hidden"] == [256, 4096]
+    assert model_records.shape_outside(merged.cost_model, PHI) == {}  # covered: a search measures nothing more
+    again = load_profile(prof.path)  # saved into the profile's own file, schema and all
+    assert len(again.records) == len(merged.records) and again.cost_model.ranges == merged.cost_model.ranges
+    twice, n, _ = model_records.add_model_records(again, PHI, "phi")
+    assert n == 24 and len(twice.records) == len(merged.records)  # the model's earlier records replaced
+    with pytest.raises(NpumoeError, match="published figures"):
+        again.measured_by = "published figures"
+        model_records.require_measurable(again, "p.json")
+    # profile-device --model adds to the profile at --out
+    monkeypatch.setattr(pipeline, "resolve_model", lambda m, d: type("R", (), {"shape": SMALL})())
+    out = pipeline.profile_device(model="small", out=prof.path, progress=False)
+    assert out.settings["models"].keys() == {"phi", "small"} and timed[-1][:2] == (1024, "small")
+
+
+def law(records: list[dict], extra) -> list[dict]:
+    """Times of a device whose cost is TRUE's analytic form times `extra(record)` (exact, no noise)."""
+    truth = BackendModel("t", **TRUE)
+    for r in records:
+        r["median_ms"] = float(truth.analytic(*record_features(r, 4))) * extra(r)
+    return records
+
+
+def test_the_error_past_the_fitting_range_is_small_where_the_form_holds_and_large_where_it_only_interpolates():
+    wide = [(4096, 2048)]  # a width past the others: the out-of-range test set
+    def shaped(shapes):
+        return [{"kind": "group", "backend": "cpu-exact", "capacities": [m], "hidden": h, "ffn": f}
+                for h, f in shapes for m in (1, 4, 16, 64, 256, 1024)]
+
+    same_law = law(shaped(SHAPES + wide), lambda r: 1.0)
+    held = heldout_errors(same_law)
+    assert held["out_of_range"]["split"]["cpu-exact"] == "hidden 4096 (fitted to hidden <= 2048)"
+    assert held["out_of_range"]["mape"]["cpu-exact"] < 0.02
+    # past 2048 the device slows by half (its weights leave a cache): the records below cannot know it
+    slower = law(shaped(SHAPES + wide), lambda r: 1.5 if r["hidden"] > 2048 else 1.0)
+    past = out_of_range_errors(record_groups(slower))["mape"]["cpu-exact"]
+    assert past == pytest.approx(1 / 3, rel=0.05)  # predicted 1.0 where 1.5 was measured
+    assert heldout_errors(slower)["mape"]["cpu-exact"] < past  # the k-fold figure sees the wide shape in training
+    one_width = law(shaped([(1024, 2048)]), lambda r: 1.0)
+    assert out_of_range_errors(record_groups(one_width))["mape"]["cpu-exact"] is None
+
+
+def test_a_profile_written_before_the_ranges_gets_them_from_its_records(tmp_path):
+    prof = host_profile(synthetic_records("cpu-exact"))
+    obj = prof.to_json()
+    del obj["cost_model"]["ranges"]
+    path = tmp_path / "old.json"
+    from runtime.fileio import atomic_write_json
+    atomic_write_json(path, obj)
+    assert load_profile(path).cost_model.ranges["cpu-exact"]["experts"]["hidden"] == [256, 2048]
+    assert np.isfinite(prof.heldout["out_of_range"]["mape"]["cpu-exact"])
