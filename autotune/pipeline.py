@@ -76,6 +76,7 @@ from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.compute_dtype import dtype_name
 from runtime.loading.model_loader import (
     TINY_MOE_DIR,
     context_length,
@@ -127,11 +128,12 @@ def describe_model(name: str, text: str = DEFAULT_CALIB_TEXT, *, max_tokens: int
 # --- profile --------------------------------------------------------------------------------------------------------
 def profile_device(backends: list[str] | None = None, *, quick: bool = False, threads: int = 1,
                    shapes: dict[str, tuple[int, int]] | None = None, clock: str = "auto",
-                   out: str | os.PathLike | None = None, progress: bool = True, model: str | None = None) -> Profile:
+                   out: str | os.PathLike | None = None, progress: bool = True, model: str | None = None,
+                   dtype: str = "auto") -> Profile:
     """Measure this host's backends, fit the cost model and save the profile to `out` (default: this host's cache,
     `host_profile_path()`); returns it with `path` set. With `model`: records at that model's own shapes
-    (`profiling.model_records`) added to the profile at `out` where one is there (measured on this host), else to
-    a new one measured first."""
+    (`profiling.model_records`), timed in the dtype it computes in (`dtype`, auto resolved here), added to the
+    profile at `out` where one is there (measured on this host), else to a new one measured first."""
     from autotune.profiling.device import profile_device as measure
     from autotune.profiling.settings import settings_for
 
@@ -146,7 +148,7 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
         profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     profile.path = str(out)
     if model is not None:
-        profile = measure_model_shapes(profile, model, quick, progress)[0]
+        profile = measure_model_shapes(profile, model, quick, progress, dtype)[0]
     save_profile(profile, out)
     return profile
 
@@ -158,7 +160,7 @@ def measure_model_shapes(profile: Profile, model: str, quick: bool = True, progr
     record = resolve_model(model, dtype)
     if record.shape is None:
         raise NpumoeError(f"{model}: its config gives no decoder shape to measure")
-    return add_model_records(profile, record.shape, model_label(model), quick, progress)
+    return add_model_records(profile, record.shape, model_label(model), quick, progress, record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------
@@ -213,10 +215,10 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             prof, profile_name = _profile(c.profile, progress)
         if record.shape is not None:  # the model's own shapes measured first where the profile lacks them
             prof = cover_model(prof, profile_name, record.shape, model_label(model), not c.no_measure, progress,
-                               record.size.layer_bytes)
+                               record.size.layer_bytes, record.compute_dtype)
         trs, traces_path = _traces(record, c.traces, progress)
         prompt = _prompt_tokens(record, trs, c.prompt_tokens)
-        cost, cache_state = prof.cost_model_for(record.size.layer_bytes)
+        cost, cache_state = prof.cost_model_for(record.size.layer_bytes, dtype_name(record.compute_dtype))
         n_layers = len(spec.moe_layers)
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
@@ -432,7 +434,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     profile = plan_profile(loaded.plan)
     predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(),
                               ModelSize.of(loaded.model).layer_bytes, n, prompt_tokens or n, routing,
-                              every_position=reference)
+                              every_position=reference, dtype=dtype_name(loaded.model.dtype))
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,

@@ -9,6 +9,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 from helpers import SHAPES, TRUE, synthetic_records
 
 from autotune import pipeline
@@ -104,7 +105,7 @@ def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones
     save_profile(prof, prof.path)
     timed = []
 
-    def fake_measure(shape, label, backends, quick, clock, progress):
+    def fake_measure(shape, label, backends, quick, clock, progress, dtype):
         timed.append((shape.hidden, label, backends, quick))
         recs = [{"kind": "group", "backend": "cpu-exact", "capacities": [m], "hidden": shape.hidden,
                  "ffn": shape.expert_ffn, "tokens": m, "model": label} for m in (1, 16, 256)]
@@ -128,7 +129,8 @@ def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones
         again.measured_by = "published figures"
         model_records.require_measurable(again, "p.json")
     # profile-device --model adds to the profile at --out
-    monkeypatch.setattr(pipeline, "resolve_model", lambda m, d: type("R", (), {"shape": SMALL})())
+    monkeypatch.setattr(pipeline, "resolve_model", lambda m, d: type("R", (), {"shape": SMALL,
+                                                                            "compute_dtype": torch.float32})())
     out = pipeline.profile_device(model="small", out=prof.path, progress=False)
     assert out.settings["models"].keys() == {"phi", "small"} and timed[-1][:2] == (1024, "small")
 

@@ -133,12 +133,32 @@ def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None 
     return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense, fit_ranges(records))
 
 
-def record_group(rec: dict) -> str:
+DTYPE = "float32"  # what a record without a `dtype` was timed in (profile-device's default shapes)
+
+
+def record_part(rec: dict) -> str:
     """Which part of the model a record measures: a backend, a backend's dense op (`cpu-exact-matmul`), or the
     host's packing / exact-path work (`host-pack`, `host-exact`)."""
     if rec["kind"] in RECORD_OP:
         return f"{rec['backend']}-{RECORD_OP[rec['kind']]}"
     return {"pack": "host-pack", "exact_host": "host-exact"}.get(rec["kind"], rec["backend"])
+
+
+def record_group(rec: dict) -> str:
+    """The part and the dtype its record was timed in: `cpu-exact`, or `cpu-exact@bfloat16` (its own fit)."""
+    dtype = rec.get("dtype", DTYPE)
+    return record_part(rec) + ("" if dtype == DTYPE else f"@{dtype}")
+
+
+def dtype_records(records: list[dict], dtype: str) -> list[dict]:
+    """What a fit in `dtype` learns from: the records timed in it, and the float32 ones of every part it has none
+    of (the backends' dispatch costs, a backend or op not timed in it)."""
+    own = [r for r in records if r.get("dtype", DTYPE) == dtype]
+    if dtype == DTYPE:
+        return own
+    parts = {record_part(r) for r in own}
+    return own + [r for r in records if r.get("dtype", DTYPE) == DTYPE
+                  and (r["kind"] == "call" or record_part(r) not in parts)]
 
 
 def predicted_ms(model: CostModel, rec: dict) -> float:

@@ -126,8 +126,9 @@ def qk_norm_call(shape: DenseShape, rows: int) -> Call:
 
 def dense_records(s: Settings, clock: str = "cpu", progress: bool = True,
                   shapes: dict[str, DenseShape] | None = None) -> list[dict]:
-    """Time every dense case on the CPU (the exact path's backend prices CPU work), fp32, on `clock`, at `shapes`
-    (default: the settings' `dense_shapes` of DENSE_SHAPES)."""
+    """Time every dense case on the CPU (the exact path's backend prices CPU work) in torch's default dtype (fp32
+    unless a model's records set it), on `clock`, at `shapes` (default: the settings' `dense_shapes` of
+    DENSE_SHAPES)."""
     cases = []
     for name, shape in (shapes or {n: DENSE_SHAPES[n] for n in s.dense_shapes or DENSE_SHAPES}).items():
         first = len(cases)
@@ -147,5 +148,5 @@ def dense_records(s: Settings, clock: str = "cpu", progress: bool = True,
     with torch.inference_mode():
         for rec, op in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
             timed = time_in_forward(op, s, clock=clock, caches=caches)
-            records.append({**rec, "backend": EXACT, "dtype_bytes": 4, **timed})
+            records.append({**rec, "backend": EXACT, "dtype_bytes": torch.get_default_dtype().itemsize, **timed})
     return records

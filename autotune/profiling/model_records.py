@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from autotune.profiling.settings import Settings, settings_for
 from autotune.profiling.timing import clock_for
 from runtime.backends import EXACT, registry
 from runtime.errors import NpumoeError
+from runtime.loading.compute_dtype import dtype_name
 
 log = logging.getLogger("npumoe")
 
@@ -55,40 +58,58 @@ def dense_shape(shape: DecoderShape) -> DenseShape:
                       min(shape.vocab, 32768), (1,), mlp, DENSE_ROWS)
 
 
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set for the block: the profiler's modules and inputs are made in it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def measure_model(shape: DecoderShape, label: str, backends: list[str], quick: bool = True, clock: str = "auto",
-                  progress: bool = True) -> list[dict]:
-    """Time the model's shapes on `backends` (the profile's); every record tagged `"model": label`."""
+                  progress: bool = True, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Time the model's shapes on `backends` (the profile's) in the dtype it computes in (a half-precision model's
+    CPU matmuls run another kernel: on an AMX host bf16 took 0.17-0.3x fp32's time); every record tagged
+    `"model": label`, and `"dtype"` where not float32 (`profile.DTYPE`)."""
     s = model_settings(shape, label, quick)
     records = []
-    if shape.num_experts:
-        tasks = [t for t in plan_tasks(backends, s) if t.kind != "call"]  # dispatch costs: the profile has them
-        records += run_tasks(tasks, s, None, progress, clock)
-    if EXACT in backends:
-        which = clock_for(True, torch.get_num_threads()) if clock == "auto" else clock
-        records += dense_records(s, which, progress, {label: dense_shape(shape)})
-    return [{**r, "model": label} for r in records]
+    with default_dtype(dtype):
+        if shape.num_experts:
+            tasks = [t for t in plan_tasks(backends, s) if t.kind != "call"]  # dispatch costs: the profile has them
+            records += run_tasks(tasks, s, None, progress, clock)
+        if EXACT in backends:
+            which = clock_for(True, torch.get_num_threads()) if clock == "auto" else clock
+            records += dense_records(s, which, progress, {label: dense_shape(shape)})
+    tag = {"model": label, **({} if dtype == torch.float32 else {"dtype": dtype_name(dtype)})}
+    return [{**r, **tag} for r in records]
 
 
 def add_model_records(profile: Profile, shape: DecoderShape, label: str, quick: bool = True,
-                      progress: bool = True) -> tuple[Profile, int, float]:
-    """The profile with the model's records added (the same model's earlier ones replaced) and refitted; with how
-    many records were timed and in how many seconds. Timed on the profile's threads and clock, on its backends."""
-    backends = [b for b in profile.settings.get("backends") or profile.cost_model.backends if registry.get(b)]
+                      progress: bool = True, dtype: torch.dtype = torch.float32) -> tuple[Profile, int, float]:
+    """The profile with the model's records in `dtype` added (the same model's earlier ones replaced) and refitted;
+    with how many records were timed and in how many seconds. Timed on the profile's threads and clock, on its
+    backends that run torch on the CPU (what the model's dtype changes)."""
+    backends = [b for b in profile.settings.get("backends") or profile.cost_model.backends
+                if registry.get(b) and (dtype == torch.float32 or registry.get(b).cpu_torch)]
     threads = int(profile.settings.get("threads") or 1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     try:
-        new = measure_model(shape, label, backends, quick, profile.settings.get("clock", "auto"), progress)
+        new = measure_model(shape, label, backends, quick, profile.settings.get("clock", "auto"), progress, dtype)
     finally:
         torch.set_num_threads(before)
     seconds = time.perf_counter() - t0
-    records = [r for r in profile.records if r.get("model") != label] + new
+    own = None if dtype == torch.float32 else dtype_name(dtype)
+    records = [r for r in profile.records if (r.get("model"), r.get("dtype")) != (label, own)] + new
     options = {b: {"dtype_bytes": m.dtype_bytes} for b, m in profile.cost_model.models.items()}
-    models = {**profile.settings.get("models", {}),
-              label: {"hidden": shape.hidden, "ffn": shape.expert_ffn, "heads": shape.heads,
-                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "records": len(new),
-                      "wall_s": round(seconds, 1), "quick": quick, "measured": utc_now()}}
+    about = {"dtype": dtype_name(dtype), "hidden": shape.hidden, "ffn": shape.expert_ffn, "heads": shape.heads,
+             "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "records": len(new), "wall_s": round(seconds, 1),
+             "quick": quick, "measured": utc_now()}
+    models = {**profile.settings.get("models", {}), label + (f"@{own}" if own else ""): about}
     merged = build_profile(records, profile.host, profile.measured_by, {**profile.settings, "models": models},
                            profile.energy, options)
     merged.created, merged.path, merged.extra = profile.created, profile.path, profile.extra
@@ -118,20 +139,24 @@ def shape_outside(cost: CostModel, shape: DecoderShape) -> dict[str, list[Reach]
 
 
 def cover_model(profile: Profile, name: str, shape: DecoderShape, label: str, measure: bool, progress: bool,
-                layer_bytes: int) -> Profile:
-    """The profile a search prices `label` on: where its shapes lie past the fits' ranges and the profile was
-    measured here, with its records added first, saved into the profile's file and said in one line (unless not
-    `measure`); else as it is, the parts it prices outside said in one line."""
-    outside = shape_outside(profile.cost_model_for(layer_bytes)[0], shape)
-    if not outside:
+                layer_bytes: int, dtype: torch.dtype = torch.float32) -> Profile:
+    """The profile a search prices `label` on: where its shapes lie past the fits' ranges, or the profile timed
+    nothing in the dtype it computes in, and the profile was measured here, with its records added first, saved
+    into the profile's file and said in one line (unless not `measure`); else as it is, the parts it prices outside
+    said in one line."""
+    outside = shape_outside(profile.cost_model_for(layer_bytes, dtype_name(dtype))[0], shape)
+    lacks = [describe_parts(outside)] if outside else []
+    if dtype != torch.float32 and dtype_name(dtype) not in profile.by_dtype:
+        lacks.append(f"no {dtype_name(dtype)} records (the model computes in it; priced from float32's)")
+    if not lacks:
         return profile
-    why = describe_parts(outside)
+    why = "; ".join(lacks)
     if not measure or profile.published or not profile.measured_here or not profile.path:
         whose = "published figures" if profile.published else "--no-measure" if not measure else \
             "measured on another host"
         log.warning(f"profile {name} ({whose}) prices {label} past its records: {why}")
         return profile
-    merged, n, seconds = add_model_records(profile, shape, label, quick=True, progress=progress)
+    merged, n, seconds = add_model_records(profile, shape, label, quick=True, progress=progress, dtype=dtype)
     save_profile(merged, profile.path)
     log.warning(f"measured {n} records at {label}'s shapes in {seconds:.0f} s into {profile.path} (profile {name} "
                 f"lacked them: {why}); --no-measure keeps the profile as it is")
