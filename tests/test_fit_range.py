@@ -15,7 +15,14 @@ from helpers import SHAPES, TRUE, synthetic_records
 from autotune import pipeline
 from autotune.costing.costmodel import BackendModel
 from autotune.costing.fit_range import describe_parts, fit_ranges, reach
-from autotune.costing.fitting import fit_cost_model, heldout_errors, out_of_range_errors, record_features, record_groups
+from autotune.costing.fitting import (
+    dtype_records,
+    fit_cost_model,
+    heldout_errors,
+    out_of_range_errors,
+    record_features,
+    record_groups,
+)
 from autotune.costing.whole_prefill import DecoderShape, priced_outside
 from autotune.profiling import model_records
 from autotune.profiling.profile import build_profile, host_facts, load_profile, save_profile
@@ -171,3 +178,32 @@ def test_a_profile_written_before_the_ranges_gets_them_from_its_records(tmp_path
     atomic_write_json(path, obj)
     assert load_profile(path).cost_model.ranges["cpu-exact"]["experts"]["hidden"] == [256, 2048]
     assert np.isfinite(prof.heldout["out_of_range"]["mape"]["cpu-exact"])
+
+
+def test_a_model_s_records_in_its_own_dtype_get_a_fit_of_their_own(tmp_path, caplog, monkeypatch):
+    base = synthetic_records("cpu-exact") + dense_records(2048)
+    bf16 = [{**r, "dtype": "bfloat16", "model": "phi", "median_ms": r["median_ms"] / 5}
+            for r in law([{"kind": "group", "backend": "cpu-exact", "capacities": [m], "hidden": 4096, "ffn": 6400}
+                          for m in (1, 16, 64, 256, 1024)], lambda r: 1.0)] + \
+        [{**r, "dtype": "bfloat16", "dtype_bytes": 2, "median_ms": r["median_ms"] / 5} for r in dense_records(4096)]
+    prof = host_profile(base + bf16)
+    assert set(prof.by_dtype) == {"bfloat16"} and prof.heldout["n"]["cpu-exact@bfloat16"] == 5
+    cost, why = prof.cost_model_for(10**9, "bfloat16")
+    assert why.endswith("bfloat16 records") and cost.ranges["cpu-exact"]["experts"]["hidden"] == [4096, 4096]
+    fp32 = prof.cost_model.backend_model("cpu-exact")
+    assert float(cost.ffn_ms("cpu-exact", 256, 4096, 6400)) == pytest.approx(
+        float(fp32.ffn_ms(256, 4096, 6400)) / 5, rel=0.1)  # a fifth of float32's law, as timed
+    learnt = dtype_records(prof.records, "bfloat16")  # its own, and float32's dispatch costs (no dense op lacks)
+    assert len(learnt) == len(bf16) + 1 and learnt[-1]["kind"] == "call"
+    assert prof.cost_model_for(10**9, "float16")[1].endswith("float32 records: the profile timed nothing in float16")
+    assert prof.cost_model.ranges["cpu-exact"]["experts"]["hidden"] == [256, 2048]  # float32's fit kept apart
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    again = load_profile(path)
+    assert again.by_dtype["bfloat16"][0].to_json() == cost.to_json()
+    # a search on a profile without the model's dtype measures it (here: says so, with --no-measure)
+    plain = host_profile(copy.deepcopy(base))
+    with caplog.at_level(logging.WARNING, logger="npumoe"):
+        model_records.cover_model(plain, "p", SMALL, "small", False, False, 10**9, torch.bfloat16)
+    assert caplog.records[-1].getMessage().endswith("no bfloat16 records (the model computes in it; priced from "
+                                                    "float32's)")
