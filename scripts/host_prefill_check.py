@@ -4,14 +4,16 @@ it plans on this host?
     python scripts/host_prefill_check.py [--shapes phi-3.5-moe,qwen3-30b-a3b,phi-tiny-moe] [--out DIR]
 
 For each shape: its one-layer shape twin (scripts/make_shape_twin.py, made where missing), on a fresh
-`autotune profile-device --quick --threads 1` with the twin's own shapes added (`--model`), `calibrate` at
-4,096-token prompts, `search --no-gate --json` (`predicted_prefill_ms`, `priced_outside`), then `run --json` on one
-thread over two 4,096-token prompts: the check is `predicted_prefill_ms` against `wall_ms_per_token` x 4096, and each
-part's `predicted_parts_ms` / `measured_parts_ms` (goal: the whole within 0.8-1.25x, every part over 10% of the run
-within 0.75-1.25x). A part that stays off is said with what the profile lacks there (the axes its price reaches past
-the records, or "in range" where the fit misses inside them). Prints a compact table and writes DIR/host_check.json
-(every command's JSON kept beside it). Read the figures against `host_speed.now_over_profile` (this host now over its
-profile's matmul records: 1.0 on a quiet machine).
+`autotune profile-device --quick --threads 1` with the twin's own shapes added (`--model`, in the dtype it computes
+in), `calibrate` at 4,096-token prompts, `search --no-gate --json` (`predicted_prefill_ms`, `priced_outside`), then
+`run --json --repeat 3` on one thread over two 4,096-token prompts (medians: the first prefill after loading also
+pages the weights in). The check: `predicted_prefill_ms` against `wall_ms_per_token` x 4096, and each part's
+`predicted_parts_ms` / `measured_parts_ms` (goal: the whole within 0.8-1.25x, every part over 10% of the run within
+0.75-1.25x). A part that stays off is said with what the profile lacks there (the axes its price reaches past the
+records, or "in range" where the fit misses inside them). The whole is also given on the CPU clock
+(`cpu_ms_per_token` x 4096: on a shared host the wall clock counts other processes' time). Prints a compact table
+and writes DIR/host_check.json (every command's JSON beside it). Read the figures against
+`host_speed.now_over_profile` (this host now over its profile's matmul records: about 1.0 on a quiet machine).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
                    str(prompt), "--repeat", str(repeat), "--json", *one, log=log)
     (out / f"{shape}.search.json").write_text(json.dumps(search))
     (out / f"{shape}.run.json").write_text(json.dumps(run))
-    measured_ms = run["wall_ms_per_token"] * prompt
+    measured_ms, cpu_ms = run["wall_ms_per_token"] * prompt, run["cpu_ms_per_token"] * prompt
     whole = search["predicted_prefill_ms"] / measured_ms
     measured, predicted = run["measured_parts_ms"], run["predicted_parts_ms"]
     total = sum(v for k, v in measured.items() if isinstance(v, (int, float)))
@@ -88,6 +90,7 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
                        **({"profile_lacks": lacks} if off else {})}
     return {"shape": shape, "model": str(model), "predicted_prefill_ms": search["predicted_prefill_ms"],
             "measured_prefill_ms": measured_ms, "ratio": round(whole, 3), "verdict": verdict(whole, WHOLE),
+            "measured_prefill_cpu_ms": cpu_ms, "ratio_cpu": round(search["predicted_prefill_ms"] / cpu_ms, 3),
             "parts": parts, "priced_outside": outside, "chunk_tokens": run["chunk_tokens"],
             "host_speed": run.get("host_speed"), "clock": measured.get("clock")}
 
@@ -100,7 +103,9 @@ def table(results: list[dict]) -> str:
         lines.append(f"{r['shape']:<15} {r['predicted_prefill_ms']:>13.0f} {r['measured_prefill_ms']:>12.0f} "
                      f"{r['ratio']:>6.2f} {r['verdict']:<3} {parts}")
         speed = (r.get("host_speed") or {}).get("now_over_profile")
-        lines.append(f"{'':<15} host_speed.now_over_profile {speed}, chunk {r['chunk_tokens']}")
+        lines.append(f"{'':<15} on the CPU clock: {r['measured_prefill_cpu_ms']:.0f} ms, ratio {r['ratio_cpu']:.2f} "
+                     f"(a shared host's wall clock counts other processes); host_speed.now_over_profile {speed}, "
+                     f"chunk {r['chunk_tokens']}")
         for p, v in r["parts"].items():
             if v["verdict"] == "OFF":
                 lines.append(f"{'':<15} {p} off: {v['profile_lacks']}")
@@ -116,7 +121,9 @@ def main() -> None:
                          "`profile-device --quick --threads 1` into DIR/profile.json)")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="auto", help="the runs' --dtype (default auto, as a user runs them)")
-    ap.add_argument("--repeat", type=int, default=1, help="run --repeat R: each part's median over R prefills")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="run --repeat R: the whole's and each part's median over R prefills (default 3: the first "
+                         "one after loading also pages the weights in)")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -126,9 +133,11 @@ def main() -> None:
     profile = args.profile or args.out / "profile.json"
     if args.profile is None:
         autotune("profile-device", "--quick", "--threads", "1", "--out", str(profile), "--no-progress", log=log)
-    for s in shapes:
-        autotune("profile-device", "--quick", "--threads", "1", "--model", str(models[s]), "--out", str(profile),
-                 "--no-progress", log=log)
+    for s in shapes:  # the twin's own shapes, in the dtype it computes in (kept where the profile has them)
+        measured = json.loads(profile.read_text()).get("settings", {}).get("models", {})
+        if not any(key.split("@")[0] == models[s].name for key in measured):
+            autotune("profile-device", "--quick", "--threads", "1", "--model", str(models[s]), "--out", str(profile),
+                     "--dtype", args.dtype, "--no-progress", log=log)
     results = [check(s, models[s], profile, args.out, args.prompt_tokens, args.dtype, args.repeat) for s in shapes]
     report = {"profile": str(profile), "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "threads": 1,
               "goal": {"whole": WHOLE, "part": PART, "part_share_over": SHARE}, "results": results,
