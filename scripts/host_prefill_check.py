@@ -65,8 +65,9 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
     log, stem = out / "commands.log", out / shape
     traces, plan = f"{stem}.traces.npz", f"{stem}.plan.json"
     one = ("--threads", "1", "--dtype", dtype)
-    autotune("calibrate", "--model", str(model), "--prompt-tokens", str(prompt), "--max-tokens", str(5 * prompt),
-             "--out", traces, *one, log=log)
+    if not Path(traces).exists():  # a rerun in the same folder keeps the routing it calibrated
+        autotune("calibrate", "--model", str(model), "--prompt-tokens", str(prompt), "--max-tokens",
+                 str(5 * prompt), "--out", traces, *one, log=log)
     search = autotune("search", "--model", str(model), "--profile", str(profile), "--traces", traces,
                       "--prompt-tokens", str(prompt), "--no-gate", "--json", "--out", plan, *one, log=log)
     run = autotune("run", "--model", str(model), "--plan", plan, "--max-tokens", str(2 * prompt), "--prompt-tokens",

@@ -188,6 +188,8 @@ def test_a_model_s_records_in_its_own_dtype_get_a_fit_of_their_own(tmp_path, cap
         [{**r, "dtype": "bfloat16", "dtype_bytes": 2, "median_ms": r["median_ms"] / 5} for r in dense_records(4096)]
     prof = host_profile(base + bf16)
     assert set(prof.by_dtype) == {"bfloat16"} and prof.heldout["n"]["cpu-exact@bfloat16"] == 5
+    # float32's fit prices them at 5x: what the profile says pricing them without their own records would miss by
+    assert prof.heldout["float32_fit"]["cpu-exact@bfloat16"] == pytest.approx(4.0, rel=0.05)
     cost, why = prof.cost_model_for(10**9, "bfloat16")
     assert why.endswith("bfloat16 records") and cost.ranges["cpu-exact"]["experts"]["hidden"] == [4096, 4096]
     fp32 = prof.cost_model.backend_model("cpu-exact")

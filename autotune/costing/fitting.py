@@ -257,4 +257,11 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
     return {"method": f"cross-validation per backend ({' / '.join(sorted(used_k)) or 'none'}): each record "
                       "predicted by a model fitted without it; MAPE = mean |predicted - measured| / measured",
             "mape": mape, "n": {k: len(v) for k, v in groups.items()},
-            "out_of_range": out_of_range_errors(groups, backend_options)}
+            "out_of_range": out_of_range_errors(groups, backend_options), "float32_fit": float32_fit_errors(groups)}
+
+
+def float32_fit_errors(groups: dict[str, list[dict]]) -> dict[str, float]:
+    """Per part timed in another dtype (`<part>@<dtype>`), the error of the float32 fit of that part on its records:
+    what pricing the model's dtype from float32's records would miss by."""
+    return {key: _mape(_heldout_preds(part, groups[part], rs, {}), rs) for key, rs in sorted(groups.items())
+            if "@" in key and (part := key.split("@")[0]) in groups and len(groups[part]) >= 2}

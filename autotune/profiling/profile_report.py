@@ -25,10 +25,13 @@ def summary(profile: Profile) -> dict:
             out["host_costs"][key] = {"heldout_mape": mape[key]}
     groups = record_groups(profile.records)
     past = profile.heldout.get("out_of_range") or out_of_range_errors(groups)  # older profiles: from the records
+    f32 = profile.heldout.get("float32_fit") or {}
     out["heldout_out_of_range_method"] = past["method"]
     out["heldout_by_part"] = {key: {"records": len(rs), "heldout_mape": mape.get(key),
                                     "heldout_out_of_range_mape": past["mape"].get(key),
-                                    "out_of_range_split": past["split"].get(key)} for key, rs in groups.items()}
+                                    "out_of_range_split": past["split"].get(key),
+                                    **({"float32_fit_mape": f32[key]} if key in f32 else {})}
+                               for key, rs in groups.items()}
     for name, b in out["backends"].items():
         b["heldout_out_of_range_mape"] = past["mape"].get(name)
     return out
