@@ -25,6 +25,8 @@ def record_kind(rec: dict) -> str | None:
         return None
     if rec["kind"] in RECORD_OP:
         return RECORD_OP[rec["kind"]]
+    if rec["kind"] == "matmul":  # a backend's (M, N, K) record (published figures): its matmul throughput
+        return "matmul"
     return "experts" if rec["kind"] in ("ffn", "group", "call") else None
 
 
@@ -44,16 +46,26 @@ def record_shape(rec: dict) -> dict[str, list[float]]:
 
 def fit_ranges(records: list[dict]) -> Ranges:
     """Per backend and kind, [lo, hi] of every axis over the records its fit learns from. Tiny dispatch-cost calls
-    (`call` records) price the fixed cost, not a shape: they are left out."""
+    (`call` records) price the fixed cost, not a shape: they are left out. A backend's (M, N, K) `matmul` records
+    (the published profile's) are what its experts' fit learns from too: their widths bound the experts' hidden and
+    FFN sizes."""
     out: Ranges = {}
+
+    def add(backend: str, kind: str, shape: dict[str, list[float]]) -> None:
+        axes = out.setdefault(backend, {}).setdefault(kind, {})
+        for axis, values in shape.items():
+            lo, hi = axes.get(axis, [min(values), max(values)])
+            axes[axis] = [min(lo, *values), max(hi, *values)]
+
     for rec in records:
         kind = record_kind(rec)
         if kind is None or rec["kind"] == "call":
             continue
-        axes = out.setdefault(rec["backend"], {}).setdefault(kind, {})
-        for axis, values in record_shape(rec).items():
-            lo, hi = axes.get(axis, [min(values), max(values)])
-            axes[axis] = [min(lo, *values), max(hi, *values)]
+        shape = record_shape(rec)
+        add(rec["backend"], kind, shape)
+        if rec["kind"] == "matmul":
+            widths = shape["out"] + shape["in"]
+            add(rec["backend"], "experts", {"rows": shape["rows"], "hidden": widths, "ffn": widths})
     return out
 
 
