@@ -34,7 +34,6 @@ from autotune.calibration.traces import (
 )
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
-from autotune.costing.fit_range import describe_parts
 from autotune.costing.memory import (
     ModelSize,
     against_measured,
@@ -45,7 +44,13 @@ from autotune.costing.whole_prefill import priced_outside
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
-from autotune.profiling.model_records import add_model_records, cover_model, model_label, require_measurable
+from autotune.profiling.model_records import (
+    add_model_records,
+    cover_model,
+    model_label,
+    outside_line,
+    require_measurable,
+)
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -294,8 +299,10 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
                                                                             whole["predicted_parts_ms"])
             outside = priced_outside(cost, record.shape, prompt, chunk_tokens, backend)
             report["priced_outside"] = {part: [r.to_json() for r in rs] for part, rs in outside.items()}
-            if outside:
-                log.warning(f"priced past profile {profile_name}'s records: {describe_parts(outside)}")
+            line = outside_line(prof, profile_name, model_label(model), outside, not c.no_measure,
+                                record.compute_dtype)
+            if line:
+                log.warning(line)
         report["robustness"] = robustness.to_json()
         report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",

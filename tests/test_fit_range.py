@@ -93,16 +93,17 @@ def test_the_search_s_one_line_names_the_parts_and_no_measure_keeps_the_profile(
     monkeypatch.setattr(model_records, "add_model_records", lambda *a, **k: pytest.fail("measured"))
     with caplog.at_level(logging.WARNING, logger="npumoe"):
         kept = model_records.cover_model(prof, "p.json", PHI, "phi", False, False, 10**9)
-    assert kept is prof and len(caplog.records) == 1
-    assert caplog.records[0].getMessage() == (
+    assert kept is prof and caplog.records == []  # --no-measure: the profile as it is, nothing timed
+    outside = priced_outside(prof.cost_model, PHI, 4096, 1024)
+    assert model_records.outside_line(prof, "p.json", "phi", outside, False) == (
         "profile p.json (--no-measure) prices phi past its records: attention_projections: in 4096 > 2048 "
         "profiled; attention_core: width 4096 > 2048 profiled; experts: hidden 4096 > 2048 profiled, ffn 6400 > "
         "2048 profiled; lm_head: in 4096 > 2048 profiled; rest: hidden 4096 > 2048 profiled, in 4096 > 2048 profiled")
+    assert model_records.outside_line(prof, "p.json", "phi", {}, False) is None
     prof.measured_by = "published figures"  # a published profile is never measured into: said the same way
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="npumoe"):
-        model_records.cover_model(prof, "pub", PHI, "phi", True, False, 10**9)
-    assert caplog.records[0].getMessage().startswith("profile pub (published figures) prices phi past its records")
+    assert model_records.cover_model(prof, "pub", PHI, "phi", True, False, 10**9) is prof
+    assert model_records.outside_line(prof, "pub", "phi", outside, True).startswith(
+        "profile pub (published figures) prices phi past its records: attention_projections")
 
 
 def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones(tmp_path, caplog, monkeypatch):
@@ -205,7 +206,11 @@ def test_a_model_s_records_in_its_own_dtype_get_a_fit_of_their_own(tmp_path, cap
     assert again.by_dtype["bfloat16"][0].to_json() == cost.to_json()
     # a search on a profile without the model's dtype measures it (here: says so, with --no-measure)
     plain = host_profile(copy.deepcopy(base))
+    assert model_records.outside_line(plain, "p", "small", {}, False, torch.bfloat16) == (
+        "profile p (--no-measure) prices small past its records: no bfloat16 records (the model computes in it; "
+        "priced from float32's)")
+    monkeypatch.setattr(model_records, "add_model_records", lambda *a, **k: (plain, 0, 0.0))
+    plain.path = str(tmp_path / "plain.json")
     with caplog.at_level(logging.WARNING, logger="npumoe"):
-        model_records.cover_model(plain, "p", SMALL, "small", False, False, 10**9, torch.bfloat16)
-    assert caplog.records[-1].getMessage().endswith("no bfloat16 records (the model computes in it; priced from "
-                                                    "float32's)")
+        model_records.cover_model(plain, "p", SMALL, "small", True, False, 10**9, torch.bfloat16)
+    assert caplog.records[-1].getMessage().startswith("measured 0 records at small's shapes")

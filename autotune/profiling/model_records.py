@@ -138,26 +138,39 @@ def shape_outside(cost: CostModel, shape: DecoderShape) -> dict[str, list[Reach]
     return {p: kept for p, rs in parts.items() if (kept := [r for r in rs if r.axis not in ("rows", "context")])}
 
 
+def dtype_lacking(profile: Profile, dtype: torch.dtype) -> str | None:
+    """What the profile lacks to price a model computing in `dtype` from its own records (None: nothing)."""
+    if dtype == torch.float32 or dtype_name(dtype) in profile.by_dtype:
+        return None
+    return f"no {dtype_name(dtype)} records (the model computes in it; priced from float32's)"
+
+
 def cover_model(profile: Profile, name: str, shape: DecoderShape, label: str, measure: bool, progress: bool,
                 layer_bytes: int, dtype: torch.dtype = torch.float32) -> Profile:
     """The profile a search prices `label` on: where its shapes lie past the fits' ranges, or the profile timed
-    nothing in the dtype it computes in, and the profile was measured here, with its records added first, saved
-    into the profile's file and said in one line (unless not `measure`); else as it is, the parts it prices outside
-    said in one line."""
+    nothing in the dtype it computes in, and the profile was measured here (and `measure`), with its records added
+    first, saved into the profile's file and said in one line; else as it is (`outside_line` says what it prices
+    past its records)."""
     outside = shape_outside(profile.cost_model_for(layer_bytes, dtype_name(dtype))[0], shape)
     lacks = [describe_parts(outside)] if outside else []
-    if dtype != torch.float32 and dtype_name(dtype) not in profile.by_dtype:
-        lacks.append(f"no {dtype_name(dtype)} records (the model computes in it; priced from float32's)")
-    if not lacks:
-        return profile
-    why = "; ".join(lacks)
-    if not measure or profile.published or not profile.measured_here or not profile.path:
-        whose = "published figures" if profile.published else "--no-measure" if not measure else \
-            "measured on another host"
-        log.warning(f"profile {name} ({whose}) prices {label} past its records: {why}")
+    lacks += [note] if (note := dtype_lacking(profile, dtype)) else []
+    if not lacks or not measure or profile.published or not profile.measured_here or not profile.path:
         return profile
     merged, n, seconds = add_model_records(profile, shape, label, quick=True, progress=progress, dtype=dtype)
     save_profile(merged, profile.path)
     log.warning(f"measured {n} records at {label}'s shapes in {seconds:.0f} s into {profile.path} (profile {name} "
-                f"lacked them: {why}); --no-measure keeps the profile as it is")
+                f"lacked them: {'; '.join(lacks)}); --no-measure keeps the profile as it is")
     return merged
+
+
+def outside_line(profile: Profile, name: str, label: str, outside: dict[str, list[Reach]], measure: bool,
+                 dtype: torch.dtype = torch.float32) -> str | None:
+    """The one line a search says of the parts it priced past the profile's records, and how far (None: none),
+    with why they were not measured: published figures, --no-measure, or another host's profile."""
+    lacks = [describe_parts(outside)] if outside else []
+    lacks += [note] if (note := dtype_lacking(profile, dtype)) else []
+    if not lacks:
+        return None
+    whose = "published figures" if profile.published else "--no-measure" if not measure else \
+        "measured here" if profile.measured_here else "measured on another host"
+    return f"profile {name} ({whose}) prices {label} past its records: {'; '.join(lacks)}"
