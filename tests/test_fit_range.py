@@ -133,6 +133,9 @@ def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones
     assert len(again.records) == len(merged.records) and again.cost_model.ranges == merged.cost_model.ranges
     twice, n, _ = model_records.add_model_records(again, PHI, "phi")
     assert n == 24 and len(twice.records) == len(merged.records)  # the model's earlier records replaced
+    again.host = {**again.host, "id": "another-host"}
+    with pytest.raises(NpumoeError, match="was measured on 'another-host', not this host"):
+        model_records.require_measurable(again, "p.json")
     with pytest.raises(NpumoeError, match="published figures"):
         again.measured_by = "published figures"
         model_records.require_measurable(again, "p.json")
