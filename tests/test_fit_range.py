@@ -14,6 +14,7 @@ from helpers import SHAPES, TRUE, synthetic_records
 
 from autotune import pipeline
 from autotune.costing.costmodel import BackendModel
+from autotune.costing.dense_prices import attention_work
 from autotune.costing.fit_range import describe_parts, fit_ranges, reach
 from autotune.costing.fitting import (
     dtype_records,
@@ -23,7 +24,7 @@ from autotune.costing.fitting import (
     record_features,
     record_groups,
 )
-from autotune.costing.whole_prefill import DecoderShape, priced_outside
+from autotune.costing.whole_prefill import DecoderShape, ExpertFigures, predict_prefill, priced_outside
 from autotune.profiling import model_records
 from autotune.profiling.profile import build_profile, host_facts, load_profile, save_profile
 from runtime.errors import NpumoeError
@@ -217,3 +218,26 @@ def test_a_model_s_records_in_its_own_dtype_get_a_fit_of_their_own(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="npumoe"):
         model_records.cover_model(plain, "p", SMALL, "small", True, False, 10**9, torch.bfloat16)
     assert caplog.records[-1].getMessage().startswith("measured 0 records at small's shapes")
+
+
+def test_a_window_shorter_than_the_context_prices_even_a_first_chunk_as_masked():
+    cost = fit_cost_model(synthetic_records("cpu-exact") + dense_records(2048))
+    tiny = DecoderShape.from_config({"model_type": "phimoe", "hidden_size": 2048, "num_attention_heads": 16,
+                                     "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 4096,
+                                     "num_hidden_layers": 1, "num_local_experts": 16, "intermediate_size": 448,
+                                     "sliding_window": 2047})
+    assert tiny.sliding_window == 2047
+    full = DecoderShape(**{**tiny.__dict__, "sliding_window": 0})
+    experts = ExpertFigures(0.0, 0.0, None)
+    core = {s.sliding_window: predict_prefill(cost, s, 4096, 4096, experts).parts_ms["attention_core"]
+            for s in (tiny, full)}
+    assert core[2047] > 1.3 * core[0]  # the whole block under a mask, not the causal half
+    masked, causal = (attention_work(4096, 4096, 16, 4, 128, 2, sdpa=True, masked=m) for m in (True, False))
+    assert masked[0] == 2 * causal[0] and masked[1] > causal[1]  # twice the FLOPs, k/v repeated and the mask
+    short = {s.sliding_window: predict_prefill(cost, s, 1024, 1024, experts).parts_ms["attention_core"]
+             for s in (tiny, full)}
+    assert short[2047] == short[0]  # a context inside the window: causal
+    off = DecoderShape.from_config({**{"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 16,
+                                       "vocab_size": 4096, "num_hidden_layers": 1, "intermediate_size": 448},
+                                    "sliding_window": 4096, "use_sliding_window": False})
+    assert off.sliding_window == 0

@@ -286,13 +286,16 @@ class CostModel:
                                                  at=features("matmul", m=m, n=n, k=k))
         return np.where(np.asarray(m) > 0, t, 0.0)
 
-    def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
-                     ) -> np.ndarray:
-        """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
+    def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int,
+                     masked: bool = False) -> np.ndarray:
+        """Compute time of the attention core over `context` keys for `rows` queries on `backend`; `masked`: a first
+        chunk that still gets a mask (a sliding window shorter than its context), so the CPU's sdpa computes the
+        whole block as a later chunk's."""
         # the exact path's backend prices the CPU's torch path (sdpa); a static one, its padded masked function
         work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
-                              sdpa=backend == EXACT)
-        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=context,
+                              sdpa=backend == EXACT, masked=masked)
+        before = np.asarray(context) + np.asarray(rows) if masked else context  # priced as a masked chunk's
+        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=before,
                                                                             width=heads * head_dim))
 
     def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:

@@ -49,6 +49,7 @@ class DecoderShape:
     dense_ffn: int = 0  # the MLP of the layers that are not MoE layers
     context: int = 0  # max_position_embeddings
     qk_norm: int = 0  # the length of the vectors the q/k norms normalise (runtime.dense.families); 0: none
+    sliding_window: int = 0  # the keys a query sees (config.json sliding_window); 0: all before it
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderShape":
@@ -64,7 +65,8 @@ class DecoderShape:
                    expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
                    dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)),
-                   qk_norm=qk_norm_length(cfg, heads))
+                   qk_norm=qk_norm_length(cfg, heads),
+                   sliding_window=int(cfg.get("use_sliding_window", True) and cfg.get("sliding_window") or 0))
 
     @property
     def qkv_width(self) -> int:
@@ -202,8 +204,9 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
         return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
     def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the CPU, the context's
-        if b == EXACT or not reads:
-            return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim))
+        if b == EXACT or not reads:  # a window shorter than the context masks even a first chunk
+            masked = b == EXACT and 0 < shape.sliding_window < context
+            return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim, masked))
         ms = cost.attention_ms(b, r // len(reads), np.asarray(reads), shape.heads, shape.kv_heads, shape.head_dim)
         return float(np.sum(ms))
 
