@@ -226,7 +226,8 @@ def test_a_window_shorter_than_the_context_prices_even_a_first_chunk_as_masked()
                                      "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 4096,
                                      "num_hidden_layers": 1, "num_local_experts": 16, "intermediate_size": 448,
                                      "sliding_window": 2047})
-    assert tiny.sliding_window == 2047
+    assert tiny.sliding_window == 2047 and tiny.norm == "layer"  # PhiMoE's layer norms: timed as such
+    assert model_records.dense_shape(tiny).norm == "layer"
     full = DecoderShape(**{**tiny.__dict__, "sliding_window": 0})
     experts = ExpertFigures(0.0, 0.0, None)
     core = {s.sliding_window: predict_prefill(cost, s, 4096, 4096, experts).parts_ms["attention_core"]

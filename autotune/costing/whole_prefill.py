@@ -50,6 +50,7 @@ class DecoderShape:
     context: int = 0  # max_position_embeddings
     qk_norm: int = 0  # the length of the vectors the q/k norms normalise (runtime.dense.families); 0: none
     sliding_window: int = 0  # the keys a query sees (config.json sliding_window); 0: all before it
+    norm: str = "rms"  # the input norms' kind (runtime.dense.families): "rms" or "layer"
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderShape":
@@ -65,7 +66,7 @@ class DecoderShape:
                    expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
                    dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)),
-                   qk_norm=qk_norm_length(cfg, heads),
+                   qk_norm=qk_norm_length(cfg, heads), norm=getattr(FAMILIES.get(cfg.get("model_type")), "norm", "rms"),
                    sliding_window=int(cfg.get("use_sliding_window", True) and cfg.get("sliding_window") or 0))
 
     @property

@@ -55,7 +55,7 @@ def dense_shape(shape: DecoderShape) -> DenseShape:
     its GEMV streams the weights, a capped width fits the same bandwidth term)."""
     mlp = max((shape.mlp_ffn(layer) for layer in range(shape.num_layers)), default=0)
     return DenseShape(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, max(1, shape.num_experts),
-                      min(shape.vocab, 32768), (1,), mlp, DENSE_ROWS)
+                      min(shape.vocab, 32768), (1,), mlp, DENSE_ROWS, shape.norm)
 
 
 @contextmanager
