@@ -242,3 +242,24 @@ def test_a_window_shorter_than_the_context_prices_even_a_first_chunk_as_masked()
                                        "vocab_size": 4096, "num_hidden_layers": 1, "intermediate_size": 448},
                                     "sliding_window": 4096, "use_sliding_window": False})
     assert off.sliding_window == 0
+
+
+def test_profile_device_model_adds_the_model_s_records_to_the_profile_at_out(tmp_path, monkeypatch, capsys):
+    from autotune.cli import main
+
+    prof = host_profile(synthetic_records("cpu-exact") + dense_records(2048))
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    seen = []
+
+    def fake_measure(shape, label, backends, quick, clock, progress, dtype):
+        seen.append((shape.hidden, shape.expert_ffn, label, dtype, quick))
+        return [{**r, "model": label, "dtype": "bfloat16"} for r in dense_records(shape.hidden)]
+
+    monkeypatch.setattr(model_records, "measure_model", fake_measure)
+    assert main(["profile-device", "--quick", "--model", "tiny-moe", "--dtype", "bfloat16", "--out", str(path),
+                 "--no-progress"]) == 0
+    assert seen == [(256, 256, "tiny-moe", torch.bfloat16, True)]
+    assert "21 records at tiny-moe's shapes in bfloat16" in capsys.readouterr().out
+    again = load_profile(path)
+    assert set(again.by_dtype) == {"bfloat16"} and again.settings["models"]["tiny-moe@bfloat16"]["records"] == 21
