@@ -263,3 +263,19 @@ def test_profile_device_model_adds_the_model_s_records_to_the_profile_at_out(tmp
     assert "21 records at tiny-moe's shapes in bfloat16" in capsys.readouterr().out
     again = load_profile(path)
     assert set(again.by_dtype) == {"bfloat16"} and again.settings["models"]["tiny-moe@bfloat16"]["records"] == 21
+
+
+def test_the_host_s_large_buffer_term_starts_at_32_mib_whatever_the_dtype():
+    from autotune.costing.costmodel import host_features
+
+    # 2,048 rows of 4,096: 32 MiB in float32 (mapped anew each chunk), 16 MiB in bf16 (served from the heap)
+    assert host_features(2048, 4096, 0, 4)[4] > 0 and host_features(2048, 4096, 0, 2)[4] == 0
+    assert host_features(4096, 4096, 0, 2)[4] == 4096 * 4096 / 1e3
+    bf16 = [{"kind": "exact_host", "backend": "host", "assignments": a, "hidden": 4096, "dtype": "bfloat16",
+             "median_ms": 0.5 + 1e-6 * a * 4096 * (4.0 if a * 4096 * 2 >= 32 * 2**20 else 1.0)}
+            for a in (256, 512, 1024, 2048, 4096, 8192)]
+    cost = fit_cost_model(bf16 + synthetic_records("cpu-exact"))
+    assert cost.host.dtype_bytes == 2 and type(cost.host).from_json(cost.host.to_json()) == cost.host
+    for r in bf16:  # the law, learnt on bytes: exact on both sides of the threshold
+        assert float(cost.exact_path_ms(0.0, r["assignments"], 4096)) == pytest.approx(
+            r["median_ms"] + cost.call_ms("cpu-exact"), rel=0.02)

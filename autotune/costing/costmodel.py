@@ -126,17 +126,20 @@ class BackendModel:
 HOST_TERMS = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms", "per_slot_kelem_ms",
               "per_assignment_kelem_large_ms", "per_slot_kelem_large_ms")
 # glibc serves allocations of 32 MiB and more by mmap every time (its dynamic threshold stops there), so buffers that
-# large pay page faults on each chunk: a separate, steeper per-element cost.
-LARGE_ELEMENTS = 32 * 2**20 // 4
+# large pay page faults on each chunk: a separate, steeper per-element cost. The threshold is in bytes: a bf16 buffer
+# reaches it at twice the elements of a float32 one (counted in elements at fp32's 4 bytes, a bf16 fit's large term
+# learnt from buffers glibc never mapped, and priced Phi-tiny's 8,192 x 4,096 gather at half its time).
+LARGE_BYTES = 32 * 2**20
 
 
-def host_features(assignments: Any, hidden: Any, slots: Any = 0) -> np.ndarray:
-    """[..., 6]: 1, A, A x H / 1000, S x H / 1000, and the last two again for buffers of LARGE_ELEMENTS or more
-    (gather/scatter per assignment; zeroing and copying padded slots)."""
+def host_features(assignments: Any, hidden: Any, slots: Any = 0, dtype_bytes: int = 4) -> np.ndarray:
+    """[..., 6]: 1, A, A x H / 1000, S x H / 1000, and the last two again for buffers of LARGE_BYTES or more in
+    `dtype_bytes` elements (gather/scatter per assignment; zeroing and copying padded slots)."""
     a, h, s = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (assignments, hidden, slots)))
     ah, sh = a * h, s * h
-    return np.stack([np.ones_like(a), a, ah / 1e3, sh / 1e3, np.where(ah >= LARGE_ELEMENTS, ah, 0.0) / 1e3,
-                     np.where(sh >= LARGE_ELEMENTS, sh, 0.0) / 1e3], axis=-1)
+    large = LARGE_BYTES / dtype_bytes
+    return np.stack([np.ones_like(a), a, ah / 1e3, sh / 1e3, np.where(ah >= large, ah, 0.0) / 1e3,
+                     np.where(sh >= large, sh, 0.0) / 1e3], axis=-1)
 
 
 @dataclass
@@ -148,17 +151,20 @@ class HostCosts:
     """
     pack: tuple[float, ...] | None = None
     exact: tuple[float, ...] | None = None
+    dtype_bytes: int = 4  # the element size of the rows the records moved (a bf16 model's: 2)
 
     @staticmethod
-    def evaluate(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0) -> np.ndarray:
+    def evaluate(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0,
+                 dtype_bytes: int = 4) -> np.ndarray:
         a = np.asarray(assignments, dtype=np.float64)
         if coef is None:
             return np.zeros_like(a)
-        return np.where(a > 0, host_features(a, hidden, slots) @ np.asarray(coef), 0.0)
+        return np.where(a > 0, host_features(a, hidden, slots, dtype_bytes) @ np.asarray(coef), 0.0)
 
     def to_json(self) -> dict:
-        return {k: (dict(zip(HOST_TERMS, v)) if v is not None else None) for k, v in
-                (("pack", self.pack), ("exact", self.exact))}
+        out = {k: (dict(zip(HOST_TERMS, v)) if v is not None else None) for k, v in
+               (("pack", self.pack), ("exact", self.exact))}
+        return out if self.dtype_bytes == 4 else {**out, "dtype_bytes": self.dtype_bytes}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "HostCosts":
@@ -167,7 +173,7 @@ class HostCosts:
         def get(d: dict | None) -> tuple | None:
             return None if not d else tuple(float(d.get(k, 0.0)) for k in HOST_TERMS)
 
-        return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")))
+        return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")), dtype_bytes=int(obj.get("dtype_bytes", 4)))
 
 
 @dataclass
@@ -251,8 +257,8 @@ class CostModel:
         """The exact path of a chunk whose experts' FFNs take `ffn_ms` over `assignments` rows: one call and the
         host's gather/scatter on top (nothing when no assignment takes it)."""
         a = np.asarray(assignments, dtype=np.float64)
-        return np.where(a > 0, np.asarray(ffn_ms) + self.call_ms(EXACT), 0.0) + HostCosts.evaluate(self.host.exact,
-                                                                                                    a, hidden)
+        host = HostCosts.evaluate(self.host.exact, a, hidden, 0, self.host.dtype_bytes)
+        return np.where(a > 0, np.asarray(ffn_ms) + self.call_ms(EXACT), 0.0) + host
 
     def static_ms(self, backend: str, ffn_ms: Any, calls: Any) -> np.ndarray:
         """Static calls on `backend` whose experts' slices take `ffn_ms` (every slot computed, padding too)."""
@@ -262,7 +268,8 @@ class CostModel:
         """Host-side pack/unpack of one chunk's static groups: routing bookkeeping, gathering `assignments` rows
         into `slots` padded rows (the groups' summed capacities) and the weighted combine. `hidden` defaults to
         the profile's middle measured hidden size."""
-        t = HostCosts.evaluate(self.host.pack, assignments, hidden or self.default_hidden, slots)
+        t = HostCosts.evaluate(self.host.pack, assignments, hidden or self.default_hidden, slots,
+                               self.host.dtype_bytes)
         return float(t) if np.ndim(t) == 0 else t
 
     def power_w(self, backend: str) -> float | None:

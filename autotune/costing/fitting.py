@@ -98,11 +98,16 @@ def _overlaps_cpu(name: str) -> bool:
     return info is not None and info.overlaps_cpu
 
 
+def record_bytes(rec: dict) -> int:
+    """The element size of the dtype a record was timed in."""
+    return DTYPE_BYTES[rec.get("dtype", DTYPE)]
+
+
 def fit_host(records: list[dict]) -> tuple[float, ...] | None:
     """Host cost coefficients (HOST_TERMS) from pack/exact_host records."""
     if not records:
         return None
-    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0)) for r in records])
+    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0), record_bytes(r)) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
     used = [i for i in range(A.shape[1]) if A[:, i].any()]
     coef = np.zeros(A.shape[1])
@@ -111,7 +116,7 @@ def fit_host(records: list[dict]) -> tuple[float, ...] | None:
 
 
 def _host_predict(coef: tuple[float, ...], rec: dict) -> float:
-    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
+    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0), record_bytes(rec)))
 
 
 def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:
@@ -127,13 +132,16 @@ def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None 
     models = {b: fit_backend(b, rs, **backend_options.get(b, {})) for b, rs in sorted(by_backend.items())}
     dense = {b: fits for b, rs in sorted(dense_by_backend.items()) if b in models
              and (fits := fit_dense(rs))}
-    host = HostCosts(pack=fit_host([r for r in records if r["kind"] == "pack"]),
-                     exact=fit_host([r for r in records if r["kind"] == "exact_host"]))
+    hosts = [r for r in records if r["kind"] in ("pack", "exact_host")]
+    host = HostCosts(pack=fit_host([r for r in hosts if r["kind"] == "pack"]),
+                     exact=fit_host([r for r in hosts if r["kind"] == "exact_host"]),
+                     dtype_bytes=record_bytes(hosts[0]) if hosts else 4)
     hiddens = sorted({int(r["hidden"]) for r in records if "hidden" in r})
     return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense, fit_ranges(records))
 
 
 DTYPE = "float32"  # what a record without a `dtype` was timed in (profile-device's default shapes)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a record's `dtype` may be
 
 
 def record_part(rec: dict) -> str:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from autotune.costing.costmodel import CostModel
 from autotune.costing.fit_range import fit_ranges
-from autotune.costing.fitting import DTYPE, dtype_records, fit_cost_model, heldout_errors
+from autotune.costing.fitting import DTYPE, DTYPE_BYTES, dtype_records, fit_cost_model, heldout_errors
 from runtime.backends import registry
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
@@ -34,7 +34,6 @@ KIND, VERSION = "profile", 1
 # A wheel installs the top-level profiles/ as autotune/profiles/ (pyproject package-dir); a checkout has it on top.
 SHIPPED_PROFILES = next((d for d in (Path(__file__).resolve().parents[i] / "profiles" for i in (1, 2)) if d.is_dir()),
                         Path(__file__).resolve().parents[2] / "profiles")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a record's `dtype` may be
 RECORD_KINDS = ("ffn", "group", "call", "matmul", "pack", "exact_host", "dense_matmul", "attention", "elementwise")
 
 
