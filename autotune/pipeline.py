@@ -40,9 +40,17 @@ from autotune.costing.memory import (
     predict_memory,
     simulated_functions,
 )
+from autotune.costing.whole_prefill import priced_outside
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
+from autotune.profiling.model_records import (
+    add_model_records,
+    cover_model,
+    model_label,
+    outside_line,
+    require_measurable,
+)
 from autotune.profiling.profile import (
     Profile,
     ProfileHostWarning,
@@ -81,6 +89,7 @@ from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.compute_dtype import dtype_name
 from runtime.loading.model_loader import (
     TINY_MOE_DIR,
     context_length,
@@ -132,20 +141,39 @@ def describe_model(name: str, text: str = DEFAULT_CALIB_TEXT, *, max_tokens: int
 # --- profile --------------------------------------------------------------------------------------------------------
 def profile_device(backends: list[str] | None = None, *, quick: bool = False, threads: int = 1,
                    shapes: dict[str, tuple[int, int]] | None = None, clock: str = "auto",
-                   out: str | os.PathLike | None = None, progress: bool = True) -> Profile:
+                   out: str | os.PathLike | None = None, progress: bool = True, model: str | None = None,
+                   dtype: str = "auto") -> Profile:
     """Measure this host's backends, fit the cost model and save the profile to `out` (default: this host's cache,
-    `host_profile_path()`); returns it with `path` set."""
+    `host_profile_path()`); returns it with `path` set. With `model`: records at that model's own shapes
+    (`profiling.model_records`), timed in the dtype it computes in (`dtype`, auto resolved here), added to the
+    profile at `out` where one is there (measured on this host), else to a new one measured first."""
     from autotune.profiling.device import profile_device as measure
     from autotune.profiling.settings import settings_for
 
-    s = settings_for(quick)
-    if shapes:
-        s = dataclasses.replace(s, shapes=shapes)
-    profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     out = out or host_profile_path()
-    save_profile(profile, out)
+    if model is not None and Path(out).exists():
+        profile = load_profile(out, check_host=False)
+        require_measurable(profile, str(out))
+    else:
+        s = settings_for(quick)
+        if shapes:
+            s = dataclasses.replace(s, shapes=shapes)
+        profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     profile.path = str(out)
+    if model is not None:
+        profile = measure_model_shapes(profile, model, quick, progress, dtype)[0]
+    save_profile(profile, out)
     return profile
+
+
+def measure_model_shapes(profile: Profile, model: str, quick: bool = True, progress: bool = True,
+                         dtype: str = "auto") -> tuple[Profile, int, float]:
+    """`profile` with records at `model`'s own shapes added and refitted (`model_records.add_model_records`);
+    with the records' count and the seconds they took."""
+    record = resolve_model(model, dtype)
+    if record.shape is None:
+        raise NpumoeError(f"{model}: its config gives no decoder shape to measure")
+    return add_model_records(profile, record.shape, model_label(model), quick, progress, record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------
@@ -199,9 +227,12 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ProfileHostWarning)
             prof, profile_name = _profile(c.profile, progress)
+        if record.shape is not None:  # the model's own shapes measured first where the profile lacks them
+            prof = cover_model(prof, profile_name, record.shape, model_label(model), not c.no_measure, progress,
+                               record.size.layer_bytes, record.compute_dtype)
         trs, traces_path = _traces(record, c.traces, progress)
         prompt = _prompt_tokens(record, trs, c.prompt_tokens)
-        cost, cache_state = prof.cost_model_for(record.size.layer_bytes)
+        cost, cache_state = prof.cost_model_for(record.size.layer_bytes, dtype_name(record.compute_dtype))
         n_layers = len(spec.moe_layers)
         chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
             [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
@@ -279,6 +310,12 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
             report["whole_prefill"] = whole = whole_prefill(outcome, scorer, record.shape, prompt)
             report["predicted_prefill_ms"], report["predicted_parts_ms"] = (whole["predicted_prefill_ms"],
                                                                             whole["predicted_parts_ms"])
+            outside = priced_outside(cost, record.shape, prompt, chunk_tokens, backend)
+            report["priced_outside"] = {part: [r.to_json() for r in rs] for part, rs in outside.items()}
+            line = outside_line(prof, profile_name, model_label(model), outside, not c.no_measure,
+                                record.compute_dtype)
+            if line:
+                log.warning(line)
         report["robustness"] = robustness.to_json()
         report["gate"] = gated
         predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
@@ -421,7 +458,7 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     profile = plan_profile(loaded.plan)
     predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(),
                               ModelSize.of(loaded.model).layer_bytes, n, prompt_tokens or n, routing,
-                              every_position=reference)
+                              every_position=reference, dtype=dtype_name(loaded.model.dtype))
     traces = None
     if record_traces:
         traces = record_run_traces(loaded.model, ids, chunk, prompt_tokens or n, text, record_traces,

@@ -150,6 +150,9 @@ class SearchReport:
     predicted_parts_ms: dict[str, float] | None = None
     whole_prefill: dict | None = None
     cpu_weights: dict | None = None  # how the CPU holds the experts, and why (searching/cpu_choice.py)
+    # per part of the prefill, the axes its prices reach past the profile's records (`costing.fit_range.Reach`)
+    priced_outside: dict | None = None
 
     def to_json(self) -> dict:
-        return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill"))
+        return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill",
+                                         "priced_outside"))

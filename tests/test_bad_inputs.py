@@ -366,7 +366,8 @@ def test_show_profile_plot_makes_a_missing_folder(tmp_path, monkeypatch, capsys)
 
 
 def test_search_on_a_published_profile_says_so_once_and_leaves_no_lock(bad, tmp_path, monkeypatch, capsys, caplog):
-    """One note names the published figures (no host warning), and the SQLite study's lock goes with the search."""
+    """One note names the published figures (no host warning), one line the parts priced past its records, and the
+    SQLite study's lock goes with the search."""
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "study.db"
     argv = [*P, "--traces", bad["traces"], "--storage", f"sqlite:///{db}", "--out", "plan.json", "--json"]
@@ -374,7 +375,8 @@ def test_search_on_a_published_profile_says_so_once_and_leaves_no_lock(bad, tmp_
         warnings.simplefilter("error", ProfileHostWarning)
         assert run_cli(argv) == 0
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # the CLI's stderr lines
-    assert len(said) == 1 and "note: profile apple-m2-ultra-published holds published figures" in said[0], said
+    assert len(said) == 2 and "note: profile apple-m2-ultra-published holds published figures" in said[0], said
+    assert said[1].startswith("profile apple-m2-ultra-published (published figures) prices ") and "experts: " in said[1]
     assert capsys.readouterr().err == ""
     assert {p.name for p in tmp_path.iterdir()} == {"study.db", "plan.json", "plan.report.json", "plan.map.png",
                                                     "plan.tradeoff.png"}  # the whole prefill's latency/energy chart

@@ -6,6 +6,8 @@ import time
 
 from autotune import pipeline
 from autotune.commands.argtypes import backend_list, output_file, positive_int, require_output, shape_list
+from autotune.commands.common import add_dtype_argument
+from autotune.profiling.model_records import model_label
 from autotune.profiling.profile import host_profile_path
 from autotune.profiling.profile_report import print_summary
 from autotune.profiling.settings import CLOCKS, parse_shapes
@@ -24,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", type=shape_list, default=None, metavar="LIST",
                    help="comma-separated model sizes to measure, by name (tiny-moe, bench-layer, qwen3-30b-a3b) or as "
                         "HIDDENxFFN (default: all three named sizes)")
+    p.add_argument("--model", default=None, metavar="M",
+                   help="also time the model's own shapes (a name, a folder or an MLX folder, as `search` takes): its "
+                        "experts' hidden x FFN at the rows a plan gives an expert, its projections, router, attention "
+                        "core at its heads and a prompt's contexts, lm_head; added to the profile at --out where one "
+                        "is (measured here; the same model's earlier records replaced), else to a new one measured "
+                        "first")
+    add_dtype_argument(p)
     p.add_argument("--clock", choices=CLOCKS, default="auto",
                    help="what a record's median times: auto = this process's CPU time for one-thread CPU work "
                         "(other processes on a shared host don't count), wall clock otherwise")
@@ -37,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     profile = pipeline.profile_device(args.backends, quick=args.quick, threads=args.threads,
                                       shapes=parse_shapes(args.shapes) if args.shapes else None, clock=args.clock,
-                                      out=out, progress=not args.no_progress)
+                                      out=out, progress=not args.no_progress, model=args.model, dtype=args.dtype)
     print_summary(profile)
+    added = [m for key, m in profile.settings.get("models", {}).items()
+             if args.model and key.split("@")[0] == model_label(args.model)]
+    for m in added:
+        print(f"{m['records']} records at {args.model}'s shapes in {m['dtype']} ({m['wall_s']:.0f} s)")
     print(f"wrote {out} ({len(profile.records)} records, {time.perf_counter() - t0:.0f} s, "
           f"{profile.settings['threads']} thread(s))")
     return 0

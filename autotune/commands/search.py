@@ -85,6 +85,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-dense", action="store_true", default=DEFAULTS.no_dense,
                    help="tune the experts alone: every dense op (attention, projections, shared expert, dense MLP) "
                         "stays on the CPU (default: the search places them too, on the ANE where that pays)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="keep the profile as it is: without it, a search on a profile measured on this host that "
+                        "lacks the model's own shapes times them first (`profile-device --model`, a minute or a few "
+                        "with --quick's settings) and saves them into it; either way, the parts priced past the "
+                        "profile's records are named")
     p.add_argument("--no-gate", action="store_true",
                    help="skip the fidelity gate: write the search's pick from config and routers alone, unmeasured")
     p.add_argument("--gate-candidates", type=positive_int, default=d.gate_candidates, metavar="K",

@@ -30,6 +30,7 @@ from autotune.costing.dense_prices import (
 )
 from autotune.costing.dense_prices import matmul_work as dense_matmul_work
 from autotune.costing.evaluator import LayerWork, Totals
+from autotune.costing.fit_range import Ranges
 from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
@@ -125,17 +126,20 @@ class BackendModel:
 HOST_TERMS = ("fixed_ms", "per_assignment_ms", "per_assignment_kelem_ms", "per_slot_kelem_ms",
               "per_assignment_kelem_large_ms", "per_slot_kelem_large_ms")
 # glibc serves allocations of 32 MiB and more by mmap every time (its dynamic threshold stops there), so buffers that
-# large pay page faults on each chunk: a separate, steeper per-element cost.
-LARGE_ELEMENTS = 32 * 2**20 // 4
+# large pay page faults on each chunk: a separate, steeper per-element cost. The threshold is in bytes: a bf16 buffer
+# reaches it at twice the elements of a float32 one (counted in elements at fp32's 4 bytes, a bf16 fit's large term
+# learnt from buffers glibc never mapped, and priced Phi-tiny's 8,192 x 4,096 gather at half its time).
+LARGE_BYTES = 32 * 2**20
 
 
-def host_features(assignments: Any, hidden: Any, slots: Any = 0) -> np.ndarray:
-    """[..., 6]: 1, A, A x H / 1000, S x H / 1000, and the last two again for buffers of LARGE_ELEMENTS or more
-    (gather/scatter per assignment; zeroing and copying padded slots)."""
+def host_features(assignments: Any, hidden: Any, slots: Any = 0, dtype_bytes: int = 4) -> np.ndarray:
+    """[..., 6]: 1, A, A x H / 1000, S x H / 1000, and the last two again for buffers of LARGE_BYTES or more in
+    `dtype_bytes` elements (gather/scatter per assignment; zeroing and copying padded slots)."""
     a, h, s = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (assignments, hidden, slots)))
     ah, sh = a * h, s * h
-    return np.stack([np.ones_like(a), a, ah / 1e3, sh / 1e3, np.where(ah >= LARGE_ELEMENTS, ah, 0.0) / 1e3,
-                     np.where(sh >= LARGE_ELEMENTS, sh, 0.0) / 1e3], axis=-1)
+    large = LARGE_BYTES / dtype_bytes
+    return np.stack([np.ones_like(a), a, ah / 1e3, sh / 1e3, np.where(ah >= large, ah, 0.0) / 1e3,
+                     np.where(sh >= large, sh, 0.0) / 1e3], axis=-1)
 
 
 @dataclass
@@ -147,17 +151,20 @@ class HostCosts:
     """
     pack: tuple[float, ...] | None = None
     exact: tuple[float, ...] | None = None
+    dtype_bytes: int = 4  # the element size of the rows the records moved (a bf16 model's: 2)
 
     @staticmethod
-    def evaluate(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0) -> np.ndarray:
+    def evaluate(coef: tuple[float, ...] | None, assignments: Any, hidden: int, slots: Any = 0,
+                 dtype_bytes: int = 4) -> np.ndarray:
         a = np.asarray(assignments, dtype=np.float64)
         if coef is None:
             return np.zeros_like(a)
-        return np.where(a > 0, host_features(a, hidden, slots) @ np.asarray(coef), 0.0)
+        return np.where(a > 0, host_features(a, hidden, slots, dtype_bytes) @ np.asarray(coef), 0.0)
 
     def to_json(self) -> dict:
-        return {k: (dict(zip(HOST_TERMS, v)) if v is not None else None) for k, v in
-                (("pack", self.pack), ("exact", self.exact))}
+        out = {k: (dict(zip(HOST_TERMS, v)) if v is not None else None) for k, v in
+               (("pack", self.pack), ("exact", self.exact))}
+        return out if self.dtype_bytes == 4 else {**out, "dtype_bytes": self.dtype_bytes}
 
     @classmethod
     def from_json(cls, obj: dict | None) -> "HostCosts":
@@ -166,7 +173,7 @@ class HostCosts:
         def get(d: dict | None) -> tuple | None:
             return None if not d else tuple(float(d.get(k, 0.0)) for k in HOST_TERMS)
 
-        return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")))
+        return cls(pack=get(obj.get("pack")), exact=get(obj.get("exact")), dtype_bytes=int(obj.get("dtype_bytes", 4)))
 
 
 @dataclass
@@ -186,6 +193,7 @@ class CostModel:
     default_hidden: int = 1024  # used by pack_ms when the caller gives no hidden size
     dense: dict[str, dict[str, DenseFit]] = field(default_factory=dict)  # measured dense-op fits, by backend and op
     bus_ms_per_mb: float | None = None  # the memory bus the lanes share (ms per MB); None: not known, no floor
+    ranges: Ranges = field(default_factory=dict)  # each fit's shape range (`fit_range`): where it interpolates
     _lut: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -293,7 +301,7 @@ class CostModel:
             acc = paths.setdefault(path, [0.0, 0.0, 0.0])
             acc[0], acc[1], acc[2] = acc[0] + np.asarray(ms, dtype=np.float64), acc[1] + np.asarray(n), acc[2] + mb
         n_all = sum(acc[1] for acc in paths.values())
-        cpu = HostCosts.evaluate(self.host.exact, n_all, hidden)
+        cpu = HostCosts.evaluate(self.host.exact, n_all, hidden, 0, self.host.dtype_bytes)
         off, bytes_mb = np.zeros_like(cpu), np.zeros_like(cpu)
         cpu_w = self.power_w(EXACT) if EXACT in self.models else None
         off_mj: Any = 0.0
@@ -320,7 +328,8 @@ class CostModel:
         """Host-side pack/unpack of one chunk's static groups: routing bookkeeping, gathering `assignments` rows
         into `slots` padded rows (the groups' summed capacities) and the weighted combine. `hidden` defaults to
         the profile's middle measured hidden size."""
-        t = HostCosts.evaluate(self.host.pack, assignments, hidden or self.default_hidden, slots)
+        t = HostCosts.evaluate(self.host.pack, assignments, hidden or self.default_hidden, slots,
+                               self.host.dtype_bytes)
         return float(t) if np.ndim(t) == 0 else t
 
     def power_w(self, backend: str) -> float | None:
@@ -344,13 +353,16 @@ class CostModel:
                                                  at=features("matmul", m=m, n=n, k=k))
         return np.where(np.asarray(m) > 0, t, 0.0)
 
-    def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int
-                     ) -> np.ndarray:
-        """Compute time of the attention core over `context` keys for `rows` queries on `backend`."""
+    def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int,
+                     masked: bool = False) -> np.ndarray:
+        """Compute time of the attention core over `context` keys for `rows` queries on `backend`; `masked`: a first
+        chunk that still gets a mask (a sliding window shorter than its context), so the CPU's sdpa computes the
+        whole block as a later chunk's."""
         # an exact path prices its sdpa (causal, no padding); a static one, its padded masked function
         work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
-                              sdpa=self.is_exact(backend))
-        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=context,
+                              sdpa=self.is_exact(backend), masked=masked)
+        before = np.asarray(context) + np.asarray(rows) if masked else context  # priced as a masked chunk's
+        return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=before,
                                                                             width=heads * head_dim))
 
     def elementwise_ms(self, backend: str, rows: Any, hidden: int) -> np.ndarray:
@@ -460,7 +472,7 @@ class CostModel:
                 "host": self.host.to_json(), "default_hidden": self.default_hidden,
                 **({"bus_ms_per_mb": self.bus_ms_per_mb} if self.bus_ms_per_mb else {}),
                 **({"dense": {b: {op: f.to_json() for op, f in fits.items()} for b, fits in self.dense.items()}}
-                   if self.dense else {})}
+                   if self.dense else {}), **({"ranges": self.ranges} if self.ranges else {})}
 
     @classmethod
     def from_json(cls, obj: dict) -> "CostModel":
@@ -468,4 +480,4 @@ class CostModel:
                    HostCosts.from_json(obj.get("host")), int(obj.get("default_hidden", 1024)),
                    {b: {op: DenseFit.from_json(f) for op, f in fits.items()}
                     for b, fits in (obj.get("dense") or {}).items()},
-                   None if obj.get("bus_ms_per_mb") is None else float(obj["bus_ms_per_mb"]))
+                   None if obj.get("bus_ms_per_mb") is None else float(obj["bus_ms_per_mb"]), obj.get("ranges") or {})

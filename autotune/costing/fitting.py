@@ -16,6 +16,7 @@ from autotune.costing.costmodel import (
     matmul_work,
 )
 from autotune.costing.dense_prices import RECORD_OP, fit_dense, record_ms
+from autotune.costing.fit_range import fit_ranges, record_kind, record_shape
 from runtime.backends import registry
 
 
@@ -100,11 +101,16 @@ def _overlaps_cpu(name: str) -> bool:
     return info is not None and info.overlaps_cpu
 
 
+def record_bytes(rec: dict) -> int:
+    """The element size of the dtype a record was timed in."""
+    return DTYPE_BYTES[rec.get("dtype", DTYPE)]
+
+
 def fit_host(records: list[dict]) -> tuple[float, ...] | None:
     """Host cost coefficients (HOST_TERMS) from pack/exact_host records."""
     if not records:
         return None
-    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0)) for r in records])
+    A = np.stack([host_features(r["assignments"], r["hidden"], r.get("slots", 0), record_bytes(r)) for r in records])
     t = np.array([r["median_ms"] for r in records], dtype=np.float64)
     used = [i for i in range(A.shape[1]) if A[:, i].any()]
     coef = np.zeros(A.shape[1])
@@ -113,7 +119,7 @@ def fit_host(records: list[dict]) -> tuple[float, ...] | None:
 
 
 def _host_predict(coef: tuple[float, ...], rec: dict) -> float:
-    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0)))
+    return float(HostCosts.evaluate(coef, rec["assignments"], rec["hidden"], rec.get("slots", 0), record_bytes(rec)))
 
 
 def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None = None) -> CostModel:
@@ -129,18 +135,41 @@ def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None 
     models = {b: fit_backend(b, rs, **backend_options.get(b, {})) for b, rs in sorted(by_backend.items())}
     dense = {b: fits for b, rs in sorted(dense_by_backend.items()) if b in models
              and (fits := fit_dense(rs))}
-    host = HostCosts(pack=fit_host([r for r in records if r["kind"] == "pack"]),
-                     exact=fit_host([r for r in records if r["kind"] == "exact_host"]))
+    hosts = [r for r in records if r["kind"] in ("pack", "exact_host")]
+    host = HostCosts(pack=fit_host([r for r in hosts if r["kind"] == "pack"]),
+                     exact=fit_host([r for r in hosts if r["kind"] == "exact_host"]),
+                     dtype_bytes=record_bytes(hosts[0]) if hosts else 4)
     hiddens = sorted({int(r["hidden"]) for r in records if "hidden" in r})
-    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense)
+    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense, fit_ranges(records))
 
 
-def record_group(rec: dict) -> str:
+DTYPE = "float32"  # what a record without a `dtype` was timed in (profile-device's default shapes)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # what a record's `dtype` may be
+
+
+def record_part(rec: dict) -> str:
     """Which part of the model a record measures: a backend, a backend's dense op (`cpu-exact-matmul`), or the
     host's packing / exact-path work (`host-pack`, `host-exact`)."""
     if rec["kind"] in RECORD_OP:
         return f"{rec['backend']}-{RECORD_OP[rec['kind']]}"
     return {"pack": "host-pack", "exact_host": "host-exact"}.get(rec["kind"], rec["backend"])
+
+
+def record_group(rec: dict) -> str:
+    """The part and the dtype its record was timed in: `cpu-exact`, or `cpu-exact@bfloat16` (its own fit)."""
+    dtype = rec.get("dtype", DTYPE)
+    return record_part(rec) + ("" if dtype == DTYPE else f"@{dtype}")
+
+
+def dtype_records(records: list[dict], dtype: str) -> list[dict]:
+    """What a fit in `dtype` learns from: the records timed in it, and the float32 ones of every part it has none
+    of (the backends' dispatch costs, a backend or op not timed in it)."""
+    own = [r for r in records if r.get("dtype", DTYPE) == dtype]
+    if dtype == DTYPE:
+        return own
+    parts = {record_part(r) for r in own}
+    return own + [r for r in records if r.get("dtype", DTYPE) == DTYPE
+                  and (r["kind"] == "call" or record_part(r) not in parts)]
 
 
 def predicted_ms(model: CostModel, rec: dict) -> float:
@@ -151,21 +180,76 @@ def predicted_ms(model: CostModel, rec: dict) -> float:
     return predict_record(backend, rec) if backend else float("nan")
 
 
+def record_groups(records: list[dict]) -> dict[str, list[dict]]:
+    """The records each part of the model is fitted to (`record_group`), excluded ones left out."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if not r.get("excluded"):
+            groups.setdefault(record_group(r), []).append(r)
+    return groups
+
+
+def _heldout_preds(key: str, train: list[dict], test: list[dict], backend_options: dict[str, dict]) -> list[float]:
+    """Predictions for `test` by the part `key`'s model fitted to `train` alone."""
+    if key.startswith("host-"):
+        coef = fit_host(train)
+        return [_host_predict(coef, r) for r in test]
+    if test[0]["kind"] in RECORD_OP:
+        fit = fit_dense(train).get(RECORD_OP[test[0]["kind"]])
+        return [record_ms(fit, r) if fit else float("nan") for r in test]
+    model = fit_backend(key, train, **backend_options.get(key, {}))
+    return [predict_record(model, r) for r in test]
+
+
+def _mape(preds: list[float], test: list[dict]) -> float:
+    return float(np.mean([abs(p - r["median_ms"]) / r["median_ms"] for p, r in zip(preds, test)]))
+
+
+def width_axis(rec: dict) -> tuple[str, float]:
+    """The shape axis a part's out-of-range error splits on, and the record's value: a model's width (the experts'
+    and elementwise work's hidden, a matmul's input width, the attention core's heads x head_dim)."""
+    if rec["kind"] in ("pack", "exact_host"):
+        return "hidden", float(rec["hidden"])
+    kind = record_kind(rec)
+    axis = {"experts": "hidden", "matmul": "in", "attention": "width", "elementwise": "hidden"}[kind]
+    return axis, max(record_shape(rec)[axis])
+
+
+def out_of_range_errors(groups: dict[str, list[dict]], backend_options: dict[str, dict] | None = None) -> dict:
+    """Each part's error past its fitting range: fitted to the records below the largest width its records hold
+    (`width_axis`), tested on those at it (a form that only interpolates shows it here, not in the k-fold figure).
+    None for a part whose records hold one width, or too few below it to fit."""
+    backend_options = backend_options or {}
+    mape: dict[str, float | None] = {}
+    split: dict[str, str] = {}
+    for key, rs in sorted(groups.items()):
+        rs = [r for r in rs if r["kind"] != "call"]
+        widths = [width_axis(r) for r in rs]
+        top = max((w for _, w in widths), default=0.0)
+        train = [r for r, (_, w) in zip(rs, widths) if w < top]
+        test = [r for r, (_, w) in zip(rs, widths) if w == top]
+        if len(train) < 2 or not test:
+            mape[key] = None
+            continue
+        below = max(w for r, (_, w) in zip(rs, widths) if w < top)
+        split[key] = f"{widths[0][0]} {top:g} (fitted to {widths[0][0]} <= {below:g})"
+        mape[key] = _mape(_heldout_preds(key, train, test, backend_options), test)
+    return {"method": "each part fitted to its records below the largest width it holds (experts and elementwise: "
+                      "hidden; matmul: input width; attention: heads x head_dim), tested on those at it; MAPE = mean "
+                      "|predicted - measured| / measured", "mape": mape, "split": split}
+
+
 def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None = None, folds: int = 5,
                    seed: int = 0) -> dict:
-    """Mean absolute percentage error of each part of the model on records it was not fitted to (k-fold).
+    """Mean absolute percentage error of each part of the model on records it was not fitted to (k-fold), and past
+    its fitting range (`out_of_range_errors`: `out_of_range`).
 
-    Returns {"method", "mape": {name: MAPE or None}, "n": {name: records}}; per record the held-out prediction is
-    written into the record as `heldout_pred_ms`."""
+    Returns {"method", "mape": {name: MAPE or None}, "n": {name: records}, "out_of_range"}; per record the k-fold
+    held-out prediction is written into the record as `heldout_pred_ms`."""
     from sklearn.model_selection import KFold
 
     backend_options = backend_options or {}
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        if r.get("excluded"):
-            continue
-        key = record_group(r)
-        groups.setdefault(key, []).append(r)
+    groups = record_groups(records)
     mape: dict[str, float | None] = {}
     used_k: set[str] = set()
     for key, rs in sorted(groups.items()):
@@ -176,20 +260,19 @@ def heldout_errors(records: list[dict], backend_options: dict[str, dict] | None 
             continue
         errs = []
         for train, test in KFold(k, shuffle=True, random_state=seed).split(rs):
-            tr = [rs[i] for i in train]
-            if key.startswith("host-"):
-                coef = fit_host(tr)
-                preds = [_host_predict(coef, rs[i]) for i in test]
-            elif rs[0]["kind"] in RECORD_OP:
-                fit = fit_dense(tr).get(RECORD_OP[rs[0]["kind"]])
-                preds = [record_ms(fit, rs[i]) if fit else float("nan") for i in test]
-            else:
-                model = fit_backend(key, tr, **backend_options.get(key, {}))
-                preds = [predict_record(model, rs[i]) for i in test]
+            preds = _heldout_preds(key, [rs[i] for i in train], [rs[i] for i in test], backend_options)
             for i, p in zip(test, preds):
                 rs[i]["heldout_pred_ms"] = round(p, 6)
                 errs.append(abs(p - rs[i]["median_ms"]) / rs[i]["median_ms"])
         mape[key] = float(np.mean(errs))
     return {"method": f"cross-validation per backend ({' / '.join(sorted(used_k)) or 'none'}): each record "
                       "predicted by a model fitted without it; MAPE = mean |predicted - measured| / measured",
-            "mape": mape, "n": {k: len(v) for k, v in groups.items()}}
+            "mape": mape, "n": {k: len(v) for k, v in groups.items()},
+            "out_of_range": out_of_range_errors(groups, backend_options), "float32_fit": float32_fit_errors(groups)}
+
+
+def float32_fit_errors(groups: dict[str, list[dict]]) -> dict[str, float]:
+    """Per part timed in another dtype (`<part>@<dtype>`), the error of the float32 fit of that part on its records:
+    what pricing the model's dtype from float32's records would miss by."""
+    return {key: _mape(_heldout_preds(part, groups[part], rs, {}), rs) for key, rs in sorted(groups.items())
+            if "@" in key and (part := key.split("@")[0]) in groups and len(groups[part]) >= 2}

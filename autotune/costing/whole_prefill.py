@@ -24,6 +24,7 @@ import numpy as np
 
 from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
+from autotune.costing.fit_range import Reach, merge_reaches, reach
 from runtime.backends import EXACT
 from runtime.dense.families import FAMILIES
 from runtime.plan import static_reads
@@ -50,6 +51,8 @@ class DecoderShape:
     dense_ffn: int = 0  # the MLP of the layers that are not MoE layers
     context: int = 0  # max_position_embeddings
     qk_norm: int = 0  # the length of the vectors the q/k norms normalise (runtime.dense.families); 0: none
+    sliding_window: int = 0  # the keys a query sees (config.json sliding_window); 0: all before it
+    norm: str = "rms"  # the input norms' kind (runtime.dense.families): "rms" or "layer"
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderShape":
@@ -65,7 +68,8 @@ class DecoderShape:
                    expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
                    dense_ffn=int(cfg.get("intermediate_size") or 0), context=int(cfg.get("max_position_embeddings", 0)),
-                   qk_norm=qk_norm_length(cfg, heads))
+                   qk_norm=qk_norm_length(cfg, heads), norm=getattr(FAMILIES.get(cfg.get("model_type")), "norm", "rms"),
+                   sliding_window=int(cfg.get("use_sliding_window", True) and cfg.get("sliding_window") or 0))
 
     @property
     def qkv_width(self) -> int:
@@ -204,8 +208,9 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
         return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
     def attention_ms(b: str, r: int) -> float:  # each static call reads its bucket's keys; the host, the context's
-        if cost.is_exact(b) or not reads:
-            return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim))
+        if cost.is_exact(b) or not reads:  # a window shorter than the context masks even a first chunk
+            masked = cost.is_exact(b) and 0 < shape.sliding_window < context
+            return float(cost.attention_ms(b, r, context, shape.heads, shape.kv_heads, shape.head_dim, masked))
         ms = cost.attention_ms(b, r // len(reads), np.asarray(reads), shape.heads, shape.kv_heads, shape.head_dim)
         return float(np.sum(ms))
 
@@ -276,3 +281,28 @@ def placement_of(dense: Any) -> DensePlacement:
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
                           tuple(dense.attention_context_buckets), split, dense.attention_block, host)
+
+
+def priced_outside(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
+                   static_backend: str | None = None) -> dict[str, list[Reach]]:
+    """The parts of a prefill whose ops this cost model prices past its fits' ranges (`fit_range`), each with the
+    axes it reaches past and how far: the experts at the rows an expert's call gets on average in a chunk, on the
+    exact path's backend and the static one; the dense ops on the CPU at a full chunk's rows and the prompt's
+    context."""
+    rows, q, kv = chunk_tokens, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    name = lambda b: cost.backend_model(b).name  # noqa: E731
+    matmul = lambda m, n, k: reach(cost.ranges, name(EXACT), "matmul", rows=m, out=n, **{"in": k})  # noqa: E731
+    load = max(1.0, chunk_tokens * shape.top_k / max(1, shape.num_experts))
+    experts = [r for b in {EXACT, static_backend or EXACT}
+               for r in reach(cost.ranges, name(b), "experts", rows=load, hidden=shape.hidden, ffn=shape.expert_ffn)]
+    parts = {"attention_projections": [*matmul(rows, q, shape.hidden), *matmul(rows, kv, shape.hidden),
+                                       *matmul(rows, shape.hidden, q)],
+             "attention_core": reach(cost.ranges, name(EXACT), "attention", rows=rows, context=prompt_tokens,
+                                     width=q),
+             "experts": experts if shape.moe_layers else [],
+             "dense_mlp": [r for f in {shape.mlp_ffn(layer) for layer in range(shape.num_layers)} if f
+                           for r in (*matmul(rows, 2 * f, shape.hidden), *matmul(rows, shape.hidden, f))],
+             "lm_head": matmul(1, shape.vocab, shape.hidden),
+             "rest": [*reach(cost.ranges, name(EXACT), "elementwise", rows=rows, hidden=shape.hidden),
+                      *(matmul(rows, shape.num_experts, shape.hidden) if shape.moe_layers else [])]}
+    return {part: merge_reaches(rs) for part, rs in parts.items() if rs}

@@ -105,17 +105,19 @@ def plan_profile(plan: Plan) -> Profile | None:
 
 
 def predict_parts(plan: Plan, profile: Profile | None, config: dict, layer_bytes: int, tokens: int,
-                  prompt_tokens: int, routing: Routing | None = None, every_position: bool = False) -> dict | None:
+                  prompt_tokens: int, routing: Routing | None = None, every_position: bool = False,
+                  dtype: str = "float32") -> dict | None:
     """The whole-prefill prediction of a run of `tokens` tokens in prompts of `prompt_tokens` (logits for each
     chunk's last position, as a prefill computes them, or with `every_position` for every one), on the profile the
     plan was searched for (`plan_profile`), in the cache state of a model of `layer_bytes` per layer (`Profile.
-    cost_model_for`); the experts priced from the run's `routing` (`recorded_routing`), or without it at the plan's
-    own predicted figure per chunk. None without that profile or where the plan carries no prediction."""
+    cost_model_for`) computing in `dtype`; the experts priced from the run's `routing` (`recorded_routing`), or
+    without it at the plan's own predicted figure per chunk. None without that profile or where the plan carries no
+    prediction."""
     per_chunk = (plan.predicted or {}).get("predicted_latency_ms")
     if profile is None or per_chunk is None:
         return None
     name = plan.meta["profile"]
-    cost, cache_state = profile.cost_model_for(layer_bytes)
+    cost, cache_state = profile.cost_model_for(layer_bytes, dtype)
     shape = DecoderShape.from_config(config)
     routed = routed_experts(cost, plan, shape, routing) if routing else None
     parts: dict[str, float] = {}

@@ -44,7 +44,7 @@ class ForwardCaches:
     """Puts the caches in a forward's state ahead of a timed run."""
 
     def __init__(self, nbytes: int = EVICT_BYTES) -> None:
-        self.buffer = torch.empty(nbytes // 4)
+        self.buffer = torch.empty(nbytes // 4, dtype=torch.float32)  # whatever the default dtype
 
     def before(self, call: Call) -> Callable[[], None]:
         """What to run ahead of each of `call`'s timed runs."""

@@ -31,6 +31,9 @@ class DenseShape:
     experts: int
     vocab: int
     lm_head_rows: tuple[int, ...] = (1, 256, 1024)
+    mlp_ffn: int = 0  # a shared expert's or dense layers' MLP (its two matmuls timed at each row count); 0: none
+    rows: tuple[int, ...] = (1, 64, 256, 1024)  # chunk rows the projections and the router are timed at
+    norm: str = "rms"  # the family's input norms (runtime.dense.families): "rms" or "layer" (a fused kernel)
 
 
 # tiny-moe's (runtime/assets/tiny-moe/config.json) and Qwen3-30B-A3B's (scripts/make_shape_twin.py); lm_head's
@@ -39,7 +42,6 @@ class DenseShape:
 # Qwen's 1024 are the fresh buffers (`dense_prices.fresh_mb`) the fit learns their page faults from.
 DENSE_SHAPES = {"tiny-moe": DenseShape(256, 4, 2, 64, 16, 4096, (1, 256, 1024, 2048)),
                 "qwen3-30b-a3b": DenseShape(2048, 32, 4, 128, 128, 32768)}
-ROWS = (1, 64, 256, 1024)  # chunk rows (1: a decode step)
 ELEMENTWISE_ROWS = (64, 256, 1024, 4096)  # 4096 rows of Qwen's hidden: 32 MiB buffers
 # (rows, context): a first chunk (rows == context: sdpa's causal kernel) up to a whole 4096-token prompt in one chunk,
 # and later chunks (masked) at the contexts of a 4096-token prompt
@@ -50,11 +52,13 @@ ATTENTION_POINTS_QUICK = ((256, 256), (1024, 1024), (2048, 2048), (4096, 4096), 
 
 
 def matmul_cases(shape: DenseShape) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the projections (q, k/v, fused q/k/v, o), the router at each of ROWS, and lm_head at one row and
-    at a chunk's rows (a run that scores every position): 256 and 1024."""
+    """(m, n, k) of the projections (q, k/v, fused q/k/v, o), the router and the MLP (where the shape has one) at each
+    of the shape's rows, and lm_head at its rows (one, and a chunk's: a run that scores every position)."""
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    out = [(m, n, k) for m in ROWS for n, k in ((q, shape.hidden), (kv, shape.hidden), (q + 2 * kv, shape.hidden),
-                                                (shape.hidden, q), (shape.experts, shape.hidden))]
+    mlp = ((2 * shape.mlp_ffn, shape.hidden), (shape.hidden, shape.mlp_ffn)) if shape.mlp_ffn else ()
+    out = [(m, n, k) for m in shape.rows for n, k in ((q, shape.hidden), (kv, shape.hidden),
+                                                      (q + 2 * kv, shape.hidden), (shape.hidden, q),
+                                                      (shape.experts, shape.hidden), *mlp)]
     return out + [(m, shape.vocab, shape.hidden) for m in shape.lm_head_rows]
 
 
@@ -94,12 +98,15 @@ def attention_call(shape: DenseShape, rows: int, context: int) -> Call:
 
 
 def _elementwise(shape: DenseShape, rows: int) -> Call:
-    """One layer's elementwise work outside the attention block: two RMS norms and two residual adds (rope is
-    timed with the attention core, where a run's parts count it)."""
+    """One layer's elementwise work outside the attention block: two norms of the family's kind (RMS, in torch's
+    ops as the families write it; layer norm, torch's fused kernel: 0.43x the RMS pair's time at 4,096 x 4,096 in
+    bf16) and two residual adds (rope is timed with the attention core, where a run's parts count it)."""
     x, r = torch.randn(rows, shape.hidden), torch.randn(rows, shape.hidden)
-    w = torch.ones(shape.hidden)
+    w, b = torch.ones(shape.hidden), torch.zeros(shape.hidden)
 
     def norm(t):
+        if shape.norm == "layer":
+            return F.layer_norm(t, (shape.hidden,), w, b)
         return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
     def run():
@@ -121,23 +128,30 @@ def qk_norm_call(shape: DenseShape, rows: int) -> Call:
     return Call(run, (q, k))
 
 
-def dense_records(s: Settings, clock: str = "cpu", progress: bool = True) -> list[dict]:
-    """Time every dense case on the CPU (the exact path's backend prices CPU work), fp32, on `clock`."""
+def dense_records(s: Settings, clock: str = "cpu", progress: bool = True,
+                  shapes: dict[str, DenseShape] | None = None) -> list[dict]:
+    """Time every dense case on the CPU (the exact path's backend prices CPU work) in torch's default dtype (fp32
+    unless a model's records set it), on `clock`, at `shapes` (default: the settings' `dense_shapes` of
+    DENSE_SHAPES)."""
     cases = []
-    for shape in (DENSE_SHAPES[name] for name in s.dense_shapes or DENSE_SHAPES):
+    for name, shape in (shapes or {n: DENSE_SHAPES[n] for n in s.dense_shapes or DENSE_SHAPES}).items():
+        first = len(cases)
         cases += [({"kind": "dense_matmul", "m": m, "n": n, "k": k}, matmul_call(m, n, k))
                   for m, n, k in matmul_cases(shape)]
         points = ATTENTION_POINTS_QUICK if s.quick else ATTENTION_POINTS
         cases += [({"kind": "attention", "rows": r, "context": c, "heads": shape.heads, "kv_heads": shape.kv_heads,
                     "head_dim": shape.head_dim}, attention_call(shape, r, c)) for r, c in points]
-        cases += [({"kind": "elementwise", "rows": r, "hidden": shape.hidden}, _elementwise(shape, r))
+        cases += [({"kind": "elementwise", "rows": r, "hidden": shape.hidden,
+                    **({"norm": shape.norm} if shape.norm != "rms" else {})}, _elementwise(shape, r))
                   for r in ELEMENTWISE_ROWS]
         width = (shape.heads + shape.kv_heads) * shape.head_dim
         cases += [({"kind": "elementwise", "rows": r, "hidden": width, "length": shape.head_dim},
                    qk_norm_call(shape, r)) for r in ELEMENTWISE_ROWS]
+        for rec, _ in cases[first:]:
+            rec["shape"] = name
     records, caches = [], ForwardCaches()
     with torch.inference_mode():
         for rec, op in tqdm(cases, desc="profile-device dense", unit="rec", disable=not progress):
             timed = time_in_forward(op, s, clock=clock, caches=caches)
-            records.append({**rec, "backend": EXACT, "dtype_bytes": 4, **timed})
+            records.append({**rec, "backend": EXACT, "dtype_bytes": torch.get_default_dtype().itemsize, **timed})
     return records

@@ -23,7 +23,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from autotune.costing.costmodel import CostModel
-from autotune.costing.fitting import fit_cost_model, heldout_errors
+from autotune.costing.fit_range import fit_ranges
+from autotune.costing.fitting import DTYPE, DTYPE_BYTES, dtype_records, fit_cost_model, heldout_errors
+from runtime.backends import registry
 from runtime.errors import FileFormatError
 from runtime.fileio import atomic_write_json, cache_root, check_schema, read_versioned_json, validation_error
 
@@ -87,6 +89,11 @@ class _CostModel(_Loose):
     host: dict[str, Any] | None = None
 
 
+class _DtypeModels(_Loose):
+    cost_model: _CostModel
+    cost_model_in_cache: _CostModel | None = None
+
+
 class _Heldout(_Loose):
     method: StrictStr
     mape: dict[str, float | None]
@@ -99,6 +106,7 @@ class _Profile(_Loose):
     records: list[_Record]
     cost_model: _CostModel
     cost_model_in_cache: _CostModel | None = None
+    cost_model_by_dtype: dict[Literal[tuple(DTYPE_BYTES)], _DtypeModels] | None = None
     heldout: _Heldout
 
 
@@ -205,16 +213,23 @@ class Profile:
     extra: dict = field(default_factory=dict)
     # fitted to the records' back-to-back figures (`warm_median_ms`); None where the profile has none
     cost_model_in_cache: CostModel | None = None
+    # per dtype other than float32 that records were timed in (a model's own, `profile-device --model`): its
+    # (cost model, in-cache one), fitted to those records and the float32 ones of the parts they lack
+    by_dtype: dict[str, tuple[CostModel, CostModel | None]] = field(default_factory=dict)
 
-    def cost_model_for(self, layer_bytes: int) -> tuple[CostModel, str]:
-        """The cost model for a model of `layer_bytes` of weights per decoder layer (`ModelSize.layer_bytes`), and
-        the cache state it prices: the in-cache one where a layer's weights take at most half the host's last-level
-        cache (the rest holds its activations), else the evicted one (`profiling/cache_state.py`)."""
+    def cost_model_for(self, layer_bytes: int, dtype: str = DTYPE) -> tuple[CostModel, str]:
+        """The cost model for a model of `layer_bytes` of weights per decoder layer (`ModelSize.layer_bytes`)
+        computing in `dtype`, and what it prices: the fit of that dtype's records where the profile has some (else
+        float32's); the in-cache one where a layer's weights take at most half the host's last-level cache (the rest
+        holds its activations), else the evicted one (`profiling/cache_state.py`)."""
+        model, in_cache = self.by_dtype.get(dtype, (self.cost_model, self.cost_model_in_cache))
+        timed = f"{dtype} records" if dtype == DTYPE or dtype in self.by_dtype else \
+            f"float32 records: the profile timed nothing in {dtype}"
         llc = self.host.get("last_level_cache_bytes")
-        if self.cost_model_in_cache is not None and llc and layer_bytes <= llc // 2:
-            return self.cost_model_in_cache, (f"in cache: a layer's {layer_bytes / 2**20:.0f} MiB of weights fit "
-                                              f"half of the host's {llc / 2**20:.0f} MiB last-level cache")
-        return self.cost_model, "evicted caches, as a forward leaves them to a model whose layers do not fit"
+        if in_cache is not None and llc and layer_bytes <= llc // 2:
+            return in_cache, (f"in cache: a layer's {layer_bytes / 2**20:.0f} MiB of weights fit half of the host's "
+                              f"{llc / 2**20:.0f} MiB last-level cache; {timed}")
+        return model, f"evicted caches, as a forward leaves them to a model whose layers do not fit; {timed}"
 
     @property
     def heldout_mape(self) -> dict[str, float | None]:
@@ -235,6 +250,10 @@ class Profile:
                "cost_model": self.cost_model.to_json(), "heldout": self.heldout, "records": self.records}
         if self.cost_model_in_cache is not None:
             out["cost_model_in_cache"] = self.cost_model_in_cache.to_json()
+        if self.by_dtype:
+            out["cost_model_by_dtype"] = {d: {"cost_model": m.to_json(),
+                                              "cost_model_in_cache": None if c is None else c.to_json()}
+                                          for d, (m, c) in self.by_dtype.items()}
         out.update(self.extra)
         return out
 
@@ -264,12 +283,23 @@ def build_profile(records: list[dict], host: dict, measured_by: str, settings_js
         if power[b] is not None:
             opt.setdefault("power_w", power[b])
             opt.setdefault("power_source", energy.get("source"))
-    heldout = heldout_errors(records, options)
-    model = fit_cost_model(records, options)
-    warm = [{**r, "median_ms": r["warm_median_ms"]} if "warm_median_ms" in r else r for r in records]
-    in_cache = fit_cost_model(warm, options) if any("warm_median_ms" in r for r in records) else None
+    dtypes = sorted({r["dtype"] for r in records if r.get("dtype", DTYPE) != DTYPE})
+    by_dtype_options = {d: {b: {**opt, "dtype_bytes": DTYPE_BYTES[d]} if registry.get(b) and registry.get(b).cpu_torch
+                            else opt for b, opt in options.items()} for d in dtypes}
+    heldout = heldout_errors(records, {**options, **{f"{b}@{d}": opt for d, opts in by_dtype_options.items()
+                                                     for b, opt in opts.items()}})
+    model, in_cache = _fit_pair(dtype_records(records, DTYPE), options)
     return Profile(host=host, cost_model=model, records=records, heldout=heldout, measured_by=measured_by,
-                   settings=settings_json, energy=energy, created=utc_now(), cost_model_in_cache=in_cache)
+                   settings=settings_json, energy=energy, created=utc_now(), cost_model_in_cache=in_cache,
+                   by_dtype={d: _fit_pair(dtype_records(records, d), by_dtype_options[d]) for d in dtypes})
+
+
+def _fit_pair(records: list[dict], options: dict[str, dict]) -> tuple[CostModel, CostModel | None]:
+    """The cost model fitted to the records, and the in-cache one fitted to their back-to-back figures (None where
+    none has them)."""
+    warm = [{**r, "median_ms": r["warm_median_ms"]} if "warm_median_ms" in r else r for r in records]
+    return (fit_cost_model(records, options),
+            fit_cost_model(warm, options) if any("warm_median_ms" in r for r in records) else None)
 
 
 def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Profile:
@@ -285,19 +315,27 @@ def profile_from_json(obj: Any, path: str = "", check_host: bool = True) -> Prof
                 raise FileFormatError(KIND, path, f"records[{i}].{name}",
                                       f"missing or not a number (a {rec['kind']} record needs {name})")
     models = {}
-    for key in ("cost_model", "cost_model_in_cache"):
+    nested = {f"cost_model_by_dtype.{d}.{k}": (d, v) for d, pair in (obj.get("cost_model_by_dtype") or {}).items()
+              for k, v in pair.items() if k in ("cost_model", "cost_model_in_cache")}
+    for key, (dtype, value) in {**{k: (DTYPE, obj.get(k)) for k in ("cost_model", "cost_model_in_cache")},
+                                **nested}.items():
         try:
-            models[key] = CostModel.from_json(obj[key]) if obj.get(key) is not None else None
+            models[key] = CostModel.from_json(value) if value is not None else None
         except (KeyError, TypeError, ValueError) as e:
             raise FileFormatError(KIND, path, key, f"cannot rebuild the cost model: {e}") from None
+        if models[key] is not None and not models[key].ranges:  # written before the fits' ranges were kept
+            models[key].ranges = fit_ranges(dtype_records(obj["records"], dtype))
     cost_model = models["cost_model"]
+    by_dtype = {d: (models[f"cost_model_by_dtype.{d}.cost_model"],
+                    models.get(f"cost_model_by_dtype.{d}.cost_model_in_cache"))
+                for d in obj.get("cost_model_by_dtype") or {}}
     known = {"schema", "measured_by", "created", "host", "settings", "energy", "cost_model", "cost_model_in_cache",
-             "heldout", "records"}
+             "cost_model_by_dtype", "heldout", "records"}
     prof = Profile(host=obj["host"], cost_model=cost_model, records=obj["records"], heldout=obj["heldout"],
                    measured_by=obj["measured_by"], settings=obj.get("settings") or {},
                    energy=obj.get("energy") or {}, created=obj.get("created", ""), path=path,
                    extra={k: v for k, v in obj.items() if k not in known},
-                   cost_model_in_cache=models["cost_model_in_cache"])
+                   cost_model_in_cache=models["cost_model_in_cache"], by_dtype=by_dtype)
     # published figures describe no host of ours: no mismatch to warn of
     if check_host and not prof.published and not prof.measured_here:
         warnings.warn(f"profile {path or '(in memory)'} is for host {prof.host['id']!r} "

@@ -2,7 +2,7 @@
 of measured against predicted times."""
 from __future__ import annotations
 
-from autotune.costing.fitting import predicted_ms, record_group
+from autotune.costing.fitting import out_of_range_errors, predicted_ms, record_group, record_groups
 from autotune.profiling.profile import Profile
 from runtime.fileio import output_set
 
@@ -23,6 +23,17 @@ def summary(profile: Profile) -> dict:
     for key in ("host-pack", "host-exact"):
         if key in mape:
             out["host_costs"][key] = {"heldout_mape": mape[key]}
+    groups = record_groups(profile.records)
+    past = profile.heldout.get("out_of_range") or out_of_range_errors(groups)  # older profiles: from the records
+    f32 = profile.heldout.get("float32_fit") or {}
+    out["heldout_out_of_range_method"] = past["method"]
+    out["heldout_by_part"] = {key: {"records": len(rs), "heldout_mape": mape.get(key),
+                                    "heldout_out_of_range_mape": past["mape"].get(key),
+                                    "out_of_range_split": past["split"].get(key),
+                                    **({"float32_fit_mape": f32[key]} if key in f32 else {})}
+                               for key, rs in groups.items()}
+    for name, b in out["backends"].items():
+        b["heldout_out_of_range_mape"] = past["mape"].get(name)
     return out
 
 
@@ -37,18 +48,21 @@ def print_summary(profile: Profile) -> None:
 
     table = Table(title=f"{profile.path or 'profile'}: {s['host_description']} ({s['measured_by']})")
     for col in ("backend", "records", "call ms", "per-expert ms", "GFLOP/s (analytic)", "ms/MB", "residual",
-                "power W", "held-out MAPE"):
+                "power W", "held-out MAPE", "past range"):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for name, b in s["backends"].items():
         table.add_row(name, str(b["records"]), fmt(b["call_ms"]), fmt(b["expert_ms"]), fmt(b["gflops"], "{:.1f}"),
                       fmt(b["ms_per_mb"]), "knn" if b["residual"] else "-",
                       fmt(b["power_w"], "{:.2f}") if b["power_w"] else "not measured",
-                      fmt(b["heldout_mape"], "{:.1%}"))
-    for name, h in s["host_costs"].items():
-        table.add_row(name, "", "", "", "", "", "", "", fmt(h["heldout_mape"], "{:.1%}"))
+                      fmt(b["heldout_mape"], "{:.1%}"), fmt(b["heldout_out_of_range_mape"], "{:.1%}"))
+    for name, part in s["heldout_by_part"].items():
+        if name not in s["backends"]:
+            table.add_row(name, str(part["records"]), "", "", "", "", "", "", fmt(part["heldout_mape"], "{:.1%}"),
+                          fmt(part["heldout_out_of_range_mape"], "{:.1%}"))
     console = Console(width=max(Console().width, 132))
     console.print(table)
     console.print(f"held-out error: {s['heldout_method']}")
+    console.print(f"past range: {s['heldout_out_of_range_method']}")
     if s["in_cache_fit"]:
         llc = s["last_level_cache_bytes"]
         console.print("in-cache fit (records timed back to back): prices models whose weights take at most half "

@@ -37,6 +37,7 @@ class SearchConfig:
     robust: bool = False
     no_gate: bool = False
     no_dense: bool = False  # the experts alone: every dense op stays on the CPU (the experts-only search)
+    no_measure: bool = False  # price the model on the profile as it is, its shapes measured into it or not
     gate_candidates: int = gate.CANDIDATES
     max_ppl_delta: float = 100 * gate.MAX_PPL_DELTA
     min_top1: float = gate.MIN_TOP1

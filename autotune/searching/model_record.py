@@ -32,6 +32,11 @@ class ModelRecord:
     shape: DecoderShape | None = None  # its decoder's shapes (what the whole prefill's prediction prices)
     _loaded: tuple[torch.nn.Module, object] | None = field(default=None, repr=False)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (`--dtype`, auto resolved on this host)."""
+        return resolve_dtype(self.name, self.dtype)
+
     def loaded(self) -> tuple[torch.nn.Module, object]:
         """(model in `dtype`, tokenizer), loaded on first use and kept."""
         if self._loaded is None:

@@ -126,6 +126,9 @@ def format_report(r: dict) -> str:
                      f"{m['kv_cache_bytes'] / 1e9:.3f} + runtime {m['runtime_bytes'] / 1e9:.2f}")
     if r.get("whole_prefill"):
         lines += format_whole_prefill(r["whole_prefill"])
+    if r.get("priced_outside"):
+        lines.append("priced past the profile's records (the fit's form alone, not interpolated): " + "; ".join(
+            f"{part}: {', '.join(x['text'] for x in reaches)}" for part, reaches in r["priced_outside"].items()))
     if r.get("robustness"):
         rob = r["robustness"]
         worst = max(rob["cases"], key=lambda c: c["regret"], default=None)
