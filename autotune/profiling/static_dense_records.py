@@ -8,13 +8,11 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from autotune.profiling.dense_records import ATTENTION_POINTS, ATTENTION_POINTS_QUICK, DENSE_SHAPES, ROWS, DenseShape
+from autotune.profiling.dense_records import ATTENTION_POINTS, ATTENTION_POINTS_QUICK, DENSE_SHAPES, DenseShape
 from autotune.profiling.energy import EnergyMeter
 from autotune.profiling.settings import Settings
 from autotune.profiling.timing import time_call
 from runtime.backends import BackendInfo, DenseForm, DenseSpec
-
-STATIC_ROWS = tuple(r for r in ROWS if r >= 64)  # a static function's rows: a multiple of the ANE's preferred 64
 
 
 def attention_modules(shape: DenseShape, seed: int = 0) -> dict[str, torch.nn.Module]:
@@ -30,14 +28,14 @@ def attention_modules(shape: DenseShape, seed: int = 0) -> dict[str, torch.nn.Mo
 
 
 def static_dense_cases(shape: DenseShape, quick: bool) -> list[tuple[dict, DenseSpec]]:
-    """(record, function) of every dense function timed at `shape`: q/k/v and o_proj at each of STATIC_ROWS, the
-    attention core at each (rows, context) point with the context as its bucket."""
+    """(record, function) of every dense function timed at `shape`: q/k/v and o_proj at each of the shape's rows from
+    64 (a static function's: a multiple of the ANE's preferred 64), the attention core at each (rows, context) point with the context as its bucket."""
     m = attention_modules(shape)
     form = DenseForm(qk_norm="head", head_dim=shape.head_dim)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     qkv = {r: m[r] for r in ("norm", "q", "k", "v", "q_norm", "k_norm")}
     cases = []
-    for rows in STATIC_ROWS:
+    for rows in (r for r in shape.rows if r >= 64):
         cases.append(({"kind": "dense_matmul", "function": "qkv", "m": rows, "n": q + 2 * kv, "k": shape.hidden},
                       DenseSpec("qkv", 0, rows, qkv, form, (q, kv, kv))))
         cases.append(({"kind": "dense_matmul", "function": "o_proj", "m": rows, "n": shape.hidden, "k": q},
