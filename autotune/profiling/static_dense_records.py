@@ -29,7 +29,8 @@ def attention_modules(shape: DenseShape, seed: int = 0) -> dict[str, torch.nn.Mo
 
 def static_dense_cases(shape: DenseShape, quick: bool) -> list[tuple[dict, DenseSpec]]:
     """(record, function) of every dense function timed at `shape`: q/k/v and o_proj at each of the shape's rows from
-    64 (a static function's: a multiple of the ANE's preferred 64), the attention core at each (rows, context) point with the context as its bucket."""
+    64 (a static function's: a multiple of the ANE's preferred 64), the attention core at each (rows, context) point
+    with the context as its bucket."""
     m = attention_modules(shape)
     form = DenseForm(qk_norm="head", head_dim=shape.head_dim)
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
