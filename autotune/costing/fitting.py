@@ -140,7 +140,7 @@ def fit_cost_model(records: list[dict], backend_options: dict[str, dict] | None 
                      exact=fit_host([r for r in hosts if r["kind"] == "exact_host"]),
                      dtype_bytes=record_bytes(hosts[0]) if hosts else 4)
     hiddens = sorted({int(r["hidden"]) for r in records if "hidden" in r})
-    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense, fit_ranges(records))
+    return CostModel(models, host, hiddens[len(hiddens) // 2] if hiddens else 1024, dense, ranges=fit_ranges(records))
 
 
 DTYPE = "float32"  # what a record without a `dtype` was timed in (profile-device's default shapes)

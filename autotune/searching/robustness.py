@@ -80,11 +80,12 @@ class Case:
         return max(1.0, self.factor) / min(1.0, self.factor)
 
     def apply(self, cost: CostModel) -> CostModel:
-        """A copy of `cost` with this coefficient scaled (lookup tables are rebuilt for the copy)."""
+        """A copy of `cost` with this coefficient scaled, the rest kept (its dense fits, bus, ranges); lookup tables
+        are rebuilt for the copy."""
         models = dict(cost.models)
         m = models[self.backend]
         models[self.backend] = dataclasses.replace(m, **{self.param: getattr(m, self.param) * self.factor})
-        return CostModel(models, cost.host, cost.default_hidden)
+        return dataclasses.replace(cost, models=models, _lut={})
 
 
 def default_cases(cost: CostModel) -> list[Case]:
