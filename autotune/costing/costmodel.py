@@ -223,10 +223,13 @@ class CostModel:
 
     def with_cpu_storage(self, price: Any) -> "CostModel":
         """This cost model with the CPU's experts held as `price` says (`costing.cpu_storage.StoragePrice`): the
-        exact path and the CPU's static groups run that storage's kernels (None: as fitted, bf16)."""
+        exact path and the CPU's static groups run that storage's kernels (None: as fitted, bf16). The exact paths
+        off the CPU (mlx-exact) run the checkpoint's own weights and cannot read a storage quantized at load, which
+        the runtime refuses beside them: such a storage leaves them out."""
         if price is None:
             return self
-        models = dict(self.models)
+        models = {name: m for name, m in self.models.items()
+                  if not (name != EXACT and self.is_exact(name) and m.overlaps_cpu)}
         for backend in (EXACT, REFERENCE):
             if backend in models:
                 models[backend] = dataclasses.replace(models[backend], storage=price)
