@@ -25,7 +25,8 @@ def _rec(m: int, n: int, k: int, ms: float) -> dict:
 
 def test_host_speed_times_the_profiles_own_records_again(monkeypatch):
     """A record whose profile time is 4x what this host takes for it now reads about 0.25 (a host 4x faster
-    now); records too short to time well, or wall-clock ones, are not probed."""
+    now); records too short to time well, wall-clock ones, or a model's records in another dtype (the probe times
+    float32 matmuls) are not probed."""
     torch.set_num_threads(1)
     with torch.inference_mode():  # a square matmul whose 4x is a probe's length on this host (AMX: 512; AVX2: 256)
         for d in (256, 512, 1024):
@@ -34,7 +35,8 @@ def test_host_speed_times_the_profiles_own_records_again(monkeypatch):
                 break
     assert PROBE_MS[0] <= 4 * now <= PROBE_MS[1], (d, now)
     short, wall = _rec(1, 256, 256, 0.01), dict(_rec(d, d, d, 4 * now), clock="wall")
-    profile = _this_hosts([short, wall, _rec(d, d, d, 4 * now)])
+    bf16 = dict(_rec(d, d, 2 * d, 4 * now), dtype="bfloat16", model="twin")
+    profile = _this_hosts([short, wall, bf16, _rec(d, d, d, 4 * now)])
     assert probe_records(profile) == [_rec(d, d, d, 4 * now)]
     out = host_speed(profile)
     assert 0.1 < out["now_over_profile"] < 0.5, out  # now/then between 0.4x and 2x of this measure

@@ -20,10 +20,12 @@ PROBE_MS = (1.0, 20.0)  # records this long: past the timer's noise, short enoug
 
 
 def probe_records(profile: Profile) -> list[dict]:
-    """The profile's one-thread CPU matmul records of PROBE_MS, PROBES of them spread over that range."""
+    """The profile's one-thread CPU float32 matmul records of PROBE_MS (a model's records in its own dtype are not
+    what `matmul_call` times), PROBES of them spread over that range."""
     lo, hi = PROBE_MS
     recs = sorted((r for r in profile.records if r.get("kind") == "dense_matmul" and r.get("clock") == "cpu"
-                   and lo <= r["median_ms"] <= hi), key=lambda r: r["median_ms"])
+                   and r.get("dtype", "float32") == "float32" and lo <= r["median_ms"] <= hi),
+                  key=lambda r: r["median_ms"])
     if len(recs) <= PROBES:
         return recs
     return [recs[round(i * (len(recs) - 1) / (PROBES - 1))] for i in range(PROBES)]
