@@ -211,42 +211,38 @@ class BackendRegistry:
         """The backend to run `name`'s groups on: the given or registered one if available, else the first available
         one along its fallbacks (said once, with the reason)."""
         given = given or {}
-        reason = ""
-        for candidate in self.fallbacks(name):
-            info = self.get(candidate)
+
+        def make(candidate: str, info: BackendInfo | None) -> StaticBackend | None:
             if candidate in given:
-                backend = given[candidate]
-            elif info is not None and info.plannable:
-                backend = info.create(options)
-            else:
-                reason = reason or f"backend {candidate!r} is not implemented here"
-                continue
-            ok, why = backend.available()
-            if ok:
-                if candidate != name:
-                    log.warning("plan names backend %r but it is unavailable (%s): running its groups on %s",
-                                name, reason, candidate)
-                return backend
-            reason = reason or why
-        raise NpumoeError(f"no backend to run {name!r} on: {reason}")
+                return given[candidate]
+            return info.create(options) if info is not None and info.plannable else None
+
+        return self._first_available(name, make, "backend", "groups")
 
     def resolve_exact(self, name: str) -> ExactPath:
         """The exact path to run what a plan places on exact path `name`: it if available, else the first available
         one along its fallbacks (cpu-exact at the end), said once, with the reason."""
+        def make(candidate: str, info: BackendInfo | None) -> ExactPath | None:
+            return info.create() if info is not None and info.exact and info.factory is not None else None
+
+        return self._first_available(name, make, "exact path", "experts")
+
+    def _first_available(self, name: str, make: Callable[[str, BackendInfo | None], Any], kind: str, work: str):
+        """`name`, or the first available one along its fallbacks, made by `make` (None: not implemented here); a
+        fallback is said once, with the reason the ones before it could not run."""
         reason = ""
         for candidate in self.fallbacks(name):
-            info = self.get(candidate)
-            if info is None or not info.exact or info.factory is None:
+            made = make(candidate, self.get(candidate))
+            if made is None:
+                reason = reason or f"{kind} {candidate!r} is not implemented here"
                 continue
-            path = info.create()
-            ok, why = path.available()
+            ok, why = made.available()
             if ok:
                 if candidate != name:
-                    log.warning("plan names exact path %r but it is unavailable (%s): running its experts on %s",
-                                name, reason or why, candidate)
-                return path
+                    log.warning("plan names %s %r but it is unavailable (%s): running its %s on %s",
+                                kind, name, reason, work, candidate)
+                return made
             reason = reason or why
-        raise NpumoeError(f"no exact path to run {name!r} on: {reason or 'it is not registered'}")
-
+        raise NpumoeError(f"no {kind} to run {name!r} on: {reason}")
 
 registry = BackendRegistry()

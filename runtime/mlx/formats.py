@@ -1,11 +1,10 @@
 """What mlx-exact runs, without importing mlx: its name and the packed formats `mx.gather_qmm` takes."""
 from __future__ import annotations
 
+from runtime.cpu.quantized import BITS, GROUP_SIZES  # mlx's affine widths and groups: gather_qmm runs them all
 from runtime.errors import NpumoeError
 
 NAME = "mlx-exact"
-BITS = (2, 3, 4, 5, 6, 8)  # what mx.gather_qmm runs in affine mode
-GROUP_SIZES = (32, 64, 128)
 
 
 def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:
