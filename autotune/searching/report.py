@@ -274,7 +274,8 @@ def format_gate(gate: dict) -> list[str]:
              f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<26} "
              f"{'compressed':<18} passed"]
     for c in gate["candidates"]:
-        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or "none (all CPU)"
+        exact = ", ".join(f"{n} {p}" for p, n in sorted(c.get("exact_experts", {}).items()))
+        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or f"none (exact: {exact or '-'})"
         packed = ", ".join(f"{n} {k}" for k, n in c["compressed_groups"].items()) or "-"
         chosen = " <- chosen" if gate["chosen"] and gate["chosen"]["index"] == c["index"] else ""
         lines.append(f"  {c['index']:>2} {c['predicted_ms']:>12.4f} {c['ppl_delta']:>+10.3%} {c['top1']:>7.4f} "
