@@ -1,0 +1,81 @@
+"""GGUF files for the tests, written by the `gguf` package's own writer from tiny-moe's safetensors checkpoint as
+llama.cpp's convert_hf_to_gguf.py lays them out (qwen3moe: metadata keys, tensor names, experts stacked [E, rows,
+n], the byte-level BPE vocabulary), each matrix in a type the package quantizes (Q8_0, Q4_0, F16, ...)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runtime.loading.model_loader import TINY_MOE_DIR
+
+LAYER_PARTS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+
+
+def tiny_moe_tensors() -> dict[str, np.ndarray]:
+    """tiny-moe's weights by GGUF tensor name, float32, experts stacked [E, rows, n]."""
+    import torch
+    from safetensors.torch import load_file
+
+    src = {k: v.to(torch.float32).numpy() for k, v in load_file(TINY_MOE_DIR / "model.safetensors").items()}
+    config = json.loads((TINY_MOE_DIR / "config.json").read_text())
+    out = {"token_embd.weight": src["model.embed_tokens.weight"], "output_norm.weight": src["model.norm.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        base = f"model.layers.{i}."
+        for hf, gg in LAYER_PARTS.items():
+            out[f"blk.{i}.{gg}.weight"] = src[f"{base}{hf}.weight"]
+        for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            out[f"blk.{i}.{gg}.weight"] = np.stack([src[f"{base}mlp.experts.{e}.{hf}.weight"]
+                                                    for e in range(config["num_experts"])])
+    return out
+
+
+def write_tiny_moe_gguf(out: Path, matrix_type: str = "Q8_0", arch: str = "qwen3moe",
+                        tensors: dict[str, np.ndarray] | None = None, edit=None) -> Path:
+    """tiny-moe as a GGUF file at `out`: matrices (2D and 3D) in `matrix_type`, the rest F32 (the router too, as
+    llama.cpp keeps it). `edit(writer)` may add or change metadata before the tensors."""
+    import gguf
+
+    config = json.loads((TINY_MOE_DIR / "config.json").read_text())
+    vocab = json.loads((TINY_MOE_DIR / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(config["num_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) for m in vocab["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    if edit is not None:
+        edit(w)
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    for name, value in (tensors or tiny_moe_tensors()).items():
+        if value.ndim >= 2 and "ffn_gate_inp" not in name and qtype != gguf.GGMLQuantizationType.F32:
+            if qtype == gguf.GGMLQuantizationType.F16:
+                w.add_tensor(name, value.astype(np.float16))
+            else:
+                w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, value.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
