@@ -33,42 +33,54 @@ def tiny_moe_tensors() -> dict[str, np.ndarray]:
     return out
 
 
-def write_tiny_moe_gguf(out: Path, matrix_type: str = "Q8_0", arch: str = "qwen3moe",
-                        tensors: dict[str, np.ndarray] | None = None, edit=None) -> Path:
-    """tiny-moe as a GGUF file at `out`: matrices (2D and 3D) in `matrix_type`, the rest F32 (the router too, as
-    llama.cpp keeps it). `edit(writer)` may add or change metadata before the tensors."""
-    import gguf
-
+def tiny_moe_metadata(arch: str = "qwen3moe") -> dict[str, tuple[object, str]]:
+    """tiny-moe's GGUF metadata as convert_hf_to_gguf.py writes it: key -> (value, gguf value type name)."""
     config = json.loads((TINY_MOE_DIR / "config.json").read_text())
     vocab = json.loads((TINY_MOE_DIR / "tokenizer.json").read_text())
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_expert_count(config["num_experts"])
-    w.add_expert_used_count(config["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     tokens = sorted(vocab["model"]["vocab"], key=vocab["model"]["vocab"].get)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-    w.add_token_merges([" ".join(m) for m in vocab["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
-    if edit is not None:
-        edit(w)
+    a = arch + "."
+    return {
+        a + "block_count": (config["num_hidden_layers"], "UINT32"),
+        a + "context_length": (config["max_position_embeddings"], "UINT32"),
+        a + "embedding_length": (config["hidden_size"], "UINT32"),
+        a + "feed_forward_length": (config["intermediate_size"], "UINT32"),
+        a + "attention.head_count": (config["num_attention_heads"], "UINT32"),
+        a + "attention.head_count_kv": (config["num_key_value_heads"], "UINT32"),
+        a + "attention.key_length": (config["head_dim"], "UINT32"),
+        a + "attention.value_length": (config["head_dim"], "UINT32"),
+        a + "rope.freq_base": (config["rope_parameters"]["rope_theta"], "FLOAT32"),
+        a + "attention.layer_norm_rms_epsilon": (config["rms_norm_eps"], "FLOAT32"),
+        a + "expert_count": (config["num_experts"], "UINT32"),
+        a + "expert_used_count": (config["num_experts_per_tok"], "UINT32"),
+        a + "expert_feed_forward_length": (config["moe_intermediate_size"], "UINT32"),
+        "tokenizer.ggml.model": ("gpt2", "STRING"),
+        "tokenizer.ggml.pre": ("gpt-2", "STRING"),
+        "tokenizer.ggml.tokens": (tokens, "STRING"),
+        "tokenizer.ggml.token_type": ([3 if t == "<|endoftext|>" else 1 for t in tokens], "INT32"),
+        "tokenizer.ggml.merges": ([" ".join(m) for m in vocab["model"]["merges"]], "STRING"),
+        "tokenizer.ggml.bos_token_id": (config["bos_token_id"], "UINT32"),
+        "tokenizer.ggml.eos_token_id": (config["eos_token_id"], "UINT32"),
+    }
+
+
+def write_tiny_moe_gguf(out: Path, matrix_type: str = "Q8_0", arch: str = "qwen3moe",
+                        tensors: dict[str, np.ndarray] | None = None,
+                        metadata: dict[str, tuple[object, str]] | None = None) -> Path:
+    """tiny-moe as a GGUF file at `out`: matrices (2D and 3D) in `matrix_type`, the rest F32 (the router too, as
+    llama.cpp keeps it); `metadata` replaces or adds keys (value, type name)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, (value, type_name) in {**tiny_moe_metadata(arch), **(metadata or {})}.items():
+        vtype = gguf.GGUFValueType[type_name]
+        if isinstance(value, list):
+            w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=vtype)
+        else:
+            w.add_key_value(key, value, vtype)
     qtype = gguf.GGMLQuantizationType[matrix_type]
-    for name, value in (tensors or tiny_moe_tensors()).items():
-        if value.ndim >= 2 and "ffn_gate_inp" not in name and qtype != gguf.GGMLQuantizationType.F32:
-            if qtype == gguf.GGMLQuantizationType.F16:
+    for name, value in (tiny_moe_tensors() if tensors is None else tensors).items():
+        if value.ndim >= 2 and "ffn_gate_inp" not in name and matrix_type != "F32":
+            if matrix_type == "F16":
                 w.add_tensor(name, value.astype(np.float16))
             else:
                 w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)

@@ -224,6 +224,10 @@ def read_gguf_model(view: Path, dtype: torch.dtype) -> torch.nn.Module:
         if tied and isinstance(embedding, QuantizedEmbedding):
             model.lm_head = QuantizedLinear(embedding.weight_q)
         _fill_whole(model, tensors, dtype, tied)
+        head = getattr(model, "lm_head", None)
+        if tied and getattr(getattr(head, "weight", None), "is_meta", False):
+            # a whole tied head never shows in named_parameters (shared with the meta embedding): share it again
+            head.weight = model.get_input_embeddings().weight
     if any(hasattr(m, "npumoe_weights") for m in model.modules()):
         model.set_experts_implementation(PACKED_IMPLEMENTATION)
     model.npumoe_gguf_report = tensors.report
