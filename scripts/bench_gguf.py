@@ -2,11 +2,13 @@
 
     python scripts/bench_gguf.py --json [--quants Q8_0,Q4_K_M] [--tokens 4096] [--cache DIR] [--jobs 2]
 
-1. Builds llama.cpp from llama-cpp-python's source package (`vendor/llama.cpp`, cmake; libllama and
-   llama-quantize) into the cache folder, once (minutes on two cores; its log: <cache>/build.log).
+1. Builds llama.cpp from llama-cpp-python's source package (`vendor/llama.cpp`, cmake; libllama, which holds the
+   forward and the quantizer llama-quantize calls) into the cache folder, once (minutes on two cores; its log:
+   <cache>/build.log).
 2. Converts tiny-moe to an F16 GGUF with llama.cpp's own convert_hf_to_gguf.py (given the config's top-level
    `rope_theta`, and `get_vocab_base_pre` answering "gpt-2": tiny-moe's pre-tokenizer is GPT-2's byte-level regex,
-   which the converter does not recognise by its hash; patched at run time), then quantizes it with llama-quantize.
+   which the converter does not recognise by its hash; patched at run time), then quantizes it with llama.cpp's
+   `llama_model_quantize` (what llama-quantize runs), through llama-cpp-python's bindings.
 3. Per quantization, each in its own process: our perplexity on `builtin:pydoc-heldout` (the first --tokens tokens,
    non-overlapping chunks of 512, each from a cold start) against llama.cpp's on the same token ids (its logits
    through llama-cpp-python's bindings, run from the source package), top-1 agreement of the two, the experts' bytes
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LLAMA_CPP_PYTHON = "0.3.36"
-TARGETS = ("llama", "llama-quantize")
+TARGETS = ("llama",)
 TEXT = "builtin:pydoc-heldout"
 CHUNK = 512
 GREEDY_TOKENS = 32
@@ -68,10 +70,10 @@ def source_package(cache: Path) -> Path:
 
 
 def build_llama_cpp(cache: Path, jobs: int) -> Path:
-    """llama.cpp's libraries and llama-quantize, built once; returns the folder holding them."""
+    """llama.cpp's libraries, built once; returns the folder holding them."""
     llama = source_package(cache) / "vendor" / "llama.cpp"
     bin_dir = llama / "build" / "bin"
-    if all((bin_dir / f).exists() for f in ("libllama.so", "llama-quantize")):
+    if (bin_dir / "libllama.so").exists():
         return bin_dir
     build_log = cache / "build.log"
     log(f"building llama.cpp with {jobs} jobs (minutes; log: {build_log})")
@@ -115,17 +117,32 @@ def convert_f16(llama: Path, out: Path) -> Path:
     return out
 
 
-def quantize(bin_dir: Path, f16: Path, quant: str, out: Path) -> Path:
+def quantize(bin_dir: Path, sdist: Path, f16: Path, quant: str, out: Path) -> Path:
     if not out.exists():
-        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(out), quant], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        worker("quantize", [str(bin_dir), str(sdist), str(f16), quant, str(out)])
     return out
+
+
+def quantize_worker(lib: str, sdist: str, f16: str, quant: str, out: str) -> dict:
+    """llama.cpp's quantizer (`llama_model_quantize`, as llama-quantize calls it with the type's defaults)."""
+    import ctypes
+
+    sys.path.insert(0, sdist)
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}")
+    params.nthread = 1
+    code = llama_cpp.llama_model_quantize(f16.encode(), out.encode(), ctypes.byref(params))
+    if code:
+        raise RuntimeError(f"llama_model_quantize to {quant} failed ({code})")
+    return {"quant": quant, "file": out}
 
 
 def worker(kind: str, args: list[str]) -> dict:
     """This script in another process (`--worker kind`): a clean peak RSS, and llama.cpp's libraries apart."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if kind == "llama":
+    if kind in ("llama", "quantize"):
         env["LLAMA_CPP_LIB_PATH"] = args[0]
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, *args], env=env, capture_output=True,
                           text=True)
@@ -276,7 +293,9 @@ def search_and_generate(entry: dict, work: Path, search: bool) -> None:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         kind, rest = sys.argv[2], sys.argv[3:]
-        result = ours_worker(rest[0], int(rest[1]), rest[2]) if kind == "ours" else llama_worker(*rest)
+        workers = {"ours": lambda: ours_worker(rest[0], int(rest[1]), rest[2]), "llama": lambda: llama_worker(*rest),
+                   "quantize": lambda: quantize_worker(*rest)}
+        result = workers[kind]()
         print(json.dumps(result))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -300,7 +319,7 @@ def main() -> int:
                       "mb": round(f16.stat().st_size / 1e6, 1)}, "files": []}
     with tempfile.TemporaryDirectory() as tmp:
         for quant in args.quants.split(","):
-            file = quantize(bin_dir, f16, quant, files_dir / f"tiny-moe-{quant}.gguf")
+            file = quantize(bin_dir, sdist, f16, quant, files_dir / f"tiny-moe-{quant}.gguf")
             log(f"{quant}: ours against llama.cpp")
             entry = bench_file(bin_dir, sdist, quant, file, args.tokens, Path(tmp))
             search_and_generate(entry, Path(tmp), search=quant == "Q4_K_M")
