@@ -12,6 +12,7 @@ one expert per call. F32/F16/BF16 tensors are read whole into the model's dtype.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -114,6 +115,22 @@ def held_sizes(view: Path, dtype_bytes: int) -> tuple[int, int]:
     sizes = {n: held_bytes(t, numel, dtype_bytes) for n, (t, numel) in tensors.items()}
     experts = sum(b for n, b in sizes.items() if n.rsplit(".", 2)[-2] in EXPERT_PARTS)
     return sum(sizes.values()), experts
+
+
+def gguf_router(view: Path, param: str) -> torch.Tensor | None:
+    """A router weight at full width (float32) read from the file alone, for the model spec; None where absent."""
+    tensors = _tensors_of(str(view))
+    if param not in tensors:
+        return None
+    shape = tensors.file.tensors[gguf_name(param)][1]
+    return tensors.read(param, torch.empty(shape, dtype=torch.float32))
+
+
+@functools.lru_cache(maxsize=4)
+def _tensors_of(view: str) -> _Tensors:
+    """The file behind a view, its header parsed once per process (a spec reads every layer's router)."""
+    config = json.loads((Path(view) / "config.json").read_text(encoding="utf-8"))
+    return _Tensors(GGUFFile(Path(_source(Path(view))["gguf"])), config)
 
 
 class _Tensors:

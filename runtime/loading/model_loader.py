@@ -32,7 +32,14 @@ from runtime.loading.checkpoints import (
     safetensors_header,
 )
 from runtime.loading.compute_dtype import HALF, auto_dtype, dtype_name
-from runtime.loading.gguf_reader import check_gguf_view, gguf_view, is_gguf_path, is_gguf_view, read_gguf_model
+from runtime.loading.gguf_reader import (  # GGUF hook (issue 57)
+    check_gguf_view,
+    gguf_router,
+    gguf_view,
+    is_gguf_path,
+    is_gguf_view,
+    read_gguf_model,
+)
 from runtime.loading.mlx_checkpoint import check_mlx_checkpoint, dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
@@ -296,6 +303,8 @@ def read_model_spec(name: str) -> ModelSpec:
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
     read = dequantized_router if is_mlx_checkpoint(path) else read_router
+    if is_gguf_view(path):  # GGUF hook (issue 57): the routers read from the file
+        files, read = path, gguf_router
     routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
