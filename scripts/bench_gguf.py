@@ -78,7 +78,8 @@ def build_llama_cpp(cache: Path, jobs: int) -> Path:
     """llama.cpp's libraries, built once; returns the folder holding them."""
     llama = source_package(cache) / "vendor" / "llama.cpp"
     bin_dir = llama / "build" / "bin"
-    if (bin_dir / "libllama.so").exists():
+    stamp = llama / "build" / "npumoe-build.json"  # what the build was configured with: another is rebuilt
+    if (bin_dir / "libllama.so").exists() and stamp.exists() and json.loads(stamp.read_text()) == list(CPU_FLAGS):
         return bin_dir
     build_log = cache / "build.log"
     log(f"building llama.cpp with {jobs} jobs (minutes; log: {build_log})")
@@ -90,6 +91,7 @@ def build_llama_cpp(cache: Path, jobs: int) -> Path:
                         "-DGGML_OPENMP=OFF", *CPU_FLAGS], check=True, stdout=out, stderr=out)
         subprocess.run(["nice", "-n", "10", "cmake", "--build", str(llama / "build"), f"-j{jobs}", "--target",
                         *TARGETS], check=True, stdout=out, stderr=out)
+    stamp.write_text(json.dumps(list(CPU_FLAGS)))
     log(f"llama.cpp built in {time.time() - start:.0f} s")
     return bin_dir
 
