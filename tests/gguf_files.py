@@ -72,6 +72,8 @@ def write_tiny_moe_gguf(out: Path, matrix_type: str = "Q8_0", arch: str = "qwen3
 
     w = gguf.GGUFWriter(str(out), arch)
     for key, (value, type_name) in {**tiny_moe_metadata(arch), **(metadata or {})}.items():
+        if value is None:  # a key left out
+            continue
         vtype = gguf.GGUFValueType[type_name]
         if isinstance(value, list):
             w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=vtype)
@@ -90,4 +92,45 @@ def write_tiny_moe_gguf(out: Path, matrix_type: str = "Q8_0", arch: str = "qwen3
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `LlamaModel.permute` of q_proj / k_proj rows (each head's two rope halves
+    interleaved, for llama.cpp's rope)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def mixtral_tensors(model) -> dict[str, np.ndarray]:
+    """A transformers Mixtral model's weights by GGUF tensor name (llama arch), q/k permuted as the converter does."""
+    cfg = model.config
+    p = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": p["model.embed_tokens.weight"], "output_norm.weight": p["model.norm.weight"],
+           "output.weight": p["lm_head.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        b = f"model.layers.{i}."
+        f = p[b + "mlp.experts.down_proj"].shape[-1]
+        out.update({
+            f"blk.{i}.attn_norm.weight": p[b + "input_layernorm.weight"],
+            f"blk.{i}.ffn_norm.weight": p[b + "post_attention_layernorm.weight"],
+            f"blk.{i}.attn_q.weight": permute_for_llama_cpp(p[b + "self_attn.q_proj.weight"], cfg.num_attention_heads),
+            f"blk.{i}.attn_k.weight": permute_for_llama_cpp(p[b + "self_attn.k_proj.weight"], cfg.num_key_value_heads),
+            f"blk.{i}.attn_v.weight": p[b + "self_attn.v_proj.weight"],
+            f"blk.{i}.attn_output.weight": p[b + "self_attn.o_proj.weight"],
+            f"blk.{i}.ffn_gate_inp.weight": p[b + "mlp.gate.weight"],
+            f"blk.{i}.ffn_gate_exps.weight": p[b + "mlp.experts.gate_up_proj"][:, :f],
+            f"blk.{i}.ffn_up_exps.weight": p[b + "mlp.experts.gate_up_proj"][:, f:],
+            f"blk.{i}.ffn_down_exps.weight": p[b + "mlp.experts.down_proj"]})
+    return out
+
+
+def mixtral_metadata(model) -> dict[str, tuple[object, str]]:
+    cfg = model.config
+    keys = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+            "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+            "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
+            "expert_count": cfg.num_local_experts, "expert_used_count": cfg.num_experts_per_tok}
+    out = {f"llama.{k}": (v, "UINT32") for k, v in keys.items()}
+    out["llama.rope.freq_base"] = (float(cfg.rope_parameters["rope_theta"]), "FLOAT32")
+    out["llama.attention.layer_norm_rms_epsilon"] = (float(cfg.rms_norm_eps), "FLOAT32")
     return out

@@ -15,7 +15,14 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_files import tiny_moe_tensors, write_tiny_moe_gguf  # noqa: E402
+from gguf_files import (  # noqa: E402
+    mixtral_metadata,
+    mixtral_tensors,
+    permute_for_llama_cpp,
+    tiny_moe_metadata,
+    tiny_moe_tensors,
+    write_tiny_moe_gguf,
+)
 
 from autotune.calibration.modelstats import perplexity  # noqa: E402
 from autotune.calibration.texts import read_text  # noqa: E402
@@ -23,9 +30,15 @@ from autotune.cli import main  # noqa: E402
 from runtime.cpu.quantized import dequantize  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.loading.gguf_file import GGUFFile  # noqa: E402
-from runtime.loading.gguf_model import hf_config  # noqa: E402
+from runtime.loading.gguf_model import ARCHS, hf_config, qk_row_order  # noqa: E402
 from runtime.loading.gguf_quants import EXACT, convert_exact, pack_codes, requantize  # noqa: E402
-from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec  # noqa: E402
+from runtime.loading.model_loader import (  # noqa: E402
+    TINY_MOE_DIR,
+    load_model,
+    model_spec,
+    moe_layers,
+    read_model_spec,
+)
 from runtime.plan import save_plan  # noqa: E402
 
 # per format: (largest perplexity change against the safetensors checkpoint, least top-1 agreement), on 1,024
@@ -264,3 +277,35 @@ def test_missing_package_one_line(monkeypatch, tmp_path):
     shutil.copy(Path(__file__), path)
     with pytest.raises(NpumoeError, match=r"pip install 'npumoe\[gguf\]'"):
         GGUFFile(path)
+
+
+def test_llama_arch_rows_put_back(tmp_path):
+    """A Mixtral file (llama arch) holds q/k rows permuted for llama.cpp's rope (convert_hf_to_gguf.py): read back,
+    the model is the one written."""
+    model = load_model("random:mixtral")[0]
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    order = qk_row_order(ARCHS["llama"], config, "model.layers.0.self_attn.q_proj.weight")
+    np.testing.assert_array_equal(permute_for_llama_cpp(w, 4)[order], w)
+    dropped = {f"llama.{k}": (None, "") for k in ("expert_feed_forward_length", "attention.key_length",
+                                                  "attention.value_length")}
+    path = write_tiny_moe_gguf(tmp_path / "mixtral.gguf", "F32", arch="llama", tensors=mixtral_tensors(model),
+                               metadata={**dropped, **mixtral_metadata(model)})
+    ours, _ = load_model(str(path), "float32")
+    assert ours.config.model_type == "mixtral" and not ours.config.tie_word_embeddings
+    x = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(input_ids=x).logits - model(input_ids=x).logits).abs().max().item() < 1e-4
+
+
+def test_tokenizer_from_the_folder_beside(files, reference, tmp_path):
+    """A file without a vocabulary takes the tokenizer files beside it; with neither, one line and nothing kept."""
+    no_vocab = {k: (None, "") for k in tiny_moe_metadata() if k.startswith("tokenizer.ggml.") and "_id" not in k}
+    path = write_tiny_moe_gguf(tmp_path / "t.gguf", "F16", metadata=no_vocab)
+    with pytest.raises(NpumoeError, match="holds no vocabulary.*put the model's tokenizer.json beside the file"):
+        load_model(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MOE_DIR / name, tmp_path / name)
+    _, tok = load_model(str(path))
+    text = "class A:\n    pass  # <|endoftext|>"
+    assert tok.encode(text) == reference[1].encode(text)
