@@ -292,9 +292,11 @@ def search_and_generate(entry: dict, work: Path, search: bool) -> None:
     ours = (out or {}).get("token_ids", [])
     theirs = entry["llama_cpp_greedy"]
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    out = out or {}
     entry["generate"] = {"exit": code, "plan": plan.name, "tokens_ours": ours, "tokens_llama_cpp": theirs,
                          "same_tokens": ours == theirs[:len(ours)] and len(ours) > 0, "agree_first": agree,
-                         "finish_reason": (out or {}).get("finish_reason"), "stderr": err if code else ""}
+                         "finish_reason": out.get("finish_reason"), "peak_rss_mb": out.get("peak_rss_mb"),
+                         "memory": out.get("memory"), "stderr": err if code else ""}
 
 
 def main() -> int:
