@@ -237,10 +237,10 @@ def expert_bytes_in_file(file: Path) -> int:
     return sum(n_bytes for name, (_, _, _, n_bytes) in GGUFFile(file).tensors.items() if "_exps." in name)
 
 
-def autotune(*argv: str) -> tuple[int, dict | None, str]:
+def autotune(*argv: str, json_out: bool = True) -> tuple[int, dict | None, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "autotune.cli", *argv, "--json"], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", *argv, *(["--json"] if json_out else [])], env=env,
+                          capture_output=True, text=True)
     try:
         out = json.loads(proc.stdout)
     except ValueError:
@@ -283,7 +283,7 @@ def search_and_generate(entry: dict, work: Path, search: bool) -> None:
         gate = (out or {}).get("gate") if isinstance(out, dict) else None
         entry["search"] = {"exit": code, "plan_written": plan.exists(), "gate": gate, "stderr": err if code else ""}
     else:
-        code, _, err = autotune("plan-template", "--model", file, "--out", str(plan))
+        code, _, err = autotune("plan-template", "--model", file, "--out", str(plan), json_out=False)
         entry["plan_template"] = {"exit": code, "stderr": err if code else ""}
     if not plan.exists():
         return
