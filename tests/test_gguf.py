@@ -309,3 +309,14 @@ def test_tokenizer_from_the_folder_beside(files, reference, tmp_path):
     _, tok = load_model(str(path))
     text = "class A:\n    pass  # <|endoftext|>"
     assert tok.encode(text) == reference[1].encode(text)
+
+
+def test_converted_a_block_of_rows_at_a_time(files, reference, monkeypatch):
+    """A vocabulary head is converted in blocks of rows (a bounded temporary), into the same weights."""
+    from runtime.loading import gguf_reader
+
+    whole, _ = load_model(str(files["Q4_0"]), "float32")
+    monkeypatch.setattr(gguf_reader, "BLOCK_VALUES", 256 * 100)  # 41 blocks of the 4,096-row embedding
+    blocked, _ = load_model(str(files["Q4_0"]), "float32")
+    for (name, a), (_, b) in zip(whole.state_dict().items(), blocked.state_dict().items()):
+        assert torch.equal(a, b), name

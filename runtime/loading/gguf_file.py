@@ -91,27 +91,32 @@ class GGUFFile:
             raise NpumoeError(f"{self.path}: metadata key {key} is {got}, expected {_KINDS[kind]}")
         return field.contents()
 
-    def read_bytes(self, name: str, index: int | None = None) -> np.ndarray:
-        """Tensor `name`'s bytes as [rows, row bytes] (of sub-tensor `index` along its first dimension where given,
-        one expert of a 3D tensor), with a plain file read."""
+    def rows(self, name: str) -> int:
+        """Rows of tensor `name` (of one expert, for a 3D tensor): its shape but the first and the last dims."""
+        shape = self.tensors[name][1]
+        return int(np.prod(shape[1:-1] if len(shape) == 3 else shape[:-1]))
+
+    def read_bytes(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor `name`'s bytes as [rows, row bytes], with a plain file read: of sub-tensor `index` along its first
+        dimension where given (one expert of a 3D tensor), of rows [a, b) of that where given."""
         _, shape, offset, n_bytes = self.tensors[name]
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        count = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        row_bytes = n_bytes // count
         if index is not None:
-            rows //= shape[0]
-            n_bytes //= shape[0]
-            offset += index * n_bytes
-        out = np.empty((rows, n_bytes // rows), dtype=np.uint8)
+            offset += index * self.rows(name) * row_bytes
+        a, b = rows if rows is not None else (0, self.rows(name) if index is not None else count)
+        out = np.empty((b - a, row_bytes), dtype=np.uint8)
         with open(self.path, "rb") as f:
-            f.seek(offset)
-            if f.readinto(out) != n_bytes:
+            f.seek(offset + a * row_bytes)
+            if f.readinto(out) != out.nbytes:
                 raise NpumoeError(f"{self.path}: tensor {name} is cut short: truncated file")
         return out
 
-    def read_values(self, name: str, index: int | None = None) -> np.ndarray:
-        """Tensor `name` (or sub-tensor `index`) at full width, float32 [rows, n]: F32/F16/BF16 as stored, other
-        types dequantized by the gguf package."""
+    def read_values(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor `name` (or its sub-tensor `index`, its rows [a, b)) at full width, float32 [rows, n]: F32/F16/BF16
+        as stored, other types dequantized by the gguf package."""
         type_name, shape, _, _ = self.tensors[name]
-        data = self.read_bytes(name, index)
+        data = self.read_bytes(name, index, rows)
         n = shape[-1]
         if type_name == "F32":
             return data.view(np.float32).reshape(-1, n)

@@ -35,6 +35,7 @@ from runtime.loading.gguf_tokenizer import write_tokenizer
 SUFFIX = ".gguf"
 SOURCE = "gguf-source.json"
 VIEW_VERSION = 1  # bump when what a view folder holds changes
+BLOCK_VALUES = 1 << 22  # values converted at once (their float32 temporaries: tens of MB)
 
 
 def is_gguf_path(name: str) -> bool:
@@ -150,22 +151,23 @@ class _Tensors:
         return param in self and self.file.tensors[gguf_name(param)][0] not in HALF_WIDTHS
 
     def read(self, param: str, dest: torch.Tensor) -> torch.Tensor:
-        values = self.file.read_values(gguf_name(param))
+        """Tensor of `param` read whole into `dest`, a block of rows at a time (q/k rows of a llama file put back)."""
+        name = gguf_name(param)
         order = qk_row_order(self.arch, self.config, param)
-        if order is not None:
-            values = values[order]
-        dest.copy_(torch.from_numpy(np.ascontiguousarray(values)).reshape(dest.shape))
+        rows, n = self.file.rows(name), self.file.tensors[name][1][-1]
+        flat = dest.view(rows, n)
+        for a, b in _blocks(rows, n) if order is None else [(0, rows)]:
+            values = self.file.read_values(name, rows=(a, b))
+            flat[a:b] = torch.from_numpy(values if order is None else np.ascontiguousarray(values[order]))
         return dest
 
-    def convert(self, name: str, index: int | None = None, order: np.ndarray | None = None):
-        """GGUF tensor `name` (or expert `index` of it) in the affine format, rows in transformers' order."""
+    def convert(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None):
+        """Rows [a, b) of GGUF tensor `name` (or of its expert `index`) in the affine format, its figures kept."""
         type_name = self.file.tensors[name][0]
         if type_name in EXACT:
-            out = convert_exact(self.file.read_bytes(name, index), type_name)
+            out = convert_exact(self.file.read_bytes(name, index, rows), type_name)
         else:
-            out = requantize(self.file.read_values(name, index))
-        if order is not None:
-            out.packed, out.scales, out.biases = out.packed[order], out.scales[order], out.biases[order]
+            out = requantize(self.file.read_values(name, index, rows))
         entry = self.report.setdefault(name, {"type": type_name, "bits": out.bits, "exact": type_name in EXACT,
                                               "fp16_rounding": 0.0, "requant_error": 0.0})
         entry["fp16_rounding"] = max(entry["fp16_rounding"], out.fp16_rounding)
@@ -173,23 +175,40 @@ class _Tensors:
         return out
 
     def packed(self, param: str) -> PackedWeight:
-        out = self.convert(gguf_name(param), order=qk_row_order(self.arch, self.config, param))
-        return PackedWeight(torch.from_numpy(out.packed.view(np.int32)), torch.from_numpy(out.scales),
-                            torch.from_numpy(out.biases), out.bits, GROUP)
+        """The matrix of `param` packed, a block of rows at a time (no full-width copy of a vocabulary head)."""
+        name = gguf_name(param)
+        weight = self._packed(name, [None])
+        order = qk_row_order(self.arch, self.config, param)
+        if order is not None:
+            index = torch.from_numpy(order)
+            weight = PackedWeight(weight.packed[index], weight.scales[index], weight.biases[index], weight.bits,
+                                  GROUP)
+        return weight
 
     def packed_experts(self, name: str) -> PackedWeight:
-        """A 3D expert tensor [E, rows, n] packed one expert at a time into its place."""
-        e, rows, n = self.file.tensors[name][1]
-        first = self.convert(name, 0)
-        words, groups = first.packed.shape[-1], n // GROUP
-        packed = torch.empty((e, rows, words), dtype=torch.int32)
-        scales = torch.empty((e, rows, groups), dtype=torch.float16)
-        biases = torch.empty((e, rows, groups), dtype=torch.float16)
-        for i in range(e):
-            out = first if i == 0 else self.convert(name, i)
-            packed[i] = torch.from_numpy(out.packed.view(np.int32))
-            scales[i], biases[i] = torch.from_numpy(out.scales), torch.from_numpy(out.biases)
+        """A 3D expert tensor [E, rows, n] packed one expert (and block of rows) at a time into its place."""
+        return self._packed(name, list(range(self.file.tensors[name][1][0])))
+
+    def _packed(self, name: str, experts: list[int | None]) -> PackedWeight:
+        rows, n = self.file.rows(name), self.file.tensors[name][1][-1]
+        lead = [] if experts == [None] else [len(experts)]
+        first = self.convert(name, experts[0], _blocks(rows, n)[0])
+        packed = torch.empty((*lead, rows, first.packed.shape[-1]), dtype=torch.int32)
+        scales = torch.empty((*lead, rows, n // GROUP), dtype=torch.float16)
+        biases = torch.empty_like(scales)
+        for e in experts:
+            dest = [t if e is None else t[e] for t in (packed, scales, biases)]
+            for a, b in _blocks(rows, n):
+                out = first if (e, a) == (experts[0], 0) else self.convert(name, e, (a, b))
+                dest[0][a:b] = torch.from_numpy(out.packed.view(np.int32))
+                dest[1][a:b], dest[2][a:b] = torch.from_numpy(out.scales), torch.from_numpy(out.biases)
         return PackedWeight(packed, scales, biases, first.bits, GROUP)
+
+
+def _blocks(rows: int, n: int) -> list[tuple[int, int]]:
+    """Row ranges of about BLOCK_VALUES values: what one conversion holds at full width at once."""
+    step = max(1, BLOCK_VALUES // n)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def _fill_experts(tensors: _Tensors, name: str, experts: torch.nn.Module, dtype: torch.dtype) -> None:
