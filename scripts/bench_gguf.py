@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -107,26 +106,35 @@ convert_hf_to_gguf.main()
 """
 
 
-def convert_f16(llama: Path, out: Path) -> Path:
-    """tiny-moe as an F16 GGUF by llama.cpp's own converter (its vendored gguf-py, in a process of its own)."""
-    from runtime.loading.model_loader import TINY_MOE_DIR
-
+def convert_f16(llama: Path, source: Path, out: Path) -> Path:
+    """A transformers folder as an F16 GGUF by llama.cpp's own converter (its vendored gguf-py, in a process of its
+    own), from a copy whose config.json has the top-level `rope_theta` it reads (the weights linked, not copied)."""
     if out.exists():
         return out
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "tiny-moe"
-        shutil.copytree(TINY_MOE_DIR, src)
-        config = json.loads((src / "config.json").read_text())
-        config["rope_theta"] = config["rope_parameters"]["rope_theta"]  # the converter reads it at the top level
+        src = Path(tmp) / source.name
+        src.mkdir()
+        for f in source.iterdir():
+            (src / f.name).symlink_to(f.resolve())
+        (src / "config.json").unlink()
+        config = json.loads((source / "config.json").read_text())
+        config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         (src / "config.json").write_text(json.dumps(config, indent=1))
         code = CONVERT.format(gguf_py=str(llama / "gguf-py"), llama=str(llama), src=str(src), out=str(out))
-        subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode:
+        out.unlink(missing_ok=True)  # no half-written file left for the next run to take
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {proc.stderr.strip()[-1500:]}")
     return out
 
 
 def quantize(bin_dir: Path, sdist: Path, f16: Path, quant: str, out: Path) -> Path:
     if not out.exists():
-        worker("quantize", [str(bin_dir), str(sdist), str(f16), quant, str(out)])
+        try:
+            worker("quantize", [str(bin_dir), str(sdist), str(f16), quant, str(out)])
+        except RuntimeError:
+            out.unlink(missing_ok=True)
+            raise
     return out
 
 
@@ -310,6 +318,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quants", default="Q8_0,Q4_K_M", help="llama-quantize types (default Q8_0,Q4_K_M)")
     p.add_argument("--tokens", type=int, default=4096, help=f"tokens of {TEXT} (default 4096)")
+    p.add_argument("--source", type=Path, help="a transformers MoE folder to convert instead of tiny-moe (a shape "
+                   "twin, for memory: scripts/make_shape_twin.py)")
+    p.add_argument("--no-search", action="store_true", help="skip search and generate")
     p.add_argument("--cache", type=Path, default=default_cache(), help="llama.cpp's build and the files")
     p.add_argument("--jobs", type=int, default=2, help="build jobs (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -319,7 +330,10 @@ def main() -> int:
     llama = sdist / "vendor" / "llama.cpp"
     files_dir = args.cache / "files"
     files_dir.mkdir(parents=True, exist_ok=True)
-    f16 = convert_f16(llama, files_dir / "tiny-moe-F16.gguf")
+    from runtime.loading.model_loader import TINY_MOE_DIR
+
+    source = args.source or TINY_MOE_DIR
+    f16 = convert_f16(llama, source, files_dir / f"{source.name}-F16.gguf")
     from runtime.loading.gguf_file import GGUFFile
 
     converted = GGUFFile(f16)
@@ -328,10 +342,11 @@ def main() -> int:
                       "mb": round(f16.stat().st_size / 1e6, 1)}, "files": []}
     with tempfile.TemporaryDirectory() as tmp:
         for quant in args.quants.split(","):
-            file = quantize(bin_dir, sdist, f16, quant, files_dir / f"tiny-moe-{quant}.gguf")
+            file = quantize(bin_dir, sdist, f16, quant, files_dir / f"{source.name}-{quant}.gguf")
             log(f"{quant}: ours against llama.cpp")
             entry = bench_file(bin_dir, sdist, quant, file, args.tokens, Path(tmp))
-            search_and_generate(entry, Path(tmp), search=quant == "Q4_K_M")
+            if not args.no_search:
+                search_and_generate(entry, Path(tmp), search=quant == "Q4_K_M")
             result["files"].append(entry)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
