@@ -119,6 +119,10 @@ def convert_f16(llama: Path, source: Path, out: Path) -> Path:
         (src / "config.json").unlink()
         config = json.loads((source / "config.json").read_text())
         config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        if not config.get("architectures"):  # a shape twin names only its model_type; the converter needs both
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
         (src / "config.json").write_text(json.dumps(config, indent=1))
         code = CONVERT.format(gguf_py=str(llama / "gguf-py"), llama=str(llama), src=str(src), out=str(out))
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
