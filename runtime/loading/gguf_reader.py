@@ -136,7 +136,7 @@ def _tensors_of(view: str) -> _Tensors:
 
 class _Tensors:
     """The file's tensors by transformers parameter name: read whole into a parameter (`read`, the interface
-    `mlx_checkpoint._fill_whole` takes) or converted to a packed weight (`packed`), each conversion's figures kept
+    `mlx_checkpoint.fill_whole` takes) or converted to a packed weight (`packed`), each conversion's figures kept
     in `report` (GGUF tensor -> type, bits, fp16 rounding, requantization error)."""
 
     def __init__(self, file: GGUFFile, config: dict) -> None:
@@ -238,7 +238,7 @@ def read_gguf_model(view: Path, dtype: torch.dtype) -> torch.nn.Module:
     docstring); `model.npumoe_gguf_report` holds each converted tensor's figures."""
     import transformers
 
-    from runtime.loading.mlx_checkpoint import _fill_whole, _set
+    from runtime.loading.mlx_checkpoint import fill_whole, set_module
 
     config = json.loads((Path(view) / "config.json").read_text(encoding="utf-8"))
     tensors = _Tensors(GGUFFile(Path(_source(view)["gguf"])), config)
@@ -251,19 +251,15 @@ def read_gguf_model(view: Path, dtype: torch.dtype) -> torch.nn.Module:
             if name.endswith(".mlp.experts") and hasattr(module, "gate_up_proj"):
                 _fill_experts(tensors, name, module, dtype)
             elif isinstance(module, torch.nn.Embedding) and tensors.is_packed(name + ".weight"):
-                _set(model, name, QuantizedEmbedding(tensors.packed(name + ".weight"), dtype, module.padding_idx))
+                set_module(model, name, QuantizedEmbedding(tensors.packed(name + ".weight"), dtype, module.padding_idx))
             elif isinstance(module, torch.nn.Linear) and tensors.is_packed(name + ".weight"):
                 bias = tensors.read(name + ".bias", torch.empty(module.out_features, dtype=dtype)) \
                     if module.bias is not None else None
-                _set(model, name, QuantizedLinear(tensors.packed(name + ".weight"), bias))
+                set_module(model, name, QuantizedLinear(tensors.packed(name + ".weight"), bias))
         embedding = model.get_input_embeddings()
         if tied and isinstance(embedding, QuantizedEmbedding):
             model.lm_head = QuantizedLinear(embedding.weight_q)
-        _fill_whole(model, tensors, dtype, tied)
-        head = getattr(model, "lm_head", None)
-        if tied and getattr(getattr(head, "weight", None), "is_meta", False):
-            # a whole tied head never shows in named_parameters (shared with the meta embedding): share it again
-            head.weight = model.get_input_embeddings().weight
+        fill_whole(model, tensors, dtype, tied)
     if any(hasattr(m, "npumoe_weights") for m in model.modules()):
         model.set_experts_implementation(PACKED_IMPLEMENTATION)
     model.npumoe_gguf_report = tensors.report
