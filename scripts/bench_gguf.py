@@ -182,6 +182,7 @@ def ours_worker(file: str, tokens: int, out: str) -> dict:
     torch.set_num_threads(1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model, tokenizer = load_model(file, "float32")
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     ids = tokenizer.encode(read_text(TEXT))[:tokens]
     nll, count, top = 0.0, 0, []
@@ -202,7 +203,8 @@ def ours_worker(file: str, tokens: int, out: str) -> dict:
             "prompt_ids": tokenizer.encode(PROMPT), "report": getattr(model, "npumoe_gguf_report", {}),
             "weights_held_mb": weights / 2**20,
             "weights_predicted_mb": model_size(file, "float32").weight_bytes / 2**20,
-            "rss_before_load_mb": before, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "rss_before_load_mb": before, "peak_rss_after_load_mb": loaded,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def llama_worker(lib: str, sdist: str, file: str, out: str, prompt_ids: str) -> dict:
@@ -276,6 +278,7 @@ def bench_file(bin_dir: Path, sdist: Path, quant: str, file: Path, tokens: int, 
             "same_tokenization": ref["same_tokenization"],
             "expert_bytes_held": held, "expert_bytes_in_file": stored, "held_over_file": round(held / stored, 4),
             "peak_rss_mb": round(ours["peak_rss_mb"], 1), "rss_before_load_mb": round(ours["rss_before_load_mb"], 1),
+            "peak_rss_after_load_mb": round(ours["peak_rss_after_load_mb"], 1),
             "weights_held_mb": round(ours["weights_held_mb"], 2),
             "weights_predicted_mb": round(ours["weights_predicted_mb"], 2),
             "tensors": {t: sum(1 for r in ours["report"].values() if r["type"] == t)
