@@ -21,6 +21,7 @@ from autotune.calibration.workload import encode_text
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_config
 from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.gguf_reader import is_gguf_path
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint, read_model_spec
 
 log = logging.getLogger("npumoe")
@@ -41,6 +42,8 @@ def unavailable(name: str) -> str | None:
         return "MLX and mlx-lm are not installed (pip install mlx-lm; on Linux mlx[cpu])"
     if name.startswith(RANDOM_PREFIX):
         return f"{name} is built by transformers here, not a folder mlx-lm can load"
+    if is_gguf_path(name):  # GGUF hook (issue 57): our reader runs it (torch engine)
+        return f"{name} is a GGUF file, which mlx-lm does not load here"
     family = read_config(model_dir(name)).get("model_type")
     if family not in WEIGHT_RULES:
         return f"the recorder does not know {family!r} routing (it knows {', '.join(WEIGHT_RULES)})"
