@@ -146,8 +146,8 @@ def moe_blocks(model) -> dict[int, object]:
 def load_mlx(name: str, dtype: str):
     """(mlx-lm's model of the folder, its tokenizer). `dtype` other than auto casts its floating parameters (the
     scales of packed weights included: float32 widens mlx-lm's bf16 exactly); a packed router is then dequantized
-    in its scales' own dtype first and its weight cast, as our torch loader holds routers
-    (`runtime.loading.mlx_checkpoint`), so both engines route on the same numbers."""
+    in float32 first and its weight cast, as our torch loader holds routers (`runtime.loading.mlx_checkpoint`
+    `dequantized`), so both engines route on the same numbers."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm
@@ -170,8 +170,10 @@ def load_mlx(name: str, dtype: str):
         for block in moe_blocks(model).values():
             gate = block.gate
             if isinstance(gate, nn.QuantizedLinear):
-                weight = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
-                                       gate.mode)
+                biases = gate.get("biases")
+                weight = mx.dequantize(gate.weight, gate.scales.astype(mx.float32),
+                                       None if biases is None else biases.astype(mx.float32), gate.group_size,
+                                       gate.bits, gate.mode)
                 block.gate = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in gate)
                 block.gate.update({"weight": weight, **({"bias": gate.bias} if "bias" in gate else {})})
         model.update(tree_map(lambda a: a.astype(to) if mx.issubdtype(a.dtype, mx.floating) else a,
