@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-device", help="measure this host's backends and fit the cost model")
     p.add_argument("--backends", type=backend_list, default=None, metavar="LIST",
                    help="comma-separated backends to profile, plugins included (default: every one this host has: "
-                        "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
+                        "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu; mlx-exact where "
+                        "MLX runs on a Metal GPU; coreai where Core AI runs on the Neural Engine, macOS 27)")
     p.add_argument("--quick", action="store_true",
                    help="fewer shapes and runs: 4-5 minutes on a 2-core Intel AMX host, 14 on an AVX2-only one")
     p.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
