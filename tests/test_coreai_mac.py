@@ -107,7 +107,7 @@ def test_placement_off_the_neural_engine_is_refused_in_one_line(monkeypatch, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["P.json"]
 
 
-def test_placement_shares_recorded_and_auto_builds_fp16_against_ane_sim(monkeypatch, tmp_path, capsys):
+def test_placement_shares_recorded_and_auto_builds_fp16_against_ane_sim(monkeypatch, tmp_path, capsys, caplog):
     """Placement passes (the graph's output, UNKNOWN in the plan, counted neither way): every function's share is 1
     in the asset's metadata and the manifest; `--dtype auto` builds float16 checked against ane-sim."""
     coreai_standin.install(monkeypatch, {"coreai.silu": "CPU"})
@@ -129,6 +129,12 @@ def test_placement_shares_recorded_and_auto_builds_fp16_against_ane_sim(monkeypa
     manifest = json.loads(out.with_suffix(".manifest.json").read_text())
     assert manifest["packages"][0]["neural_engine_share"] == {"layer0_group0": s["share"]}
     assert "lowest share" in stdout
+    from runtime.coreai.coreai_backend import CoreAiBackend
+
+    with caplog.at_level(logging.INFO, logger="npumoe"):
+        CoreAiBackend(str(out))._say_placement()
+    said = [r.getMessage() for r in caplog.records if "compute plan" in r.getMessage()]
+    assert len(said) == 1 and f"lowest {100 * s['share']:.0f}%, layer0_group0" in said[0], said
 
 
 def test_doctor_off_list_leaves_unknown_ops_out():

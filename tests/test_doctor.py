@@ -32,6 +32,22 @@ def test_doctor_json_on_linux_skips_macos_checks_and_passes_the_rest(capsys):
     assert f"mlx {version('mlx')} on MLX's CPU device" in mlx and "mlx-exact runs: max relative error" in mlx, mlx
 
 
+@pytest.mark.skipif(sys.platform == "darwin", reason="the Linux run; macOS's is held by the macos-marked tests")
+def test_doctor_leaves_no_temp_folder(tmp_path):
+    """`autotune doctor` in a TMPDIR of its own: listed before and after, nothing is left (coremltools' converted
+    packages and torch's inductor folder went there and stayed)."""
+    import os
+    import subprocess
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "NPUMOE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "autotune", "doctor", "--json"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert os.listdir(tmp) == []
+
+
 def test_help_names_the_mac_defaults(capsys):
     """`calibrate`'s engine defaults to auto (MLX where it runs the model); `profile-device` names mlx-exact and
     coreai among its defaults."""

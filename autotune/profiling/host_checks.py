@@ -359,6 +359,13 @@ CHECKS: list[tuple[str, Callable[[Probe], str]]] = [
 
 def run_checks(progress: bool = False) -> list[Check]:
     """Every check in order; an unexpected error in one is that check's failure, never the end of the run."""
+    from autotune.build_io import private_tempdir
+
+    with private_tempdir():  # whatever a check's converters leave in the temp folder (Core ML, torch) goes with it
+        return _run_all(progress)
+
+
+def _run_all(progress: bool) -> list[Check]:
     from tqdm import tqdm
 
     probe, out = Probe(), []
