@@ -282,8 +282,10 @@ def check_coreai(_: Probe) -> str:
     if r["ops_off_neural_engine"] or max(r["group_max_rel_error"], r["attention_max_rel_error"]) > r["tolerance"]:
         raise Failed(f"Core AI: ops off the Neural Engine {r['ops_off_neural_engine'][:8]}; max relative error "
                      f"{errors} (tolerance {r['tolerance']:g})")
-    return (f"Core AI's compute plan: every op of a group function and an attention core on the Neural Engine "
-            f"({r['device_histogram']}); max relative error vs torch {errors} (tolerance {r['tolerance']:g})")
+    shares = ", ".join(f"{name} {s['share']:.0%}" for name, s in r["placement"].items())
+    return (f"Core AI's compute plan: every placed op of a group function and an attention core on the Neural "
+            f"Engine ({r['device_histogram']}; shares {shares}); max relative error vs torch {errors} (tolerance "
+            f"{r['tolerance']:g})")
 
 
 def check_mlx(_: Probe) -> str:
