@@ -210,6 +210,27 @@ def test_terminated_while_checking_leaves_no_asset(fp32, tmp_path, monkeypatch, 
     assert list(out.parent.iterdir()) == []
 
 
+def test_sigterm_while_checking_leaves_nothing_run_could_take(tmp_path):
+    """A real SIGTERM once the staged asset is saved (its checks under way, fp16: seconds here): exit 143 and no
+    `X.aimodel`, no manifest, no staging folder."""
+    import signal
+    import time
+
+    plan, out = _plan(tmp_path, layers=1), tmp_path / "X.aimodel"
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", "build", "--model", "tiny-moe", "--plan", str(plan),
+                             "--format", "coreai", "--out", str(out), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob(".X.aimodel.*.building/X.aimodel/metadata.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the build never staged its asset"
+        time.sleep(0.05)
+    time.sleep(0.5)  # the asset saved and its metadata written: the checks run now
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143 and "terminated" in err, err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["P.json"]
+
+
 def test_asset_dtype_other_than_the_runs_is_said_once(fp32, caplog):
     """A float32 asset in a bfloat16 run: the calls convert, said once, with the difference to expect."""
     from runtime.backends import GroupSpec

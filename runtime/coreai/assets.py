@@ -18,6 +18,7 @@ build record, and running its functions (coreai-core's runtime).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import io
@@ -194,7 +195,15 @@ class _Loop:
         threading.Thread(target=self.loop.run_forever, name="npumoe-coreai", daemon=True).start()
 
     def run(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            # An interrupt (SIGTERM, Ctrl-C) raised in the waiting caller: the native call in flight ends first, or
+            # the process would exit under it and Apple's runtime abort it (SIGABRT instead of our exit code).
+            with contextlib.suppress(BaseException):
+                concurrent.futures.wait([future])
+            raise
 
 
 _LOOP: _Loop | None = None
