@@ -157,7 +157,7 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
     t = time.perf_counter()
     found = placement.read(program)  # macOS 27: Core AI's compute plan, before anything is written
     if found is not None:
-        placement.check(found)
+        placement.check(found, dtype)
     shares = {name: s.to_json() for name, s in (found or {}).items()}
     meta = dict(dtype=dtype, hidden=plan.model.hidden_size, ffn=plan.model.expert_ffn_size,
                 model_fingerprint=plan.model.fingerprint, functions=record, placement=shares or None)

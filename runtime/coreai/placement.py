@@ -106,15 +106,18 @@ def off_neural_engine(program, plan: dict) -> list[str]:
                    and NEURAL_ENGINE not in e["devices"]})
 
 
-def check(found: dict[str, Share], min_share: float = MIN_SHARE) -> None:
-    """Refuse, in one line, the first function that lands mostly off the Neural Engine."""
+def check(found: dict[str, Share], dtype: str, min_share: float = MIN_SHARE) -> None:
+    """Refuse, in one line, the first function that lands mostly off the Neural Engine; for a float32 asset, the
+    way out (the Neural Engine computes in float16)."""
+    hint = "; the Neural Engine computes float16: build without --dtype float32" if dtype == "float32" else ""
     for name, s in found.items():
         if s.share < min_share:
             where = ", ".join(f"{d} {n}" for d, n in sorted(s.devices.items())) or "no op placed"
             raise NpumoeError(
                 f"function {name}: Core AI's compute plan puts {s.share:.0%} of it on the Neural Engine (ops "
                 f"{s.ops_on_neural_engine}/{s.ops}, matmul FLOPs {s.matmul_flops_on_neural_engine:,}/"
-                f"{s.matmul_flops:,}; {where}), under the {min_share:.0%} a device function needs; nothing written")
+                f"{s.matmul_flops:,}; {where}), under the {min_share:.0%} a device function needs; nothing "
+                f"written{hint}")
 
 
 def read(program) -> dict[str, Share] | None:
