@@ -224,7 +224,7 @@ def test_sigterm_while_checking_leaves_nothing_run_could_take(tmp_path):
     while not list(tmp_path.glob(".X.aimodel.*.building/X.aimodel/metadata.json")) and proc.poll() is None:
         assert time.monotonic() < deadline, "the build never staged its asset"
         time.sleep(0.05)
-    time.sleep(0.5)  # the asset saved and its metadata written: the checks run now
+    time.sleep(0.1)  # the asset saved and its metadata written: lowered, loaded and checked from now (seconds)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 143 and "terminated" in err, err[-2000:]
