@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from autotune.build_io import private_tempdir, progress_factory
-from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.model_loader import load_model, model_spec, moe_layers
+from runtime.loading.model_record import read_model_spec
 from runtime.plan import check_plan_matches, load_plan
 
 

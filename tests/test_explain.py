@@ -41,3 +41,25 @@ def test_resident_layers_name_their_experts_and_load_share():
                         f"resident on ane in 1 group(s) carry {share:.0%} of its load; "
                         f"{SMALL['num_experts'] - 2} run on the CPU")
     assert "0.095 ms fixed" in lines[0] and "static calls per chunk (ane)" in lines[0]
+
+
+def test_a_plan_that_leaves_the_ane_idle_beside_the_gpu_says_why_in_one_line():
+    """No group on the ANE, the experts split between mlx-exact (the GPU) and the CPU: each layer says where they
+    run, and one line names the two fixed costs (the published profile's: the GPU's 0.18 ms sync, the ANE's 0.27
+    ms call) and where the ANE does pay."""
+    from autotune.profiling.profile import load_profile
+
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 256, skew=1.2))
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    scorer = Scorer(cost, SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12, exact="mlx-exact")
+    plan = _plan([LayerConfig(0, cpu_tail=4) for _ in layers], layers, scorer)
+    lines = explain(plan, layers, cost, "ane")
+    assert len(lines) == 2 + len(layers) and "runs exactly on mlx-exact and the CPU" in lines[0]
+    e = SMALL["num_experts"]
+    assert f"none on ane, run exactly ({e - 4} of {e} on mlx-exact, 4 on the CPU); all on the CPU" in lines[1]
+    assert lines[-1] == (f"the plan leaves ane idle: on experts this small ({SMALL['hidden_size']} wide) a 0.18 ms "
+                         "mlx-exact sync per call beats a 0.27 ms ane call; where ane pays: docs/measurements.md, "
+                         "\"Whole prefill at the paper's shapes\" (docs/img/whole-prefill.png)")
+    assert explain(_plan([LayerConfig(0) for _ in layers], layers, Scorer(cost, SMALL["hidden_size"],
+                   SMALL["expert_ffn_size"], "ane", 1e12, exact="cpu-exact")), layers, cost, "ane")[-1].startswith(
+        "layer")  # all on the CPU: no GPU sync to weigh, no such line

@@ -25,7 +25,8 @@ from runtime import generation  # noqa: E402
 from runtime.cpu.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import PlanExecutor  # noqa: E402
-from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
+from runtime.loading.model_loader import load_model, model_spec  # noqa: E402
+from runtime.loading.model_record import read_model_spec  # noqa: E402
 from runtime.plan import Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
 

@@ -13,8 +13,8 @@ from runtime.plan import load_plan, save_plan
 
 
 def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
-    traces = autotune.calibrate("random:qwen3_moe", text_file, chunk=32, prompt_tokens=64, max_tokens=1024,
-                                out=tmp_path / "t.npz", progress=False)
+    traces = autotune.calibrate(autotune.resolve_model("random:qwen3_moe"), text_file, chunk=32, prompt_tokens=64,
+                                max_tokens=1024, out=tmp_path / "t.npz", progress=False)
     assert traces.path == str(tmp_path / "t.npz") and traces.summary["chunks"] == traces.traces.n_chunks > 0
     config = autotune.SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, trials=4,
                                    out=str(tmp_path / "plan.json"), no_gate=True)  # the gate: test_gate.py
@@ -30,7 +30,8 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
                                                             "activations_bytes", "kv_cache_bytes", "runtime_bytes"))
     assert result.plan.predicted["predicted_cpu_ms_per_token"] > 0
     assert result.report.explanation[0].startswith(f"chunk {result.plan.chunk_tokens} tokens")
-    assert len(result.report.explanation) == 1 + len(result.plan.layers)
+    layers = result.report.explanation[1:1 + len(result.plan.layers)]
+    assert [line.split(":")[0] for line in layers] == [f"layer {lp.layer}" for lp in result.plan.layers]
 
 
 def test_library_build(tmp_path):

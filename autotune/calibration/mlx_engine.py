@@ -18,7 +18,8 @@ from autotune.calibration.traces import Recording, Traces, check_prompts, record
 from autotune.calibration.workload import encode_text
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_config
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, read_model_spec
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir
+from runtime.loading.model_record import read_model_spec
 
 ENGINES = ("torch", "mlx", "auto")
 # model_type -> whether the block renormalises the k chosen probabilities (None: as the block's `norm_topk_prob`

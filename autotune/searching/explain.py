@@ -9,21 +9,48 @@ from autotune.costing.costmodel import CostModel, ffn_work
 from autotune.searching.decisions import layer_plan
 from autotune.searching.layer_data import LayerData
 from autotune.searching.space import LayerConfig
+from runtime.backends import EXACT
 from runtime.plan import LayerPlan, Plan
 
 SHOWN_IDS = 6  # resident expert ids listed per layer; the rest are counted
 
 
+# where a static backend does pay: the whole prefill at the paper's shapes, charted
+WHERE_IT_PAYS = "docs/measurements.md, \"Whole prefill at the paper's shapes\" (docs/img/whole-prefill.png)"
+
+
 def explain(plan: Plan, layers: list[LayerData], cost: CostModel, backend: str) -> list[str]:
-    """The explanation's lines, chunk first, then one per MoE layer. `backend`: the static backend the search
-    placed groups on."""
+    """The explanation's lines, chunk first, then one per MoE layer, then (where the plan leaves the static backend
+    idle beside an exact path off the CPU) why. `backend`: the static backend the search placed groups on."""
     h, f = plan.model.hidden_size, plan.model.expert_ffn_size
     by_layer = {d.layer: d for d in layers}
     lines = [chunk_line(plan, by_layer, cost, h, f)]
     for lp in plan.layers:
         data = by_layer[lp.layer]
-        lines.append(resident_line(lp, data) if lp.groups else no_pay_line(data, cost, backend, h, f))
-    return lines
+        lines.append(resident_line(lp, data) if lp.groups else no_pay_line(data, cost, backend, h, f,
+                                                                           exact_where(plan, lp)))
+    idle = idle_line(plan, cost, backend)
+    return lines + ([idle] if idle else [])
+
+
+def exact_where(plan: Plan, lp: LayerPlan) -> str:
+    """Where a layer's experts in no group run: the CPU, or split between the plan's exact path and the CPU."""
+    path = plan.exact_path
+    on_path = [e for e in lp.cpu_exact if lp.exact_path_of(e, path) == path]
+    if path == EXACT or not on_path:
+        return "the CPU"
+    return f"{len(on_path)} of {len(lp.cpu_exact)} on {path}, {len(lp.cpu_exact) - len(on_path)} on the CPU"
+
+
+def idle_line(plan: Plan, cost: CostModel, backend: str) -> str | None:
+    """Why the static backend holds no group while an exact path off the CPU takes experts: that path's fixed cost
+    per call against the static backend's, on work this small; and where the static backend does pay."""
+    path = plan.exact_path
+    if any(lp.groups for lp in plan.layers) or path == EXACT or cost.call_ms(path) >= cost.call_ms(backend):
+        return None
+    return (f"the plan leaves {backend} idle: on experts this small ({plan.model.hidden_size} wide) a "
+            f"{cost.call_ms(path):.2f} ms {path} sync per call beats a {cost.call_ms(backend):.2f} ms {backend} call; "
+            f"where {backend} pays: {WHERE_IT_PAYS}")
 
 
 def _mean_counts(data: LayerData) -> np.ndarray:
@@ -37,8 +64,10 @@ def chunk_line(plan: Plan, by_layer: dict[int, LayerData], cost: CostModel, h: i
     groups = [(lp, g) for lp in plan.layers for g in lp.groups]
     if not groups:
         cpu = sum(cost.exact_ms(_mean_counts(d), h, f) for d in by_layer.values())
+        path = plan.exact_path
+        where = "on the CPU" if path == EXACT else f"on {path} and the CPU"
         return (f"chunk {c} tokens: no static group, so there is nothing to amortise: every MoE layer runs exactly "
-                f"on the CPU, {cpu:.3f} ms per chunk over all MoE layers")
+                f"{where} (all on the CPU: {cpu:.3f} ms per chunk over all MoE layers)")
     backend = groups[0][1].backend
     model = cost.backend_model(backend)
     call = cost.call_ms(backend)
@@ -75,15 +104,18 @@ def resident_line(lp: LayerPlan, data: LayerData) -> str:
             f"{len(lp.groups)} group(s) carry {share:.0%} of its load; {len(lp.cpu_exact)} run on the CPU")
 
 
-def no_pay_line(data: LayerData, cost: CostModel, backend: str, h: int, f: int) -> str:
-    """Why a layer keeps every expert on the CPU: a static call alone costs more than the layer's CPU work, or
-    else the best single group of its hottest experts is predicted slower than the CPU."""
+def no_pay_line(data: LayerData, cost: CostModel, backend: str, h: int, f: int, where: str = "the CPU") -> str:
+    """Why a layer keeps every expert off the static backend (run exactly, `where`): a static call alone costs
+    more than the layer's CPU work, or else the best single group of its hottest experts is predicted slower than
+    the CPU."""
     counts = _mean_counts(data)
     cpu = float(cost.exact_ms(counts, h, f))
     call = cost.call_ms(backend)
+    lead = f"layer {data.layer}: all on the CPU" if where == "the CPU" else \
+        f"layer {data.layer}: none on {backend}, run exactly ({where}); all on the CPU"
     if call >= cpu:
-        return (f"layer {data.layer}: all on the CPU: {_a(backend)} call costs {call:.3f} ms, more than this layer's "
-                f"whole expert work on the CPU, {cpu:.3f} ms per chunk")
+        return (f"{lead}: {_a(backend)} call costs {call:.3f} ms, more than this layer's whole expert work on the "
+                f"CPU, {cpu:.3f} ms per chunk")
     n = data.calib.shape[1]
     best = None
     for r in (2 ** i for i in range(int(np.log2(n)) + 1)):
@@ -93,6 +125,6 @@ def no_pay_line(data: LayerData, cost: CostModel, backend: str, h: int, f: int) 
             best = (t, r)
     t, r = best
     share = float(counts[data.rank[:r]].sum() / max(1, counts.sum()))
-    return (f"layer {data.layer}: all on the CPU, {cpu:.3f} ms per chunk: the best single {backend} group of its "
+    return (f"{lead}, {cpu:.3f} ms per chunk: the best single {backend} group of its "
             f"hottest experts ({r}, {share:.0%} of the load, capacity at their largest load) is predicted at "
             f"{t:.3f} ms, its call {call:.3f} ms and padded slots included")

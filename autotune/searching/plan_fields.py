@@ -2,21 +2,21 @@
 measurement of the chosen plan, and the dense functions' field."""
 from __future__ import annotations
 
+from autotune.costing.whole_prefill import DecoderShape
 from autotune.searching.dense_choice import dense_plan
-from autotune.searching.model_record import ModelRecord
 from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes
 
 
-def dense_of(outcome: SearchOutcome, record: ModelRecord, sol: Solution) -> dict | None:
+def dense_of(outcome: SearchOutcome, shape: DecoderShape, sol: Solution) -> dict | None:
     """The plan's `dense` field for a solution: the dense functions chosen at its chunk size, except for the all-CPU
     plan (the unmodified model's computation, the gate's last resort) and a solution keeping more experts resident
     than the choice was made beside, past the ANE's window with them (its dense functions then stay on the CPU)."""
     choice = outcome.dense.get(sol.chunk_tokens)
     if choice is None or not any(cfg.resident for cfg in sol.configs):
         return None
-    if not choice.fits_beside(resident_bytes(sol, record.spec.hidden_size, record.spec.expert_ffn_size)):
+    if not choice.fits_beside(resident_bytes(sol, shape.hidden, shape.expert_ffn)):
         return None
-    return dense_plan(choice.placement, record.shape)
+    return dense_plan(choice.placement, shape)
 
 
 def compress_counts(configs) -> dict[str, int]:

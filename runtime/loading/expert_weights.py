@@ -22,6 +22,7 @@ from runtime.loading.checkpoint_reader import (
     tensor_sources,
 )
 from runtime.loading.checkpoints import check_checkpoint, safetensors_header
+from runtime.loading.model_config import read_config
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, moe_layers, resolve_dtype
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -63,11 +64,12 @@ class CheckpointExperts:
         if name.startswith(RANDOM_PREFIX):
             return None
         path = model_dir(name)
-        check_checkpoint(path)
+        config = read_config(path)
+        check_checkpoint(path, config)
         files = tensor_index(path)
         if not files:
             return None
-        skeleton = meta_skeleton(path)
+        skeleton = meta_skeleton(path, config)
         names = {id(p): n for n, p in skeleton.named_parameters()}
         sources = {}
         for layer in moe_layers(skeleton):

@@ -29,12 +29,12 @@ from runtime.cpu.quantized import (
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import (
     SAFETENSORS_DTYPES,
-    read_config,
     read_tensor_into,
     tensor_index,
     transformers_config,
 )
 from runtime.loading.checkpoints import safetensors_header
+from runtime.loading.model_config import read_config
 
 # mlx names of a fused experts module's parts, per block layout: (gate, up, down).
 SWITCH_PARTS = {".mlp.": ("gate_proj", "up_proj", "down_proj"), ".block_sparse_moe.": ("w1", "w3", "w2")}
@@ -155,8 +155,8 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The transformers model of an MLX checkpoint folder, its quantized weights kept packed (module docstring)."""
     import transformers
 
-    config = transformers_config(path)
-    formats = _Formats(read_config(path)["quantization"])
+    table = read_config(path)
+    config, formats = transformers_config(path, table), _Formats(table["quantization"])
     files = _Files(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
