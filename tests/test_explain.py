@@ -58,8 +58,8 @@ def test_a_plan_that_leaves_the_ane_idle_beside_the_gpu_says_why_in_one_line():
     e = SMALL["num_experts"]
     assert f"none on ane, run exactly ({e - 4} of {e} on mlx-exact, 4 on the CPU); all on the CPU" in lines[1]
     assert lines[-1] == (f"the plan leaves ane idle: on experts this small ({SMALL['hidden_size']} wide) a 0.18 ms "
-                         "mlx-exact sync per call beats a 0.27 ms ane call; where ane pays: docs/measurements.md, "
-                         "\"Whole prefill at the paper's shapes\" (docs/img/whole-prefill.png)")
+                         "mlx-exact sync per call beats a 0.27 ms ane call; where ane pays: the paper's shapes' "
+                         "chart, docs/measurements.md#the-gpu-beside-the-neural-engine")
     assert explain(_plan([LayerConfig(0) for _ in layers], layers, Scorer(cost, SMALL["hidden_size"],
                    SMALL["expert_ffn_size"], "ane", 1e12, exact="cpu-exact")), layers, cost, "ane")[-1].startswith(
         "layer")  # all on the CPU: no GPU sync to weigh, no such line

@@ -16,7 +16,7 @@ SHOWN_IDS = 6  # resident expert ids listed per layer; the rest are counted
 
 
 # where a static backend does pay: the whole prefill at the paper's shapes, charted
-WHERE_IT_PAYS = "docs/measurements.md, \"Whole prefill at the paper's shapes\" (docs/img/whole-prefill.png)"
+WHERE_IT_PAYS = "the paper's shapes' chart, docs/measurements.md#the-gpu-beside-the-neural-engine"
 
 
 def explain(plan: Plan, layers: list[LayerData], cost: CostModel, backend: str) -> list[str]:
