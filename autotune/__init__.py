@@ -5,10 +5,11 @@ The pipeline as library functions (`autotune.pipeline`; each `autotune` command 
 
     from autotune import SearchConfig, build, calibrate, evaluate, resolve_model, run_plan, search_plan
 
-    traces = calibrate(resolve_model("tiny-moe"), "builtin:pydoc-calib", out="traces/tiny-moe.npz")
+    tiny = resolve_model("tiny-moe")  # config.json and the checkpoint's tables read once; the weights when needed
+    traces = calibrate(tiny, "builtin:pydoc-calib", out="traces/tiny-moe.npz")
     config = SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
     result = search_plan("tiny-moe", config)  # exactly `autotune search --model tiny-moe --profile ... --out ...`
-    package = build("tiny-moe", result.path)  # on a plan with `ane` groups
+    package = build(tiny, result.path)  # on a plan with `ane` groups
     stats = run_plan("tiny-moe", result.path, reference=True)  # what `autotune run --json` prints
     fidelity = evaluate("tiny-moe", result.path)  # what `autotune evaluate --json` prints
 

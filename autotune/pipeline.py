@@ -258,15 +258,16 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
     """The search's inputs: each prompt length checked against the model's context before the traces are read or
     made; the profile covering the model's own shapes (measured first where it lacks them and may measure)."""
     record = resolve_model(model, c.dtype)
+    name = record.name
     if c.prompt_tokens:  # before the traces are read or made
-        check_context(model, record.context, c.prompt_tokens)
-    if c.prompt_tokens or not Path(c.traces or default_traces_path(model)).exists():  # the prompt is known
+        check_context(name, record.context, c.prompt_tokens)
+    if c.prompt_tokens or not Path(c.traces or default_traces_path(name)).exists():  # the prompt is known
         c.check_gate_tokens(min(chunk_candidates(c.prompt_tokens or PROMPT_TOKENS, record.context)))
     size, shape = model_size(record), decoder_shape(record)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileHostWarning)
         prof, profile_name = _profile(c.profile, progress)
-    prof = cover_model(prof, profile_name, shape, model_label(model), not c.no_measure, progress, size.layer_bytes,
+    prof = cover_model(prof, profile_name, shape, model_label(name), not c.no_measure, progress, size.layer_bytes,
                        record.compute_dtype)
     trs, traces_path = _traces(record, c.traces, progress)
     prompt = _prompt_tokens(record, trs, c.prompt_tokens)
@@ -277,7 +278,7 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
     notes = [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]
     return SearchInputs(record, size, shape, prof, profile_name, cost, cache_state, trs, traces_path, prompt, chunks,
                         {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks},
-                        Path(c.out) if c.out else default_plan_path(model, c.profile), [n for n in notes if n])
+                        Path(c.out) if c.out else default_plan_path(name, c.profile), [n for n in notes if n])
 
 
 @dataclass

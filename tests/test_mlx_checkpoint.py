@@ -171,7 +171,7 @@ def test_commands_take_the_folder(q4, tmp_path, capsys):
 def test_build_takes_the_folder(q4, tmp_path):
     """`autotune build` from an MLX folder: each function's experts dequantized from the packed codes (that expert
     alone, to the fp16 a package stores), compressed as its plan group says, linted and checked on the host."""
-    from autotune.pipeline import build
+    from autotune.pipeline import build, resolve_model
     from autotune.searching.templates import template_plan
     from runtime.coreml.ane import META_KEY, expert_weights_fp16, weights_digest
     from runtime.coreml.mil_eval import TOLERANCE
@@ -183,7 +183,8 @@ def test_build_takes_the_folder(q4, tmp_path):
                      else {"backend": "cpu-static"}) for gi, g in enumerate(lp.groups)]}) for lp in template.layers]
     plan = tmp_path / "plan.json"
     save_plan(template.model_copy(update={"layers": layers}), plan)
-    result = build(str(q4), plan, out=tmp_path / "q4.mlpackage", cache_dir=tmp_path / "cache", progress=False)
+    result = build(resolve_model(str(q4)), plan, out=tmp_path / "q4.mlpackage", cache_dir=tmp_path / "cache",
+                   progress=False)
     assert [fs.compress for fs in result.functions] == ["int8", "palettize4"]
     errors = [c.max_rel_error for c in result.checks]
     assert errors[0] <= TOLERANCE["int8"] and errors[1] <= TOLERANCE["palettize4"], errors

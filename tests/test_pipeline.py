@@ -40,8 +40,8 @@ def test_library_build(tmp_path):
     save_plan(plan.model_copy(update={"layers": plan.layers[:1] + [
         lp.model_copy(update={"groups": [g.model_copy(update={"backend": "cpu-static"}) for g in lp.groups]})
         for lp in plan.layers[1:]]}), tmp_path / "plan.json")
-    built = autotune.build("random:qwen3_moe", tmp_path / "plan.json", out=tmp_path / "p.mlpackage",
-                           cache_dir=tmp_path / "cache", progress=False)
+    built = autotune.build(autotune.resolve_model("random:qwen3_moe"), tmp_path / "plan.json",
+                           out=tmp_path / "p.mlpackage", cache_dir=tmp_path / "cache", progress=False)
     assert len(built.functions) == len(plan.layers[0].groups) and built.max_rel_error <= 1e-2
     assert (tmp_path / "p.mlpackage").is_dir()
 
