@@ -221,11 +221,12 @@ def _fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied:
             _set(model, name, remade)
 
 
-def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
-    """A router weight of an MLX checkpoint at full width (float32), for the model spec; None where not stored."""
+def dequantized_router(files: dict[str, Path], module_key: str, quantization: dict) -> torch.Tensor | None:
+    """A router weight of an MLX checkpoint at full width (float32), for the model spec; None where not stored.
+    `quantization`: config.json's table."""
     path = next(iter(files.values())).parent
     table = _Files(path)
-    formats = _Formats(read_config(path)["quantization"])
+    formats = _Formats(quantization)
     module = module_key[:-len(".weight")]
     if f"{module}.scales" not in table:
         return table.read(module_key, torch.empty(table.shape(module_key))) if module_key in table else None
@@ -237,13 +238,12 @@ def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor 
     return dequantize(table.read(module_key), scales, table.read(f"{module}.biases"), fmt[0], scales.dtype)
 
 
-def check_mlx_checkpoint(path: Path) -> str:
+def check_mlx_checkpoint(path: Path, table: dict) -> str:
     """An MLX folder checked from config.json and the tensor headers alone, before any command works on it: every
     format its `quantization` names (the default and each module's) is one we decode, every tensor's dtype one we
     read, and every packed weight's shape fits its format. Returns the format each packed module is stored in, as
     canonical JSON (what the model fingerprint covers: however the table spells it). Each failure is one line
-    naming config.json, the module or the tensor."""
-    table = read_config(path)["quantization"]
+    naming config.json, the module or the tensor. `table`: config.json's `quantization`."""
     formats = _Formats(table)
     check_format(str(path / "config.json"), *formats.default)
     for module, entry in table.items():

@@ -218,7 +218,8 @@ def open_checkpoint(path: Path, config: dict) -> tuple[dict[Path, dict], str | N
     (`check_mlx_checkpoint`). Returns its files' tensor tables, and the MLX quantization table in canonical form
     (None for a full-width checkpoint)."""
     headers = check_checkpoint(path, config)
-    return headers, check_mlx_checkpoint(path) if mlx_quantization(config) else None
+    table = mlx_quantization(config)
+    return headers, None if table is None else check_mlx_checkpoint(path, table)
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
@@ -271,7 +272,8 @@ def checkpoint_spec(name: str, path: Path, config: dict, skeleton: torch.nn.Modu
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
-    read = dequantized_router if mlx_quantization(config) else read_router
+    table = mlx_quantization(config)
+    read = read_router if table is None else partial(dequantized_router, quantization=table)
     routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
