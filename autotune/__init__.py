@@ -3,12 +3,13 @@ and evaluate the plan.
 
 The pipeline as library functions (`autotune.pipeline`; each `autotune` command is a thin parser over one):
 
-    from autotune import SearchConfig, build, calibrate, evaluate, run_plan, search_plan
+    from autotune import SearchConfig, build, calibrate, evaluate, resolve_model, run_plan, search_plan
 
-    traces = calibrate("tiny-moe", "builtin:pydoc-calib", out="traces/tiny-moe.npz")
+    tiny = resolve_model("tiny-moe")  # config.json and the checkpoint's tables read once; the weights when needed
+    traces = calibrate(tiny, "builtin:pydoc-calib", out="traces/tiny-moe.npz")
     config = SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, out="plans/t.json")
     result = search_plan("tiny-moe", config)  # exactly `autotune search --model tiny-moe --profile ... --out ...`
-    package = build("tiny-moe", result.path)  # on a plan with `ane` groups
+    package = build(tiny, result.path)  # on a plan with `ane` groups
     stats = run_plan("tiny-moe", result.path, reference=True)  # what `autotune run --json` prints
     fidelity = evaluate("tiny-moe", result.path)  # what `autotune evaluate --json` prints
 
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
         evaluate_tasks,
         profile_device,
         record_prompt_traces,
+        resolve_model,
         run_plan,
         search_plan,
     )
     from autotune.searching.config import SearchConfig
 
 __all__ = ["SearchConfig", "build", "calibrate", "describe_model", "evaluate", "evaluate_tasks", "profile_device",
-           "record_prompt_traces", "run_plan", "search_plan"]
+           "record_prompt_traces", "resolve_model", "run_plan", "search_plan"]
 
 
 def __getattr__(name: str):

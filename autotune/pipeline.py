@@ -16,6 +16,7 @@ import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +35,16 @@ from autotune.calibration.traces import (
     require_recordable,
 )
 from autotune.calibration.workload import encode_text
+from autotune.costing.costmodel import CostModel
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import (
     ModelSize,
     against_measured,
+    model_size,
     predict_memory,
     simulated_functions,
 )
-from autotune.costing.whole_prefill import priced_outside
+from autotune.costing.whole_prefill import DecoderShape, decoder_shape, priced_outside
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
@@ -63,13 +66,12 @@ from autotune.profiling.profile import (
 from autotune.results import EvaluateResult, RunResult, SearchReport, TasksResult
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.config import SearchConfig
-from autotune.searching.cpu_choice import choose_cpu_storage
+from autotune.searching.cpu_choice import CpuChoice, choose_cpu_storage
 from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
-from autotune.searching.model_record import ModelRecord, check_context, resolve_model
-from autotune.searching.optimizer import chunk_candidates, solution_plan, timed_search
+from autotune.searching.optimizer import SearchOutcome, Solution, chunk_candidates, solution_plan, timed_search
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import (
@@ -80,7 +82,7 @@ from autotune.searching.report import (
     search_report,
     sidecar,
 )
-from autotune.searching.robustness import assess, reassess
+from autotune.searching.robustness import Robustness, assess, reassess
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
@@ -97,7 +99,8 @@ from runtime.loading.model_loader import (
     load_model,
     model_spec,
 )
-from runtime.plan import Plan, save_plan
+from runtime.loading.model_record import ModelRecord, check_context, resolve_model
+from runtime.plan import ModelSpec, Plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
 from runtime.resources import Clock, peak_rss_bytes
 
@@ -150,7 +153,7 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
     from autotune.profiling.settings import settings_for
 
     out = out or host_profile_path()
-    record = model_to_measure(model, dtype) if model is not None else None  # a bad model: refused before measuring
+    record = resolve_model(model, dtype) if model is not None else None  # a bad model: refused before measuring
     if model is not None and Path(out).exists():
         profile = load_profile(out, check_host=False)
         require_measurable(profile, str(out))
@@ -166,19 +169,12 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
     return profile
 
 
-def model_to_measure(model: str, dtype: str = "auto") -> ModelRecord:
-    """`model` resolved, with a decoder shape to measure (else one clear error)."""
-    record = resolve_model(model, dtype)
-    if record.shape is None:
-        raise NpumoeError(f"{model}: its config gives no decoder shape to measure")
-    return record
-
-
 def measure_model_shapes(profile: Profile, record: ModelRecord, quick: bool = True,
                          progress: bool = True) -> tuple[Profile, int, float]:
     """`profile` with records at the model's own shapes added and refitted (`model_records.add_model_records`);
     with the records' count and the seconds they took."""
-    return add_model_records(profile, record.shape, model_label(record.name), quick, progress, record.compute_dtype)
+    return add_model_records(profile, decoder_shape(record), model_label(record.name), quick, progress,
+                             record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------
@@ -217,143 +213,236 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
     perturbed profiles instead of the nominal best (the report carries the robustness either way). `memory_gb`: a
     plan predicted to need more (autotune/costing/memory.py) is a violation. Unless `no_gate`, the fidelity gate
     measures the candidates (autotune/searching/gate_candidates.py) and writes the first within its limits; none
-    within them raises NpumoeError and writes nothing."""
-    c = config
-    if c.threads is not None:
-        torch.set_num_threads(c.threads)
-    with one_search_per_sqlite(c.storage):
-        record = resolve_model(model, c.dtype)
-        if c.prompt_tokens:  # before the traces are read or made
-            check_context(model, record.context, c.prompt_tokens)
-        if c.prompt_tokens or not Path(c.traces or default_traces_path(model)).exists():  # the prompt is known
-            c.check_gate_tokens(min(chunk_candidates(c.prompt_tokens or PROMPT_TOKENS, record.context)))
-        spec = record.spec
-        out = Path(c.out) if c.out else default_plan_path(model, c.profile)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ProfileHostWarning)
-            prof, profile_name = _profile(c.profile, progress)
-        if record.shape is not None:  # the model's own shapes measured first where the profile lacks them
-            prof = cover_model(prof, profile_name, record.shape, model_label(model), not c.no_measure, progress,
-                               record.size.layer_bytes, record.compute_dtype)
-        trs, traces_path = _traces(record, c.traces, progress)
-        prompt = _prompt_tokens(record, trs, c.prompt_tokens)
-        cost, cache_state = prof.cost_model_for(record.size.layer_bytes, dtype_name(record.compute_dtype))
-        n_layers = len(spec.moe_layers)
-        chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
-            [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
-        c.check_gate_tokens(min(chunks))
-        workloads = {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks}
-        cpu = choose_cpu_storage(c.cpu_weights, c.memory_gb, record.size, cost, prof.extra.get("kernel_records") or [],
-                                 workloads[max(chunks)], spec.hidden_size, spec.expert_ffn_size, max(chunks), prompt)
-        for note in [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]:
-            if note:  # held until the inputs are known good, so that an error is always the only line
-                log.warning(note)
-        while True:  # the CPU storage chosen, then each wider one that fits while the gate refuses every candidate
-            cost, resident_bytes = cpu.cost, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
-            ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
-            ane_bytes = min(ane_bytes, ane_limits.WINDOW_BYTES)  # the ANE's window holds them with the dense ones
+    within them raises NpumoeError and writes nothing.
 
-            def scorer_for(backend: str) -> Scorer:
-                budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
-                return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / n_layers)
+    The stages, in order: the inputs (the model resolved once, the profile, the traces), the CPU's expert storage,
+    the expert search and the gate's rounds, the plan and its report, the files written."""
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    with one_search_per_sqlite(config.storage):
+        inputs = search_inputs(model, config, progress)
+        cpu = choose_cpu_storage(config.cpu_weights, config.memory_gb, inputs.size, inputs.cost,
+                                 inputs.profile.extra.get("kernel_records") or [], inputs.workloads[max(inputs.chunks)],
+                                 inputs.record.spec.hidden_size, inputs.record.spec.expert_ffn_size,
+                                 max(inputs.chunks), inputs.prompt)
+        for note in inputs.notes:  # held until the inputs are known good, so that an error is always the only line
+            log.warning(note)
+        found, cpu = gate_rounds(inputs, config, cpu, progress)
+        plan, report = plan_and_report(inputs, config, found, cpu)
+        sidecars = write_search(plan, report, inputs.out, config.objective)
+    return SearchResult(plan=plan, report=report, path=inputs.out, sidecars=sidecars, seconds=found.seconds)
 
-            backend = choose_static_backend(cost, LayerData.from_traces(trs), scorer_for, c.backend)
-            scorer = scorer_for(backend)
-            # weights stored compressed are a Core ML function's: the backends with the ANE's limits
-            kinds = c.compress_kinds if registry.get(backend).limits is not None else ("none",)
-            dense = None
-            if not c.no_dense and record.shape is not None and registry.get(backend).limits is not None:
-                calib_prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
 
-                def dense(chunk: int, weights, resident: float) -> DenseChoice:  # Core ML functions, as the groups
-                    return choose_dense(cost, record.shape, prompt, chunk, backend, weights, calib_prompts, resident)
+@dataclass
+class SearchInputs:
+    """What a search works from, each read once: the model's record (and the memory and whole-prefill models' views
+    of it), the profile and its cost model at the model's size, the traces, the prompt and the chunk sizes to
+    search with their workloads."""
+    record: ModelRecord
+    size: ModelSize
+    shape: DecoderShape
+    profile: Profile
+    profile_name: str
+    cost: CostModel
+    cache_state: str
+    traces: Traces
+    traces_path: str
+    prompt: int
+    chunks: list[int]
+    workloads: dict[int, list[LayerData]]
+    out: Path  # the plan file
+    notes: list[str]  # the profile's warnings, said once the inputs are known good
 
-            space = layer_space(spec.num_experts, kinds, scorer.splits_exact)
-            outcome, seconds = timed_search(workloads, scorer, space, dense=dense,
-                                            objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
-                                            storage=optuna_storage(c.storage),
-                                            study_prefix=study_prefix(spec, cost, trs, ane_bytes / 1e6, c.objective,
-                                                                      prompt),
-                                            seed=c.seed, progress=progress)
-            outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
-            if robustness.dense_choice is not None:  # the robust pick's dense placement
-                outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
-            gated, settings = None, c.gate_settings()
-            if settings is not None:
-                sols = gate_order(outcome, scorer, settings.tokens, settings.candidates)
-                gated = run_gate(record.loaded(), gate_candidates(sols, outcome, scorer, spec, c.saliency,
-                                                                  lambda sol: dense_of(outcome, record, sol)),
-                                 settings, progress=progress, cpu_weights=cpu.kind_and_group,
-                                 kernel_rows=cpu.kernel_rows)
-            if gated is None or gated["chosen"] is not None:
-                break
-            if cpu.wider is None:
-                raise refusal(gated)
-            log.warning(f"the fidelity gate refused every candidate with {cpu.storage} CPU experts: searching "
-                        f"{cpu.wider.storage}, the next wider storage within --memory-gb")
-            cpu = cpu.after_refusal(gated)
-        if gated is not None:
-            cpu = cpu.after_gate(gated)
-            if sols[gated["chosen"]["candidate"]] is not outcome.best:  # the gate passed over the search's pick
-                outcome.best = sols[gated["chosen"]["candidate"]]
-                # --robust: the gate's plan on the pick's analysis (its candidates compared, its floor)
-                robustness = reassess(outcome, robustness, outcome.best) if c.robust else \
-                    assess(outcome, scorer, pick=False)[1]
-        chunk_tokens = outcome.best.chunk_tokens
-        layers = outcome.chunks[chunk_tokens].layers
-        heldout_assignments = sum(int(d.heldout.sum()) for d in layers)
-        context = {"plan": str(out), "profile": profile_name, "static_backend": backend, "traces": traces_path,
-                   "objective": c.objective, "drop_budget": c.drop_budget, "chunk_tokens": chunk_tokens,
-                   "prompt_tokens": prompt, "chunks_searched": chunks, "compress_allowed": list(kinds),
-                   "compress": compress_counts(outcome.best.configs),
-                   "partial_chunks": "exact" if outcome.best.exact_partial else "static",
-                   "memory_gb": c.memory_gb}
-        report = search_report(outcome, layers[0].calib_chunks, heldout_assignments, seconds,
-                               context)
-        add_cpu_figures(report, outcome, layers, cost.host.pack is not None)
-        if record.shape is not None:
-            report["whole_prefill"] = whole = whole_prefill(outcome, scorer, record.shape, prompt)
-            report["predicted_prefill_ms"], report["predicted_parts_ms"] = (whole["predicted_prefill_ms"],
-                                                                            whole["predicted_parts_ms"])
-            outside = priced_outside(cost, record.shape, prompt, chunk_tokens, backend)
-            report["priced_outside"] = {part: [r.to_json() for r in rs] for part, rs in outside.items()}
-            line = outside_line(prof, profile_name, model_label(model), outside, not c.no_measure,
-                                record.compute_dtype)
-            if line:
-                log.warning(line)
-        report["robustness"] = robustness.to_json()
-        report["gate"] = gated
-        predicted = {k: report[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
-                                            "predicted_cpu_ms_per_token", "predicted_prefill_ms",
-                                            "predicted_parts_ms") if k in report}
-        predicted["label"] = f"predicted by the cost model of profile {profile_name} ({cache_state})"
-        plan = solution_plan(outcome.best, layers, scorer, spec.to_json(), chunk_tokens, c.saliency, predicted,
-                             {"made_by": "autotune search", "profile": profile_name, "traces": traces_path,
-                              "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust,
-                              "prompt_tokens": prompt, "compress_allowed": list(kinds), "memory_gb": c.memory_gb,
-                              "decisions": [cfg.to_json() for cfg in outcome.best.configs],
-                              **({"gate": gate_meta(gated)} if gated else {})},
-                             dense=dense_of(outcome, record, outcome.best)).model_copy(
-            update={"cpu_weights": cpu.plan_field()})
-        memory = predict_memory(plan, record.size, prompt)
-        if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
-            raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
-                              f"{memory.describe()}; give a larger budget")
-        plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
-        report["predicted_memory"], report["cpu_weights"] = memory.to_json(), cpu.to_json()
-        report["explanation"] = explain(plan, layers, cost, backend)
-        report = SearchReport(**report)
-        whole = report.to_json().get("whole_prefill")
-        sidecars = search_sidecars(out, c.objective, tradeoff=whole is not None)
-        with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, *plots):
-            save_plan(plan, plan_tmp)
-            atomic_write_json(report_tmp, report.to_json())
-            plot_plan_map(plan, map_tmp)
-            if whole is not None:
-                plot_tradeoff(whole, plots.pop(0))
-            for path in plots:
-                plot_pareto(report.to_json(), path)
-    return SearchResult(plan=plan, report=report, path=out, sidecars=sidecars, seconds=seconds)
+
+def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
+    """The search's inputs: each prompt length checked against the model's context before the traces are read or
+    made; the profile covering the model's own shapes (measured first where it lacks them and may measure)."""
+    record = resolve_model(model, c.dtype)
+    name = record.name
+    if c.prompt_tokens:  # before the traces are read or made
+        check_context(name, record.context, c.prompt_tokens)
+    if c.prompt_tokens or not Path(c.traces or default_traces_path(name)).exists():  # the prompt is known
+        c.check_gate_tokens(min(chunk_candidates(c.prompt_tokens or PROMPT_TOKENS, record.context)))
+    size, shape = model_size(record), decoder_shape(record)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileHostWarning)
+        prof, profile_name = _profile(c.profile, progress)
+    prof = cover_model(prof, profile_name, shape, model_label(name), not c.no_measure, progress, size.layer_bytes,
+                       record.compute_dtype)
+    trs, traces_path = _traces(record, c.traces, progress)
+    prompt = _prompt_tokens(record, trs, c.prompt_tokens)
+    cost, cache_state = prof.cost_model_for(size.layer_bytes, dtype_name(record.compute_dtype))
+    chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
+        [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
+    c.check_gate_tokens(min(chunks))
+    notes = [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]
+    return SearchInputs(record, size, shape, prof, profile_name, cost, cache_state, trs, traces_path, prompt, chunks,
+                        {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks},
+                        Path(c.out) if c.out else default_plan_path(name, c.profile), [n for n in notes if n])
+
+
+@dataclass
+class ExpertSearch:
+    """One search of the experts' placement, at one CPU storage: the cost model it priced with, the static backend
+    and storages it chose among, its outcome (best, baselines, front) with the robustness of its pick, and the
+    gate's measurement of its candidates (None: not gated)."""
+    cost: CostModel
+    scorer: Scorer
+    backend: str
+    kinds: tuple[str, ...]
+    outcome: SearchOutcome
+    robustness: Robustness
+    seconds: float
+    gated: dict | None = None
+
+
+def gate_rounds(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice,
+                progress: bool) -> tuple[ExpertSearch, CpuChoice]:
+    """The expert search at the CPU storage chosen, its candidates through the gate; while the gate refuses every
+    one, again at each wider storage that fits. Returns the search whose candidate passed (or ungated), with the
+    CPU storage as the gate left it."""
+    while True:
+        found = expert_search(inputs, c, cpu, progress)
+        found.gated, solutions = _gate(inputs, c, cpu, found, progress)
+        if found.gated is None or found.gated["chosen"] is not None:
+            break
+        if cpu.wider is None:
+            raise refusal(found.gated)
+        log.warning(f"the fidelity gate refused every candidate with {cpu.storage} CPU experts: searching "
+                    f"{cpu.wider.storage}, the next wider storage within --memory-gb")
+        cpu = cpu.after_refusal(found.gated)
+    if found.gated is None:
+        return found, cpu
+    chosen = solutions[found.gated["chosen"]["candidate"]]
+    if chosen is not found.outcome.best:  # the gate passed over the search's pick
+        found.outcome.best = chosen
+        # --robust: the gate's plan on the pick's analysis (its candidates compared, its floor)
+        found.robustness = reassess(found.outcome, found.robustness, chosen) if c.robust else \
+            assess(found.outcome, found.scorer, pick=False)[1]
+    return found, cpu.after_gate(found.gated)
+
+
+def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progress: bool) -> ExpertSearch:
+    """The experts' placement searched at `cpu`'s storage: the static backend chosen, each layer's groups and
+    storage searched at every chunk size (the dense functions placed beside where the backend has the ANE's
+    limits), the pick assessed under perturbed profiles."""
+    spec, resident_bytes = inputs.record.spec, c.resident_mb * 1e6  # what the budget leaves bounds the ANE's experts
+    ane_bytes = resident_bytes if cpu.ane_bytes is None else min(resident_bytes, cpu.ane_bytes)
+    ane_bytes = min(ane_bytes, ane_limits.WINDOW_BYTES)  # the ANE's window holds them with the dense ones
+    scorer_for = partial(_scorer, cpu.cost, spec, ane_bytes, resident_bytes)
+    backend = choose_static_backend(cpu.cost, LayerData.from_traces(inputs.traces), scorer_for, c.backend)
+    scorer, coreml = scorer_for(backend), registry.get(backend).limits is not None
+    kinds = c.compress_kinds if coreml else ("none",)  # weights stored compressed are a Core ML function's
+    dense = _dense_chooser(inputs, cpu.cost, backend) if coreml and not c.no_dense else None
+    outcome, seconds = timed_search(inputs.workloads, scorer, layer_space(spec.num_experts, kinds, scorer.splits_exact),
+                                    dense=dense, objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
+                                    storage=optuna_storage(c.storage),
+                                    study_prefix=study_prefix(spec, cpu.cost, inputs.traces, ane_bytes / 1e6,
+                                                              c.objective, inputs.prompt),
+                                    seed=c.seed, progress=progress)
+    outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
+    if robustness.dense_choice is not None:  # the robust pick's dense placement
+        outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
+    return ExpertSearch(cpu.cost, scorer, backend, tuple(kinds), outcome, robustness, seconds)
+
+
+def _scorer(cost: CostModel, spec: ModelSpec, ane_bytes: float, resident_bytes: float, backend: str) -> Scorer:
+    """The search's scorer on `backend`: a backend with the ANE's limits holds its experts within `ane_bytes`."""
+    budget = ane_bytes if registry.get(backend).limits is not None else resident_bytes
+    return Scorer(cost, spec.hidden_size, spec.expert_ffn_size, backend, budget / len(spec.moe_layers))
+
+
+def _dense_chooser(inputs: SearchInputs, cost: CostModel, backend: str) -> Callable[..., DenseChoice]:
+    """The dense functions' placement beside a candidate (Core ML functions, as the groups), at its chunk size."""
+    calib_prompts = float(next(iter(inputs.workloads.values()))[0].tokens.sum()) / inputs.prompt
+
+    def dense(chunk: int, weights, resident: float) -> DenseChoice:
+        return choose_dense(cost, inputs.shape, inputs.prompt, chunk, backend, weights, calib_prompts, resident)
+
+    return dense
+
+
+def _gate(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, found: ExpertSearch,
+          progress: bool) -> tuple[dict | None, list[Solution]]:
+    """The gate's measurement of the search's candidates, in the order it takes them (None, []: no gate)."""
+    settings = c.gate_settings()
+    if settings is None:
+        return None, []
+    outcome, scorer = found.outcome, found.scorer
+    solutions = gate_order(outcome, scorer, settings.tokens, settings.candidates)
+    candidates = gate_candidates(solutions, outcome, scorer, inputs.record.spec, c.saliency,
+                                 lambda sol: dense_of(outcome, inputs.shape, sol))
+    return run_gate(inputs.record, candidates, settings, progress=progress, cpu_weights=cpu.kind_and_group,
+                    kernel_rows=cpu.kernel_rows), solutions
+
+
+def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
+                    cpu: CpuChoice) -> tuple[Plan, SearchReport]:
+    """The plan of the search's pick with its predicted figures and memory, and the report that describes it."""
+    outcome = found.outcome
+    layers = outcome.chunks[outcome.best.chunk_tokens].layers
+    figures = _figures(inputs, c, found)
+    predicted = {k: figures[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
+                                         "predicted_cpu_ms_per_token", "predicted_prefill_ms", "predicted_parts_ms")}
+    predicted["label"] = f"predicted by the cost model of profile {inputs.profile_name} ({inputs.cache_state})"
+    plan = solution_plan(outcome.best, layers, found.scorer, inputs.record.spec.to_json(), outcome.best.chunk_tokens,
+                         c.saliency, predicted, _plan_meta(inputs, c, found),
+                         dense=dense_of(outcome, inputs.shape, outcome.best)).model_copy(
+        update={"cpu_weights": cpu.plan_field()})
+    memory = predict_memory(plan, inputs.size, inputs.prompt)
+    if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
+        raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
+                          f"{memory.describe()}; give a larger budget")
+    plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
+    return plan, SearchReport(**figures, robustness=found.robustness.to_json(), gate=found.gated,
+                              predicted_memory=memory.to_json(), cpu_weights=cpu.to_json(),
+                              explanation=explain(plan, layers, found.cost, found.backend))
+
+
+def _figures(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch) -> dict:
+    """The report's predicted figures: the pick's and the baselines' per chunk over the MoE layers, the whole
+    prefill of one prompt, and the parts priced past the profile's records (said in one line)."""
+    outcome, chunk = found.outcome, found.outcome.best.chunk_tokens
+    layers = outcome.chunks[chunk].layers
+    context = {"plan": str(inputs.out), "profile": inputs.profile_name, "static_backend": found.backend,
+               "traces": inputs.traces_path, "objective": c.objective, "drop_budget": c.drop_budget,
+               "chunk_tokens": chunk, "prompt_tokens": inputs.prompt, "chunks_searched": inputs.chunks,
+               "compress_allowed": list(found.kinds), "compress": compress_counts(outcome.best.configs),
+               "partial_chunks": "exact" if outcome.best.exact_partial else "static", "memory_gb": c.memory_gb}
+    figures = search_report(outcome, layers[0].calib_chunks, sum(int(d.heldout.sum()) for d in layers),
+                            found.seconds, context)
+    add_cpu_figures(figures, outcome, layers, found.cost.host.pack is not None)
+    whole = whole_prefill(outcome, found.scorer, inputs.shape, inputs.prompt)
+    outside = priced_outside(found.cost, inputs.shape, inputs.prompt, chunk, found.backend)
+    line = outside_line(inputs.profile, inputs.profile_name, model_label(inputs.record.name), outside,
+                        not c.no_measure, inputs.record.compute_dtype)
+    if line:
+        log.warning(line)
+    return {**figures, "whole_prefill": whole, "predicted_prefill_ms": whole["predicted_prefill_ms"],
+            "predicted_parts_ms": whole["predicted_parts_ms"],
+            "priced_outside": {part: [r.to_json() for r in rs] for part, rs in outside.items()}}
+
+
+def _plan_meta(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch) -> dict:
+    """What the plan records of the search that made it."""
+    return {"made_by": "autotune search", "profile": inputs.profile_name, "traces": inputs.traces_path,
+            "drop_budget": c.drop_budget, "objective": c.objective, "robust": c.robust, "prompt_tokens": inputs.prompt,
+            "compress_allowed": list(found.kinds), "memory_gb": c.memory_gb,
+            "decisions": [cfg.to_json() for cfg in found.outcome.best.configs],
+            **({"gate": gate_meta(found.gated)} if found.gated else {})}
+
+
+def write_search(plan: Plan, report: SearchReport, out: Path, objective: str) -> list[Path]:
+    """The plan, its report and its plots written as one set (nothing half-written); returns the sidecars."""
+    sidecars = search_sidecars(out, objective, tradeoff=True)
+    with output_set(out, *sidecars) as (plan_tmp, report_tmp, map_tmp, tradeoff_tmp, *pareto):
+        save_plan(plan, plan_tmp)
+        atomic_write_json(report_tmp, report.to_json())
+        plot_plan_map(plan, map_tmp)
+        plot_tradeoff(report.whole_prefill, tradeoff_tmp)
+        for path in pareto:
+            plot_pareto(report.to_json(), path)
+    return sidecars
 
 
 def _prompt_tokens(record: ModelRecord, traces: Traces, given: int | None) -> int:

@@ -32,6 +32,7 @@ def main() -> None:
     from autotune.calibration.stage import calibrate
     from autotune.calibration.texts import DEFAULT_CALIB_TEXT
     from autotune.calibration.traces import routing_agreement
+    from runtime.loading.model_record import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model folder mlx-lm loads (an MLX folder)")
@@ -49,9 +50,9 @@ def main() -> None:
         for r in range(args.repeat):
             for engine in ("torch", "mlx") if r % 2 == 0 else ("mlx", "torch"):
                 start = time.process_time()
-                result = calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
-                                   max_tokens=args.max_tokens, out=Path(tmp) / f"{engine}.npz", dtype=args.dtype,
-                                   progress=False, engine=engine)
+                result = calibrate(resolve_model(args.model, args.dtype), args.text, chunk=args.chunk,
+                                   prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                                   out=Path(tmp) / f"{engine}.npz", progress=False, engine=engine)
                 seconds[engine].append(result.summary["seconds"])
                 cpu_seconds[engine].append(round(time.process_time() - start, 3))
                 traces[engine] = result.traces

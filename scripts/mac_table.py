@@ -61,7 +61,7 @@ def config_folder(like: str, quantization: dict | None, out: Path) -> Path:
 
 def traces_for(folder: Path, out: Path) -> Path:
     from autotune.calibration.traces import save_traces, synthetic_traces
-    from runtime.loading.model_loader import read_model_spec
+    from runtime.loading.model_record import read_model_spec
 
     save_traces(synthetic_traces(read_model_spec(str(folder)).model_dump(), 10, PROMPT, skew=1.1, tokens=True), out)
     return out

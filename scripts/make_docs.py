@@ -1,14 +1,24 @@
-"""Write docs/commands.md, the command reference, from the argparse parsers (`autotune.cli.build_parser`).
+"""Write docs/commands.md, the command reference, from the argparse parsers (`autotune.cli.build_parser`), and
+check the figures the docs quote against the commands that make them.
 
     python scripts/make_docs.py [--check]
 
 Every command, its usage and every flag with its help (defaults expanded as `--help` prints them). tests/test_docs.py
 fails when the page differs from what the parsers give; `--check` does the same here (exit 1, nothing written).
+
+docs/figures.json lists every figure the README's table and docs/measurements.md quote, with the command that makes
+it; `--check` also reruns the cheap ones (`"check"` names how) and fails where the output differs from the docs: the
+main job's printed plan summary against the block under docs/measurements.md's "The main job on tiny-moe".
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +27,12 @@ sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "commands.md"
 REGENERATE = "python scripts/make_docs.py"
 HOST_PROFILE = "$NPUMOE_CACHE/profiles/HOST-ID.json"  # a default that names this host: the page names none
+FIGURES = ROOT / "docs" / "figures.json"
+MEASUREMENTS = ROOT / "docs" / "measurements.md"
+MAIN_JOB = "## The main job on tiny-moe"
+# The README's main job, as docs/figures.json lists it; its summary leaves out the gate's lines (measured: seconds
+# and memory differ by host), not the gate: the robustness line is of the plan the gate chose.
+MAIN_JOB_CHECK = ["search", "--model", "tiny-moe", "--profile", "apple-m2-ultra-published"]
 
 
 def _cell(text: str) -> str:
@@ -93,17 +109,63 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     return page.replace(str(host_profile_path()), HOST_PROFILE)
 
 
+def plan_summary(output: str) -> str:
+    """The plan summary of `autotune search`'s printed output: every line but the fidelity gate's (measured) and the
+    closing `wrote ...` line."""
+    lines, gate = [], False
+    for line in output.splitlines():
+        if line.startswith("fidelity gate"):
+            gate = True
+        elif gate and not line.startswith("   "):
+            gate = False
+        if not gate and not line.startswith("wrote "):
+            lines.append(line)
+    return "\n".join(lines).strip() + "\n"
+
+
+def documented_summary(page: str) -> str:
+    """The fenced block under the main job's heading of docs/measurements.md."""
+    section = page.split(MAIN_JOB + "\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```text\n", 1)[1].split("```", 1)[0]
+
+
+def main_job_output() -> str:
+    """The main job's search, run in a fresh folder (it calibrates its traces there, as on a fresh checkout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = subprocess.run([sys.executable, "-m", "autotune", *MAIN_JOB_CHECK, "--out", "plan.json"], cwd=tmp,
+                              env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the main job failed: {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout
+
+
+def check_figures(run_main_job: Callable[[], str] = main_job_output, page: str | None = None) -> list[str]:
+    """Where the docs' figures differ from their commands' output now (the cheap ones, rerun): one line each."""
+    listed = json.loads(FIGURES.read_text(encoding="utf-8"))["figures"]
+    job = next((f["command"] for f in listed if f.get("check") == "main-job"), None)
+    if job != "autotune " + " ".join(MAIN_JOB_CHECK):
+        return [f"docs/figures.json: the main-job check runs `autotune {' '.join(MAIN_JOB_CHECK)}`, it lists {job!r}"]
+    page = MEASUREMENTS.read_text(encoding="utf-8") if page is None else page
+    now = plan_summary(run_main_job())
+    if documented_summary(page) != now:
+        return [f"docs/measurements.md \"{MAIN_JOB[3:]}\": the main job now prints\n{now}"]
+    return []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if docs/commands.md is out of date; write nothing")
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/commands.md is out of date, or a figure the "
+                                                         "docs quote differs from its command's output; write nothing")
     args = ap.parse_args()
     page = render()
     if args.check:
         current = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-        if current != page:
-            print(f"docs/commands.md is out of date: run `{REGENERATE}`", file=sys.stderr)
-            return 1
-        return 0
+        problems = [] if current == page else [f"docs/commands.md is out of date: run `{REGENERATE}`"]
+        problems += check_figures()
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1 if problems else 0
     PAGE.write_text(page, encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)}")
     return 0

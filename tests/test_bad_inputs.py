@@ -20,7 +20,8 @@ from autotune.cli import main
 from autotune.profiling.profile import SHIPPED_PROFILES, ProfileHostWarning, host_id, load_profile, save_profile
 from autotune.searching.templates import template_plan
 from runtime.coreml.ane import AneBackend
-from runtime.loading.model_loader import TINY_MOE_DIR, model_spec, read_model_spec
+from runtime.loading.model_loader import TINY_MOE_DIR, model_spec
+from runtime.loading.model_record import read_model_spec
 from runtime.plan import save_plan
 
 M = ["--model", "random:qwen3_moe"]

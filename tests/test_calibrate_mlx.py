@@ -17,9 +17,10 @@ from autotune.calibration.stage import calibrate  # noqa: E402
 from autotune.calibration.traces import Traces, load_traces, routing_agreement  # noqa: E402
 from autotune.cli import main  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
+from runtime.loading.model_record import resolve_model  # noqa: E402
 
 # 5 prompts of 128 tokens (the 5th held out), each in chunks of 64
-RUN = dict(chunk=64, prompt_tokens=128, max_tokens=640, dtype="float32", progress=False)
+RUN = dict(chunk=64, prompt_tokens=128, max_tokens=640, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +31,16 @@ def q4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def both(q4, tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
-    return {e: calibrate(str(q4), out=out / f"{e}.npz", engine=e, **RUN) for e in ("torch", "mlx")}
+    return {e: calibrate(resolve_model(str(q4), "float32"), out=out / f"{e}.npz", engine=e, **RUN)
+            for e in ("torch", "mlx")}
 
 
 @pytest.fixture(scope="module")
 def full_width(tmp_path_factory):
     """tiny-moe as stored (bf16, full width; its rope_theta under rope_parameters, as transformers 5 writes it)."""
     out = tmp_path_factory.mktemp("full")
-    return {e: calibrate("tiny-moe", out=out / f"{e}.npz", engine=e, **RUN) for e in ("torch", "mlx")}
+    return {e: calibrate(resolve_model("tiny-moe", "float32"), out=out / f"{e}.npz", engine=e, **RUN)
+            for e in ("torch", "mlx")}
 
 
 @pytest.mark.parametrize("recorded", ["both", "full_width"])

@@ -89,7 +89,8 @@ def fp16(tmp_path_factory):
     plan, asset = d / "P.json", d / "X.aimodel"
     template(plan, "--backend", "coreai", "--dense", "coreai", "--chunk", "64", "--prompt-tokens", "64")
     set_capacities(plan, 8)
-    built = pipeline.build("tiny-moe", str(plan), out=asset, dtype="float16", progress=False, format="coreai")
+    built = pipeline.build(pipeline.resolve_model("tiny-moe", "float16"), str(plan), out=asset, progress=False,
+                           format="coreai")
     return plan, asset, built.to_json()
 
 

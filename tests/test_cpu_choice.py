@@ -17,6 +17,7 @@ from autotune.searching.cpu_choice import choose_cpu_storage
 from autotune.searching.layer_data import LayerData
 from runtime.backends import EXACT
 from runtime.errors import NpumoeError
+from runtime.loading.model_record import resolve_model
 
 PUBLISHED = "apple-m2-ultra-published"
 
@@ -113,7 +114,7 @@ def tiny_traces(tmp_path_factory):
 
 
 def test_the_search_picks_quantized_storage_under_a_budget_bf16_cannot_meet(tmp_path, tiny_traces, capsys):
-    size = model_size("tiny-moe")
+    size = model_size(resolve_model("tiny-moe"))
     need = {s: fixed_memory(size, 1024, 1024, *parse_storage(s)[:1], parse_storage(s)[1] or 64).total / GB
             for s in ("bf16", "int8", "int4:64")}
     assert need["int4:64"] < need["int8"] < need["bf16"]
@@ -155,7 +156,7 @@ def test_the_gate_measures_candidates_with_their_cpu_storage(tmp_path, tiny_trac
 
 def _template(tmp_path, cpu_weights=None) -> Path:
     from autotune.searching.templates import template_plan
-    from runtime.loading.model_loader import read_model_spec
+    from runtime.loading.model_record import read_model_spec
     from runtime.plan import CpuWeights, save_plan
 
     plan = template_plan(read_model_spec("tiny-moe"), "ample", backend="cpu-static", chunk_tokens=64)

@@ -19,7 +19,8 @@ from autotune.searching.cpu_choice import choose_cpu_storage
 from autotune.searching.layer_data import LayerData
 from runtime import generation
 from runtime.errors import FileFormatError
-from runtime.loading.model_loader import moe_layers, read_model_spec
+from runtime.loading.model_loader import moe_layers
+from runtime.loading.model_record import read_model_spec, resolve_model
 from runtime.plan import CpuWeights, LayerPlan, Plan, plan_from_json, save_plan
 
 PUBLISHED = "apple-m2-ultra-published"
@@ -86,7 +87,7 @@ def test_the_runtime_runs_the_plans_kernels(kernel_rows, ran, tmp_path):
 
 
 def test_the_search_takes_the_kernels_from_the_profiles_records():
-    size, cost = model_size("tiny-moe"), load_profile(PUBLISHED).cost_model
+    size, cost = model_size(resolve_model("tiny-moe")), load_profile(PUBLISHED).cost_model
     layers = LayerData.from_traces(synthetic_traces(SPEC.to_json(), 4, 1024, skew=1.1))
 
     def choice(records):
@@ -111,7 +112,8 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     Those are the checkpoint's bf16 figures (in float32, what --dtype auto computes in on an AVX2-only host, the
     first passes at chunk 256 and no remeasure follows)."""
     torch.set_num_threads(1)
-    gate = run_gate("tiny-moe", [Candidate(_all_cpu(256), 1.0)], GateSettings(candidates=1), dtype="bfloat16",
+    tiny = resolve_model("tiny-moe", "bfloat16")  # loaded once, by the first gate
+    gate = run_gate(tiny, [Candidate(_all_cpu(256), 1.0)], GateSettings(candidates=1),
                     progress=False, cpu_weights=("int8", None), kernel_rows=INT_MM)
     first, fewer, lossless = gate["candidates"]
     assert [r["kernel_rows"] for r in gate["candidates"]] == [
@@ -126,7 +128,7 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     assert abs(fewer["kernel_calls"]["int_mm_gate_up"] / first["kernel_calls"]["int_mm"] - 1) < 0.02
     assert first["top1"] < fewer["top1"] < 0.99
     assert lossless["passed"] and lossless["top1"] >= 0.99 and gate["chosen"] is lossless and gate["rounds"] == 1
-    longer = run_gate("tiny-moe", [Candidate(_all_cpu(1024), 1.0)], GateSettings(candidates=1), dtype="bfloat16",
+    longer = run_gate(tiny, [Candidate(_all_cpu(1024), 1.0)], GateSettings(candidates=1),
                       progress=False, cpu_weights=("int8", None), kernel_rows=INT_MM)
     # where the chain stops is the host's fact (on an AVX2 host without VNNI int_mm_gate_up took 0.9885 here and
     # dequant passed): it stops at the first that passes, and runs no more
@@ -135,8 +137,8 @@ def test_the_gate_keeps_int_mm_where_it_passes_and_rounds_fewer_rows_where_it_do
     assert [r["kernel_rows"] for r in longer["candidates"]] == chain[: stop + 1] and stop >= 1
     assert longer["chosen"] is longer["candidates"][stop] and longer["chosen"]["top1"] >= 0.99
     # where int_mm passes (a looser top-1 limit), it is kept: no remeasure
-    loose = run_gate("tiny-moe", [Candidate(_all_cpu(256), 1.0)],
-                     GateSettings(candidates=1, limits=GateLimits(min_top1=0.98)), dtype="bfloat16", progress=False,
+    loose = run_gate(tiny, [Candidate(_all_cpu(256), 1.0)],
+                     GateSettings(candidates=1, limits=GateLimits(min_top1=0.98)), progress=False,
                      cpu_weights=("int8", None), kernel_rows=INT_MM)
     assert len(loose["candidates"]) == 1 and loose["chosen"]["kernel_rows"] == INT_MM
     assert loose["chosen"]["top1"] == first["top1"]  # the same measurement: deterministic
@@ -159,7 +161,7 @@ def _search(tmp_path, traces, *extra) -> tuple[int, dict]:
 def test_a_refused_storage_is_followed_by_the_next_wider_one(tmp_path, tiny_traces, capsys, caplog, monkeypatch):
     """int4 fails the gate by construction (a top-1 limit above 1); the search then gates int8 (the next wider within
     the budget; bf16 does not fit), whose plan passes. A pin is never overridden: pinned int4 is refused, exit 2."""
-    size = model_size("tiny-moe")
+    size = model_size(resolve_model("tiny-moe"))
     need = {k: fixed_memory(size, 1024, 1024, k, 64).total / GB for k in ("bf16", "int8")}
     budget = round((need["int8"] + need["bf16"]) / 2, 4)
     gated: list[str] = []

@@ -4,6 +4,8 @@ import fnmatch
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "autotune").rglob("*.py"),
            *(ROOT / "runtime").rglob("*.py"), *(ROOT / "scripts").glob("*"), *(ROOT / "tests").glob("*.py")]
@@ -95,6 +97,37 @@ def test_command_reference_follows_a_flags_help():
     page = make_docs.render(parser)
     assert "| `--trials N` | Optuna trials per MoE layer, said another way |" in page
     assert page != make_docs.render()
+
+
+def _main_job_printed(summary: str) -> str:
+    """What the main job prints around a plan summary: its gate's measured lines and the closing line."""
+    lines = summary.splitlines()
+    at = lines.index("why (predicted):")
+    gate = ["fidelity gate (measured: 4096 tokens, 31.5 s; peak RSS 915 MiB):",
+            "   # predicted ms  ppl delta   top-1   mean KL static groups              compressed         passed",
+            "   0       0.8799    -0.053%  0.9915  2.19e-04 none (all CPU)             -             yes <- chosen"]
+    return "\n".join(lines[:at] + gate + lines[at:] + ["wrote plans/p.json (+ p.report.json) in 3.0 s"]) + "\n"
+
+
+def test_the_docs_check_fails_when_the_main_job_prints_another_summary():
+    """`make_docs.py --check` holds the main job's printed plan summary (the gate's measured lines and the closing
+    line left out) against the block in docs/measurements.md: the same passes, one changed figure fails."""
+    make_docs = _make_docs()
+    page = (ROOT / "docs" / "measurements.md").read_text(encoding="utf-8")
+    documented = make_docs.documented_summary(page)
+    assert documented.startswith("design ") and "the plan leaves ane idle" in documented
+    assert make_docs.check_figures(lambda: _main_job_printed(documented)) == []
+    changed = documented.replace("tuned plan                                                            0.8799",
+                                 "tuned plan                                                            0.8801")
+    assert changed != documented
+    problems = make_docs.check_figures(lambda: _main_job_printed(changed))
+    assert len(problems) == 1 and "The main job on tiny-moe" in problems[0] and "0.8801" in problems[0]
+
+
+@pytest.mark.slow
+def test_the_main_job_prints_the_documented_summary():
+    """The main job, run now in a fresh folder (about a minute), prints the summary docs/measurements.md holds."""
+    assert _make_docs().check_figures() == []
 
 
 def _prose_lines(text: str) -> list[str]:

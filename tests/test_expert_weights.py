@@ -15,6 +15,7 @@ from runtime.coreml.ane import META_KEY
 from runtime.coreml.converter import build_package, quiet_coremltools_import
 from runtime.loading.expert_weights import CheckpointExperts, ModuleExperts
 from runtime.loading.model_loader import load_model, model_spec, moe_layers
+from runtime.loading.model_record import resolve_model
 from runtime.plan import save_plan
 
 quiet_coremltools_import()
@@ -60,7 +61,7 @@ def test_checkpoint_experts_build_equals_loaded_model_build(tmp_path, layout, mo
 
     monkeypatch.setattr(runtime.loading.model_loader, "read_weights", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-    source = CheckpointExperts.open(str(path), "bfloat16")
+    source = CheckpointExperts.open(resolve_model(str(path), "bfloat16"))
     assert source is not None
     module, index = source.experts(1, (5, 2))
     assert index == (0, 1) and module.gate_up_proj.dtype == torch.bfloat16
@@ -91,4 +92,4 @@ def test_cli_build_of_a_checkpoint_never_loads_the_model(tmp_path, monkeypatch, 
 
 
 def test_models_without_a_safetensors_checkpoint_are_loaded():
-    assert CheckpointExperts.open("random:qwen3_moe", "auto") is None
+    assert CheckpointExperts.open(resolve_model("random:qwen3_moe")) is None

@@ -58,3 +58,24 @@ def test_resident_layers_name_their_experts_and_load_share():
                         f"resident on ane in 1 group(s) carry {share:.0%} of its load; "
                         f"the rest run exactly ({SMALL['num_experts'] - 2} on cpu-exact)")
     assert "0.095 ms fixed" in lines[0] and "static calls per chunk (ane)" in lines[0]
+
+
+def test_a_plan_that_leaves_the_ane_idle_beside_the_gpu_says_why_in_one_line():
+    """No group on the ANE, the experts split between mlx-exact (the GPU) and the CPU: one line after the layers'
+    names the two fixed costs (the published profile's: the GPU's 0.18 ms sync, the ANE's 0.27 ms call) and where
+    the ANE does pay."""
+    from autotune.profiling.profile import load_profile
+
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 256, skew=1.2))
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    scorer = Scorer(cost, SMALL["hidden_size"], SMALL["expert_ffn_size"], "ane", 1e12, exact="mlx-exact")
+    plan = _plan([LayerConfig(0, cpu_tail=2) for _ in layers], layers, scorer)
+    lines = explain(plan, layers, cost, "ane")
+    e = SMALL["num_experts"]
+    assert len(lines) == 2 + len(layers) and f"all exact ({e - 2} on mlx-exact, 2 on cpu-exact)" in lines[1]
+    assert lines[-1] == (f"the plan leaves ane idle: on experts this small ({SMALL['hidden_size']} wide) a 0.18 ms "
+                         "mlx-exact sync per call beats a 0.27 ms ane call; where ane pays: the paper's shapes' "
+                         "chart, docs/measurements.md#the-gpu-beside-the-neural-engine")
+    assert explain(_plan([LayerConfig(0) for _ in layers], layers, Scorer(cost, SMALL["hidden_size"],
+                   SMALL["expert_ffn_size"], "ane", 1e12, exact="cpu-exact")), layers, cost, "ane")[-1].startswith(
+        "layer")  # all on the CPU: no GPU sync to weigh, no such line

@@ -28,7 +28,8 @@ from autotune.profiling.profile import SHIPPED_PROFILES, ProfileHostWarning, loa
 from autotune.searching.templates import template_plan
 from runtime.coreml.ane import package_bytes, read_manifest
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import model_spec, read_model_spec
+from runtime.loading.model_loader import model_spec
+from runtime.loading.model_record import read_model_spec
 from runtime.plan import load_plan
 
 MODEL = "random:qwen3_moe"

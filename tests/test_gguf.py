@@ -37,8 +37,8 @@ from runtime.loading.model_loader import (  # noqa: E402
     load_model,
     model_spec,
     moe_layers,
-    read_model_spec,
 )
+from runtime.loading.model_record import read_model_spec  # noqa: E402
 from runtime.plan import save_plan  # noqa: E402
 
 # per format: (largest perplexity change against the safetensors checkpoint, least top-1 agreement), on 1,024

@@ -1,13 +1,8 @@
 """The CPU's expert kernels timed per storage kind (autotune/profiling/kernels.py) and the pick of the fastest."""
 from __future__ import annotations
 
-from autotune.profiling.kernels import (
-    DECODE_ROWS,
-    PREFILL_ROWS,
-    fastest_kernel,
-    kernel_records,
-    kernel_rows,
-)
+from autotune.costing.kernel_choice import DECODE_ROWS, PREFILL_ROWS, fastest_kernel, kernel_rows
+from autotune.profiling.kernels import kernel_records
 from autotune.profiling.profile import load_profile, save_profile
 from autotune.profiling.settings import Settings
 

@@ -6,7 +6,8 @@ import torch
 import transformers
 from helpers import shape_twin_script, tiny_twin
 
-from runtime.loading.model_loader import checkpoint_dtype, load_model, model_spec, moe_layers, read_model_spec
+from runtime.loading.model_loader import checkpoint_dtype, load_model, model_spec, moe_layers
+from runtime.loading.model_record import read_model_spec
 
 
 @pytest.mark.parametrize("like", ["qwen3-30b-a3b", "phi-3.5-moe", "mixtral-8x7b", "olmoe-1b-7b"])

@@ -147,10 +147,11 @@ def test_mlx_folder_predicted_as_loaded(tmp_path):
 
     from autotune.costing.memory import model_size
     from runtime.loading.model_loader import load_model
+    from runtime.loading.model_record import resolve_model
 
     folder = convert(tmp_path / "q4", 4, 64)
     loaded = ModelSize.of(load_model(str(folder), "auto")[0])
-    predicted = model_size(str(folder))
+    predicted = model_size(resolve_model(str(folder)))
     assert predicted.storage == "mlx-4bit-g64" and loaded.storage == "packed"
     assert predicted.weight_bytes == pytest.approx(loaded.weight_bytes, rel=0.03)
     assert predicted.expert_bytes == loaded.expert_bytes
@@ -183,14 +184,16 @@ def test_calibrate_peak_rss_within_its_stage_prediction(tmp_path):
     import sys
 
     from autotune.costing.memory import model_size
+    from runtime.loading.model_record import resolve_model
 
     code = ("import json, autotune.pipeline as p; "
-            f"r = p.calibrate('tiny-moe', max_tokens=5120, out={str(tmp_path / 't.npz')!r}, progress=False); "
+            f"r = p.calibrate(p.resolve_model('tiny-moe'), max_tokens=5120, out={str(tmp_path / 't.npz')!r}, "
+            "progress=False); "
             "print(json.dumps(r.summary['memory']))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     memory = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                        env=env).stdout.splitlines()[-1])
-    predicted = stage_memory(model_size("tiny-moe"), "calibrate", 256, 1024, tokens=5120).total
+    predicted = stage_memory(model_size(resolve_model("tiny-moe")), "calibrate", 256, 1024, tokens=5120).total
     assert memory["predicted"]["total_bytes"] == predicted
     measured = memory["measured_peak_rss_gb"] * GB
     assert 1 / 1.15 <= measured / predicted <= 1.15, (measured / GB, predicted / GB)

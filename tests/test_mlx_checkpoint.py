@@ -25,7 +25,8 @@ from runtime import generation  # noqa: E402
 from runtime.cpu.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import PlanExecutor  # noqa: E402
-from runtime.loading.model_loader import load_model, model_spec, read_model_spec  # noqa: E402
+from runtime.loading.model_loader import load_model, model_spec  # noqa: E402
+from runtime.loading.model_record import read_model_spec  # noqa: E402
 from runtime.plan import Plan, save_plan  # noqa: E402
 from runtime.prefill import prefill_chunks  # noqa: E402
 
@@ -170,7 +171,7 @@ def test_commands_take_the_folder(q4, tmp_path, capsys):
 def test_build_takes_the_folder(q4, tmp_path):
     """`autotune build` from an MLX folder: each function's experts dequantized from the packed codes (that expert
     alone, to the fp16 a package stores), compressed as its plan group says, linted and checked on the host."""
-    from autotune.pipeline import build
+    from autotune.pipeline import build, resolve_model
     from autotune.searching.templates import template_plan
     from runtime.coreml.ane import META_KEY, expert_weights_fp16, weights_digest
     from runtime.coreml.mil_eval import TOLERANCE
@@ -182,7 +183,8 @@ def test_build_takes_the_folder(q4, tmp_path):
                      else {"backend": "cpu-static"}) for gi, g in enumerate(lp.groups)]}) for lp in template.layers]
     plan = tmp_path / "plan.json"
     save_plan(template.model_copy(update={"layers": layers}), plan)
-    result = build(str(q4), plan, out=tmp_path / "q4.mlpackage", cache_dir=tmp_path / "cache", progress=False)
+    result = build(resolve_model(str(q4)), plan, out=tmp_path / "q4.mlpackage", cache_dir=tmp_path / "cache",
+                   progress=False)
     assert [fs.compress for fs in result.functions] == ["int8", "palettize4"]
     errors = [c.max_rel_error for c in result.checks]
     assert errors[0] <= TOLERANCE["int8"] and errors[1] <= TOLERANCE["palettize4"], errors

@@ -17,8 +17,8 @@ from runtime.loading.model_loader import (
     checkpoint_dtype,
     load_model,
     model_spec,
-    read_model_spec,
 )
+from runtime.loading.model_record import read_model_spec
 from runtime.plan import check_plan_matches
 from runtime.prefill import max_rel_diff, prefill_logits
 

@@ -13,8 +13,8 @@ from runtime.plan import load_plan, save_plan
 
 
 def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
-    traces = autotune.calibrate("random:qwen3_moe", text_file, chunk=32, prompt_tokens=64, max_tokens=1024,
-                                out=tmp_path / "t.npz", progress=False)
+    traces = autotune.calibrate(autotune.resolve_model("random:qwen3_moe"), text_file, chunk=32, prompt_tokens=64,
+                                max_tokens=1024, out=tmp_path / "t.npz", progress=False)
     assert traces.path == str(tmp_path / "t.npz") and traces.summary["chunks"] == traces.traces.n_chunks > 0
     config = autotune.SearchConfig(profile="apple-m2-ultra-published", traces=traces.path, trials=4,
                                    out=str(tmp_path / "plan.json"), no_gate=True)  # the gate: test_gate.py
@@ -32,7 +32,8 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
     # the profile prices the dense half on the GPU: the plan names that host, static functions or none
     assert result.plan.dense is not None and result.plan.dense.exact == "mlx-exact"
     assert result.report.explanation[0].startswith(f"chunk {result.plan.chunk_tokens} tokens")
-    assert len(result.report.explanation) == 1 + len(result.plan.layers)
+    layers = result.report.explanation[1:1 + len(result.plan.layers)]
+    assert [line.split(":")[0] for line in layers] == [f"layer {lp.layer}" for lp in result.plan.layers]
 
 
 def test_library_build(tmp_path):
@@ -41,8 +42,8 @@ def test_library_build(tmp_path):
     save_plan(plan.model_copy(update={"layers": plan.layers[:1] + [
         lp.model_copy(update={"groups": [g.model_copy(update={"backend": "cpu-static"}) for g in lp.groups]})
         for lp in plan.layers[1:]]}), tmp_path / "plan.json")
-    built = autotune.build("random:qwen3_moe", tmp_path / "plan.json", out=tmp_path / "p.mlpackage",
-                           cache_dir=tmp_path / "cache", progress=False)
+    built = autotune.build(autotune.resolve_model("random:qwen3_moe"), tmp_path / "plan.json",
+                           out=tmp_path / "p.mlpackage", cache_dir=tmp_path / "cache", progress=False)
     assert len(built.functions) == len(plan.layers[0].groups) and built.max_rel_error <= 1e-2
     assert (tmp_path / "p.mlpackage").is_dir()
 

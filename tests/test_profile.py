@@ -182,8 +182,9 @@ def test_a_model_that_fits_the_last_level_cache_is_priced_by_the_in_cache_model(
     # by a layer's weights: tiny-moe in fp32 holds 58 MB, 13 MiB per layer, and a host with 32 MiB of L3 ran its
     # prefill within 1.5% of the in-cache prediction (30% under the evicted one)
     from autotune.costing.memory import model_size
+    from runtime.loading.model_record import resolve_model
 
-    tiny = model_size("tiny-moe", "float32")
+    tiny = model_size(resolve_model("tiny-moe", "float32"))
     assert tiny.weight_bytes > 50 * 2**20 and 12 * 2**20 < tiny.layer_bytes < 14 * 2**20
     epyc = build_profile(recs, {**host, "last_level_cache_bytes": 32 * 2**20}, "autotune profile-device", {}, {})
     assert epyc.cost_model_for(tiny.layer_bytes)[0] is epyc.cost_model_in_cache

@@ -154,7 +154,7 @@ def test_gate_passing_over_the_robust_pick_keeps_its_comparison(tmp_path, monkey
     from autotune import pipeline
     from autotune.calibration.traces import save_traces
     from autotune.searching.config import SearchConfig
-    from autotune.searching.model_record import resolve_model
+    from runtime.loading.model_record import resolve_model
 
     spec = resolve_model("random:qwen3_moe").spec.to_json()
     save_traces(synthetic_traces(spec, 30, 256, skew=1.2, tokens=True), tmp_path / "t.npz")

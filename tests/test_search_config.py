@@ -59,10 +59,10 @@ def test_search_plan_with_the_default_config_is_the_command(tmp_path, monkeypatc
 @pytest.mark.slow
 def test_a_random_model_is_built_once_per_search(tmp_path, monkeypatch, workdir):
     """Spec, size, context, the calibration it needs and the gate all read one resolved model."""
-    import autotune.evaluation.gate
+    import autotune.calibration.stage
     import autotune.pipeline
-    import autotune.searching.model_record
     import runtime.loading.model_loader as loader
+    import runtime.loading.model_record
 
     built = []
     real = loader.load_model
@@ -71,7 +71,7 @@ def test_a_random_model_is_built_once_per_search(tmp_path, monkeypatch, workdir)
         built.append(name)
         return real(name, dtype)
 
-    for module in (loader, autotune.searching.model_record, autotune.pipeline, autotune.evaluation.gate):
+    for module in (loader, runtime.loading.model_record, autotune.pipeline, autotune.calibration.stage):
         monkeypatch.setattr(module, "load_model", counting)
     monkeypatch.chdir(tmp_path)  # no traces here: the search calibrates
     result = autotune.search_plan("random:qwen3_moe", SearchConfig(profile=str(workdir / "profile.json"), trials=4,

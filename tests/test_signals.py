@@ -123,7 +123,7 @@ def drive(work: Path) -> dict:
     from autotune.profiling import settings
     from autotune.searching.templates import template_plan
     from runtime.coreml import converter
-    from runtime.loading.model_loader import read_model_spec
+    from runtime.loading.model_record import read_model_spec
     from runtime.plan import save_plan
 
     sys.path.insert(0, str(ROOT / "tests"))

@@ -22,7 +22,8 @@ from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_config
 from runtime.loading.checkpoints import check_tokenizer_files
 from runtime.loading.gguf_reader import is_gguf_path
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint, read_model_spec
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
+from runtime.loading.model_record import read_model_spec
 
 log = logging.getLogger("npumoe")
 
@@ -154,9 +155,9 @@ def load_mlx(name: str, dtype: str):
     from mlx.utils import tree_map
 
     path = model_dir(name)
-    open_checkpoint(path)  # its files whole and its config agreeing, as the torch engine checks: one line, not mlx's
-    check_tokenizer_files(path)
     config = read_config(path)
+    open_checkpoint(path, config)  # its files whole and its config agreeing, as the torch engine checks: one line
+    check_tokenizer_files(path)
     # transformers 5 keeps rope_theta under rope_parameters only; mlx-lm reads it at the top level
     rope = {"rope_theta": config["rope_parameters"]["rope_theta"]} if "rope_theta" not in config and "rope_theta" in (
         config.get("rope_parameters") or {}) else {}

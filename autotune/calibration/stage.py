@@ -14,10 +14,10 @@ from autotune.calibration.traces import Traces, check_prompts, default_traces_pa
 from autotune.calibration.workload import encode_text
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import ModelSize, beside_measured, model_size, stage_memory
-from autotune.searching.model_record import ModelRecord, check_context
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoints import check_token_ids
-from runtime.loading.model_loader import context_length, load_model
+from runtime.loading.model_loader import load_model
+from runtime.loading.model_record import ModelRecord, check_context
 from runtime.resources import peak_rss_bytes
 
 CHUNK_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 256, 1024, 32768
@@ -30,30 +30,30 @@ class Calibration:
     summary: dict  # what `calibrate --json` prints
 
 
-def calibrate(model: str | ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
+def calibrate(record: ModelRecord, text: str = DEFAULT_CALIB_TEXT, *, chunk: int = CHUNK_TOKENS,
               prompt_tokens: int = PROMPT_TOKENS, max_tokens: int = MAX_TOKENS, out: str | os.PathLike | None = None,
-              dtype: str = "auto", progress: bool = True, cpu_weights: str | None = None,
-              engine: str = "torch") -> Calibration:
-    """Record `model`'s routing (a name, or a model already resolved, whose dtype then holds) on `text` (a file or
-    a built-in text name) and save the traces to `out` (default `traces/<model>.npz`). `engine`: torch (our
-    loader's model), mlx (mlx-lm's own model of the folder, on the GPU on a Mac) or auto (`choose_engine`)."""
+              progress: bool = True, cpu_weights: str | None = None, engine: str = "torch") -> Calibration:
+    """Record the routing of the model `record` describes (`runtime.loading.model_record.resolve_model`, its dtype
+    holds) on `text` (a file or a built-in text name) and save the traces to `out` (default
+    `traces/<model>.npz`). `engine`: torch (our loader's model), mlx (mlx-lm's own model of the folder, on the GPU
+    on a Mac) or auto (`choose_engine`)."""
     if chunk > prompt_tokens:
         raise NpumoeError(f"--chunk {chunk} is longer than --prompt-tokens {prompt_tokens}: a prompt is prefilled in "
                           "chunks of at most its length; give --chunk <= --prompt-tokens")
-    name = model if isinstance(model, str) else model.name
-    check_context(name, context_length(name) if isinstance(model, str) else model.context, prompt_tokens)
-    path = str(out or default_traces_path(name))
-    engine = choose_engine(engine, name) if isinstance(model, str) else "torch"
+    check_context(record.name, record.context, prompt_tokens)
+    path = str(out or default_traces_path(record.name))
+    engine = choose_engine(engine, record.name)
     t0 = time.perf_counter()
     if engine == "mlx":
         if cpu_weights:
             raise NpumoeError("--cpu-weights is how the torch engine holds the experts; --engine mlx runs mlx-lm's "
                               "model on the folder's own weights: leave --cpu-weights out")
-        traces, tokens = record_mlx_traces(name, text, chunk, prompt_tokens, max_tokens, dtype, progress)
-        size = model_size(name, dtype)
+        traces, tokens = record_mlx_traces(record.name, text, chunk, prompt_tokens, max_tokens, record.dtype,
+                                           progress)
+        size = model_size(record)
     else:
-        loaded, tokenizer = load_model(model, dtype, **load_options(cpu_weights)) if isinstance(model, str) else \
-            model.loaded()
+        loaded, tokenizer = load_model(record.name, record.compute_dtype, **load_options(cpu_weights)) \
+            if cpu_weights else record.loaded()
         ids = encode_text(tokenizer, text, max_tokens)
         check_token_ids(loaded, ids)
         check_prompts(len(ids), prompt_tokens, text)

@@ -13,6 +13,7 @@ from runtime.coreml import ane_limits
 from runtime.coreml.converter import LAYOUTS
 from runtime.coreml.mil_eval import TOLERANCE
 from runtime.errors import NpumoeError
+from runtime.loading.model_record import resolve_model
 from runtime.plan import COMPRESSIONS, load_plan
 
 FORMATS = ("coreml", "coreai")
@@ -60,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"--out {out}: a {fmt} build writes {SUFFIX[fmt]}")
     if fmt == "coreai":
         return _run_coreai(args, out)
-    result = pipeline.build(args.model, args.plan, out=out, layout=args.layout, compress=args.compress,
-                            cache_dir=args.cache_dir, function_weight_bytes=args.function_weight_mb * 1e6,
-                            package_weight_bytes=args.package_weight_mb * 1e6, dtype=args.dtype,
-                            progress=not args.no_progress)
+    result = pipeline.build(resolve_model(args.model, args.dtype), args.plan, out=out, layout=args.layout,
+                            compress=args.compress, cache_dir=args.cache_dir,
+                            function_weight_bytes=args.function_weight_mb * 1e6,
+                            package_weight_bytes=args.package_weight_mb * 1e6, progress=not args.no_progress)
     s = result.to_json()
     names = ", ".join(pk["path"] for pk in s["packages"])
     dense = (f" + {s['dense_functions']} dense ({s['attention_functions']} attention cores, one per shape)"
@@ -98,7 +99,7 @@ def _run_coreai(args: argparse.Namespace, out: str) -> int:
     if why:
         raise NpumoeError(f"--format coreai: {why} (Python 3.11+, on Linux x86-64 or an Apple-silicon Mac with "
                           "macOS 26+)")
-    result = pipeline.build(args.model, args.plan, out=out, compress=args.compress, dtype=args.dtype,
+    result = pipeline.build(resolve_model(args.model, args.dtype), args.plan, out=out, compress=args.compress,
                             function_weight_bytes=args.function_weight_mb * 1e6, progress=not args.no_progress,
                             format="coreai")
     s = result.to_json()

@@ -17,6 +17,7 @@ from autotune.commands.common import (
     apply_threads,
     print_json,
 )
+from runtime.loading.model_record import resolve_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     out = args.out or default_traces_path(args.model)
     require_output(out, "--out")
-    result = stage.calibrate(args.model, args.text, chunk=args.chunk, prompt_tokens=args.prompt_tokens,
-                                max_tokens=args.max_tokens, out=out, dtype=args.dtype, progress=not args.json,
-                                cpu_weights=args.cpu_weights, engine=args.engine)
+    result = stage.calibrate(resolve_model(args.model, args.dtype), args.text, chunk=args.chunk,
+                             prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, out=out,
+                             progress=not args.json, cpu_weights=args.cpu_weights, engine=args.engine)
     path, summary = result.path, result.summary
     if args.json:
         print_json(summary)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_int
+from runtime.errors import NpumoeError
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
 
 
@@ -29,6 +30,18 @@ def add_cpu_weights_argument(p: argparse.ArgumentParser, help: str | None = None
                    help=help or "how the CPU holds the experts: quantized at load from a full-width checkpoint "
                                 "(int8 per output channel, int4 per group of G inputs, default 64); default: as "
                                 "the plan says, else as loaded. A flag that differs from the plan's is refused")
+
+
+def add_package_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
+                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
+                        "or a Core AI asset (`coreai`)")
+
+
+def require_plan_for_package(args: argparse.Namespace) -> None:
+    """Where --plan is optional (generate, serve): a package runs a plan's device functions."""
+    if args.package and not args.plan:
+        raise NpumoeError("--package runs a plan's device functions: give --plan too")
 
 
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
@@ -60,9 +73,7 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     add_text_argument(p, text_default)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",
                    help=f"use at most N tokens of the text (default {max_tokens_default})")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
-                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
-                        "or a Core AI asset (`coreai`)")
+    add_package_argument(p)
     add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")

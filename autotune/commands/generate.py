@@ -11,7 +11,6 @@ from autotune import pipeline
 from autotune.calibration.texts import read_text
 from autotune.commands.argtypes import (
     input_file,
-    input_package,
     non_negative_float,
     non_negative_int,
     output_file,
@@ -21,9 +20,11 @@ from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
     add_model_argument,
+    add_package_argument,
     add_threads_argument,
     apply_threads,
     print_json,
+    require_plan_for_package,
 )
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import against_measured, simulated_functions
@@ -38,9 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
-                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
-                        "or a Core AI asset (`coreai`)")
+    add_package_argument(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="S", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="F",
@@ -68,8 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.package and not args.plan:
-        raise NpumoeError("--package runs a plan's device functions: give --plan too")
+    require_plan_for_package(args)
     if args.record_traces and not args.plan:
         raise NpumoeError("--record-traces records the routing under a plan: give --plan too")
     prompt = args.prompt if args.prompt is not None else read_text(args.prompt_file)

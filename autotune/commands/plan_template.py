@@ -8,7 +8,8 @@ from autotune.commands.common import add_model_argument
 from autotune.searching.templates import CAPACITIES, template_plan
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import RANDOM_PREFIX, context_length, model_dir, read_model_spec
+from runtime.loading.model_loader import RANDOM_PREFIX, context_length, model_dir
+from runtime.loading.model_record import read_model_spec
 from runtime.plan import OVERFLOW_POLICIES, SALIENCY_RULES, save_plan
 
 

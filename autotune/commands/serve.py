@@ -10,7 +10,6 @@ import os
 from autotune.commands.argtypes import (
     directory,
     input_file,
-    input_package,
     non_negative_float,
     port_number,
     positive_float,
@@ -20,7 +19,9 @@ from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
     add_model_argument,
+    add_package_argument,
     add_threads_argument,
+    require_plan_for_package,
 )
 from autotune.costing.cpu_storage import load_options
 from runtime.errors import NpumoeError
@@ -37,9 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs (no prefix cache)")
-    p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
-                   help="what `autotune build` wrote for the plan's device functions: a Core ML package (`ane`) "
-                        "or a Core AI asset (`coreai`)")
+    add_package_argument(p)
     add_dtype_argument(p)
     add_cpu_weights_argument(p)
     p.add_argument("--host", default="127.0.0.1",
@@ -66,8 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.package and not args.plan:
-        raise NpumoeError("--package runs a plan's device functions: give --plan too")
+    require_plan_for_package(args)
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):

@@ -4,7 +4,7 @@ Storages (`runtime.cpu.cpu_weights`): `bf16` (as loaded), `int8` (per output cha
 inputs). A storage's price is a factor on the CPU's expert compute per row count (the rows one expert's call gets):
 
 - measured, where the profile has `kernel_records` (`profile-device`): the storage's fastest kernel over bf16's at
-  the nearest measured row count (`profiling.kernels.fastest_kernel`), on the measured shape nearest the model's;
+  the nearest measured row count (`kernel_choice.fastest_kernel`), on the measured shape nearest the model's;
 - derived otherwise (e.g. the published profile, which times no int kernel): the cpu-exact fit's own rates, with
   the weights streamed at the storage's bytes (packed kernels at the fit's GFLOP rate) or dequantized to full width
   first (reading the codes and writing full-width weights at its MB rate, then the bf16 matmul), whichever is less.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autotune.costing.kernel_choice import DECODE_ROWS, PREFILL_ROWS, fastest_kernel, kernel_rows
 from autotune.costing.memory import storage_bytes_per_weight
-from autotune.profiling.kernels import DECODE_ROWS, PREFILL_ROWS, fastest_kernel, kernel_rows
 from runtime.backends import EXACT
 from runtime.cpu.cpu_weights import KERNEL_ROWS
 from runtime.errors import NpumoeError

@@ -28,6 +28,8 @@ from runtime.backends.registry import registry
 from runtime.coreml import ane_limits
 from runtime.cpu.quantized import BLOCK_WEIGHTS
 from runtime.errors import NpumoeError
+from runtime.loading.model_config import head_dim
+from runtime.loading.model_record import ModelRecord
 from runtime.plan import Plan
 
 GB = 1e9
@@ -95,7 +97,7 @@ class ModelSize:
         return cls(weight_bytes=int(weights), dtype_bytes=d, layers=int(cfg.num_hidden_layers),
                    hidden=int(cfg.hidden_size), heads=heads,
                    kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                   head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+                   head_dim=head_dim(cfg.to_dict()),
                    vocab=int(cfg.vocab_size), top_k=int(cfg.num_experts_per_tok),
                    expert_ffn=int(experts.intermediate_dim), expert_bytes=int(experts_held),
                    expert_weights=n_weights, experts_per_layer=int(experts.num_experts),
@@ -109,6 +111,11 @@ class ModelSize:
 
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        return cls.of_skeleton(skeleton, dtype_bytes, mlx)
+
+    @classmethod
+    def of_skeleton(cls, skeleton: torch.nn.Module, dtype_bytes: int, mlx: dict | None = None) -> "ModelSize":
+        """Sizes of a model's meta-device `skeleton` in `dtype_bytes`; `mlx`: as `of_config`."""
         size = cls.of(skeleton, dtype_bytes)
         if not mlx:
             return size
@@ -165,29 +172,18 @@ def cpu_weight_bytes(size: ModelSize, cpu_weights: str | None = None, group_size
     return dense, int(size.expert_weights * rate)
 
 
-def model_size(name: str, dtype: str = "auto") -> ModelSize:
-    """A model's sizes from its config alone (a built-in name, a local directory or an MLX folder: held packed),
-    in the dtype it would load in (`--dtype`); nothing is read but config.json (`random:` models are built)."""
-    from runtime.loading.model_loader import RANDOM_PREFIX, load_model, resolve_dtype
-
-    d = torch.empty(0, dtype=resolve_dtype(name, dtype)).element_size()
-    if name.startswith(RANDOM_PREFIX):
-        return ModelSize.of(load_model(name, dtype)[0], d)
-    from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_config, transformers_config
-    from runtime.loading.gguf_reader import is_gguf_view
-    from runtime.loading.model_loader import model_dir
-
-    path = model_dir(name)
-    if is_gguf_view(path):  # GGUF hook (issue 57): its matrices held packed as the reader holds them
+def model_size(record: ModelRecord) -> ModelSize:
+    """The record's sizes in the dtype it computes in (an MLX folder: held packed), from its meta skeleton (a
+    `random:` model: the model)."""
+    d = torch.empty(0, dtype=record.compute_dtype).element_size()
+    if record.gguf is not None:  # GGUF hook (issue 57): its matrices held packed as the reader holds them
         from dataclasses import replace
 
         from runtime.loading.gguf_reader import held_sizes
-        weights, experts = held_sizes(path, d)
-        return replace(ModelSize.of(meta_skeleton(path), d), weight_bytes=weights, expert_bytes=experts,
+        weights, experts = held_sizes(record.gguf, d)
+        return replace(ModelSize.of(record.skeleton, d), weight_bytes=weights, expert_bytes=experts,
                        storage="packed")
-    if is_mlx_checkpoint(path):
-        return ModelSize.of_config(transformers_config(path), d, read_config(path)["quantization"])
-    return ModelSize.of(meta_skeleton(path), d)
+    return ModelSize.of_skeleton(record.skeleton, d, record.mlx)
 
 
 def is_coreml_function(backend: str) -> bool:

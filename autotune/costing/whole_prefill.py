@@ -27,6 +27,8 @@ from autotune.costing.costmodel import CostModel
 from autotune.costing.fit_range import Reach, merge_reaches, reach
 from runtime.backends import EXACT
 from runtime.dense.families import FAMILIES
+from runtime.loading.model_config import head_dim, text_config
+from runtime.loading.model_record import ModelRecord
 from runtime.plan import static_reads
 
 # The parts as the runtime measures them (runtime.dense.parts): `rest` is the norms, rope, residual adds and router.
@@ -63,7 +65,7 @@ class DecoderShape:
         step = int(cfg.get("decoder_sparse_step") or 1)
         moe = tuple(i for i in range(layers) if experts and i not in dense_only and (i + 1) % step == 0)
         return cls(hidden=hidden, heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
+                   head_dim=head_dim(cfg), vocab=int(cfg["vocab_size"]),
                    num_layers=layers, moe_layers=moe, num_experts=experts, top_k=int(cfg.get("num_experts_per_tok", 1)),
                    expert_ffn=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                    shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
@@ -92,11 +94,16 @@ class DecoderShape:
         return per
 
 
+def decoder_shape(record: ModelRecord) -> DecoderShape:
+    """The record's decoder shapes (from its config.json's decoder part)."""
+    return DecoderShape.from_config(text_config(record.config))
+
+
 def qk_norm_length(cfg: dict, heads: int) -> int:
     """The q/k norms' vector length in a family that has them: per head (head_dim) or over the projection."""
     fam = FAMILIES.get(cfg.get("model_type"))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    return 0 if fam is None or fam.qk_norm is None else head_dim if fam.qk_norm == "head" else heads * head_dim
+    width = head_dim(cfg)
+    return 0 if fam is None or fam.qk_norm is None else width if fam.qk_norm == "head" else heads * width
 
 
 @dataclass(frozen=True)

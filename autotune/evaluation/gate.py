@@ -31,7 +31,8 @@ from runtime.coreml.ane_sim import AneSimBackend
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
-from runtime.loading.model_loader import load_model, moe_layers
+from runtime.loading.model_loader import moe_layers
+from runtime.loading.model_record import ModelRecord
 from runtime.plan import Plan
 from runtime.resources import peak_rss_mb
 
@@ -140,25 +141,25 @@ def cpu_storage_beside(model: torch.nn.Module, kind: str, group_size: int | None
             del layer.experts.npumoe_weights
 
 
-def run_gate(model: str | tuple[torch.nn.Module, object], candidates: Iterable[Candidate],
-             settings: GateSettings = GateSettings(), *, dtype: str = "auto", progress: bool = True,
+def run_gate(record: ModelRecord, candidates: Iterable[Candidate],
+             settings: GateSettings = GateSettings(), *, progress: bool = True,
              cpu_weights: tuple[str, int | None] = ("bf16", None), kernel_rows: dict[str, int] | None = None) -> dict:
-    """Measure the candidates in order, `settings.candidates` at a time (a round), on the first `settings.tokens`
-    tokens of `settings.text` against the unmodified model, until a round holds one within the limits; `model` is
-    a name or a loaded (model, tokenizer). Returns the gate's JSON: `candidates` (every one measured: predicted_ms,
+    """Measure the candidates in order, `settings.candidates` at a time (a round), on the first `settings.tokens` tokens
+    of `settings.text` against the unmodified model, until a round holds one within the limits, on the model `record`
+    describes (loaded once, in its dtype). Returns the gate's JSON: `candidates` (every one measured: predicted_ms,
     ppl_delta, top1, kl, passed, ...), `chosen` (the first passing one, with its `index`; None when none passes),
-    `rounds` and what the gate cost. `cpu_weights`: the CPU storage (kind, int4 group) the candidates run their
-    CPU experts in (`cpu_storage_beside`), with their kernels from `kernel_rows` rows (None: the defaults),
-    measured against the unmodified model. Where no candidate of a round passes and a kernel that also rounds the
-    rows ran (int_mm, int_mm_gate_up), the round is measured again with the kernel that rounds fewer in its place
-    (`fallback_kernel_rows`: int_mm -> int_mm_gate_up -> dequant), step by step, before the next round: each row
-    says the `kernel_rows` it ran, its round's `kernel_calls` (expert calls per kernel, the runtime's own counts,
-    every candidate of the round together), and its `candidate` (the position in `candidates`; `index` numbers the
-    rows, a remeasured one also has `retry_of`, the row it repeats)."""
+    `rounds` and what the gate cost. `cpu_weights`: the CPU storage (kind, int4 group) the candidates run their CPU
+    experts in (`cpu_storage_beside`), with their kernels from `kernel_rows` rows (None: the defaults), measured against
+    the unmodified model. Where no candidate of a round passes and a kernel that also rounds the rows ran (int_mm,
+    int_mm_gate_up), the round is measured again with the kernel that rounds fewer in its place (`fallback_kernel_rows`:
+    int_mm -> int_mm_gate_up -> dequant), step by step, before the next round: each row says the `kernel_rows` it ran,
+    its round's `kernel_calls` (expert calls per kernel, the runtime's own counts, every candidate of the round
+    together), and its `candidate` (the position in `candidates`; `index` numbers the rows, a remeasured one also has
+    `retry_of`, the row it repeats)."""
     from runtime.cpu.cpu_weights import fallback_kernel_rows, kernel_calls
 
     t0 = time.perf_counter()
-    loaded, tokenizer = load_model(model, dtype) if isinstance(model, str) else model
+    loaded, tokenizer = record.loaded()
     limits, text = settings.limits, settings.text
     ids = encode_text(tokenizer, text, settings.tokens)
     check_token_ids(loaded, ids)

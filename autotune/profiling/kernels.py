@@ -1,5 +1,5 @@
-"""The CPU's expert kernels per storage kind, timed at decode and prefill row counts (`profile-device`), and the pick
-of the fastest one per (storage, rows) from those records.
+"""The CPU's expert kernels per storage kind, timed at decode and prefill row counts (`profile-device`); the pick of
+the fastest one per (storage, rows) from those records is `autotune.costing.kernel_choice`'s.
 
 Storage kinds and their kernels (`runtime.cpu.cpu_weights`): `bf16` (`dense`: one matmul on the weights as stored),
 `int8` and `int4` with its group size (`packed`: torch's int kernels; `dequant`: dequantize the expert, one matmul;
@@ -10,23 +10,14 @@ The records are kept in the profile's optional top-level `kernel_records` list (
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from autotune.costing.kernel_choice import DECODE_ROWS, PREFILL_ROWS, storage_kind
 from autotune.profiling.cache_state import Call, ForwardCaches
 from autotune.profiling.settings import Settings
 from autotune.profiling.timing import time_in_forward
 
-# Rows of one expert's call: a decode step (1 token) and short spills, then prefill chunks' per-expert rows.
-DECODE_ROWS = (1, 2, 4)
-PREFILL_ROWS = (16, 64, 256)
 STORAGES = ("bf16", "int8", "int4:64")  # kind[:group size]
-
-
-def _storage(storage: str) -> tuple[str, int]:
-    kind, _, group = storage.partition(":")
-    return kind, int(group or 64)
 
 
 def _expert_module(hidden: int, ffn: int, storage: str) -> torch.nn.Module:
@@ -34,7 +25,7 @@ def _expert_module(hidden: int, ffn: int, storage: str) -> torch.nn.Module:
     from runtime.cpu.cpu_weights import quantize_experts
 
     module = make_experts(hidden, ffn, 2).to(torch.bfloat16)
-    kind, group = _storage(storage)
+    kind, group = storage_kind(storage)
     if kind != "bf16":
         quantize_experts(module, kind, group)
     return module
@@ -53,7 +44,7 @@ def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]
             module = _expert_module(hidden, ffn, storage)
         except NpumoeError:  # a shape the storage cannot hold (int4: sizes divisible by its group and by 64)
             continue
-        kind, group = _storage(storage)
+        kind, group = storage_kind(storage)
         store = getattr(module, "npumoe_weights", None)
         for kernel in ("dense",) if kind == "bf16" else KERNELS[kind]:
             if store is not None:
@@ -64,34 +55,4 @@ def kernel_records(s: Settings, hidden: int, ffn: int, shape: str) -> list[dict]
                 out.append({"kind": "expert_kernel", "backend": "cpu-exact", "shape": shape, "hidden": hidden,
                             "ffn": ffn, "storage": kind, "group_size": group if kind == "int4" else None,
                             "kernel": kernel, "rows": rows, **timed})
-    return out
-
-
-def fastest_kernel(records: list[dict], storage: str, rows: int, hidden: int | None = None) -> tuple[str, float]:
-    """(kernel, its measured ms) fastest for `storage` (`bf16`, `int8`, `int4[:group]`) at `rows` rows per expert,
-    from a profile's `kernel_records`: at the measured row count nearest to `rows` on a log scale (of the shape
-    `hidden`, else of any). Raises KeyError where the profile measured no kernel of that storage."""
-    kind, group = _storage(storage)
-    mine = [r for r in records if r.get("kind") == "expert_kernel" and r["storage"] == kind
-            and (kind != "int4" or r.get("group_size") == group) and (hidden is None or r["hidden"] == hidden)]
-    if not mine:
-        raise KeyError(f"no kernel records for {storage}")
-    nearest = min({r["rows"] for r in mine}, key=lambda m: abs(math.log(m) - math.log(max(1, rows))))
-    best = min((r for r in mine if r["rows"] == nearest), key=lambda r: r["median_ms"])
-    return best["kernel"], float(best["median_ms"])
-
-
-def kernel_rows(records: list[dict], storage: str, hidden: int | None = None) -> dict[str, int]:
-    """`runtime.cpu.cpu_weights.QuantizedCpuExperts.kernel_rows` from the records: each kernel from the measured row
-    count at which it becomes the fastest (the first from 0); a kernel that wins two separate ranges runs from the
-    last one's start."""
-    kind, _ = _storage(storage)
-    counts = sorted({r["rows"] for r in records if r.get("kind") == "expert_kernel" and r["storage"] == kind})
-    out: dict[str, int] = {}
-    previous = None
-    for rows in counts:
-        kernel = fastest_kernel(records, storage, rows, hidden)[0]
-        if kernel != previous:
-            out[kernel] = rows if out else 0
-            previous = kernel
     return out

@@ -1,2 +1,2 @@
-"""The search: its config, the model it is for, the per-layer decision space and its scorers, the optimizer,
-robustness, the fidelity gate's candidates, study storage, the report and explanations, plan templates."""
+"""The search: its config, the per-layer decision space and its scorers, the optimizer, robustness, the fidelity
+gate's candidates, study storage, the report and explanations, plan templates."""

@@ -11,14 +11,19 @@ from autotune.costing.costmodel import CostModel, ffn_work
 from autotune.searching.decisions import layer_plan
 from autotune.searching.layer_data import LayerData
 from autotune.searching.space import LayerConfig
+from runtime.backends import EXACT
 from runtime.plan import LayerPlan, Plan
 
 SHOWN_IDS = 6  # resident expert ids listed per layer; the rest are counted
 
 
+# where a static backend does pay: the whole prefill at the paper's shapes, charted
+WHERE_IT_PAYS = "the paper's shapes' chart, docs/measurements.md#the-gpu-beside-the-neural-engine"
+
+
 def explain(plan: Plan, layers: list[LayerData], cost: CostModel, backend: str) -> list[str]:
-    """The explanation's lines, chunk first, then one per MoE layer. `backend`: the static backend the search
-    placed groups on."""
+    """The explanation's lines, chunk first, then one per MoE layer, then (where the plan leaves the static backend
+    idle beside an exact path off the CPU) why. `backend`: the static backend the search placed groups on."""
     h, f = plan.model.hidden_size, plan.model.expert_ffn_size
     by_layer = {d.layer: d for d in layers}
     lines = [chunk_line(plan, by_layer, cost, h, f)]
@@ -26,7 +31,19 @@ def explain(plan: Plan, layers: list[LayerData], cost: CostModel, backend: str) 
         data = by_layer[lp.layer]
         lines.append(resident_line(lp, data, plan.exact_path) if lp.groups
                      else no_pay_line(lp, data, cost, backend, h, f, plan.exact_path))
-    return lines
+    idle = idle_line(plan, cost, backend)
+    return lines + ([idle] if idle else [])
+
+
+def idle_line(plan: Plan, cost: CostModel, backend: str) -> str | None:
+    """Why the static backend holds no group while an exact path off the CPU takes experts: that path's fixed cost
+    per call against the static backend's, on work this small; and where the static backend does pay."""
+    path = plan.exact_path
+    if any(lp.groups for lp in plan.layers) or path == EXACT or cost.call_ms(path) >= cost.call_ms(backend):
+        return None
+    return (f"the plan leaves {backend} idle: on experts this small ({plan.model.hidden_size} wide) a "
+            f"{cost.call_ms(path):.2f} ms {path} sync per call beats a {cost.call_ms(backend):.2f} ms {backend} call; "
+            f"where {backend} pays: {WHERE_IT_PAYS}")
 
 
 def exact_lanes(lp: LayerPlan, default: str) -> str:

@@ -165,34 +165,42 @@ def format_report(r: dict) -> str:
 
 
 def plot_plan_map(plan: Plan, path: str | os.PathLike) -> None:
-    """Layer x expert map: colour = tier (or cpu-exact), cell text = group and capacity, title = backends."""
+    """Layer x expert map: colour = tier, or the exact path an expert in no group runs on (cpu-exact, mlx-exact:
+    the GPU); cell text = group and capacity, or the exact path; title = backends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n_layers, n_experts = len(plan.layers), plan.model.num_experts
-    tier = np.full((n_layers, n_experts), -1.0)
+    runs_on = {(li, e): lp.exact_path_of(e, plan.exact_path) for li, lp in enumerate(plan.layers) for e in lp.cpu_exact}
+    paths = sorted(set(runs_on.values()) | {EXACT}, key=lambda p: (p != EXACT, p))
+    tier = np.full((n_layers, n_experts), -1.0)  # an exact path: -1 - its index in `paths`
     group = np.full((n_layers, n_experts), -1)
     caps = np.zeros((n_layers, n_experts), dtype=int)
+    for (li, e), p in runs_on.items():
+        tier[li, e] = -1 - paths.index(p)
     for li, lp in enumerate(plan.layers):
         for gi, g in enumerate(lp.groups):
             for j, (e, c) in enumerate(zip(g.experts, g.capacities)):
                 tier[li, e] = g.tier[j] if g.tier else 0
                 group[li, e], caps[li, e] = gi, c
+    low, top = -len(paths), int(max(tier.max(), -1))
     fig, ax = plt.subplots(figsize=(max(6, n_experts * 0.35), max(2.5, n_layers * 0.35 + 1.5)))
-    cmap = plt.get_cmap("viridis", int(tier.max()) + 2)
-    im = ax.imshow(tier, cmap=cmap, vmin=-1.5, vmax=tier.max() + 0.5, aspect="auto")
+    im = ax.imshow(tier, cmap=plt.get_cmap("viridis", top - low + 1), vmin=low - 0.5, vmax=top + 0.5, aspect="auto")
     if n_experts * n_layers <= 2048:
         for li in range(n_layers):
             for e in range(n_experts):
-                txt = "cpu" if group[li, e] < 0 else f"g{group[li, e]}\n{caps[li, e]}"
-                ax.text(e, li, txt, ha="center", va="center", fontsize=5, color="white" if tier[li, e] < 1 else "k")
-    cbar = fig.colorbar(im, ax=ax, ticks=np.arange(-1, tier.max() + 1))
-    cbar.ax.set_yticklabels([EXACT] + [f"tier {int(t)}" for t in range(int(tier.max()) + 1)])
+                txt = paths[-1 - int(tier[li, e])].split("-")[0] if group[li, e] < 0 else \
+                    f"g{group[li, e]}\n{caps[li, e]}"
+                bright = top > low and (tier[li, e] - low) / (top - low) > 0.5  # viridis: dark low, bright high
+                ax.text(e, li, txt, ha="center", va="center", fontsize=5, color="k" if bright else "white")
+    cbar = fig.colorbar(im, ax=ax, ticks=np.arange(low, top + 1))
+    cbar.ax.set_yticklabels([paths[-1 - t] for t in range(low, 0)] + [f"tier {t}" for t in range(top + 1)])
     backends = sorted({g.backend for lp in plan.layers for g in lp.groups}) or ["none"]
-    ax.set_title(f"plan map: static groups on {', '.join(backends)} (cell: group, capacity); overflow "
-                 f"{plan.overflow}", fontsize=9)
+    rest = ", ".join(p for p in paths if p in runs_on.values()) or "none"
+    ax.set_title(f"plan map: groups on {', '.join(backends)} (cell: group, capacity)\nthe rest on {rest}; overflow "
+                 f"{plan.overflow}", fontsize=8)
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(n_layers), [str(lp.layer) for lp in plan.layers])

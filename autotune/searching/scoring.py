@@ -34,6 +34,66 @@ class _LayerParts:
 
 
 @dataclass
+class _Cores:
+    """The distinct cores (residents, GPU head, tiers, quantiles, sizing) of a batch of decisions, and each
+    decision's core."""
+    index: np.ndarray  # [rows] each decision's core
+    residents: np.ndarray  # [cores]
+    head: np.ndarray  # the ranks the GPU head takes before the residents
+    tiers: np.ndarray  # at most the residents (one band per tier)
+    quantiles: np.ndarray  # [cores, tiers] each band's capacity quantile (index into QUANTILES)
+    sizing: np.ndarray
+
+
+def _cores(space: Space, rows: np.ndarray) -> _Cores:
+    names = [p for p, _ in space.params]
+    r = space.column(rows, "resident").astype(np.int64)
+    qcols = [names.index(q) for q in space.dim("quantiles").params]
+    heads = space.dim("gpu_head").values if "gpu_head" in dict(space.params) else (0,)
+    hi = rows[:, names.index("gpu_head")] if len(heads) > 1 else np.zeros(len(rows), dtype=np.int64)
+    core_key = np.concatenate([r[:, None], hi[:, None], rows[:, [names.index("tiers")] + qcols
+                                                              + [names.index("sizing")]]], 1)
+    radices = (int(r.max()) + 1, len(heads), len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols),
+               len(space.dim("sizing").values))
+    _, first, ci = np.unique(np.ravel_multi_index(core_key.T, radices), return_index=True, return_inverse=True)
+    cores = core_key[first]
+    cr, ch = cores[:, 0], np.asarray(heads)[cores[:, 1]]
+    cores = np.delete(cores, 1, axis=1)  # as before the head: residents, tiers, quantiles, sizing
+    ct = np.minimum(np.asarray(space.dim("tiers").values)[cores[:, 1]], np.maximum(cr, 1))
+    cq = np.searchsorted(QUANTILES, np.asarray(QUANTILES)[cores[:, 2:2 + len(qcols)]])
+    return _Cores(ci.reshape(-1), cr, ch, ct, cq, np.asarray(space.dim("sizing").values)[cores[:, -1]])
+
+
+@dataclass
+class _CoreBands:
+    """Each core's bands summed: static cost per compression, drops, slots, calibration overflow (count, ms, MB per
+    chunk), the largest capacity, and per band its running capacity sums and first rank."""
+    static: np.ndarray  # [cores, compressions]
+    drops: np.ndarray
+    slots: np.ndarray
+    spill_n: np.ndarray  # [cores, chunks]
+    spill_ms: np.ndarray
+    spill_mb: np.ndarray
+    cap_max: np.ndarray
+    cums: np.ndarray  # [cores, MAX_TIERS, E+1] running capacity sums per band, padded
+    lo_of: np.ndarray  # [cores, MAX_TIERS]
+
+    @classmethod
+    def zeros(cls, n_cores: int, n_chunks: int, n_kinds: int, e1: int) -> "_CoreBands":
+        return cls(np.zeros((n_cores, n_kinds)), np.zeros(n_cores), np.zeros(n_cores),
+                   *(np.zeros((n_cores, n_chunks)) for _ in range(3)), np.zeros(n_cores),
+                   np.zeros((n_cores, MAX_TIERS, e1)), np.zeros((n_cores, MAX_TIERS), dtype=np.int64))
+
+    def add(self, sel: np.ndarray, j: int, band: dict, q: np.ndarray, kind_names: list[str]) -> None:
+        """Band `band` at quantiles `q` as band j of the cores `sel`."""
+        self.cap_max[sel] = np.maximum(self.cap_max[sel], band["cap_max"][q])
+        self.cums[sel, j] = band["cum"][q]
+        self.static[sel] += np.stack([band["static"][k][q] for k in kind_names], 1)
+        for name in ("drops", "slots", "spill_n", "spill_ms", "spill_mb"):
+            getattr(self, name)[sel] += band[name][q]
+
+
+@dataclass
 class Scorer:
     """Scores decisions for every layer with one cost model; caches by (layer, chunk, decision)."""
     cost: CostModel
@@ -197,49 +257,27 @@ class Scorer:
         group size and compression only change the static calls' cost, so per decision only the overlap of that
         one number with each chunk's exact path is left (sum of max(static, exact) from sorted exact times)."""
         parts = self._layer_parts(data)
-        r = space.column(rows, "resident").astype(np.int64)
-        g = space.column(rows, "group_size").astype(np.int64)
-        spill = (space.column(rows, "overflow") == "spill").astype(np.int64)
+        cores = _cores(space, rows)
         kinds = space.column(rows, "compress") if "compress" in dict(space.params) else np.full(len(rows), "none")
         kind_names = [str(k) for k in np.unique(kinds)]
-        kind = np.searchsorted(kind_names, kinds)
-        qcols = [[p for p, _ in space.params].index(q) for q in space.dim("quantiles").params]
-        tcol = [p for p, _ in space.params].index("tiers")
-        scol = [p for p, _ in space.params].index("sizing")
-        heads = space.dim("gpu_head").values if "gpu_head" in dict(space.params) else (0,)
-        hi = (rows[:, [p for p, _ in space.params].index("gpu_head")] if len(heads) > 1
-              else np.zeros(len(rows), dtype=np.int64))
-        core_key = np.concatenate([r[:, None], hi[:, None], rows[:, [tcol] + qcols + [scol]]], 1)
-        radices = (int(r.max()) + 1, len(heads), len(space.dim("tiers").values), *[len(QUANTILES)] * len(qcols),
-                   len(space.dim("sizing").values))
-        keys, first, ci = np.unique(np.ravel_multi_index(core_key.T, radices), return_index=True,
-                                    return_inverse=True)
-        cores, ci = core_key[first], ci.reshape(-1)
-        cr, ch = cores[:, 0], np.asarray(heads)[cores[:, 1]]
-        cores = np.delete(cores, 1, axis=1)  # as before the head: residents, tiers, quantiles, sizing
-        ct = np.minimum(np.asarray(space.dim("tiers").values)[cores[:, 1]], np.maximum(cr, 1))
-        cq = np.searchsorted(QUANTILES, np.asarray(QUANTILES)[cores[:, 2:2 + len(qcols)]])
-        csizing = np.asarray(space.dim("sizing").values)[cores[:, -1]]
-        n_cores, n_chunks = len(cores), data.calib.shape[0]
-        static = np.zeros((n_cores, len(kind_names)))
-        drops = np.zeros(n_cores)
-        slots = np.zeros(n_cores)
-        spill_n = np.zeros((n_cores, n_chunks))
-        spill_ms = np.zeros((n_cores, n_chunks))
-        spill_mb = np.zeros((n_cores, n_chunks))
-        cap_max = np.zeros(n_cores)
-        cums = np.zeros((n_cores, MAX_TIERS, len(data.rank) + 1))  # running capacity sums per band, padded
-        lo_of = np.zeros((n_cores, MAX_TIERS), dtype=np.int64)
+        return self._core_scores(data, space, rows, parts, cores, self._core_bands(data, parts, cores, kind_names),
+                                 kinds, kind_names)
+
+    def _core_bands(self, data: LayerData, parts: _LayerParts, cores: _Cores, kind_names: list[str]) -> _CoreBands:
+        """Each core's bands summed: band j holds ranks lo..hi-1 after the head, as np.array_split cuts them; the
+        bands sharing a (sizing, lo) are filled at once."""
+        cr, ct = cores.residents, cores.tiers
+        out = _CoreBands.zeros(len(cr), data.calib.shape[0], len(kind_names), len(data.rank) + 1)
         base, extra = cr // np.maximum(ct, 1), cr % np.maximum(ct, 1)
         e1 = len(data.rank) + 1
-        for j in range(MAX_TIERS):  # band j of each core: ranks lo..hi-1 after the head, as np.array_split cuts them
+        for j in range(MAX_TIERS):
             size = np.where(j < ct, base + (j < extra), 0)
-            lo_of[:, j] = j * base + np.minimum(j, extra)
-            lo = ch + lo_of[:, j]
+            out.lo_of[:, j] = j * base + np.minimum(j, extra)
+            lo = cores.head + out.lo_of[:, j]
             used = np.nonzero(size > 0)[0]
-            by_sizing = np.searchsorted(SIZINGS, csizing[used])
+            by_sizing = np.searchsorted(SIZINGS, cores.sizing[used])
             bands, which = np.unique((by_sizing * e1 + lo[used]) * e1 + size[used], return_inverse=True)
-            starts = np.asarray(bands) // e1  # (sizing, lo) of each band: the bands sharing one are filled at once
+            starts = np.asarray(bands) // e1  # (sizing, lo) of each band
             for key in np.unique(starts).tolist():
                 sz, l = divmod(key, e1)
                 self._fill_bands(data, parts, l, (l + np.asarray(bands)[starts == key] % e1).tolist(), SIZINGS[sz])
@@ -247,28 +285,28 @@ class Scorer:
                                                          np.cumsum(np.bincount(which.reshape(-1)))[:-1])):
                 rest, n = divmod(key, e1)
                 sz, l = divmod(rest, e1)
-                band = self._band(data, parts, l, l + n, SIZINGS[sz])
-                q = cq[sel, j]
-                cap_max[sel] = np.maximum(cap_max[sel], band["cap_max"][q])
-                cums[sel, j] = band["cum"][q]
-                static[sel] += np.stack([band["static"][k][q] for k in kind_names], 1)
-                drops[sel] += band["drops"][q]
-                slots[sel] += band["slots"][q]
-                spill_n[sel] += band["spill_n"][q]
-                spill_ms[sel] += band["spill_ms"][q]
-                spill_mb[sel] += band["spill_mb"][q]
-        # per core, CPU tail and overflow policy (0 drop, 1 spill): each chunk's exact lanes, packing; per decision
-        # its calls
+                out.add(sel, j, self._band(data, parts, l, l + n, SIZINGS[sz]), cores.quantiles[sel, j], kind_names)
+        return out
+
+    def _core_scores(self, data: LayerData, space: Space, rows: np.ndarray, parts: _LayerParts, cores: _Cores,
+                     b: _CoreBands, kinds: np.ndarray, kind_names: list[str]) -> Scores:
+        """Per core, its CPU tail and overflow policy (0 drop, 1 spill): each chunk's exact lanes, packing; per
+        decision its calls; composed by the evaluator."""
+        r = space.column(rows, "resident").astype(np.int64)
+        g = space.column(rows, "group_size").astype(np.int64)
+        spill = (space.column(rows, "overflow") == "spill").astype(np.int64)
+        ci, cr, ch = cores.index, cores.residents, cores.head
+        n_cores, n_chunks = len(cr), data.calib.shape[0]
         tail = (space.column(rows, "cpu_tail").astype(np.int64) if "cpu_tail" in dict(space.params)
                 else np.zeros(len(rows), dtype=np.int64))
         # the (core, tail) pairs the rows take: each pair's lanes once, under both overflow policies
         pairs, pi = np.unique(np.stack([ci, tail], 1), axis=0, return_inverse=True)
         lanes = self._exact_lanes(parts, cr[pairs[:, 0]], ch[pairs[:, 0]], pairs[:, 1],
-                                  tuple(a[pairs[:, 0]] for a in (spill_ms, spill_n, spill_mb)))
+                                  tuple(a[pairs[:, 0]] for a in (b.spill_ms, b.spill_n, b.spill_mb)))
         total = np.broadcast_to(parts.total_n, (n_cores, n_chunks))
-        pack = np.where((cr > 0)[:, None], self.cost.pack_ms(total, self.hidden, slots[:, None]), 0.0)  # [C, n]
+        pack = np.where((cr > 0)[:, None], self.cost.pack_ms(total, self.hidden, b.slots[:, None]), 0.0)  # [C, n]
         calls = np.where(r > 0, -(-r // g), 0)
-        s_row = self.cost.static_ms(self.backend, static[ci, kind], calls)
+        s_row = self.cost.static_ms(self.backend, b.static[ci, np.searchsorted(kind_names, kinds)], calls)
         off_cpu = self.cost.overlaps(self.backend)
         zero = np.zeros(len(rows))
         power = self.cost.power_w(self.backend) if self.with_energy else None
@@ -282,10 +320,10 @@ class Scorer:
         # the limits do not depend on where the cold experts run: once per decision but its CPU tail
         others = [i for i, (p, _) in enumerate(space.params) if p != "cpu_tail"]
         _, one, back = np.unique(rows[:, others], axis=0, return_index=True, return_inverse=True)
-        v = self._violation_rows(r[one], g[one], kinds[one], cap_max[ci[one]], lambda rows_at, bounds: _slots_at(
-            cums[ci[one[rows_at]]], lo_of[ci[one[rows_at]]], bounds))[back.reshape(-1)]
+        v = self._violation_rows(r[one], g[one], kinds[one], b.cap_max[ci[one]], lambda rows_at, bounds: _slots_at(
+            b.cums[ci[one[rows_at]]], b.lo_of[ci[one[rows_at]]], bounds))[back.reshape(-1)]
         energy = None if full.energy_mj is None else full.energy_mj + part.energy_mj
-        return Scores(full.latency_ms + part.latency_ms, energy, np.where(spill == 1, 0, drops[ci]).astype(np.int64),
+        return Scores(full.latency_ms + part.latency_ms, energy, np.where(spill == 1, 0, b.drops[ci]).astype(np.int64),
                       v, part.latency_ms, part.energy_mj, full.cpu_ms + part.cpu_ms, part.cpu_ms)
 
     def _exact_lanes(self, parts: _LayerParts, r: np.ndarray, h: np.ndarray, tail: np.ndarray, spill: tuple

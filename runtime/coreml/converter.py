@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -382,16 +382,7 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     check_build_options(layout, compress or "none")
     functions, h, f = ane_functions(plan, compress), plan.model.hidden_size, plan.model.expert_ffn_size
     dense = dense_programs.ane_dense_specs(dense_model, plan, compress) if dense_model is not None else []
-    dtype = compute_dtype(dense_model) if dense_model is not None else torch.float32
-    if not functions and not dense:
-        raise NpumoeError("the plan puts no group on the ane backend, nor a dense function: nothing to build")
-    check_ane_limits(functions, min(function_weight_bytes, package_weight_bytes))  # before conversion
-    dense_programs.check_dense_limits(dense, min(function_weight_bytes, package_weight_bytes))
-    ane_limits.check_window({"experts": stored_weight_bytes(functions), "dense functions": stored_weight_bytes(dense)})
-    source = _expert_source(model_layers)
-    for layer in sorted({fs.layer for fs in functions}):
-        check_expert_form(source.experts(layer, (0,))[0], layer)
-
+    source = _checked_source(functions, dense, model_layers, min(function_weight_bytes, package_weight_bytes))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     groups = split_packages(functions, package_weight_bytes, dense)
@@ -400,72 +391,111 @@ def build_package(model_layers: dict[int, torch.nn.Module] | ExpertWeights, plan
     keep = sum(fs.usage().weight_bytes for fs in functions) <= CACHE_KEEP_BYTES
     cache = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) if keep else work / "functions"
     cache.mkdir(parents=True, exist_ok=True)
-    seconds = {"convert": 0.0, "merge": 0.0, "verify": 0.0}
-    cached, checks, packages = 0, [], []
-    bar = progress("converting functions", len(functions)) if progress else None
+    run = _Build(source, layout, cache, keep, work, seed,
+                 compute_dtype(dense_model) if dense_model is not None else torch.float32,
+                 progress("converting functions", len(functions)) if progress else None)
     try:
-        for (group, dense_group), path in zip(groups, paths):
-            parts, meta_functions = [], {}
-            for fs in group:
-                t = time.perf_counter()
-                hit, digest, cpath = _convert_cached(fs, source, layout, cache, keep)
-                cached += hit
-                parts.append((fs, cpath))
-                meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
-                                               capacities=list(fs.capacities), compress=fs.compress,
-                                               weights_sha256=digest)
-                seconds["convert"] += time.perf_counter() - t
-                if bar:
-                    bar.update(1)
-            t = time.perf_counter()
-            converted = [convert_dense(d, cache, keep) for d in dense_group]
-            parts += [(c.spec, c.path) for c in converted]
-            meta_functions.update({c.spec.name: c.manifest() for c in converted})
-            cached += sum(c.cached for c in converted)
-            seconds["convert"] += time.perf_counter() - t
-            t = time.perf_counter()
-            meta = dict(layout=layout, compress=compression_summary([*group, *dense_group]), hidden=h, ffn=f,
-                        model_fingerprint=plan.model.fingerprint, functions=meta_functions)
-            staged = work / path.name
-            merge_functions(parts, staged, meta)
-            if not keep:
-                for _, cpath in parts:
-                    shutil.rmtree(cpath, ignore_errors=True)
-            seconds["merge"] += time.perf_counter() - t
-            t = time.perf_counter()
-            checks += verify_package(staged, group, source, layout, None, seed, dense_group, dtype)
-            seconds["verify"] += time.perf_counter() - t
-            packages.append(dict(path=path.name, functions=[name for name in meta_functions],
-                                 weight_bytes=stored_weight_bytes([*group, *dense_group]), bytes=package_bytes(staged)))
-        if bar:
-            bar.close()
+        packages = [run.package(group, dense_group, work / path.name, plan) for (group, dense_group), path
+                    in zip(groups, paths)]
+        if run.bar:
+            run.bar.close()
         manifest = manifest_path(out)
         summary = compression_summary([*functions, *dense])
-        with held():  # the packages and their manifest land together: a signal here is raised once they have
-            for path in (out, *paths, *_stale_parts(out)):
-                if path.exists():
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
-            for path in paths:
-                os.replace(work / path.name, path)
-            atomic_write_json(manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
-                                         "layout": layout, "compress": summary,
-                                         "function_weight_limit_bytes": int(function_weight_bytes),
-                                         "package_weight_limit_bytes": int(package_weight_bytes),
-                                         "packages": packages})
+        _land(out, paths, work, manifest, {"schema": MANIFEST_SCHEMA, "model_fingerprint": plan.model.fingerprint,
+                                           "layout": layout, "compress": summary,
+                                           "function_weight_limit_bytes": int(function_weight_bytes),
+                                           "package_weight_limit_bytes": int(package_weight_bytes),
+                                           "packages": packages})
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    total = sum(pk["bytes"] for pk in packages)
     unique = {(fs.layer, e) for fs in functions for e in fs.experts}
     dense_bytes = [dense_programs.dense_weight_bytes(d) for d in dense]
-    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary, cached=cached,
-                       package_bytes=total,
+    return BuildResult(package=str(paths[0]), functions=functions, layout=layout, compress=summary, cached=run.cached,
+                       package_bytes=sum(pk["bytes"] for pk in packages),
                        unique_weight_bytes=len(unique) * ane_limits.expert_weight_bytes(h, f)
                        + sum(dense_programs.dense_weight_bytes(d, "none") for d in dense),
-                       build_seconds=time.perf_counter() - t0, checks=checks, packages=packages,
+                       build_seconds=time.perf_counter() - t0, checks=run.checks, packages=packages,
                        manifest=str(manifest),
                        largest_function_weight_bytes=max([fs.usage().weight_bytes for fs in functions] + dense_bytes),
-                       seconds={k: round(v, 2) for k, v in seconds.items()},
+                       seconds={k: round(v, 2) for k, v in run.seconds.items()},
                        function_weight_limit_bytes=int(function_weight_bytes), dense=dense)
+
+
+def _checked_source(functions: list[FunctionSpec], dense: list, model_layers: dict[int, torch.nn.Module] |
+                    ExpertWeights, weight_limit: float) -> ExpertWeights:
+    """The experts' source, once every function is checked against the Neural Engine's limits (before any
+    conversion) and each layer's experts have the form a function converts."""
+    if not functions and not dense:
+        raise NpumoeError("the plan puts no group on the ane backend, nor a dense function: nothing to build")
+    check_ane_limits(functions, weight_limit)
+    dense_programs.check_dense_limits(dense, weight_limit)
+    ane_limits.check_window({"experts": stored_weight_bytes(functions), "dense functions": stored_weight_bytes(dense)})
+    source = _expert_source(model_layers)
+    for layer in sorted({fs.layer for fs in functions}):
+        check_expert_form(source.experts(layer, (0,))[0], layer)
+    return source
+
+
+@dataclass
+class _Build:
+    """One build's state: the experts' source, where functions convert (the cache, or the build's work folder when
+    not `keep`), the seconds per stage, the functions found cached and the host checks."""
+    source: ExpertWeights
+    layout: str
+    cache: Path
+    keep: bool
+    work: Path
+    seed: int
+    dtype: torch.dtype  # the dense functions' (the model's compute dtype)
+    bar: object | None
+    seconds: dict = field(default_factory=lambda: {"convert": 0.0, "merge": 0.0, "verify": 0.0})
+    cached: int = 0
+    checks: list = field(default_factory=list)
+
+    def package(self, group: list[FunctionSpec], dense_group: list, staged: Path, plan: Plan) -> dict:
+        """One package staged at `staged`: its functions converted (or found cached), merged with its metadata and
+        checked on the host; returns its manifest entry."""
+        t = time.perf_counter()
+        parts, meta_functions = [], {}
+        for fs in group:
+            hit, digest, cpath = _convert_cached(fs, self.source, self.layout, self.cache, self.keep)
+            self.cached += hit
+            parts.append((fs, cpath))
+            meta_functions[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
+                                           capacities=list(fs.capacities), compress=fs.compress, weights_sha256=digest)
+            if self.bar:
+                self.bar.update(1)
+        converted = [convert_dense(d, self.cache, self.keep) for d in dense_group]
+        parts += [(c.spec, c.path) for c in converted]
+        meta_functions.update({c.spec.name: c.manifest() for c in converted})
+        self.cached += sum(c.cached for c in converted)
+        self.seconds["convert"] += time.perf_counter() - t
+        t = time.perf_counter()
+        meta = dict(layout=self.layout, compress=compression_summary([*group, *dense_group]),
+                    hidden=plan.model.hidden_size, ffn=plan.model.expert_ffn_size,
+                    model_fingerprint=plan.model.fingerprint, functions=meta_functions)
+        merge_functions(parts, staged, meta)
+        if not self.keep:
+            for _, cpath in parts:
+                shutil.rmtree(cpath, ignore_errors=True)
+        self.seconds["merge"] += time.perf_counter() - t
+        t = time.perf_counter()
+        self.checks += verify_package(staged, group, self.source, self.layout, None, self.seed, dense_group, self.dtype)
+        self.seconds["verify"] += time.perf_counter() - t
+        return dict(path=staged.name, functions=list(meta_functions),
+                    weight_bytes=stored_weight_bytes([*group, *dense_group]), bytes=package_bytes(staged))
+
+
+def _land(out: Path, paths: list[Path], work: Path, manifest: Path, content: dict) -> None:
+    """The staged packages and their manifest land together, replacing an earlier build's (a signal here is raised
+    once they have)."""
+    with held():
+        for path in (out, *paths, *_stale_parts(out)):
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in paths:
+            os.replace(work / path.name, path)
+        atomic_write_json(manifest, content)
 
 
 def convert_dense(spec, cache: Path, sealed: bool = True) -> dense_programs.ConvertedDense:

@@ -15,7 +15,7 @@ their kernels:
 
 Which kernel is faster at which row count is the host's fact: `kernel_rows` (the row count from which each kernel
 runs) is the plan's `cpu_weights.kernel_rows` (`autotune search` takes it from
-the profile's kernel records, `autotune.profiling.kernels.kernel_rows`, and its fidelity gate decides) or, without
+the profile's kernel records, `autotune.costing.kernel_choice.kernel_rows`, and its fidelity gate decides) or, without
 it, the defaults below (measured on the Linux x86-64 host by scripts/bench_moe_layer.py --cpu-weights).
 """
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch
 
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoints import CONFIG_ERRORS, safetensors_header
+from runtime.loading.model_config import mlx_quantization, read_config
 
 # Where a checkpoint may store a router weight, for a router module at `...mlp.gate` or `...mlp.router`:
 # transformers 5 keeps the original (per-expert, `block_sparse_moe` for Mixtral/Phimoe) key layout on disk.
@@ -161,25 +162,17 @@ def read_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
     return None
 
 
-def read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise NpumoeError(f"cannot read {path / 'config.json'}: {e}") from None
-
-
 def is_mlx_checkpoint(path: Path) -> bool:
-    """A folder mlx-lm quantized: config.json holds mlx's `quantization` table (group_size / bits, no quant_method)."""
-    q = read_config(path).get("quantization")
-    return isinstance(q, dict) and ("bits" in q or "group_size" in q) and "quant_method" not in q
+    """A folder mlx-lm quantized (`model_config.mlx_quantization`)."""
+    return mlx_quantization(read_config(path)) is not None
 
 
-def transformers_config(path: Path) -> object:
-    """The transformers config of the folder, without mlx's quantization tables (transformers would look for a
-    quantizer) and with `rope_theta` where mlx-lm put it at the top level only."""
+def transformers_config(path: Path, config: dict) -> object:
+    """The transformers config of the folder's `config` (its config.json), without mlx's quantization tables
+    (transformers would look for a quantizer) and with `rope_theta` where mlx-lm put it at the top level only."""
     import transformers
 
-    config = {k: v for k, v in read_config(path).items() if k not in QUANT_KEYS}
+    config = {k: v for k, v in config.items() if k not in QUANT_KEYS}
     model_type = config.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         raise NpumoeError(f"{path / 'config.json'}: model_type {model_type!r} is not a transformers model type")
@@ -188,13 +181,13 @@ def transformers_config(path: Path) -> object:
     return transformers.CONFIG_MAPPING[model_type].from_dict(config)
 
 
-def meta_skeleton(path: Path) -> torch.nn.Module:
-    """The model's module tree from its config.json on the meta device: parameter names and shapes, no memory."""
+def meta_skeleton(path: Path, config: dict) -> torch.nn.Module:
+    """The model's module tree from its `config` (config.json) on the meta device: parameter names and shapes, no
+    memory."""
     import transformers
 
     try:
-        config = transformers_config(path) if is_mlx_checkpoint(path) else \
-            transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = transformers_config(path, config)  # from the dict read once, not config.json again
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
     except CONFIG_ERRORS as e:

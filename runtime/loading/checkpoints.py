@@ -66,17 +66,16 @@ def safetensors_header(file: Path) -> dict:
     return header
 
 
-def check_checkpoint(path: Path) -> list[Path]:
-    """Every safetensors file of the model directory `path` exists and is whole, and config.json agrees with them
-    (`check_config`); returns them."""
-    files = safetensors_files(path)
-    keys: list[str] = []
-    for file in files:
+def check_checkpoint(path: Path, config: dict) -> dict[Path, dict]:
+    """Every safetensors file of the model directory `path` exists and is whole, and its `config` (config.json, read
+    once by the caller) agrees with them (`check_config`); returns each file's tensor table."""
+    headers = {}
+    for file in safetensors_files(path):
         if not file.exists():
             raise NpumoeError(f"{file}: missing (named by {path / 'model.safetensors.index.json'})")
-        keys += safetensors_header(file)
-    check_config(path, keys)
-    return files
+        headers[file] = safetensors_header(file)
+    check_config(path, config, [k for header in headers.values() for k in header])
+    return headers
 
 
 # What transformers raises on a config.json it cannot build a model from (a value of another type, say): one line.
@@ -90,18 +89,10 @@ CONFIG_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_in
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def check_config(path: Path, tensor_names: list[str]) -> dict:
-    """config.json is a JSON object whose sizes are positive integers and whose layer count is that of the weights
-    (`tensor_names`: the checkpoint's tensors); returns it. Each failure names config.json and the field."""
+def check_config(path: Path, config: dict, tensor_names: list[str]) -> None:
+    """`config` (path's config.json) has sizes that are positive integers and the layer count of the weights
+    (`tensor_names`: the checkpoint's tensors). Each failure names config.json and the field."""
     where = path / "config.json"
-    try:
-        config = json.loads(where.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise NpumoeError(f"{where}: cannot read: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise NpumoeError(f"{where}: not valid JSON ({str(e)[:80]})") from None
-    if not isinstance(config, dict):
-        raise NpumoeError(f"{where}: a model config is a JSON object, got {type(config).__name__}")
     for name in CONFIG_SIZES:
         value = config.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -111,7 +102,6 @@ def check_config(path: Path, tensor_names: list[str]) -> dict:
     if stored and layers is not None and layers != max(stored) + 1:
         raise NpumoeError(f"{path}: config.json does not match the weights: num_hidden_layers {layers}, the "
                           f"safetensors files hold {max(stored) + 1} layers")
-    return config
 
 
 def check_tokenizer_files(path: Path) -> None:

@@ -10,8 +10,12 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 
 import torch
+
+from runtime.errors import NpumoeError
+from runtime.loading.model_config import DTYPE_CHOICES, DTYPES, mlx_quantization, stored_dtype
 
 SLOWER = 1.5  # a half-precision matmul this many times float32's time or more: emulated here
 PROBE_MNK = (64, 256, 256)  # compute-bound; 40 ms in all where emulated (35-106x float32 on the AVX2 host)
@@ -72,6 +76,28 @@ def auto_dtype(stored: torch.dtype, parameters: int) -> tuple[torch.dtype, str]:
     return torch.float32, (f"float32, not the checkpoint's {own}: this host computes {own} matmuls {ratio:.1f}x "
                            f"slower than float32 (emulated), and the float32 weights ({need / 1e9:.2f} GB) fit; "
                            f"--dtype {own} keeps the checkpoint's")
+
+
+def auto_dtype_for(config: dict, parameters: Callable[[], int]) -> tuple[torch.dtype, str]:
+    """What `--dtype auto` computes the model of `config` (config.json) in on this host, and why: a half-precision
+    checkpoint as `auto_dtype` decides (`parameters`: its weight count, asked only then); any other, and an MLX
+    checkpoint (held packed for its memory), in its own."""
+    stored = stored_dtype(config)
+    if stored in HALF and mlx_quantization(config) is None:
+        return auto_dtype(stored, parameters())
+    return stored, f"the checkpoint's own {dtype_name(stored)}"
+
+
+def resolved_dtype(dtype: str | torch.dtype, auto: Callable[[], torch.dtype]) -> torch.dtype:
+    """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to compute in
+    (auto: what `auto` says)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto()
+    if dtype not in DTYPES:
+        raise NpumoeError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

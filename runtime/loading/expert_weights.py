@@ -16,14 +16,13 @@ import torch
 from runtime.loading.checkpoint_reader import (
     SAFETENSORS_DTYPES,
     fits,
-    meta_skeleton,
     read_tensor_into,
     tensor_index,
     tensor_sources,
 )
-from runtime.loading.checkpoints import check_checkpoint, safetensors_header
-from runtime.loading.gguf_reader import is_gguf_view
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, moe_layers, resolve_dtype
+from runtime.loading.checkpoints import safetensors_header
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, moe_layers
+from runtime.loading.model_record import ModelRecord
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
@@ -58,19 +57,16 @@ class CheckpointExperts:
         self.headers = {file: safetensors_header(file) for file in set(files.values())}
 
     @classmethod
-    def open(cls, name: str, dtype: str | torch.dtype) -> CheckpointExperts | None:
-        """The reader for model `name`, or None where its experts are not all in safetensors files with the
-        shapes config.json gives (the caller then loads the model, whose loader reports what is wrong)."""
-        if name.startswith(RANDOM_PREFIX):
+    def open(cls, record: ModelRecord) -> CheckpointExperts | None:
+        """The reader for the model `record` describes (its checkpoint checked when it was resolved), in its compute
+        dtype, or None where its experts are not all in safetensors files with the shapes config.json gives (the
+        caller then loads the model, whose loader reports what is wrong)."""
+        if record.name.startswith(RANDOM_PREFIX) or record.gguf is not None:  # GGUF: read with the model
             return None
-        path = model_dir(name)
-        if is_gguf_view(path):  # GGUF hook (issue 57): its experts are read with the model
-            return None
-        check_checkpoint(path)
-        files = tensor_index(path)
+        files = tensor_index(model_dir(record.name))
         if not files:
             return None
-        skeleton = meta_skeleton(path)
+        skeleton = record.skeleton
         names = {id(p): n for n, p in skeleton.named_parameters()}
         sources = {}
         for layer in moe_layers(skeleton):
@@ -80,7 +76,7 @@ class CheckpointExperts:
                 if src is None:
                     return None
                 sources[layer.index, leaf] = src
-        reader = cls(skeleton, resolve_dtype(name, dtype), sources, files)
+        reader = cls(skeleton, record.compute_dtype, sources, files)
         for (layer, leaf), src in sources.items():
             entries = [reader._entry(k) for k in src]
             if any(e.get("dtype") not in SAFETENSORS_DTYPES for e in entries) or not fits(

@@ -30,12 +30,12 @@ from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import (
     ROUTER_KEY_FORMS,
     SAFETENSORS_DTYPES,
-    read_config,
     read_tensor_into,
     tensor_index,
     transformers_config,
 )
 from runtime.loading.checkpoints import safetensors_header
+from runtime.loading.model_config import read_config
 
 # mlx-lm's names of a layer's MoE block (transformers 5 says `mlp` for every family) and of its experts' parts.
 MOE_BLOCKS = (".mlp.", ".block_sparse_moe.")
@@ -170,8 +170,8 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The transformers model of an MLX checkpoint folder, its quantized weights kept packed (module docstring)."""
     import transformers
 
-    config = transformers_config(path)
-    formats = _Formats(read_config(path)["quantization"])
+    table = read_config(path)
+    config, formats = transformers_config(path, table), _Formats(table["quantization"])
     files = _Files(path)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -241,11 +241,12 @@ def fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied: 
             set_module(model, name, remade)
 
 
-def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
-    """A router weight of an MLX checkpoint at full width (float32), for the model spec; None where not stored."""
+def dequantized_router(files: dict[str, Path], module_key: str, quantization: dict) -> torch.Tensor | None:
+    """A router weight of an MLX checkpoint at full width (float32), for the model spec; None where not stored.
+    `quantization`: config.json's table."""
     path = next(iter(files.values())).parent
     table = _Files(path)
-    formats = _Formats(read_config(path)["quantization"])
+    formats = _Formats(quantization)
     module = module_key[:-len(".weight")]
     if f"{module}.scales" not in table:
         return table.read(module_key, torch.empty(table.shape(module_key))) if module_key in table else None
@@ -263,13 +264,12 @@ def dequantized(weight: PackedWeight) -> torch.Tensor:
     return weight.full(torch.promote_types(weight.scales.dtype, torch.float32))
 
 
-def check_mlx_checkpoint(path: Path) -> str:
+def check_mlx_checkpoint(path: Path, table: dict) -> str:
     """An MLX folder checked from config.json and the tensor headers alone, before any command works on it: every
     format its `quantization` names (the default and each module's) is one we decode, every tensor's dtype one we
     read, and every packed weight's shape fits its format. Returns the format each packed module is stored in, as
     canonical JSON (what the model fingerprint covers: however the table spells it). Each failure is one line
-    naming config.json, the module or the tensor."""
-    table = read_config(path)["quantization"]
+    naming config.json, the module or the tensor. `table`: config.json's `quantization`."""
     formats = _Formats(table)
     check_format(str(path / "config.json"), *formats.default)
     for module, entry in table.items():

@@ -20,7 +20,7 @@ import torch
 from runtime.cpu.allocator import bound_primitive_cache, return_temporaries_to_the_os, reuse_temporaries
 from runtime.cpu.cpu_backends import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
-from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_router, read_weights, tensor_index
+from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_router, read_weights, tensor_index
 from runtime.loading.checkpoints import (
     CONFIG_ERRORS,
     check_checkpoint,
@@ -31,7 +31,7 @@ from runtime.loading.checkpoints import (
     safetensors_files,
     safetensors_header,
 )
-from runtime.loading.compute_dtype import HALF, auto_dtype, dtype_name
+from runtime.loading.compute_dtype import auto_dtype_for, resolved_dtype
 from runtime.loading.gguf_reader import (  # GGUF hook (issue 57)
     check_gguf_view,
     gguf_router,
@@ -41,6 +41,14 @@ from runtime.loading.gguf_reader import (  # GGUF hook (issue 57)
     read_gguf_model,
 )
 from runtime.loading.mlx_checkpoint import check_mlx_checkpoint, dequantized_router, read_mlx_model
+from runtime.loading.model_config import (  # noqa: F401 - DTYPES, DTYPE_CHOICES: the loader's options
+    DTYPE_CHOICES,
+    DTYPES,
+    context_of,
+    mlx_quantization,
+    read_config,
+    stored_dtype,
+)
 from runtime.plan import ModelSpec
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -61,10 +69,6 @@ _RANDOM_FAMILIES: dict[str, tuple[str, dict]] = {
 }
 RANDOM_MODELS = [RANDOM_PREFIX + f for f in _RANDOM_FAMILIES]
 BUILTIN_MODELS = ["tiny-moe", *RANDOM_MODELS]
-
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# auto: the checkpoint's own dtype, or float32 where this host emulates it (`auto_dtype_of`)
-DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -124,57 +128,39 @@ def model_dir(name: str) -> Path:
     return path
 
 
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise NpumoeError(f"cannot read {path / 'config.json'}: {e}") from None
-
-
 def checkpoint_dtype(name: str) -> torch.dtype:
-    """The dtype a model's weights are stored in: config.json's `dtype` (or older `torch_dtype`); random
-    models are made in float32. Unknown or absent: float32."""
-    if name.startswith(RANDOM_PREFIX):
-        return torch.float32
-    config = _read_config(model_dir(name))
-    return DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+    """The dtype a model's weights are stored in (`model_config.stored_dtype`); random models are made in float32."""
+    return torch.float32 if name.startswith(RANDOM_PREFIX) else stored_dtype(read_config(model_dir(name)))
 
 
 def context_length(name: str) -> int | None:
-    """The longest sequence the model takes (config.json `max_position_embeddings`, where a multimodal config keeps
-    it under `text_config`); None where the config does not say."""
+    """The longest sequence the model takes (`model_config.context_of`)."""
     if name.startswith(RANDOM_PREFIX):
         return int(load_model(name)[0].config.max_position_embeddings)
-    config = _read_config(model_dir(name))
-    value = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
-    return int(value) if value else None
+    return context_of(read_config(model_dir(name)))
+
+
+def stored_parameters(headers: dict[Path, dict]) -> int:
+    """The weights a safetensors checkpoint holds, counted from its files' tensor tables."""
+    return sum(math.prod(t["shape"]) for header in headers.values() for k, t in header.items() if k != "__metadata__")
 
 
 def checkpoint_parameters(name: str) -> int:
     """The weights a safetensors checkpoint holds, counted from its headers (nothing else is read)."""
-    return sum(math.prod(t["shape"]) for f in safetensors_files(model_dir(name))
-               for k, t in safetensors_header(f).items() if k != "__metadata__")
+    return stored_parameters({f: safetensors_header(f) for f in safetensors_files(model_dir(name))})
 
 
 def auto_dtype_of(name: str) -> tuple[torch.dtype, str]:
-    """What `--dtype auto` loads `name` in on this host, and why: a half-precision checkpoint as `compute_dtype`
-    decides; any other (the random models' float32), and an MLX checkpoint, held packed for its memory, in its own."""
-    stored = checkpoint_dtype(name)
-    if stored in HALF and not is_mlx_checkpoint(model_dir(name)):
-        return auto_dtype(stored, checkpoint_parameters(name))
-    return stored, f"the checkpoint's own {dtype_name(stored)}"
+    """What `--dtype auto` loads `name` in on this host, and why (`compute_dtype.auto_dtype_for`)."""
+    if name.startswith(RANDOM_PREFIX):
+        return torch.float32, "the checkpoint's own float32"
+    return auto_dtype_for(read_config(model_dir(name)), lambda: checkpoint_parameters(name))
 
 
 def resolve_dtype(name: str, dtype: str | torch.dtype) -> torch.dtype:
     """A `--dtype` value (auto | bfloat16 | float16 | float32, or a torch dtype) as the torch dtype to load in
     (auto: `auto_dtype_of`)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return auto_dtype_of(name)[0]
-    if dtype not in DTYPES:
-        raise NpumoeError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_CHOICES)}")
-    return DTYPES[dtype]
+    return resolved_dtype(dtype, lambda: auto_dtype_of(name)[0])
 
 
 def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights: str = "bf16",
@@ -216,7 +202,7 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     import transformers
 
     path = model_dir(name)
-    quantization = open_checkpoint(path)
+    quantization = open_checkpoint(path, read_config(path))[1]
     check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
@@ -238,14 +224,16 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     return model.eval(), tokenizer
 
 
-def open_checkpoint(path: Path) -> str | None:
-    """Check a checkpoint folder once, before any command works on it: its files whole and its config agreeing
-    with them, and an MLX folder's quantization, dtypes and packed shapes (`check_mlx_checkpoint`). Returns the
-    MLX quantization table in canonical form, None for a full-width checkpoint."""
+def open_checkpoint(path: Path, config: dict) -> tuple[dict[Path, dict], str | None]:
+    """Check a checkpoint folder once, before any command works on it: its files whole and its `config`
+    (config.json) agreeing with them, and an MLX folder's quantization, dtypes and packed shapes
+    (`check_mlx_checkpoint`). Returns its files' tensor tables, and the MLX quantization table in canonical form
+    (None for a full-width checkpoint; a GGUF file's tensor types)."""
     if is_gguf_view(path):  # GGUF hook (issue 57): the file was checked whole when its folder was made
-        return check_gguf_view(path)
-    check_checkpoint(path)
-    return check_mlx_checkpoint(path) if is_mlx_checkpoint(path) else None
+        return {}, check_gguf_view(path)
+    headers = check_checkpoint(path, config)
+    table = mlx_quantization(config)
+    return headers, None if table is None else check_mlx_checkpoint(path, table)
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
@@ -288,21 +276,18 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
                         getattr(model, "npumoe_quantization", None))
 
 
-def read_model_spec(name: str) -> ModelSpec:
-    """The same ModelSpec as `model_spec(load_model(name)[0])`, reading only config.json and the router weights
-    (tensor by tensor from the safetensors files): what plan-template and search need, at a fraction of the
+def checkpoint_spec(name: str, path: Path, config: dict, skeleton: torch.nn.Module,
+                    quantization: str | None) -> ModelSpec:
+    """The same ModelSpec as `model_spec(load_model(name)[0])`, from the folder's `config` (config.json), its meta
+    `skeleton` and its router weights alone (tensor by tensor from the safetensors files), at a fraction of the
     memory. Falls back to a full load where the routers cannot be found in safetensors files."""
-    if name.startswith(RANDOM_PREFIX):
-        return model_spec(load_model(name)[0])
-    path = model_dir(name)
-    quantization = open_checkpoint(path)
-    skeleton = meta_skeleton(path)
     layers = moe_layers(skeleton)
     if not layers:
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
-    read = dequantized_router if is_mlx_checkpoint(path) else read_router
+    table = mlx_quantization(config)
+    read = read_router if table is None else partial(dequantized_router, quantization=table)
     if is_gguf_view(path):  # GGUF hook (issue 57): the routers read from the file
         files, read = path, gguf_router
     routers = [read(files, names[id(l.router.weight)]) for l in layers]

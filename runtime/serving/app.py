@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -194,7 +194,6 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's ASGI app over `engine` (in this process, or in its own). Its shutdown (after uvicorn's drain)
     stops the engine's worker."""
-    started = int(time.time())
     http_metrics = HttpMetrics()
 
     @asynccontextmanager
@@ -204,6 +203,14 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
 
     app = FastAPI(title="npumoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(Guard, metrics=http_metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    app.include_router(_routes(engine, http_metrics))
+    app.openapi = partial(_openapi, app.openapi)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as an error object with its status (module docstring)."""
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -228,27 +235,32 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {exc}", "server_error", path=request.url.path)
 
-    @app.get("/health")
+
+def _routes(engine: AnyEngine, http_metrics: HttpMetrics) -> APIRouter:
+    """The API's routes over `engine`: /health, /metrics, the OpenAI API and /v1/messages."""
+    router, started = APIRouter(), int(time.time())
+
+    @router.get("/health")
     async def health() -> dict:
         return engine.health()
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         return Response(http_metrics.render() + engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": started,
                                             "owned_by": "npumoe"}]}
 
-    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    @router.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse(CompletionRequest, await request.body())
         prompt = {"text": body.prompt} if isinstance(body.prompt, str) else {"ids": body.prompt}
         return await _respond_openai(engine, body, request, _reply(engine, False, body.logprobs),
                                      COMPLETION_MAX_TOKENS, {**prompt, "logprobs": body.logprobs, "echo": body.echo})
 
-    @app.post("/v1/chat/completions", openapi_extra=_body(ChatRequest))
+    @router.post("/v1/chat/completions", openapi_extra=_body(ChatRequest))
     async def chat(request: Request) -> Response:
         body = parse(ChatRequest, await request.body())
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
@@ -256,7 +268,7 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
         return await _respond_openai(engine, body, request, _reply(engine, True, logprobs), DEFAULT_MAX_TOKENS,
                                      {"messages": messages, "logprobs": logprobs})
 
-    @app.post(MESSAGES, openapi_extra=_body(anthropic.MessagesRequest))
+    @router.post(MESSAGES, openapi_extra=_body(anthropic.MessagesRequest))
     async def messages(request: Request) -> Response:
         body = parse(anthropic.MessagesRequest, await request.body())
         job_request = GenerationRequest(body.max_tokens, body.temperature, body.top_p, body.seed,
@@ -269,18 +281,18 @@ def create_app(engine: AnyEngine, api_key: str | None = None,
         stream = partial(_anthropic_stream, engine, reply=reply) if body.stream else None
         return await _respond(engine, body.model, request, job_request, whole, stream)
 
-    schema = app.openapi
+    return router
 
-    def openapi() -> dict:  # the request models' schemas, each with its own definitions, as components
-        doc = schema()
-        components = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatRequest, anthropic.MessagesRequest):
-            own = model.model_json_schema(ref_template=REF)
-            components.update(own.pop("$defs", {}))
-            components[model.__name__] = own
-        return doc
-    app.openapi = openapi
-    return app
+
+def _openapi(schema: Callable[[], dict]) -> dict:
+    """FastAPI's schema with the request models' schemas, each with its own definitions, as components."""
+    doc = schema()
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in (CompletionRequest, ChatRequest, anthropic.MessagesRequest):
+        own = model.model_json_schema(ref_template=REF)
+        components.update(own.pop("$defs", {}))
+        components[model.__name__] = own
+    return doc
 
 
 REF = "#/components/schemas/{model}"
