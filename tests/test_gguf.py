@@ -260,6 +260,9 @@ def test_commands_take_the_file(files, tmp_path, capsys):
                  ["generate", "--prompt", "def main():", "--max-tokens", "4", "--json"]):
         assert main([argv[0], "--model", path, "--plan", str(plan), *argv[1:]]) == 0, capsys.readouterr().err
         json.loads(capsys.readouterr().out)
+    assert main(["calibrate", "--model", path, "--engine", "mlx", "--out", str(tmp_path / "t.npz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a GGUF file, which mlx-lm does not load here" in err[0], err
 
 
 def test_missing_package_one_line(monkeypatch, tmp_path):
