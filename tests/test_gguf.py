@@ -46,9 +46,9 @@ from runtime.plan import save_plan  # noqa: E402
 WITHIN = {"Q8_0": (0.001, 0.99), "Q4_0": (0.015, 0.85)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory):
-    """The folders `--model file.gguf` makes go to a fresh cache."""
+    """The folders `--model file.gguf` makes go to a fresh cache (never the user's)."""
     root = tmp_path_factory.mktemp("npumoe-cache")
     before = os.environ.get("NPUMOE_CACHE")
     os.environ["NPUMOE_CACHE"] = str(root)
