@@ -101,36 +101,55 @@ def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def mixtral_tensors(model) -> dict[str, np.ndarray]:
-    """A transformers Mixtral model's weights by GGUF tensor name (llama arch), q/k permuted as the converter does."""
+# transformers module (under model.layers.N.) -> llama.cpp's tensor (blk.N.), as its tensor_mapping.py names them
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+ARCH_OF = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+
+
+def model_tensors(model) -> dict[str, np.ndarray]:
+    """A transformers MoE model's weights by GGUF tensor name, q/k rows permuted for the llama arch (Mixtral) as
+    convert_hf_to_gguf.py does, the shared expert's gate as the 1D tensor llama.cpp declares."""
     cfg = model.config
     p = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     out = {"token_embd.weight": p["model.embed_tokens.weight"], "output_norm.weight": p["model.norm.weight"],
            "output.weight": p["lm_head.weight"]}
+    for key, value in p.items():
+        parts = key.split(".")
+        if parts[:2] != ["model", "layers"] or ".mlp.experts." in key:
+            continue
+        module, leaf = ".".join(parts[3:-1]), parts[-1]
+        name = f"blk.{parts[2]}.{HF_TO_GGUF[module]}.{leaf}"
+        if ARCH_OF[cfg.model_type] == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            value = permute_for_llama_cpp(value, cfg.num_attention_heads if "q_proj" in module
+                                          else cfg.num_key_value_heads)
+        out[name] = value.reshape(-1) if module == "mlp.shared_expert_gate" else value
     for i in range(cfg.num_hidden_layers):
-        b = f"model.layers.{i}."
-        f = p[b + "mlp.experts.down_proj"].shape[-1]
-        out.update({
-            f"blk.{i}.attn_norm.weight": p[b + "input_layernorm.weight"],
-            f"blk.{i}.ffn_norm.weight": p[b + "post_attention_layernorm.weight"],
-            f"blk.{i}.attn_q.weight": permute_for_llama_cpp(p[b + "self_attn.q_proj.weight"], cfg.num_attention_heads),
-            f"blk.{i}.attn_k.weight": permute_for_llama_cpp(p[b + "self_attn.k_proj.weight"], cfg.num_key_value_heads),
-            f"blk.{i}.attn_v.weight": p[b + "self_attn.v_proj.weight"],
-            f"blk.{i}.attn_output.weight": p[b + "self_attn.o_proj.weight"],
-            f"blk.{i}.ffn_gate_inp.weight": p[b + "mlp.gate.weight"],
-            f"blk.{i}.ffn_gate_exps.weight": p[b + "mlp.experts.gate_up_proj"][:, :f],
-            f"blk.{i}.ffn_up_exps.weight": p[b + "mlp.experts.gate_up_proj"][:, f:],
-            f"blk.{i}.ffn_down_exps.weight": p[b + "mlp.experts.down_proj"]})
+        b, f = f"model.layers.{i}.mlp.experts.", p[f"model.layers.{i}.mlp.experts.down_proj"].shape[-1]
+        out.update({f"blk.{i}.ffn_gate_exps.weight": p[b + "gate_up_proj"][:, :f],
+                    f"blk.{i}.ffn_up_exps.weight": p[b + "gate_up_proj"][:, f:],
+                    f"blk.{i}.ffn_down_exps.weight": p[b + "down_proj"]})
     return out
 
 
-def mixtral_metadata(model) -> dict[str, tuple[object, str]]:
+def model_metadata(model) -> dict[str, tuple[object, str]]:
+    """The metadata keys of a transformers MoE model's GGUF file (convert_hf_to_gguf.py's, for its sizes)."""
     cfg = model.config
+    arch = ARCH_OF[cfg.model_type]
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    f = model.model.layers[0].mlp.experts.intermediate_dim
     keys = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
             "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
             "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
-            "expert_count": cfg.num_local_experts, "expert_used_count": cfg.num_experts_per_tok}
-    out = {f"llama.{k}": (v, "UINT32") for k, v in keys.items()}
-    out["llama.rope.freq_base"] = (float(cfg.rope_parameters["rope_theta"]), "FLOAT32")
-    out["llama.attention.layer_norm_rms_epsilon"] = (float(cfg.rms_norm_eps), "FLOAT32")
+            "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+            "expert_count": experts, "expert_used_count": cfg.num_experts_per_tok,
+            "expert_feed_forward_length": f}
+    if cfg.model_type == "qwen2_moe":
+        keys["expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
+    out = {f"{arch}.{k}": (v, "UINT32") for k, v in keys.items()}
+    out[f"{arch}.rope.freq_base"] = (float(cfg.rope_parameters["rope_theta"]), "FLOAT32")
+    out[f"{arch}.attention.layer_norm_rms_epsilon"] = (float(cfg.rms_norm_eps), "FLOAT32")
     return out

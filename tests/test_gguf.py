@@ -16,8 +16,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf_files import (  # noqa: E402
-    mixtral_metadata,
-    mixtral_tensors,
+    ARCH_OF,
+    model_metadata,
+    model_tensors,
     permute_for_llama_cpp,
     tiny_moe_metadata,
     tiny_moe_tensors,
@@ -46,9 +47,9 @@ from runtime.plan import save_plan  # noqa: E402
 WITHIN = {"Q8_0": (0.001, 0.99), "Q4_0": (0.015, 0.85)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def cache(tmp_path_factory):
-    """The folders `--model file.gguf` makes go to a fresh cache."""
+    """The folders `--model file.gguf` makes go to a fresh cache (never the user's)."""
     root = tmp_path_factory.mktemp("npumoe-cache")
     before = os.environ.get("NPUMOE_CACHE")
     os.environ["NPUMOE_CACHE"] = str(root)
@@ -260,6 +261,9 @@ def test_commands_take_the_file(files, tmp_path, capsys):
                  ["generate", "--prompt", "def main():", "--max-tokens", "4", "--json"]):
         assert main([argv[0], "--model", path, "--plan", str(plan), *argv[1:]]) == 0, capsys.readouterr().err
         json.loads(capsys.readouterr().out)
+    assert main(["calibrate", "--model", path, "--engine", "mlx", "--out", str(tmp_path / "t.npz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a GGUF file, which mlx-lm does not load here" in err[0], err
 
 
 def test_missing_package_one_line(monkeypatch, tmp_path):
@@ -279,20 +283,25 @@ def test_missing_package_one_line(monkeypatch, tmp_path):
         GGUFFile(path)
 
 
-def test_llama_arch_rows_put_back(tmp_path):
-    """A Mixtral file (llama arch) holds q/k rows permuted for llama.cpp's rope (convert_hf_to_gguf.py): read back,
-    the model is the one written."""
-    model = load_model("random:mixtral")[0]
+def test_qk_rows_put_back_as_the_converter_permuted_them():
     config = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
     w = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
     order = qk_row_order(ARCHS["llama"], config, "model.layers.0.self_attn.q_proj.weight")
     np.testing.assert_array_equal(permute_for_llama_cpp(w, 4)[order], w)
-    dropped = {f"llama.{k}": (None, "") for k in ("expert_feed_forward_length", "attention.key_length",
-                                                  "attention.value_length")}
-    path = write_tiny_moe_gguf(tmp_path / "mixtral.gguf", "F32", arch="llama", tensors=mixtral_tensors(model),
-                               metadata={**dropped, **mixtral_metadata(model)})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_other_architectures_read_back(family, tmp_path):
+    """A file of each other architecture we run (llama with experts: Mixtral, its q/k rows permuted for llama.cpp's
+    rope; qwen2moe: attention biases and a gated shared expert; olmoe: q/k norms over the whole projection), written
+    as llama.cpp names its tensors: read back, the model is the one written, routed as llama.cpp routes it."""
+    model = load_model(f"random:{family}")[0]
+    path = write_tiny_moe_gguf(tmp_path / f"{family}.gguf", "F32", arch=ARCH_OF[family],
+                               tensors=model_tensors(model), metadata=model_metadata(model))
     ours, _ = load_model(str(path), "float32")
-    assert ours.config.model_type == "mixtral" and not ours.config.tie_word_embeddings
+    assert ours.config.model_type == family and not ours.config.tie_word_embeddings
+    if family != "mixtral":  # Mixtral's router always renormalises its top-k (no flag)
+        assert ours.config.norm_topk_prob is False
     x = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(input_ids=x).logits - model(input_ids=x).logits).abs().max().item() < 1e-4

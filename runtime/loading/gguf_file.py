@@ -54,7 +54,7 @@ def _reader_class():
 class GGUFFile:
     """The file's metadata and tensor table (name -> type name, shape as [outer, ..., inner], offset, bytes)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, arrays: bool = True) -> None:
         self.path = Path(path)
         gguf = _gguf()
         try:
@@ -64,7 +64,10 @@ class GGUFFile:
         except (ValueError, IndexError, OSError, UnicodeDecodeError, TypeError) as e:
             first = (str(e).splitlines() or [type(e).__name__])[0][:160]
             raise NpumoeError(f"{self.path}: not a GGUF file, or truncated ({first})") from None
-        self.fields = reader.fields
+        # `arrays=False`: array keys dropped (a 152k vocabulary is some 100 MB of small numpy arrays in the package's
+        # fields), for a reader that needs the tensors alone
+        self.fields = {k: f for k, f in reader.fields.items()
+                       if arrays or f.types[:1] != [gguf.GGUFValueType.ARRAY]}
         self._types = gguf.GGUFValueType
         self.tensors = {t.name: (t.tensor_type.name, [int(d) for d in reversed(t.shape.tolist())],
                                  int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}

@@ -153,7 +153,7 @@ def check_tensors(file: GGUFFile, skeleton: object) -> str:
         type_name, stored, _, _ = file.tensors[name]
         if int(np.prod(stored)) != int(np.prod(shape)) or stored[-1] != shape[-1]:
             raise NpumoeError(f"{file.path}: tensor {name} has shape {stored}, the metadata's model needs {shape}")
-        if type_name not in EXACT and type_name not in HALF_WIDTHS and not _dequantizable(type_name):
+        if type_name not in EXACT and type_name not in HALF_WIDTHS and type_name not in REQUANTIZED:
             raise NpumoeError(f"{file.path}: tensor {name} is {type_name}, a type this reader cannot decode")
     extra = sorted(set(file.tensors) - set(expected))
     if extra:
@@ -162,10 +162,6 @@ def check_tensors(file: GGUFFile, skeleton: object) -> str:
     return json.dumps({name: file.tensors[name][0] for name in sorted(expected)}, sort_keys=True)
 
 
-def _dequantizable(type_name: str) -> bool:
-    """A type the gguf package dequantizes (then held as 8-bit groups: `gguf_quants.requantize`)."""
-    return type_name in REQUANTIZED
-
-
+# types the gguf package dequantizes (then held as 8-bit groups: `gguf_quants.requantize`)
 REQUANTIZED = {"Q2_K", "Q3_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
                "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"}

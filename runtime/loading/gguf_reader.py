@@ -131,7 +131,7 @@ def gguf_router(view: Path, param: str) -> torch.Tensor | None:
 def _tensors_of(view: str) -> _Tensors:
     """The file behind a view, its header parsed once per process (a spec reads every layer's router)."""
     config = json.loads((Path(view) / "config.json").read_text(encoding="utf-8"))
-    return _Tensors(GGUFFile(Path(_source(Path(view))["gguf"])), config)
+    return _Tensors(GGUFFile(Path(_source(Path(view))["gguf"]), arrays=False), config)
 
 
 class _Tensors:
@@ -241,7 +241,7 @@ def read_gguf_model(view: Path, dtype: torch.dtype) -> torch.nn.Module:
     from runtime.loading.mlx_checkpoint import fill_whole, set_module
 
     config = json.loads((Path(view) / "config.json").read_text(encoding="utf-8"))
-    tensors = _Tensors(GGUFFile(Path(_source(view)["gguf"])), config)
+    tensors = _Tensors(GGUFFile(Path(_source(view)["gguf"]), arrays=False), config)
     cfg = transformers.AutoConfig.from_pretrained(view, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
