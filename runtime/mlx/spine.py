@@ -89,6 +89,25 @@ class _TiedHead(_Part):
         return _Part(self.inner.as_linear, "lm_head", self.timer)(x)
 
 
+def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
+    """mlx-lm's forward of token ids `ids` [1, L] on `cache` (continued in place), evaluated: the logits of every
+    position (`rows` "all": [1, L, vocab]), of the last (`"last"`: [1, 1, vocab]; the head computes one row, as
+    transformers' `logits_to_keep=1`), or none (`"none"`: the cache filled, as mlx-lm's prefill evaluates it)."""
+    if rows == "all":
+        out = model(ids, cache=cache)
+        mx.eval(out)
+        return out
+    hidden = model.model(ids, cache)  # every family mlx-lm writes: its decoder, then its head
+    if rows == "none":
+        mx.eval(hidden)
+        return None
+    tied = getattr(model.args, "tie_word_embeddings", False)
+    head = model.model.embed_tokens.as_linear if tied else model.lm_head
+    out = head(hidden[:, -1:, :])
+    mx.eval(out)
+    return out
+
+
 class MlxSpine(PlanRun):
     """Installs a plan on mlx-lm's model of `path` (and uninstalls it); collects run statistics and `executed`."""
 
@@ -158,20 +177,19 @@ class MlxSpine(PlanRun):
         finally:
             (self.install if was else self.uninstall)()
 
-    def forward(self, ids: mx.array, cache: list | None) -> mx.array:
-        """Logits [1, L, vocab] of token ids `ids` [1, L] on `cache` (continued in place), evaluated and counted.
-        A forward not pinned to a phase is a decode step where it feeds one token onto a filled cache."""
+    def forward(self, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
+        """`forward_rows` under the plan, evaluated and counted. A forward not pinned to a phase is a decode step
+        where it feeds one token onto a filled cache."""
         if not self.pinned:
             decode = ids.shape[1] == 1 and cache is not None and cache[0].offset > 0
             self.set_phase("decode" if decode else "prefill")
         start = time.perf_counter()
-        logits = self.model(ids, cache=cache)
-        mx.eval(logits)
+        out = forward_rows(self.model, ids, cache, rows)
         if self.timer.timing:
             self.timer.times.seconds["total"] += time.perf_counter() - start
         self.timer.times.calls["total"] += 1
         self.flush()
-        return logits
+        return out
 
     def flush(self) -> None:
         """Count the assignments of the forwards evaluated since (the all-mlx-exact layers count after the fact)."""
