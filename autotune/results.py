@@ -38,13 +38,15 @@ class RunResult:
     predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
     host_speed: dict | None = None  # this host now against its profile's records (evaluation.host_speed)
     dense_calls: dict | None = None  # a plan with dense functions: calls per part and backend (DenseExecutor)
+    engine: str = "torch"  # the spine that ran it (runtime.engines)
+    executed: dict | None = None  # per part, the lanes that ran it: calls and measured ms (runtime.stats.Executed)
 
     @property
     def drop_rate(self) -> float:
         return self.stats["drop_rate"]
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("model", "plan", "text", "tokens", "chunk_tokens", "overflow")}
+        out = {k: getattr(self, k) for k in ("model", "plan", "engine", "text", "tokens", "chunk_tokens", "overflow")}
         if self.reference_latency_ms is not None:
             out["reference_latency_ms"] = self.reference_latency_ms
         out.update(latency_ms=self.latency_ms, wall_ms_per_token=self.wall_ms_per_token,
@@ -54,7 +56,7 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)
-        for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed"):
+        for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed", "executed"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out

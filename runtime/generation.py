@@ -29,7 +29,7 @@ from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
-from runtime.stats import RunStats
+from runtime.stats import Executed, RunStats
 
 log = logging.getLogger("npumoe")
 
@@ -257,12 +257,13 @@ class GenerationResult:
     memory: dict | None = None
     plan_predicted: dict | None = None
     traces: dict | None = None
+    executed: dict | None = None  # per part, the lanes that ran it (`runtime.stats.Executed`); with a plan
 
     def to_json(self) -> dict:
         head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
         own = {k: getattr(self, k) for k in MEASURED}
         comparison = asdict(self.comparison) if self.comparison else {}
-        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces")
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed")
                 if getattr(self, k) is not None}
         return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
 
@@ -414,7 +415,19 @@ class Generation:
             peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
             prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
             finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
-            comparison=comparison)
+            comparison=comparison, executed=executed_of(self.loaded))
+
+
+def executed_of(loaded: Loaded) -> dict | None:
+    """What ran each part under the plan since the last reset: on the MLX spine every part (calls; MLX's time where
+    a timed pass measured it), on the torch spine the experts' lanes (each call timed); None without a plan."""
+    if loaded.executor is None:
+        return None
+    if loaded.engine == "mlx":
+        return loaded.executor.executed().to_json()
+    out = Executed()
+    out.add_experts(loaded.stats.total())
+    return out.to_json()
 
 
 def _tok_s(tokens: int, decode_s: float) -> float | None:

@@ -83,3 +83,22 @@ class SpineGeneration(Generation):
         out = self.loaded.model.forward([self.tokens[-1]], self.cache)
         self.sample(last_logits(out))
         self.step_s.append(time.perf_counter() - t)
+
+
+def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
+                   every_position: bool = False) -> torch.Tensor:
+    """`runtime.prefill`'s prompt logits on the MLX spine, float32: every position's `[T, vocab]`
+    (`every_position`), else each prompt's last `[prompts, vocab]` (each chunk but a prompt's last then fills the
+    cache only, as mlx-lm's prefill does). Prompts of `prompt_tokens` (default one), each from an empty cache."""
+    n, step = ids.numel(), prompt_tokens or ids.numel()
+    flat, rows = ids.tolist(), []
+    for s in range(0, n, step):
+        cache = model.make_cache()
+        end = min(s + step, n)
+        for start in range(s, end, chunk_tokens):
+            done = min(start + chunk_tokens, end)
+            out = model.forward(flat[start:done], cache, "all" if every_position else "last" if done == end
+                                else "none")
+            if out is not None:
+                rows.append(to_torch(out[0].astype(mx.float32), torch.float32))
+    return torch.cat(rows)
