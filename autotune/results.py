@@ -46,7 +46,7 @@ class RunResult:
         return self.stats["drop_rate"]
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("model", "plan", "engine", "text", "tokens", "chunk_tokens", "overflow")}
+        out = {k: getattr(self, k) for k in ("model", "plan", "text", "tokens", "chunk_tokens", "overflow")}
         if self.reference_latency_ms is not None:
             out["reference_latency_ms"] = self.reference_latency_ms
         out.update(latency_ms=self.latency_ms, wall_ms_per_token=self.wall_ms_per_token,
@@ -56,9 +56,12 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)
-        for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed", "executed"):
+        for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        out["engine"] = self.engine  # added after the recorded keys, as scripts read them
+        if self.executed is not None:
+            out["executed"] = self.executed
         return out
 
 
