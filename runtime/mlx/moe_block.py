@@ -159,8 +159,9 @@ class CountedSwitch:
         self.layer.stats.seconds_per_backend[NAME] += seconds
         return y
 
-    def flush(self) -> None:
-        for inds in self.pending:
+    def flush(self, count: bool = True) -> None:
+        """Count the calls kept since (`count` False: drop them, never computed)."""
+        for inds in self.pending if count else ():
             idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
             self.layer.count_exact(idx)
         self.pending.clear()

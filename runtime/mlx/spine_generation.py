@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import torch
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.errors import NpumoeError
@@ -42,10 +43,32 @@ class SpineModel:
         return make_prompt_cache(self.mlx)
 
     def forward(self, ids: list[int], cache: list, rows: str = "last") -> mx.array | None:
+        """On mlx-lm's generation stream, as its own generation runs (one per thread)."""
         x = mx.array(ids, dtype=mx.uint32)[None]
-        if self.spine is not None and self.spine.installed:
-            return self.spine.forward(x, cache, rows)
-        return forward_rows(self.mlx, x, cache, rows)
+        with mx.stream(generation_stream):
+            if self.spine is not None and self.spine.installed:
+                return self.spine.forward(x, cache, rows)
+            return forward_rows(self.mlx, x, cache, rows)
+
+
+def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
+                     every_position: bool = False) -> Iterator[tuple[int, int, str]]:
+    """(first, end, rows) of each forward prefilling tokens start..end in `chunk`s: the last row's logits at the
+    end (`forward_rows`), or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size
+    matters to it) the prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the
+    last layer's attention output or experts, so they are never computed."""
+    split = not every_position and (model.spine is None or model.spine.all_fast)
+    for first in range(start, end, chunk):
+        stop = min(first + chunk, end)
+        if every_position:
+            yield first, stop, "all"
+        elif stop < end:
+            yield first, stop, "none"
+        elif split and stop - first > 1:
+            yield first, stop - 1, "none"
+            yield stop - 1, stop, "last"
+        else:
+            yield first, stop, "last"
 
 
 def last_logits(out: mx.array) -> torch.Tensor:
@@ -65,11 +88,10 @@ class SpineGeneration(Generation):
         ids, n = self.ids.tolist(), self.ids.numel()
         cache = model.make_cache()
         t0 = time.perf_counter()
-        for start in range(0, n, self.chunk):
+        for start, done, rows in prefill_forwards(model, n, self.chunk):
             self.loaded.pin_phase("prefill")
-            done = min(start + self.chunk, n)
-            out = model.forward(ids[start:done], cache, "last" if done == n else "none")
-            if done < n:
+            out = model.forward(ids[start:done], cache, rows)
+            if done < n and rows == "none":
                 yield done
         if self.max_tokens:
             self.sample(last_logits(out))
@@ -94,11 +116,8 @@ def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prom
     flat, rows = ids.tolist(), []
     for s in range(0, n, step):
         cache = model.make_cache()
-        end = min(s + step, n)
-        for start in range(s, end, chunk_tokens):
-            done = min(start + chunk_tokens, end)
-            out = model.forward(flat[start:done], cache, "all" if every_position else "last" if done == end
-                                else "none")
+        for start, done, kept in prefill_forwards(model, min(s + step, n), chunk_tokens, s, every_position):
+            out = model.forward(flat[start:done], cache, kept)
             if out is not None:
                 rows.append(to_torch(out[0].astype(mx.float32), torch.float32))
     return torch.cat(rows)
