@@ -116,4 +116,5 @@ def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int)
     starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens]
     reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
-            "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads}
+            "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads,
+            "host": place.host}

@@ -81,8 +81,10 @@ def format_whole_prefill(w: dict) -> list[str]:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in w["predicted_parts_ms"].items() if v)
     place = w["dense_placement"]
     on = [k for k in DENSE_FUNCTIONS if place[k]]
+    host = place.get("host", EXACT)
     where = (f"{', '.join(on)} on {place[on[0]]}" + (f" (attention buckets {place['attention_context_buckets']})"
-                                                    if place["attention"] else "")) if on else "all on the CPU"
+                                                    if place["attention"] else "") + f", the rest on {host}"
+             if on else f"all on {host}")
     core = [core_reads(place, w["chunk_tokens"])] if place.get("attention_block") and place["attention"] else []
     vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
@@ -271,12 +273,13 @@ def format_gate(gate: dict) -> list[str]:
     lines = [f"fidelity gate ({gate['label']}; limits: perplexity delta <= {limits['max_ppl_delta']:.2%}, top-1 >= "
              f"{limits['min_top1']:g}; {gate['seconds']:.1f} s; peak RSS {gate['peak_rss_mb']:.0f} MiB"
              + (f", {gate['predicted_peak_mb']:.0f} MiB predicted" if gate.get("predicted_peak_mb") else "") + "):",
-             f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<26} "
+             f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<34} "
              f"{'compressed':<18} passed"]
     for c in gate["candidates"]:
-        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or "none (all CPU)"
+        exact = ", ".join(f"{n} {p}" for p, n in sorted(c.get("exact_experts", {}).items()))
+        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or f"none ({exact or '-'})"
         packed = ", ".join(f"{n} {k}" for k, n in c["compressed_groups"].items()) or "-"
         chosen = " <- chosen" if gate["chosen"] and gate["chosen"]["index"] == c["index"] else ""
         lines.append(f"  {c['index']:>2} {c['predicted_ms']:>12.4f} {c['ppl_delta']:>+10.3%} {c['top1']:>7.4f} "
-                     f"{c['kl']:>9.2e} {groups:<26} {packed:<18} {'yes' if c['passed'] else 'no'}{chosen}")
+                     f"{c['kl']:>9.2e} {groups:<34} {packed:<18} {'yes' if c['passed'] else 'no'}{chosen}")
     return lines
