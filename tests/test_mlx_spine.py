@@ -172,3 +172,34 @@ def test_layer_plan_without_groups_is_the_fast_path(exact_plan):
     grouped = LayerPlan(layer=0, groups=[], cpu_exact=[0], exact_split={"cpu-exact": [0]})
     assert not fast_layer(grouped, plan)
     assert np.all(np.asarray([len(lp.groups) for lp in plan.layers]) == 0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "phimoe"])
+def test_mixtral_and_phimoe_folders_on_the_mlx_spine(family, tmp_path, capsys):
+    """Folders mlx_lm.convert -q writes for the families whose block is `block_sparse_moe` (PhiMoE: its own
+    sparsemixer router): the plan with no group is mlx-lm's forward; a tight spilling plan accounts as on torch."""
+    from test_mlx_families import convert_family
+
+    folder = convert_family(tmp_path / family, family)
+    exact = _template(folder, tmp_path / "exact.json", "--no-groups")
+    r = _run(capsys, folder, exact, "mlx", "--reference")
+    assert r["engine"] == "mlx" and r["max_rel_diff_vs_reference"] <= 1e-5
+    tight = _template(folder, tmp_path / "tight.json", "--capacity", "tight", "--overflow", "spill")
+    ours, theirs = _run(capsys, folder, tight, "mlx"), _run(capsys, folder, tight, "torch")
+    assert ours["spilled"] == theirs["spilled"] > 0 and ours["tokens_per_backend"] == theirs["tokens_per_backend"]
+
+
+def test_bench_spine_quick_measures_every_side(capsys):
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "bench_spine.py"
+    spec = importlib.util.spec_from_file_location("bench_spine", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--json", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 128 and out["mlx_device"] == "mlx-cpu"
+    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "torch_spine_prefill_vs_mlx_lm",
+                "torch_spine_decode_vs_mlx_lm"):
+        assert out[key] > 0, key
+    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == {"mlx-lm", "mlx-spine", "torch-spine"}
