@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import statistics
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +98,7 @@ from runtime.loading.model_loader import (
 )
 from runtime.plan import Plan, load_plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
-from runtime.resources import Clock, peak_rss_bytes
+from runtime.resources import peak_rss_bytes, timed_runs
 from runtime.stats import PARTS, TORCH_CPU, Executed, LayerStats, lane_of
 
 log = logging.getLogger("npumoe")
@@ -406,19 +404,6 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
     return loaded, ids
 
 
-def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float, float]:
-    """The last result of `repeat` calls, their median wall time and median process CPU time (every thread), in
-    ms."""
-    wall, cpu, out = [], [], None
-    for _ in range(repeat):
-        out = None  # dropped before the next call makes its own: one result held at a time
-        with Clock() as clock:
-            out = fn()
-        wall.append(clock.wall_s * 1e3)
-        cpu.append(clock.cpu_s * 1e3)
-    return out, statistics.median(wall), statistics.median(cpu)
-
-
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
@@ -449,13 +434,13 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     ref = reference_ms = None
     if reference:
         with loaded.unmodified():
-            ref, reference_ms, _ = _timed(prefill, repeat)
+            ref, reference_ms, _ = timed_runs(prefill, repeat)
 
     def planned() -> torch.Tensor:
         loaded.reset()
         return prefill()
 
-    logits, latency_ms, cpu_ms = _timed(planned, repeat)
+    logits, latency_ms, cpu_ms = timed_runs(planned, repeat)
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
     dense_calls = executor.dense.to_json() if executor.dense is not None else None

@@ -13,11 +13,12 @@ ENGINES = ("auto", "mlx", "torch")
 
 
 def places_on_mlx(plan: Plan | None) -> bool:
-    """Whether the plan puts any work on an MLX lane (an exact path or a group backend named for MLX)."""
+    """Whether the plan puts any work on an MLX lane (an exact path, a group backend or the dense half's host named
+    for MLX)."""
     if plan is None:
         return False
     names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {})),
-             *(g.backend for lp in plan.layers for g in lp.groups)}
+             *(g.backend for lp in plan.layers for g in lp.groups), (plan.dense.exact if plan.dense else None) or ""}
     return any("mlx" in n for n in names)
 
 

@@ -312,6 +312,12 @@ class Generation:
         self.finish_reason = "length"
 
     def prefill_steps(self) -> Iterator[int]:
+        """`_torch_prefill_steps`, or the MLX spine's own (`SpineModel.prefill_steps`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.prefill_steps(self)
+        return self._torch_prefill_steps()
+
+    def _torch_prefill_steps(self) -> Iterator[int]:
         """Prefill in the plan's chunks, one chunk per step (with `echo`, each prompt token's log-probability from
         the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
         other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
@@ -369,6 +375,8 @@ class Generation:
 
     def step(self) -> None:
         """One decode step on this generation's own cache (a batch runs its own: `serving.decode_batch`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.step(self)
         t = time.perf_counter()
         self.loaded.pin_phase("decode")
         with torch.inference_mode():
@@ -438,16 +446,7 @@ def _tok_s(tokens: int, decode_s: float) -> float | None:
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,
            chat: bool) -> Generation:
     ids = prompt_ids(loaded, prompt, chat)
-    return generation_of(loaded)(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
-
-
-def generation_of(loaded: Loaded) -> type[Generation]:
-    """The generation class of `loaded`'s spine."""
-    if loaded.engine == "mlx":
-        from runtime.mlx.spine_generation import SpineGeneration
-
-        return SpineGeneration
-    return Generation
+    return Generation(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
 
 
 def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -480,7 +479,7 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
     comparison = None
     if compare:
         with loaded.unmodified():
-            ref = generation_of(loaded)(loaded, run.ids, max_tokens, temp, seed, run.chunk)
+            ref = Generation(loaded, run.ids, max_tokens, temp, seed, run.chunk)
             for _ in ref.token_ids():
                 pass
         ours, theirs = _tok_s(len(run.tokens), run.decode_s), _tok_s(len(ref.tokens), ref.decode_s)
@@ -496,5 +495,5 @@ def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:
     """One short untimed generation each way, so neither measured run pays first-call costs."""
     for ctx in (loaded.unmodified, nullcontext):
         with ctx():
-            for _ in generation_of(loaded)(loaded, ids, 2, 0.0, 0, chunk).token_ids():
+            for _ in Generation(loaded, ids, 2, 0.0, 0, chunk).token_ids():
                 pass

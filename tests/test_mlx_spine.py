@@ -15,7 +15,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, convert_to_mlx, mlx_fp32  # noqa: E402
+from helpers import all_cpu_plan, convert_family, convert_to_mlx, mlx_fp32  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
@@ -178,8 +178,6 @@ def test_layer_plan_without_groups_is_the_fast_path(exact_plan):
 def test_mixtral_and_phimoe_folders_on_the_mlx_spine(family, tmp_path, capsys):
     """Folders mlx_lm.convert -q writes for the families whose block is `block_sparse_moe` (PhiMoE: its own
     sparsemixer router): the plan with no group is mlx-lm's forward; a tight spilling plan accounts as on torch."""
-    from test_mlx_families import convert_family
-
     folder = convert_family(tmp_path / family, family)
     exact = _template(folder, tmp_path / "exact.json", "--no-groups")
     r = _run(capsys, folder, exact, "mlx", "--reference")
@@ -203,3 +201,18 @@ def test_bench_spine_quick_measures_every_side(capsys):
                 "torch_spine_decode_vs_mlx_lm"):
         assert out[key] > 0, key
     assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == {"mlx-lm", "mlx-spine", "torch-spine"}
+
+
+def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):
+    """`dense.exact` mlx-exact and no static dense function: the MLX spine runs the dense half itself (auto picks
+    it on a Mac for that alone); a plan with static dense functions is refused (the refusal test)."""
+    from runtime.engines import places_on_mlx
+    from runtime.plan import DensePlan
+
+    plan = load_plan(exact_plan)
+    hosted = plan.model_copy(update={"exact": None, "dense": DensePlan(attention_context_buckets=[256], layers=[],
+                                                                       exact="mlx-exact")})
+    assert places_on_mlx(hosted) and not places_on_mlx(plan.model_copy(update={"exact": None}))
+    loaded = generation.load(str(q4), hosted, engine="mlx", dtype="float32")
+    result = generation.generate(loaded, PROMPT, max_tokens=4)
+    assert set(result.executed["attention_core"]) == {"mlx-cpu"} and set(result.executed["experts"]) == {"torch-cpu"}

@@ -104,7 +104,7 @@ class MlxSpine(PlanRun):
     def __init__(self, model: nn.Module, plan: Plan, path: Path, backends: dict | None = None,
                  plan_path: str = "", options: dict | None = None) -> None:
         check_plan_matches(plan, read_model_spec(str(path)), plan_path)
-        if plan.dense is not None:
+        if plan.dense is not None and plan.dense.backends:
             raise NpumoeError("the plan puts dense functions on a static backend, which the MLX spine does not "
                               "splice in yet: run it with --engine torch")
         names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}

@@ -1,6 +1,6 @@
-"""Generation on the MLX spine: prefill in the plan's chunks and decode steps through mlx-lm's model and its KV cache
-(`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine samples (`generation._sample`, on a view of
-MLX's logits: greedy is mlx-lm's argmax). Imports mlx."""
+"""Generation on the MLX spine: `runtime.generation.Generation`'s prefill and decode steps, run by `SpineModel`
+through mlx-lm's model and its KV cache (`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine
+samples (on a view of MLX's logits: greedy is mlx-lm's argmax). Imports mlx; never imports `runtime.generation`."""
 from __future__ import annotations
 
 import time
@@ -15,7 +15,6 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.errors import NpumoeError
-from runtime.generation import Generation
 from runtime.loading.checkpoint_reader import transformers_config
 from runtime.mlx.mlx_exact import to_torch
 from runtime.mlx.spine import MlxSpine, forward_rows
@@ -41,6 +40,34 @@ class SpineModel:
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.mlx)
+
+    def prefill_steps(self, gen) -> Iterator[int]:
+        """`Generation.prefill_steps` on this spine (`gen`: the generation): the same chunks, sampling and
+        timings, each forward in MLX on mlx-lm's cache."""
+        if gen.echo or gen.prefix is not None or gen.keep_at is not None:
+            raise NpumoeError("echo, a reused prefix and kept KV tensors run on the torch spine only: use "
+                              "--engine torch")
+        ids, n = gen.ids.tolist(), gen.ids.numel()
+        cache = self.make_cache()
+        t0 = time.perf_counter()
+        for start, done, rows in prefill_forwards(self, n, gen.chunk):
+            gen.loaded.pin_phase("prefill")
+            out = self.forward(ids[start:done], cache, rows)
+            if done < n and rows == "none":
+                yield done
+        if gen.max_tokens:
+            gen.sample(last_logits(out))
+        gen.cache = cache
+        gen.t1 = time.perf_counter()
+        gen.ttft_s = gen.t1 - t0
+
+    def step(self, gen) -> None:
+        """`Generation.step` on this spine: one decode step on the generation's own cache."""
+        t = time.perf_counter()
+        gen.loaded.pin_phase("decode")
+        out = self.forward([gen.tokens[-1]], gen.cache)
+        gen.sample(last_logits(out))
+        gen.step_s.append(time.perf_counter() - t)
 
     def forward(self, ids: list[int], cache: list, rows: str = "last") -> mx.array | None:
         """On mlx-lm's generation stream, as its own generation runs (one per thread)."""
@@ -75,36 +102,6 @@ def last_logits(out: mx.array) -> torch.Tensor:
     """The last position's logits as a float32 torch view (no copy where they are float32)."""
     row = out[0, -1]
     return to_torch(row if row.dtype == mx.float32 else row.astype(mx.float32), torch.float32)
-
-
-class SpineGeneration(Generation):
-    """`Generation` on the MLX spine: the same sampling, stopping and timings; prefill and decode steps in MLX."""
-
-    def prefill_steps(self) -> Iterator[int]:
-        if self.echo or self.prefix is not None or self.keep_at is not None:
-            raise NpumoeError("echo, a reused prefix and kept KV tensors run on the torch spine only: use "
-                              "--engine torch")
-        model: SpineModel = self.loaded.model
-        ids, n = self.ids.tolist(), self.ids.numel()
-        cache = model.make_cache()
-        t0 = time.perf_counter()
-        for start, done, rows in prefill_forwards(model, n, self.chunk):
-            self.loaded.pin_phase("prefill")
-            out = model.forward(ids[start:done], cache, rows)
-            if done < n and rows == "none":
-                yield done
-        if self.max_tokens:
-            self.sample(last_logits(out))
-        self.cache = cache
-        self.t1 = time.perf_counter()
-        self.ttft_s = self.t1 - t0
-
-    def step(self) -> None:
-        t = time.perf_counter()
-        self.loaded.pin_phase("decode")
-        out = self.loaded.model.forward([self.tokens[-1]], self.cache)
-        self.sample(last_logits(out))
-        self.step_s.append(time.perf_counter() - t)
 
 
 def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
