@@ -84,7 +84,7 @@ from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
 from runtime.backends import registry
 from runtime.coreml import ane_limits
-from runtime.engines import resolve_engine
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
@@ -414,10 +414,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
     the spine (`runtime.engines`; mlx: `autotune.spine_run`)."""
-    if resolve_engine(engine, load_plan(plan)) == "mlx":
-        if record_traces or cpu_weights or package:
-            raise NpumoeError("--record-traces, --cpu-weights and --package run on the torch spine only: use "
-                              "--engine torch")
+    p = load_plan(plan)
+    needs_torch = "--record-traces" if record_traces else torch_only(p, package, cpu_weights)
+    if resolve_engine(engine, p, needs_torch) == "mlx":
         from autotune.spine_run import run_on_mlx
 
         return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,

@@ -20,7 +20,7 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.detokenizer import StreamingDetokenizer
-from runtime.engines import resolve_engine
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
@@ -81,8 +81,8 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
     (`runtime.engines`: torch, mlx, or auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
-    if resolve_engine(engine, p) == "mlx":
-        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), package, dtype, cpu_weights)
+    if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -107,11 +107,8 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     return Loaded(m, tokenizer, p, executor)
 
 
-def _load_mlx(model: str, plan: Plan | None, path: str, package: str | None, dtype: str,
-              cpu_weights: str | None) -> Loaded:
+def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str) -> Loaded:
     """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
-    if package or cpu_weights or (plan is not None and plan.cpu_weights is not None):
-        raise NpumoeError("a Core ML package and CPU expert storage run on the torch spine only: use --engine torch")
     from runtime.mlx.spine import MlxSpine
     from runtime.mlx.spine_generation import SpineModel
     from runtime.mlx.spine_loading import load_mlx_model

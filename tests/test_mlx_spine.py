@@ -20,7 +20,7 @@ from helpers import all_cpu_plan, convert_family, convert_to_mlx, mlx_fp32  # no
 from autotune.cli import main  # noqa: E402
 from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
 from runtime import generation  # noqa: E402
-from runtime.engines import resolve_engine  # noqa: E402
+from runtime.engines import resolve_engine, torch_only  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import LayerExecutor  # noqa: E402
 from runtime.loading.model_loader import load_model, moe_layers  # noqa: E402
@@ -142,6 +142,11 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
     monkeypatch.setattr("sys.platform", "darwin")
     assert resolve_engine("auto", plan) == "mlx"
     assert resolve_engine("auto", plan.model_copy(update={"exact": None})) == "torch"  # nothing on MLX
+    # what only torch runs keeps auto on torch (a Mac's package, serve), and refuses mlx in one line
+    assert resolve_engine("auto", plan, torch_only(plan, package="x.mlpackage")) == "torch"
+    assert resolve_engine("auto", plan, "serve") == "torch"
+    with pytest.raises(NpumoeError, match="--engine mlx: a Core ML package runs on the torch spine only"):
+        resolve_engine("mlx", plan, torch_only(plan, package="x.mlpackage"))
     with pytest.raises(NpumoeError):
         resolve_engine("gpu", plan)
 
