@@ -407,7 +407,7 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
-             cpu_weights: str | None = None, engine: str = "auto") -> RunResult:
+             cpu_weights: str | None = None, engine: str = "torch") -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with

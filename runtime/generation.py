@@ -74,12 +74,13 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "auto") -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch") -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
     plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
-    (`runtime.engines`: torch, mlx, or auto)."""
+    (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
+    commands' `--engine` defaults to auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
         return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)

@@ -66,9 +66,9 @@ def torch_experts(switch, layer: int, check: bool = True) -> torch.nn.Module:
     else:
         module.npumoe_weights = SplitExperts(*(_view(p.weight) for p in projections))
     module.act_fn = torch.nn.SiLU()
-    module.num_experts = switch.gate_proj.num_experts if hasattr(switch.gate_proj, "num_experts") \
-        else int(switch.gate_proj.weight.shape[0])
-    module.intermediate_dim = int(switch.down_proj.weight.shape[-1] * (32 // getattr(switch.down_proj, "bits", 32)))
+    module.num_experts = int(switch.gate_proj.weight.shape[0])
+    # a packed row holds `bits`-wide codes in 32-bit words
+    module.intermediate_dim = int(switch.down_proj.weight.shape[-1]) * 32 // getattr(switch.down_proj, "bits", 32)
     module.hidden_dim = int(switch.down_proj.weight.shape[-2])
     module.switch = switch  # the spine's mlx-exact runs the block's own projections
     return module

@@ -50,8 +50,9 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         model, _ = load_model(path, model_config=folder_config(path))
-    except (ValueError, KeyError) as e:  # mlx-lm's own refusals: an unknown family, weights it does not expect
-        raise NpumoeError(f"mlx-lm cannot load {path}: {e}") from None
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:  # mlx-lm's own refusals: an unknown family,
+        # weights or config fields it does not expect
+        raise NpumoeError(f"--engine mlx: mlx-lm cannot load {path}: {str(e).splitlines()[0][:160]}") from None
     to = compute_dtype(dtype)
     if to is not None:
         model.update(tree_map(lambda a: a.astype(to) if a.dtype in _FLOATS else a, model.parameters()))
