@@ -150,6 +150,7 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
     from autotune.profiling.settings import settings_for
 
     out = out or host_profile_path()
+    record = model_to_measure(model, dtype) if model is not None else None  # a bad model: refused before measuring
     if model is not None and Path(out).exists():
         profile = load_profile(out, check_host=False)
         require_measurable(profile, str(out))
@@ -159,20 +160,25 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
             s = dataclasses.replace(s, shapes=shapes)
         profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     profile.path = str(out)
-    if model is not None:
-        profile = measure_model_shapes(profile, model, quick, progress, dtype)[0]
+    if record is not None:
+        profile = measure_model_shapes(profile, record, quick, progress)[0]
     save_profile(profile, out)
     return profile
 
 
-def measure_model_shapes(profile: Profile, model: str, quick: bool = True, progress: bool = True,
-                         dtype: str = "auto") -> tuple[Profile, int, float]:
-    """`profile` with records at `model`'s own shapes added and refitted (`model_records.add_model_records`);
-    with the records' count and the seconds they took."""
+def model_to_measure(model: str, dtype: str = "auto") -> ModelRecord:
+    """`model` resolved, with a decoder shape to measure (else one clear error)."""
     record = resolve_model(model, dtype)
     if record.shape is None:
         raise NpumoeError(f"{model}: its config gives no decoder shape to measure")
-    return add_model_records(profile, record.shape, model_label(model), quick, progress, record.compute_dtype)
+    return record
+
+
+def measure_model_shapes(profile: Profile, record: ModelRecord, quick: bool = True,
+                         progress: bool = True) -> tuple[Profile, int, float]:
+    """`profile` with records at the model's own shapes added and refitted (`model_records.add_model_records`);
+    with the records' count and the seconds they took."""
+    return add_model_records(profile, record.shape, model_label(record.name), quick, progress, record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------

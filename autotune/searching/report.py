@@ -36,7 +36,7 @@ def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData
     report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best, layers)
     for name, sol in outcome.baselines.items():
         report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol, layers)
-    report["cpu_ratio_vs"] = {n: b["predicted_cpu_ms_per_token"] / best if best > 0 else None
+    report["cpu_ratio_vs"] = {n: ratio(b["predicted_cpu_ms_per_token"], best)
                               for n, b in report["baseline_details"].items()}
 
 
@@ -50,8 +50,13 @@ def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:
     """Each baseline's predicted energy over the plan's (> 1: the plan uses less); None without power figures."""
     if best["predicted_energy_mj"] is None:
         return None
-    return {n: b["predicted_energy_mj"] / best["predicted_energy_mj"] for n, b in base.items()
+    return {n: ratio(b["predicted_energy_mj"], best["predicted_energy_mj"]) for n, b in base.items()
             if b["predicted_energy_mj"] is not None}
+
+
+def ratio(baseline: float, plan: float) -> float | None:
+    """A baseline's figure over the plan's; None where the plan's is 0 (a fit that prices its work at nothing)."""
+    return baseline / plan if plan > 0 else None
 
 
 def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments: int, seconds: float,
@@ -68,7 +73,7 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
                        "traces",
             "baselines": {n: b["predicted_latency_ms"] for n, b in base.items()},
             "baseline_details": base,
-            "speedup_vs": {n: b["predicted_latency_ms"] / best["predicted_latency_ms"] for n, b in base.items()},
+            "speedup_vs": {n: ratio(b["predicted_latency_ms"], best["predicted_latency_ms"]) for n, b in base.items()},
             "energy_ratio_vs": energy_ratios(best, base),
             "gap_vs_exact": outcome.gap_vs_exact, "exact_layers": outcome.exact_layers,
             "trials": outcome.trials, "search_seconds": seconds,
@@ -86,10 +91,11 @@ def format_whole_prefill(w: dict) -> list[str]:
                                                     if place["attention"] else "") + f", the rest on {host}"
              if on else f"all on {host}")
     core = [core_reads(place, w["chunk_tokens"])] if place.get("attention_block") and place["attention"] else []
-    vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
+    times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731  (None: the plan's or the roofline's is 0)
+    vs = ", ".join(f"{k} {times(v['latency'])}" for k, v in w["vs"].items())
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
             f"{parts}; dense functions: {where}",
-            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {w['over_roofline_whole']:.2f}x"]
+            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {times(w['over_roofline_whole'])}"]
 
 
 def core_reads(place: dict, chunk: int) -> str:
@@ -220,7 +226,8 @@ def _save_chart(fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, titl
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # none: nothing priced energy
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -252,9 +259,11 @@ def plot_tradeoff(whole: dict, path: str | os.PathLike) -> None:
             ax.annotate(name, point(b), fontsize=6, color="0.5")
     if whole.get("predicted_prefill_energy_mj") is not None:
         ax.scatter(*point(whole), marker="*", s=220, c="tab:red", label="the pick", zorder=4)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
+    low = np.min([c.get_offsets().min(0) for c in ax.collections] or [(1.0, 1.0)], axis=0)
+    for axis, scale, least in ((ax.xaxis, ax.set_xscale, low[0]), (ax.yaxis, ax.set_yscale, low[1])):
+        if least <= 0:  # a fit that prices a figure at 0: no log axis for it
+            continue
+        scale("log")  # plain numbers at 1, 2 and 5 of each decade
         axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
         axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))

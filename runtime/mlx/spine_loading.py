@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir
+from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
 from runtime.mlx.mlx_exact import device
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -47,6 +48,8 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     from mlx_lm.utils import load_model
 
     path = model_dir(name)
+    open_checkpoint(path)  # its files whole and its config agreeing, as the torch spine checks: one line
+    check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         model, _ = load_model(path, model_config=folder_config(path))
