@@ -20,6 +20,7 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.detokenizer import StreamingDetokenizer
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
@@ -28,7 +29,7 @@ from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
-from runtime.stats import RunStats
+from runtime.stats import Executed, RunStats
 
 log = logging.getLogger("npumoe")
 
@@ -41,7 +42,8 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     plan: Plan | None = None
-    executor: PlanExecutor | None = None
+    executor: PlanExecutor | None = None  # on the MLX spine: its `MlxSpine` (the same run statistics and phases)
+    engine: str = "torch"  # the spine: "torch" (`.model` a transformers model) or "mlx" (a `SpineModel`)
     _no_stats: RunStats = field(default_factory=RunStats, repr=False)
 
     @property
@@ -72,12 +74,16 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64) -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch") -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
-    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded."""
+    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
+    (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
+    commands' `--engine` defaults to auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
+    if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -100,6 +106,17 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
         backends = {opened.name: opened}
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
+
+
+def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str) -> Loaded:
+    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
+    from runtime.mlx.spine import MlxSpine
+    from runtime.mlx.spine_generation import SpineModel
+    from runtime.mlx.spine_loading import load_mlx_model
+
+    m, tokenizer, folder = load_mlx_model(model, dtype)
+    spine = MlxSpine(m, plan, folder, plan_path=path).install() if plan is not None else None
+    return Loaded(SpineModel(m, folder, spine), tokenizer, plan, spine, engine="mlx")
 
 
 def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:
@@ -238,12 +255,13 @@ class GenerationResult:
     memory: dict | None = None
     plan_predicted: dict | None = None
     traces: dict | None = None
+    executed: dict | None = None  # per part, the lanes that ran it (`runtime.stats.Executed`); with a plan
 
     def to_json(self) -> dict:
         head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
         own = {k: getattr(self, k) for k in MEASURED}
         comparison = asdict(self.comparison) if self.comparison else {}
-        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces")
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed")
                 if getattr(self, k) is not None}
         return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
 
@@ -292,6 +310,12 @@ class Generation:
         self.finish_reason = "length"
 
     def prefill_steps(self) -> Iterator[int]:
+        """`_torch_prefill_steps`, or the MLX spine's own (`SpineModel.prefill_steps`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.prefill_steps(self)
+        return self._torch_prefill_steps()
+
+    def _torch_prefill_steps(self) -> Iterator[int]:
         """Prefill in the plan's chunks, one chunk per step (with `echo`, each prompt token's log-probability from
         the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
         other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
@@ -349,6 +373,8 @@ class Generation:
 
     def step(self) -> None:
         """One decode step on this generation's own cache (a batch runs its own: `serving.decode_batch`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.step(self)
         t = time.perf_counter()
         self.loaded.pin_phase("decode")
         with torch.inference_mode():
@@ -395,7 +421,19 @@ class Generation:
             peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
             prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
             finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
-            comparison=comparison)
+            comparison=comparison, executed=executed_of(self.loaded))
+
+
+def executed_of(loaded: Loaded) -> dict | None:
+    """What ran each part under the plan since the last reset: on the MLX spine every part (calls; MLX's time where
+    a timed pass measured it), on the torch spine the experts' lanes (each call timed); None without a plan."""
+    if loaded.executor is None:
+        return None
+    if loaded.engine == "mlx":
+        return loaded.executor.executed().to_json()
+    out = Executed()
+    out.add_experts(loaded.stats.total())
+    return out.to_json()
 
 
 def _tok_s(tokens: int, decode_s: float) -> float | None:

@@ -4,7 +4,6 @@ and head biases) read by our loader, against mlx-lm's own forward of the same fo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,32 +13,10 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import mlx_fp32  # noqa: E402
+from helpers import SMALL, convert_family, mlx_fp32  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
-from runtime.loading.model_loader import TINY_MOE_DIR, load_model  # noqa: E402
-
-SMALL = dict(vocab_size=4096, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
-             rope_theta=10000.0)
-
-
-def convert_family(out: Path, family: str) -> Path:
-    """A random `family` checkpoint (tiny-moe's tokenizer), through mlx_lm.convert -q (4 bits, groups of 32)."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = (transformers.MixtralConfig(**SMALL) if family == "mixtral"
-              else transformers.PhimoeConfig(**SMALL, attention_bias=True, lm_head_bias=True))
-    src = out.parent / f"{out.name}-src"
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(src)
-    saved = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**saved, "rope_theta": SMALL["rope_theta"]}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY_MOE_DIR / name, src / name)
-    mlx_lm.convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=32)
-    shutil.rmtree(src)
-    return out
+from runtime.loading.model_loader import load_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["mixtral", "phimoe"])

@@ -24,6 +24,7 @@ from runtime.loading.checkpoints import check_tokenizer_files
 from runtime.loading.gguf_reader import is_gguf_path
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
 from runtime.loading.model_record import read_model_spec
+from runtime.mlx.blocks import moe_blocks
 
 log = logging.getLogger("npumoe")
 
@@ -132,18 +133,6 @@ class _Observed:
         return out
 
 
-def moe_blocks(model) -> dict[int, object]:
-    """{decoder layer: its MoE block} of an mlx-lm model: the blocks with a router `gate` and experts
-    `switch_mlp`."""
-    inner = getattr(model, "model", model)
-    blocks = {}
-    for i, layer in enumerate(inner.layers):
-        block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-        if block is not None and hasattr(block, "gate") and hasattr(block, "switch_mlp"):
-            blocks[i] = block
-    return blocks
-
-
 def load_mlx(name: str, dtype: str):
     """(mlx-lm's model of the folder, its tokenizer). `dtype` other than auto casts its floating parameters (the
     scales of packed weights included: float32 widens mlx-lm's bf16 exactly); a packed router is then dequantized
@@ -154,15 +143,13 @@ def load_mlx(name: str, dtype: str):
     import mlx_lm
     from mlx.utils import tree_map
 
+    from runtime.mlx.spine_loading import folder_config
+
     path = model_dir(name)
-    config = read_config(path)
-    open_checkpoint(path, config)  # its files whole and its config agreeing, as the torch engine checks: one line
+    open_checkpoint(path, read_config(path))  # its files whole and its config agreeing, as the torch engine checks
     check_tokenizer_files(path)
-    # transformers 5 keeps rope_theta under rope_parameters only; mlx-lm reads it at the top level
-    rope = {"rope_theta": config["rope_parameters"]["rope_theta"]} if "rope_theta" not in config and "rope_theta" in (
-        config.get("rope_parameters") or {}) else {}
-    try:
-        model, tokenizer = mlx_lm.load(str(path), model_config=rope)
+    try:  # mlx-lm reads rope_theta at the top level, where transformers 5 keeps it under rope_parameters only
+        model, tokenizer = mlx_lm.load(str(path), model_config=folder_config(path))
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise NpumoeError(f"--engine mlx: mlx-lm cannot load {name}: {str(e).splitlines()[0][:160]}") from None
     dtype = cpu_dtype(model, name, dtype)

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_int
+from runtime.engines import ENGINES
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
 
@@ -44,6 +45,13 @@ def require_plan_for_package(args: argparse.Namespace) -> None:
         raise NpumoeError("--package runs a plan's device functions: give --plan too")
 
 
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="the spine that runs the model: torch (transformers on the CPU), mlx (mlx-lm's own model: the "
+                        "GPU on a Mac, MLX's CPU device elsewhere; float32 there), or auto (default: mlx on a Mac "
+                        "where mlx imports and the plan places anything on MLX, torch otherwise)")
+
+
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--text", default=default, metavar="F",
                    help=f"a UTF-8 text file or a built-in text name (default: {default})")
@@ -69,6 +77,7 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     """The options of every command that runs a plan on a text (`run`, `evaluate`)."""
     add_model_argument(p)
     add_dtype_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     add_text_argument(p, text_default)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",

@@ -19,6 +19,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
+    add_engine_argument,
     add_model_argument,
     add_package_argument,
     add_threads_argument,
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt under a plan: stream it, then report time to "
                                         "first token, prefill and generation speed, peak memory")
     add_model_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs")
     add_package_argument(p)
@@ -75,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
                           "give some text")
     apply_threads(args.threads)
-    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights))
+    engine = "torch" if args.record_traces and args.engine == "auto" else args.engine
+    if args.record_traces and engine == "mlx":
+        raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
+    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine)
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     extra: dict = {"model": args.model, "plan": args.plan}
     if loaded.executor:
         extra["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
+    if loaded.executor and loaded.engine == "torch":
         # the KV cache holds the prompt and every generated token but the last
         extra["memory"] = against_measured(loaded.plan, loaded.model, result.prompt_tokens + result.generated_tokens,
                                            int(result.peak_rss_mb * 2**20),

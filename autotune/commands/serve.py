@@ -18,13 +18,16 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
+    add_engine_argument,
     add_model_argument,
     add_package_argument,
     add_threads_argument,
     require_plan_for_package,
 )
 from autotune.costing.cpu_storage import load_options
+from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
+from runtime.plan import load_plan
 from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
 from runtime.serving.engine_process import EngineProcess
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
@@ -36,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model under a plan behind the OpenAI API (/v1/completions, "
                                      "/v1/chat/completions, streaming; /health, /metrics)")
     add_model_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs (no prefix cache)")
     add_package_argument(p)
@@ -66,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_plan_for_package(args)
+    # continuous batching and the prefix cache hold torch KV caches: auto serves on torch
+    resolve_engine(args.engine, load_plan(args.plan) if args.plan else None, "serve (continuous batching, the prefix "
+                   "cache)")
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
