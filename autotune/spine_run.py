@@ -11,9 +11,9 @@ import torch
 from autotune.calibration.workload import encode_text
 from autotune.evaluation.run_parts import plan_predictions
 from autotune.results import RunResult
-from autotune.searching.model_record import check_context
 from runtime.generation import Loaded, context_positions, load
 from runtime.loading.checkpoints import check_token_ids
+from runtime.loading.model_record import check_context
 from runtime.prefill import max_rel_diff
 from runtime.resources import peak_rss_bytes, timed_runs
 

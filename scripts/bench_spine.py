@@ -30,7 +30,7 @@ from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
 from autotune.searching.templates import template_plan
 from runtime import generation
-from runtime.loading.model_loader import read_model_spec
+from runtime.loading.model_record import read_model_spec
 
 
 def _mlx_lm_prefill(loaded, ids: list[int], chunk: int) -> None:

@@ -13,7 +13,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import SMALL, convert_family, mlx_fp32  # noqa: E402
+from helpers import FAMILY_CONFIG, convert_family, mlx_fp32  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from runtime.loading.model_loader import load_model  # noqa: E402
@@ -26,7 +26,7 @@ def folder(request, tmp_path_factory) -> Path:
 
 def test_read_as_mlx_lm_computes(folder):
     model, _ = load_model(str(folder), "float32")
-    ids = torch.randint(0, SMALL["vocab_size"], (64,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, FAMILY_CONFIG["vocab_size"], (64,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ours = model(ids[None]).logits[0].float().numpy()
     ref = np.array(mlx_fp32(folder)(mx.array(ids.numpy()[None]))[0].astype(mx.float32))

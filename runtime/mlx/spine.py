@@ -19,7 +19,7 @@ from runtime.backends.registry import registry
 from runtime.dense.parts import PartTimes
 from runtime.errors import NpumoeError
 from runtime.executor import PlanRun
-from runtime.loading.model_loader import read_model_spec
+from runtime.loading.model_record import read_model_spec
 from runtime.mlx.blocks import MOE_BLOCKS, moe_blocks
 from runtime.mlx.formats import NAME, SPINE_SPLICES
 from runtime.mlx.mlx_exact import device

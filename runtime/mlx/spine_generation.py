@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import transformers_config
+from runtime.loading.model_config import read_config
 from runtime.mlx.mlx_exact import to_torch
 from runtime.mlx.spine import MlxSpine, forward_rows
 
@@ -28,7 +29,7 @@ class SpineModel:
         import transformers
 
         self.mlx, self.path, self.spine = model, path, spine
-        self.config = transformers_config(path)
+        self.config = transformers_config(path, read_config(path))
         try:
             self.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
         except OSError:  # no generation_config.json: the model config's tokens

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.model_config import read_config
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
 from runtime.mlx.mlx_exact import device
 
@@ -48,7 +49,7 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     from mlx_lm.utils import load_model
 
     path = model_dir(name)
-    open_checkpoint(path)  # its files whole and its config agreeing, as the torch spine checks: one line
+    open_checkpoint(path, read_config(path))  # its files whole and its config agreeing, as the torch spine checks
     check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
