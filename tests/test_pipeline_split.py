@@ -1,5 +1,6 @@
 """A plan per Mac, predicted: the link figure and its time, the pipelined prefill, the balanced split under memory
 budgets, each stage's time and memory, and a two-Mac plan of a Qwen3-235B-A22B slice on the published profile."""
+import json
 import sys
 from pathlib import Path
 
@@ -104,3 +105,60 @@ def test_a_two_mac_plan_of_a_qwen3_235b_slice(published):
     assert report["link"]["ms_per_boundary_per_chunk"][0] == pytest.approx(chunk * 4096 * 2 / 1e10 * 1e3)
     assert report["busiest_stage_ms"] <= report["predicted_prefill_ms"] < report["sequential_ms"]
     assert report["vs"]["mlx-gpu"] > 1.0  # the ANE's residents and the overlap ahead of mlx-lm's pipeline
+
+
+def _macs_args(d, out, *extra):
+    return ["search", "--model", "random:qwen3_moe", "--profile", str(d / "profile.json"), "--traces",
+            str(d / "traces.npz"), "--no-gate", "--trials", "2", "--out", str(out), "--json", *extra]
+
+
+def test_search_across_two_macs_writes_a_plan_per_stage(workdir, tmp_path, capsys):
+    from autotune.cli import main
+    from runtime.mlx.cluster import rank_split, read_split
+    from runtime.plan import load_plan
+
+    out = tmp_path / "plan.json"
+    assert main(_macs_args(workdir, out, "--macs", "2", "--link-gb-s", "10")) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    n = load_plan(out).model.num_layers
+    assert report["split"] == [[0, n // 2], [n // 2, n]]  # identical layers: the balanced split halves them
+    assert [s["rank"] for s in report["stages"]] == [1, 0]  # mlx-lm's order: rank 0 holds the last layers
+    assert report["link"]["gb_per_s"] == 10.0 and report["link"]["label"] == "given"
+    assert report["predicted"]["prefill_ms"] > 0
+    for k, s in enumerate(report["stages"]):
+        assert load_plan(s["plan"]).meta["pipeline"] == {"stage": k, "of": 2, "layers": s["layers"],
+                                                         "rank": 1 - k, "host": f"mac{k}"}
+    pipe = out.with_suffix(".pipeline.json")
+    assert rank_split(read_split(pipe)) == [n - n // 2, n // 2]
+
+
+def test_search_across_macs_refuses_a_profile_without_a_link(workdir, tmp_path, capsys):
+    from autotune.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(_macs_args(workdir, out, "--macs", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "has no link figure between Macs" in err[-1]
+    assert not out.exists() and not out.with_suffix(".stage0.json").exists()  # refused before the search
+
+
+def test_search_across_macs_refuses_macs_too_small_before_searching(workdir, tmp_path, capsys):
+    from autotune.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(_macs_args(workdir, out, "--macs", "2", "--link-gb-s", "10", "--mac-memory-gb", "1")) == 2
+    assert "no split of" in capsys.readouterr().err.strip().splitlines()[-1] and not out.exists()
+
+
+def test_an_mlx_hostfile_names_the_macs(tmp_path):
+    from autotune.searching.pipeline_search import read_hosts
+
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps([{"ssh": "m1", "ips": ["10.0.0.1"], "memory_gb": 96},
+                             {"ssh": "m2", "ips": ["10.0.0.2"], "profile": "apple-m2-ultra-published"}]))
+    hosts = read_hosts(f, "p", 192.0)
+    assert [(h.name, h.profile, h.memory_gb) for h in hosts] == [("m1", "p", 96.0),
+                                                                 ("m2", "apple-m2-ultra-published", 192.0)]
+    f.write_text("[{}]")
+    with pytest.raises(NpumoeError, match="cannot read the hosts"):
+        read_hosts(f, None, 192.0)

@@ -45,13 +45,13 @@ class LinkFigure:
 
 def profile_link(extra: dict, override_gb_per_s: float | None = None) -> LinkFigure:
     """The profile's link figure (its `link` entry); `override_gb_per_s` replaces its rate (labelled as given)."""
+    if override_gb_per_s is not None:
+        latency = float(extra.get("link", {}).get("latency_ms", 0.0))
+        return LinkFigure(f"{override_gb_per_s:g} GB/s (given)", override_gb_per_s, latency, "given", "--link-gb-s")
     if "link" not in extra:
         raise NpumoeError("this profile has no link figure between Macs (a `link` entry); use a profile that has one "
                           "(apple-m2-ultra-published) or give --link-gb-s")
-    link = LinkFigure.from_json(extra["link"])
-    if override_gb_per_s is None:
-        return link
-    return LinkFigure(f"{override_gb_per_s:g} GB/s (given)", override_gb_per_s, link.latency_ms, "given", "--link-gb-s")
+    return LinkFigure.from_json(extra["link"])
 
 
 def activation_bytes(rows: int, hidden: int, dtype_bytes: int = 2) -> int:
