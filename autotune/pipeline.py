@@ -86,6 +86,7 @@ from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
 from runtime.backends import registry
 from runtime.coreml import ane_limits
+from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
@@ -97,9 +98,10 @@ from runtime.loading.model_loader import (
     load_model,
     model_spec,
 )
-from runtime.plan import Plan, save_plan
+from runtime.plan import Plan, load_plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
 from runtime.resources import Clock, peak_rss_bytes
+from runtime.stats import PARTS, TORCH_CPU, Executed, LayerStats, lane_of
 
 log = logging.getLogger("npumoe")
 
@@ -420,12 +422,21 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
-             cpu_weights: str | None = None) -> RunResult:
+             cpu_weights: str | None = None, engine: str = "auto") -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
-    `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces."""
+    `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
+    the spine (`runtime.engines`; mlx: `autotune.spine_run`)."""
+    if resolve_engine(engine, load_plan(plan)) == "mlx":
+        if record_traces or cpu_weights or package:
+            raise NpumoeError("--record-traces, --cpu-weights and --package run on the torch spine only: use "
+                              "--engine torch")
+        from autotune.spine_run import run_on_mlx
+
+        return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,
+                          reference=reference, repeat=repeat)
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     n = int(ids.numel())
@@ -452,8 +463,9 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     # the logits are compared now and dropped: timing the parts prefills again, and would hold a second copy
     diff = max_rel_diff(logits, ref) if reference else None
     del logits, ref
+    part_calls: dict = {}
     measured, routing = measure_parts(loaded.model, planned, any(info.overlaps_cpu for info in ran if info is not None),
-                                      chunk, repeat)
+                                      chunk, repeat, calls=part_calls)
     profile = plan_profile(loaded.plan)
     predicted = predict_parts(loaded.plan, profile, loaded.model.config.to_dict(),
                               ModelSize.of(loaded.model).layer_bytes, n, prompt_tokens or n, routing,
@@ -475,7 +487,24 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
-                     predicted_parts_ms=predicted, host_speed=host_speed(profile), dense_calls=dense_calls)
+                     predicted_parts_ms=predicted, host_speed=host_speed(profile), dense_calls=dense_calls,
+                     executed=torch_executed(executor.stats.total(), measured, part_calls, dense_calls))
+
+
+def torch_executed(experts: LayerStats, measured: dict, calls: dict, dense_calls: dict | None) -> dict:
+    """`executed` of a run on the torch spine: the experts on the lanes their backends name (timed around each
+    call), every other part on torch on the CPU (its calls and ms from the timed parts' pass), and the calls of
+    dense functions a static backend ran (their time is inside their part's)."""
+    out = Executed()
+    out.add_experts(experts)
+    for part in PARTS:
+        if part != "experts" and calls.get(part):
+            out.add(part, TORCH_CPU, calls[part], measured[part] / 1e3)
+    for part, backends in (dense_calls or {}).items():
+        for backend, n in backends.items():
+            if part in PARTS and lane_of(backend) != TORCH_CPU:
+                out.add(part, lane_of(backend), n)
+    return out.to_json()
 
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,

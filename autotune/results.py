@@ -38,6 +38,8 @@ class RunResult:
     predicted_parts_ms: dict | None = None  # the whole-prefill prediction by part for the plan's profile
     host_speed: dict | None = None  # this host now against its profile's records (evaluation.host_speed)
     dense_calls: dict | None = None  # a plan with dense functions: calls per part and backend (DenseExecutor)
+    engine: str = "torch"  # the spine that ran it (runtime.engines)
+    executed: dict | None = None  # per part, the lanes that ran it: calls and measured ms (runtime.stats.Executed)
 
     @property
     def drop_rate(self) -> float:
@@ -57,6 +59,9 @@ class RunResult:
         for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        out["engine"] = self.engine  # added after the recorded keys, as scripts read them
+        if self.executed is not None:
+            out["executed"] = self.executed
         return out
 
 

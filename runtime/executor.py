@@ -14,6 +14,7 @@ host, fp32, one thread, 1.6x at a Qwen3-30B-A3B-width 4,096-token chunk, 1.14x a
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -120,7 +121,7 @@ class LayerExecutor:
         if self.groups:
             packed = x.new_zeros(self.slots, x.shape[1])
             packed[rows] = x[tok[kept]]
-            y = torch.cat([fn(packed[a:b]) for _, fn, a, b in self.groups])
+            y = torch.cat([self._group_call(st, name, fn, packed[a:b]) for name, fn, a, b in self.groups])
             out.index_add_(0, tok[kept], y[rows] * w[kept, None])
             filled = torch.bincount(self.group_of[eid[kept]], minlength=len(self.groups)).tolist()
             for (name, _, a, b), f in zip(self.groups, filled):
@@ -133,17 +134,42 @@ class LayerExecutor:
             out.index_add_(0, *exact_out)
         return out
 
+    @staticmethod
+    def _group_call(st: LayerStats, name: str, fn: GroupFn, rows: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        y = fn(rows)
+        st.seconds_per_backend[name] += time.perf_counter() - start
+        return y
+
     def _all_exact(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every assignment exact, in one call of the plan's exact path (cpu-exact: transformers' grouped kernel).
         Not shown to the drift monitor: the plan never ran these chunks."""
         st = self.stats
-        st.tokens += x.shape[0]  # a few tokens (a decode step): counting in Python is cheaper than more torch ops
-        st.assignments += idx.numel()
-        experts = len(set(idx.reshape(-1).tolist()))
         name, path = self.paths[0]
-        st.tokens_per_backend[name] += idx.numel()
-        st.calls_per_backend[name] += experts
-        return path.forward(x, idx, weights, st)
+        self._count_all_exact(st, x.shape[0], idx)
+        start = time.perf_counter()
+        out = path.forward(x, idx, weights, st)
+        st.seconds_per_backend[name] += time.perf_counter() - start
+        return out
+
+    def _count_all_exact(self, st: LayerStats, tokens: int, idx: torch.Tensor) -> None:
+        st.tokens += tokens  # a few tokens (a decode step): counting in Python is cheaper than more torch ops
+        st.assignments += idx.numel()
+        _count_exact(st, self.paths[0][0], idx.numel(), len(set(idx.reshape(-1).tolist())))
+
+    def count_exact(self, idx: torch.Tensor) -> None:
+        """Count, computing nothing, what `__call__` counts for assignments `idx` [T, k] of a layer with no groups
+        whose experts all run on its first exact path: for a caller that runs them itself (the MLX spine runs
+        mlx-lm's own kernel there), so both spines account alike."""
+        below = self.exact_below * (1 if self.context is None else self.context.sequences)
+        st = self.stats
+        if idx.shape[0] < below:
+            return self._count_all_exact(st, idx.shape[0], idx)
+        for s in range(0, idx.shape[0], self.chunk):
+            eid = idx[s:s + self.chunk].reshape(-1)
+            loads = torch.bincount(eid, minlength=self.base.numel())
+            st.record_chunk(eid.numel() // idx.shape[1], loads, 0, self.spill)
+            _count_exact(st, self.paths[0][0], eid.numel(), int((loads > 0).sum()))
 
     def _pack_rows(self, x, eid, w, tok, grouped, loads):
         """Rank each expert's assignments by descending saliency; the first `cap[e]` keep a packed row."""
@@ -178,11 +204,18 @@ class LayerExecutor:
         experts = counts.nonzero().squeeze(1).tolist()
         counts = counts[experts].tolist()
         name, layer = self.paths[path]
+        start = time.perf_counter()
         xs = x[tok[sel]]
         y = self.exact(self.module, xs, experts, counts) if self.exact else layer.run(xs, experts, counts, st)
-        st.tokens_per_backend[name] += sel.numel()
-        st.calls_per_backend[name] += len(experts)
+        st.seconds_per_backend[name] += time.perf_counter() - start
+        _count_exact(st, name, sel.numel(), len(experts))
         return tok[sel], y * w[sel, None]
+
+
+def _count_exact(st: LayerStats, name: str, assignments: int, experts: int) -> None:
+    """One exact-path call of `experts` experts over `assignments` assignments."""
+    st.tokens_per_backend[name] += assignments
+    st.calls_per_backend[name] += experts
 
 
 def _npumoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -212,37 +245,36 @@ class ForwardContext(threading.local):
     sequences: int = 1
 
 
-class PlanExecutor:
-    """Installs a plan on a transformers MoE model (and uninstalls it); collects run statistics."""
+class PlanRun:
+    """What every spine keeps of a plan's run (the torch spine's `PlanExecutor`, the MLX spine's `MlxSpine`): the
+    backends and exact paths resolved once, one `LayerExecutor` per MoE layer (one accounting of capacity, drops
+    and spills for both), the run statistics per phase, the drift monitor and each thread's forward context."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
-                 plan_path: str = "", options: dict | None = None) -> None:
+    def __init__(self, plan: Plan, backends: dict[str, StaticBackend] | None, options: dict | None,
+                 exact_paths: dict[str, ExactPath]) -> None:
         """`backends`: ready backends by name; the others the plan names are made by the registry, with `options`
         (e.g. `{"package": path}` for the ane backend) given to those that take them."""
-        check_plan_matches(plan, model_spec(model), plan_path)
-        self.model, self.plan = model, plan
+        self.plan = plan
         self.stats = RunStats(exact_paths=frozenset(registry.exact_paths()))
         registry.check_options(options or {})
         # Resolve each named backend once per run, so an unavailable one falls back (and says so) once.
         named = {g.backend for lp in plan.layers for g in lp.groups}
         self.backends = {name: registry.resolve(name, backends, options) for name in sorted(named)}
-        self.exact_paths = resolve_exact_paths(plan)
+        self.exact_paths = exact_paths
         self.fallbacks = {name: b.name for name, b in [*self.backends.items(), *self.exact_paths.items()]
                           if b.name != name}
-        self.layers = {l.index: LayerExecutor(plan.layer(l.index), l.experts, plan, self.stats.layer(l.index),
-                                              self.backends, exact_paths=self.exact_paths) for l in moe_layers(model)}
         self.context = ForwardContext()
-        for index, layer in self.layers.items():
-            layer.context, layer.phase_stats = self.context, {p: self.stats.layer(index, p) for p in PHASES}
-        # The plan's dense functions (Plan.dense), installed and uninstalled with the experts: runtime/dense.
-        # Given the backends resolved for the groups: a backend named by both is one instance, its fallback said once.
-        self.dense = (DenseExecutor(model, plan, {**(backends or {}), **self.backends}, options)
-                      if plan.dense is not None else None)
         self.drift = DriftMonitor(plan)
-        for index in self.layers:
-            self.stats.layer(index).watcher = partial(self.drift.observe, index)
-        self._previous: str | None = None
-        self._hook = None
+        self.layers: dict[int, LayerExecutor] = {}
+
+    def add_layer(self, index: int, module: torch.nn.Module) -> LayerExecutor:
+        """MoE layer `index` (its experts module `module`) under the plan, counted in this run."""
+        layer = LayerExecutor(self.plan.layer(index), module, self.plan, self.stats.layer(index), self.backends,
+                              exact_paths=self.exact_paths)
+        layer.context, layer.phase_stats = self.context, {p: self.stats.layer(index, p) for p in PHASES}
+        self.stats.layer(index).watcher = partial(self.drift.observe, index)
+        self.layers[index] = layer
+        return layer
 
     @property
     def phase(self) -> str:
@@ -263,18 +295,6 @@ class PlanExecutor:
         """The calling thread's next forwards run `n` sequences at once (a batched decode step): each layer's
         exact_below rule counts each sequence's tokens, so n one-token steps run exactly as one would."""
         self.context.sequences = n
-
-    def _classify_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook: a decode step feeds one token per sequence onto a cache that already holds some."""
-        if self.pinned:
-            return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        decode = (ids is not None and ids.shape[1] == 1 and cache is not None
-                  and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0)
-        self.set_phase("decode" if decode else "prefill")
 
     def reset(self) -> None:
         """Start counting afresh (run statistics, the drift monitor, backends' energy), as before a repeated run."""
@@ -300,6 +320,37 @@ class PlanExecutor:
             if total:
                 out[backend.name] = dict(total)
         return out
+
+
+class PlanExecutor(PlanRun):
+    """Installs a plan on a transformers MoE model (and uninstalls it); collects run statistics."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
+                 plan_path: str = "", options: dict | None = None) -> None:
+        """`backends`, `options`: as `PlanRun` takes them."""
+        check_plan_matches(plan, model_spec(model), plan_path)
+        super().__init__(plan, backends, options, resolve_exact_paths(plan))
+        self.model = model
+        for layer in moe_layers(model):
+            self.add_layer(layer.index, layer.experts)
+        # The plan's dense functions (Plan.dense), installed and uninstalled with the experts: runtime/dense.
+        # Given the backends resolved for the groups: a backend named by both is one instance, its fallback said once.
+        self.dense = (DenseExecutor(model, plan, {**(backends or {}), **self.backends}, options)
+                      if plan.dense is not None else None)
+        self._previous: str | None = None
+        self._hook = None
+
+    def _classify_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook: a decode step feeds one token per sequence onto a cache that already holds some."""
+        if self.pinned:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        decode = (ids is not None and ids.shape[1] == 1 and cache is not None
+                  and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0)
+        self.set_phase("decode" if decode else "prefill")
 
     def install(self) -> "PlanExecutor":
         for layer in moe_layers(self.model):

@@ -20,6 +20,7 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.detokenizer import StreamingDetokenizer
+from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
@@ -28,7 +29,7 @@ from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.plan import Plan, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
-from runtime.stats import RunStats
+from runtime.stats import Executed, RunStats
 
 log = logging.getLogger("npumoe")
 
@@ -41,7 +42,8 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     plan: Plan | None = None
-    executor: PlanExecutor | None = None
+    executor: PlanExecutor | None = None  # on the MLX spine: its `MlxSpine` (the same run statistics and phases)
+    engine: str = "torch"  # the spine: "torch" (`.model` a transformers model) or "mlx" (a `SpineModel`)
     _no_stats: RunStats = field(default_factory=RunStats, repr=False)
 
     @property
@@ -72,12 +74,15 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64) -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "auto") -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
-    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded."""
+    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
+    (`runtime.engines`: torch, mlx, or auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
+    if resolve_engine(engine, p) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), package, dtype, cpu_weights)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -100,6 +105,20 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
         backends = {opened.name: opened}
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
+
+
+def _load_mlx(model: str, plan: Plan | None, path: str, package: str | None, dtype: str,
+              cpu_weights: str | None) -> Loaded:
+    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
+    if package or cpu_weights or (plan is not None and plan.cpu_weights is not None):
+        raise NpumoeError("a Core ML package and CPU expert storage run on the torch spine only: use --engine torch")
+    from runtime.mlx.spine import MlxSpine
+    from runtime.mlx.spine_generation import SpineModel
+    from runtime.mlx.spine_loading import load_mlx_model
+
+    m, tokenizer, folder = load_mlx_model(model, dtype)
+    spine = MlxSpine(m, plan, folder, plan_path=path).install() if plan is not None else None
+    return Loaded(SpineModel(m, folder, spine), tokenizer, plan, spine, engine="mlx")
 
 
 def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:
@@ -238,12 +257,13 @@ class GenerationResult:
     memory: dict | None = None
     plan_predicted: dict | None = None
     traces: dict | None = None
+    executed: dict | None = None  # per part, the lanes that ran it (`runtime.stats.Executed`); with a plan
 
     def to_json(self) -> dict:
         head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
         own = {k: getattr(self, k) for k in MEASURED}
         comparison = asdict(self.comparison) if self.comparison else {}
-        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces")
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed")
                 if getattr(self, k) is not None}
         return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
 
@@ -395,7 +415,19 @@ class Generation:
             peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
             prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
             finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
-            comparison=comparison)
+            comparison=comparison, executed=executed_of(self.loaded))
+
+
+def executed_of(loaded: Loaded) -> dict | None:
+    """What ran each part under the plan since the last reset: on the MLX spine every part (calls; MLX's time where
+    a timed pass measured it), on the torch spine the experts' lanes (each call timed); None without a plan."""
+    if loaded.executor is None:
+        return None
+    if loaded.engine == "mlx":
+        return loaded.executor.executed().to_json()
+    out = Executed()
+    out.add_experts(loaded.stats.total())
+    return out.to_json()
 
 
 def _tok_s(tokens: int, decode_s: float) -> float | None:
@@ -406,7 +438,16 @@ def _tok_s(tokens: int, decode_s: float) -> float | None:
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,
            chat: bool) -> Generation:
     ids = prompt_ids(loaded, prompt, chat)
-    return Generation(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
+    return generation_of(loaded)(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
+
+
+def generation_of(loaded: Loaded) -> type[Generation]:
+    """The generation class of `loaded`'s spine."""
+    if loaded.engine == "mlx":
+        from runtime.mlx.spine_generation import SpineGeneration
+
+        return SpineGeneration
+    return Generation
 
 
 def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -439,7 +480,7 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
     comparison = None
     if compare:
         with loaded.unmodified():
-            ref = Generation(loaded, run.ids, max_tokens, temp, seed, run.chunk)
+            ref = generation_of(loaded)(loaded, run.ids, max_tokens, temp, seed, run.chunk)
             for _ in ref.token_ids():
                 pass
         ours, theirs = _tok_s(len(run.tokens), run.decode_s), _tok_s(len(ref.tokens), ref.decode_s)
@@ -455,5 +496,5 @@ def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:
     """One short untimed generation each way, so neither measured run pays first-call costs."""
     for ctx in (loaded.unmodified, nullcontext):
         with ctx():
-            for _ in Generation(loaded, ids, 2, 0.0, 0, chunk).token_ids():
+            for _ in generation_of(loaded)(loaded, ids, 2, 0.0, 0, chunk).token_ids():
                 pass

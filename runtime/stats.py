@@ -23,6 +23,7 @@ class LayerStats:
     # between torch and that runtime (copies, views, dtype views; not its compute), and how many calls crossed
     crossing_us: Counter = field(default_factory=Counter)
     crossings: Counter = field(default_factory=Counter)
+    seconds_per_backend: Counter = field(default_factory=Counter)  # wall time of each backend's calls (measured)
     watcher: Callable[[np.ndarray, int], None] | None = None  # sees each chunk's expert loads (drift monitor)
 
     def record_chunk(self, tokens: int, loads: torch.Tensor, overflow: int, spill: bool) -> None:
@@ -47,6 +48,7 @@ class LayerStats:
         self.calls_per_backend.update(other.calls_per_backend)
         self.crossing_us.update(other.crossing_us)
         self.crossings.update(other.crossings)
+        self.seconds_per_backend.update(other.seconds_per_backend)
 
     def to_json(self) -> dict:
         """Counts and rates; `crossing_us_per_call` (mean per exact path that crossed) only where one crossed."""
@@ -108,4 +110,53 @@ class RunStats:
             part = self.total(phase).to_json()
             part.pop("tokens")
             out[phase] = part
+        return out
+
+
+PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
+TORCH_CPU = "torch-cpu"
+_TORCH_LANES = {"cpu-exact": TORCH_CPU}  # exact paths computed by torch: the lane says so
+
+
+def lane_of(backend: str) -> str:
+    """The lane that ran a backend's (or exact path's) calls: cpu-exact is torch on the CPU; every other name says
+    itself (`mlx-exact`, and a static backend's name: `ane`, `ane-sim`, `coreai`, `cpu-static`)."""
+    return _TORCH_LANES.get(backend, backend)
+
+
+@dataclass
+class Executed:
+    """What ran each part of the model (`PARTS`), per lane: calls and measured seconds. A lane's name says what ran
+    it: `mlx` in every MLX lane's (`mlx-exact`, `mlx-cpu` / `mlx-gpu`), `torch` in every torch lane's, a static
+    backend's own name for its calls. Time is only ever measured, never apportioned: a lane whose calls ran
+    untimed (MLX's lazy graph outside a timed pass) has calls and no `ms`."""
+    calls: Counter = field(default_factory=Counter)  # (part, lane) -> calls
+    seconds: Counter = field(default_factory=Counter)  # (part, lane) -> measured seconds
+    timed: set = field(default_factory=set)  # the (part, lane) pairs whose seconds were measured
+
+    def add(self, part: str, lane: str, calls: int = 1, seconds: float | None = None) -> None:
+        assert part in PARTS, part
+        self.calls[part, lane] += calls
+        if seconds is not None:
+            self.seconds[part, lane] += seconds
+            self.timed.add((part, lane))
+
+    def add_experts(self, stats: LayerStats) -> None:
+        """The experts' calls per backend of `stats` (a run's total), on their lanes, with the time measured around
+        their calls where it was."""
+        for backend, n in stats.calls_per_backend.items():
+            self.add("experts", lane_of(backend), n, stats.seconds_per_backend.get(backend))
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.seconds.clear()
+        self.timed.clear()
+
+    def to_json(self) -> dict:
+        out: dict[str, dict] = {}
+        for (part, lane), n in sorted(self.calls.items(), key=lambda kv: (PARTS.index(kv[0][0]), kv[0][1])):
+            entry = {"calls": n}
+            if (part, lane) in self.timed:
+                entry["ms"] = round(self.seconds[part, lane] * 1e3, 3)
+            out.setdefault(part, {})[lane] = entry
         return out

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_int
+from runtime.engines import ENGINES
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
 
 
@@ -29,6 +30,13 @@ def add_cpu_weights_argument(p: argparse.ArgumentParser, help: str | None = None
                    help=help or "how the CPU holds the experts: quantized at load from a full-width checkpoint "
                                 "(int8 per output channel, int4 per group of G inputs, default 64); default: as "
                                 "the plan says, else as loaded. A flag that differs from the plan's is refused")
+
+
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="the spine that runs the model: torch (transformers on the CPU), mlx (mlx-lm's own model: the "
+                        "GPU on a Mac, MLX's CPU device elsewhere; float32 there), or auto (default: mlx on a Mac "
+                        "where mlx imports and the plan places anything on MLX, torch otherwise)")
 
 
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
@@ -56,6 +64,7 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     """The options of every command that runs a plan on a text (`run`, `evaluate`)."""
     add_model_argument(p)
     add_dtype_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     add_text_argument(p, text_default)
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens_default, metavar="N",

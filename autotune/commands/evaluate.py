@@ -7,7 +7,9 @@ from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import input_directory, non_negative_int, positive_int
 from autotune.commands.common import add_planned_arguments, apply_threads, print_json
+from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
+from runtime.plan import load_plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"{', '.join(given)} applies to lm-evaluation-harness tasks only: give --tasks too, or "
                           "--max-tokens to evaluate less of the text")
     apply_threads(args.threads)
+    if resolve_engine(args.engine, load_plan(args.plan)) == "mlx":
+        raise NpumoeError("evaluate runs on the torch spine only (the MLX spine's fidelity is `autotune run --engine "
+                          "mlx --reference`): use --engine torch")
     if args.tasks:
         result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,
                                          num_fewshot=args.num_fewshot, include_path=args.include_path,

@@ -20,6 +20,7 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
+    add_engine_argument,
     add_model_argument,
     add_threads_argument,
     apply_threads,
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt under a plan: stream it, then report time to "
                                         "first token, prefill and generation speed, peak memory")
     add_model_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs")
     p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
@@ -77,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
                           "give some text")
     apply_threads(args.threads)
-    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights))
+    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights),
+                  engine=args.engine)
+    if args.record_traces and loaded.engine == "mlx":
+        raise NpumoeError("--record-traces records on the torch spine only: use --engine torch")
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     extra: dict = {"model": args.model, "plan": args.plan}
     if loaded.executor:
         extra["drift"] = loaded.executor.drift.report()  # the prompt's prefill chunks (decode runs exact)
+    if loaded.executor and loaded.engine == "torch":
         # the KV cache holds the prompt and every generated token but the last
         extra["memory"] = against_measured(loaded.plan, loaded.model, result.prompt_tokens + result.generated_tokens,
                                            int(result.peak_rss_mb * 2**20),

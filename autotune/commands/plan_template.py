@@ -26,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "is refused")
     p.add_argument("--backend", type=static_backend, default=REFERENCE, metavar="NAME",
                    help=f"backend of every group: a registered static backend, plugins included (default {REFERENCE})")
+    p.add_argument("--no-groups", action="store_true",
+                   help="no static group: every expert of every layer on the exact path (--exact)")
     p.add_argument("--chunk", type=positive_int, default=256, metavar="N", help="prefill chunk in tokens (default 256)")
     p.add_argument("--saliency", choices=SALIENCY_RULES, default="router_weight",
                    help="which assignments a full group drops first: lowest router weight, or lowest router "
@@ -47,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
     if check is not None and not args.model.startswith(RANDOM_PREFIX):
         check(model_dir(args.model))
     plan = template_plan(read_model_spec(args.model), args.capacity, args.overflow, args.backend, args.chunk,
-                         args.saliency, dense=args.dense, context_tokens=context, exact=args.exact)
+                         args.saliency, dense=args.dense, context_tokens=context, exact=args.exact,
+                         grouped=not args.no_groups)
     save_plan(plan, args.out)
-    print(f"wrote {args.out}: {len(plan.layers)} layers, {len(plan.layers[0].groups)} groups per layer "
-          f"on {args.backend}, capacity {plan.layers[0].groups[0].capacities[0]} per expert, overflow {args.overflow}, "
-          f"exact path {plan.exact_path}")
+    groups = (f"{len(plan.layers[0].groups)} groups per layer on {args.backend}, capacity "
+              f"{plan.layers[0].groups[0].capacities[0]} per expert" if plan.layers[0].groups else "no groups")
+    print(f"wrote {args.out}: {len(plan.layers)} layers, {groups}, overflow {args.overflow}, exact path "
+          f"{plan.exact_path}")
     if plan.dense is not None:
         buckets = plan.dense.attention_context_buckets
         print(f"dense functions of {len(plan.dense.layers)} layers on {args.dense}; attention buckets "

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     result = pipeline.run_plan(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
                                reference=args.reference, repeat=args.repeat, record_traces=args.record_traces,
-                               cpu_weights=args.cpu_weights)
+                               cpu_weights=args.cpu_weights, engine=args.engine)
     if args.json:
         print_json(result.to_json())
     else:
@@ -45,8 +45,12 @@ def _print_summary(r: dict) -> None:
     print(f"{r['tokens']} tokens in chunks of {r['chunk_tokens']}: {r['latency_ms']:.1f} ms (measured), process CPU "
           f"time {r['cpu_ms_per_token']:.3f} ms per token, wall {r['wall_ms_per_token']:.3f} ms per token")
     m = r["memory"]
-    print(f"memory: peak RSS {m['measured_peak_rss_gb']:.3f} GB (measured), {m['predicted_gb']:.3f} GB predicted for "
-          f"this run ({m['predicted_over_measured']:.2f}x)")
+    print(f"memory: peak RSS {m['measured_peak_rss_gb']:.3f} GB (measured)" + (
+        f", {m['predicted_gb']:.3f} GB predicted for this run ({m['predicted_over_measured']:.2f}x)"
+        if "predicted_gb" in m else ""))
+    if r.get("executed"):
+        print(f"executed on the {r['engine']} spine: " + "; ".join(
+            f"{part} on {', '.join(lanes)}" for part, lanes in r["executed"].items()))
     print(f"assignments {r['assignments']}, dropped {r['dropped']} ({r['drop_rate']:.2%}), spilled {r['spilled']} "
           f"({r['spill_rate']:.2%}), padding {r['padding_fraction']:.1%}")
     print("per backend: " + ", ".join(f"{b} {n} assignments / {r['calls_per_backend'].get(b, 0)} calls"

@@ -19,11 +19,14 @@ from autotune.commands.argtypes import (
 from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
+    add_engine_argument,
     add_model_argument,
     add_threads_argument,
 )
 from autotune.costing.cpu_storage import load_options
+from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
+from runtime.plan import load_plan
 from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
 from runtime.serving.engine_process import EngineProcess
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
@@ -35,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model under a plan behind the OpenAI API (/v1/completions, "
                                      "/v1/chat/completions, streaming; /health, /metrics)")
     add_model_argument(p)
+    add_engine_argument(p)
     p.add_argument("--plan", type=input_file, metavar="P",
                    help="plan file (npumoe.plan/1 JSON); without it the unmodified model runs (no prefix cache)")
     p.add_argument("--package", type=input_package, metavar="X.mlpackage|X.aimodel",
@@ -68,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's device functions: give --plan too")
+    if resolve_engine(args.engine, load_plan(args.plan) if args.plan else None) == "mlx":
+        raise NpumoeError("serve runs on the torch spine only for now (its continuous batching and prefix cache "
+                          "hold torch KV caches): use --engine torch, or `autotune generate --engine mlx`")
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):

@@ -53,16 +53,19 @@ def recorded_routing(model: torch.nn.Module, chunk_tokens: int) -> Iterator[Rout
 
 
 def measure_parts(model: torch.nn.Module, prefill: Callable[[], object], off_cpu: bool, chunk_tokens: int,
-                  repeat: int = 1) -> tuple[dict, Routing]:
+                  repeat: int = 1, calls: dict | None = None) -> tuple[dict, Routing]:
     """Ms per part of `repeat` more runs of `prefill` (its forwards' hooks), each part's median over them (one run
     on a shared host moved a part by 20%): on this process's CPU clock where the run is one-thread CPU work (what a
     shared host's other load does not inflate, as profile-device times it), else on the wall clock (`off_cpu`: a
-    backend that ran off the CPU); `clock` says which. With it, the first run's routing (`recorded_routing`)."""
+    backend that ran off the CPU); `clock` says which. With it, the first run's routing (`recorded_routing`).
+    `calls`: filled with the first run's calls per part."""
     cpu = torch.get_num_threads() == 1 and not off_cpu
     clock = time.process_time if cpu else time.perf_counter
     with recorded_routing(model, chunk_tokens) as routing, measured_parts(model, clock) as times:
         prefill()
     runs = [times.parts_ms()]
+    if calls is not None:
+        calls.update(times.parts_calls())
     for _ in range(repeat - 1):
         with measured_parts(model, clock) as times:
             prefill()

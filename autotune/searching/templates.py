@@ -38,14 +38,16 @@ def dense_template(spec: ModelSpec, backend: str, chunk_tokens: int, context_tok
 
 def template_plan(spec: ModelSpec, capacity: str = "ample", overflow: str = "drop", backend: str = REFERENCE,
                   chunk_tokens: int = 256, saliency: str = "router_weight", dense: str | None = None,
-                  context_tokens: int | None = None, exact: str | None = None) -> Plan:
+                  context_tokens: int | None = None, exact: str | None = None, grouped: bool = True) -> Plan:
     """`dense`: every dense function on that backend too (`dense_template`, buckets up to `context_tokens`);
-    `exact`: the plan's exact path (`Plan.exact`; None: cpu-exact)."""
+    `exact`: the plan's exact path (`Plan.exact`; None: cpu-exact); `grouped` False: no static group, every expert
+    on the exact path."""
     cap = template_capacity(spec, chunk_tokens, capacity)
     experts = list(range(spec.num_experts))
     chunks = [experts[i:i + GROUP_SIZE] for i in range(0, len(experts), GROUP_SIZE)]
     groups = [Group(backend=backend, experts=chunk, capacities=[cap] * len(chunk)) for chunk in chunks]
-    layers = [LayerPlan(layer=i, groups=groups, cpu_exact=[]) for i in spec.moe_layers]
+    layers = [LayerPlan(layer=i, groups=groups, cpu_exact=[]) if grouped else
+              LayerPlan(layer=i, groups=[], cpu_exact=experts) for i in spec.moe_layers]
     dense_plan = dense_template(spec, dense, chunk_tokens, context_tokens or chunk_tokens) if dense else None
     return Plan(model=spec, chunk_tokens=chunk_tokens, overflow=overflow, saliency=saliency, layers=layers,
                 dense=dense_plan, exact=exact, meta={"made_by": f"autotune plan-template --capacity {capacity}"})

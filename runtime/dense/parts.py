@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import torch
 
 from runtime.dense.families import dense_mlp, shared_expert
+from runtime.stats import PARTS
 
-PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
@@ -45,6 +45,7 @@ class PartTimes:
 
     def __init__(self) -> None:
         self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()  # calls per bucket
         self.forwards = 0
 
     def parts_ms(self) -> dict[str, float]:
@@ -54,6 +55,12 @@ class PartTimes:
                  "experts": s["experts"], "dense_mlp": s["dense_mlp"], "lm_head": s["lm_head"]}
         named["rest"] = s["total"] - sum(named.values())
         return {part: round(1e3 * named[part], 3) for part in PARTS}
+
+    def parts_calls(self) -> dict[str, int]:
+        """Calls per part: the attention core once per attention block, the rest once per forward."""
+        c = self.calls
+        return {"attention_projections": c["attention_projections"], "attention_core": c["block"],
+                "experts": c["experts"], "dense_mlp": c["dense_mlp"], "lm_head": c["lm_head"], "rest": c["total"]}
 
     def total_ms(self) -> float:
         return round(1e3 * self.seconds["total"], 3)
@@ -74,6 +81,7 @@ def measured_parts(model: torch.nn.Module, clock: Callable[[], float] = time.per
     def post(key, bucket):
         def hook(module, args, output):
             times.seconds[bucket] += clock() - starts.pop(key)
+            times.calls[bucket] += 1
             if bucket == "total":
                 times.forwards += 1
         return hook

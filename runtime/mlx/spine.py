@@ -1,0 +1,223 @@
+"""The MLX spine: a plan installed on mlx-lm's own model (`spine_loading`). The dense half runs in MLX as mlx-lm
+computes it (`mx.fast.scaled_dot_product_attention`, mlx-lm's KV cache); each MoE block's experts are the plan's
+block (`moe_block`), accounted by the torch spine's own `LayerExecutor` (`PlanRun`). Imports mlx.
+
+What ran where is kept per part (`runtime.stats.Executed`): calls always (a counter per call, no sync); time in a
+timed pass only (`timed()`), where each part's inputs and outputs are evaluated around it, since MLX's lazy graph
+otherwise computes every part at the forward's end."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.backends.registry import registry
+from runtime.dense.parts import PartTimes
+from runtime.errors import NpumoeError
+from runtime.executor import PlanRun
+from runtime.loading.model_loader import read_model_spec
+from runtime.mlx.formats import NAME
+from runtime.mlx.mlx_exact import device
+from runtime.mlx.moe_block import CountedSwitch, PlannedSwitch, SwitchExactPath, fast_layer, torch_experts
+from runtime.plan import Plan, check_plan_matches
+from runtime.stats import Executed
+
+MOE_BLOCKS = ("mlp", "block_sparse_moe")  # mlx-lm's names for a decoder layer's MoE block, by family
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+SHARED = ("shared_expert", "shared_expert_gate")
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, MoE block) of mlx-lm's model: each decoder layer's block holding a `switch_mlp`."""
+    out = []
+    for index, layer in enumerate(model.layers):
+        block = next((getattr(layer, n) for n in MOE_BLOCKS if n in layer), None)
+        if block is not None and "switch_mlp" in block:
+            out.append((index, block))
+    return out
+
+
+def dense_lane() -> str:
+    """The lane MLX's dense ops run on here: `mlx-gpu` (Metal) or `mlx-cpu` (MLX's CPU device)."""
+    return f"mlx-{device()}"
+
+
+class _Timer:
+    """Calls per part bucket always; in a timed pass (`timing`), each call's time with its inputs evaluated before
+    and its output after."""
+
+    def __init__(self) -> None:
+        self.timing, self.times = False, PartTimes()
+
+    def time(self, bucket: str, fn, *args, **kwargs) -> tuple[object, float]:
+        mx.eval([a for a in args if isinstance(a, mx.array)])
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        seconds = time.perf_counter() - start
+        self.times.seconds[bucket] += seconds
+        return out, seconds
+
+
+class _Part:
+    """A module of mlx-lm's model in its part's bucket: counted per call, and timed in a timed pass."""
+
+    def __init__(self, inner, bucket: str, timer: _Timer) -> None:
+        self.inner, self.bucket, self.timer = inner, bucket, timer
+
+    def __call__(self, *args, **kwargs):
+        self.timer.times.calls[self.bucket] += 1
+        if not self.timer.timing:
+            return self.inner(*args, **kwargs)
+        return self.timer.time(self.bucket, self.inner, *args, **kwargs)[0]
+
+    def __getattr__(self, name: str):  # an attribute of the module (the embedding's `as_linear`, a width)
+        return getattr(self.inner, name)
+
+
+class _TiedHead(_Part):
+    """A tied embedding: looked up as it is (`rest`), its `as_linear` timed as the lm_head."""
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _Part(self.inner.as_linear, "lm_head", self.timer)(x)
+
+
+def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
+    """mlx-lm's forward of token ids `ids` [1, L] on `cache` (continued in place), evaluated: the logits of every
+    position (`rows` "all": [1, L, vocab]), of the last (`"last"`: [1, 1, vocab]; the head computes one row, as
+    transformers' `logits_to_keep=1`), or none (`"none"`: the cache filled, as mlx-lm's prefill evaluates it)."""
+    if rows == "all":
+        out = model(ids, cache=cache)
+        mx.eval(out)
+        return out
+    hidden = model.model(ids, cache)  # every family mlx-lm writes: its decoder, then its head
+    if rows == "none":
+        mx.eval(hidden)
+        return None
+    tied = getattr(model.args, "tie_word_embeddings", False)
+    head = model.model.embed_tokens.as_linear if tied else model.lm_head
+    out = head(hidden[:, -1:, :])
+    mx.eval(out)
+    return out
+
+
+class MlxSpine(PlanRun):
+    """Installs a plan on mlx-lm's model of `path` (and uninstalls it); collects run statistics and `executed`."""
+
+    def __init__(self, model: nn.Module, plan: Plan, path: Path, backends: dict | None = None,
+                 plan_path: str = "", options: dict | None = None) -> None:
+        check_plan_matches(plan, read_model_spec(str(path)), plan_path)
+        if plan.dense is not None:
+            raise NpumoeError("the plan puts dense functions on a static backend, which the MLX spine does not "
+                              "splice in yet: run it with --engine torch")
+        names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}
+        exact = {n: SwitchExactPath() if n == NAME else registry.resolve_exact(n) for n in sorted(names)}
+        super().__init__(plan, backends, options, exact)
+        self.model, self.timer = model, _Timer()
+        self.switches: dict[int, CountedSwitch | PlannedSwitch] = {}
+        for index, block in moe_blocks(model):
+            fast = fast_layer(plan.layer(index), plan)
+            layer = self.add_layer(index, torch_experts(block.switch_mlp, index, check=not fast))
+            self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
+        self._originals: list[tuple[nn.Module, str, object]] = []
+        self.lane = dense_lane()
+
+    def install(self) -> MlxSpine:
+        if self._originals:
+            return self
+        blocks = {id(block): block for _, block in moe_blocks(self.model)}
+        for (_, block), switch in zip(moe_blocks(self.model), self.switches.values()):
+            self._swap(block, "switch_mlp", switch)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            for name in PROJECTIONS:
+                if name in attn:
+                    self._swap(attn, name, _Part(attn[name], "attention_projections", self.timer))
+            self._swap(layer, "self_attn", _Part(attn, "block", self.timer))
+            for name in (n for n in MOE_BLOCKS if n in layer):
+                if id(layer[name]) not in blocks:  # a dense MLP layer
+                    self._swap(layer, name, _Part(layer[name], "dense_mlp", self.timer))
+                    continue
+                for shared in (s for s in SHARED if s in layer[name]):
+                    self._swap(layer[name], shared, _Part(layer[name][shared], "dense_mlp", self.timer))
+        inner = self.model.model if "model" in self.model else self.model
+        if "lm_head" in self.model:
+            self._swap(self.model, "lm_head", _Part(self.model["lm_head"], "lm_head", self.timer))
+        else:
+            self._swap(inner, "embed_tokens", _TiedHead(inner["embed_tokens"], "rest", self.timer))
+        return self
+
+    def _swap(self, parent: nn.Module, name: str, new: object) -> None:
+        self._originals.append((parent, name, parent[name]))
+        setattr(parent, name, new)
+
+    def uninstall(self) -> None:
+        for parent, name, module in reversed(self._originals):
+            setattr(parent, name, module)
+        self._originals.clear()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._originals)
+
+    @contextmanager
+    def applied(self, on: bool) -> Iterator[None]:
+        """The plan installed (`on`) or not (mlx-lm's own model) for the block; as before, after it."""
+        was = self.installed
+        (self.install if on else self.uninstall)()
+        try:
+            yield
+        finally:
+            (self.install if was else self.uninstall)()
+
+    def forward(self, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
+        """`forward_rows` under the plan, evaluated and counted. A forward not pinned to a phase is a decode step
+        where it feeds one token onto a filled cache."""
+        if not self.pinned:
+            decode = ids.shape[1] == 1 and cache is not None and cache[0].offset > 0
+            self.set_phase("decode" if decode else "prefill")
+        start = time.perf_counter()
+        out = forward_rows(self.model, ids, cache, rows)
+        if self.timer.timing:
+            self.timer.times.seconds["total"] += time.perf_counter() - start
+        self.timer.times.calls["total"] += 1
+        self.flush()
+        return out
+
+    def flush(self) -> None:
+        """Count the assignments of the forwards evaluated since (the all-mlx-exact layers count after the fact)."""
+        for switch in self.switches.values():
+            if isinstance(switch, CountedSwitch):
+                switch.flush()
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Time each part for the block (each evaluated around itself: slower than an untimed forward)."""
+        self.timer.timing = True
+        try:
+            yield
+        finally:
+            self.timer.timing = False
+
+    def reset(self) -> None:
+        super().reset()
+        self.timer.times = PartTimes()
+
+    def executed(self) -> Executed:
+        """What ran each part since the last reset: MLX's dense ops on this device's lane, the experts on the lanes
+        the plan put them on; times where a timed pass measured them."""
+        out = Executed()
+        times = self.timer.times
+        calls, ms = times.parts_calls(), times.parts_ms() if times.seconds else {}
+        for part, n in calls.items():
+            if part != "experts" and n:
+                out.add(part, self.lane, n, ms[part] / 1e3 if ms else None)
+        out.add_experts(self.stats.total())
+        return out

@@ -1,0 +1,174 @@
+"""The MLX spine (`--engine mlx`): mlx-lm's own model of tiny-moe converted by mlx-lm to 4 bits, on MLX's CPU device
+in float32, with each MoE block's experts as the plan's block. Against mlx-lm's own forward and generation of the
+same folder, and against the torch spine on the same plans (one accounting of capacity, drops and spills)."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+mlx_lm = pytest.importorskip("mlx_lm")
+
+from helpers import all_cpu_plan, convert_to_mlx, mlx_fp32  # noqa: E402
+
+from autotune.cli import main  # noqa: E402
+from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
+from runtime import generation  # noqa: E402
+from runtime.engines import resolve_engine  # noqa: E402
+from runtime.errors import NpumoeError  # noqa: E402
+from runtime.executor import LayerExecutor  # noqa: E402
+from runtime.loading.model_loader import load_model, moe_layers  # noqa: E402
+from runtime.plan import LayerPlan, load_plan  # noqa: E402
+from runtime.stats import LayerStats  # noqa: E402
+
+PROMPT = "Static groups for the prompt, the exact path for every new token. " * 2
+TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory) -> Path:
+    return convert_to_mlx(tmp_path_factory.mktemp("spine") / "q4g64", 4, 64)
+
+
+def _template(q4: Path, out: Path, *flags: str) -> Path:
+    assert main(["plan-template", "--model", str(q4), "--exact", "mlx-exact", *flags, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact_plan(q4, tmp_path_factory) -> Path:
+    """Every expert of every layer on mlx-exact, no static group: mlx-lm's own switch_mlp runs each block."""
+    return _template(q4, tmp_path_factory.mktemp("plans") / "exact.json", "--no-groups")
+
+
+def _run(capsys, q4: Path, plan: Path, engine: str, *flags: str) -> dict:
+    capsys.readouterr()
+    assert main(["run", "--model", str(q4), "--plan", str(plan), "--engine", engine, "--dtype", "float32",
+                 "--max-tokens", str(TOKENS), "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_on_the_mlx_spine_is_mlx_lms_forward(q4, exact_plan, capsys):
+    r = _run(capsys, q4, exact_plan, "mlx", "--reference")
+    assert r["engine"] == "mlx" and r["tokens"] == TOKENS
+    assert r["max_rel_diff_vs_reference"] <= 1e-5
+    assert r["tokens_per_backend"] == {"mlx-exact": TOKENS * 2 * 4} and r["dropped"] == r["spilled"] == 0
+    executed = r["executed"]
+    assert set(executed) == {"attention_projections", "attention_core", "experts", "lm_head", "rest"}
+    assert set(executed["experts"]) == {"mlx-exact"}
+    assert all(set(lanes) == {"mlx-cpu"} for part, lanes in executed.items() if part != "experts")
+    assert executed["attention_core"]["mlx-cpu"]["calls"] == 4  # one chunk of 256 through 4 layers
+    assert all(lane["ms"] > 0 for lanes in executed.values() for lane in lanes.values())
+
+
+def test_greedy_tokens_equal_mlx_lm_generate(q4, exact_plan):
+    loaded = generation.load(str(q4), str(exact_plan), engine="mlx", dtype="float32")
+    ours = generation.generate(loaded, PROMPT, max_tokens=64)
+    model = mlx_fp32(q4)
+    _, tokenizer = mlx_lm.load(str(q4))
+    step = importlib.import_module("mlx_lm.generate").generate_step
+    theirs = [int(t) for t, _ in step(mx.array(tokenizer.encode(PROMPT, add_special_tokens=False)), model,
+                                      max_tokens=64)]
+    assert len(ours.token_ids) == 64 and ours.token_ids == theirs
+    decode = loaded.stats.total("decode")
+    assert decode.tokens_per_backend["mlx-exact"] == 63 * 2 * 4  # every step after the first token, every layer
+    assert ours.executed["experts"]["mlx-exact"]["calls"] > 0
+    sampled = generation.generate(loaded, PROMPT, max_tokens=8, temp=0.8, seed=3)
+    again = generation.generate(loaded, PROMPT, max_tokens=8, temp=0.8, seed=3)
+    assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == 8
+
+
+def test_tight_spilling_plan_accounts_as_the_torch_spine(q4, tmp_path, capsys):
+    """The issue's crash case (groups on ane, run here on ane-sim, spills on mlx-exact) on both spines: the same
+    routing, so the same spills, calls and assignments per backend; the logits within fp16 rounding."""
+    plan = _template(q4, tmp_path / "tight.json", "--capacity", "tight", "--overflow", "spill", "--backend", "ane")
+    ours, theirs = _run(capsys, q4, plan, "mlx", "--reference"), _run(capsys, q4, plan, "torch")
+    assert ours["spilled"] == theirs["spilled"] > 0
+    for key in ("tokens_per_backend", "calls_per_backend", "assignments", "static_slots"):
+        assert ours[key] == theirs[key], key
+    assert ours["max_rel_diff_vs_reference"] <= 5e-3
+    assert set(ours["executed"]["experts"]) == {"ane-sim", "mlx-exact"}
+    assert set(theirs["executed"]["experts"]) == {"ane-sim", "mlx-exact"}
+    assert set(theirs["executed"]["attention_core"]) == {"torch-cpu"} and theirs["engine"] == "torch"
+
+
+def test_mixed_plan_on_both_spines_within_the_gates_tolerance(q4, tmp_path):
+    """Groups on ane (ane-sim here) beside mlx-exact: the MLX spine's next-token distribution against the torch
+    spine's, by the fidelity gate's own measures (perplexity delta, top-1 agreement)."""
+    from runtime.mlx.spine_generation import prefill_logits
+    from runtime.prefill import prefill_logits as torch_logits
+
+    plan = _template(q4, tmp_path / "ane.json", "--backend", "ane")
+    ours = generation.load(str(q4), str(plan), engine="mlx", dtype="float32")
+    theirs = generation.load(str(q4), str(plan), engine="torch", dtype="float32")
+    ids = torch.tensor(ours.tokenizer.encode(PROMPT * 12, add_special_tokens=False))[:TOKENS]
+    a = prefill_logits(ours.model, ids, 128, every_position=True)
+    with torch.inference_mode():
+        b = torch_logits(theirs.model, ids, 128)
+    nll = [float(torch.nn.functional.cross_entropy(x[:-1], ids[1:])) for x in (a, b)]
+    assert abs(math.exp(nll[0] - nll[1]) - 1) <= MAX_PPL_DELTA
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= MIN_TOP1
+    assert ours.stats.total().tokens_per_backend["ane-sim"] == theirs.stats.total().tokens_per_backend["ane-sim"] > 0
+
+
+def test_count_exact_counts_as_the_executor_runs():
+    """The all-mlx-exact layers count without computing (`LayerExecutor.count_exact`): the same figures as the
+    executor computing them, for a prefill chunk and a decode step."""
+    model = load_model("random:qwen3_moe")[0]
+    layer = moe_layers(model)[0]
+    plan = all_cpu_plan(model, chunk=128)
+    ran, counted = LayerStats(), LayerStats()
+    runner = LayerExecutor(plan.layer(layer.index), layer.experts, plan, ran, {})
+    counter = LayerExecutor(plan.layer(layer.index), layer.experts, plan, counted, {})
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (300, 1):
+        x = torch.randn(tokens, layer.experts.hidden_dim, generator=gen)
+        idx = torch.stack([torch.randperm(layer.experts.num_experts, generator=gen)[:2] for _ in range(tokens)])
+        runner(x, idx, torch.full(idx.shape, 0.5))
+        counter.count_exact(idx)
+    for name in ("tokens", "assignments", "dropped", "spilled", "tokens_per_backend", "calls_per_backend"):
+        assert getattr(ran, name) == getattr(counted, name), name
+
+
+def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
+    plan = load_plan(exact_plan)
+    assert resolve_engine("auto", plan) == "torch"
+    monkeypatch.setattr("sys.platform", "darwin")
+    assert resolve_engine("auto", plan) == "mlx"
+    assert resolve_engine("auto", plan.model_copy(update={"exact": None})) == "torch"  # nothing on MLX
+    with pytest.raises(NpumoeError):
+        resolve_engine("gpu", plan)
+
+
+def _one_line_exit_2(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys):
+    assert "torch spine only" in _one_line_exit_2(
+        ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0"], capsys)
+    assert "torch spine only" in _one_line_exit_2(
+        ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx"], capsys)
+    dense = _template(q4, tmp_path / "dense.json", "--dense", "ane-sim")
+    assert "dense functions" in _one_line_exit_2(
+        ["run", "--model", str(q4), "--plan", str(dense), "--engine", "mlx", "--dtype", "float32"], capsys)
+
+
+def test_layer_plan_without_groups_is_the_fast_path(exact_plan):
+    from runtime.mlx.moe_block import fast_layer
+
+    plan = load_plan(exact_plan)
+    assert all(fast_layer(lp, plan) for lp in plan.layers)
+    grouped = LayerPlan(layer=0, groups=[], cpu_exact=[0], exact_split={"cpu-exact": [0]})
+    assert not fast_layer(grouped, plan)
+    assert np.all(np.asarray([len(lp.groups) for lp in plan.layers]) == 0)
