@@ -47,31 +47,54 @@ def test_rank_split_is_mlx_lms_order():
     assert rank_split([(0, 3), (3, 4)]) == [1, 3]  # rank 0 holds the last stage
 
 
-@pytest.mark.slow
-def test_two_ranks_under_the_launcher_match_one_process(tiny4, tmp_path):
+@pytest.fixture(scope="module")
+def tight_plan(tiny4, tmp_path_factory):
+    """ane-sim groups at a tight capacity, spills to mlx-exact: a plan whose every layer runs the plan's block."""
+    from autotune.cli import main
+
+    out = tmp_path_factory.mktemp("plan") / "tight.json"
+    assert main(["plan-template", "--model", str(tiny4), "--capacity", "tight", "--overflow", "spill", "--backend",
+                 "ane", "--exact", "mlx-exact", "--out", str(out)]) == 0
+    return out
+
+
+def spine_logits(tiny4, plan, ids: list[int], step: int) -> np.ndarray:
+    """The single-process MLX spine's logits of every position, in chunks of `step`, float32."""
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.mlx.spine import MlxSpine
+    from runtime.plan import load_plan
+
+    model = mlx_fp32(tiny4)
+    spine, cache = MlxSpine(model, load_plan(plan), tiny4).install(), make_prompt_cache(model)
+    return np.concatenate([np.array(spine.forward(mx.array([ids[s:s + step]], dtype=mx.uint32), cache, "all")[0])
+                           for s in range(0, len(ids), step)])
+
+
+@pytest.mark.slow
+def test_a_two_stage_plan_under_the_launcher_matches_the_single_process_spine(tiny4, tight_plan, tmp_path):
     import transformers
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
+
+    import runtime
 
     port = free_ports(2, consecutive=True)[0]
     logits_out = tmp_path / "logits.npy"
     cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--starting-port",
            str(port), "--env", f"PYTHONPATH={ROOT}", "--env", "OMP_NUM_THREADS=1", sys.executable, "-m",
-           "runtime.mlx.cluster", "--model", str(tiny4), "--prompt", PROMPT, "--max-tokens", "12", "--dtype",
-           "float32", "--logits-out", str(logits_out), "--prefill-step", "4", "--timeout", "60"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+           "runtime.mlx.cluster", "--model", str(tiny4), "--plan", str(tight_plan), "--prompt", PROMPT,
+           "--max-tokens", "12", "--dtype", "float32", "--logits-out", str(logits_out), "--timeout", "60"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["ranks"], out["layers"]) == (2, [2, 4])  # rank 0: the last two of tiny-moe's four layers
-    model = mlx_fp32(tiny4)
     ids = transformers.AutoTokenizer.from_pretrained(tiny4).encode(PROMPT)
-    ref = np.array(model(mx.array([ids]))[0])
+    ref = spine_logits(tiny4, tight_plan, ids, 256)  # the plan's chunk
     got = np.load(logits_out)
     assert got.shape == ref.shape == (out["prompt_tokens"], 4096)
     assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5
-    steps = generate_step(mx.array(ids), model, max_tokens=12, sampler=make_sampler(0.0))
-    assert out["tokens"] == [int(t) for t, _ in steps][: len(out["tokens"])] and len(out["tokens"]) >= 1
+    loaded = runtime.load(str(tiny4), plan=str(tight_plan), engine="mlx", dtype="float32")
+    assert out["tokens"] == runtime.generate(loaded, PROMPT, max_tokens=12).to_json()["token_ids"]
 
 
 def rank0(tiny4, hostfile: Path, timeout: float, cwd: Path) -> subprocess.Popen:
@@ -110,9 +133,10 @@ def one_line(proc: subprocess.Popen, limit: float, status: int = 3) -> tuple[str
                                         ("time.sleep(120)", "{peer} did not answer within 4 s")])
 def test_a_neighbour_that_dies_or_hangs_ends_the_rank_naming_it(tiny4, tmp_path, then, says):
     hostfile, name = ring_file(tmp_path)
+    first = rank0(tiny4, hostfile, 4.0, tmp_path)  # rank 0 accepts; rank 1 connects (and gives up after ~30 s)
     other = peer(hostfile, then, tmp_path)
     try:
-        line, _ = one_line(rank0(tiny4, hostfile, 4.0, tmp_path), 60)
+        line, _ = one_line(first, 60)
     finally:
         other.kill()
         other.wait()

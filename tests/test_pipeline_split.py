@@ -114,7 +114,7 @@ def _macs_args(d, out, *extra):
 
 def test_search_across_two_macs_writes_a_plan_per_stage(workdir, tmp_path, capsys):
     from autotune.cli import main
-    from runtime.mlx.cluster import rank_split, read_split
+    from runtime.mlx.cluster import rank_split, read_pipeline
     from runtime.plan import load_plan
 
     out = tmp_path / "plan.json"
@@ -129,7 +129,9 @@ def test_search_across_two_macs_writes_a_plan_per_stage(workdir, tmp_path, capsy
         assert load_plan(s["plan"]).meta["pipeline"] == {"stage": k, "of": 2, "layers": s["layers"],
                                                          "rank": 1 - k, "host": f"mac{k}"}
     pipe = out.with_suffix(".pipeline.json")
-    assert rank_split(read_split(pipe)) == [n - n // 2, n // 2]
+    split, plans = read_pipeline(pipe)
+    assert rank_split(split) == [n - n // 2, n // 2]
+    assert plans == {1: report["stages"][0]["plan"], 0: report["stages"][1]["plan"]}
 
 
 def test_search_across_macs_refuses_a_profile_without_a_link(workdir, tmp_path, capsys):

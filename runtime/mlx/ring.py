@@ -28,6 +28,7 @@ import mlx.core as mx
 from runtime.errors import NpumoeError
 
 PEER_LOST = 3  # the exit status of a rank whose neighbour died or could not be reached
+_WATCHDOGS: set[int] = set()  # the forked watchdogs running (`Ring.outside_watch`)
 T = TypeVar("T")
 
 
@@ -60,8 +61,11 @@ class Ring:
         return " or ".join(f"rank {k} ({self.addresses[k]})" for k in self.neighbours())
 
     def fail(self, why: str) -> None:
-        """One line on stderr and the end of this process (no cleanup can wait on a ring that is gone)."""
+        """One line on stderr and the end of this process (no cleanup can wait on a ring that is gone), its
+        watchdog process with it."""
         os.write(_STDERR, f"npumoe: rank {self.rank}: {why}\n".encode())
+        for pid in _WATCHDOGS:
+            os.kill(pid, signal.SIGKILL)
         os._exit(PEER_LOST)
 
     @contextmanager
@@ -98,9 +102,11 @@ class Ring:
             os.write(_STDERR, f"npumoe: rank {self.rank}: {self._late(what)}\n".encode())
             os.kill(parent, signal.SIGKILL)
             os._exit(0)
+        _WATCHDOGS.add(pid)
         try:
             yield
         finally:
+            _WATCHDOGS.discard(pid)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
 
@@ -110,7 +116,13 @@ class Ring:
     def join(self) -> mx.distributed.Group:
         """The ring's group, once every neighbour answered (within the timeout)."""
         with self.outside_watch("joining the ring"):
-            return mx.distributed.init(backend="ring", strict=True)
+            try:
+                return mx.distributed.init(backend="ring", strict=True)
+            except RuntimeError as e:  # the connecting side gives up on its own (MLX: about 30 s)
+                if "[ring]" not in str(e):
+                    raise
+                self.fail(f"cannot reach {self.named()} (joining the ring): it died or cannot be reached")
+                raise
 
 
 _STDERR = 2  # replaced by `quiet_ring_lines` with a copy of the original stderr
