@@ -164,3 +164,19 @@ def test_an_mlx_hostfile_names_the_macs(tmp_path):
     f.write_text("[{}]")
     with pytest.raises(NpumoeError, match="cannot read the hosts"):
         read_hosts(f, None, 192.0)
+
+
+def test_tensor_parallel_is_priced_with_two_all_sums_per_layer_per_chunk(published):
+    from autotune.searching.pipeline_report import mlx_gpu_sharded, sharded_shape
+
+    half = sharded_shape(QWEN235, 2)
+    assert (half.heads, half.kv_heads, half.expert_ffn, half.hidden) == (32, 2, 768, 4096)
+    shape = DecoderShape.from_config({**TWINS["qwen3-235b-a22b"], "num_hidden_layers": 2})
+    traces = synthetic_traces(dict(num_experts=128, top_k=8, moe_layers=[0, 1]), 5, 512, tokens=True)
+    layers = LayerData.from_traces(traces, 256, 512)
+    mac = Mac("m", published.cost_model, 192e9)
+    out = mlx_gpu_sharded(mac, 2, shape, layers, 512, LinkFigure("tb5", 10.0))
+    # 2 chunks x 2 layers x 2 all_sums; a ring all-reduce on 2 Macs sends each 2(2-1)/2 = all of its 256 x 4096 x 2
+    # bytes (half in the reduce-scatter, half in the all-gather): 2,097,152 bytes at 10 GB/s, 0.2097152 ms
+    assert out["all_sum_ms"] == pytest.approx(8 * 0.2097152)
+    assert out["predicted_prefill_ms"] == pytest.approx(out["compute_ms"] + out["all_sum_ms"])

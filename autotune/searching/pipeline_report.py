@@ -9,12 +9,18 @@ pipelined prefill, and the same Macs running mlx-lm's pipeline on the GPU alone.
 - `mlx_gpu_pipeline`: mlx-lm's pipeline (its even split, every op on each Mac's GPU), its chunks overlapping the same
   way (each rank sends a chunk's hidden states on and starts the next), at the plan's chunk size and at mlx-lm's
   2048-token prefill step; `vs`: its prefill over the plan's.
+- `mlx_gpu_sharded`: the other mode mlx-lm runs across Macs, priced against the pipeline before anything is built
+  for it: `shard()` (tensor parallel), every rank a 1/N slice of every attention head group and every expert on its
+  GPU, and two `all_sum`s of `chunk x hidden` per layer per chunk over the link (a ring all-reduce moves 2(N-1)/N of
+  the bytes each way), on the critical path; the embedding, router and `lm_head` whole on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from autotune.costing.pipeline_link import LinkFigure, pipeline_ms, sequential_ms
 from autotune.costing.stage_prefill import stage_chunk_ms, stage_memory, stage_shape
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, prompt_chunks
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import Solution
 from autotune.searching.pipeline_plan import (
@@ -85,6 +91,25 @@ def mlx_gpu_pipeline(macs: list[Mac], shape: DecoderShape, layers: list[LayerDat
             "stage_ms": [sum(s) for s in ms], "predicted_prefill_ms": pipeline_ms(ms, links)}
 
 
+def sharded_shape(shape: DecoderShape, n: int) -> DecoderShape:
+    """What one rank of mlx-lm's `shard()` computes per layer: 1/n of the heads, KV heads and every FFN width."""
+    return dataclasses.replace(shape, heads=shape.heads // n, kv_heads=max(1, shape.kv_heads // n),
+                               expert_ffn=shape.expert_ffn // n, shared_ffn=shape.shared_ffn // n,
+                               dense_ffn=shape.dense_ffn // n)
+
+
+def mlx_gpu_sharded(mac: Mac, n: int, shape: DecoderShape, layers: list[LayerData], prompt: int,
+                    link: LinkFigure) -> dict:
+    """mlx-lm's tensor parallelism on n Macs alike at the layers' chunk size (see the module docstring)."""
+    part = sharded_shape(shape, n)
+    chunk = layers[0].chunk_tokens
+    ms = gpu_stage_ms(mac, part, layers, prompt, 0, shape.num_layers, True)
+    reduce = [2 * shape.num_layers * link.transfer_ms(2 * (n - 1) / n * rows * shape.hidden * 2)
+              for rows, _ in prompt_chunks(prompt, chunk)]
+    return {"chunk_tokens": chunk, "compute_ms": sum(ms), "all_sum_ms": sum(reduce),
+            "predicted_prefill_ms": sum(ms) + sum(reduce)}
+
+
 def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[int, list[LayerData]], prompt: int,
                     link: LinkFigure) -> dict:
     """The report (see the module docstring)."""
@@ -98,6 +123,7 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
     if MLX_LM_PREFILL_STEP in workloads and MLX_LM_PREFILL_STEP != chunk:
         gpu[f"mlx-gpu-step{MLX_LM_PREFILL_STEP}"] = mlx_gpu_pipeline(macs, shape, workloads[MLX_LM_PREFILL_STEP],
                                                                      prompt, link)
+    sharded = {"mlx-gpu-sharded": mlx_gpu_sharded(macs[0], n, shape, workloads[chunk], prompt, link)}
     return {"label": "predicted by the cost model (each Mac's profile) and the link's published figure",
             "macs": n, "prompt_tokens": prompt, "chunk_tokens": chunk,
             "split": [[s.first, s.last] for s in out.stages], "first_split": [list(s) for s in out.first_split],
@@ -108,7 +134,7 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
             "predicted_prefill_ms": whole, "sequential_ms": sequential_ms(ms, links),
             "one_stage_ms": sum(work) / n, "busiest_stage_ms": max(work), "efficiency": sum(work) / n / whole,
             "balance": max(work) / (sum(work) / n),
-            "mlx_gpu_pipeline": gpu,
-            "vs": {k: g["predicted_prefill_ms"] / whole for k, g in gpu.items()},
+            "mlx_gpu_pipeline": gpu, "mlx_gpu_sharded": sharded["mlx-gpu-sharded"],
+            "vs": {k: g["predicted_prefill_ms"] / whole for k, g in (gpu | sharded).items()},
             "search_seconds": out.seconds}
 
