@@ -145,8 +145,8 @@ def search_across_macs(model: str, config, hosts: list[HostSpec], link_gb_s: flo
     record = resolve_model(model, config.dtype)
     if record.shape is None:
         raise NpumoeError(f"{model}: its decoder's shapes are unknown, so its layers cannot be priced for a split")
-    zeros = [[0.0] * record.shape.num_layers for _ in hosts]  # the memory alone, before any search
-    split_hosts(zeros, hosts, record.shape, record, config.prompt_tokens or record.context or 1, 256)
+    zeros = [[0.0] * record.shape.num_layers for _ in hosts]  # the weights alone, before any search
+    split_hosts(zeros, hosts, record.shape, record, config.prompt_tokens or 0, 256)
     searched: dict[str | None, object] = {}
     for h in hosts:
         if h.profile not in searched:
