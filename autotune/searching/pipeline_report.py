@@ -12,7 +12,8 @@ pipelined prefill, and the same Macs running mlx-lm's pipeline on the GPU alone.
 - `mlx_gpu_sharded`: the other mode mlx-lm runs across Macs, priced against the pipeline before anything is built
   for it: `shard()` (tensor parallel), every rank a 1/N slice of every attention head group and every expert on its
   GPU, and two `all_sum`s of `chunk x hidden` per layer per chunk over the link (a ring all-reduce moves 2(N-1)/N of
-  the bytes each way), on the critical path; the embedding, router and `lm_head` whole on every rank.
+  the bytes each way), on the critical path; the embedding, router and `lm_head` whole on every rank; at the same
+  chunk sizes as `mlx_gpu_pipeline`.
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
     if MLX_LM_PREFILL_STEP in workloads and MLX_LM_PREFILL_STEP != chunk:
         gpu[f"mlx-gpu-step{MLX_LM_PREFILL_STEP}"] = mlx_gpu_pipeline(macs, shape, workloads[MLX_LM_PREFILL_STEP],
                                                                      prompt, link)
-    sharded = {"mlx-gpu-sharded": mlx_gpu_sharded(macs[0], n, shape, workloads[chunk], prompt, link)}
+    sharded = {f"mlx-gpu-sharded{k[7:]}": mlx_gpu_sharded(macs[0], n, shape, workloads[g["chunk_tokens"]], prompt,
+                                                          link) for k, g in gpu.items()}
     return {"label": "predicted by the cost model (each Mac's profile) and the link's published figure",
             "macs": n, "prompt_tokens": prompt, "chunk_tokens": chunk,
             "split": [[s.first, s.last] for s in out.stages], "first_split": [list(s) for s in out.first_split],
@@ -134,7 +136,7 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
             "predicted_prefill_ms": whole, "sequential_ms": sequential_ms(ms, links),
             "one_stage_ms": sum(work) / n, "busiest_stage_ms": max(work), "efficiency": sum(work) / n / whole,
             "balance": max(work) / (sum(work) / n),
-            "mlx_gpu_pipeline": gpu, "mlx_gpu_sharded": sharded["mlx-gpu-sharded"],
+            "mlx_gpu_pipeline": gpu, "mlx_gpu_sharded": sharded,
             "vs": {k: g["predicted_prefill_ms"] / whole for k, g in (gpu | sharded).items()},
             "search_seconds": out.seconds}
 
