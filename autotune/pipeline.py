@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import statistics
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +84,7 @@ from autotune.searching.space import layer_space
 from autotune.searching.storage import one_search_per_sqlite, optuna_storage, study_prefix
 from runtime.backends import registry
 from runtime.coreml import ane_limits
-from runtime.engines import resolve_engine
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, output_set
 from runtime.generation import Loaded, context_positions, load, prompt_ids
@@ -100,7 +98,7 @@ from runtime.loading.model_loader import (
 )
 from runtime.plan import Plan, load_plan, save_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
-from runtime.resources import Clock, peak_rss_bytes
+from runtime.resources import peak_rss_bytes, timed_runs
 from runtime.stats import PARTS, TORCH_CPU, Executed, LayerStats, lane_of
 
 log = logging.getLogger("npumoe")
@@ -152,6 +150,7 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
     from autotune.profiling.settings import settings_for
 
     out = out or host_profile_path()
+    record = model_to_measure(model, dtype) if model is not None else None  # a bad model: refused before measuring
     if model is not None and Path(out).exists():
         profile = load_profile(out, check_host=False)
         require_measurable(profile, str(out))
@@ -161,20 +160,25 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
             s = dataclasses.replace(s, shapes=shapes)
         profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     profile.path = str(out)
-    if model is not None:
-        profile = measure_model_shapes(profile, model, quick, progress, dtype)[0]
+    if record is not None:
+        profile = measure_model_shapes(profile, record, quick, progress)[0]
     save_profile(profile, out)
     return profile
 
 
-def measure_model_shapes(profile: Profile, model: str, quick: bool = True, progress: bool = True,
-                         dtype: str = "auto") -> tuple[Profile, int, float]:
-    """`profile` with records at `model`'s own shapes added and refitted (`model_records.add_model_records`);
-    with the records' count and the seconds they took."""
+def model_to_measure(model: str, dtype: str = "auto") -> ModelRecord:
+    """`model` resolved, with a decoder shape to measure (else one clear error)."""
     record = resolve_model(model, dtype)
     if record.shape is None:
         raise NpumoeError(f"{model}: its config gives no decoder shape to measure")
-    return add_model_records(profile, record.shape, model_label(model), quick, progress, record.compute_dtype)
+    return record
+
+
+def measure_model_shapes(profile: Profile, record: ModelRecord, quick: bool = True,
+                         progress: bool = True) -> tuple[Profile, int, float]:
+    """`profile` with records at the model's own shapes added and refitted (`model_records.add_model_records`);
+    with the records' count and the seconds they took."""
+    return add_model_records(profile, record.shape, model_label(record.name), quick, progress, record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------
@@ -406,33 +410,19 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
     return loaded, ids
 
 
-def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float, float]:
-    """The last result of `repeat` calls, their median wall time and median process CPU time (every thread), in
-    ms."""
-    wall, cpu, out = [], [], None
-    for _ in range(repeat):
-        out = None  # dropped before the next call makes its own: one result held at a time
-        with Clock() as clock:
-            out = fn()
-        wall.append(clock.wall_s * 1e3)
-        cpu.append(clock.cpu_s * 1e3)
-    return out, statistics.median(wall), statistics.median(cpu)
-
-
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
-             cpu_weights: str | None = None, engine: str = "auto") -> RunResult:
+             cpu_weights: str | None = None, engine: str = "torch") -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
     the spine (`runtime.engines`; mlx: `autotune.spine_run`)."""
-    if resolve_engine(engine, load_plan(plan)) == "mlx":
-        if record_traces or cpu_weights or package:
-            raise NpumoeError("--record-traces, --cpu-weights and --package run on the torch spine only: use "
-                              "--engine torch")
+    p = load_plan(plan)
+    needs_torch = "--record-traces" if record_traces else torch_only(p, package, cpu_weights)
+    if resolve_engine(engine, p, needs_torch) == "mlx":
         from autotune.spine_run import run_on_mlx
 
         return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,
@@ -449,13 +439,13 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     ref = reference_ms = None
     if reference:
         with loaded.unmodified():
-            ref, reference_ms, _ = _timed(prefill, repeat)
+            ref, reference_ms, _ = timed_runs(prefill, repeat)
 
     def planned() -> torch.Tensor:
         loaded.reset()
         return prefill()
 
-    logits, latency_ms, cpu_ms = _timed(planned, repeat)
+    logits, latency_ms, cpu_ms = timed_runs(planned, repeat)
     # the run's own figures, before recording traces (or timing the parts) runs the model again
     stats, drift, energy = executor.stats.to_json(), executor.drift.report(), executor.energy() or None
     dense_calls = executor.dense.to_json() if executor.dense is not None else None

@@ -123,8 +123,8 @@ class SearchReport:
     figures: str
     baselines: dict[str, float]
     baseline_details: dict[str, dict]
-    speedup_vs: dict[str, float]
-    energy_ratio_vs: dict[str, float] | None
+    speedup_vs: dict[str, float | None]  # None where the plan's is 0
+    energy_ratio_vs: dict[str, float | None] | None
     gap_vs_exact: float | None
     exact_layers: int
     trials: int

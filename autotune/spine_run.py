@@ -15,7 +15,7 @@ from autotune.searching.model_record import check_context
 from runtime.generation import Loaded, context_positions, load
 from runtime.loading.checkpoints import check_token_ids
 from runtime.prefill import max_rel_diff
-from runtime.resources import peak_rss_bytes
+from runtime.resources import peak_rss_bytes, timed_runs
 
 GB = 1 << 30
 
@@ -23,7 +23,6 @@ GB = 1 << 30
 def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: int, prompt_tokens: int | None,
                dtype: str, reference: bool, repeat: int) -> RunResult:
     """`pipeline.run_plan` on the MLX spine (the same keys, `engine` "mlx")."""
-    from autotune.pipeline import _timed  # the torch run's own timing of repeated runs
     from runtime.mlx.spine_generation import prefill_logits
 
     loaded = load(model, plan, dtype=dtype, engine="mlx")
@@ -39,8 +38,8 @@ def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: in
     ref = reference_ms = None
     if reference:
         with loaded.unmodified():
-            ref, reference_ms, _ = _timed(prefill, repeat)
-    logits, latency_ms, cpu_ms = _timed(lambda: _counted(loaded, prefill), repeat)
+            ref, reference_ms, _ = timed_runs(prefill, repeat)
+    logits, latency_ms, cpu_ms = timed_runs(lambda: _counted(loaded, prefill), repeat)
     stats, drift = spine.stats.to_json(), spine.drift.report()
     diff = max_rel_diff(logits, ref) if reference else None
     del logits, ref

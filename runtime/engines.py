@@ -13,11 +13,12 @@ ENGINES = ("auto", "mlx", "torch")
 
 
 def places_on_mlx(plan: Plan | None) -> bool:
-    """Whether the plan puts any work on an MLX lane (an exact path or a group backend named for MLX)."""
+    """Whether the plan puts any work on an MLX lane (an exact path, a group backend or the dense half's host named
+    for MLX)."""
     if plan is None:
         return False
     names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {})),
-             *(g.backend for lp in plan.layers for g in lp.groups)}
+             *(g.backend for lp in plan.layers for g in lp.groups), (plan.dense.exact if plan.dense else None) or ""}
     return any("mlx" in n for n in names)
 
 
@@ -25,13 +26,29 @@ def mlx_importable() -> bool:
     return importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
 
 
-def resolve_engine(engine: str, plan: Plan | None) -> str:
-    """The spine `engine` names for `plan`: `auto` decided as the module says; `mlx` refused where mlx-lm is not
-    installed."""
+def torch_only(plan: Plan | None, package: str | None = None, cpu_weights: str | None = None) -> str | None:
+    """What in a run only the torch spine runs (None: nothing): a Core ML package, CPU expert storage, a plan's
+    dense functions on a static backend."""
+    if package:
+        return "a Core ML package"
+    if cpu_weights or (plan is not None and plan.cpu_weights is not None):
+        return "CPU expert storage (--cpu-weights)"
+    if plan is not None and plan.dense is not None and plan.dense.backends:
+        return "a plan's dense functions on a static backend"
+    return None
+
+
+def resolve_engine(engine: str, plan: Plan | None, needs_torch: str | None = None) -> str:
+    """The spine `engine` names for `plan`: `auto` decided as the module says, torch wherever the run holds something
+    only torch runs (`needs_torch`: what, e.g. from `torch_only`); `mlx` refused in one line there, and where mlx-lm
+    is not installed."""
     if engine not in ENGINES:
         raise NpumoeError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     if engine == "auto":
-        return "mlx" if sys.platform == "darwin" and mlx_importable() and places_on_mlx(plan) else "torch"
+        mlx = sys.platform == "darwin" and mlx_importable() and places_on_mlx(plan) and needs_torch is None
+        return "mlx" if mlx else "torch"
+    if engine == "mlx" and needs_torch is not None:
+        raise NpumoeError(f"--engine mlx: {needs_torch} runs on the torch spine only; use --engine torch")
     if engine == "mlx" and not mlx_importable():
         raise NpumoeError("--engine mlx needs mlx and mlx-lm (pip install mlx-lm); or use --engine torch")
     return engine

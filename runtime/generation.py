@@ -20,7 +20,7 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.detokenizer import StreamingDetokenizer
-from runtime.engines import resolve_engine
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
@@ -74,15 +74,16 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "auto") -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch") -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
     plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
-    (`runtime.engines`: torch, mlx, or auto)."""
+    (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
+    commands' `--engine` defaults to auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
-    if resolve_engine(engine, p) == "mlx":
-        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), package, dtype, cpu_weights)
+    if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -107,11 +108,8 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     return Loaded(m, tokenizer, p, executor)
 
 
-def _load_mlx(model: str, plan: Plan | None, path: str, package: str | None, dtype: str,
-              cpu_weights: str | None) -> Loaded:
+def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str) -> Loaded:
     """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
-    if package or cpu_weights or (plan is not None and plan.cpu_weights is not None):
-        raise NpumoeError("a Core ML package and CPU expert storage run on the torch spine only: use --engine torch")
     from runtime.mlx.spine import MlxSpine
     from runtime.mlx.spine_generation import SpineModel
     from runtime.mlx.spine_loading import load_mlx_model
@@ -312,6 +310,12 @@ class Generation:
         self.finish_reason = "length"
 
     def prefill_steps(self) -> Iterator[int]:
+        """`_torch_prefill_steps`, or the MLX spine's own (`SpineModel.prefill_steps`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.prefill_steps(self)
+        return self._torch_prefill_steps()
+
+    def _torch_prefill_steps(self) -> Iterator[int]:
         """Prefill in the plan's chunks, one chunk per step (with `echo`, each prompt token's log-probability from
         the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
         other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
@@ -369,6 +373,8 @@ class Generation:
 
     def step(self) -> None:
         """One decode step on this generation's own cache (a batch runs its own: `serving.decode_batch`)."""
+        if self.loaded.engine == "mlx":
+            return self.loaded.model.step(self)
         t = time.perf_counter()
         self.loaded.pin_phase("decode")
         with torch.inference_mode():
@@ -438,16 +444,7 @@ def _tok_s(tokens: int, decode_s: float) -> float | None:
 def _start(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int, temp: float, seed: int,
            chat: bool) -> Generation:
     ids = prompt_ids(loaded, prompt, chat)
-    return generation_of(loaded)(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
-
-
-def generation_of(loaded: Loaded) -> type[Generation]:
-    """The generation class of `loaded`'s spine."""
-    if loaded.engine == "mlx":
-        from runtime.mlx.spine_generation import SpineGeneration
-
-        return SpineGeneration
-    return Generation
+    return Generation(loaded, ids, max_tokens, temp, seed, loaded.plan.chunk_tokens if loaded.plan else None)
 
 
 def stream_generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -480,7 +477,7 @@ def generate(loaded: Loaded, prompt: str | Sequence[int], max_tokens: int = DEFA
     comparison = None
     if compare:
         with loaded.unmodified():
-            ref = generation_of(loaded)(loaded, run.ids, max_tokens, temp, seed, run.chunk)
+            ref = Generation(loaded, run.ids, max_tokens, temp, seed, run.chunk)
             for _ in ref.token_ids():
                 pass
         ours, theirs = _tok_s(len(run.tokens), run.decode_s), _tok_s(len(ref.tokens), ref.decode_s)
@@ -496,5 +493,5 @@ def _warm_up(loaded: Loaded, ids: torch.Tensor, chunk: int) -> None:
     """One short untimed generation each way, so neither measured run pays first-call costs."""
     for ctx in (loaded.unmodified, nullcontext):
         with ctx():
-            for _ in generation_of(loaded)(loaded, ids, 2, 0.0, 0, chunk).token_ids():
+            for _ in Generation(loaded, ids, 2, 0.0, 0, chunk).token_ids():
                 pass

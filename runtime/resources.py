@@ -6,9 +6,14 @@ these next to it.
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def peak_rss_bytes() -> int:
@@ -45,3 +50,16 @@ class Clock:
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._wall
         self.cpu_s = time.process_time() - self._cpu
+
+
+def timed_runs(fn: Callable[[], T], repeat: int) -> tuple[T, float, float]:
+    """The last result of `repeat` calls, their median wall time and median process CPU time (every thread), in
+    ms."""
+    wall, cpu, out = [], [], None
+    for _ in range(repeat):
+        out = None  # dropped before the next call makes its own: one result held at a time
+        with Clock() as clock:
+            out = fn()
+        wall.append(clock.wall_s * 1e3)
+        cpu.append(clock.cpu_s * 1e3)
+    return out, statistics.median(wall), statistics.median(cpu)

@@ -25,7 +25,7 @@ from make_shape_twin import twin_config  # scripts/: the published configs of th
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.memory import ModelSize, predicted_memory_gb
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement, predict_prefill, prompt_chunks
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, gflop_per_ms, predict_prefill, prompt_chunks
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import NO_EXPERTS, ROW_GRAIN, choose_dense
 from autotune.searching.layer_data import LayerData
@@ -109,7 +109,7 @@ def small_gap(cost, trials: int, seeds: int) -> dict:
 def roofline_ms_per_token(cost, spec: dict) -> float:
     """GFLOP per token of the experts (top-k gated FFNs, every MoE layer) / (ANE + CPU [+ GPU] GFLOP per ms)."""
     gflop = len(spec["moe_layers"]) * spec["top_k"] * 6.0 * spec["hidden_size"] * spec["expert_ffn_size"] / 1e9
-    return gflop / sum(1.0 / cost.models[b].ms_per_gflop for b in {"ane", "cpu-exact", cost.plan_exact()})
+    return gflop / gflop_per_ms([cost.models[b].ms_per_gflop for b in {"ane", "cpu-exact", cost.plan_exact()}])
 
 
 def shape_search(cost, shape: str, skew: float, compress: tuple[str, ...], prompt_tokens: int, prompts: int,

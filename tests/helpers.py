@@ -204,3 +204,35 @@ def served_on_a_thread(engine, api_key: str):
         server.should_exit = True
         thread.join()
         sock.close()
+
+
+# a small random Mixtral / PhiMoE shape (`convert_family`)
+SMALL = dict(vocab_size=4096, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+             rope_theta=10000.0)
+
+
+def convert_family(out, family: str):
+    """A random `family` checkpoint (mixtral or phimoe, tiny-moe's tokenizer), through mlx_lm.convert -q (4 bits,
+    groups of 32) into folder `out`."""
+    import json
+    import shutil
+
+    import mlx_lm
+    import torch
+    import transformers
+
+    from runtime.loading.model_loader import TINY_MOE_DIR
+
+    torch.manual_seed(0)
+    config = (transformers.MixtralConfig(**SMALL) if family == "mixtral"
+              else transformers.PhimoeConfig(**SMALL, attention_bias=True, lm_head_bias=True))
+    src = out.parent / f"{out.name}-src"
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(src)
+    saved = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**saved, "rope_theta": SMALL["rope_theta"]}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MOE_DIR / name, src / name)
+    mlx_lm.convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=32)
+    shutil.rmtree(src)
+    return out

@@ -107,3 +107,48 @@ def test_cli_json_and_refusals(q4, tmp_path, capsys):
         code = main(["calibrate", "--engine", "mlx", "--out", str(tmp_path / "x.npz"), *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_full_width_on_mlx_cpu_computes_in_float32_by_default(full_width, tmp_path, capsys, caplog):
+    """`calibrate --model tiny-moe --engine mlx` (dtype auto) on MLX's CPU: its bf16 experts' gather_mm takes
+    float32 only (a traceback before); auto computes in float32, said once, and records what float32 records; a
+    half dtype asked for is refused in one line, nothing written."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("MLX's GPU multiplies bf16 experts")
+    out = tmp_path / "auto.npz"
+    caplog.clear()
+    assert main(["calibrate", "--model", "tiny-moe", "--engine", "mlx", "--chunk", "64", "--prompt-tokens", "128",
+                 "--max-tokens", "640", "--out", str(out)]) == 0
+    assert [r.getMessage() for r in caplog.records] == ["--engine mlx: tiny-moe's full-width experts computed in "
+                                                        "float32 (MLX's CPU gather_mm takes no other)"]
+    auto, fp32 = load_traces(out), full_width["mlx"].traces
+    for layer in fp32.layers:
+        assert np.array_equal(auto.layers[layer]["idx"], fp32.layers[layer]["idx"])
+        assert np.array_equal(auto.layers[layer]["weight"], fp32.layers[layer]["weight"])
+    capsys.readouterr()
+    code = main(["calibrate", "--model", "tiny-moe", "--engine", "mlx", "--dtype", "bfloat16", "--chunk", "64",
+                 "--prompt-tokens", "128", "--max-tokens", "640", "--out", str(tmp_path / "bf16.npz")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["autotune calibrate: error: --engine mlx --dtype bfloat16: MLX's CPU multiplies "
+                                 "tiny-moe's full-width experts in float32 only (its gather_mm); give --dtype "
+                                 "float32 or auto"], err
+    assert not (tmp_path / "bf16.npz").exists()
+
+
+def test_a_truncated_mlx_folder_is_refused_before_mlx_lm_reads_it(q4, tmp_path, capsys):
+    """The checkpoint check the torch engine runs (files whole, config agreeing) runs for the MLX engine too: one
+    line naming the file (mlx-lm's load_safetensors traceback before)."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(q4, cut)
+    weights = cut / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    for engine in ("mlx", "auto"):
+        code = main(["calibrate", "--model", str(cut), "--engine", engine, "--out", str(tmp_path / "t.npz")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err == [f"autotune calibrate: error: {weights}: truncated safetensors file "
+                                     f"({size // 2} bytes; its header names {size})"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut"]

@@ -15,12 +15,12 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, convert_to_mlx, mlx_fp32  # noqa: E402
+from helpers import all_cpu_plan, convert_family, convert_to_mlx, mlx_fp32  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
 from runtime import generation  # noqa: E402
-from runtime.engines import resolve_engine  # noqa: E402
+from runtime.engines import resolve_engine, torch_only  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.executor import LayerExecutor  # noqa: E402
 from runtime.loading.model_loader import load_model, moe_layers  # noqa: E402
@@ -142,6 +142,11 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
     monkeypatch.setattr("sys.platform", "darwin")
     assert resolve_engine("auto", plan) == "mlx"
     assert resolve_engine("auto", plan.model_copy(update={"exact": None})) == "torch"  # nothing on MLX
+    # what only torch runs keeps auto on torch (a Mac's package, serve), and refuses mlx in one line
+    assert resolve_engine("auto", plan, torch_only(plan, package="x.mlpackage")) == "torch"
+    assert resolve_engine("auto", plan, "serve") == "torch"
+    with pytest.raises(NpumoeError, match="--engine mlx: a Core ML package runs on the torch spine only"):
+        resolve_engine("mlx", plan, torch_only(plan, package="x.mlpackage"))
     with pytest.raises(NpumoeError):
         resolve_engine("gpu", plan)
 
@@ -172,3 +177,47 @@ def test_layer_plan_without_groups_is_the_fast_path(exact_plan):
     grouped = LayerPlan(layer=0, groups=[], cpu_exact=[0], exact_split={"cpu-exact": [0]})
     assert not fast_layer(grouped, plan)
     assert np.all(np.asarray([len(lp.groups) for lp in plan.layers]) == 0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "phimoe"])
+def test_mixtral_and_phimoe_folders_on_the_mlx_spine(family, tmp_path, capsys):
+    """Folders mlx_lm.convert -q writes for the families whose block is `block_sparse_moe` (PhiMoE: its own
+    sparsemixer router): the plan with no group is mlx-lm's forward; a tight spilling plan accounts as on torch."""
+    folder = convert_family(tmp_path / family, family)
+    exact = _template(folder, tmp_path / "exact.json", "--no-groups")
+    r = _run(capsys, folder, exact, "mlx", "--reference")
+    assert r["engine"] == "mlx" and r["max_rel_diff_vs_reference"] <= 1e-5
+    tight = _template(folder, tmp_path / "tight.json", "--capacity", "tight", "--overflow", "spill")
+    ours, theirs = _run(capsys, folder, tight, "mlx"), _run(capsys, folder, tight, "torch")
+    assert ours["spilled"] == theirs["spilled"] > 0 and ours["tokens_per_backend"] == theirs["tokens_per_backend"]
+
+
+def test_bench_spine_quick_measures_every_side(capsys):
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "bench_spine.py"
+    spec = importlib.util.spec_from_file_location("bench_spine", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--json", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 128 and out["mlx_device"] == "mlx-cpu"
+    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "torch_spine_prefill_vs_mlx_lm",
+                "torch_spine_decode_vs_mlx_lm"):
+        assert out[key] > 0, key
+    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == {"mlx-lm", "mlx-spine", "torch-spine"}
+
+
+def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):
+    """`dense.exact` mlx-exact and no static dense function: the MLX spine runs the dense half itself (auto picks
+    it on a Mac for that alone); a plan with static dense functions is refused (the refusal test)."""
+    from runtime.engines import places_on_mlx
+    from runtime.plan import DensePlan
+
+    plan = load_plan(exact_plan)
+    hosted = plan.model_copy(update={"exact": None, "dense": DensePlan(attention_context_buckets=[256], layers=[],
+                                                                       exact="mlx-exact")})
+    assert places_on_mlx(hosted) and not places_on_mlx(plan.model_copy(update={"exact": None}))
+    loaded = generation.load(str(q4), hosted, engine="mlx", dtype="float32")
+    result = generation.generate(loaded, PROMPT, max_tokens=4)
+    assert set(result.executed["attention_core"]) == {"mlx-cpu"} and set(result.executed["experts"]) == {"torch-cpu"}

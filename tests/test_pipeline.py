@@ -29,6 +29,8 @@ def test_library_pipeline_calibrate_search_build(tmp_path, text_file, caplog):
     assert memory["total_bytes"] == sum(memory[k] for k in ("cpu_weights_bytes", "ane_package_bytes",
                                                             "activations_bytes", "kv_cache_bytes", "runtime_bytes"))
     assert result.plan.predicted["predicted_cpu_ms_per_token"] > 0
+    # the profile prices the dense half on the GPU: the plan names that host, static functions or none
+    assert result.plan.dense is not None and result.plan.dense.exact == "mlx-exact"
     assert result.report.explanation[0].startswith(f"chunk {result.plan.chunk_tokens} tokens")
     assert len(result.report.explanation) == 1 + len(result.plan.layers)
 

@@ -189,3 +189,17 @@ def test_a_model_that_fits_the_last_level_cache_is_priced_by_the_in_cache_model(
     epyc = build_profile(recs, {**host, "last_level_cache_bytes": 32 * 2**20}, "autotune profile-device", {}, {})
     assert epyc.cost_model_for(tiny.layer_bytes)[0] is epyc.cost_model_in_cache
     assert epyc.cost_model_for(tiny.weight_bytes)[0] is epyc.cost_model
+
+
+def test_a_dense_op_with_two_records_has_no_held_out_error_and_its_profile_loads(tmp_path):
+    """Leave-one-out over a dense op's two records fits each fold to one record: no fit (a dense fit takes two), so
+    no held-out figure, not nan (the file was written and then refused by its own loader)."""
+    from autotune.profiling.profile import host_facts
+
+    attention = [{"kind": "attention", "backend": "cpu-exact", "rows": r, "context": c, "heads": 4, "kv_heads": 2,
+                  "head_dim": 64, "median_ms": 0.01 * c} for r, c in ((256, 256), (256, 512))]
+    recs = synthetic_records("cpu-exact") + attention
+    prof = build_profile(recs, host_facts(1), "autotune profile-device --quick", {"threads": 1}, {"method": "none"})
+    assert prof.heldout_mape["cpu-exact-attention"] is None and 0 <= prof.heldout_mape["cpu-exact"] < 0.1
+    save_profile(prof, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").heldout_mape["cpu-exact-attention"] is None

@@ -140,3 +140,26 @@ def test_warm_runs_go_back_to_back_without_the_eviction():
 
     rec = time_in_forward(Call(run, ()), s, clock="cpu", caches=Caches(nbytes=1 << 10))
     assert rec["median_ms"] == pytest.approx(2.0, rel=0.25) and rec["warm_median_ms"] == pytest.approx(0.5, rel=0.4)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_profile_device_checks_the_model_before_measuring_anything(existing, tmp_path, monkeypatch, capsys):
+    """`profile-device --model nosuch-model`: one line, exit 2, before a record is timed (it measured the host's
+    backends for 30 s first), and the profile at --out as it was."""
+    from autotune.profiling import device, model_records
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the model was checked")
+
+    monkeypatch.setattr(device, "profile_device", measured)
+    monkeypatch.setattr(model_records, "measure_model", measured)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "host.json"
+    if existing:
+        out.write_text("{}")
+    code = main(["profile-device", "--quick", "--model", "nosuch-model", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("autotune profile-device: error: ") and \
+        "nosuch-model" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["host.json"] if existing else [])
+    assert not existing or out.read_text() == "{}"

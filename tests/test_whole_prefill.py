@@ -214,3 +214,21 @@ def test_dense_functions_share_the_ane_window_with_the_resident_experts():
     assert (full.placement.qkv, full.placement.o_proj, full.placement.mlp) == (None, None, None)
     assert full.placement.attention == "ane" and not alone.fits_beside(ane_limits.WINDOW_BYTES - 1e6)
     assert ane_limits.resident_over_window({"experts": 3 * 2**30, "dense functions": 2**30 + 5}) == 5
+
+
+def test_a_dense_half_priced_on_mlx_places_only_what_the_spine_runs(monkeypatch):
+    """The GPU host runs on the MLX spine: a static dense function is placed beside it only where the spine splices
+    it into mlx-lm's forward (`SPINE_SPLICES`), so no plan is priced on a lane its engine cannot run."""
+    from autotune.searching import dense_choice
+    from runtime.backends.registry import registry
+
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    gpu = dataclasses.replace(cost.models["cpu-exact"], name="mlx-exact", overlaps_cpu=True)
+    cost = dataclasses.replace(cost, models={**cost.models, "mlx-exact": gpu}, _lut={})
+    assert registry.get("mlx-exact").exact and cost.plan_exact() == "mlx-exact"
+    monkeypatch.setattr(dense_choice, "SPINE_SPLICES", ())
+    alone = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement
+    assert alone == DensePlacement(host="mlx-exact")
+    monkeypatch.setattr(dense_choice, "SPINE_SPLICES", ("qkv",))
+    spliced = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement
+    assert spliced.qkv == "ane" and not (spliced.o_proj or spliced.attention or spliced.mlp)

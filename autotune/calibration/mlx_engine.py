@@ -11,6 +11,8 @@ first, as torch's top-k orders them.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -18,7 +20,12 @@ from autotune.calibration.traces import Recording, Traces, check_prompts, record
 from autotune.calibration.workload import encode_text
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_config
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, read_model_spec
+from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.gguf_reader import is_gguf_path
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint, read_model_spec
+from runtime.mlx.blocks import moe_blocks
+
+log = logging.getLogger("npumoe")
 
 ENGINES = ("torch", "mlx", "auto")
 # model_type -> whether the block renormalises the k chosen probabilities (None: as the block's `norm_topk_prob`
@@ -36,6 +43,8 @@ def unavailable(name: str) -> str | None:
         return "MLX and mlx-lm are not installed (pip install mlx-lm; on Linux mlx[cpu])"
     if name.startswith(RANDOM_PREFIX):
         return f"{name} is built by transformers here, not a folder mlx-lm can load"
+    if is_gguf_path(name):  # GGUF hook (issue 57): our reader runs it (torch engine)
+        return f"{name} is a GGUF file, which mlx-lm does not load here"
     family = read_config(model_dir(name)).get("model_type")
     if family not in WEIGHT_RULES:
         return f"the recorder does not know {family!r} routing (it knows {', '.join(WEIGHT_RULES)})"
@@ -123,49 +132,58 @@ class _Observed:
         return out
 
 
-def moe_blocks(model) -> dict[int, object]:
-    """{decoder layer: its MoE block} of an mlx-lm model: the blocks with a router `gate` and experts
-    `switch_mlp`."""
-    inner = getattr(model, "model", model)
-    blocks = {}
-    for i, layer in enumerate(inner.layers):
-        block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-        if block is not None and hasattr(block, "gate") and hasattr(block, "switch_mlp"):
-            blocks[i] = block
-    return blocks
-
-
 def load_mlx(name: str, dtype: str):
     """(mlx-lm's model of the folder, its tokenizer). `dtype` other than auto casts its floating parameters (the
     scales of packed weights included: float32 widens mlx-lm's bf16 exactly); a packed router is then dequantized
-    in its scales' own dtype first and its weight cast, as our torch loader holds routers
-    (`runtime.loading.mlx_checkpoint`), so both engines route on the same numbers."""
+    in float32 first and its weight cast, as our torch loader holds routers (`runtime.loading.mlx_checkpoint`
+    `dequantized`), so both engines route on the same numbers."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm
     from mlx.utils import tree_map
 
+    from runtime.mlx.spine_loading import folder_config
+
     path = model_dir(name)
-    config = read_config(path)
-    # transformers 5 keeps rope_theta under rope_parameters only; mlx-lm reads it at the top level
-    rope = {"rope_theta": config["rope_parameters"]["rope_theta"]} if "rope_theta" not in config and "rope_theta" in (
-        config.get("rope_parameters") or {}) else {}
-    try:
-        model, tokenizer = mlx_lm.load(str(path), model_config=rope)
+    open_checkpoint(path)  # its files whole and its config agreeing, as the torch engine checks: one line, not mlx's
+    check_tokenizer_files(path)
+    try:  # mlx-lm reads rope_theta at the top level, where transformers 5 keeps it under rope_parameters only
+        model, tokenizer = mlx_lm.load(str(path), model_config=folder_config(path))
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         raise NpumoeError(f"--engine mlx: mlx-lm cannot load {name}: {str(e).splitlines()[0][:160]}") from None
+    dtype = cpu_dtype(model, name, dtype)
     if dtype != "auto":
         to = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
         for block in moe_blocks(model).values():
             gate = block.gate
             if isinstance(gate, nn.QuantizedLinear):
-                weight = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
-                                       gate.mode)
+                biases = gate.get("biases")
+                weight = mx.dequantize(gate.weight, gate.scales.astype(mx.float32),
+                                       None if biases is None else biases.astype(mx.float32), gate.group_size,
+                                       gate.bits, gate.mode)
                 block.gate = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in gate)
                 block.gate.update({"weight": weight, **({"bias": gate.bias} if "bias" in gate else {})})
         model.update(tree_map(lambda a: a.astype(to) if mx.issubdtype(a.dtype, mx.floating) else a,
                               model.parameters()))
     return model, tokenizer
+
+
+def cpu_dtype(model, name: str, dtype: str) -> str:
+    """The dtype mlx-lm's model of `name` computes in: as asked, except on MLX's CPU with full-width experts, whose
+    gather_mm multiplies float32 only: there auto computes in float32 (said once) and a half dtype is refused
+    (packed experts run gather_qmm, which takes their own dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    packed = all(any(k.endswith("scales") for k, _ in tree_flatten(b.switch_mlp.parameters()))
+                 for b in moe_blocks(model).values())
+    if mx.default_device() != mx.cpu or packed or dtype == "float32":
+        return dtype
+    if dtype != "auto":
+        raise NpumoeError(f"--engine mlx --dtype {dtype}: MLX's CPU multiplies {name}'s full-width experts in "
+                          "float32 only (its gather_mm); give --dtype float32 or auto")
+    log.warning(f"--engine mlx: {name}'s full-width experts computed in float32 (MLX's CPU gather_mm takes no other)")
+    return "float32"
 
 
 def record_mlx_traces(name: str, text: str, chunk_tokens: int, prompt_tokens: int, max_tokens: int,

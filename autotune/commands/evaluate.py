@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"{', '.join(given)} applies to lm-evaluation-harness tasks only: give --tasks too, or "
                           "--max-tokens to evaluate less of the text")
     apply_threads(args.threads)
-    if resolve_engine(args.engine, load_plan(args.plan)) == "mlx":
-        raise NpumoeError("evaluate runs on the torch spine only (the MLX spine's fidelity is `autotune run --engine "
-                          "mlx --reference`): use --engine torch")
+    # the MLX spine's fidelity is `autotune run --engine mlx --reference`; auto runs evaluate on torch
+    resolve_engine(args.engine, load_plan(args.plan), "evaluate")
     if args.tasks:
         result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,
                                          num_fewshot=args.num_fewshot, include_path=args.include_path,

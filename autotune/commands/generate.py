@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
                           "give some text")
     apply_threads(args.threads)
-    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights),
-                  engine=args.engine)
-    if args.record_traces and loaded.engine == "mlx":
-        raise NpumoeError("--record-traces records on the torch spine only: use --engine torch")
+    engine = "torch" if args.record_traces and args.engine == "auto" else args.engine
+    if args.record_traces and engine == "mlx":
+        raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
+    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine)
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))

@@ -72,9 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.package and not args.plan:
         raise NpumoeError("--package runs a plan's device functions: give --plan too")
-    if resolve_engine(args.engine, load_plan(args.plan) if args.plan else None) == "mlx":
-        raise NpumoeError("serve runs on the torch spine only for now (its continuous batching and prefix cache "
-                          "hold torch KV caches): use --engine torch, or `autotune generate --engine mlx`")
+    # continuous batching and the prefix cache hold torch KV caches: auto serves on torch
+    resolve_engine(args.engine, load_plan(args.plan) if args.plan else None, "serve (continuous batching, the prefix "
+                   "cache)")
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):

@@ -257,14 +257,19 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
                              {p: t.latency_ms for p, t in parts.items()}, sources)
 
 
-def roofline_ms(cost: CostModel, shape: DecoderShape, prompt_tokens: int, static_backend: str) -> float:
+def roofline_ms(cost: CostModel, shape: DecoderShape, prompt_tokens: int, static_backend: str) -> float | None:
     """The prompt's FLOPs at the static backend's, the CPU's and (where the profile prices one) the GPU's matmul
-    throughput together (the floor that `over_roofline_whole` divides by)."""
+    throughput together (the floor that `over_roofline_whole` divides by); None where no lane's fit prices FLOPs."""
     mean_context = (prompt_tokens + 1) / 2
     gflop = shape.flops_per_token(mean_context) * prompt_tokens / 1e9
-    rate = sum(1.0 / cost.dense_fit(b, "matmul").ms_per_gflop
-               for b in {static_backend, EXACT, cost.plan_exact()})  # GFLOP per ms
-    return gflop / rate
+    rate = gflop_per_ms([cost.dense_fit(b, "matmul").ms_per_gflop for b in {static_backend, EXACT, cost.plan_exact()}])
+    return gflop / rate if rate else None
+
+
+def gflop_per_ms(ms_per_gflop: list[float]) -> float:
+    """Lanes' throughput together. A fitted rate of 0 (the call and byte terms absorbed its records' time) prices
+    no throughput: that lane adds nothing, and the roofline is the other lanes' (0: none prices FLOPs)."""
+    return sum(1.0 / r for r in ms_per_gflop if r > 0)
 
 
 def placement_of(dense: Any) -> DensePlacement:

@@ -74,15 +74,21 @@ class Candidate:
 
 
 def _summary(plan: Plan) -> dict:
-    """What a candidate puts where: static groups per backend, compressed groups per kind."""
+    """What a candidate puts where: static groups per backend, compressed groups per kind, and the experts in no
+    group per exact path (all layers)."""
     groups = [g for lp in plan.layers for g in lp.groups]
     backends, compress = {}, {}
     for g in groups:
         backends[g.backend] = backends.get(g.backend, 0) + 1
         if g.compression != "none":
             compress[g.compression] = compress.get(g.compression, 0) + 1
-    return {"static_groups": backends, "compressed_groups": compress, "overflow": plan.overflow,
-            "chunk_tokens": plan.chunk_tokens}
+    exact: dict[str, int] = {}
+    for lp in plan.layers:
+        for e in lp.cpu_exact:
+            path = lp.exact_path_of(e, plan.exact_path)
+            exact[path] = exact.get(path, 0) + 1
+    return {"static_groups": backends, "compressed_groups": compress, "exact_experts": exact,
+            "overflow": plan.overflow, "chunk_tokens": plan.chunk_tokens}
 
 
 @contextmanager

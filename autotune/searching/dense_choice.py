@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from autotune.costing.costmodel import CostModel
 from autotune.costing.whole_prefill import (
+    DENSE_FUNCTIONS,
     DecoderShape,
     DensePlacement,
     ExpertFigures,
@@ -22,6 +23,8 @@ from autotune.costing.whole_prefill import (
 from autotune.searching.scores import Score, Weights, weighted_cost
 from runtime.backends import EXACT
 from runtime.coreml import ane_limits
+from runtime.mlx.formats import NAME as MLX_EXACT
+from runtime.mlx.formats import SPINE_SPLICES
 
 NO_EXPERTS = ExpertFigures(0.0, 0.0, 0.0)
 ROW_GRAIN = 64  # a split function's static rows are a multiple of this (the ANE's preferred multiple of 64)
@@ -91,10 +94,11 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
                                          prompts), weights)
 
     place = DensePlacement(host=cost.plan_exact())
-    if backend is not None:
+    runnable = executable(place.host)
+    if backend is not None and runnable:
         best = cost_of(place)
         per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
-        for name in ("qkv", "o_proj", "mlp"):
+        for name in (f for f in ("qkv", "o_proj", "mlp") if f in runnable):
             trial = dataclasses.replace(place, **{name: backend})
             resident = {"experts": resident_bytes, "dense functions": dense_weight_bytes(shape, trial, per_weight)}
             if ane_limits.resident_over_window(resident) > 0:
@@ -102,9 +106,16 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
             trial, c = best_split(cost_of, trial, name, chunk_tokens)
             if c < best:
                 place, best = trial, c
-        place, best = choose_attention(cost_of, place, best, backend, shape, prompt_tokens, chunk_tokens)
+        if "attention" in runnable:
+            place, best = choose_attention(cost_of, place, best, backend, shape, prompt_tokens, chunk_tokens)
     pred = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, NO_EXPERTS, place)
     return DenseChoice(place, pred, dense_score(pred, prompts), shape, prompts, backend, resident_bytes)
+
+
+def executable(host: str) -> tuple[str, ...]:
+    """The dense functions a static backend may take beside `host`, as the runtime runs them: any, where the host
+    is the CPU (the torch engine); those the MLX spine splices into its forward, where it is MLX (the GPU)."""
+    return SPINE_SPLICES if host == MLX_EXACT else DENSE_FUNCTIONS
 
 
 def attention_blocks(chunk: int) -> list[int | None]:

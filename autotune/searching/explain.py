@@ -3,6 +3,8 @@ load they carry, and where the static backend does not pay, the figure that deci
 by the cost model (per chunk, from the calibration traces' mean loads)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from autotune.costing.costmodel import CostModel, ffn_work
@@ -22,8 +24,24 @@ def explain(plan: Plan, layers: list[LayerData], cost: CostModel, backend: str) 
     lines = [chunk_line(plan, by_layer, cost, h, f)]
     for lp in plan.layers:
         data = by_layer[lp.layer]
-        lines.append(resident_line(lp, data) if lp.groups else no_pay_line(data, cost, backend, h, f))
+        lines.append(resident_line(lp, data, plan.exact_path) if lp.groups
+                     else no_pay_line(lp, data, cost, backend, h, f, plan.exact_path))
     return lines
+
+
+def exact_lanes(lp: LayerPlan, default: str) -> str:
+    """Where a layer's experts in no group run exactly, by exact path: "8 on mlx-exact, 8 on cpu-exact"."""
+    paths = Counter(lp.exact_path_of(e, default) for e in lp.cpu_exact)
+    return ", ".join(f"{n} on {path}" for path, n in sorted(paths.items(), key=lambda item: (-item[1], item[0])))
+
+
+def plan_exact_lanes(plan: Plan) -> str:
+    """The same over every MoE layer, per layer where every layer splits alike."""
+    per_layer = {exact_lanes(lp, plan.exact_path) for lp in plan.layers}
+    if len(per_layer) == 1:
+        return f"{per_layer.pop()} per layer"
+    paths = Counter(lp.exact_path_of(e, plan.exact_path) for lp in plan.layers for e in lp.cpu_exact)
+    return ", ".join(f"{n} on {path}" for path, n in sorted(paths.items())) + " over all layers"
 
 
 def _mean_counts(data: LayerData) -> np.ndarray:
@@ -36,9 +54,10 @@ def chunk_line(plan: Plan, by_layer: dict[int, LayerData], cost: CostModel, h: i
     c = plan.chunk_tokens
     groups = [(lp, g) for lp in plan.layers for g in lp.groups]
     if not groups:
-        cpu = sum(cost.exact_ms(_mean_counts(d), h, f) for d in by_layer.values())
+        exact = sum(float(cost.layer_ms(lp, _mean_counts(by_layer[lp.layer]), h, f, plan.overflow, plan.exact_path))
+                    for lp in plan.layers)
         return (f"chunk {c} tokens: no static group, so there is nothing to amortise: every MoE layer runs exactly "
-                f"on the CPU, {cpu:.3f} ms per chunk over all MoE layers")
+                f"({plan_exact_lanes(plan)}), {exact:.3f} ms per chunk over all MoE layers")
     backend = groups[0][1].backend
     model = cost.backend_model(backend)
     call = cost.call_ms(backend)
@@ -65,25 +84,27 @@ def _ids(experts: list[int]) -> str:
     return shown + (f", ... {len(experts) - SHOWN_IDS} more" if len(experts) > SHOWN_IDS else "")
 
 
-def resident_line(lp: LayerPlan, data: LayerData) -> str:
+def resident_line(lp: LayerPlan, data: LayerData, exact: str) -> str:
     """Which experts are resident and what share of the layer's calibration load they carry."""
     resident = [e for g in lp.groups for e in g.experts]
     load = data.calib.sum(0)
     share = float(load[resident].sum() / max(1, load.sum()))
     backends = "/".join(sorted({g.backend for g in lp.groups}))
     return (f"layer {lp.layer}: experts {_ids(resident)} ({len(resident)} of {load.size}) resident on {backends} in "
-            f"{len(lp.groups)} group(s) carry {share:.0%} of its load; {len(lp.cpu_exact)} run on the CPU")
+            f"{len(lp.groups)} group(s) carry {share:.0%} of its load; the rest run exactly "
+            f"({exact_lanes(lp, exact) or 'none'})")
 
 
-def no_pay_line(data: LayerData, cost: CostModel, backend: str, h: int, f: int) -> str:
-    """Why a layer keeps every expert on the CPU: a static call alone costs more than the layer's CPU work, or
-    else the best single group of its hottest experts is predicted slower than the CPU."""
+def no_pay_line(lp: LayerPlan, data: LayerData, cost: CostModel, backend: str, h: int, f: int, exact: str) -> str:
+    """Why a layer keeps every expert on its exact paths: a static call alone costs more than the layer's exact
+    work, or else the best single group of its hottest experts is predicted slower."""
     counts = _mean_counts(data)
-    cpu = float(cost.exact_ms(counts, h, f))
+    cpu = float(cost.layer_ms(lp, counts, h, f, "spill", exact))
     call = cost.call_ms(backend)
+    where = f"all exact ({exact_lanes(lp, exact)})"
     if call >= cpu:
-        return (f"layer {data.layer}: all on the CPU: {_a(backend)} call costs {call:.3f} ms, more than this layer's "
-                f"whole expert work on the CPU, {cpu:.3f} ms per chunk")
+        return (f"layer {data.layer}: {where}: {_a(backend)} call costs {call:.3f} ms, more than this layer's "
+                f"whole expert work there, {cpu:.3f} ms per chunk")
     n = data.calib.shape[1]
     best = None
     for r in (2 ** i for i in range(int(np.log2(n)) + 1)):
@@ -93,6 +114,6 @@ def no_pay_line(data: LayerData, cost: CostModel, backend: str, h: int, f: int) 
             best = (t, r)
     t, r = best
     share = float(counts[data.rank[:r]].sum() / max(1, counts.sum()))
-    return (f"layer {data.layer}: all on the CPU, {cpu:.3f} ms per chunk: the best single {backend} group of its "
+    return (f"layer {data.layer}: {where}, {cpu:.3f} ms per chunk: the best single {backend} group of its "
             f"hottest experts ({r}, {share:.0%} of the load, capacity at their largest load) is predicted at "
             f"{t:.3f} ms, its call {call:.3f} ms and padded slots included")

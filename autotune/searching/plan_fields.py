@@ -2,6 +2,7 @@
 measurement of the chosen plan, and the dense functions' field."""
 from __future__ import annotations
 
+from autotune.costing.whole_prefill import DensePlacement
 from autotune.searching.dense_choice import dense_plan
 from autotune.searching.model_record import ModelRecord
 from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes
@@ -10,12 +11,17 @@ from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes
 def dense_of(outcome: SearchOutcome, record: ModelRecord, sol: Solution) -> dict | None:
     """The plan's `dense` field for a solution: the dense functions chosen at its chunk size, except for the all-CPU
     plan (the unmodified model's computation, the gate's last resort) and a solution keeping more experts resident
-    than the choice was made beside, past the ANE's window with them (its dense functions then stay on the CPU)."""
+    than the choice was made beside, past the ANE's window with them: their dense functions stay on the host. The
+    host (the GPU where the profile prices one) is written whatever the functions: the prediction priced the dense
+    half there, so the runtime must run it there, or say it does not."""
     choice = outcome.dense.get(sol.chunk_tokens)
-    if choice is None or not any(cfg.resident for cfg in sol.configs):
+    if choice is None:
         return None
+    host_only = DensePlacement(host=choice.placement.host)
+    if not any(cfg.resident for cfg in sol.configs):
+        return dense_plan(host_only, record.shape)
     if not choice.fits_beside(resident_bytes(sol, record.spec.hidden_size, record.spec.expert_ffn_size)):
-        return None
+        return dense_plan(host_only, record.shape)
     return dense_plan(choice.placement, record.shape)
 
 

@@ -74,7 +74,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time), `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the
     plan's is 0), `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the throughput of the
-    ANE, the CPU and the GPU together) and `tradeoff` (the candidate plans' latency and energy)."""
+    ANE, the CPU and the GPU together; None where no lane's fit prices FLOPs) and `tradeoff` (the candidate plans'
+    latency and energy)."""
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
     prompts = prompts_in(layers, prompt_tokens)
@@ -99,14 +100,15 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                                      expert_figures(sol, prompts_in(at, prompt_tokens)), place)
     if scorer.splits_exact:  # at the plan's chunk size (mlx-lm's prefill step is 2048)
         base["mlx-gpu"] = mlx_gpu_prefill(scorer, shape, layers, prompt_tokens)
-    vs = {name: {"latency": b.latency_ms / plan.latency_ms,
+    roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
+    vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
             "dense_placement": placement_json(choice.placement if choice else DensePlacement(), prompt_tokens, chunk),
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
             "vs": vs,
-            "over_roofline_whole": plan.latency_ms / roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend),
+            "over_roofline_whole": plan.latency_ms / roof if roof else None,
             "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
 
 
@@ -116,4 +118,5 @@ def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int)
     starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens]
     reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
-            "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads}
+            "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads,
+            "host": place.host}

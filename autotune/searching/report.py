@@ -36,7 +36,7 @@ def add_cpu_figures(report: dict, outcome: SearchOutcome, layers: list[LayerData
     report["predicted_cpu_ms_per_token"] = best = cpu_ms_per_token(outcome.best, layers)
     for name, sol in outcome.baselines.items():
         report["baseline_details"][name]["predicted_cpu_ms_per_token"] = cpu_ms_per_token(sol, layers)
-    report["cpu_ratio_vs"] = {n: b["predicted_cpu_ms_per_token"] / best if best > 0 else None
+    report["cpu_ratio_vs"] = {n: ratio(b["predicted_cpu_ms_per_token"], best)
                               for n, b in report["baseline_details"].items()}
 
 
@@ -50,8 +50,13 @@ def energy_ratios(best: dict, base: dict[str, dict]) -> dict[str, float] | None:
     """Each baseline's predicted energy over the plan's (> 1: the plan uses less); None without power figures."""
     if best["predicted_energy_mj"] is None:
         return None
-    return {n: b["predicted_energy_mj"] / best["predicted_energy_mj"] for n, b in base.items()
+    return {n: ratio(b["predicted_energy_mj"], best["predicted_energy_mj"]) for n, b in base.items()
             if b["predicted_energy_mj"] is not None}
+
+
+def ratio(baseline: float, plan: float) -> float | None:
+    """A baseline's figure over the plan's; None where the plan's is 0 (a fit that prices its work at nothing)."""
+    return baseline / plan if plan > 0 else None
 
 
 def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments: int, seconds: float,
@@ -68,7 +73,7 @@ def search_report(outcome: SearchOutcome, calib_chunks: int, heldout_assignments
                        "traces",
             "baselines": {n: b["predicted_latency_ms"] for n, b in base.items()},
             "baseline_details": base,
-            "speedup_vs": {n: b["predicted_latency_ms"] / best["predicted_latency_ms"] for n, b in base.items()},
+            "speedup_vs": {n: ratio(b["predicted_latency_ms"], best["predicted_latency_ms"]) for n, b in base.items()},
             "energy_ratio_vs": energy_ratios(best, base),
             "gap_vs_exact": outcome.gap_vs_exact, "exact_layers": outcome.exact_layers,
             "trials": outcome.trials, "search_seconds": seconds,
@@ -81,13 +86,16 @@ def format_whole_prefill(w: dict) -> list[str]:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in w["predicted_parts_ms"].items() if v)
     place = w["dense_placement"]
     on = [k for k in DENSE_FUNCTIONS if place[k]]
+    host = place.get("host", EXACT)
     where = (f"{', '.join(on)} on {place[on[0]]}" + (f" (attention buckets {place['attention_context_buckets']})"
-                                                    if place["attention"] else "")) if on else "all on the CPU"
+                                                    if place["attention"] else "") + f", the rest on {host}"
+             if on else f"all on {host}")
     core = [core_reads(place, w["chunk_tokens"])] if place.get("attention_block") and place["attention"] else []
-    vs = ", ".join(f"{k} {v['latency']:.2f}x" for k, v in w["vs"].items())
+    times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731  (None: the plan's or the roofline's is 0)
+    vs = ", ".join(f"{k} {times(v['latency'])}" for k, v in w["vs"].items())
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
             f"{parts}; dense functions: {where}",
-            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {w['over_roofline_whole']:.2f}x"]
+            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {times(w['over_roofline_whole'])}"]
 
 
 def core_reads(place: dict, chunk: int) -> str:
@@ -218,7 +226,8 @@ def _save_chart(fig, ax, path: str | os.PathLike, xlabel: str, ylabel: str, titl
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # none: nothing priced energy
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -250,9 +259,11 @@ def plot_tradeoff(whole: dict, path: str | os.PathLike) -> None:
             ax.annotate(name, point(b), fontsize=6, color="0.5")
     if whole.get("predicted_prefill_energy_mj") is not None:
         ax.scatter(*point(whole), marker="*", s=220, c="tab:red", label="the pick", zorder=4)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
+    low = np.min([c.get_offsets().min(0) for c in ax.collections] or [(1.0, 1.0)], axis=0)
+    for axis, scale, least in ((ax.xaxis, ax.set_xscale, low[0]), (ax.yaxis, ax.set_yscale, low[1])):
+        if least <= 0:  # a fit that prices a figure at 0: no log axis for it
+            continue
+        scale("log")  # plain numbers at 1, 2 and 5 of each decade
         axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
         axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
@@ -271,12 +282,13 @@ def format_gate(gate: dict) -> list[str]:
     lines = [f"fidelity gate ({gate['label']}; limits: perplexity delta <= {limits['max_ppl_delta']:.2%}, top-1 >= "
              f"{limits['min_top1']:g}; {gate['seconds']:.1f} s; peak RSS {gate['peak_rss_mb']:.0f} MiB"
              + (f", {gate['predicted_peak_mb']:.0f} MiB predicted" if gate.get("predicted_peak_mb") else "") + "):",
-             f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<26} "
+             f"  {'#':>2} {'predicted ms':>12} {'ppl delta':>10} {'top-1':>7} {'mean KL':>9} {'static groups':<34} "
              f"{'compressed':<18} passed"]
     for c in gate["candidates"]:
-        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or "none (all CPU)"
+        exact = ", ".join(f"{n} {p}" for p, n in sorted(c.get("exact_experts", {}).items()))
+        groups = ", ".join(f"{n} {b}" for b, n in c["static_groups"].items()) or f"none ({exact or '-'})"
         packed = ", ".join(f"{n} {k}" for k, n in c["compressed_groups"].items()) or "-"
         chosen = " <- chosen" if gate["chosen"] and gate["chosen"]["index"] == c["index"] else ""
         lines.append(f"  {c['index']:>2} {c['predicted_ms']:>12.4f} {c['ppl_delta']:>+10.3%} {c['top1']:>7.4f} "
-                     f"{c['kl']:>9.2e} {groups:<26} {packed:<18} {'yes' if c['passed'] else 'no'}{chosen}")
+                     f"{c['kl']:>9.2e} {groups:<34} {packed:<18} {'yes' if c['passed'] else 'no'}{chosen}")
     return lines

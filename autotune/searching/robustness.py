@@ -210,14 +210,27 @@ def dense_regrets(regs: list[float], chunk: int, results: list[CaseResult]) -> d
     that dense placement instead}, for each placement the analysis offers at `chunk` (none: {None: regs})."""
     if not results or chunk not in results[0].dense_options:
         return {None: list(regs)}
-    return {p: [g + (r.dense_options[chunk][p] - r.plan_dense[chunk]) / r.best_cost for g, r in zip(regs, results)]
+    return {p: [g + excess(r.dense_options[chunk][p] - r.plan_dense[chunk], r.best_cost) for g, r in zip(regs, results)]
             for p in results[0].dense_options[chunk]}
 
 
 def regrets(sol: Solution, outcome: SearchOutcome, results: list[CaseResult],
             weights: Weights | None = None) -> list[float]:
     w = outcome.weights if weights is None else weights
-    return [r.cost(sol, outcome, w) / r.best_cost - 1.0 for r in results]
+    return [over(r.cost(sol, outcome, w), r.best_cost) for r in results]
+
+
+def over(cost: float, best: float) -> float:
+    """A plan's regret in a case: its `cost` over the case's optimum `best`, less 1."""
+    return cost / best - 1.0 if best > 0 else excess(cost, best)
+
+
+def excess(extra: float, best: float) -> float:
+    """`extra` cost relative to a case's optimum `best`. An optimum of 0 (a fit whose every term a plan uses is 0):
+    nothing extra is no regret, anything extra is unbounded regret."""
+    if best > 0:
+        return extra / best
+    return 0.0 if extra <= 0 else np.inf
 
 
 def minimax_plans(outcome: SearchOutcome, scorer: Scorer,
@@ -425,7 +438,8 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
     w = outcome.weights
     results = solve_cases(outcome, scorer, cases or default_cases(scorer.cost), w)
     plan, candidates, floor, dense = outcome.best, [outcome.best], None, None
-    if pick:
+    nominal = _whole(outcome.best, outcome, w)
+    if pick and nominal > 0:  # a plan costing 0 has no regret: every case's optimum is 0 too (factors are > 0)
         minimax, floor = minimax_plans(outcome, scorer, results)
         candidates += [r.best for r in results] + outcome.front + minimax
         worst = [max(regrets(c, outcome, results), default=0.0) for c in candidates]
@@ -449,7 +463,7 @@ def assess(outcome: SearchOutcome, scorer: Scorer, pick: bool = False,
             dense = outcome.dense[plan.chunk_tokens].priced(place, scorer.cost)
     analysis = Robustness(0.0, [], pick, len(candidates), 0.0, objective_name(w),
                           nominal_max_regret=max(regrets(outcome.best, outcome, results), default=0.0),
-                          regret_floor=floor, results=results, nominal_cost=_whole(outcome.best, outcome, w))
+                          regret_floor=floor, results=results, nominal_cost=nominal)
     return plan, _report(outcome, analysis, plan, dense, t0)
 
 
@@ -482,5 +496,5 @@ def _report(outcome: SearchOutcome, analysis: Robustness, plan: Solution, dense,
                      "regret": g})
     whole = _whole(plan, outcome, w) if dense is None else _cost(plan, w) + weighted_cost(dense.score, w)
     return dataclasses.replace(analysis, max_regret=max(reg, default=0.0), cases=rows,
-                               seconds=time.perf_counter() - t0, cost_of_robustness=whole / analysis.nominal_cost - 1.0,
+                               seconds=time.perf_counter() - t0, cost_of_robustness=over(whole, analysis.nominal_cost),
                                dense_choice=dense)

@@ -15,6 +15,7 @@ runtime/dense/attention.py.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
@@ -207,6 +208,13 @@ def check_dense_fits(model: torch.nn.Module, plan: Plan) -> None:
                               "shared expert")
 
 
+@functools.cache
+def _host_not_run(path: str) -> None:
+    """Said once a process (the fidelity gate builds an executor per candidate)."""
+    log.warning("the plan prices the dense work no static function takes on %r; the torch engine runs it on the CPU "
+                "in torch, slower than predicted (the MLX engine runs it where it is priced)", path)
+
+
 class DenseExecutor:
     """A plan's dense functions prepared on their backends for one model; `install` / `uninstall` apply them."""
 
@@ -214,8 +222,7 @@ class DenseExecutor:
                  options: dict | None = None) -> None:
         check_dense_fits(model, plan)
         if plan.dense is not None and plan.dense.exact not in (None, EXACT):
-            log.warning("dense.exact names %r: the dense work no static function takes runs on the CPU in torch "
-                        "(no dense runner for that path yet)", plan.dense.exact)
+            _host_not_run(plan.dense.exact)
         self.model, self.plan = model, plan
         self.calls: Counter = Counter()  # (part, backend name) -> calls
         self.patches = Patches()

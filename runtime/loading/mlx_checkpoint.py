@@ -1,7 +1,8 @@
 """MLX checkpoints as `mlx_lm.convert -q` writes them, read without mlx and kept packed: uint32 codes with per-group
 `scales` and `biases` (affine mode), the format in config.json's `quantization` (defaults, and per-module entries
-that override them or say `false`), experts under `mlp.switch_mlp.{gate,up,down}_proj` (or `w1`/`w3`/`w2` under
-`block_sparse_moe`), quantized embeddings, heads and routers.
+that override them or say `false`), experts under `mlp.switch_mlp.{gate,up,down}_proj` (`block_sparse_moe` in place
+of `mlp` for Mixtral and PhiMoE, as mlx-lm names their block, router included), quantized embeddings, heads and
+routers.
 
 The model is built on the meta device and every module filled from the files: a quantized linear layer becomes a
 `QuantizedLinear`, the embedding a `QuantizedEmbedding` (a tied head shares its table), a layer's experts a
@@ -24,10 +25,10 @@ from runtime.cpu.quantized import (
     QuantizedLinear,
     check_format,
     check_packed,
-    dequantize,
 )
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import (
+    ROUTER_KEY_FORMS,
     SAFETENSORS_DTYPES,
     read_config,
     read_tensor_into,
@@ -36,8 +37,9 @@ from runtime.loading.checkpoint_reader import (
 )
 from runtime.loading.checkpoints import safetensors_header
 
-# mlx names of a fused experts module's parts, per block layout: (gate, up, down).
-SWITCH_PARTS = {".mlp.": ("gate_proj", "up_proj", "down_proj"), ".block_sparse_moe.": ("w1", "w3", "w2")}
+# mlx-lm's names of a layer's MoE block (transformers 5 says `mlp` for every family) and of its experts' parts.
+MOE_BLOCKS = (".mlp.", ".block_sparse_moe.")
+SWITCH_PARTS = ("gate_proj", "up_proj", "down_proj")
 RAW_DTYPES = {"U32": torch.int32, "I32": torch.int32, **SAFETENSORS_DTYPES}  # codes are kept as int32 words
 
 
@@ -121,20 +123,33 @@ def _packed(files: _Files, formats: _Formats, module: str, inputs: int) -> Packe
     return PackedWeight(files.read(weight), files.read(f"{module}.scales"), files.read(f"{module}.biases"), bits, group)
 
 
-def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+def _stored(files: _Files, name: str, suffix: str = ".weight") -> str:
+    """Where the checkpoint stores transformers' `name` (a module, or a parameter with `suffix` ""): mlx-lm keeps
+    Mixtral's and PhiMoE's MoE block as `block_sparse_moe` and PhiMoE's router as `gate`, where transformers 5 says
+    `mlp` and `router`."""
+    if f"{name}{suffix}" in files:
+        return name
+    dotted = f"{name}."
+    for old in (*ROUTER_KEY_FORMS, MOE_BLOCKS[0]):
+        for new in (*ROUTER_KEY_FORMS, MOE_BLOCKS[1]):
+            other = dotted.replace(old, new, 1)[:-1]
+            if old in dotted and (f"{other}{suffix}" in files or f"{other}.scales" in files):
+                return other
+    return name
+
+
+def set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def _fill_experts(files: _Files, formats: _Formats, name: str, experts: torch.nn.Module, dtype: torch.dtype) -> None:
     """`<layer>.mlp.experts` from `<layer>.{mlp|block_sparse_moe}.switch_mlp.<part>`: packed, or stacked whole."""
-    layer = name[:-len(".mlp.experts")]
-    for block, parts in SWITCH_PARTS.items():
-        base = f"{layer}{block}switch_mlp"
-        if f"{base}.{parts[0]}.weight" in files:
-            break
-    else:
-        raise NpumoeError(f"{name}: no {layer}.mlp.switch_mlp.gate_proj.weight in the checkpoint")
+    layer, parts = name[:-len(".mlp.experts")], SWITCH_PARTS
+    base = _stored(files, f"{layer}.mlp.switch_mlp", f".{parts[0]}.weight")
+    if f"{base}.{parts[0]}.weight" not in files:
+        raise NpumoeError(f"{name}: no {layer}.{{{'|'.join(b.strip('.') for b in MOE_BLOCKS)}}}.switch_mlp."
+                          f"{parts[0]}.weight in the checkpoint")
     h, f = experts.hidden_dim, experts.intermediate_dim
     packed = [_packed(files, formats, f"{base}.{p}", n) for p, n in zip(parts, (h, h, f))]
     if all(p is not None for p in packed):
@@ -171,26 +186,27 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
             elif isinstance(module, torch.nn.Embedding):
                 packed = _packed(files, formats, name, module.embedding_dim)
                 if packed is not None:
-                    _set(model, name, QuantizedEmbedding(packed, dtype, module.padding_idx))
+                    set_module(model, name, QuantizedEmbedding(packed, dtype, module.padding_idx))
             elif isinstance(module, torch.nn.Linear) or id(module) in routers:
-                source = name
+                source = _stored(files, name)
                 if tied and name == "lm_head" and "lm_head.weight" not in files:
                     continue  # shares the embedding, below
                 inputs = module.weight.shape[1]
                 packed = _packed(files, formats, source, inputs)
                 if packed is None:
                     continue
-                if id(module) in routers:  # small: dequantized as mlx does (in the scales' dtype), whatever --dtype
-                    module.weight = torch.nn.Parameter(packed.full(packed.scales.dtype).to(dtype), requires_grad=False)
+                if id(module) in routers:  # small: dequantized in float32 (`dequantized_router`), then in the run's
+                    # dtype; float32 rows meet it as mlx's quantized matmul does (bf16 rounding flips experts there)
+                    module.weight = torch.nn.Parameter(dequantized(packed).to(dtype), requires_grad=False)
                 else:
-                    bias = files.read(f"{name}.bias", torch.empty(module.out_features, dtype=dtype)) \
+                    bias = files.read(f"{source}.bias", torch.empty(module.out_features, dtype=dtype)) \
                         if module.bias is not None else None
-                    _set(model, name, QuantizedLinear(packed, bias))
+                    set_module(model, name, QuantizedLinear(packed, bias))
         if tied and hasattr(model, "lm_head") and "lm_head.weight" not in files:
             embedding = model.get_input_embeddings()
             if isinstance(embedding, QuantizedEmbedding):
                 model.lm_head = QuantizedLinear(embedding.weight_q)
-        _fill_whole(model, files, dtype, tied)
+        fill_whole(model, files, dtype, tied)
     if any(hasattr(m, "npumoe_weights") for m in experts.values()):
         model.set_experts_implementation(PACKED_IMPLEMENTATION)
     unused = sorted(set(files.keys) - files.used)
@@ -199,13 +215,13 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def _fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied: bool) -> None:
+def fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied: bool) -> None:
     """Every parameter still on the meta device, read whole; buffers made by a module's constructor (rotary
     frequencies) made again on the CPU."""
     for name, p in list(model.named_parameters()):
         if not p.is_meta:
             continue
-        key = name
+        key = _stored(files, name, "")
         if key not in files and tied and name == "lm_head.weight":
             model.tie_weights()
             continue
@@ -215,10 +231,14 @@ def _fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied:
         files.read(key, value)
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(value, requires_grad=False))
+    head = getattr(model, "lm_head", None)
+    if tied and getattr(getattr(head, "weight", None), "is_meta", False):
+        # a whole tied head never shows in named_parameters (shared with the meta embedding): share it again
+        head.weight = model.get_input_embeddings().weight
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             remade = type(module)(config=model.config)
-            _set(model, name, remade)
+            set_module(model, name, remade)
 
 
 def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:
@@ -233,8 +253,14 @@ def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor 
     shape = table.shape(module_key)
     check_packed(module_key, shape, table.shape(f"{module}.scales"), table.shape(f"{module}.biases"),
                  shape[-1] * 32 // fmt[0], fmt[0], fmt[1])
-    scales = table.read(f"{module}.scales")
-    return dequantize(table.read(module_key), scales, table.read(f"{module}.biases"), fmt[0], scales.dtype)
+    return dequantized(PackedWeight(table.read(module_key), table.read(f"{module}.scales"),
+                                    table.read(f"{module}.biases"), fmt[0], fmt[1]))
+
+
+def dequantized(weight: PackedWeight) -> torch.Tensor:
+    """A packed router at full width, computed in float32 (or wider scales'): one value whatever the run's dtype,
+    so the model's fingerprint (its routers rounded to bf16) is one for every dtype and for the files alone."""
+    return weight.full(torch.promote_types(weight.scales.dtype, torch.float32))
 
 
 def check_mlx_checkpoint(path: Path) -> str:

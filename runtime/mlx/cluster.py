@@ -76,39 +76,6 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
     return model
 
 
-class _Elsewhere(nn.Module):
-    """A layer another rank holds, as the spine walks the model: no MoE block, an attention with no projections."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn = nn.Module()
-
-
-class StageModel:
-    """This rank's mlx-lm model as the MLX spine reads one: `layers` numbered as the whole model's (each layer
-    another rank holds stands as `_Elsewhere`), everything else the model's own."""
-
-    def __init__(self, model: nn.Module) -> None:
-        object.__setattr__(self, "_model", model)
-        inner = model.model
-        object.__setattr__(self, "layers", [_Elsewhere() for _ in range(inner.start_idx)] + list(inner.pipeline_layers))
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._model, name, value)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._model
-
-    def __getitem__(self, key: str):
-        return self._model[key]
-
-    def __call__(self, *args, **kwargs):
-        return self._model(*args, **kwargs)
-
-
 class Stage:
     """This rank's part of a run: its model, the plan installed on its layers (or none) and the ring's watchdog."""
 
@@ -118,7 +85,9 @@ class Stage:
 
         self.ring, self.model, self.spine = ring, model, None
         if plan is not None:
-            self.spine = MlxSpine(StageModel(model), load_plan(plan), path, plan_path=plan).install()
+            # the spine finds the MoE blocks by the model's own layer numbers (a rank's list holds None for the
+            # layers before its stage) and walks `model.layers`, which mlx-lm's pipeline narrows to the stage's
+            self.spine = MlxSpine(model, load_plan(plan), path, plan_path=plan).install()
 
     def forward(self, ids: list[int], cache: list, rows: str) -> mx.array | None:
         """`forward_rows` (under the plan where one is installed), watched."""

@@ -5,6 +5,10 @@ from runtime.cpu.quantized import BITS, GROUP_SIZES  # mlx's affine widths and g
 from runtime.errors import NpumoeError
 
 NAME = "mlx-exact"
+# The dense functions (a plan's `dense` layers: qkv, o_proj, attention, mlp) the MLX spine runs on a static backend,
+# spliced into mlx-lm's forward; a plan whose dense half is priced on MLX places only these (the search), and the
+# spine refuses others.
+SPINE_SPLICES: tuple[str, ...] = ()
 
 
 def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:

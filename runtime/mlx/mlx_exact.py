@@ -2,9 +2,12 @@
 checkpoint's own weights: `mx.gather_qmm` on an MLX folder's packed affine codes (`runtime.cpu.quantized`
 `QuantizedExperts`), `mx.gather_mm` on full-width experts. Imports mlx: only `mlx_backends` names it, lazily.
 
-Weights are wrapped once per layer (`MlxExactLayer.__init__`): each tensor is copied into MLX's memory and the torch
-module's buffer (or parameter) then made a view of that memory, so the process holds one copy, read by torch's paths
-(the static groups, cpu-exact, the reference) and by MLX alike. On a Mac that memory is unified: the GPU reads the
+Weights are wrapped once per module (`_held`): each tensor is copied into MLX's memory and the torch module's buffer
+(or parameter) then made a view of that memory, so the process holds one copy, read by torch's paths (the static
+groups, cpu-exact, the reference) and by MLX alike, however many executors wrap the module (the fidelity gate
+builds one per candidate). Every array a layer keeps is evaluated where it is made: MLX's command encoders are per
+thread (0.31.2+), and a lazy array first evaluated on the layer's exact-path worker fails there ("There is no
+Stream(cpu, 0) in current thread"). On a Mac that memory is unified: the GPU reads the
 same pages torch does, no transfer per call. On Linux MLX runs on its CPU device and the memory is plain host memory.
 Each call still crosses: its rows are copied into an MLX array (`mx.array` copies), its outputs read back as a view
 (the buffer protocol: no copy); the time both take is counted per call (`LayerStats.crossing_us`), and a decode
@@ -81,17 +84,27 @@ def _shared(t: torch.Tensor) -> tuple[mx.array, torch.Tensor]:
     return a, to_torch(a, t.dtype).view(t.shape)
 
 
+def _held(owner: torch.nn.Module, name: str) -> mx.array:
+    """The MLX array behind `owner`'s tensor `name`, made once (`_shared`) and remembered on the owner: the next
+    layer wrapping the same module finds the tensor already a view of it and takes it, no second copy."""
+    held = owner.__dict__.setdefault("_npumoe_mlx", {})
+    tensor = getattr(owner, name)
+    if name not in held or held[name][1] != tensor.data_ptr():
+        a, view = _shared(tensor.data)
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.data = view
+        else:
+            setattr(owner, name, view)  # torch now reads MLX's copy: the process holds one
+        held[name] = (a, view.data_ptr())
+    return held[name][0]
+
+
 class _Packed:
     """One projection's packed weight as MLX arrays (codes, scales, biases), shared with the torch buffers."""
 
     def __init__(self, weight: PackedWeight) -> None:
         self.bits, self.group_size = weight.bits, weight.group_size
-        arrays = []
-        for buffer in ("packed", "scales", "biases"):
-            a, view = _shared(getattr(weight, buffer))
-            setattr(weight, buffer, view)  # torch now reads MLX's copy: the process holds one
-            arrays.append(a)
-        self.q, self.scales, self.biases = arrays
+        self.q, self.scales, self.biases = (_held(weight, buffer) for buffer in ("packed", "scales", "biases"))
 
     def __call__(self, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
         return mx.gather_qmm(x, self.q, self.scales, self.biases, rhs_indices=idx, transpose=True,
@@ -102,10 +115,9 @@ class _Full:
     """One full-width projection [E, out, in] as an MLX array, shared with the torch parameter."""
 
     def __init__(self, module: torch.nn.Module, name: str) -> None:
-        param = getattr(module, name)
-        self.w, view = _shared(param.data)
-        param.data = view
+        self.w = _held(module, name)
         self.wt = self.w.swapaxes(-1, -2)
+        mx.eval(self.wt)  # a strided view, no copy: evaluated here, not first on the exact-path worker
 
     def __call__(self, x: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
         return mx.gather_mm(x, self.wt, rhs_indices=idx, sorted_indices=sorted_indices)

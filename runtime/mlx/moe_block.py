@@ -22,7 +22,7 @@ from runtime.cpu.quantized import PackedWeight, QuantizedExperts
 from runtime.errors import NpumoeError
 from runtime.executor import LayerExecutor
 from runtime.mlx.formats import NAME
-from runtime.mlx.mlx_exact import _LOCK, to_mx, to_torch
+from runtime.mlx.mlx_exact import to_mx, to_torch
 from runtime.stats import LayerStats
 
 _TORCH = {mx.float32: torch.float32, mx.bfloat16: torch.bfloat16, mx.float16: torch.float16}
@@ -66,9 +66,9 @@ def torch_experts(switch, layer: int, check: bool = True) -> torch.nn.Module:
     else:
         module.npumoe_weights = SplitExperts(*(_view(p.weight) for p in projections))
     module.act_fn = torch.nn.SiLU()
-    module.num_experts = switch.gate_proj.num_experts if hasattr(switch.gate_proj, "num_experts") \
-        else int(switch.gate_proj.weight.shape[0])
-    module.intermediate_dim = int(switch.down_proj.weight.shape[-1] * (32 // getattr(switch.down_proj, "bits", 32)))
+    module.num_experts = int(switch.gate_proj.weight.shape[0])
+    # a packed row holds `bits`-wide codes in 32-bit words
+    module.intermediate_dim = int(switch.down_proj.weight.shape[-1]) * 32 // getattr(switch.down_proj, "bits", 32)
     module.hidden_dim = int(switch.down_proj.weight.shape[-2])
     module.switch = switch  # the spine's mlx-exact runs the block's own projections
     return module
@@ -93,9 +93,9 @@ class SwitchExactLayer:
         x = to_mx(x_sorted)[:, None, :]
         idx = mx.array(np.repeat(np.asarray(experts, dtype=np.uint32), counts))
         crossed = time.perf_counter() - start
-        with _LOCK:
-            y = switch_ffn(self.switch, x, idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
-            mx.eval(y)
+        # no lock: on the spine the thread that runs the forward waits for this call (its static groups are torch)
+        y = switch_ffn(self.switch, x, idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
+        mx.eval(y)
         start = time.perf_counter()
         out = to_torch(y, x_sorted.dtype)
         _count(stats, crossed + time.perf_counter() - start)
@@ -109,9 +109,8 @@ class SwitchExactLayer:
         idx = mx.array(top_k_index.numpy().astype(np.uint32))
         w = to_mx(top_k_weights.to(x.dtype))
         crossed = time.perf_counter() - start
-        with _LOCK:
-            y = (self.switch(xm, idx) * w[..., None]).sum(axis=-2).astype(xm.dtype)
-            mx.eval(y)
+        y = (self.switch(xm, idx) * w[..., None]).sum(axis=-2).astype(xm.dtype)
+        mx.eval(y)
         start = time.perf_counter()
         out = to_torch(y, x.dtype)
         _count(stats, crossed + time.perf_counter() - start)
@@ -159,8 +158,9 @@ class CountedSwitch:
         self.layer.stats.seconds_per_backend[NAME] += seconds
         return y
 
-    def flush(self) -> None:
-        for inds in self.pending:
+    def flush(self, count: bool = True) -> None:
+        """Count the calls kept since (`count` False: drop them, never computed)."""
+        for inds in self.pending if count else ():
             idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
             self.layer.count_exact(idx)
         self.pending.clear()

@@ -20,25 +20,15 @@ from runtime.dense.parts import PartTimes
 from runtime.errors import NpumoeError
 from runtime.executor import PlanRun
 from runtime.loading.model_loader import read_model_spec
+from runtime.mlx.blocks import MOE_BLOCKS, moe_blocks
 from runtime.mlx.formats import NAME
 from runtime.mlx.mlx_exact import device
 from runtime.mlx.moe_block import CountedSwitch, PlannedSwitch, SwitchExactPath, fast_layer, torch_experts
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 
-MOE_BLOCKS = ("mlp", "block_sparse_moe")  # mlx-lm's names for a decoder layer's MoE block, by family
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 SHARED = ("shared_expert", "shared_expert_gate")
-
-
-def moe_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """(layer index, MoE block) of mlx-lm's model: each decoder layer's block holding a `switch_mlp`."""
-    out = []
-    for index, layer in enumerate(model.layers):
-        block = next((getattr(layer, n) for n in MOE_BLOCKS if n in layer), None)
-        if block is not None and "switch_mlp" in block:
-            out.append((index, block))
-    return out
 
 
 def dense_lane() -> str:
@@ -98,8 +88,8 @@ def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str 
         mx.eval(out)
         return out
     hidden = model.model(ids, cache)  # every family mlx-lm writes: its decoder, then its head
-    if rows == "none":
-        mx.eval(hidden)
+    if rows == "none":  # the cache only, as mlx-lm's prefill: the last layer's MLP is never computed (no row needs it)
+        mx.eval([c.state for c in cache])
         return None
     tied = getattr(model.args, "tie_word_embeddings", False)
     head = model.model.embed_tokens.as_linear if tied else model.lm_head
@@ -114,7 +104,7 @@ class MlxSpine(PlanRun):
     def __init__(self, model: nn.Module, plan: Plan, path: Path, backends: dict | None = None,
                  plan_path: str = "", options: dict | None = None) -> None:
         check_plan_matches(plan, read_model_spec(str(path)), plan_path)
-        if plan.dense is not None:
+        if plan.dense is not None and plan.dense.backends:
             raise NpumoeError("the plan puts dense functions on a static backend, which the MLX spine does not "
                               "splice in yet: run it with --engine torch")
         names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}
@@ -122,7 +112,7 @@ class MlxSpine(PlanRun):
         super().__init__(plan, backends, options, exact)
         self.model, self.timer = model, _Timer()
         self.switches: dict[int, CountedSwitch | PlannedSwitch] = {}
-        for index, block in moe_blocks(model):
+        for index, block in moe_blocks(model).items():
             fast = fast_layer(plan.layer(index), plan)
             layer = self.add_layer(index, torch_experts(block.switch_mlp, index, check=not fast))
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
@@ -132,9 +122,10 @@ class MlxSpine(PlanRun):
     def install(self) -> MlxSpine:
         if self._originals:
             return self
-        blocks = {id(block): block for _, block in moe_blocks(self.model)}
-        for (_, block), switch in zip(moe_blocks(self.model), self.switches.values()):
-            self._swap(block, "switch_mlp", switch)
+        blocks = moe_blocks(self.model)
+        for index, switch in self.switches.items():
+            self._swap(blocks[index], "switch_mlp", switch)
+        blocks = {id(block) for block in blocks.values()}
         for layer in self.model.layers:
             attn = layer.self_attn
             for name in PROJECTIONS:
@@ -188,14 +179,22 @@ class MlxSpine(PlanRun):
         if self.timer.timing:
             self.timer.times.seconds["total"] += time.perf_counter() - start
         self.timer.times.calls["total"] += 1
-        self.flush()
+        self.flush(computed_last=rows != "none")
         return out
 
-    def flush(self) -> None:
-        """Count the assignments of the forwards evaluated since (the all-mlx-exact layers count after the fact)."""
-        for switch in self.switches.values():
+    def flush(self, computed_last: bool = True) -> None:
+        """Count the assignments of the forwards evaluated since (the all-mlx-exact layers count after the fact).
+        `computed_last` False: a forward that filled the cache only, where the last layer's block never ran (as in
+        mlx-lm's prefill): its routing is not counted (reading it would compute that layer's attention)."""
+        last = len(self.model.layers) - 1
+        for index, switch in self.switches.items():
             if isinstance(switch, CountedSwitch):
-                switch.flush()
+                switch.flush(count=computed_last or index != last)
+
+    @property
+    def all_fast(self) -> bool:
+        """Every MoE layer runs mlx-lm's own switch_mlp (no static group, nothing off mlx-exact)."""
+        return all(isinstance(s, CountedSwitch) for s in self.switches.values())
 
     @contextmanager
     def timed(self) -> Iterator[None]:

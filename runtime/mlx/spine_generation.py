@@ -1,6 +1,6 @@
-"""Generation on the MLX spine: prefill in the plan's chunks and decode steps through mlx-lm's model and its KV cache
-(`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine samples (`generation._sample`, on a view of
-MLX's logits: greedy is mlx-lm's argmax). Imports mlx."""
+"""Generation on the MLX spine: `runtime.generation.Generation`'s prefill and decode steps, run by `SpineModel`
+through mlx-lm's model and its KV cache (`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine
+samples (on a view of MLX's logits: greedy is mlx-lm's argmax). Imports mlx; never imports `runtime.generation`."""
 from __future__ import annotations
 
 import time
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import torch
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.errors import NpumoeError
-from runtime.generation import Generation
 from runtime.loading.checkpoint_reader import transformers_config
 from runtime.mlx.mlx_exact import to_torch
 from runtime.mlx.spine import MlxSpine, forward_rows
@@ -41,48 +41,67 @@ class SpineModel:
     def make_cache(self) -> list:
         return make_prompt_cache(self.mlx)
 
+    def prefill_steps(self, gen) -> Iterator[int]:
+        """`Generation.prefill_steps` on this spine (`gen`: the generation): the same chunks, sampling and
+        timings, each forward in MLX on mlx-lm's cache."""
+        if gen.echo or gen.prefix is not None or gen.keep_at is not None:
+            raise NpumoeError("echo, a reused prefix and kept KV tensors run on the torch spine only: use "
+                              "--engine torch")
+        ids, n = gen.ids.tolist(), gen.ids.numel()
+        cache = self.make_cache()
+        t0 = time.perf_counter()
+        for start, done, rows in prefill_forwards(self, n, gen.chunk):
+            gen.loaded.pin_phase("prefill")
+            out = self.forward(ids[start:done], cache, rows)
+            if done < n and rows == "none":
+                yield done
+        if gen.max_tokens:
+            gen.sample(last_logits(out))
+        gen.cache = cache
+        gen.t1 = time.perf_counter()
+        gen.ttft_s = gen.t1 - t0
+
+    def step(self, gen) -> None:
+        """`Generation.step` on this spine: one decode step on the generation's own cache."""
+        t = time.perf_counter()
+        gen.loaded.pin_phase("decode")
+        out = self.forward([gen.tokens[-1]], gen.cache)
+        gen.sample(last_logits(out))
+        gen.step_s.append(time.perf_counter() - t)
+
     def forward(self, ids: list[int], cache: list, rows: str = "last") -> mx.array | None:
+        """On mlx-lm's generation stream, as its own generation runs (one per thread)."""
         x = mx.array(ids, dtype=mx.uint32)[None]
-        if self.spine is not None and self.spine.installed:
-            return self.spine.forward(x, cache, rows)
-        return forward_rows(self.mlx, x, cache, rows)
+        with mx.stream(generation_stream):
+            if self.spine is not None and self.spine.installed:
+                return self.spine.forward(x, cache, rows)
+            return forward_rows(self.mlx, x, cache, rows)
+
+
+def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
+                     every_position: bool = False) -> Iterator[tuple[int, int, str]]:
+    """(first, end, rows) of each forward prefilling tokens start..end in `chunk`s: the last row's logits at the
+    end (`forward_rows`), or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size
+    matters to it) the prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the
+    last layer's attention output or experts, so they are never computed."""
+    split = not every_position and (model.spine is None or model.spine.all_fast)
+    for first in range(start, end, chunk):
+        stop = min(first + chunk, end)
+        if every_position:
+            yield first, stop, "all"
+        elif stop < end:
+            yield first, stop, "none"
+        elif split and stop - first > 1:
+            yield first, stop - 1, "none"
+            yield stop - 1, stop, "last"
+        else:
+            yield first, stop, "last"
 
 
 def last_logits(out: mx.array) -> torch.Tensor:
     """The last position's logits as a float32 torch view (no copy where they are float32)."""
     row = out[0, -1]
     return to_torch(row if row.dtype == mx.float32 else row.astype(mx.float32), torch.float32)
-
-
-class SpineGeneration(Generation):
-    """`Generation` on the MLX spine: the same sampling, stopping and timings; prefill and decode steps in MLX."""
-
-    def prefill_steps(self) -> Iterator[int]:
-        if self.echo or self.prefix is not None or self.keep_at is not None:
-            raise NpumoeError("echo, a reused prefix and kept KV tensors run on the torch spine only: use "
-                              "--engine torch")
-        model: SpineModel = self.loaded.model
-        ids, n = self.ids.tolist(), self.ids.numel()
-        cache = model.make_cache()
-        t0 = time.perf_counter()
-        for start in range(0, n, self.chunk):
-            self.loaded.pin_phase("prefill")
-            done = min(start + self.chunk, n)
-            out = model.forward(ids[start:done], cache, "last" if done == n else "none")
-            if done < n:
-                yield done
-        if self.max_tokens:
-            self.sample(last_logits(out))
-        self.cache = cache
-        self.t1 = time.perf_counter()
-        self.ttft_s = self.t1 - t0
-
-    def step(self) -> None:
-        t = time.perf_counter()
-        self.loaded.pin_phase("decode")
-        out = self.loaded.model.forward([self.tokens[-1]], self.cache)
-        self.sample(last_logits(out))
-        self.step_s.append(time.perf_counter() - t)
 
 
 def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
@@ -94,11 +113,8 @@ def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prom
     flat, rows = ids.tolist(), []
     for s in range(0, n, step):
         cache = model.make_cache()
-        end = min(s + step, n)
-        for start in range(s, end, chunk_tokens):
-            done = min(start + chunk_tokens, end)
-            out = model.forward(flat[start:done], cache, "all" if every_position else "last" if done == end
-                                else "none")
+        for start, done, kept in prefill_forwards(model, min(s + step, n), chunk_tokens, s, every_position):
+            out = model.forward(flat[start:done], cache, kept)
             if out is not None:
                 rows.append(to_torch(out[0].astype(mx.float32), torch.float32))
     return torch.cat(rows)

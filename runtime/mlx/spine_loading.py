@@ -13,7 +13,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from runtime.errors import NpumoeError
-from runtime.loading.model_loader import RANDOM_PREFIX, model_dir
+from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
 from runtime.mlx.mlx_exact import device
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -47,11 +48,14 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     from mlx_lm.utils import load_model
 
     path = model_dir(name)
+    open_checkpoint(path)  # its files whole and its config agreeing, as the torch spine checks: one line
+    check_tokenizer_files(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         model, _ = load_model(path, model_config=folder_config(path))
-    except (ValueError, KeyError) as e:  # mlx-lm's own refusals: an unknown family, weights it does not expect
-        raise NpumoeError(f"mlx-lm cannot load {path}: {e}") from None
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:  # mlx-lm's own refusals: an unknown family,
+        # weights or config fields it does not expect
+        raise NpumoeError(f"--engine mlx: mlx-lm cannot load {path}: {str(e).splitlines()[0][:160]}") from None
     to = compute_dtype(dtype)
     if to is not None:
         model.update(tree_map(lambda a: a.astype(to) if a.dtype in _FLOATS else a, model.parameters()))
