@@ -11,6 +11,13 @@ all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill
 `search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them) and `mlx_gpu_pp`:
 the all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk each), beside llama.cpp's measured M2
 Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
+
+    python scripts/bench_prefill.py --shape qwen3-235b-a22b --macs 2 --prompt-tokens 4096 [--budget-gb 192]
+
+With `--macs N`, the model's layers split across N Macs of the profile, each with `--budget-gb` of memory (an M2
+Ultra's 192 GB), joined by the profile's link (Thunderbolt 5's published rate; `--link-gb-s` replaces it): the
+split, each stage's plan and memory, the link time, the pipelined prefill, and the same Macs running mlx-lm's
+pipeline on the GPU alone (`autotune.searching.pipeline_report`). All predicted.
 """
 from __future__ import annotations
 
@@ -21,18 +28,22 @@ import time
 from make_shape_twin import TWINS  # scripts/: the published configs of the paper's models
 
 from autotune.calibration.traces import synthetic_traces
+from autotune.costing.pipeline_link import profile_link
 from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import chunk_candidates, run_search
+from autotune.searching.pipeline_plan import Mac, StageSearch, plan_pipeline
+from autotune.searching.pipeline_report import pipeline_report
 from autotune.searching.prefill_report import mlx_gpu_prefill, whole_prefill
 from autotune.searching.report import plot_tradeoff
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import layer_space
 from runtime.plan import COMPRESSIONS
 
-SHAPES = ("qwen3-30b-a3b", "phi-3.5-moe", "phi-tiny-moe")
+SHAPES = ("qwen3-30b-a3b", "phi-3.5-moe", "phi-tiny-moe")  # the paper's (make_figures.py draws each)
+LARGE_SHAPES = ("qwen3-235b-a22b",)  # past the paper's, for --macs
 RESIDENT_BYTES = 64e9  # all layers: a 64 GB budget for resident expert weights (as bench_search.py)
 # measured by others on an M2 Ultra: llama.cpp Metal, Qwen3-30B-A3B Q8_0, -ub 2048 (llama.cpp PR #15616), tok/s
 LLAMA_CPP_M2_ULTRA = {"qwen3-30b-a3b": {512: 2045.0, 2048: 2273.0}}
@@ -87,10 +98,25 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
             "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
 
 
+def bench_macs(profile, name: str, macs: int, budget_gb: float, link_gb_s: float | None, prompt_tokens: int,
+               objective: str, skew: float, prompts: int, trials: int, compress: tuple[str, ...]) -> dict:
+    """The model split across `macs` Macs of one profile (see the module docstring)."""
+    shape = DecoderShape.from_config(TWINS[name])
+    traces = synthetic_traces(spec_of(name, shape), prompts, prompt_tokens, skew=skew, tokens=True)
+    workloads = {c: LayerData.from_traces(traces, c, prompt_tokens) for c in chunk_candidates(prompt_tokens,
+                                                                                              shape.context)}
+    cluster = [Mac(f"mac{i}", profile.cost_model, budget_gb * 1e9) for i in range(macs)]
+    link = profile_link(profile.extra, link_gb_s)
+    out = plan_pipeline(cluster, shape, workloads, prompt_tokens, link,
+                        StageSearch(objective, trials, compress, progress=True))
+    return {"shape": name, "objective": objective, "skew": skew, **pipeline_report(out, shape, workloads,
+                                                                                   prompt_tokens, link)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="apple-m2-ultra-published")
-    ap.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
+    ap.add_argument("--shape", choices=SHAPES + LARGE_SHAPES, default="qwen3-30b-a3b")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--objective", choices=("latency", "energy", "cpu"), default="latency")
     ap.add_argument("--skew", type=float, default=1.1, help="Zipf skew of the synthetic routing (default 1.1)")
@@ -98,7 +124,16 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=40, help="Optuna trials per layer (default 40)")
     ap.add_argument("--compress", default=",".join(COMPRESSIONS))
     ap.add_argument("--chart", help="write the latency/energy trade of the candidate plans to this PNG")
+    ap.add_argument("--macs", type=int, default=1, help="split the model across this many Macs (default 1)")
+    ap.add_argument("--budget-gb", type=float, default=192.0, help="each Mac's memory with --macs (default 192: an "
+                    "M2 Ultra's)")
+    ap.add_argument("--link-gb-s", type=float, help="the link's rate one way with --macs (default: the profile's)")
     args = ap.parse_args()
+    if args.macs > 1:
+        print(json.dumps(bench_macs(load_profile(args.profile), args.shape, args.macs, args.budget_gb, args.link_gb_s,
+                                    args.prompt_tokens, args.objective, args.skew, args.prompts, args.trials,
+                                    tuple(args.compress.split(",")))))
+        return
     cost = load_profile(args.profile).cost_model
     result = bench(cost, args.shape, args.prompt_tokens, args.objective, args.skew, args.prompts, args.trials,
                    tuple(args.compress.split(",")))

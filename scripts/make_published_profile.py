@@ -4,9 +4,9 @@ by npumoe).
 Revision 2 (`settings.revision`): the fixed cost per ANE call is the Core ML `predict()` path's, the path the
 runtime takes, and CPU and ANE power are given, so `--objective energy|both` works on this profile. Revision 3: the
 GPU, as `mlx-exact` (MLX's exact path, and every dense op a plan runs there), and the memory bus the three lanes
-share. Every figure
-names its source in `sources` and says whether it was read at the source (`seen: primary`) or only quoted by
-another page (`seen: second-hand`).
+share. Revision 4: the link between two Macs (`link`: Thunderbolt 5's published rate), which prices a pipeline across
+Macs. Every figure names its source in `sources` and says whether it was read at the source (`seen: primary`) or
+only quoted by another page (`seen: second-hand`).
 
 - Matmul latency: NPUMoE (Benazir & Lin, arXiv:2604.18788), dense matmul on M2 Ultra, Core ML CPU-only vs CPU+ANE,
   per (M, N, K). The ANE backend is fitted to the CPU+ANE column, the CPU backends (`cpu-exact`, and `cpu-static`,
@@ -35,7 +35,7 @@ from autotune.costing.costmodel import BackendModel, CostModel, HostCosts
 from autotune.costing.fitting import fit_backend, heldout_errors, predict_record
 from autotune.profiling.profile import Profile, save_profile, utc_now
 
-REVISION = 3
+REVISION = 4
 PAPER = ("NPUMoE: Benazir & Lin, 'Efficient Mixture-of-Experts LLM Inference with Apple Silicon NPUs', "
          "arXiv:2604.18788 (2026), dense matmul table, M2 Ultra, Core ML CPU-only vs CPU+ANE (figures as transcribed "
          "in npumoe issue 4)")
@@ -48,6 +48,7 @@ GPU_GEMM_TFLOPS = 20.5
 GPU_SYNC_MS = 0.18
 GPU_POWER_W = 62.05
 MEMORY_GB_S = 800.0
+LINK_GB_S = 10.0  # Thunderbolt 5: 80 Gb/s each way
 
 
 def cite(source: str, seen: str, says: str) -> dict:
@@ -127,6 +128,23 @@ SOURCES |= {
                        "primary", "M2 Ultra 192 GB: prefill GPU power 62.05 W under MLX, 0.22 W with ANE prefill "
                        "(282x less)")]},
 }
+SOURCES |= {
+    "link_gb_s": {
+        "value": LINK_GB_S, "unit": "GB/s",
+        "how": "the link between two Macs of a pipeline, one way: Thunderbolt 5's 80 Gb/s symmetric rate (Bandwidth "
+               "Boost's 120 Gb/s is one way with 40 back, for displays), as a Thunderbolt bridge carries it; no fixed "
+               "cost per transfer is priced (none of the sources times one). An M2 Ultra Mac Studio's own ports are "
+               "Thunderbolt 4 (40 Gb/s, 5 GB/s; Apple's specifications, not in `cites`): `--link-gb-s 5` prices that",
+        "cites": [cite("HotHardware, 'Intel Unveils Thunderbolt 5 ...' (2023-09), https://hothardware.com/news/intel-"
+                       "unveils-thunderbolt-5-with-a-massive-speed-increase-and-gaming-at-540hz", "second-hand",
+                       "Intel's announcement: 80 Gb/s bi-directional, 120 Gb/s with Bandwidth Boost for displays; "
+                       "Thunderbolt 4: 40 Gb/s"),
+                  cite("Plugable, 'What is Thunderbolt 5 Bandwidth Boost', https://kb.plugable.com/general-support-"
+                       "articles/what-is-thunderbolt-5-bandwidth-boost", "second-hand",
+                       "up to 80 Gb/s bi-directional; Bandwidth Boost: 120 Gb/s one way and 40 Gb/s the other")]},
+}
+LINK = {"name": "thunderbolt-5", "gb_per_s": LINK_GB_S, "latency_ms": 0.0, "label": "published",
+        "source": "sources.link_gb_s: Thunderbolt 5, 80 Gb/s each way (Intel's figure, as reported)"}
 SUPERSEDED = {"ane_call_ms": "revision 1 pinned 0.095 ms (the private _ANEClient path on an M4)",
               "ane_power_w": "revision 1 used 2.8 W (M4 ANE peak, maderix)", "cpu_power_w": "revision 1 had none"}
 
@@ -198,7 +216,7 @@ def main() -> None:
                 "source": "see sources.cpu_power_w, sources.ane_power_w and sources.gpu_power_w; energy = power x "
                           "predicted busy time"},
         created=utc_now(),
-        extra={"sources": SOURCES, "superseded": SUPERSEDED,
+        extra={"link": LINK, "sources": SOURCES, "superseded": SUPERSEDED,
                "not_measured": ["host-side pack/unpack and exact-path bookkeeping (0 in predictions)",
                                 "per-expert launch cost inside a CPU call (0)",
                                 "kernel launches inside one MLX graph (0; the GPU's per-call cost is its sync)",

@@ -43,6 +43,17 @@ TWINS: dict[str, dict] = {
         mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, attention_bias=False,
         bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-235B-A22B config.json: well-known published values (94 layers, 128 experts of 1536, top-8, hidden
+    # 4096, 64 heads / 4 KV heads of 128, vocab 151936, rope base 1e6, 40960 positions, untied embeddings); the
+    # same numbers as a copy of its config in a test of a public repository (`_QWEN3_MOE_CONFIG`, named
+    # Qwen/Qwen3-235B-A22B). The repository itself was not in the search index.
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, attention_bias=False,
+        bos_token_id=151643, eos_token_id=151645),
     # microsoft/Phi-3.5-MoE-instruct config.json: well-known published values (16 experts of 6400, top-2, hidden
     # 4096, 32 layers, 32 heads / 8 KV heads, vocab 32064, attention and lm_head biases, 131072 positions; the
     # transformers PhimoeConfig defaults are documented as this model's). Its LongRoPE scaling is left out (a

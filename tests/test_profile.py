@@ -108,8 +108,9 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
     assert prof.published
     cm = prof.cost_model
     assert {"ane", "cpu-exact", "cpu-static"} <= set(cm.backends)
-    # revision 2: the Core ML predict() path's fixed cost, and cited CPU and ANE power; 3: the GPU (mlx-exact)
-    assert prof.settings["revision"] == 3
+    # revision 2: the Core ML predict() path's fixed cost, and cited CPU and ANE power; 3: the GPU (mlx-exact);
+    # 4: the link between Macs (Thunderbolt 5, published)
+    assert prof.settings["revision"] == 4
     assert cm.call_ms("ane") == pytest.approx(0.27)
     assert cm.models["ane"].overlaps_cpu and cm.power_w("ane") == pytest.approx(1.58)
     assert cm.power_w("cpu-exact") == cm.power_w("cpu-static") == pytest.approx(61.0) and cm.has_energy
@@ -118,7 +119,7 @@ def test_shipped_apple_profile_plans_for_the_ane_from_linux():
     assert 1 / gpu.ms_per_gflop == pytest.approx(20.5) and 1 / gpu.ms_per_mb == pytest.approx(800.0)
     assert cm.bus_ms_per_mb == pytest.approx(1 / 800.0) and cm.plan_exact() == "mlx-exact"
     for key in ("ane_call_ms", "ane_power_w", "cpu_power_w", "gpu_gemm_tflops", "gpu_call_ms", "gpu_power_w",
-                "memory_gb_s", "gpu_peak_tflops"):
+                "memory_gb_s", "gpu_peak_tflops", "link_gb_s"):
         cites = prof.extra["sources"][key]["cites"]
         assert cites and all(c["seen"] in ("primary", "second-hand") and c["source"] for c in cites)
     assert prof.extra["sources"]["cpu_power_w"]["cites"][0]["seen"] == "second-hand"  # Ars, as quoted

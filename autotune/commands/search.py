@@ -33,6 +33,7 @@ from autotune.searching.config import DEFAULTS, SearchConfig
 from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
+from runtime.errors import NpumoeError
 from runtime.plan import COMPRESSIONS, SALIENCY_RULES
 
 
@@ -110,7 +111,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the static backend the plan's groups run on (one the profile fits); default: chosen, the "
                         "Neural Engine's preferred framework first (Core AI on macOS 27, Core ML before)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_macs_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_macs_arguments(p: argparse.ArgumentParser) -> None:
+    """Past one Mac (autotune/searching/pipeline_search.py): the layers split across Macs, a plan per stage."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--macs", type=positive_int, metavar="N", help="split the model across N Macs of --profile "
+                       "(writes <plan>.pipeline.json and <plan>.stage<k>.json next to the plan)")
+    where.add_argument("--hosts", metavar="FILE", help="split it across the Macs of an MLX hostfile (mlx.launch "
+                       "--hostfile), each with optional \"profile\" and \"memory_gb\"")
+    p.add_argument("--mac-memory-gb", type=positive_float, default=192.0, metavar="GB",
+                   help="each Mac's memory with --macs/--hosts (default 192: an M2 Ultra's)")
+    p.add_argument("--link-gb-s", type=positive_float, metavar="X",
+                   help="the link between Macs, GB/s one way (default: the profile's, Thunderbolt 5's published rate)")
 
 
 def search_config(args: argparse.Namespace) -> SearchConfig:
@@ -125,10 +140,36 @@ def run(args: argparse.Namespace) -> int:
         require_output(path, "--out")
     if not config.traces and not default_traces_path(args.model).exists():  # the search calibrates into it
         require_output(default_traces_path(args.model), "--traces")
+    if args.macs or args.hosts:
+        return run_across_macs(args, config.replace(out=str(out)))
     result = pipeline.search_plan(args.model, config.replace(out=str(out)), progress=not args.json)
     if args.json:
         print_json(result.to_json())
     else:
         print(format_report(result.to_json()))
         print(f"wrote {out} (+ {', '.join(p.name for p in result.sidecars)}) in {result.seconds:.1f} s")
+    return 0
+
+
+def run_across_macs(args: argparse.Namespace, config: SearchConfig) -> int:
+    from autotune.searching import pipeline_search as ps
+
+    hosts = (ps.read_hosts(args.hosts, config.profile, args.mac_memory_gb) if args.hosts else
+             [ps.HostSpec(f"mac{i}", config.profile, args.mac_memory_gb) for i in range(args.macs)])
+    if len(hosts) < 2:
+        raise NpumoeError("--macs: a pipeline needs at least 2 Macs")
+    out = Path(config.out)
+    for path in (*pipeline.search_sidecars(out, config.objective, tradeoff=True), *ps.stage_paths(out, len(hosts))[1],
+                 ps.stage_paths(out, len(hosts))[0]):
+        require_output(path, "--out")
+    report = ps.search_across_macs(args.model, config, hosts, args.link_gb_s, progress=not args.json)
+    if args.json:
+        print_json(report)
+    else:
+        for s in report["stages"]:
+            print(f"stage {s['stage']} (rank {s['rank']}, {s['host']}): layers {s['layers'][0]}..{s['layers'][1] - 1}, "
+                  f"predicted {s['predicted_stage_ms']:.1f} ms -> {s['plan']}")
+        p = report["predicted"]
+        print(f"predicted pipelined prefill of {p['prompt_tokens']} tokens: {p['prefill_ms']:.1f} ms (efficiency "
+              f"{p['efficiency']:.2f}); link {report['link']['name']} ({report['link']['label']})")
     return 0
