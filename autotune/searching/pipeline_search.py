@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.calibration.traces import default_traces_path, load_traces
-from autotune.costing.memory import HIDDEN_BUFFERS, RUNTIME_BYTES
+from autotune.costing.memory import HIDDEN_BUFFERS, RUNTIME_BYTES, ModelSize, model_size
 from autotune.costing.pipeline_link import LinkFigure, pipeline_ms, profile_link
 from autotune.costing.stage_prefill import kv_bytes_per_layer, stage_chunk_ms, stage_shape
-from autotune.costing.whole_prefill import DecoderShape, placement_of
+from autotune.costing.whole_prefill import DecoderShape, decoder_shape, placement_of
 from autotune.profiling.profile import load_profile
 from autotune.searching.layer_data import LayerData
 from autotune.searching.pipeline_plan import chunk_links, layer_times
@@ -94,18 +94,18 @@ class HostPricing:
 
 def pricing(host: HostSpec, plan: Plan, record, traces_path: str | Path, backend: str) -> HostPricing:
     prof = load_profile(host.profile) if host.profile else load_profile("host")
-    cost, _ = prof.cost_model_for(record.size.layer_bytes, dtype_name(record.compute_dtype))
+    cost, _ = prof.cost_model_for(model_size(record).layer_bytes, dtype_name(record.compute_dtype))
     prompt = int((plan.meta or {}).get("prompt_tokens") or plan.chunk_tokens)
     layers = LayerData.from_traces(load_traces(traces_path), plan.chunk_tokens, prompt)
     scorer = Scorer(cost, record.spec.hidden_size, record.spec.expert_ffn_size, backend, float("inf"))
     return HostPricing(host, plan, scorer, layers, prompt)
 
 
-def split_hosts(layer_ms: list[list[float]], hosts: list[HostSpec], shape: DecoderShape, record, prompt: int,
-                chunk: int) -> list[tuple[int, int]]:
+def split_hosts(layer_ms: list[list[float]], hosts: list[HostSpec], shape: DecoderShape, size: ModelSize,
+                prompt: int, chunk: int) -> list[tuple[int, int]]:
     """The split by each layer's time on each host, its weights and KV cache within each host's memory."""
-    per_layer = [record.size.layer_bytes + kv_bytes_per_layer(shape, prompt) for _ in range(shape.num_layers)]
-    fixed = (2 * shape.vocab * shape.hidden * record.size.dtype_bytes + RUNTIME_BYTES
+    per_layer = [size.layer_bytes + kv_bytes_per_layer(shape, prompt) for _ in range(shape.num_layers)]
+    fixed = (2 * shape.vocab * shape.hidden * size.dtype_bytes + RUNTIME_BYTES
              + HIDDEN_BUFFERS * chunk * shape.hidden * 4 + ane_limits.WINDOW_BYTES)
     return balanced_split(layer_ms, per_layer, [fixed] * len(hosts), [h.memory_gb * GB for h in hosts])
 
@@ -138,15 +138,14 @@ def search_across_macs(model: str, config, hosts: list[HostSpec], link_gb_s: flo
                        progress: bool = True) -> dict:
     """Search, split and write (see the module docstring); returns the pipeline file's content."""
     from autotune import pipeline
-    from autotune.searching.model_record import resolve_model
+    from runtime.loading.model_record import resolve_model
 
     out = Path(config.out) if config.out else pipeline.default_plan_path(model, config.profile)
     link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
     record = resolve_model(model, config.dtype)
-    if record.shape is None:
-        raise NpumoeError(f"{model}: its decoder's shapes are unknown, so its layers cannot be priced for a split")
-    zeros = [[0.0] * record.shape.num_layers for _ in hosts]  # the weights alone, before any search
-    split_hosts(zeros, hosts, record.shape, record, config.prompt_tokens or 0, 256)
+    shape, size = decoder_shape(record), model_size(record)
+    zeros = [[0.0] * shape.num_layers for _ in hosts]  # the weights alone, before any search
+    split_hosts(zeros, hosts, shape, size, config.prompt_tokens or 0, 256)
     searched: dict[str | None, object] = {}
     for h in hosts:
         if h.profile not in searched:
@@ -156,10 +155,10 @@ def search_across_macs(model: str, config, hosts: list[HostSpec], link_gb_s: flo
     traces = config.traces or default_traces_path(model)
     prices = [pricing(h, searched[h.profile].plan, record, traces, searched[h.profile].report.to_json()
                       ["static_backend"]) for h in hosts]
-    split = split_hosts([p.layer_ms(record.shape) for p in prices], hosts, record.shape, record, prices[0].prompt,
+    split = split_hosts([p.layer_ms(shape) for p in prices], hosts, shape, size, prices[0].prompt,
                         prices[0].plan.chunk_tokens)
     pipe_path, files = stage_paths(out, len(hosts))
-    report = pipeline_json(prices, record.shape, split, link, files)
+    report = pipeline_json(prices, shape, split, link, files)
     write_stages([p.plan for p in prices], hosts, split, files)
     atomic_write_json(pipe_path, report)
     return report
