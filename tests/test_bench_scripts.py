@@ -64,3 +64,20 @@ def test_bench_serve_quick(tmp_path):
 def test_bench_scale_quick(tmp_path):
     out = run_script("bench_scale.py", "--quick", cwd=tmp_path, timeout=3600)
     assert out["peak_rss_over_checkpoint_max"] > 0 and out["build_mb_per_s"] > 0
+
+
+def test_host_check_names_the_host_its_dtype_and_threads(monkeypatch):
+    """scripts/host_prefill_check.py's output starts with what it measured on: the CPU model (/proc/cpuinfo), the
+    thread count and each shape's compute dtype (the same in its JSON: `host`, `threads`, `compute_dtype`)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import host_prefill_check as check
+
+    from autotune.profiling.profile import cpu_model
+
+    result = {"shape": "phi-tiny-moe", "compute_dtype": "bfloat16", "predicted_prefill_ms": 900.0,
+              "measured_prefill_ms": 1000.0, "ratio": 0.9, "verdict": "ok", "parts": {}, "chunk_tokens": 1024,
+              "measured_prefill_cpu_ms": 950.0, "ratio_cpu": 0.947, "host_speed": None}
+    host = check.host_facts(check.THREADS)
+    first = check.table([result], host, check.THREADS).splitlines()[0]
+    assert first == (f"host: {cpu_model()} ({host['logical_cores']} logical cores, {host['os']}); 1 thread(s); "
+                     "computed in: phi-tiny-moe bfloat16")
