@@ -161,7 +161,7 @@ def profile_device(backends: list[str] | None = None, *, quick: bool = False, th
         profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
     profile.path = str(out)
     if record is not None:
-        profile = measure_model_shapes(profile, record, quick, progress)[0]
+        profile = measure_model_shapes(profile, model, record, quick, progress)[0]
     save_profile(profile, out)
     return profile
 
@@ -174,11 +174,11 @@ def model_to_measure(model: str, dtype: str = "auto") -> ModelRecord:
     return record
 
 
-def measure_model_shapes(profile: Profile, record: ModelRecord, quick: bool = True,
+def measure_model_shapes(profile: Profile, model: str, record: ModelRecord, quick: bool = True,
                          progress: bool = True) -> tuple[Profile, int, float]:
-    """`profile` with records at the model's own shapes added and refitted (`model_records.add_model_records`);
-    with the records' count and the seconds they took."""
-    return add_model_records(profile, record.shape, model_label(record.name), quick, progress, record.compute_dtype)
+    """`profile` with records at `model`'s own shapes (`record`: it resolved) added and refitted
+    (`model_records.add_model_records`); with the records' count and the seconds they took."""
+    return add_model_records(profile, record.shape, model_label(model), quick, progress, record.compute_dtype)
 
 
 # --- search ---------------------------------------------------------------------------------------------------------
