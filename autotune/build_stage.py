@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from autotune.build_io import private_tempdir, progress_factory
 from runtime.loading.model_loader import load_model, model_spec, moe_layers, read_model_spec
 from runtime.plan import check_plan_matches, load_plan
@@ -50,7 +48,8 @@ def build(model: str, plan: str | os.PathLike, *, out: str | os.PathLike | None 
 def _build_coreai(model: str, plan: str | os.PathLike, out: str | os.PathLike | None, compress: str | None,
                   function_weight_bytes: float | None, dtype: str, progress: bool):
     """`build` of a Core AI asset: the model loaded (its dense functions' modules and its experts, an MLX folder's
-    kept packed), the asset computing in float32 for a float32 build, else in float16 (the Neural Engine's)."""
+    kept packed), the asset computing in float32 for `--dtype float32`, else (`auto` included, whatever the host
+    computes a checkpoint in) in float16: the Neural Engine's precision, checked against ane-sim."""
     from runtime.coreai.builder import build_asset
     from runtime.coreml import ane_limits
     from runtime.loading.expert_weights import ModuleExperts
@@ -59,7 +58,7 @@ def _build_coreai(model: str, plan: str | os.PathLike, out: str | os.PathLike | 
     loaded = load_model(model, dtype)[0]
     check_plan_matches(loaded_plan, model_spec(loaded), str(plan))
     source = ModuleExperts({layer.index: layer.experts for layer in moe_layers(loaded)})
-    asset_dtype = "float32" if loaded.dtype == torch.float32 else "float16"
+    asset_dtype = "float32" if dtype == "float32" else "float16"
     with private_tempdir():
         return build_asset(source, loaded_plan, out or Path(plan).with_suffix(".aimodel"), asset_dtype, compress,
                            loaded, function_weight_bytes or ane_limits.FUNCTION_WEIGHT_BYTES,

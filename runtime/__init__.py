@@ -4,11 +4,13 @@ The application API (`load`, `generate`, `stream_generate`, from `runtime.genera
 so `import runtime.plan` stays light."""
 from __future__ import annotations
 
+from runtime.import_noise import filter_import_noise
 from runtime.torchao_hidden import hide_torchao
 
 _API = ("load", "generate", "stream_generate", "Loaded")
 
 hide_torchao()
+filter_import_noise()
 
 
 def __getattr__(name: str):

@@ -3,13 +3,16 @@
 #
 #   scripts/mac_first_run.sh [REPORT.json]      (default: mac_first_run.json; run inside npumoe's venv)
 #
-# Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's ANE
-# groups (a template plan with every group on the ane backend when the tuned plan puts none there); run on the ane
-# backend against the reference; evaluate; on macOS 27, a plan with every group and dense function on the coreai
-# backend built into a Core AI asset and run against the reference. A failing step is recorded with its exit code
-# and output and the run goes on where it can; the script then exits 1 (the report says which steps failed), 0 only
-# when every step passed. Off macOS it stops at once and says why (exit 0): there is no Neural Engine to exercise, and
-# `autotune doctor` already covers what a Linux host can check.
+# Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's device
+# functions in the format the plan names (a Core AI .aimodel where its groups are on coreai, macOS 27; Core ML
+# .mlpackage files where they are on ane; a template plan with every group on the ane backend when the tuned plan puts
+# none on a device); run against the reference; evaluate; where Core AI is there (macOS 27 and the doctor's coreai
+# check not skipped), a plan with every group and dense function on the coreai backend built into a Core AI asset and
+# run against the reference. A failing step is recorded with its exit code and output and the run goes on where it
+# can; the report holds each step's outcome and the Neural Engine shares Core AI's compute plan gave each build's
+# functions. The script then exits 1 (the report says which steps failed), 0 only when every step passed. Off macOS it
+# stops at once and says why (exit 0): there is no Neural Engine to exercise, and `autotune doctor` already covers
+# what a Linux host can check.
 set -uo pipefail
 
 REPORT="${1:-mac_first_run.json}"
@@ -39,16 +42,29 @@ step doctor autotune doctor --json
 step profile autotune profile-device --quick --no-progress --out "$WORK/profile.json"
 step search autotune search --model "$MODEL" --profile "$WORK/profile.json" --trials 40 --out "$WORK/plan.json" --json
 PLAN="$WORK/plan.json"
-step build autotune build --model "$MODEL" --plan "$PLAN" --out "$WORK/plan.mlpackage" --no-progress
-if [ "$(cat "$WORK/build.rc")" != 0 ] && grep -q "no group on the ane backend" "$WORK/build.err"; then
+# No --out: the build writes the format the plan names beside it (plan.aimodel or plan.mlpackage) and, either way,
+# plan.manifest.json, which run and evaluate take.
+step build autotune build --model "$MODEL" --plan "$PLAN" --no-progress
+PACKAGE="$WORK/plan.manifest.json"
+if [ "$(cat "$WORK/build.rc")" != 0 ] && grep -q "nothing to build" "$WORK/build.err"; then
     PLAN="$WORK/template.json"  # the tuned plan keeps everything on the CPU: exercise the ANE with a template
     step template autotune plan-template --model "$MODEL" --capacity ample --backend ane --out "$PLAN"
-    step build_template autotune build --model "$MODEL" --plan "$PLAN" --out "$WORK/plan.mlpackage" --no-progress
+    step build_template autotune build --model "$MODEL" --plan "$PLAN" --no-progress
+    PACKAGE="$WORK/template.manifest.json"
 fi
-step run autotune run --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --reference --json
-step evaluate autotune evaluate --model "$MODEL" --plan "$PLAN" --package "$WORK/plan.mlpackage" --json
-# macOS 27: the same through Core AI on the Neural Engine (every group and dense function in one .aimodel asset).
-if [ "$(sw_vers -productVersion 2>/dev/null | cut -d. -f1)" -ge 27 ] 2>/dev/null; then
+step run autotune run --model "$MODEL" --plan "$PLAN" --package "$PACKAGE" --reference --json
+step evaluate autotune evaluate --model "$MODEL" --plan "$PLAN" --package "$PACKAGE" --json
+# Core AI on the Neural Engine (macOS 27, and the doctor found Core AI there): every group and dense function in
+# one .aimodel asset.
+coreai_here() {
+    "$PYTHON" - "$WORK/doctor.out" <<'PY'
+import json, sys
+lines = [l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]
+checks = json.loads(lines[-1]).get("checks", []) if lines else []
+sys.exit(0 if any(c.get("name") == "coreai" and c.get("status") != "skip" for c in checks) else 1)
+PY
+}
+if [ "$(sw_vers -productVersion 2>/dev/null | cut -d. -f1)" -ge 27 ] 2>/dev/null && coreai_here 2>/dev/null; then
     step coreai_template autotune plan-template --model "$MODEL" --capacity ample --overflow spill --backend coreai \
         --dense coreai --chunk 64 --prompt-tokens 256 --out "$WORK/coreai.json"
     step coreai_build autotune build --model "$MODEL" --plan "$WORK/coreai.json" --out "$WORK/coreai.aimodel" \
@@ -92,6 +108,9 @@ if profile.exists():
     out["profile"] = {"heldout": obj["heldout"],
                       "backends": {b: {k: m[k] for k in ("call_ms", "ms_per_gflop", "power_w")}
                                    for b, m in obj["cost_model"]["backends"].items()}}
+for name, step in out["steps"].items():  # where Core AI's compute plan put each build's functions (macOS 27)
+    if name.endswith("build") and isinstance(step["json"], dict) and step["json"].get("placement"):
+        out.setdefault("placement", {})[name] = {f: s["share"] for f, s in step["json"]["placement"].items()}
 for name in ("plan.json", "template.json"):
     if (work / name).exists():
         out.setdefault("plans", {})[name] = json.loads((work / name).read_text())

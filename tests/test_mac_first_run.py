@@ -26,11 +26,13 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def _run_stubbed(tmp_path: Path, autotune: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """The script on a stub Mac (`uname` says Darwin) with `autotune` stubbed by the bash `case` body given."""
+def _run_stubbed(tmp_path: Path, autotune: str, macos: str = "15.5") -> tuple[subprocess.CompletedProcess, Path]:
+    """The script on a stub Mac (`uname` says Darwin, `sw_vers` says `macos`) with `autotune` stubbed by the bash
+    `case` body given."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _stub(bin_dir / "uname", 'echo Darwin\n')
+    _stub(bin_dir / "sw_vers", f'echo {macos}\n')
     _stub(bin_dir / "autotune", f'case "$1" in\n{autotune}esac\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
     report = tmp_path / "r.json"
@@ -84,3 +86,37 @@ def test_first_run_exits_nonzero_when_a_step_fails(tmp_path):
     r = json.loads(report.read_text())
     assert not r["ok"] and r["steps"]["run"]["exit_code"] == 3 and r["steps"]["evaluate"]["exit_code"] == 0
     assert "failed: run (exit 3)" in proc.stderr
+
+
+def test_first_run_on_macos_27_builds_the_plans_core_ai_asset(tmp_path):
+    """macOS 27 with Core AI (a stub `sw_vers` says 27.0, the stub doctor's coreai check passes): the tuned plan's
+    build is asked without --out, so it writes the format the plan names (the stub writes plan.aimodel as `build`
+    does for a coreai plan), run and evaluate take its manifest, the Core AI steps run, and the report holds every
+    build's Neural Engine shares. The script exits 0."""
+    proc, report = _run_stubbed(tmp_path, """  build) plan=$(sed -E 's/.*--plan ([^ ]+).*/\\1/' <<<"$*")
+         out="${plan%.json}.aimodel"
+         if grep -q -- --out <<<"$*"; then out=$(sed -E 's/.*--out ([^ ]+).*/\\1/' <<<"$*"); fi
+         mkdir -p "$out" && touch "${out%.*}.manifest.json"
+         echo "{\\"package\\": \\"$out\\", \\"placement\\": {\\"layer0_group0\\": {\\"share\\": 0.97}}}";;
+  doctor) echo '{"checks": [{"name": "coreai", "status": "pass", "detail": "stub"}], "ok": true}';;
+  *) echo "{\\"step\\": \\"$1\\", \\"args\\": \\"$*\\"}";;
+""", macos="27.0")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(report.read_text())
+    assert list(r["steps"]) == ["doctor", "profile", "search", "build", "run", "evaluate", "coreai_template",
+                                "coreai_build", "coreai_run"]
+    assert r["ok"] and all(s["exit_code"] == 0 for s in r["steps"].values())
+    assert r["steps"]["build"]["json"]["package"].endswith("/plan.aimodel")
+    args = r["steps"]["run"]["json"]["args"]
+    assert "--package" in args and "plan.manifest.json" in args
+    assert r["placement"] == {"build": {"layer0_group0": 0.97}, "coreai_build": {"layer0_group0": 0.97}}
+
+
+def test_first_run_skips_core_ai_where_the_doctor_skipped_it(tmp_path):
+    """macOS 27 whose doctor skipped its coreai check (Core AI not installed, or not the OS framework): no Core AI
+    steps."""
+    proc, report = _run_stubbed(tmp_path, """  doctor) echo '{"checks": [{"name": "coreai", "status": "skip"}]}';;
+  *) echo "{\\"step\\": \\"$1\\"}";;
+""", macos="27.0")
+    assert proc.returncode == 0, proc.stderr
+    assert "coreai_build" not in json.loads(report.read_text())["steps"]

@@ -21,6 +21,7 @@ from autotune.calibration.workload import encode_text
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_config
 from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.gguf_reader import is_gguf_path
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint, read_model_spec
 
 log = logging.getLogger("npumoe")
@@ -41,6 +42,8 @@ def unavailable(name: str) -> str | None:
         return "MLX and mlx-lm are not installed (pip install mlx-lm; on Linux mlx[cpu])"
     if name.startswith(RANDOM_PREFIX):
         return f"{name} is built by transformers here, not a folder mlx-lm can load"
+    if is_gguf_path(name):  # GGUF hook (issue 57): our reader runs it (torch engine)
+        return f"{name} is a GGUF file, which mlx-lm does not load here"
     family = read_config(model_dir(name)).get("model_type")
     if family not in WEIGHT_RULES:
         return f"the recorder does not know {family!r} routing (it knows {', '.join(WEIGHT_RULES)})"
@@ -143,8 +146,8 @@ def moe_blocks(model) -> dict[int, object]:
 def load_mlx(name: str, dtype: str):
     """(mlx-lm's model of the folder, its tokenizer). `dtype` other than auto casts its floating parameters (the
     scales of packed weights included: float32 widens mlx-lm's bf16 exactly); a packed router is then dequantized
-    in its scales' own dtype first and its weight cast, as our torch loader holds routers
-    (`runtime.loading.mlx_checkpoint`), so both engines route on the same numbers."""
+    in float32 first and its weight cast, as our torch loader holds routers (`runtime.loading.mlx_checkpoint`
+    `dequantized`), so both engines route on the same numbers."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm
@@ -167,8 +170,10 @@ def load_mlx(name: str, dtype: str):
         for block in moe_blocks(model).values():
             gate = block.gate
             if isinstance(gate, nn.QuantizedLinear):
-                weight = mx.dequantize(gate.weight, gate.scales, gate.get("biases"), gate.group_size, gate.bits,
-                                       gate.mode)
+                biases = gate.get("biases")
+                weight = mx.dequantize(gate.weight, gate.scales.astype(mx.float32),
+                                       None if biases is None else biases.astype(mx.float32), gate.group_size,
+                                       gate.bits, gate.mode)
                 block.gate = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in gate)
                 block.gate.update({"weight": weight, **({"bias": gate.bias} if "bias" in gate else {})})
         model.update(tree_map(lambda a: a.astype(to) if mx.issubdtype(a.dtype, mx.floating) else a,

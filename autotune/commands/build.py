@@ -92,6 +92,12 @@ def plan_format(plan: str) -> str:
 
 
 def _run_coreai(args: argparse.Namespace, out: str) -> int:
+    from runtime.coreai.assets import coreai_import_error
+
+    why = coreai_import_error()
+    if why:
+        raise NpumoeError(f"--format coreai: {why} (Python 3.11+, on Linux x86-64 or an Apple-silicon Mac with "
+                          "macOS 26+)")
     result = pipeline.build(args.model, args.plan, out=out, compress=args.compress, dtype=args.dtype,
                             function_weight_bytes=args.function_weight_mb * 1e6, progress=not args.no_progress,
                             format="coreai")
@@ -102,5 +108,16 @@ def _run_coreai(args: argparse.Namespace, out: str) -> int:
           f"{s['largest_function_weight_bytes']:,} weight bytes")
     print(f"every function run by {s['runs_on']}: max relative error {s['max_rel_error']:.2e} against "
           f"{s['checked_against']} (tolerance {s['tolerance']:g})")
+    print(_placement_line(s["placement"]))
     print_json(s)
     return 0
+
+
+def _placement_line(placement: dict | None) -> str:
+    """What Core AI's compute plan said of the functions' placement, or that it could not be read here."""
+    if not placement:
+        return ("placement: not read (Core AI's compute plan needs its macOS 27 framework); the asset's functions "
+                "are not proven to run on the Neural Engine")
+    low = min(placement, key=lambda n: placement[n]["share"])
+    return (f"placement (Core AI's compute plan): every function mostly on the Neural Engine; lowest share "
+            f"{placement[low]['share']:.0%} ({low})")

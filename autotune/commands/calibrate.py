@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"(default {stage.PROMPT_TOKENS})")
     p.add_argument("--max-tokens", type=positive_int, default=stage.MAX_TOKENS, metavar="N",
                    help=f"use at most N tokens (default {stage.MAX_TOKENS})")
-    p.add_argument("--engine", choices=ENGINES, default="torch",
-                   help="what runs the forward passes: torch (our loader, on the CPU; default), mlx (mlx-lm's own "
-                        "model of the folder, routers observed: the GPU on a Mac, MLX's CPU elsewhere) or auto (mlx "
-                        "for an MLX folder where MLX and mlx-lm run it, else torch)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="what runs the forward passes: auto (default: mlx for an MLX folder where MLX and mlx-lm run "
+                        "it, else torch), torch (our loader, on the CPU) or mlx (mlx-lm's own model of the folder, "
+                        "routers observed: the GPU on a Mac, MLX's CPU elsewhere)")
     p.add_argument("--out", type=output_file(), metavar="FILE", help="traces file (default traces/<model>.npz)")
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON summary object")

@@ -5,6 +5,7 @@ import argparse
 import time
 
 from autotune import pipeline
+from autotune.build_io import private_tempdir
 from autotune.commands.argtypes import backend_list, output_file, positive_int, require_output, shape_list
 from autotune.commands.common import add_dtype_argument
 from autotune.profiling.model_records import model_label
@@ -17,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile-device", help="measure this host's backends and fit the cost model")
     p.add_argument("--backends", type=backend_list, default=None, metavar="LIST",
                    help="comma-separated backends to profile, plugins included (default: every one this host has: "
-                        "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu)")
+                        "cpu-exact, cpu-static; on macOS with coremltools also ane, coreml-cpu; mlx-exact where "
+                        "MLX runs on a Metal GPU; coreai where Core AI runs on the Neural Engine, macOS 27)")
     p.add_argument("--quick", action="store_true",
                    help="fewer shapes and runs: 4-5 minutes on a 2-core Intel AMX host, 14 on an AVX2-only one")
     p.add_argument("--threads", type=positive_int, default=1, metavar="N", help="torch CPU threads (default 1: steady)")
@@ -44,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or host_profile_path()
     require_output(out, "--out")
     t0 = time.perf_counter()
-    profile = pipeline.profile_device(args.backends, quick=args.quick, threads=args.threads,
-                                      shapes=parse_shapes(args.shapes) if args.shapes else None, clock=args.clock,
-                                      out=out, progress=not args.no_progress, model=args.model, dtype=args.dtype)
+    with private_tempdir():  # what the measured functions' converters write (Core ML, Core AI, torch) goes with it
+        profile = pipeline.profile_device(args.backends, quick=args.quick, threads=args.threads,
+                                          shapes=parse_shapes(args.shapes) if args.shapes else None,
+                                          clock=args.clock, out=out, progress=not args.no_progress, model=args.model,
+                                          dtype=args.dtype)
     print_summary(profile)
     added = [m for key, m in profile.settings.get("models", {}).items()
              if args.model and key.split("@")[0] == model_label(args.model)]

@@ -174,9 +174,17 @@ def model_size(name: str, dtype: str = "auto") -> ModelSize:
     if name.startswith(RANDOM_PREFIX):
         return ModelSize.of(load_model(name, dtype)[0], d)
     from runtime.loading.checkpoint_reader import is_mlx_checkpoint, meta_skeleton, read_config, transformers_config
+    from runtime.loading.gguf_reader import is_gguf_view
     from runtime.loading.model_loader import model_dir
 
     path = model_dir(name)
+    if is_gguf_view(path):  # GGUF hook (issue 57): its matrices held packed as the reader holds them
+        from dataclasses import replace
+
+        from runtime.loading.gguf_reader import held_sizes
+        weights, experts = held_sizes(path, d)
+        return replace(ModelSize.of(meta_skeleton(path), d), weight_bytes=weights, expert_bytes=experts,
+                       storage="packed")
     if is_mlx_checkpoint(path):
         return ModelSize.of_config(transformers_config(path), d, read_config(path)["quantization"])
     return ModelSize.of(meta_skeleton(path), d)

@@ -282,8 +282,40 @@ def check_coreai(_: Probe) -> str:
     if r["ops_off_neural_engine"] or max(r["group_max_rel_error"], r["attention_max_rel_error"]) > r["tolerance"]:
         raise Failed(f"Core AI: ops off the Neural Engine {r['ops_off_neural_engine'][:8]}; max relative error "
                      f"{errors} (tolerance {r['tolerance']:g})")
-    return (f"Core AI's compute plan: every op of a group function and an attention core on the Neural Engine "
-            f"({r['device_histogram']}); max relative error vs torch {errors} (tolerance {r['tolerance']:g})")
+    shares = ", ".join(f"{name} {s['share']:.0%}" for name, s in r["placement"].items())
+    return (f"Core AI's compute plan: every placed op of a group function and an attention core on the Neural "
+            f"Engine ({r['device_histogram']}; shares {shares}); max relative error vs torch {errors} (tolerance "
+            f"{r['tolerance']:g})")
+
+
+def check_mlx(_: Probe) -> str:
+    """MLX's version and device, and one call of the mlx-exact path against the experts' own computation: the plan
+    runs its exact experts there (on the Metal GPU on a Mac)."""
+    import torch
+
+    from runtime.backends import expert_ffn
+    from runtime.coreml.mil_eval import max_rel_error
+    from runtime.loading.model_loader import load_model, moe_layers
+    from runtime.mlx.mlx_backends import MlxExactPath, mlx_available
+
+    ok, device = mlx_available()
+    if not ok:
+        if on_macos():
+            raise Failed(f"{device}: the plan's exact experts (mlx-exact) need MLX on the GPU (pip install mlx)")
+        raise Skip(f"{device} (mlx-exact runs on a Mac's GPU; pip install 'mlx[cpu]' for its CPU device here)")
+    layer = moe_layers(load_model(PROBE_MODEL, "float32")[0])[0]
+    hidden, counts = layer.experts.gate_up_proj.shape[-1], [3, 5]
+    x = torch.randn(sum(counts), hidden, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = torch.cat([expert_ffn(layer.experts, e, xe) for e, xe in zip((1, 2), x.split(counts))])
+        got = MlxExactPath().prepare(layer.experts).run(x, [1, 2], counts)
+    err = max_rel_error(got.float().numpy(), ref.float().numpy())
+    where = f"mlx {version('mlx')} on {device}"
+    if not err <= 1e-5:
+        raise Failed(f"{where}: mlx-exact differs from the experts' computation by {err:.2e} (tolerance 1e-05)")
+    if on_macos() and device != "MLX on the Metal GPU":
+        raise Failed(f"{where}: mlx-exact runs, but not on a GPU, so the plan's GPU lane is this Mac's CPU")
+    return f"{where}; mlx-exact runs: max relative error {err:.2e} against the experts' own computation"
 
 
 def check_matmul_throughput(_: Probe) -> str:
@@ -322,13 +354,20 @@ CHECKS: list[tuple[str, Callable[[Probe], str]]] = [
     *[(name, library_check(name)) for name in LIBRARIES],
     ("macos_version", check_macos_version), ("ane", check_ane), ("coreml_build", check_coreml_build),
     ("placement", check_placement), ("ane_parity", check_ane_parity), ("predict_overhead", check_predict_overhead),
-    ("attention_core", check_attention_core), ("coreai", check_coreai),
+    ("attention_core", check_attention_core), ("coreai", check_coreai), ("mlx", check_mlx),
     ("matmul_throughput", check_matmul_throughput), ("energy", check_energy),
 ]
 
 
 def run_checks(progress: bool = False) -> list[Check]:
     """Every check in order; an unexpected error in one is that check's failure, never the end of the run."""
+    from autotune.build_io import private_tempdir
+
+    with private_tempdir():  # whatever a check's converters leave in the temp folder (Core ML, torch) goes with it
+        return _run_all(progress)
+
+
+def _run_all(progress: bool) -> list[Check]:
     from tqdm import tqdm
 
     probe, out = Probe(), []

@@ -5,18 +5,22 @@ build record, and running its functions (coreai-core's runtime).
   constants typed (`inject_subbyte_tensors`: 4-bit tables' indices become uint4), added to one `TorchConverter` as
   an entrypoint, and the program saved as an asset; the build record goes in the asset's own metadata
   (`creator_defined_metadata`, key `npumoe.build`).
-- Run: on macOS 27 the OS framework loads the asset specialized for the Neural Engine
+- Run: where Core AI's OS framework takes specialization options (`SpecializationOptions.is_supported()`: macOS 27
+  with the wheel's default backing) it loads the asset specialized for the Neural Engine
   (`SpecializationOptions.from_preferred_compute_unit_kind(ComputeUnitKind.neural_engine())`), once per process
   (whether it keeps the specialized form between processes is for a Mac to show). Elsewhere (Linux, macOS 26)
   Apple's in-package runtime runs it on the CPU: it needs the program lowered to an `.aimodelx` first (what
   `AIModelAsset.executable()` does in a temporary folder each time); that is done once per asset digest into the
-  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled.
+  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled. Apple's parser aborts the process on a corrupt
+  program, so the asset's `main.mlirb` is checked against the sha256 it stores (`main.hash`) before either runs.
 - Calls are coroutines: one event loop on a thread of its own serves every call, from any thread.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -26,21 +30,21 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from runtime.errors import NpumoeError
 from runtime.fileio import cache_root
-from runtime.macos import macos_version, on_macos
+from runtime.macos import on_macos
 
 log = logging.getLogger("npumoe")
 
 META_KEY = "npumoe.build"
 OUTPUT_NAME = "y"
 ASSET_SUFFIX = ".aimodel"
-OS_FRAMEWORK_MACOS = (27,)  # Core AI is part of the OS from macOS 27: the Neural Engine through SpecializationOptions
+PROGRAM, PROGRAM_HASH = "main.mlirb", "main.hash"
 
 
 @contextlib.contextmanager
@@ -64,8 +68,16 @@ def coreai_import_error() -> str | None:
 
 
 def on_neural_engine() -> bool:
-    """Whether Core AI runs here on the Neural Engine: the OS framework (macOS 27) taking SpecializationOptions."""
-    return on_macos() and macos_version() >= OS_FRAMEWORK_MACOS
+    """Whether Core AI runs here on the Neural Engine: its OS framework taking SpecializationOptions, as coreai-core
+    itself says (`SpecializationOptions.is_supported()`: a local build, `USE_LOCAL_COREAI` or an SDK-skewed macOS
+    version make the version alone wrong)."""
+    if not on_macos():
+        return False
+    try:
+        from coreai.runtime import SpecializationOptions
+    except ImportError:
+        return False
+    return bool(SpecializationOptions.is_supported())
 
 
 def where_it_runs() -> str:
@@ -78,9 +90,10 @@ def where_it_runs() -> str:
 Function = tuple[str, torch.nn.Module, tuple[torch.Tensor, ...], Sequence[str]]  # name, module, inputs, input names
 
 
-def to_program(functions: Sequence[Function], debug: bool = False):
+def to_program(functions: Iterable[Function], debug: bool = False):
     """`(name, module, example inputs, input names)` functions as one Core AI program (`AIProgram`), each exported
-    with coreai-torch's decompositions; `debug`: with torch stack traces (what a compute plan reports against)."""
+    with coreai-torch's decompositions as it comes (an iterator's module can go before the next is made: one
+    function's torch copy of its weights at a time); `debug`: with torch stack traces."""
     with quiet():
         import coreai_torch
         from coreai_torch._compression.utils import inject_subbyte_tensors
@@ -95,20 +108,38 @@ def to_program(functions: Sequence[Function], debug: bool = False):
         return converter.to_coreai()
 
 
-def convert(functions: Sequence[Function], out: Path, record: dict) -> None:
-    """Convert functions (`to_program`) into one asset at `out` (written whole in a folder beside it, then renamed),
-    `record` stored as its build metadata."""
-    program = to_program(functions)
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A path beside `out` (in a hidden folder of its own) to write the asset at; removed when the block ends
+    whatever happened (an error, SIGTERM), so `out` exists only once `commit` put a finished asset there."""
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".building", dir=out.parent))
+    try:
+        yield folder / out.name
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def save(program, path: Path, record: dict) -> None:
+    """The program saved as an asset at `path`, `record` stored as its build metadata."""
     with quiet():
-        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent)) / out.name
-        try:
-            asset = program.save_asset(staging)
-            asset.update_metadata(lambda m: m.set_custom(META_KEY, json.dumps(record)))
-            if out.exists():
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            os.replace(staging, out)
-        finally:
-            shutil.rmtree(staging.parent, ignore_errors=True)
+        asset = program.save_asset(path)
+        asset.update_metadata(lambda m: m.set_custom(META_KEY, json.dumps(record)))
+
+
+def commit(staging: Path, out: Path) -> None:
+    """The finished asset moved from its staging path to `out` (an earlier one replaced)."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(staging, out)
+
+
+def convert(functions: Sequence[Function], out: Path, record: dict) -> None:
+    """Convert functions (`to_program`) into one asset at `out` (written whole beside it, then renamed), `record`
+    stored as its build metadata."""
+    program = to_program(functions)
+    with staged(out) as path:
+        save(program, path, record)
+        commit(path, out)
 
 
 def read_record(path: str | os.PathLike) -> dict:
@@ -126,7 +157,34 @@ def read_record(path: str | os.PathLike) -> dict:
 
 def asset_digest(path: str | os.PathLike) -> str:
     """The asset's program digest (the `main.hash` it stores), hex: what its compiled form is cached by."""
-    return (Path(path) / "main.hash").read_bytes().hex()
+    return (Path(path) / PROGRAM_HASH).read_bytes().hex()
+
+
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime) of a program already checked in this process -> digest
+
+
+def verified_digest(path: str | os.PathLike) -> str:
+    """The asset's digest, once its program is checked against it (sha256 of `main.mlirb` = `main.hash`): Apple's
+    parser aborts the whole process on a corrupt program, and the lowered cache is keyed by the stored digest, so a
+    corrupt copy of an asset lowered before would run the good one. Refused in one line naming the file."""
+    program, stored = Path(path) / PROGRAM, Path(path) / PROGRAM_HASH
+    try:
+        st = program.stat()
+        digest = stored.read_bytes().hex()
+    except OSError as e:
+        raise NpumoeError(f"{path} is not a whole Core AI asset ({e.strerror}: {e.filename}); rebuild it with "
+                          "`autotune build --format coreai`") from None
+    key = (str(program.resolve()), st.st_size, st.st_mtime_ns)
+    if _VERIFIED.get(key) != digest:
+        h = hashlib.sha256()
+        with program.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != digest:
+            raise NpumoeError(f"{program} is corrupt: its sha256 is not the {PROGRAM_HASH} the asset stores; rebuild "
+                              "it with `autotune build --format coreai`")
+        _VERIFIED[key] = digest
+    return digest
 
 
 class _Loop:
@@ -137,7 +195,15 @@ class _Loop:
         threading.Thread(target=self.loop.run_forever, name="npumoe-coreai", daemon=True).start()
 
     def run(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            # An interrupt (SIGTERM, Ctrl-C) raised in the waiting caller: the native call in flight ends first, or
+            # the process would exit under it and Apple's runtime abort it (SIGABRT instead of our exit code).
+            with contextlib.suppress(BaseException):
+                concurrent.futures.wait([future])
+            raise
 
 
 _LOOP: _Loop | None = None
@@ -156,7 +222,7 @@ def compiled_path(path: str | os.PathLike, cache_dir: Path | None = None) -> Pat
     """The asset lowered for the in-package runtime (`.aimodelx`), made once per program digest."""
     from coreai.authoring import AIModelAsset
 
-    dest = (cache_dir or cache_root() / "coreai") / f"{asset_digest(path)}.aimodelx"
+    dest = (cache_dir or cache_root() / "coreai") / f"{verified_digest(path)}.aimodelx"
     if (dest / "main-universal.odix").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +253,7 @@ def load_model(path: str | os.PathLike):
     from coreai.runtime import AIModel
 
     if on_neural_engine():
+        verified_digest(path)
         return run_sync(AIModel.load(Path(path), specialization_options=neural_engine_options()))
     return run_sync(AIModel.load(compiled_path(path)))
 

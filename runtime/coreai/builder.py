@@ -4,28 +4,34 @@ with its manifest beside it (`<out>.manifest.json`, as for Core ML packages), ch
 The functions are those the Core ML builder makes for `ane` (runtime/coreml/converter.py `ane_functions`,
 runtime/coreml/dense_programs.py `ane_dense_specs`), refused past the same Neural Engine limits before anything is
 converted (per function, and the weights resident at once against the ANE's 4 GiB window), then each one's torch
-module (runtime/coreai/programs.py) exported and converted by coreai-torch into one asset. The asset computes in
-float32 for a float32 build (the CPU's and GPU's precision: the plumbing checked exact) and in float16 otherwise (the
-Neural Engine's). The build record (dtype, per function: shapes, compression, weights digest, stored weight bytes)
-lives in the asset's metadata; the runtime refuses an asset that does not match its plan from it.
+module (runtime/coreai/programs.py) exported and converted by coreai-torch into one asset, one function's torch copy
+of its weights at a time (the converted program holds them all until it is saved). The asset computes in float32
+for a float32 build (the CPU's and GPU's precision: the plumbing checked exact) and in float16 otherwise (the Neural
+Engine's: what `--dtype auto` builds). Where Core AI's compute plan can be read (macOS 27), each function's share
+on the Neural Engine is read from it before anything is written (runtime/coreai/placement.py): a function mostly
+elsewhere is refused in one line with its share, and the shares go into the asset's metadata and the manifest.
+The build record (dtype, per function: shapes, compression, weights digest, stored weight bytes) lives in the
+asset's metadata; the runtime refuses an asset that does not match its plan from it.
 
 Each function is then run once through Apple's runtime on random inputs of its static shapes: a float32 asset
 against cpu-static (the model's own computation, compressed weights within their compression's tolerance), a
-float16 one against ane-sim (the same fp16 function simulated, within fp16 rounding).
+float16 one against ane-sim (the same fp16 function simulated, within fp16 rounding). The asset is written and
+checked under a staging name beside `out`, and takes its name (with its manifest) only once every check passed: an
+interrupted or failed build leaves nothing a later `run --package` could take.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from runtime.backends import GroupSpec, attention_reference, dense_reference, expert_ffn
 from runtime.backends.protocol import DenseSpec, expert_matrices
-from runtime.coreai import assets, programs
+from runtime.coreai import assets, placement, programs
 from runtime.coreml import ane_limits, dense_programs
 from runtime.coreml.ane import MANIFEST_SCHEMA, package_bytes, weights_digest
 from runtime.coreml.converter import (
@@ -42,6 +48,7 @@ from runtime.coreml.dense_io import ROW_INPUT, dense_digest, dense_weights
 from runtime.coreml.mil_eval import TOLERANCE, max_rel_error
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json
+from runtime.interrupts import held
 from runtime.loading.expert_weights import ExpertWeights
 from runtime.plan import Plan
 
@@ -64,6 +71,7 @@ class AssetBuild:
     checked_against: str = ""
     tolerance: float = 0.0
     seconds: dict[str, float] = field(default_factory=dict)
+    placement: dict[str, dict] = field(default_factory=dict)  # function -> its share on the Neural Engine (macOS 27)
 
     def to_json(self) -> dict:
         kinds = [fs.compress for fs in self.functions] + [d.compress for d in self.dense if d.kind != "attention"]
@@ -76,6 +84,7 @@ class AssetBuild:
                 "max_rel_error": max(self.checks.values(), default=float("nan")),
                 "checked_against": self.checked_against,
                 "tolerance": self.tolerance, "checks": self.checks, "runs_on": assets.where_it_runs(),
+                "placement": self.placement or None,
                 "build_seconds_by_stage": {k: round(v, 2) for k, v in self.seconds.items()}}
 
 
@@ -138,18 +147,54 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
         check_expert_form(source.experts(layer, (0,))[0], layer)
 
     tdtype = torch.float32 if dtype == "float32" else torch.float16
-    entries, record, checks_todo = [], {}, []
+    record, checks_todo = {}, []
     bar = progress("exporting functions", len(functions) + len(dense)) if progress else None
+    entries = _entries(source, functions, dense, tdtype, seed, record, checks_todo, bar)
+    program = assets.to_program(entries)  # each function exported as it is made: one torch copy at a time
+    if bar:
+        bar.close()
+    seconds = {"export": time.perf_counter() - t0}
+    t = time.perf_counter()
+    found = placement.read(program)  # macOS 27: Core AI's compute plan, before anything is written
+    if found is not None:
+        placement.check(found, dtype)
+    shares = {name: s.to_json() for name, s in (found or {}).items()}
+    meta = dict(dtype=dtype, hidden=plan.model.hidden_size, ffn=plan.model.expert_ffn_size,
+                model_fingerprint=plan.model.fingerprint, functions=record, placement=shares or None)
+    seconds["placement"] = time.perf_counter() - t
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with assets.staged(out) as staging:  # `out` appears only once every function is checked
+        t = time.perf_counter()
+        assets.save(program, staging, meta)
+        seconds["convert"] = time.perf_counter() - t
+        t = time.perf_counter()
+        checks = _run_checks(staging, checks_todo, progress)
+        seconds["verify"] = time.perf_counter() - t
+        tolerances = _check_tolerances(checks, record, tdtype)
+        with held():  # a SIGTERM here lands after the asset and its manifest are both in place
+            assets.commit(staging, out)
+            _write_manifest(out, plan, dtype, functions, record, function_weight_bytes, shares)
+    seconds["total"] = time.perf_counter() - t0
+    weights = {name: fn["weight_bytes"] for name, fn in record.items()}
+    return AssetBuild(str(out), str(manifest_path(out)), dtype, functions, dense, package_bytes(out),
+                      sum(weights.values()), max(weights.values()), checks,
+                      "cpu-static" if tdtype == torch.float32 else "ane-sim", max(tolerances.values()), seconds,
+                      shares)
+
+
+def _entries(source: ExpertWeights, functions: list[FunctionSpec], dense: list[DenseSpec], tdtype: torch.dtype,
+             seed: int, record: dict, checks_todo: list, bar) -> Iterator[assets.Function]:
+    """Each function's module, made when the converter asks for it; its build record and its check noted."""
     rng = torch.Generator().manual_seed(seed)
+    fp16 = tdtype != torch.float32
     for fs in functions:
         program, group, digest = _group_program(fs, source, tdtype)
         x = torch.randn(fs.slots, fs.hidden, generator=rng).to(tdtype)
-        entries.append((fs.name, program, (x,), [ROW_INPUT]))
         record[fs.name] = dict(layer=fs.layer, group=fs.group, experts=list(fs.experts),
                                capacities=list(fs.capacities), compress=fs.compress, weights_sha256=digest,
                                weight_bytes=programs.stored_bytes(program), inputs={ROW_INPUT: list(x.shape)})
-        checks_todo.append((fs.name, {ROW_INPUT: x},
-                            lambda x=x, g=group: _group_expected(g, x, tdtype != torch.float32)))
+        checks_todo.append((fs.name, {ROW_INPUT: x}, lambda x=x, g=group: _group_expected(g, x, fp16)))
+        yield fs.name, program, (x,), [ROW_INPUT]
         if bar:
             bar.update(1)
     for spec in dense:
@@ -157,27 +202,18 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
         feed, allowed = _dense_inputs(spec, tdtype)
         if spec.kind == "attention":
             feed["mask"] = programs.additive_mask(allowed, tdtype)
-        entries.append((spec.name, program, tuple(feed.values()), list(feed)))
         record[spec.name] = dict(kind=spec.kind, layer=spec.layer, rows=spec.rows, keys=spec.keys or None,
                                  compress=spec.compress, weight_bytes=programs.stored_bytes(program),
                                  weights_sha256=None if spec.kind == "attention" else dense_digest(dense_weights(spec)),
                                  inputs={k: list(v.shape) for k, v in feed.items()})
-        checks_todo.append((spec.name, feed, lambda s=spec, f=feed, a=allowed: _dense_expected(
-            s, f, a, tdtype != torch.float32)))
+        checks_todo.append((spec.name, feed, lambda s=spec, f=feed, a=allowed: _dense_expected(s, f, a, fp16)))
+        yield spec.name, program, tuple(feed.values()), list(feed)
         if bar:
             bar.update(1)
-    if bar:
-        bar.close()
-    seconds = {"export": time.perf_counter() - t0}
-    t = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(dtype=dtype, hidden=plan.model.hidden_size, ffn=plan.model.expert_ffn_size,
-                model_fingerprint=plan.model.fingerprint, functions=record)
-    assets.convert(entries, out, meta)
-    seconds["convert"] = time.perf_counter() - t
-    t = time.perf_counter()
-    checks = _run_checks(out, checks_todo, progress)
-    seconds["verify"] = time.perf_counter() - t
+
+
+def _check_tolerances(checks: dict[str, float], record: dict, tdtype: torch.dtype) -> dict[str, float]:
+    """Each function's allowed error; the first over it refused in one line."""
     tolerances = {name: (EXACT_TOLERANCE if tdtype == torch.float32 and record[name]["compress"] == "none"
                          else TOLERANCE[record[name]["compress"]]) for name in checks}
     for name, err in checks.items():
@@ -185,17 +221,19 @@ def build_asset(source: ExpertWeights, plan: Plan, out: str | Path, dtype: str =
             raise NpumoeError(f"function {name}, run by Apple's runtime, differs from "
                               f"{'cpu-static' if tdtype == torch.float32 else 'ane-sim'} by a relative error of "
                               f"{err:.3g}, over the {tolerances[name]:g} allowed")
+    return tolerances
+
+
+def _write_manifest(out: Path, plan: Plan, dtype: str, functions: list[FunctionSpec], record: dict,
+                    function_weight_bytes: float, shares: dict) -> None:
     weights = {name: fn["weight_bytes"] for name, fn in record.items()}
     atomic_write_json(manifest_path(out), {
         "schema": MANIFEST_SCHEMA, "format": "coreai", "model_fingerprint": plan.model.fingerprint, "dtype": dtype,
         "compress": compression_summary(functions) if functions else "none",
         "function_weight_limit_bytes": int(function_weight_bytes),
         "packages": [dict(path=out.name, functions=list(record), weight_bytes=sum(weights.values()),
-                          function_weight_bytes=weights, bytes=package_bytes(out))]})
-    seconds["total"] = time.perf_counter() - t0
-    return AssetBuild(str(out), str(manifest_path(out)), dtype, functions, dense, package_bytes(out),
-                      sum(weights.values()), max(weights.values()), checks,
-                      "cpu-static" if tdtype == torch.float32 else "ane-sim", max(tolerances.values()), seconds)
+                          function_weight_bytes=weights, bytes=package_bytes(out),
+                          neural_engine_share={n: s["share"] for n, s in shares.items()} or None)]})
 
 
 def _run_checks(out: Path, todo: list, progress) -> dict[str, float]:

@@ -35,21 +35,44 @@ log = logging.getLogger("npumoe")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """The in-package runtime prints a line per function it loads on the process's stderr: kept out of our output."""
-    try:
-        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        yield
-        return
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+class _SilencedStderr:
+    """fd 2 pointed at /dev/null while any caller is inside, restored when the last one leaves: the count and the
+    swaps are held under one lock, so overlapping callers (the build's checks, the backend's loads, from any thread)
+    can never leave fd 2 on /dev/null, and the redirection lasts only while a load is under way."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.saved: int | None = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self.lock:
+            if self.users == 0:
+                self.saved = self._swap()
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0 and self.saved is not None:
+                    os.dup2(self.saved, 2)
+                    os.close(self.saved)
+                    self.saved = None
+
+    @staticmethod
+    def _swap() -> int | None:
+        try:
+            saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return None
+        os.dup2(devnull, 2)
         os.close(devnull)
+        return saved
+
+
+native_stderr_silenced = _SilencedStderr()  # the in-package runtime prints a line per function it loads on fd 2
 
 
 class CoreAiBackend:
@@ -63,6 +86,7 @@ class CoreAiBackend:
         self._model = None
         self._functions: dict[str, object] = {}
         self._lock = threading.Lock()
+        self._said_dtype = False
 
     @property
     def asset(self) -> str:
@@ -128,10 +152,33 @@ class CoreAiBackend:
                 self._model = assets.load_model(self.asset)
                 if not assets.on_neural_engine():
                     log.warning("coreai: %s runs %s", assets.where_it_runs(), self.asset)
+                else:
+                    self._say_placement()
             if name not in self._functions:
                 with native_stderr_silenced():
                     self._functions[name] = self._model.load_function(name)
             return self._functions[name]
+
+    def _say_placement(self) -> None:
+        """Once per asset, what its build read of Core AI's compute plan (or that it was never read)."""
+        shares = self.record().get("placement")
+        if not shares:
+            log.warning("coreai: %s was built where Core AI's compute plan could not be read: its functions are not "
+                        "proven to run on the Neural Engine (rebuild it on macOS 27)", self.asset)
+            return
+        low = min(shares, key=lambda n: shares[n]["share"])
+        log.info("coreai: %s: Core AI's compute plan put every function mostly on the Neural Engine at build "
+                 "(lowest %.0f%%, %s)", self.asset, 100 * shares[low]["share"], low)
+
+    def _converted(self, run_dtype: torch.dtype, dtype: torch.dtype) -> None:
+        """Said once: a run in another dtype than the asset's computes the asset's functions in the asset's."""
+        if run_dtype == dtype or self._said_dtype:
+            return
+        self._said_dtype = True
+        log.warning("coreai: %s computes in %s, this run in %s: each call's inputs are converted to %s and its "
+                    "outputs back (expect a relative difference near %s from a run in the asset's dtype)",
+                    self.asset, str(dtype).removeprefix("torch."), str(run_dtype).removeprefix("torch."),
+                    str(dtype).removeprefix("torch."), "1e-1" if torch.bfloat16 in (dtype, run_dtype) else "1e-2")
 
     def _ready(self) -> torch.dtype:
         ok, reason = self.available()
@@ -145,6 +192,7 @@ class CoreAiBackend:
         fn = self._load(function_name(group.layer, group.index))
 
         def run(packed: torch.Tensor) -> torch.Tensor:
+            self._converted(packed.dtype, dtype)
             y = assets.call(fn, {ROW_INPUT: packed.detach().to(dtype).numpy()})
             return torch.from_numpy(y).to(packed.dtype)
 
@@ -157,6 +205,7 @@ class CoreAiBackend:
         fn = self._load(spec.name)
 
         def feed(t: torch.Tensor) -> np.ndarray:
+            self._converted(t.dtype, dtype)
             return t.detach().to(dtype).contiguous().numpy()
 
         if spec.kind == "attention":

@@ -22,6 +22,7 @@ from runtime.loading.checkpoint_reader import (
     tensor_sources,
 )
 from runtime.loading.checkpoints import check_checkpoint, safetensors_header
+from runtime.loading.gguf_reader import is_gguf_view
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, moe_layers, resolve_dtype
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -63,6 +64,8 @@ class CheckpointExperts:
         if name.startswith(RANDOM_PREFIX):
             return None
         path = model_dir(name)
+        if is_gguf_view(path):  # GGUF hook (issue 57): its experts are read with the model
+            return None
         check_checkpoint(path)
         files = tensor_index(path)
         if not files:

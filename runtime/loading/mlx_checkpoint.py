@@ -138,7 +138,7 @@ def _stored(files: _Files, name: str, suffix: str = ".weight") -> str:
     return name
 
 
-def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+def set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
@@ -186,7 +186,7 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
             elif isinstance(module, torch.nn.Embedding):
                 packed = _packed(files, formats, name, module.embedding_dim)
                 if packed is not None:
-                    _set(model, name, QuantizedEmbedding(packed, dtype, module.padding_idx))
+                    set_module(model, name, QuantizedEmbedding(packed, dtype, module.padding_idx))
             elif isinstance(module, torch.nn.Linear) or id(module) in routers:
                 source = _stored(files, name)
                 if tied and name == "lm_head" and "lm_head.weight" not in files:
@@ -201,12 +201,12 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
                 else:
                     bias = files.read(f"{source}.bias", torch.empty(module.out_features, dtype=dtype)) \
                         if module.bias is not None else None
-                    _set(model, name, QuantizedLinear(packed, bias))
+                    set_module(model, name, QuantizedLinear(packed, bias))
         if tied and hasattr(model, "lm_head") and "lm_head.weight" not in files:
             embedding = model.get_input_embeddings()
             if isinstance(embedding, QuantizedEmbedding):
                 model.lm_head = QuantizedLinear(embedding.weight_q)
-        _fill_whole(model, files, dtype, tied)
+        fill_whole(model, files, dtype, tied)
     if any(hasattr(m, "npumoe_weights") for m in experts.values()):
         model.set_experts_implementation(PACKED_IMPLEMENTATION)
     unused = sorted(set(files.keys) - files.used)
@@ -215,7 +215,7 @@ def read_mlx_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def _fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied: bool) -> None:
+def fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied: bool) -> None:
     """Every parameter still on the meta device, read whole; buffers made by a module's constructor (rotary
     frequencies) made again on the CPU."""
     for name, p in list(model.named_parameters()):
@@ -231,10 +231,14 @@ def _fill_whole(model: torch.nn.Module, files: _Files, dtype: torch.dtype, tied:
         files.read(key, value)
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(value, requires_grad=False))
+    head = getattr(model, "lm_head", None)
+    if tied and getattr(getattr(head, "weight", None), "is_meta", False):
+        # a whole tied head never shows in named_parameters (shared with the meta embedding): share it again
+        head.weight = model.get_input_embeddings().weight
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):
             remade = type(module)(config=model.config)
-            _set(model, name, remade)
+            set_module(model, name, remade)
 
 
 def dequantized_router(files: dict[str, Path], module_key: str) -> torch.Tensor | None:

@@ -32,6 +32,14 @@ from runtime.loading.checkpoints import (
     safetensors_header,
 )
 from runtime.loading.compute_dtype import HALF, auto_dtype, dtype_name
+from runtime.loading.gguf_reader import (  # GGUF hook (issue 57)
+    check_gguf_view,
+    gguf_router,
+    gguf_view,
+    is_gguf_path,
+    is_gguf_view,
+    read_gguf_model,
+)
 from runtime.loading.mlx_checkpoint import check_mlx_checkpoint, dequantized_router, read_mlx_model
 from runtime.plan import ModelSpec
 
@@ -107,6 +115,8 @@ def model_dir(name: str) -> Path:
             raise NpumoeError(f"the built-in model tiny-moe is missing from {TINY_MOE_DIR}; "
                               "rebuild it with scripts/train_tiny_moe.py")
         return TINY_MOE_DIR
+    if is_gguf_path(name):  # GGUF hook (issue 57): the checked file's description folder
+        return gguf_view(name)
     path = Path(name)
     if not (path / "config.json").exists():
         raise NpumoeError(f"--model {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
@@ -180,9 +190,10 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
     if cpu_weights != "bf16":
         from runtime.cpu.cpu_weights import quantize_experts
 
-        if not name.startswith(RANDOM_PREFIX) and is_mlx_checkpoint(model_dir(name)):
-            raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX checkpoint, "
-                              "kept packed as stored); give a full-width checkpoint")
+        if not name.startswith(RANDOM_PREFIX) and (is_mlx_checkpoint(model_dir(name))
+                                                    or is_gguf_view(model_dir(name))):  # GGUF hook (issue 57)
+            raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX or GGUF "
+                              "checkpoint, kept packed as stored); give a full-width checkpoint")
         quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size, kernel_rows=kernel_rows)
     bound_primitive_cache()  # before the first matmul: oneDNN reads it once
     model, tokenizer = _load(name, dtype, quantize)
@@ -210,7 +221,8 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.utils.logging.disable_progress_bar()  # a bar per load clutters every command's output
     try:
-        model, info = (read_mlx_model(path, dtype) if is_mlx_checkpoint(path)
+        model, info = (read_gguf_model(path, dtype) if is_gguf_view(path)  # GGUF hook (issue 57)
+                       else read_mlx_model(path, dtype) if is_mlx_checkpoint(path)
                        else read_weights(path, dtype, on_experts)), {}
         if model is None:
             with quiet_transformers():
@@ -230,6 +242,8 @@ def open_checkpoint(path: Path) -> str | None:
     """Check a checkpoint folder once, before any command works on it: its files whole and its config agreeing
     with them, and an MLX folder's quantization, dtypes and packed shapes (`check_mlx_checkpoint`). Returns the
     MLX quantization table in canonical form, None for a full-width checkpoint."""
+    if is_gguf_view(path):  # GGUF hook (issue 57): the file was checked whole when its folder was made
+        return check_gguf_view(path)
     check_checkpoint(path)
     return check_mlx_checkpoint(path) if is_mlx_checkpoint(path) else None
 
@@ -289,6 +303,8 @@ def read_model_spec(name: str) -> ModelSpec:
     names = {id(p): n for n, p in skeleton.named_parameters()}
     files = tensor_index(path)
     read = dequantized_router if is_mlx_checkpoint(path) else read_router
+    if is_gguf_view(path):  # GGUF hook (issue 57): the routers read from the file
+        files, read = path, gguf_router
     routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])

@@ -109,5 +109,5 @@ BACKENDS = (
     BackendInfo(NAME, MlxExactPath, overlaps_cpu=True, fallback=EXACT, exact=True, dtype_bytes=2,
                 energy_field="gpu_mj", profile_call=profile_call, profile_available=mlx_available,
                 profile_device=profile_device, check_weights=check_folder,
-                profiled_by_default=sys.platform == "darwin"),
+                profiled_by_default=sys.platform == "darwin" and mlx_available()[1] == "MLX on the Metal GPU"),
 )
