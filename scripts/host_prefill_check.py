@@ -11,9 +11,11 @@ pages the weights in). The check: `predicted_prefill_ms` against `wall_ms_per_to
 `predicted_parts_ms` / `measured_parts_ms` (goal: the whole within 0.8-1.25x, every part over 10% of the run within
 0.75-1.25x). A part that stays off is said with what the profile lacks there (the axes its price reaches past the
 records, or "in range" where the fit misses inside them). The whole is also given on the CPU clock
-(`cpu_ms_per_token` x 4096: on a shared host the wall clock counts other processes' time). Prints a compact table
-and writes DIR/host_check.json (every command's JSON beside it). Read the figures against
-`host_speed.now_over_profile` (this host now over its profile's matmul records: about 1.0 on a quiet machine).
+(`cpu_ms_per_token` x 4096: on a shared host the wall clock counts other processes' time). Prints the host (its CPU
+model from /proc/cpuinfo), each shape's compute dtype and the thread count, then a compact table, and writes
+DIR/host_check.json with the same (`host`, `threads`, each result's `compute_dtype`; every command's JSON beside
+it). Read the figures against `host_speed.now_over_profile` (this host now over its profile's matmul records: about
+1.0 on a quiet machine).
 """
 from __future__ import annotations
 
@@ -29,8 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from make_shape_twin import default_dir  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from autotune.profiling.profile import host_facts  # noqa: E402
+from runtime.loading.compute_dtype import dtype_name  # noqa: E402
+from runtime.loading.model_loader import resolve_dtype  # noqa: E402
+
 SHAPES = ("phi-3.5-moe", "qwen3-30b-a3b", "phi-tiny-moe")
 WHOLE, PART, SHARE = (0.8, 1.25), (0.75, 1.25), 0.10
+THREADS = 1  # every command's --threads
 
 
 def autotune(*args: str, log: Path) -> dict | None:
@@ -64,7 +72,7 @@ def verdict(ratio: float, band: tuple[float, float]) -> str:
 def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype: str, repeat: int) -> dict:
     log, stem = out / "commands.log", out / shape
     traces, plan = f"{stem}.traces.npz", f"{stem}.plan.json"
-    one = ("--threads", "1", "--dtype", dtype)
+    one = ("--threads", str(THREADS), "--dtype", dtype)
     if not Path(traces).exists():  # a rerun in the same folder keeps the routing it calibrated
         autotune("calibrate", "--model", str(model), "--prompt-tokens", str(prompt), "--max-tokens",
                  str(5 * prompt), "--out", traces, *one, log=log)
@@ -89,15 +97,19 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
         parts[part] = {"predicted_ms": predicted[part], "measured_ms": ms, "ratio": round(ratio, 3),
                        "share": round(share, 3), "verdict": ("OFF" if off else "ok") if share > SHARE else "-",
                        **({"profile_lacks": lacks} if off else {})}
-    return {"shape": shape, "model": str(model), "predicted_prefill_ms": search["predicted_prefill_ms"],
+    return {"shape": shape, "model": str(model), "compute_dtype": dtype_name(resolve_dtype(str(model), dtype)),
+            "predicted_prefill_ms": search["predicted_prefill_ms"],
             "measured_prefill_ms": measured_ms, "ratio": round(whole, 3), "verdict": verdict(whole, WHOLE),
             "measured_prefill_cpu_ms": cpu_ms, "ratio_cpu": round(search["predicted_prefill_ms"] / cpu_ms, 3),
             "parts": parts, "priced_outside": outside, "chunk_tokens": run["chunk_tokens"],
             "host_speed": run.get("host_speed"), "clock": measured.get("clock")}
 
 
-def table(results: list[dict]) -> str:
-    lines = [f"{'shape':<15} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6}  parts (predicted/measured, share)"]
+def table(results: list[dict], host: dict, threads: int) -> str:
+    dtypes = ", ".join(f"{r['shape']} {r['compute_dtype']}" for r in results)
+    lines = [f"host: {host['cpu_model']} ({host['logical_cores']} logical cores, {host['os']}); {threads} thread(s); "
+             f"computed in: {dtypes}",
+             f"{'shape':<15} {'predicted ms':>13} {'measured ms':>12} {'ratio':>6}  parts (predicted/measured, share)"]
     for r in results:
         parts = ", ".join(f"{p} {v['ratio']:.2f} ({v['share']:.0%}){' OFF' if v['verdict'] == 'OFF' else ''}"
                           for p, v in sorted(r["parts"].items(), key=lambda kv: -kv[1]["share"]))
@@ -133,19 +145,22 @@ def main() -> None:
     models = {s: twin(s, log) for s in shapes}
     profile = args.profile or args.out / "profile.json"
     if args.profile is None:
-        autotune("profile-device", "--quick", "--threads", "1", "--out", str(profile), "--no-progress", log=log)
+        autotune("profile-device", "--quick", "--threads", str(THREADS), "--out", str(profile), "--no-progress",
+                 log=log)
     for s in shapes:  # the twin's own shapes, in the dtype it computes in (kept where the profile has them)
         measured = json.loads(profile.read_text()).get("settings", {}).get("models", {})
         if not any(key.split("@")[0] == models[s].name for key in measured):
-            autotune("profile-device", "--quick", "--threads", "1", "--model", str(models[s]), "--out", str(profile),
-                     "--dtype", args.dtype, "--no-progress", log=log)
+            autotune("profile-device", "--quick", "--threads", str(THREADS), "--model", str(models[s]), "--out",
+                     str(profile), "--dtype", args.dtype, "--no-progress", log=log)
     results = [check(s, models[s], profile, args.out, args.prompt_tokens, args.dtype, args.repeat) for s in shapes]
-    report = {"profile": str(profile), "prompt_tokens": args.prompt_tokens, "dtype": args.dtype, "threads": 1,
+    host = {k: v for k, v in host_facts(THREADS).items() if k in ("cpu_model", "logical_cores", "description", "os")}
+    report = {"profile": str(profile), "host": host, "prompt_tokens": args.prompt_tokens, "dtype": args.dtype,
+              "threads": THREADS,
               "goal": {"whole": WHOLE, "part": PART, "part_share_over": SHARE}, "results": results,
               "met": all(r["verdict"] == "ok" and all(p["verdict"] != "OFF" for p in r["parts"].values())
                          for r in results)}
     (args.out / "host_check.json").write_text(json.dumps(report, indent=1))
-    print(table(results))
+    print(table(results, host, THREADS))
     print(f"wrote {args.out / 'host_check.json'}; goal met: {report['met']}")
 
 
