@@ -115,8 +115,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# the split's options; each stage's search takes SearchConfig's
+ACROSS_MACS = ("macs", "hosts", "mac_memory_gb", "link_gb_s")
+
+
 def add_macs_arguments(p: argparse.ArgumentParser) -> None:
-    """Past one Mac (autotune/searching/pipeline_search.py): the layers split across Macs, a plan per stage."""
+    """Past one Mac (autotune/searching/pipeline_search.py): the layers split across Macs (`ACROSS_MACS`), a plan
+    per stage."""
     where = p.add_mutually_exclusive_group()
     where.add_argument("--macs", type=positive_int, metavar="N", help="split the model across N Macs of --profile "
                        "(writes <plan>.pipeline.json and <plan>.stage<k>.json next to the plan)")
