@@ -16,6 +16,7 @@ from autotune.costing.costmodel import CostModel
 from autotune.costing.pipeline_link import LinkFigure, link_ms, pipeline_ms
 from autotune.costing.stage_prefill import layer_bytes, stage_chunk_ms, stage_memory, stage_shape
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, prompt_chunks
+from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import SearchOutcome, Solution, run_search
@@ -42,7 +43,7 @@ class StageSearch:
     objective: str = "latency"
     trials: int = 40
     compress: tuple[str, ...] = ("none",)
-    backend: str = "ane"
+    backend: str | None = None  # the static backend; None: the one today's search picks for each Mac's profile
     progress: bool = False
 
 
@@ -82,6 +83,13 @@ def fixed_bytes(shape: DecoderShape, first: int, last: int, prompt: int, chunk: 
     return stage_memory(shape, first, last, prompt, chunk).total
 
 
+def static_backend(mac: Mac, shape: DecoderShape, layers: list[LayerData], how: StageSearch) -> str:
+    """The static backend a stage's groups run on: `how.backend`, else the one the one-Mac search picks for this
+    Mac's profile (`choose_static_backend`)."""
+    return how.backend or choose_static_backend(
+        mac.cost, layers, lambda b: Scorer(mac.cost, shape.hidden, shape.expert_ffn, b, float("inf")))
+
+
 def search_stage(mac: Mac, shape: DecoderShape, workloads: dict[int, list[LayerData]], prompt: int, first: int,
                  last: int, how: StageSearch) -> Stage:
     """Today's search for one stage on its Mac: the ANE's resident experts within what its memory leaves (and the
@@ -89,7 +97,8 @@ def search_stage(mac: Mac, shape: DecoderShape, workloads: dict[int, list[LayerD
     sub, mine = stage_shape(shape, first, last), stage_layers(workloads, first, last)
     free = mac.budget_bytes - fixed_bytes(shape, first, last, prompt, max(workloads))
     ane = max(0.0, min(free, ane_limits.WINDOW_BYTES))
-    scorer = Scorer(mac.cost, shape.hidden, shape.expert_ffn, how.backend, ane / max(1, len(sub.moe_layers)))
+    backend = static_backend(mac, shape, next(iter(mine.values())), how)
+    scorer = Scorer(mac.cost, shape.hidden, shape.expert_ffn, backend, ane / max(1, len(sub.moe_layers)))
     calib = prompts_in(next(iter(mine.values())), prompt)
 
     def dense(chunk: int, weights, resident: float):
@@ -133,8 +142,8 @@ def layer_times(cost: CostModel, scorer: Scorer, shape: DecoderShape, layers: li
 def first_split(macs: list[Mac], shape: DecoderShape, layers: list[LayerData], prompt: int,
                 how: StageSearch) -> tuple[list[tuple[int, int]], list[list[float]]]:
     """The split by each layer's time as mlx-lm runs it on each Mac, and those times."""
-    est = [layer_times(m.cost, Scorer(m.cost, shape.hidden, shape.expert_ffn, how.backend, 0.0), shape, layers,
-                       prompt) for m in macs]
+    est = [layer_times(m.cost, Scorer(m.cost, shape.hidden, shape.expert_ffn, static_backend(m, shape, layers, how),
+                                      0.0), shape, layers, prompt) for m in macs]
     return _split(macs, shape, est, prompt, layers[0].chunk_tokens), est
 
 

@@ -29,8 +29,10 @@ from autotune.searching.pipeline_plan import (
     Mac,
     PipelineOutcome,
     Stage,
+    StageSearch,
     chunk_links,
     stage_ms,
+    static_backend,
 )
 from autotune.searching.pipeline_split import even_split
 from autotune.searching.prefill_report import placement_json, prompts_in
@@ -75,7 +77,7 @@ def stage_json(stage: Stage, shape: DecoderShape, prompt: int, chunk: int, last:
 def gpu_stage_ms(mac: Mac, shape: DecoderShape, layers: list[LayerData], prompt: int, first: int, last: int,
                  final: bool) -> list[float]:
     """One stage as mlx-lm runs it: every expert and every dense op on the Mac's GPU (the exact path)."""
-    scorer = Scorer(mac.cost, shape.hidden, shape.expert_ffn, "ane", 0.0)
+    scorer = Scorer(mac.cost, shape.hidden, shape.expert_ffn, static_backend(mac, shape, layers, StageSearch()), 0.0)
     experts = sum(scorer.score(d, LayerConfig(0)).latency_ms for d in layers if first <= d.layer < last)
     return stage_chunk_ms(mac.cost, stage_shape(shape, first, last), prompt, layers[0].chunk_tokens,
                           experts / prompts_in(layers, prompt), DensePlacement(host=scorer.exact), logits=final)
