@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import mlx.core as mx
 import numpy as np
@@ -69,6 +71,27 @@ def step_inputs(x: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> tuple[mx.array, mx.array, mx.array]:
     """A decode step's crossing in: its rows, expert ids and router weights (in the rows' dtype) as MLX arrays."""
     return to_mx(x), mx.array(top_k_index.numpy().astype(np.uint32)), to_mx(top_k_weights.to(x.dtype))
+
+
+def sorted_inputs(x_sorted: torch.Tensor, experts: list[int], counts: list[int]) -> tuple[mx.array, mx.array]:
+    """An exact call's crossing in: its rows [R, 1, H] (sorted by expert) and each row's expert id, in MLX."""
+    return to_mx(x_sorted)[:, None, :], mx.array(np.repeat(np.asarray(experts, dtype=np.uint32), counts))
+
+
+def crossed(inputs: Callable[[], tuple], compute: Callable[..., mx.array], dtype: torch.dtype,
+            stats: LayerStats | None, lock: AbstractContextManager) -> torch.Tensor:
+    """One call across to MLX and back: `inputs()` copied in, `compute(*inputs)` evaluated under `lock`, read back
+    as a torch view in `dtype`; the time of both crossings counted in `stats`."""
+    start = time.perf_counter()
+    args = inputs()
+    seconds = time.perf_counter() - start
+    with lock:
+        y = as_words(compute(*args), dtype)
+        mx.eval(y)
+    start = time.perf_counter()
+    out = to_torch(y, dtype)
+    _count(stats, seconds + time.perf_counter() - start)
+    return out
 
 
 def as_words(a: mx.array, dtype: torch.dtype) -> mx.array:
@@ -162,35 +185,19 @@ class MlxExactLayer:
 
     def run(self, x_sorted: torch.Tensor, experts: list[int], counts: list[int],
             stats: LayerStats | None = None) -> torch.Tensor:
-        start = time.perf_counter()
-        x = to_mx(x_sorted)[:, None, :]
-        idx = mx.array(np.repeat(np.asarray(experts, dtype=np.uint32), counts))
-        crossed = time.perf_counter() - start
-        with _LOCK:
-            y = self._ffn(self._computed(x), idx, sorted_indices=True)[:, 0, :]
-            y = as_words(y.astype(x.dtype), x_sorted.dtype)
-            mx.eval(y)
-        start = time.perf_counter()
-        out = to_torch(y, x_sorted.dtype)
-        _count(stats, crossed + time.perf_counter() - start)
-        return out
+        def compute(x: mx.array, idx: mx.array) -> mx.array:
+            return self._ffn(self._computed(x), idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
+
+        return crossed(lambda: sorted_inputs(x_sorted, experts, counts), compute, x_sorted.dtype, stats, _LOCK)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 stats: LayerStats | None = None) -> torch.Tensor:
         """As mlx-lm's SwitchGLU: each token's k experts, rows sorted by expert from `SORT_FROM` assignments; the
         router weights applied and the k outputs summed in MLX, so one array crosses back."""
-        start = time.perf_counter()
-        xm, idx, w = step_inputs(x, top_k_index, top_k_weights)
-        crossed = time.perf_counter() - start
-        with _LOCK:
-            y = self._weighted(self._computed(xm), idx, self._computed(w)).astype(xm.dtype)
-            y = as_words(y, x.dtype)
-            mx.eval(y)
-        start = time.perf_counter()
-        out = to_torch(y, x.dtype)
-        _count(stats, crossed + time.perf_counter() - start)
-        return out
+        def compute(xm: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+            return self._weighted(self._computed(xm), idx, self._computed(w)).astype(xm.dtype)
 
+        return crossed(lambda: step_inputs(x, top_k_index, top_k_weights), compute, x.dtype, stats, _LOCK)
 
     def _computed(self, x: mx.array) -> mx.array:
         """The rows in the dtype the layer computes them in (`widen`)."""

@@ -12,7 +12,7 @@ weights (no second copy); `torch_experts` is the torch experts module the static
 weights views of MLX's memory."""
 from __future__ import annotations
 
-import time
+from contextlib import nullcontext
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +22,7 @@ from runtime.cpu.quantized import PackedWeight, QuantizedExperts
 from runtime.errors import NpumoeError
 from runtime.executor import LayerExecutor
 from runtime.mlx.formats import NAME
-from runtime.mlx.mlx_exact import to_mx, to_torch
+from runtime.mlx.mlx_exact import crossed, sorted_inputs, step_inputs, to_mx, to_torch
 from runtime.stats import LayerStats
 
 _TORCH = {mx.float32: torch.float32, mx.bfloat16: torch.bfloat16, mx.float16: torch.float16}
@@ -89,38 +89,20 @@ class SwitchExactLayer:
 
     def run(self, x_sorted: torch.Tensor, experts: list[int], counts: list[int],
             stats: LayerStats | None = None) -> torch.Tensor:
-        start = time.perf_counter()
-        x = to_mx(x_sorted)[:, None, :]
-        idx = mx.array(np.repeat(np.asarray(experts, dtype=np.uint32), counts))
-        crossed = time.perf_counter() - start
+        def compute(x: mx.array, idx: mx.array) -> mx.array:
+            return switch_ffn(self.switch, x, idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
+
         # no lock: on the spine the thread that runs the forward waits for this call (its static groups are torch)
-        y = switch_ffn(self.switch, x, idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
-        mx.eval(y)
-        start = time.perf_counter()
-        out = to_torch(y, x_sorted.dtype)
-        _count(stats, crossed + time.perf_counter() - start)
-        return out
+        return crossed(lambda: sorted_inputs(x_sorted, experts, counts), compute, x_sorted.dtype, stats,
+                       nullcontext())
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 stats: LayerStats | None = None) -> torch.Tensor:
         """A decode step: mlx-lm's SwitchGLU on every assignment, router-weighted and summed in MLX."""
-        start = time.perf_counter()
-        xm = to_mx(x)
-        idx = mx.array(top_k_index.numpy().astype(np.uint32))
-        w = to_mx(top_k_weights.to(x.dtype))
-        crossed = time.perf_counter() - start
-        y = (self.switch(xm, idx) * w[..., None]).sum(axis=-2).astype(xm.dtype)
-        mx.eval(y)
-        start = time.perf_counter()
-        out = to_torch(y, x.dtype)
-        _count(stats, crossed + time.perf_counter() - start)
-        return out
+        def compute(xm: mx.array, idx: mx.array, w: mx.array) -> mx.array:
+            return (self.switch(xm, idx) * w[..., None]).sum(axis=-2).astype(xm.dtype)
 
-
-def _count(stats: LayerStats | None, seconds: float) -> None:
-    if stats is not None:
-        stats.crossing_us[NAME] += seconds * 1e6
-        stats.crossings[NAME] += 1
+        return crossed(lambda: step_inputs(x, top_k_index, top_k_weights), compute, x.dtype, stats, nullcontext())
 
 
 class SwitchExactPath:
