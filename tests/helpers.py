@@ -236,3 +236,14 @@ def convert_family(out, family: str):
     mlx_lm.convert(str(src), str(out), quantize=True, q_bits=4, q_group_size=32)
     shutil.rmtree(src)
     return out
+
+
+def one_line_exit_2(argv: list[str], capsys) -> str:
+    """`autotune argv` in-process: exit 2 with exactly one line on stderr, returned."""
+    from autotune.cli import main
+
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    return err[0]

@@ -18,7 +18,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, mlx_fp32, prefilled_with_own_steps, random_model  # noqa: E402
+from helpers import all_cpu_plan, mlx_fp32, one_line_exit_2, prefilled_with_own_steps, random_model  # noqa: E402
 from helpers import convert_to_mlx as convert  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
@@ -124,26 +124,18 @@ def test_without_mlx_the_plan_runs_on_cpu_exact_said_once(q4, plan, planned_toke
     assert result.token_ids == planned_tokens
 
 
-def _one_line_exit_2(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    return err[0]
-
-
 def test_a_folder_mlx_exact_cannot_run_is_refused_in_one_line(q4, plan, tmp_path, capsys):
     bad = tmp_path / "mxfp4"
     shutil.copytree(q4, bad)
     config = json.loads((bad / "config.json").read_text())
     config["quantization"]["mode"] = "mxfp4"
     (bad / "config.json").write_text(json.dumps(config))
-    line = _one_line_exit_2(["plan-template", "--model", str(bad), "--capacity", "tight", "--exact", "mlx-exact",
+    line = one_line_exit_2(["plan-template", "--model", str(bad), "--capacity", "tight", "--exact", "mlx-exact",
                              "--out", str(tmp_path / "p.json")], capsys)
     assert "error: mlx-exact:" in line and "mxfp4 mode" in line, line
     assert not (tmp_path / "p.json").exists()
     # the full-width model the folder was converted from: its routers are not the folder's (no longer 8-bit)
-    line = _one_line_exit_2(["run", "--model", "tiny-moe", "--plan", str(plan), "--max-tokens", "64"], capsys)
+    line = one_line_exit_2(["run", "--model", "tiny-moe", "--plan", str(plan), "--max-tokens", "64"], capsys)
     assert "fingerprint" in line, line
 
 

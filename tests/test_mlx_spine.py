@@ -15,7 +15,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, convert_family, convert_to_mlx, mlx_fp32  # noqa: E402
+from helpers import all_cpu_plan, convert_family, convert_to_mlx, mlx_fp32, one_line_exit_2  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
@@ -151,21 +151,13 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
         resolve_engine("gpu", plan)
 
 
-def _one_line_exit_2(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    code = main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    return err[0]
-
-
 def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys):
-    assert "torch spine only" in _one_line_exit_2(
+    assert "torch spine only" in one_line_exit_2(
         ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0"], capsys)
-    assert "torch spine only" in _one_line_exit_2(
+    assert "torch spine only" in one_line_exit_2(
         ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx"], capsys)
     dense = _template(q4, tmp_path / "dense.json", "--dense", "ane-sim")
-    assert "dense functions" in _one_line_exit_2(
+    assert "dense functions" in one_line_exit_2(
         ["run", "--model", str(q4), "--plan", str(dense), "--engine", "mlx", "--dtype", "float32"], capsys)
 
 
