@@ -169,8 +169,8 @@ def drive(work: Path) -> dict:
     cases = {
         "build: coremltools' import guard swallows it": (build, _swallowed_import(swallowed)),
         "build: a finalizer in coremltools' gc.collect() swallows it": (build, _swallowed_in_a_finalizer(finalized)),
-        "build: a function's conversion": (build, _kill_on_entry(converter, "_compress")),
-        "build: Ctrl-C in a function's conversion": (build, _kill_on_entry(converter, "_compress", signal.SIGINT)),
+        "build: a function's conversion": (build, _kill_on_entry(converter, "compressed")),
+        "build: Ctrl-C in a function's conversion": (build, _kill_on_entry(converter, "compressed", signal.SIGINT)),
         "build: the packages land": (build, _kill_on_entry(converter, "atomic_write_json")),
         "calibrate: the second chunk's forward": (lambda out: [*calibrate, "--out", str(out / "t.npz")],
                                                   _at_forward(2)),

@@ -39,12 +39,10 @@ def decompressed(gate_up: np.ndarray, down: np.ndarray, compress: str, layout: s
     `autotune build` configures it) run on the builder's program of the expert, then its own decompression."""
     if compress == "none":
         return gate_up, down
+    from runtime.coreml.compression import COMPRESSION_FUNCTIONS, compression_config, one_kmeans_thread
     from runtime.coreml.converter import (
-        COMPRESSION_FUNCTIONS,
         FunctionSpec,
-        compression_config,
         function_program,
-        one_kmeans_thread,
         quiet_coremltools_import,
         quiet_progress,
     )

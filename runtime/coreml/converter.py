@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from runtime.coreml.ane import (
     package_bytes,
 )
 from runtime.coreml.build_result import BuildResult
+from runtime.coreml.compression import compressed
 from runtime.dense.specs import compute_dtype
 from runtime.errors import NpumoeError
 from runtime.fileio import atomic_write_json, cache_root
@@ -221,47 +222,6 @@ def function_program(fs: FunctionSpec, weights: dict[int, tuple[np.ndarray, np.n
     return prog
 
 
-# Each compression's coremltools function in `coremltools.optimize.coreml`, also its graph pass's name.
-COMPRESSION_FUNCTIONS = {"int8": "linear_quantize_weights", "palettize4": "palettize_weights"}
-
-
-def compression_config(compress: str):
-    """The `OptimizationConfig` every build compresses a function's weights with (`compress` other than none)."""
-    import coremltools.optimize.coreml as cto
-
-    check_build_options(compress=compress)
-    if compress == "int8":
-        cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
-                                          weight_threshold=2048)
-    elif compress == "palettize4":
-        # A 16-entry table per group of 16 output channels: far closer than one table per tensor.
-        cfg = cto.OpPalettizerConfig(nbits=4, mode="kmeans", granularity="per_grouped_channel", group_size=16,
-                                     weight_threshold=2048)
-    else:  # "none" compresses nothing: callers ask only for the others
-        raise ValueError("compression 'none' has no OptimizationConfig")
-    return cto.OptimizationConfig(global_config=cfg)
-
-
-@contextlib.contextmanager
-def one_kmeans_thread() -> Iterator[None]:
-    """scikit-learn's k-means (palettization) on one thread: 5x faster than its default on a busy 2-core host,
-    and the same tables wherever it runs (no thread-count dependent summation order)."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(1):
-        yield
-
-
-def _compress(mlmodel, compress: str):
-    import coremltools.optimize.coreml as cto
-
-    if compress == "none":
-        return mlmodel
-    config = compression_config(compress)
-    with one_kmeans_thread():
-        return getattr(cto, COMPRESSION_FUNCTIONS[compress])(mlmodel, config)
-
-
 def quiet_coremltools_import() -> None:
     """Import coremltools without its import-time warnings (no Core ML runtime off macOS, untested torch and
     scikit-learn versions): true on Linux, and said where it matters (the backend reports why it can't run)."""
@@ -308,7 +268,7 @@ def convert_program(prog, compress: str, dest: Path) -> None:
     (written whole, then renamed)."""
     mlmodel = program_mlmodel(prog)
     with quiet_progress():
-        mlmodel = _compress(mlmodel, compress)
+        mlmodel = compressed(mlmodel, compress)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=dest.parent)) / dest.name
     try:
         # The converter already wrote a whole package to its temp folder; `save` would copy it (weights written

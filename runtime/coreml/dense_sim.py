@@ -36,10 +36,8 @@ def r16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _decompress(w: np.ndarray, compress: str) -> np.ndarray:
+    from runtime.coreml.compression import COMPRESSION_FUNCTIONS, compression_config, one_kmeans_thread
     from runtime.coreml.converter import (
-        COMPRESSION_FUNCTIONS,
-        compression_config,
-        one_kmeans_thread,
         quiet_coremltools_import,
         quiet_progress,
     )
