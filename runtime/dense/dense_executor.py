@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -36,34 +37,54 @@ log = logging.getLogger("npumoe")
 
 class RowFunction:
     """A row-wise dense function on its backend: `[..., in]` -> `[..., out]` in the plan's chunks (`rows`); split,
-    the function takes each chunk's first `split.rows` rows and the CPU the rest."""
+    the function takes each chunk's first `split.rows` rows and the CPU the rest. The chunking (`pieces`) and the
+    padded static call (`on_static`) are what the MLX spine's splices call too (runtime/mlx/splices.py)."""
 
     def __init__(self, fn: DenseFn, rows: int, exact_below: int, backend: str, part: str, calls: Counter,
                  split: Split | None = None) -> None:
         self.fn, self.rows, self.exact_below, self.backend = fn, rows, exact_below, backend
         self.part, self.calls, self.split = part, calls, split
 
-    def static(self, x: torch.Tensor) -> bool:
-        """Whether these rows run on the function (else on the modules' own forwards, exactly)."""
-        static = x[..., 0].numel() >= self.exact_below
+    def static(self, x) -> bool:
+        """Whether these rows (a torch tensor or an MLX array, `[..., in]`) run on the function (else on the
+        modules' own forwards, exactly)."""
+        static = math.prod(x.shape[:-1]) >= self.exact_below
         if not static:
             self.calls[(self.part, EXACT)] += 1
         return static
 
+    @property
+    def static_rows(self) -> int:
+        """The rows the function's static shape takes."""
+        return self.split.rows if self.split else self.rows
+
+    def pieces(self, total: int) -> list[tuple[int, int, int]]:
+        """Each chunk of `total` rows as (start, cut, stop): the function takes rows start:cut (padded to its
+        static rows), the split's other side cut:stop (none where cut == stop)."""
+        out = []
+        for start in range(0, total, self.rows):
+            stop = min(start + self.rows, total)
+            out.append((start, min(start + self.static_rows, stop), stop))
+        return out
+
+    def on_static(self, part: torch.Tensor) -> torch.Tensor:
+        """The function on `part` (at most its static rows), padded with zero rows to its shape; `part`'s rows of
+        its output (in the function's dtype)."""
+        n = part.shape[0]
+        if n < self.static_rows:
+            part = torch.cat([part, part.new_zeros(self.static_rows - n, part.shape[1])])
+        return self.fn(part)[:n]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         outs = []
-        cut = self.split.rows if self.split else self.rows  # the static function's rows
-        for start in range(0, flat.shape[0], self.rows):
-            part = flat[start:start + self.rows]
-            n = part.shape[0]
-            if n > cut:
-                outs.append(torch.cat(self.split.run(lambda: self.fn(part[:cut]), self.split.cpu, part[cut:],
-                                                     x.dtype, self.calls, self.part)))
+        for start, cut, stop in self.pieces(flat.shape[0]):
+            if cut < stop:
+                static = functools.partial(self.on_static, flat[start:cut])
+                outs.append(torch.cat(self.split.run(static, self.split.cpu, flat[cut:stop], x.dtype, self.calls,
+                                                     self.part)))
             else:
-                if n < cut:
-                    part = torch.cat([part, part.new_zeros(cut - n, part.shape[1])])
-                outs.append(self.fn(part)[:n].to(x.dtype))
+                outs.append(self.on_static(flat[start:cut]).to(x.dtype))
             self.calls[(self.part, self.backend)] += 1
         y = torch.cat(outs) if len(outs) > 1 else outs[0]
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
@@ -74,6 +95,10 @@ class Patches:
 
     def __init__(self) -> None:
         self._saved: list[tuple[torch.nn.Module, object]] = []
+
+    def own(self, module: torch.nn.Module):
+        """What calling `module` runs now."""
+        return module.forward
 
     def set(self, module: torch.nn.Module, forward) -> None:
         self._saved.append((module, module.__dict__.get("forward")))
@@ -99,15 +124,24 @@ class HandOver(threading.local):
         self.logit: torch.Tensor | None = None
 
 
-class FusedQKV:
-    """The hand-over of one layer's fused norm + q/k/v function between the modules transformers calls in turn."""
+def torch_parts(widths: tuple[int, ...]):
+    """A function's concatenated output `[..., sum(widths)]` cut into its outputs along the last axis."""
+    return lambda y: [t.contiguous() for t in y.split(list(widths), dim=-1)]
 
-    def __init__(self, modules: dict[str, torch.nn.Module], fn: RowFunction, splits: tuple[int, ...]) -> None:
-        self.modules, self.fn, self.splits = modules, fn, list(splits)
+
+class FusedQKV:
+    """The hand-over of one layer's fused norm + q/k/v function between the modules the model calls in turn.
+    `fn` takes the raw rows; `parts` cuts its output into q, k and v (torch tensors by default; the MLX spine gives
+    its own, with its `Patches`)."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], fn: RowFunction, splits: tuple[int, ...],
+                 parts=None) -> None:
+        self.modules, self.fn, self.splits = modules, fn, tuple(splits)
+        self.parts = parts or torch_parts(self.splits)
         self.state = HandOver()
 
     def install(self, patches: Patches) -> None:
-        own = {role: m.forward for role, m in self.modules.items()}
+        own = {role: patches.own(m) for role, m in self.modules.items()}
         patches.set(self.modules["norm"], lambda x: self._norm(x, own["norm"]))
         patches.set(self.modules["q"], lambda h: self._q(h, own["q"]))
         for role in ("k", "v"):
@@ -125,10 +159,10 @@ class FusedQKV:
     def _q(self, h: torch.Tensor, own) -> torch.Tensor:
         if h is not self.state.raw:
             return own(h)
-        q, k, v = self.fn(h).split(self.splits, dim=-1)
-        self.state.kept = {"k": k.contiguous(), "v": v.contiguous()}
+        q, k, v = self.parts(self.fn(h))
+        self.state.kept = {"k": k, "v": v}
         self.state.normed = {"q_norm", "k_norm"}
-        return q.contiguous()
+        return q
 
     def _kept(self, role: str, h: torch.Tensor, own) -> torch.Tensor:
         if h is not self.state.raw or role not in self.state.kept:
@@ -148,31 +182,33 @@ class FusedQKV:
 class FusedSharedExpert:
     """A shared expert's function: the expert's output, and its gate's logit kept for `shared_expert_gate`."""
 
-    def __init__(self, expert: torch.nn.Module, gate: torch.nn.Module, fn: RowFunction, hidden: int) -> None:
+    def __init__(self, expert: torch.nn.Module, gate: torch.nn.Module, fn: RowFunction, hidden: int,
+                 parts=None) -> None:
         self.expert, self.gate, self.fn, self.hidden = expert, gate, fn, hidden
+        self.parts = parts or torch_parts((hidden, 1))
         self.state = HandOver()
 
     def install(self, patches: Patches) -> None:
-        own_expert, own_gate = self.expert.forward, self.gate.forward
+        own_expert, own_gate = patches.own(self.expert), patches.own(self.gate)
         patches.set(self.expert, lambda x: self._expert(x, own_expert))
         patches.set(self.gate, lambda x: self._gate(x, own_gate))
 
     def _expert(self, x: torch.Tensor, own) -> torch.Tensor:
         if not self.fn.static(x):
             return own(x)
-        out, self.state.logit = self.fn(x).split([self.hidden, 1], dim=-1)
+        out, self.state.logit = self.parts(self.fn(x))
         self.state.raw = x
-        return out.contiguous()
+        return out
 
     def _gate(self, x: torch.Tensor, own) -> torch.Tensor:
         if x is not self.state.raw:
             return own(x)
         logit, self.state.raw, self.state.logit = self.state.logit, None, None
-        return logit.contiguous()
+        return logit
 
 
-def _replaced(module: torch.nn.Module, fn: RowFunction):
-    own = module.forward
+def replaced(own, fn: RowFunction):
+    """A module's call as a row-wise function runs it: on the function where its rows are static, else `own`."""
     return lambda x: fn(x) if fn.static(x) else own(x)
 
 
@@ -221,8 +257,6 @@ class DenseExecutor:
     def __init__(self, model: torch.nn.Module, plan: Plan, backends: dict[str, StaticBackend] | None = None,
                  options: dict | None = None) -> None:
         check_dense_fits(model, plan)
-        if plan.dense is not None and plan.dense.exact not in (None, EXACT):
-            _host_not_run(plan.dense.exact)
         self.model, self.plan = model, plan
         self.calls: Counter = Counter()  # (part, backend name) -> calls
         self.patches = Patches()
@@ -285,13 +319,16 @@ class DenseExecutor:
         return len(self._attention_fns)
 
     def install(self) -> "DenseExecutor":
+        """The functions on the torch model (the MLX spine takes them prepared, and installs its own splices)."""
+        if self.plan.dense is not None and self.plan.dense.exact not in (None, EXACT):
+            _host_not_run(self.plan.dense.exact)
         if any(overlaps for _, overlaps in self.splits):
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-dense")
         for split, overlaps in self.splits:
             split.pool = self.pool if overlaps else None
         for item in self.fused:
             if isinstance(item, tuple):
-                self.patches.set(item[0], _replaced(*item))
+                self.patches.set(item[0], replaced(self.patches.own(item[0]), item[1]))
             else:
                 item.install(self.patches)
         if self.cores:
