@@ -36,7 +36,7 @@ from runtime.loading.model_record import check_context
 from runtime.plan import load_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
 from runtime.resources import peak_rss_bytes, timed_runs
-from runtime.stats import PARTS, TORCH_CPU, Executed, LayerStats, lane_of
+from runtime.stats import DENSE_PARTS, PARTS, TORCH_CPU, Executed, LayerStats, lane_of
 
 log = logging.getLogger("npumoe")
 SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop rate is within 1.5x its budget
@@ -137,10 +137,10 @@ def torch_executed(experts: LayerStats, measured: dict, calls: dict, dense_calls
     for part in PARTS:
         if part != "experts" and calls.get(part):
             out.add(part, TORCH_CPU, calls[part], measured[part] / 1e3)
-    for part, backends in (dense_calls or {}).items():
+    for kind, backends in (dense_calls or {}).items():
         for backend, n in backends.items():
-            if part in PARTS and lane_of(backend) != TORCH_CPU:
-                out.add(part, lane_of(backend), n)
+            if lane_of(backend) != TORCH_CPU:
+                out.add(DENSE_PARTS[kind], lane_of(backend), n)
     return out.to_json()
 
 

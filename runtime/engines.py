@@ -7,6 +7,7 @@ import importlib.util
 import sys
 
 from runtime.errors import NpumoeError
+from runtime.mlx.formats import unspliced
 from runtime.plan import Plan
 
 ENGINES = ("auto", "mlx", "torch")
@@ -28,13 +29,13 @@ def mlx_importable() -> bool:
 
 def torch_only(plan: Plan | None, package: str | None = None, cpu_weights: str | None = None) -> str | None:
     """What in a run only the torch spine runs (None: nothing): a Core ML package, CPU expert storage, a plan's
-    dense functions on a static backend."""
+    dense functions on a static backend that the MLX spine does not splice in."""
     if package:
         return "a Core ML package"
     if cpu_weights or (plan is not None and plan.cpu_weights is not None):
         return "CPU expert storage (--cpu-weights)"
-    if plan is not None and plan.dense is not None and plan.dense.backends:
-        return "a plan's dense functions on a static backend"
+    if unspliced(plan):
+        return f"a plan's dense functions on a static backend ({', '.join(unspliced(plan))})"
     return None
 
 

@@ -114,8 +114,12 @@ class RunStats:
 
 
 PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
+# the part each kind of dense function (`DenseSpec.kind`) computes
+DENSE_PARTS = {"qkv": "attention_projections", "o_proj": "attention_projections", "attention": "attention_core",
+               "mlp": "dense_mlp"}
 TORCH_CPU = "torch-cpu"
-_TORCH_LANES = {"cpu-exact": TORCH_CPU}  # exact paths computed by torch: the lane says so
+# exact paths computed by torch, and a split dense function's rows torch computes (`cpu-share`): the lane says so
+_TORCH_LANES = {"cpu-exact": TORCH_CPU, "cpu-share": TORCH_CPU}
 
 
 def lane_of(backend: str) -> str:

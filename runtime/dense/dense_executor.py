@@ -212,6 +212,16 @@ def replaced(own, fn: RowFunction):
     return lambda x: fn(x) if fn.static(x) else own(x)
 
 
+def install_fused(items: list, patches: Patches) -> None:
+    """Each hand-over (`FusedQKV`, `FusedSharedExpert`) and each (module, row function) replacement, set with
+    `patches` (the torch spine's, or the MLX spine's on mlx-lm's modules)."""
+    for item in items:
+        if isinstance(item, tuple):
+            patches.set(item[0], replaced(patches.own(item[0]), item[1]))
+        else:
+            item.install(patches)
+
+
 def dense_backend(name: str, given: dict[str, StaticBackend] | None, options: dict | None) -> StaticBackend:
     """The backend to run `name`'s dense functions on: the first one down its fallbacks that can (`prepare_dense`)."""
     for candidate in registry.fallbacks(name):
@@ -326,11 +336,7 @@ class DenseExecutor:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="npumoe-dense")
         for split, overlaps in self.splits:
             split.pool = self.pool if overlaps else None
-        for item in self.fused:
-            if isinstance(item, tuple):
-                self.patches.set(item[0], replaced(self.patches.own(item[0]), item[1]))
-            else:
-                item.install(self.patches)
+        install_fused(self.fused, self.patches)
         if self.cores:
             for index, core in self.cores.items():
                 self.model.model.layers[index].self_attn._npumoe_attention = core

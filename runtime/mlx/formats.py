@@ -3,12 +3,26 @@ from __future__ import annotations
 
 from runtime.cpu.quantized import BITS, GROUP_SIZES  # mlx's affine widths and groups: gather_qmm runs them all
 from runtime.errors import NpumoeError
+from runtime.plan import Plan
 
 NAME = "mlx-exact"
 # The dense functions (a plan's `dense` layers: qkv, o_proj, attention, mlp) the MLX spine runs on a static backend,
 # spliced into mlx-lm's forward; a plan whose dense half is priced on MLX places only these (the search), and the
 # spine refuses others.
-SPINE_SPLICES: tuple[str, ...] = ()
+SPINE_SPLICES: tuple[str, ...] = ("qkv", "o_proj", "mlp")
+
+
+def placed_dense(plan: Plan | None) -> list[str]:
+    """The kinds of dense function (qkv, o_proj, attention, mlp) the plan puts on a static backend."""
+    if plan is None or plan.dense is None:
+        return []
+    return sorted({f for dl in plan.dense.layers for f in ("qkv", "o_proj", "attention", "mlp")
+                   if getattr(dl, f) is not None})
+
+
+def unspliced(plan: Plan | None) -> list[str]:
+    """Those of `placed_dense` the MLX spine does not splice in."""
+    return [f for f in placed_dense(plan) if f not in SPINE_SPLICES]
 
 
 def check_format(name: str, bits: int, group_size: int, mode: str = "affine") -> None:

@@ -67,6 +67,14 @@ def to_torch(a: mx.array, dtype: torch.dtype) -> torch.Tensor:
     return out.view(dtype) if out.dtype != dtype else out
 
 
+TORCH_DTYPES = {mx.float32: torch.float32, mx.bfloat16: torch.bfloat16, mx.float16: torch.float16}
+
+
+def torch_view(a: mx.array) -> torch.Tensor:
+    """A torch view of weight `a` (no copy): floats in their dtype, packed uint32 codes as int32 words."""
+    return to_torch(a, torch.int32 if a.dtype == mx.uint32 else TORCH_DTYPES[a.dtype])
+
+
 def step_inputs(x: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> tuple[mx.array, mx.array, mx.array]:
     """A decode step's crossing in: its rows, expert ids and router weights (in the rows' dtype) as MLX arrays."""

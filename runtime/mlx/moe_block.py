@@ -22,10 +22,8 @@ from runtime.cpu.quantized import PackedWeight, QuantizedExperts
 from runtime.errors import NpumoeError
 from runtime.executor import LayerExecutor
 from runtime.mlx.formats import NAME
-from runtime.mlx.mlx_exact import crossed, sorted_inputs, step_inputs, to_mx, to_torch
+from runtime.mlx.mlx_exact import TORCH_DTYPES, crossed, sorted_inputs, step_inputs, to_mx, to_torch, torch_view
 from runtime.stats import LayerStats
-
-_TORCH = {mx.float32: torch.float32, mx.bfloat16: torch.bfloat16, mx.float16: torch.float16}
 
 
 class SplitExperts(torch.nn.Module):
@@ -46,10 +44,6 @@ class SplitExperts(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
 
 
-def _view(a: mx.array) -> torch.Tensor:
-    return to_torch(a, torch.int32 if a.dtype == mx.uint32 else _TORCH[a.dtype])
-
-
 def torch_experts(switch, layer: int, check: bool = True) -> torch.nn.Module:
     """A torch experts module over `switch`'s weights (views of MLX's memory, no copy): what `GroupSpec.module` and
     cpu-exact read (`npumoe_weights`, `act_fn`, the widths). `check`: refuse experts torch would compute otherwise
@@ -61,10 +55,10 @@ def torch_experts(switch, layer: int, check: bool = True) -> torch.nn.Module:
     module = torch.nn.Module()
     if hasattr(switch.gate_proj, "scales"):
         module.npumoe_weights = QuantizedExperts(*(
-            PackedWeight(_view(p.weight), _view(p.scales), _view(p.biases), p.bits, p.group_size)
+            PackedWeight(torch_view(p.weight), torch_view(p.scales), torch_view(p.biases), p.bits, p.group_size)
             for p in projections))
     else:
-        module.npumoe_weights = SplitExperts(*(_view(p.weight) for p in projections))
+        module.npumoe_weights = SplitExperts(*(torch_view(p.weight) for p in projections))
     module.act_fn = torch.nn.SiLU()
     module.num_experts = int(switch.gate_proj.weight.shape[0])
     # a packed row holds `bits`-wide codes in 32-bit words
@@ -168,9 +162,9 @@ class PlannedSwitch:
     def _combine(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
         """`LayerExecutor` on torch views of the evaluated rows and weights (no copy), its output copied back."""
         h = x.shape[-1]
-        xt = to_torch(x.reshape(-1, h), _TORCH[x.dtype])
+        xt = to_torch(x.reshape(-1, h), TORCH_DTYPES[x.dtype])
         idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
-        w = to_torch(scores.reshape(-1, inds.shape[-1]), _TORCH[scores.dtype])
+        w = to_torch(scores.reshape(-1, inds.shape[-1]), TORCH_DTYPES[scores.dtype])
         with torch.inference_mode():
             y = self.layer(xt, idx, w)
         return to_mx(y).reshape(*x.shape[:-1], h)

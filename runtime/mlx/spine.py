@@ -8,6 +8,7 @@ otherwise computes every part at the forward's end."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,14 +17,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from runtime.backends.registry import registry
+from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
 from runtime.errors import NpumoeError
 from runtime.executor import PlanRun
 from runtime.loading.model_record import read_model_spec
 from runtime.mlx.blocks import MOE_BLOCKS, moe_blocks
-from runtime.mlx.formats import NAME, SPINE_SPLICES
+from runtime.mlx.dense_view import dense_view
+from runtime.mlx.formats import NAME, placed_dense, unspliced
 from runtime.mlx.mlx_exact import device
 from runtime.mlx.moe_block import CountedSwitch, PlannedSwitch, SwitchExactPath, fast_layer, torch_experts
+from runtime.mlx.splices import MlxPatches, mlx_splices
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 
@@ -38,10 +42,11 @@ def dense_lane() -> str:
 
 class _Timer:
     """Calls per part bucket always; in a timed pass (`timing`), each call's time with its inputs evaluated before
-    and its output after."""
+    and its output after. `lanes`: the spliced dense functions' calls per (part, lane), with the static calls' own
+    time in a timed pass (their whole call's is in their part's bucket)."""
 
     def __init__(self) -> None:
-        self.timing, self.times = False, PartTimes()
+        self.timing, self.times, self.lanes = False, PartTimes(), Executed()
 
     def time(self, bucket: str, fn, *args, **kwargs) -> tuple[object, float]:
         mx.eval([a for a in args if isinstance(a, mx.array)])
@@ -104,12 +109,10 @@ class MlxSpine(PlanRun):
     def __init__(self, model: nn.Module, plan: Plan, path: Path, backends: dict | None = None,
                  plan_path: str = "", options: dict | None = None) -> None:
         check_plan_matches(plan, read_model_spec(str(path)), plan_path)
-        placed = sorted({f for dl in plan.dense.layers for f in ("qkv", "o_proj", "attention", "mlp")
-                         if getattr(dl, f) is not None}) if plan.dense is not None else []
-        if set(placed) - set(SPINE_SPLICES):
-            raise NpumoeError(f"the plan puts dense functions ({', '.join(placed)}) on a static backend, which the MLX "
-                              "spine does not splice in yet: run it with --engine torch, or search it for the MLX "
-                              "spine (it places only those the spine runs)")
+        if unspliced(plan):
+            raise NpumoeError(f"the plan puts dense functions ({', '.join(unspliced(plan))}) on a static backend, "
+                              "which the MLX spine does not splice in yet: run it with --engine torch, or search it "
+                              "for the MLX spine (it places only those the spine runs)")
         names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}
         exact = {n: SwitchExactPath() if n == NAME else registry.resolve_exact(n) for n in sorted(names)}
         super().__init__(plan, backends, options, exact)
@@ -121,6 +124,12 @@ class MlxSpine(PlanRun):
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
         self.lane = dense_lane()
+        self.dense = self.view = None
+        self.splices: list = []
+        if placed_dense(plan):
+            self.view = dense_view(model, path, plan)
+            self.dense = DenseExecutor(self.view.model, plan, {**(backends or {}), **self.backends}, options)
+            self.splices = mlx_splices(self.dense, self.view, self.timer, self.lane)
 
     def install(self) -> MlxSpine:
         if self._originals:
@@ -146,10 +155,12 @@ class MlxSpine(PlanRun):
             self._swap(self.model, "lm_head", _Part(self.model["lm_head"], "lm_head", self.timer))
         else:
             self._swap(inner, "embed_tokens", _TiedHead(inner["embed_tokens"], "rest", self.timer))
+        if self.splices:  # over the part wrappers: a row count under exact_below calls them, counted and timed
+            install_fused(self.splices, MlxPatches(self.view.slots, self._swap))
         return self
 
     def _swap(self, parent: nn.Module, name: str, new: object) -> None:
-        self._originals.append((parent, name, parent[name]))
+        self._originals.append((parent, name, getattr(parent, name)))  # a module, or a wrapper set before
         setattr(parent, name, new)
 
     def uninstall(self) -> None:
@@ -211,15 +222,23 @@ class MlxSpine(PlanRun):
     def reset(self) -> None:
         super().reset()
         self.timer.times = PartTimes()
+        self.timer.lanes.clear()
 
     def executed(self) -> Executed:
-        """What ran each part since the last reset: MLX's dense ops on this device's lane, the experts on the lanes
-        the plan put them on; times where a timed pass measured them."""
+        """What ran each part since the last reset: the spliced dense functions' static calls on their backends'
+        lanes, the rest of the dense half on this device's MLX lane (its time: the part's less those static calls'),
+        the experts on the lanes the plan put them on; times where a timed pass measured them."""
         out = Executed()
-        times = self.timer.times
+        times, lanes = self.timer.times, self.timer.lanes
         calls, ms = times.parts_calls(), times.parts_ms() if times.seconds else {}
+        static_s = Counter()
+        for (part, lane), n in lanes.calls.items():
+            if lane != self.lane:
+                out.add(part, lane, n, lanes.seconds[part, lane] if ms else None)
+                static_s[part] += lanes.seconds[part, lane]
         for part, n in calls.items():
+            n += lanes.calls[part, self.lane]
             if part != "experts" and n:
-                out.add(part, self.lane, n, ms[part] / 1e3 if ms else None)
+                out.add(part, self.lane, n, ms[part] / 1e3 - static_s[part] if ms else None)
         out.add_experts(self.stats.total())
         return out

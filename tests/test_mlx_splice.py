@@ -1,0 +1,91 @@
+"""The dense functions a plan puts on a static backend, spliced into mlx-lm's forward (`runtime.mlx.splices`):
+tiny-moe converted by mlx-lm to 4 bits, on MLX's CPU device in float32, with `plan-template --backend ane --dense ane
+--exact mlx-exact` (ane-sim here) less the attention core (not spliced), q/k/v split by rows. Against the torch
+spine on the same plan, by the fidelity gate's measures, and what `executed` says ran where."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from helpers import convert_to_mlx  # noqa: E402
+
+from autotune.cli import main  # noqa: E402
+from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
+from runtime import generation  # noqa: E402
+from runtime.plan import load_plan  # noqa: E402
+
+PROMPT = "Static groups for the prompt, the exact path for every new token. " * 16
+TOKENS, CHUNK, QKV_ROWS, LAYERS = 300, 128, 96, 4  # chunks of 128, 128 and 44: q/k/v's first 96 rows static
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory) -> Path:
+    return convert_to_mlx(tmp_path_factory.mktemp("splice") / "q4g64", 4, 64)
+
+
+@pytest.fixture(scope="module")
+def plan(q4, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("plans") / "dense.json"
+    assert main(["plan-template", "--model", str(q4), "--backend", "ane", "--dense", "ane", "--exact", "mlx-exact",
+                 "--chunk", str(CHUNK), "--out", str(out)]) == 0
+    p = json.loads(out.read_text())
+    for dl in p["dense"]["layers"]:
+        dl.pop("attention")
+        dl["qkv"]["rows"] = QKV_ROWS
+    out.write_text(json.dumps(p))
+    return out
+
+
+def test_spliced_plan_is_the_torch_spines_within_the_gates_tolerance(q4, plan):
+    from runtime.mlx.spine_generation import prefill_logits
+    from runtime.prefill import max_rel_diff
+    from runtime.prefill import prefill_logits as torch_logits
+
+    ours = generation.load(str(q4), str(plan), engine="mlx", dtype="float32")
+    theirs = generation.load(str(q4), str(plan), engine="torch", dtype="float32")
+    ids = torch.tensor(ours.tokenizer.encode(PROMPT, add_special_tokens=False))[:TOKENS]
+    assert ids.numel() == TOKENS
+    a = prefill_logits(ours.model, ids, CHUNK, every_position=True)
+    with torch.inference_mode():
+        b = torch_logits(theirs.model, ids, CHUNK)
+    nll = [float(torch.nn.functional.cross_entropy(x[:-1], ids[1:])) for x in (a, b)]
+    assert abs(math.exp(nll[0] - nll[1]) - 1) <= MAX_PPL_DELTA
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= MIN_TOP1
+    assert max_rel_diff(a, b) <= 2e-3  # the same fp16 functions (ane-sim); measured 2.1e-4
+    lanes = ours.executor.executed().to_json()["attention_projections"]
+    # q/k/v and o_proj on ane-sim for each of 3 chunks in 4 layers; mlx-lm's q/k/v for the 32 rows past the split
+    # of the 2 full chunks
+    assert lanes["ane-sim"]["calls"] == 2 * 3 * LAYERS and lanes["mlx-cpu"]["calls"] == 2 * LAYERS
+
+
+def test_decode_steps_run_mlx_lms_own_modules(q4, plan):
+    """A prompt of 150 tokens (chunks of 128 and 22, both past exact_below) and 3 decode steps: the steps call no
+    static function, each runs mlx-lm's q, k, v, q/k norms and o in every layer."""
+    loaded = generation.load(str(q4), str(plan), engine="mlx", dtype="float32")
+    ids = loaded.tokenizer.encode(PROMPT, add_special_tokens=False)[:150]
+    lanes = generation.generate(loaded, ids, max_tokens=4).executed["attention_projections"]
+    assert lanes["ane-sim"]["calls"] == 2 * 2 * LAYERS  # q/k/v and o_proj, 2 chunks
+    assert lanes["mlx-cpu"]["calls"] == 1 * LAYERS + 3 * 6 * LAYERS  # the split's rows of the full chunk; the steps
+
+
+def test_run_json_names_the_dense_lanes_on_both_spines(q4, plan, capsys):
+    runs = {}
+    for engine in ("mlx", "torch"):
+        capsys.readouterr()
+        assert main(["run", "--model", str(q4), "--plan", str(plan), "--engine", engine, "--dtype", "float32",
+                     "--max-tokens", str(TOKENS), "--json"]) == 0
+        runs[engine] = json.loads(capsys.readouterr().out)["executed"]
+    assert set(runs["mlx"]["attention_projections"]) == {"ane-sim", "mlx-cpu"}
+    assert set(runs["torch"]["attention_projections"]) == {"ane-sim", "torch-cpu"}
+    assert runs["mlx"]["attention_projections"]["ane-sim"]["calls"] == \
+        runs["torch"]["attention_projections"]["ane-sim"]["calls"] == 2 * 3 * LAYERS
+    assert runs["mlx"]["attention_projections"]["ane-sim"]["ms"] > 0
+    assert set(runs["mlx"]["attention_core"]) == {"mlx-cpu"}
+    assert load_plan(plan).dense.layers[0].attention is None
