@@ -213,8 +213,8 @@ FAMILY_CONFIG = dict(vocab_size=4096, hidden_size=64, intermediate_size=64, num_
 
 
 def convert_family(out, family: str):
-    """A random `family` checkpoint (mixtral or phimoe, tiny-moe's tokenizer), through mlx_lm.convert -q (4 bits,
-    groups of 32) into folder `out`."""
+    """A random `family` checkpoint (mixtral, phimoe or qwen2_moe: a shared expert; tiny-moe's tokenizer), through
+    mlx_lm.convert -q (4 bits, groups of 32) into folder `out`."""
     import json
     import shutil
 
@@ -225,8 +225,12 @@ def convert_family(out, family: str):
     from runtime.loading.model_loader import TINY_MOE_DIR
 
     torch.manual_seed(0)
-    config = (transformers.MixtralConfig(**FAMILY_CONFIG) if family == "mixtral"
-              else transformers.PhimoeConfig(**FAMILY_CONFIG, attention_bias=True, lm_head_bias=True))
+    configs = {"mixtral": lambda: transformers.MixtralConfig(**FAMILY_CONFIG),
+               "phimoe": lambda: transformers.PhimoeConfig(**FAMILY_CONFIG, attention_bias=True, lm_head_bias=True),
+               "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+                   **FAMILY_CONFIG, num_experts=FAMILY_CONFIG["num_local_experts"], moe_intermediate_size=32,
+                   shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])}
+    config = configs[family]()
     src = out.parent / f"{out.name}-src"
     transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(src)
     saved = json.loads((src / "config.json").read_text())

@@ -14,7 +14,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from helpers import convert_to_mlx  # noqa: E402
+from helpers import convert_family, convert_to_mlx  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from autotune.evaluation.gate import MAX_PPL_DELTA, MIN_TOP1  # noqa: E402
@@ -30,26 +30,33 @@ def q4(tmp_path_factory) -> Path:
     return convert_to_mlx(tmp_path_factory.mktemp("splice") / "q4g64", 4, 64)
 
 
-@pytest.fixture(scope="module")
-def plan(q4, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("plans") / "dense.json"
-    assert main(["plan-template", "--model", str(q4), "--backend", "ane", "--dense", "ane", "--exact", "mlx-exact",
-                 "--chunk", str(CHUNK), "--out", str(out)]) == 0
+def _dense_plan(folder: Path, out: Path, rows: dict[str, int]) -> Path:
+    """The template's dense functions on ane less the attention core, split by `rows` per function."""
+    assert main(["plan-template", "--model", str(folder), "--backend", "ane", "--dense", "ane", "--exact",
+                 "mlx-exact", "--chunk", str(CHUNK), "--out", str(out)]) == 0
     p = json.loads(out.read_text())
     for dl in p["dense"]["layers"]:
         dl.pop("attention")
-        dl["qkv"]["rows"] = QKV_ROWS
+        for kind, n in rows.items():
+            dl[kind]["rows"] = n
     out.write_text(json.dumps(p))
     return out
 
 
-def test_spliced_plan_is_the_torch_spines_within_the_gates_tolerance(q4, plan):
+@pytest.fixture(scope="module")
+def plan(q4, tmp_path_factory) -> Path:
+    return _dense_plan(q4, tmp_path_factory.mktemp("plans") / "dense.json", {"qkv": QKV_ROWS})
+
+
+def _both_spines(folder: Path, plan: Path) -> tuple[generation.Loaded, torch.Tensor, torch.Tensor]:
+    """(the MLX spine's load, every position's logits of TOKENS tokens on it, on the torch spine); the MLX spine's
+    within the fidelity gate's limits of the torch spine's and within fp16 rounding of them."""
     from runtime.mlx.spine_generation import prefill_logits
     from runtime.prefill import max_rel_diff
     from runtime.prefill import prefill_logits as torch_logits
 
-    ours = generation.load(str(q4), str(plan), engine="mlx", dtype="float32")
-    theirs = generation.load(str(q4), str(plan), engine="torch", dtype="float32")
+    ours = generation.load(str(folder), str(plan), engine="mlx", dtype="float32")
+    theirs = generation.load(str(folder), str(plan), engine="torch", dtype="float32")
     ids = torch.tensor(ours.tokenizer.encode(PROMPT, add_special_tokens=False))[:TOKENS]
     assert ids.numel() == TOKENS
     a = prefill_logits(ours.model, ids, CHUNK, every_position=True)
@@ -58,11 +65,25 @@ def test_spliced_plan_is_the_torch_spines_within_the_gates_tolerance(q4, plan):
     nll = [float(torch.nn.functional.cross_entropy(x[:-1], ids[1:])) for x in (a, b)]
     assert abs(math.exp(nll[0] - nll[1]) - 1) <= MAX_PPL_DELTA
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= MIN_TOP1
-    assert max_rel_diff(a, b) <= 2e-3  # the same fp16 functions (ane-sim); measured 2.1e-4
+    assert max_rel_diff(a, b) <= 2e-3  # the same fp16 functions (ane-sim); measured 2.1e-4 and 1.4e-4
+    return ours, a, b
+
+
+def test_spliced_plan_is_the_torch_spines_within_the_gates_tolerance(q4, plan):
+    ours = _both_spines(q4, plan)[0]
     lanes = ours.executor.executed().to_json()["attention_projections"]
     # q/k/v and o_proj on ane-sim for each of 3 chunks in 4 layers; mlx-lm's q/k/v for the 32 rows past the split
     # of the 2 full chunks
     assert lanes["ane-sim"]["calls"] == 2 * 3 * LAYERS and lanes["mlx-cpu"]["calls"] == 2 * LAYERS
+
+
+def test_shared_expert_and_biased_qkv_spliced(tmp_path):
+    """Qwen2-MoE (q/k/v biases, a shared expert with its gate) converted by mlx-lm: q/k/v and the shared expert
+    split by rows, on both spines."""
+    folder = convert_family(tmp_path / "qwen2_moe", "qwen2_moe")
+    ours = _both_spines(folder, _dense_plan(folder, tmp_path / "p.json", {"qkv": QKV_ROWS, "mlp": 64}))[0]
+    lanes = ours.executor.executed().to_json()["dense_mlp"]
+    assert lanes == {"ane-sim": {"calls": 3 * 2}, "mlx-cpu": {"calls": 2 * 2}}  # 3 chunks (2 full) in 2 layers
 
 
 def test_decode_steps_run_mlx_lms_own_modules(q4, plan):

@@ -53,6 +53,8 @@ def _filled(module: torch.nn.Module, mlx: nn.Module, where: str) -> torch.nn.Mod
     for name, p in list(module.named_parameters(recurse=False)):
         setattr(module, name, torch.nn.Parameter(torch_view(mlx[name]).view(p.shape), requires_grad=False))
     for name, child in list(module.named_children()):
+        if next(child.parameters(), None) is None:  # an activation: nothing to view
+            continue
         setattr(module, name, _filled(child, getattr(mlx, name), f"{where}.{name}"))
     return module
 
