@@ -151,13 +151,14 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
         resolve_engine("gpu", plan)
 
 
-def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys):
+def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys, monkeypatch):
     assert "torch spine only" in one_line_exit_2(
         ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0"], capsys)
     assert "torch spine only" in one_line_exit_2(
         ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx"], capsys)
     dense = _template(q4, tmp_path / "dense.json", "--dense", "ane-sim")
-    assert "dense functions" in one_line_exit_2(
+    monkeypatch.setattr("runtime.mlx.formats.SPINE_SPLICES", ("qkv",))  # a kind of dense function not spliced in
+    assert "dense functions on a static backend (attention, o_proj)" in one_line_exit_2(
         ["run", "--model", str(q4), "--plan", str(dense), "--engine", "mlx", "--dtype", "float32"], capsys)
 
 

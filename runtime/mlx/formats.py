@@ -9,7 +9,7 @@ NAME = "mlx-exact"
 # The dense functions (a plan's `dense` layers: qkv, o_proj, attention, mlp) the MLX spine runs on a static backend,
 # spliced into mlx-lm's forward; a plan whose dense half is priced on MLX places only these (the search), and the
 # spine refuses others.
-SPINE_SPLICES: tuple[str, ...] = ("qkv", "o_proj", "mlp")
+SPINE_SPLICES: tuple[str, ...] = ("qkv", "o_proj", "attention", "mlp")
 
 
 def placed_dense(plan: Plan | None) -> list[str]:

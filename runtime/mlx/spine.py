@@ -7,6 +7,7 @@ timed pass only (`timed()`), where each part's inputs and outputs are evaluated 
 otherwise computes every part at the forward's end."""
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from runtime.dense.parts import PartTimes
 from runtime.errors import NpumoeError
 from runtime.executor import PlanRun
 from runtime.loading.model_record import read_model_spec
+from runtime.mlx.attention_splice import AttentionSplice
 from runtime.mlx.blocks import MOE_BLOCKS, moe_blocks
 from runtime.mlx.dense_view import dense_view
 from runtime.mlx.formats import NAME, placed_dense, unspliced
@@ -124,12 +126,15 @@ class MlxSpine(PlanRun):
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
         self.lane = dense_lane()
-        self.dense = self.view = None
+        self.dense = self.view = self.attention = None
         self.splices: list = []
         if placed_dense(plan):
             self.view = dense_view(model, path, plan)
             self.dense = DenseExecutor(self.view.model, plan, {**(backends or {}), **self.backends}, options)
             self.splices = mlx_splices(self.dense, self.view, self.timer, self.lane)
+            self.attention = AttentionSplice(self.dense.cores, self.timer) if self.dense.cores else None
+        # where each layer's attention finds `scaled_dot_product_attention`: its family's module in mlx-lm
+        self._families = {sys.modules[type(layer.self_attn).__module__] for layer in model.layers}
 
     def install(self) -> MlxSpine:
         if self._originals:
@@ -157,7 +162,19 @@ class MlxSpine(PlanRun):
             self._swap(inner, "embed_tokens", _TiedHead(inner["embed_tokens"], "rest", self.timer))
         if self.splices:  # over the part wrappers: a row count under exact_below calls them, counted and timed
             install_fused(self.splices, MlxPatches(self.view.slots, self._swap))
+        if self.attention is not None:
+            self._install_attention()
         return self
+
+    def _install_attention(self) -> None:
+        """The planned layers' attention cores: each such layer's attention call makes its core current, and the
+        family's `scaled_dot_product_attention` runs the current core where it takes the chunk."""
+        for index in self.attention.cores:
+            layer = self.model.layers[index]
+            self._swap(layer, "self_attn", self.attention.scoped(index, layer.self_attn))
+        for family in self._families:
+            own = family.scaled_dot_product_attention
+            self._swap(family, "scaled_dot_product_attention", self.attention.sdpa(own))
 
     def _swap(self, parent: nn.Module, name: str, new: object) -> None:
         self._originals.append((parent, name, getattr(parent, name)))  # a module, or a wrapper set before
