@@ -2,7 +2,8 @@
 torch spine (`runtime.backends.packages`), its functions run by its backend where the plan puts them. A Core AI asset
 in float32 (Apple's in-package runtime on this CPU) holding tiny-moe's layer-0 group, beside mlx-exact: within 1e-5 of
 mlx-lm's own forward, and of the same package on the torch spine. Core AI's own checks (the asset's digest before
-Apple's parser, a dtype other than the run's said once, a function built for other shapes refused) hold here too."""
+Apple's parser, a dtype other than the run's said once, a function built for other shapes refused) hold here too,
+as a Core ML build's manifest checks do."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,6 @@ import pytest
 import torch
 
 pytest.importorskip("mlx_lm")
-pytest.importorskip("coreai_torch")
-pytest.importorskip("coreai.runtime")
 
 from helpers import one_line_exit_2  # noqa: E402
 
@@ -35,6 +34,8 @@ TOKENS, CHUNK = 256, 128
 def asset(tmp_path_factory) -> tuple[Path, Path]:
     """The mixed plan (groups on coreai, tight, spilling to mlx-exact) with one group kept, layer 0's first: every
     other expert on mlx-exact. One function, built in float32 (a second here)."""
+    pytest.importorskip("coreai_torch")
+    pytest.importorskip("coreai.runtime")
     d = tmp_path_factory.mktemp("mlxpkg")
     plan, out = d / "P.json", d / "X.aimodel"
     assert main(["plan-template", "--model", "tiny-moe", "--capacity", "tight", "--overflow", "spill", "--backend",
@@ -138,3 +139,21 @@ def test_asset_dtype_other_than_the_runs_is_said_once_on_the_mlx_spine(asset, tm
     said = [r.getMessage() for r in caplog.records if "computes in" in r.getMessage()]
     assert len(said) == 1 and "computes in float32, this run in bfloat16" in said[0], said
     assert loaded.stats.total().calls_per_backend["coreai"] == 2
+
+
+def test_core_ml_manifest_is_checked_on_the_mlx_spine(tmp_path, capsys):
+    """A split Core ML build's manifest naming a part that is gone: refused in one line before the plan runs, as on
+    the torch spine (ane's own check, through the same binding)."""
+    from runtime.loading.model_record import read_model_spec
+
+    plan = tmp_path / "P.json"
+    assert main(["plan-template", "--model", "tiny-moe", "--backend", "ane", "--exact", "mlx-exact", "--out",
+                 str(plan)]) == 0
+    manifest = tmp_path / "m.manifest.json"
+    manifest.write_text(json.dumps({
+        "schema": "npumoe.manifest/1", "model_fingerprint": read_model_spec("tiny-moe").fingerprint,
+        "layout": "matmul", "compress": "none",
+        "packages": [{"path": "gone.part1.mlpackage", "functions": ["layer0_group0"], "weight_bytes": 1, "bytes": 1}]}))
+    line = one_line_exit_2(["run", "--model", "tiny-moe", "--plan", str(plan), "--package", str(manifest),
+                            "--engine", "mlx", "--dtype", "float32", "--max-tokens", "64"], capsys)
+    assert "gone.part1.mlpackage does not exist" in line
