@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.backends.registry import registry
+from runtime.backends.packages import bind_package, torch_target
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
@@ -82,8 +82,10 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
     commands' `--engine` defaults to auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
-    if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
-        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)
+    if p is None and package:
+        raise NpumoeError("a package runs a plan's ane groups: give the plan too")
+    if resolve_engine(engine, p, torch_only(p, cpu_weights)) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype, package)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -96,26 +98,22 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     kernel_rows = p.cpu_weights.kernel_rows if p is not None and p.cpu_weights is not None else None
     m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size, kernel_rows)
     if p is None:
-        if package:
-            raise NpumoeError("a package runs a plan's ane groups: give the plan too")
         return Loaded(m, tokenizer)
     path = "" if isinstance(plan, Plan) else str(plan)
-    backends = None
-    if package:  # checked on any host, whether or not it can run here (then its groups run where it falls back)
-        opened = registry.package_backend(package).open_package(package, p, m, path)
-        backends = {opened.name: opened}
+    backends = bind_package(package, p, torch_target(m), path)
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
 
 
-def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str) -> Loaded:
-    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
+def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str, package: str | None) -> Loaded:
+    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it
+    (with `package`'s backend, bound as on the torch spine)."""
     from runtime.mlx.spine import MlxSpine
     from runtime.mlx.spine_generation import SpineModel
     from runtime.mlx.spine_loading import load_mlx_model
 
     m, tokenizer, folder = load_mlx_model(model, dtype)
-    spine = MlxSpine(m, plan, folder, plan_path=path).install() if plan is not None else None
+    spine = MlxSpine(m, plan, folder, plan_path=path, package=package).install() if plan is not None else None
     return Loaded(SpineModel(m, folder, spine), tokenizer, plan, spine, engine="mlx")
 
 

@@ -105,17 +105,30 @@ def last_logits(out: mx.array) -> torch.Tensor:
     return to_torch(row if row.dtype == mx.float32 else row.astype(mx.float32), torch.float32)
 
 
+def prompt_logits(model: SpineModel, ids: list[int], chunk_tokens: int, start: int, end: int,
+                  every_position: bool = False) -> Iterator[torch.Tensor]:
+    """Each forward's logits (float32 torch views of MLX's) prefilling `ids[start:end]` in chunks from an empty
+    cache: every position's (`every_position`), else the prompt's last row (each chunk but the last then fills the
+    cache only, as mlx-lm's prefill does). Each forward runs under the plan where it is installed at that moment."""
+    cache = model.make_cache()
+    for first, done, kept in prefill_forwards(model, end, chunk_tokens, start, every_position):
+        out = model.forward(ids[first:done], cache, kept)
+        if out is not None:
+            yield to_torch(out[0].astype(mx.float32), torch.float32)
+
+
+def chunk_logits(model: SpineModel, prompt: torch.Tensor, chunk_tokens: int) -> Iterator[torch.Tensor]:
+    """Every position's logits of a prompt, chunk by chunk (`[n, vocab]` each): the fidelity measures' prefill
+    (`autotune.evaluation.fidelity.ChunkLogits`) on this spine."""
+    return prompt_logits(model, prompt.tolist(), chunk_tokens, 0, prompt.numel(), every_position=True)
+
+
 def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
                    every_position: bool = False) -> torch.Tensor:
     """`runtime.prefill`'s prompt logits on the MLX spine, float32: every position's `[T, vocab]`
-    (`every_position`), else each prompt's last `[prompts, vocab]` (each chunk but a prompt's last then fills the
-    cache only, as mlx-lm's prefill does). Prompts of `prompt_tokens` (default one), each from an empty cache."""
+    (`every_position`), else each prompt's last `[prompts, vocab]` (`prompt_logits`). Prompts of `prompt_tokens`
+    (default one), each from an empty cache."""
     n, step = ids.numel(), prompt_tokens or ids.numel()
-    flat, rows = ids.tolist(), []
-    for s in range(0, n, step):
-        cache = model.make_cache()
-        for start, done, kept in prefill_forwards(model, min(s + step, n), chunk_tokens, s, every_position):
-            out = model.forward(flat[start:done], cache, kept)
-            if out is not None:
-                rows.append(to_torch(out[0].astype(mx.float32), torch.float32))
-    return torch.cat(rows)
+    flat = ids.tolist()
+    return torch.cat([rows for s in range(0, n, step)
+                      for rows in prompt_logits(model, flat, chunk_tokens, s, min(s + step, n), every_position)])
