@@ -254,12 +254,13 @@ class GenerationResult:
     plan_predicted: dict | None = None
     traces: dict | None = None
     executed: dict | None = None  # per part, the lanes that ran it (`runtime.stats.Executed`); with a plan
+    engine: str | None = None  # the spine that generated: "torch" or "mlx"
 
     def to_json(self) -> dict:
         head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
         own = {k: getattr(self, k) for k in MEASURED}
         comparison = asdict(self.comparison) if self.comparison else {}
-        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed")
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed", "engine")
                 if getattr(self, k) is not None}
         return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
 
@@ -288,7 +289,7 @@ class Generation:
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
         self.prefix, self.keep_at = prefix, keep_at
-        self.cached = prefix.get_seq_length() if prefix is not None else 0
+        self.cached = cache_length(loaded, prefix)
         boundary = self.cached // self.chunk * self.chunk
         exact_below = loaded.plan.exact_below if loaded.plan else self.chunk + 1
         if self.cached >= ids.numel() or (self.cached > boundary
@@ -298,6 +299,7 @@ class Generation:
                               f"{self.cached} of {ids.numel()} tokens")
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prompt_logprobs: list[TokenLogprob] = []
+        self._last_row: torch.Tensor | None = None  # with echo: the logits of the last position scored so far
         self.token_logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []
         self.eos = _eos_ids(loaded)
@@ -318,7 +320,7 @@ class Generation:
         the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
         other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
         is pending (`accept`), `cache` holds the prompt and `ttft_s` is measured from the first chunk."""
-        n, done, before = self.ids.numel(), self.cached, None
+        n, done = self.ids.numel(), self.cached
         chunks = prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
                                 last_logits_only=not self.echo, cache=self.prefix)
         t0 = time.perf_counter()
@@ -330,12 +332,7 @@ class Generation:
             if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
                 self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
             if self.echo:
-                rows = out.logits[0] if before is None else torch.cat([before, out.logits[0]])
-                if before is None:  # the prompt's first token: nothing predicts it
-                    self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
-                self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + (before is None):done],
-                                                       self.top or 0)
-                before = out.logits[0, -1:]
+                self.score(start, done, out.logits[0])
             if done < n:
                 yield done
         if self.max_tokens:
@@ -344,6 +341,17 @@ class Generation:
         self.cache = out.cache
         self.t1 = time.perf_counter()
         self.ttft_s = self.t1 - t0
+
+    def score(self, start: int, done: int, logits: torch.Tensor) -> None:
+        """With `echo`: the log-probabilities of the prompt's tokens start..done, from the logits of every position
+        of the forward that ran them (`logits` [done - start, vocab]), each token predicted by the position before
+        it (the prompt's first token by none)."""
+        first = self._last_row is None
+        rows = logits if first else torch.cat([self._last_row, logits])
+        if first:
+            self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
+        self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + first:done], self.top or 0)
+        self._last_row = logits[-1:]
 
     def sample(self, logits: torch.Tensor) -> None:
         """The next token from this position's logits, pending; its log-probability kept when asked."""
@@ -419,7 +427,15 @@ class Generation:
             peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
             prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
             finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
-            comparison=comparison, executed=executed_of(self.loaded))
+            comparison=comparison, executed=executed_of(self.loaded), engine=self.loaded.engine)
+
+
+def cache_length(loaded: Loaded, cache: object | None) -> int:
+    """The tokens a KV cache of `loaded`'s spine holds (a transformers `DynamicCache`, or mlx-lm's per-layer caches
+    on the MLX spine); 0 for none."""
+    if cache is None:
+        return 0
+    return loaded.model.cache_length(cache) if loaded.engine == "mlx" else cache.get_seq_length()
 
 
 def executed_of(loaded: Loaded) -> dict | None:

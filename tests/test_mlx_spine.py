@@ -154,8 +154,9 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
 
 
 def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys):
-    assert "torch spine only" in one_line_exit_2(
-        ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0"], capsys)
+    assert "in memory only" in one_line_exit_2(
+        ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0",
+         "--prefix-cache-dir", str(tmp_path / "kv")], capsys)
     assert "torch spine only" in one_line_exit_2(
         ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--tasks",
          "builtin:pydoc-nextsent"], capsys)
