@@ -100,6 +100,29 @@ def test_requests_decoding_together_give_each_its_own_tokens(served):
     assert together == alone and all(len(t) == 12 for t in alone)
 
 
+def test_a_long_prompt_prefills_on_its_thread_while_another_decodes(served):
+    """A prompt over 64 tokens that arrives while a request decodes prefills on the prefill thread, beside the
+    decode steps (MLX: each thread on its own stream, each counting its own forwards' experts): both requests give
+    the tokens they give alone."""
+    text = "A long prompt, prefilled on its own thread while the other request keeps decoding. " * 8
+    long_ids = served.loaded.tokenizer.encode(text, add_special_tokens=False)[:100]
+    alone = [runtime.generate(served.loaded, p, max_tokens=n).token_ids for p, n in ((OTHER, 48), (long_ids, 8))]
+    before, got = served.engine.beside_prefill, {}
+
+    def long_request() -> None:
+        got["long"] = _complete(served, long_ids).model_extra["npumoe"]["token_ids"]
+
+    second = threading.Thread(target=long_request)
+    chunks = _complete(served, OTHER, 48, stream=True, stream_options={"include_usage": True})
+    for i, chunk in enumerate(chunks):
+        if i == 1:  # the first request decodes: the second arrives
+            second.start()
+    second.join()
+    got["other"] = chunk.model_extra["npumoe"]["token_ids"]  # the usage chunk, last
+    assert served.engine.beside_prefill > before
+    assert [got["other"], got["long"]] == alone
+
+
 def test_a_repeated_prompt_reuses_its_whole_chunks(served):
     text = "A prompt no other test sends, long enough for two whole chunks of sixteen tokens. " * 3
     ids = served.loaded.tokenizer.encode(text, add_special_tokens=False)[:40]  # two chunks of 16, then 8
