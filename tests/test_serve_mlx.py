@@ -6,7 +6,12 @@ from the prefix cache (mlx-lm's KVCache) with the same tokens; an echo scores th
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -26,6 +31,7 @@ from runtime.serving.engine import Engine  # noqa: E402
 PROMPT = "Static groups for the prompt, the exact path for every new token. " * 2
 OTHER = "To be, or not to be"
 CHUNK = 16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +155,60 @@ def test_an_echo_scores_the_prompt_as_mlx_lms_forward(served):
     assert ours[0] is None and len(ours) == len(ids)
     np.testing.assert_allclose(ours[1:], [theirs[i - 1, t] for i, t in enumerate(ids) if i], rtol=1e-5, atol=1e-5)
 
+
+
+def test_a_plan_with_static_groups_serves_batched_as_alone(served):
+    """A tight plan spilling to mlx-exact beside static groups (ane, run as ane-sim here): each layer's block goes
+    through the plan's executor. Two requests decoding together give their tokens alone, and each response's spills
+    and static calls are its own run's (the groups run in prefill; every decode row stays on the exact path)."""
+    plan = served.folder.parent / "tight.json"
+    assert main(["plan-template", "--model", str(served.folder), "--exact", "mlx-exact", "--capacity", "tight",
+                 "--overflow", "spill", "--backend", "ane", "--chunk", str(CHUNK), "--out", str(plan)]) == 0
+    loaded = runtime.load(str(served.folder), plan=plan, engine="mlx", dtype="float32")
+    prompts = [PROMPT, OTHER]
+    alone = [runtime.generate(loaded, p, max_tokens=10) for p in prompts]
+    engine = Engine(loaded, "q4", max_queue=4, prefix_cache_mb=0, max_batch=4)
+    got = [None, None]
+    with served_on_a_thread(engine, "k") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        start = threading.Barrier(2)
+
+        def run(i: int) -> None:
+            start.wait()
+            got[i] = client.completions.create(model="q4", prompt=prompts[i], max_tokens=10,
+                                               temperature=0).model_extra["npumoe"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert engine.batch.widest == 2
+    for ours, ref in zip(got, alone):
+        assert ours["token_ids"] == ref.token_ids
+        assert (ours["spilled"], ours["prefill_static_calls"]) == (ref.spilled, ref.prefill_static_calls)
+        assert ours["decode_static_calls"] == 0
+    assert got[0]["spilled"] > 0 and got[0]["prefill_static_calls"] > 0
+
+
+@pytest.mark.slow
+def test_autotune_serve_engine_mlx_serves_from_its_engine_process(served):
+    """The command as a user runs it (the engine in its spawned process): the request's tokens are the in-process
+    engine's, its figures and /health say mlx; SIGTERM drains and exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": "k"}
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", "serve", "--model", str(served.folder), "--plan",
+                             str(served.plan), "--engine", "mlx", "--dtype", "float32", "--port", "0", "--threads",
+                             "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = proc.stdout.readline().split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        r = client.completions.create(model="q4", prompt=OTHER, max_tokens=8, temperature=0)
+        assert r.model_extra["npumoe"]["engine"] == "mlx"
+        assert r.model_extra["npumoe"]["token_ids"] == _complete(served, OTHER).model_extra["npumoe"]["token_ids"]
+        assert httpx.get(url.removesuffix("/v1") + "/health").json()["engine"] == "mlx"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

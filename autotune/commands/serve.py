@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
     p.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
                    help="also keep reusable prefixes' KV caches in DIR, across restarts (whole prefill chunks, tied to "
-                        "the model's and the plan's digests; needs --plan)")
+                        "the model's and the plan's digests; needs --plan; the torch spine's: on --engine mlx the "
+                        "prefix cache is in memory only)")
     p.add_argument("--prefix-cache-disk-gb", type=positive_float, default=DEFAULT_DISK_GB, metavar="GB",
                    help=f"bound of --prefix-cache-dir, least recently used out first (default {DEFAULT_DISK_GB:g})")
     p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
