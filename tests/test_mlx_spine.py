@@ -142,8 +142,8 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
     monkeypatch.setattr("sys.platform", "darwin")
     assert resolve_engine("auto", plan) == "mlx"
     assert resolve_engine("auto", plan.model_copy(update={"exact": None})) == "torch"  # nothing on MLX
-    # what only torch runs keeps auto on torch (CPU expert storage, --record-traces), and refuses mlx in one line; a built
-    # package runs on either spine
+    # what only torch runs keeps auto on torch (CPU expert storage, --record-traces), and refuses mlx in one line; a
+    # built package runs on either spine
     assert torch_only(plan) is None
     assert resolve_engine("auto", plan, torch_only(plan, cpu_weights="int8")) == "torch"
     assert resolve_engine("auto", plan, "--record-traces") == "torch"

@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     require_plan_for_package(args)
     plan = load_plan(args.plan) if args.plan else None
-    engine = resolve_engine(args.engine, plan, torch_only(plan, args.package, args.cpu_weights))
+    engine = resolve_engine(args.engine, plan, torch_only(plan, args.cpu_weights))
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
     if args.prefix_cache_dir and (off := disk_cache_off(engine)) is not None:
