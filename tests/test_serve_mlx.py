@@ -5,6 +5,7 @@ batched forward on mlx-lm's BatchKVCache) give each one's tokens alone; a repeat
 from the prefix cache (mlx-lm's KVCache) with the same tokens; an echo scores the prompt as mlx-lm's forward does."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ def test_greedy_tokens_are_autotune_generates_and_mlx_lms(served, capsys):
     generated = json.loads(capsys.readouterr().out)
     assert generated["engine"] == "mlx" and generated["token_ids"] == extra["token_ids"]
     assert r.choices[0].text == generated["text"]
-    step = __import__("mlx_lm.generate", fromlist=["generate_step"]).generate_step
+    step = importlib.import_module("mlx_lm.generate").generate_step  # the module, not mlx_lm's `generate`
     ids = served.loaded.tokenizer.encode(PROMPT, add_special_tokens=False)
     theirs = [int(t) for t, _ in step(mx.array(ids), mlx_fp32(served.folder), max_tokens=8)]
     assert extra["token_ids"] == theirs
