@@ -88,6 +88,7 @@ class EvaluateResult:
     backend_fallbacks: dict[str, str]
     drop_budget: float | None = None  # the plan's, where it has one
     drop_rate_within_1_5x_budget: bool | None = None
+    engine: str = "torch"  # the spine that ran it (runtime.engines): added after the recorded keys
 
     def to_json(self) -> dict:
         return _fields(self, ("drop_budget", "drop_rate_within_1_5x_budget"))

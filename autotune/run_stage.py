@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import torch
 
@@ -43,13 +44,14 @@ SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop r
 
 
 def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: str, text: str,
-             max_tokens: int, prompt_tokens: int | None, cpu_weights: str | None) -> tuple[Loaded, torch.Tensor]:
+             max_tokens: int, prompt_tokens: int | None, cpu_weights: str | None,
+             engine: str = "torch") -> tuple[Loaded, torch.Tensor]:
     """The planned model (the plan checked against it before any text is read) and the text's token ids, its
     prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context; `cpu_weights`: the
-    CPU's expert storage (`--cpu-weights`), quantized at load."""
+    CPU's expert storage (`--cpu-weights`), quantized at load; `engine`: the spine (`runtime.load`)."""
     if prompt_tokens:  # before the load says anything
         check_context(model, context_length(model), prompt_tokens)
-    loaded = load(model, plan, package, dtype, **load_options(cpu_weights))
+    loaded = load(model, plan, package, dtype, **load_options(cpu_weights), engine=engine)
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
     if not prompt_tokens:  # one prompt: the whole text
@@ -68,12 +70,12 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
     the spine (`runtime.engines`; mlx: `autotune.spine_run`)."""
     p = load_plan(plan)
-    needs_torch = "--record-traces" if record_traces else torch_only(p, package, cpu_weights)
+    needs_torch = "--record-traces" if record_traces else torch_only(p, cpu_weights)
     if resolve_engine(engine, p, needs_torch) == "mlx":
         from autotune.spine_run import run_on_mlx
 
         return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,
-                          reference=reference, repeat=repeat)
+                          reference=reference, repeat=repeat, package=package)
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     n = int(ids.numel())
@@ -146,18 +148,26 @@ def torch_executed(experts: LayerStats, measured: dict, calls: dict, dense_calls
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
              prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
-             progress: bool = True, cpu_weights: str | None = None) -> EvaluateResult:
+             progress: bool = True, cpu_weights: str | None = None, engine: str = "torch") -> EvaluateResult:
     """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
     the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
-    within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints)."""
+    within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints). `engine`: the spine
+    (`runtime.engines`); on mlx the unmodified model is mlx-lm's own forward of the same folder."""
     from autotune.evaluation.fidelity import evaluate_plan
 
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
-    figures = evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress)
+    p = load_plan(plan)
+    engine = resolve_engine(engine, p, torch_only(p, cpu_weights))
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights, engine)
+    chunks = None
+    if engine == "mlx":
+        from runtime.mlx.spine_generation import chunk_logits
+
+        chunks = partial(chunk_logits, loaded.model)
+    figures = evaluate_plan(loaded.executor, ids, prompt_tokens, progress=progress, chunk_logits=chunks)
     budget = (loaded.plan.meta or {}).get("drop_budget")
     return EvaluateResult(model=model, plan=str(plan), text=text, **figures, drop_budget=budget,
                           drop_rate_within_1_5x_budget=None if budget is None else
-                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget)
+                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget, engine=engine)
 
 
 def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,

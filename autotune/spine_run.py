@@ -21,11 +21,12 @@ GB = 1 << 30
 
 
 def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: int, prompt_tokens: int | None,
-               dtype: str, reference: bool, repeat: int) -> RunResult:
-    """`pipeline.run_plan` on the MLX spine (the same keys, `engine` "mlx")."""
+               dtype: str, reference: bool, repeat: int, package: str | None = None) -> RunResult:
+    """`pipeline.run_plan` on the MLX spine (the same keys, `engine` "mlx"); `package`: what `autotune build` wrote
+    for the plan's groups."""
     from runtime.mlx.spine_generation import prefill_logits
 
-    loaded = load(model, plan, dtype=dtype, engine="mlx")
+    loaded = load(model, plan, package, dtype=dtype, engine="mlx")
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
     n, chunk, spine = int(ids.numel()), loaded.plan.chunk_tokens, loaded.executor

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.backends.registry import registry
+from runtime.backends.packages import bind_package, torch_target
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
@@ -82,8 +82,10 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
     commands' `--engine` defaults to auto)."""
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
-    if resolve_engine(engine, p, torch_only(p, package, cpu_weights)) == "mlx":
-        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype)
+    if p is None and package:
+        raise NpumoeError("a package runs a plan's ane groups: give the plan too")
+    if resolve_engine(engine, p, torch_only(p, cpu_weights)) == "mlx":
+        return _load_mlx(model, p, "" if isinstance(plan, Plan) else str(plan or ""), dtype, package)
     if cpu_weights is not None and p is not None and p.cpu_weights is not None:
         planned = (p.cpu_weights.kind, (p.cpu_weights.group_size or 64) if p.cpu_weights.kind == "int4" else None)
         if planned != (cpu_weights, group_size if cpu_weights == "int4" else None):
@@ -96,26 +98,22 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     kernel_rows = p.cpu_weights.kernel_rows if p is not None and p.cpu_weights is not None else None
     m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size, kernel_rows)
     if p is None:
-        if package:
-            raise NpumoeError("a package runs a plan's ane groups: give the plan too")
         return Loaded(m, tokenizer)
     path = "" if isinstance(plan, Plan) else str(plan)
-    backends = None
-    if package:  # checked on any host, whether or not it can run here (then its groups run where it falls back)
-        opened = registry.package_backend(package).open_package(package, p, m, path)
-        backends = {opened.name: opened}
+    backends = bind_package(package, p, torch_target(m), path)
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)
 
 
-def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str) -> Loaded:
-    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it."""
+def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str, package: str | None) -> Loaded:
+    """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it
+    (with `package`'s backend, bound as on the torch spine)."""
     from runtime.mlx.spine import MlxSpine
     from runtime.mlx.spine_generation import SpineModel
     from runtime.mlx.spine_loading import load_mlx_model
 
     m, tokenizer, folder = load_mlx_model(model, dtype)
-    spine = MlxSpine(m, plan, folder, plan_path=path).install() if plan is not None else None
+    spine = MlxSpine(m, plan, folder, plan_path=path, package=package).install() if plan is not None else None
     return Loaded(SpineModel(m, folder, spine), tokenizer, plan, spine, engine="mlx")
 
 
@@ -256,12 +254,13 @@ class GenerationResult:
     plan_predicted: dict | None = None
     traces: dict | None = None
     executed: dict | None = None  # per part, the lanes that ran it (`runtime.stats.Executed`); with a plan
+    engine: str | None = None  # the spine that generated: "torch" or "mlx"
 
     def to_json(self) -> dict:
         head = {"model": self.model, "plan": self.plan} if self.model is not None else {}
         own = {k: getattr(self, k) for k in MEASURED}
         comparison = asdict(self.comparison) if self.comparison else {}
-        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed")
+        tail = {k: getattr(self, k) for k in ("drift", "memory", "plan_predicted", "traces", "executed", "engine")
                 if getattr(self, k) is not None}
         return {**head, **own, "token_ids": list(self.token_ids), "text": self.text, **comparison, **tail}
 
@@ -290,7 +289,7 @@ class Generation:
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
         self.prefix, self.keep_at = prefix, keep_at
-        self.cached = prefix.get_seq_length() if prefix is not None else 0
+        self.cached = cache_length(loaded, prefix)
         boundary = self.cached // self.chunk * self.chunk
         exact_below = loaded.plan.exact_below if loaded.plan else self.chunk + 1
         if self.cached >= ids.numel() or (self.cached > boundary
@@ -300,6 +299,7 @@ class Generation:
                               f"{self.cached} of {ids.numel()} tokens")
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.prompt_logprobs: list[TokenLogprob] = []
+        self._last_row: torch.Tensor | None = None  # with echo: the logits of the last position scored so far
         self.token_logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []
         self.eos = _eos_ids(loaded)
@@ -320,7 +320,7 @@ class Generation:
         the position before it): yields the prompt tokens done after each chunk but the last. A caller may run
         other forwards between steps (each chunk pins the prefill phase itself). Once it ends, the first new token
         is pending (`accept`), `cache` holds the prompt and `ttft_s` is measured from the first chunk."""
-        n, done, before = self.ids.numel(), self.cached, None
+        n, done = self.ids.numel(), self.cached
         chunks = prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
                                 last_logits_only=not self.echo, cache=self.prefix)
         t0 = time.perf_counter()
@@ -332,12 +332,7 @@ class Generation:
             if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
                 self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
             if self.echo:
-                rows = out.logits[0] if before is None else torch.cat([before, out.logits[0]])
-                if before is None:  # the prompt's first token: nothing predicts it
-                    self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
-                self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + (before is None):done],
-                                                       self.top or 0)
-                before = out.logits[0, -1:]
+                self.score(start, done, out.logits[0])
             if done < n:
                 yield done
         if self.max_tokens:
@@ -346,6 +341,17 @@ class Generation:
         self.cache = out.cache
         self.t1 = time.perf_counter()
         self.ttft_s = self.t1 - t0
+
+    def score(self, start: int, done: int, logits: torch.Tensor) -> None:
+        """With `echo`: the log-probabilities of the prompt's tokens start..done, from the logits of every position
+        of the forward that ran them (`logits` [done - start, vocab]), each token predicted by the position before
+        it (the prompt's first token by none)."""
+        first = self._last_row is None
+        rows = logits if first else torch.cat([self._last_row, logits])
+        if first:
+            self.prompt_logprobs.append(TokenLogprob(int(self.ids[0]), None, None))
+        self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + first:done], self.top or 0)
+        self._last_row = logits[-1:]
 
     def sample(self, logits: torch.Tensor) -> None:
         """The next token from this position's logits, pending; its log-probability kept when asked."""
@@ -421,7 +427,15 @@ class Generation:
             peak_rss_mb=peak_rss_mb(), dropped=total.dropped, spilled=total.spilled,
             prefill_static_calls=stats.static_calls("prefill"), decode_static_calls=stats.static_calls("decode"),
             finish_reason=self.finish_reason, chunk_tokens=self.chunk, token_ids=list(self.tokens), text=text,
-            comparison=comparison, executed=executed_of(self.loaded))
+            comparison=comparison, executed=executed_of(self.loaded), engine=self.loaded.engine)
+
+
+def cache_length(loaded: Loaded, cache: object | None) -> int:
+    """The tokens a KV cache of `loaded`'s spine holds (a transformers `DynamicCache`, or mlx-lm's per-layer caches
+    on the MLX spine); 0 for none."""
+    if cache is None:
+        return 0
+    return loaded.model.cache_length(cache) if loaded.engine == "mlx" else cache.get_seq_length()
 
 
 def executed_of(loaded: Loaded) -> dict | None:

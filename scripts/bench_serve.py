@@ -23,8 +23,10 @@ tokens. Checks, each with a bounded number of requests:
    (`sigterm_drain_ok`).
 
 Ends with one JSON line. The machine's load average is in it: a shared machine moves every time figure.
+`--engine mlx` serves and generates on the MLX spine (an MLX folder and its plan; the disk prefix cache, torch's
+only, is left out and said so).
 
-    python scripts/bench_serve.py [--quick] [--model M --plan P] [--dtype D] [--threads N]
+    python scripts/bench_serve.py [--quick] [--model M --plan P] [--dtype D] [--threads N] [--engine E]
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import runtime  # noqa: E402
 from autotune.calibration.workload import encode_text  # noqa: E402
+from runtime.engines import ENGINES  # noqa: E402
+from runtime.serving.engine import disk_cache_off  # noqa: E402
 from runtime.serving.server import listen  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +122,7 @@ class Server(Endpoint):
         key = secrets.token_hex(16)
         cmd = [sys.executable, "-m", "autotune", "serve", "--model", args.model, "--plan", args.plan, "--dtype",
                args.dtype, "--port", "0", "--threads", str(args.threads), "--max-queue", str(max_queue),
-               "--max-batch", str(BATCH), *extra]
+               "--max-batch", str(BATCH), "--engine", args.engine, *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "NPUMOE_API_KEY": key}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
@@ -377,6 +381,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="fewer repeats and requests")
+    ap.add_argument("--engine", choices=ENGINES, default="auto", help="the spine both sides run on (default auto)")
     args = ap.parse_args()
     if not Path(args.plan).is_file():
         sys.exit(f"bench_serve: no plan at {args.plan}; make it with `autotune search --model {args.model} --profile "
@@ -384,7 +389,7 @@ def main() -> None:
     repeats, pairs, clients, per_client = (3, 2, 3, 2) if args.quick else (8, 3, 6, 4)
     prompt_len, new = (128, 16) if args.quick else (256, 32)
     torch.set_num_threads(args.threads)
-    loaded = runtime.load(args.model, plan=args.plan, dtype=args.dtype)
+    loaded = runtime.load(args.model, plan=args.plan, dtype=args.dtype, engine=args.engine)
     positions = loaded.model.config.max_position_embeddings
     need = pairs * (PREFIX_TOKENS + 64) + 2048 + 6400
     text_ids = encode_text(loaded.tokenizer, "builtin:pydoc-heldout", need).tolist()
@@ -394,7 +399,8 @@ def main() -> None:
                     max(clients, BATCH))
     try:
         prompt = text_ids[:prompt_len]
-        result = {"model": args.model, "plan": args.plan, "dtype": args.dtype, "threads": args.threads,
+        result = {"model": args.model, "plan": args.plan, "dtype": args.dtype, "engine": loaded.engine,
+                  "threads": args.threads,
                   "quick": args.quick, "chunk_tokens": loaded.plan.chunk_tokens, "prompt_tokens": prompt_len,
                   "new_tokens": new, "repeats": repeats}
         # each repeat (and the warm-up) a prompt of its own, starting one token further into the text
@@ -415,16 +421,20 @@ def main() -> None:
         # neither starts like an earlier prompt, so no prefix of theirs is cached before
         long_prompt = text_ids[-6400:-6400 + min(4096, positions - 8)]
         result.update(itl_during_prefill(server, batch_prompts[0], long_prompt, 4 * new))
-        with tempfile.TemporaryDirectory(prefix="npumoe-bench-prefix-") as folder:
-            chunk = loaded.plan.chunk_tokens
-            result.update(disk_prefix(args, server, server.model_id, text_ids[-2200:],
-                                      disk_prefix_tokens(positions, chunk, loaded.plan.exact_below), Path(folder)))
+        if (off := disk_cache_off(loaded.engine)) is not None:
+            result["disk_prefix"] = f"off: {off.split(';')[0]}"
+        else:
+            with tempfile.TemporaryDirectory(prefix="npumoe-bench-prefix-") as folder:
+                chunk = loaded.plan.chunk_tokens
+                result.update(disk_prefix(args, server, server.model_id, text_ids[-2200:],
+                                          disk_prefix_tokens(positions, chunk, loaded.plan.exact_below),
+                                          Path(folder)))
         result["disconnect_ok"] = disconnect(server, loaded, prompt)
         result["sigterm_drain_ok"] = sigterm_drain(server, prompt, new)
     finally:
         if server.proc.poll() is None:
             server.stop()
-    result["mismatched"] += result["overhead_mismatched"] + result["batch_mismatched"] + result["disk_mismatched"]
+    result["mismatched"] += sum(result.get(f"{k}_mismatched", 0) for k in ("overhead", "batch", "disk"))
     result.update(requests=server.requests, errors_5xx=server.errors_5xx, load_average=os.getloadavg())
     print(json.dumps(result))
 

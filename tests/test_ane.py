@@ -11,7 +11,8 @@ from helpers import random_model
 
 from autotune.searching.templates import template_plan
 from runtime.backends import GroupSpec, registry
-from runtime.coreml.ane import AneBackend, from_layout, function_name, open_package, to_layout
+from runtime.backends.packages import bind_package, torch_target
+from runtime.coreml.ane import AneBackend, from_layout, function_name, to_layout
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
@@ -111,14 +112,14 @@ def test_ane_backend_reads_a_manifest_of_several_packages(tmp_path):
         backend.check(wrong)
     with pytest.raises(NpumoeError, match="has no function layer2_group0"):
         backend.check(GroupSpec(2, 0, tuple(g.experts), tuple(g.capacities), moe_layers(model)[2].experts))
-    # open_package checks the same on any host, for every ane group of the plan, before the plan runs
-    assert open_package(result.manifest, plan, model).packages() == backend.packages()
+    # binding the package checks the same on any host, for every ane group of the plan, before the plan runs
+    assert bind_package(result.manifest, plan, torch_target(model))["ane"].packages() == backend.packages()
     # a part whose size is not the one the build recorded (cut short, or replaced) is refused, naming the field
     part2 = max((p for p in (tmp_path / "g.part2.mlpackage").rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size)
     part2.write_bytes(part2.read_bytes()[:-1])
     with pytest.raises(FileFormatError, match=r"g.manifest.json\): packages\[1\].bytes: .* the build recorded"):
-        open_package(result.manifest, plan, model)
+        bind_package(result.manifest, plan, torch_target(model))["ane"]
 
 
 # --- macOS only: these need Core ML's runtime and the Neural Engine ---

@@ -11,7 +11,8 @@ from helpers import random_model
 from autotune.searching.templates import template_plan
 from runtime import generation
 from runtime.backends import GroupSpec
-from runtime.coreml.ane import AneBackend, open_package
+from runtime.backends.packages import bind_package, torch_target
+from runtime.coreml.ane import AneBackend
 from runtime.coreml.ane_sim import AneSimBackend
 from runtime.coreml.converter import build_package, quiet_coremltools_import
 from runtime.coreml.dense_io import dense_weights
@@ -87,7 +88,7 @@ def built(tmp_path, plan: Plan, model, **options):
 
 def assert_agrees(name: str, model, plan: Plan, package: str, dtype: torch.dtype, tokens: int,
                   e2e_dtype: str = "auto") -> dict:
-    backend = open_package(package, plan, model)
+    backend = bind_package(package, plan, torch_target(model))["ane"]
     errors = per_function(model, plan, backend, dtype)
     assert errors and max(errors.values()) <= AGREE, errors
     e2e, calls = end_to_end(name, plan, package, tokens, e2e_dtype)

@@ -122,6 +122,28 @@ def test_the_gate_order_tightens_each_round_and_ends_on_the_all_cpu_plan():
     assert gate_order(outcome, scorer, 100, 4) == []
 
 
+def test_with_an_exact_path_off_the_cpu_the_gate_ends_on_the_exact_lanes_then_the_unmodified_computation():
+    """Where the plan's exact path is mlx-exact, the all-on-the-exact-path plan (what mlx-lm runs) comes before the
+    last candidate, and the last runs every expert on cpu-exact: the unmodified model's own computation, which passes
+    by construction (mlx-exact in float32 beside a bf16 reference does not: top-1 0.985 on a random twin)."""
+    traces = synthetic_traces(SMALL, 25, 640, skew=1.2, tokens=True)
+    workloads = {c: LayerData.from_traces(traces, c, 640) for c in chunk_candidates(640)}
+    cost = apple_like()
+    cost.models["mlx-exact"] = BackendModel("mlx-exact", 0.02, 0.0, 0.4, 0.0, 2, False, None)
+    scorer = Scorer(cost, 1024, 512, "ane", 1e12, exact="mlx-exact")
+    assert scorer.splits_exact
+    outcome = run_search(workloads, scorer, layer_space(8, ("none",), split_exact=True), trials=0, progress=False)
+    for per_round in (1, 2, 4):
+        order = gate_order(outcome, scorer, 4096, per_round)
+        assert len(order) <= per_round * ROUNDS
+        last, before = order[-1], order[-2]
+        for d, c in zip(outcome.chunks[last.chunk_tokens].layers, last.configs):
+            lp = scorer.layer_plan(d, c)
+            assert not lp.groups and sorted(lp.exact_split["cpu-exact"]) == list(range(8))
+        assert all(c.resident == 0 and c.cpu_tail == 0 for c in before.configs)  # all on mlx-exact
+        assert last.heldout_drops == before.heldout_drops == 0
+
+
 @pytest.mark.slow
 def test_a_gate_shorter_than_one_chunk_is_refused_not_passed(workdir, capsys):
     """Under one chunk of text every candidate runs exactly (a partial chunk), so it would pass as the unmodified

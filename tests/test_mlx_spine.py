@@ -142,20 +142,24 @@ def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
     monkeypatch.setattr("sys.platform", "darwin")
     assert resolve_engine("auto", plan) == "mlx"
     assert resolve_engine("auto", plan.model_copy(update={"exact": None})) == "torch"  # nothing on MLX
-    # what only torch runs keeps auto on torch (a Mac's package, serve), and refuses mlx in one line
-    assert resolve_engine("auto", plan, torch_only(plan, package="x.mlpackage")) == "torch"
-    assert resolve_engine("auto", plan, "serve") == "torch"
-    with pytest.raises(NpumoeError, match="--engine mlx: a Core ML package runs on the torch spine only"):
-        resolve_engine("mlx", plan, torch_only(plan, package="x.mlpackage"))
+    # what only torch runs keeps auto on torch (CPU expert storage, --record-traces), and refuses mlx in one line; a
+    # built package runs on either spine
+    assert torch_only(plan) is None
+    assert resolve_engine("auto", plan, torch_only(plan, cpu_weights="int8")) == "torch"
+    assert resolve_engine("auto", plan, "--record-traces") == "torch"
+    with pytest.raises(NpumoeError, match=r"--engine mlx: CPU expert storage \(--cpu-weights\) runs on the torch"):
+        resolve_engine("mlx", plan, torch_only(plan, cpu_weights="int8"))
     with pytest.raises(NpumoeError):
         resolve_engine("gpu", plan)
 
 
 def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, tmp_path, capsys, monkeypatch):
+    assert "in memory only" in one_line_exit_2(
+        ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0",
+         "--prefix-cache-dir", str(tmp_path / "kv")], capsys)
     assert "torch spine only" in one_line_exit_2(
-        ["serve", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--port", "0"], capsys)
-    assert "torch spine only" in one_line_exit_2(
-        ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx"], capsys)
+        ["evaluate", "--model", str(q4), "--plan", str(exact_plan), "--engine", "mlx", "--tasks",
+         "builtin:pydoc-nextsent"], capsys)
     dense = _template(q4, tmp_path / "dense.json", "--dense", "ane-sim")
     monkeypatch.setattr("runtime.mlx.formats.SPINE_SPLICES", ("qkv",))  # a kind of dense function not spliced in
     assert "dense functions on a static backend (attention, o_proj)" in one_line_exit_2(

@@ -7,8 +7,9 @@ from transformers.cache_utils import DynamicCache
 
 import runtime
 from runtime.errors import NpumoeError
-from runtime.generation import Generation
-from runtime.serving.prefix_cache import PrefixCache, common_prefix, keeps_tail, reusable, supports_prefix_reuse
+from runtime.generation import Generation, Loaded
+from runtime.serving.prefix_cache import PrefixCache, common_prefix, keeps_tail, reusable
+from runtime.serving.serving_spine import TorchServing
 
 CHUNK = 4
 LAYERS, HEADS, DIM = 2, 1, 2
@@ -17,6 +18,11 @@ LAYERS, HEADS, DIM = 2, 1, 2
 class _Model:
     """Enough of a model for the prefix cache: a config with two full-attention layers."""
     config = Qwen3MoeConfig(num_hidden_layers=LAYERS)
+
+
+def _spine(model=None) -> TorchServing:
+    """The torch spine's prefix caches of `model` (default: the two-layer config above)."""
+    return TorchServing(Loaded(model or _Model(), None))
 
 
 def _cache(n: int) -> DynamicCache:
@@ -42,7 +48,7 @@ def test_common_prefix():
 
 
 def test_lookup_takes_the_longest_whole_chunk_match_and_leaves_a_token_to_prefill():
-    pc = PrefixCache(_Model(), CHUNK, 1 << 20)
+    pc = PrefixCache(_spine(), CHUNK, 1 << 20)
     _store(pc, [1, 2, 3, 4, 5, 6, 7, 8])
     _store(pc, [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9])
     hit = pc.lookup(torch.tensor([1, 2, 3, 4, 9, 9, 9, 9, 9, 0]))
@@ -54,7 +60,7 @@ def test_lookup_takes_the_longest_whole_chunk_match_and_leaves_a_token_to_prefil
 
 
 def test_an_entry_that_extends_another_replaces_it_and_a_covered_one_is_not_stored():
-    pc = PrefixCache(_Model(), CHUNK, 1 << 20)
+    pc = PrefixCache(_spine(), CHUNK, 1 << 20)
     _store(pc, [1, 2, 3, 4])
     _store(pc, [1, 2, 3, 4, 5, 6, 7, 8])
     assert len(pc.entries) == 1 and pc.nbytes == _bytes(8)
@@ -63,7 +69,7 @@ def test_an_entry_that_extends_another_replaces_it_and_a_covered_one_is_not_stor
 
 
 def test_least_recently_used_goes_first_within_the_byte_bound():
-    pc = PrefixCache(_Model(), CHUNK, _bytes(8))
+    pc = PrefixCache(_spine(), CHUNK, _bytes(8))
     _store(pc, [1, 1, 1, 1])
     _store(pc, [2, 2, 2, 2])
     assert pc.lookup(torch.tensor([1, 1, 1, 1, 0])) is not None  # entry 1 is now the most recent
@@ -79,10 +85,10 @@ def test_a_run_from_a_reused_prefix_gives_the_same_tokens(tmp_path):
     from runtime.plan import save_plan
 
     loaded = runtime.load("random:qwen3_moe")
-    assert supports_prefix_reuse(loaded.model)
+    assert _spine(loaded.model).reuse_off() is None
     save_plan(template_plan(model_spec(loaded.model), "tight", "drop", chunk_tokens=8), tmp_path / "p.json")
     loaded = runtime.load("random:qwen3_moe", plan=tmp_path / "p.json")
-    pc = PrefixCache(loaded.model, 8, 1 << 24)
+    pc = PrefixCache(_spine(loaded.model), 8, 1 << 24)
     ids = torch.arange(30, 60)
 
     def run(prompt, prefix=None):
@@ -113,7 +119,7 @@ def test_the_tail_rule_reuses_an_exact_tail_only_where_the_prompt_would_run_it_e
     whole = torch.arange(100, 116)  # an entry of two whole chunks: positions 8-15 ran in a whole (static) chunk
     assert reusable(same10, whole, 8, 5) == 8
     assert reusable(torch.arange(100, 120), whole, 8, 5) == 16
-    pc = PrefixCache(_Model(), 8, 1 << 20, exact_below=5)
+    pc = PrefixCache(_spine(), 8, 1 << 20, exact_below=5)
     _store(pc, entry.tolist())
     assert pc.lookup(same10).get_seq_length() == 10
     with pytest.raises(AssertionError):  # a prompt whose partial chunk ran on the static groups is not kept whole
@@ -131,7 +137,7 @@ def test_a_run_from_a_reused_exact_tail_gives_the_same_tokens(tmp_path):
     plan = template_plan(model_spec(base.model), "tight", "spill", chunk_tokens=8).model_copy(
         update={"exact_below_tokens": 6})
     loaded = runtime.load("tiny-moe", plan=plan, dtype="float32")
-    pc = PrefixCache(loaded.model, 8, 1 << 24, exact_below=6)
+    pc = PrefixCache(_spine(loaded.model), 8, 1 << 24, exact_below=6)
     ids = torch.tensor(loaded.tokenizer.encode("Static groups for the prompt, the exact path for every new "
                                                "token. " * 3, add_special_tokens=False))
 

@@ -19,8 +19,9 @@ EVALUATE = ["model", "plan", "text", "tokens", "prompts", "ppl_reference", "ppl_
             "assignments", "tokens_per_backend", "calls_per_backend", "backend_fallbacks", "drop_budget",
             "drop_rate_within_1_5x_budget"]
 # keys added since, after the recorded ones: the run's time per part (measured; predicted where the plan's profile
-# is here), the spine that ran it and what ran each part; the search's: helpers.SEARCH_REPORT_ADDED
+# is here), the spine that ran it (evaluate's too) and what ran each part; the search's: helpers.SEARCH_REPORT_ADDED
 RUN_ADDED = ["measured_parts_ms", "engine", "executed"]
+EVALUATE_ADDED = ["engine"]
 TASKS = ["model", "plan", "limit", "num_fewshot", "tasks", "metric", "drop_rate", "spill_rate", "calls_per_backend",
          "tokens_per_backend", "backend_fallbacks"]
 
@@ -49,11 +50,11 @@ def test_evaluate_result_keys_are_the_commands(tmp_path, text_file):
     plain, budget = _plans(tmp_path)
     with_budget = autotune.evaluate("random:olmoe", budget, text=text_file, max_tokens=200, prompt_tokens=100,
                                     progress=False)
-    assert isinstance(with_budget, EvaluateResult) and list(with_budget.to_json()) == EVALUATE
+    assert isinstance(with_budget, EvaluateResult) and list(with_budget.to_json()) == EVALUATE + EVALUATE_ADDED
     assert with_budget.drop_rate_within_1_5x_budget == (with_budget.drop_rate <= 0.15)
     without = autotune.evaluate("random:olmoe", plain, text=text_file, max_tokens=200, prompt_tokens=100,
                                 progress=False).to_json()
-    assert list(without) == EVALUATE[:-2]  # a plan without a drop budget: no budget keys
+    assert list(without) == EVALUATE[:-2] + EVALUATE_ADDED  # a plan without a drop budget: no budget keys
 
 
 def test_tasks_and_search_results_hold_the_commands_keys():

@@ -54,16 +54,15 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError(f"{', '.join(given)} applies to lm-evaluation-harness tasks only: give --tasks too, or "
                           "--max-tokens to evaluate less of the text")
     apply_threads(args.threads)
-    # the MLX spine's fidelity is `autotune run --engine mlx --reference`; auto runs evaluate on torch
-    resolve_engine(args.engine, load_plan(args.plan), "evaluate")
-    if args.tasks:
+    if args.tasks:  # lm-evaluation-harness scores through the torch model
+        resolve_engine(args.engine, load_plan(args.plan), "evaluate --tasks")
         result = pipeline.evaluate_tasks(args.model, args.plan, args.tasks, limit=args.limit,
                                          num_fewshot=args.num_fewshot, include_path=args.include_path,
                                          package=args.package, dtype=args.dtype, cpu_weights=args.cpu_weights)
     else:
         result = pipeline.evaluate(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                    prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
-                                   progress=not args.json, cpu_weights=args.cpu_weights)
+                                   progress=not args.json, cpu_weights=args.cpu_weights, engine=args.engine)
     if args.json:
         print_json(result.to_json())
     elif args.tasks:

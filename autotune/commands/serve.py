@@ -25,10 +25,10 @@ from autotune.commands.common import (
     require_plan_for_package,
 )
 from autotune.costing.cpu_storage import load_options
-from runtime.engines import resolve_engine
+from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
-from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH
+from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH, disk_cache_off
 from runtime.serving.engine_process import EngineProcess
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="memory for reusable prompt prefixes (KV cache, whole prefill chunks; default 256; 0: off)")
     p.add_argument("--prefix-cache-dir", type=directory, metavar="DIR",
                    help="also keep reusable prefixes' KV caches in DIR, across restarts (whole prefill chunks, tied to "
-                        "the model's and the plan's digests; needs --plan)")
+                        "the model's and the plan's digests; needs --plan; the torch spine's: on --engine mlx the "
+                        "prefix cache is in memory only)")
     p.add_argument("--prefix-cache-disk-gb", type=positive_float, default=DEFAULT_DISK_GB, metavar="GB",
                    help=f"bound of --prefix-cache-dir, least recently used out first (default {DEFAULT_DISK_GB:g})")
     p.add_argument("--drain-s", type=positive_float, default=DRAIN_S, metavar="S",
@@ -70,11 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_plan_for_package(args)
-    # continuous batching and the prefix cache hold torch KV caches: auto serves on torch
-    resolve_engine(args.engine, load_plan(args.plan) if args.plan else None, "serve (continuous batching, the prefix "
-                   "cache)")
+    plan = load_plan(args.plan) if args.plan else None
+    engine = resolve_engine(args.engine, plan, torch_only(plan, args.cpu_weights))
     if args.prefix_cache_dir and not args.plan:
         raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan")
+    if args.prefix_cache_dir and (off := disk_cache_off(engine)) is not None:
+        raise NpumoeError(off)
     if args.api_key == "" or (args.api_key is None and os.environ.get(KEY_ENV) == ""):
         raise NpumoeError(f"{'--api-key' if args.api_key == '' else KEY_ENV} is empty: an empty key would let anyone "
                           "in; give a key, or leave it out to serve without one (loopback only)")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_id = served_model_id(args.model)
         load_args = {"model": args.model, "plan": args.plan, "package": args.package, "dtype": args.dtype,
-                     **load_options(args.cpu_weights)}
+                     **load_options(args.cpu_weights), "engine": engine}
         engine_args = {"max_queue": args.max_queue, "prefix_cache_mb": args.prefix_cache_mb,
                        "max_batch": args.max_batch, "prefix_cache_dir": args.prefix_cache_dir,
                        "prefix_cache_disk_gb": args.prefix_cache_disk_gb}

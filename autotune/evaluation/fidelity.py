@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +26,30 @@ class _Tally:
     worst: float = 0.0  # max over prompts of diff / the prompt's max |reference| logit
 
 
-def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int, progress: bool = True) -> dict:
+# A spine's chunked prefill of one prompt from an empty cache: (prompt ids, chunk) -> each chunk's logits [n, vocab],
+# under the plan or not as the executor has it installed when the chunk runs
+ChunkLogits = Callable[[torch.Tensor, int], Iterator[torch.Tensor]]
+
+
+def torch_chunk_logits(model: torch.nn.Module) -> ChunkLogits:
+    """The torch spine's `ChunkLogits` (`prefill_chunks` of the transformers model)."""
+    def chunks(prompt: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+        for out in prefill_chunks(model, prompt, chunk):
+            logits = out.logits[0]
+            del out  # nothing of this chunk is held here into the next one's forward (the caller drops its own)
+            yield logits
+            del logits
+
+    return chunks
+
+
+def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int, progress: bool = True,
+                  chunk_logits: ChunkLogits | None = None) -> dict:
     """Perplexity of the model under `executor`'s plan and without it, top-1 next-token agreement, mean KL
     divergence, logits' max relative difference, and the executor's measured drop and spill rates, over prompts of
-    `prompt_tokens` (at least the plan's chunk) prefilled in the plan's chunks. The plan is installed or not
-    afterwards as it was before."""
-    result = compare_plans([executor], ids, prompt_tokens, progress)[0]
+    `prompt_tokens` (at least the plan's chunk) prefilled in the plan's chunks (`chunk_logits`: the spine's; default
+    the torch spine's, of `executor.model`). The plan is installed or not afterwards as it was before."""
+    result = compare_plans([executor], ids, prompt_tokens, progress, chunk_logits)[0]
     total = executor.stats.total()
     return {**result, "drop_rate": total.dropped / max(1, total.assignments),
             "spill_rate": total.spilled / max(1, total.assignments),
@@ -40,23 +59,23 @@ def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int,
 
 
 def compare_plans(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: int,
-                  progress: bool = True) -> list[dict]:
+                  progress: bool = True, chunk_logits: ChunkLogits | None = None) -> list[dict]:
     """Each executor's plan (all on one model) against the unmodified model, on the same prompts: the reference
     runs once per chunk size and prompt, side by side with every plan of that chunk size."""
+    chunk_logits = chunk_logits or torch_chunk_logits(executors[0].model)
     out: list[dict] = [{} for _ in executors]
     by_chunk: dict[int, list[int]] = {}
     for i, ex in enumerate(executors):
         by_chunk.setdefault(ex.plan.chunk_tokens, []).append(i)
     for chunk, which in by_chunk.items():
         for i, figures in zip(which, _compare(
-                [executors[i] for i in which], ids, prompt_tokens, chunk, progress)):
+                [executors[i] for i in which], ids, prompt_tokens, chunk, progress, chunk_logits)):
             out[i] = figures
     return out
 
 
 def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: int, chunk: int,
-             progress: bool) -> list[dict]:
-    model = executors[0].model
+             progress: bool, chunk_logits: ChunkLogits) -> list[dict]:
     tallies = [_Tally() for _ in executors]
     nll_ref, predicted = 0.0, 0
     # prompts of at least one chunk: a shorter one is a partial chunk, run exactly below the plan's exact_below
@@ -69,8 +88,8 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
             continue
         # Chunk by chunk, the unmodified model and each planned one side by side (each with its own cache): only
         # one chunk's logits of each are held, never the prompt's [tokens, vocab].
-        ref_chunks = prefill_chunks(model, prompt, chunk)
-        plan_chunks = [prefill_chunks(model, prompt, chunk) for _ in executors]
+        ref_chunks = chunk_logits(prompt, chunk)
+        plan_chunks = [chunk_logits(prompt, chunk) for _ in executors]
         scale = 0.0
         with torch.inference_mode():
             for s in range(0, prompt.numel(), chunk):
@@ -80,15 +99,15 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
                 for ex, gen in zip(executors, plan_chunks):
                     with ex.applied(True):
                         outs.append(next(gen))
-                n = ref_out.logits.shape[1]
+                n = ref_out.shape[0]
                 for r in range(0, n, ROWS):  # fp32 temporaries for ROWS positions at a time, not the chunk's
-                    ref = ref_out.logits[0, r:r + ROWS].float()
+                    ref = ref_out[r:r + ROWS].float()
                     ref_logp = F.log_softmax(ref, -1)
                     target = prompt[s + r + 1:s + min(n, r + ROWS) + 1]
                     nll_ref += float(F.nll_loss(ref_logp[:target.numel()], target, reduction="sum"))
                     top1, scale = ref.argmax(-1), max(scale, float(ref.abs().max()))
                     for t, o in zip(tallies, outs):
-                        got = o.logits[0, r:r + ROWS].float()
+                        got = o[r:r + ROWS].float()
                         logp = F.log_softmax(got, -1)
                         t.nll += float(F.nll_loss(logp[:target.numel()], target, reduction="sum"))
                         t.agree += int((top1 == got.argmax(-1)).sum())

@@ -6,7 +6,8 @@ ANE function computes: fp16, compressed weights as Core ML stores them), and mea
 model: perplexity delta, top-1 next-token agreement, mean KL divergence. The plan written is the cheapest candidate
 within the limits. Candidates come in rounds of `--gate-candidates`: when a round holds none within the limits, the
 gate measures the next (autotune/searching/gate_candidates.py orders them, at most 4 rounds, the all-CPU plan last:
-it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded).
+it runs what the model runs, so its figures are exact and it passes by construction, with the experts as loaded; where
+the plan's exact path is off the CPU, every expert on that path just before it).
 Quantized CPU experts run the plan's kernels; a round that passes none after a kernel that rounds the rows too ran
 (int_mm, int_mm_gate_up) is measured again with the one that rounds fewer in its place (int_mm_gate_up, then
 dequant) before the next round. Only when every candidate fails is nothing written, and the closest is named.

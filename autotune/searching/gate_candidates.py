@@ -1,8 +1,9 @@
 """The plans the fidelity gate measures, in the order it measures them, so that it never leaves a user without
 a plan: the search's pick and `optimizer.ranked_solutions` by predicted cost (each compressed one followed by itself
 uncompressed), a round of them at a time followed by the same plans tightened (drops turned to spills, then
-compression off), and last, within at most ROUNDS rounds, the all-CPU plan, which runs what the model runs and so
-passes by construction."""
+compression off), and last, within at most ROUNDS rounds, the all-exact plans (`all_exact`): every expert on the plan's
+exact path where it runs off the CPU, then the all-CPU plan, which runs what the model runs and so passes by
+construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,17 +32,23 @@ def _variant(sol: Solution, outcome: SearchOutcome, scorer: Scorer, residents_on
     return solution(configs, outcome.chunks[sol.chunk_tokens].layers, scorer, sol.exact_partial)
 
 
-def all_cpu(outcome: SearchOutcome, scorer: Scorer, chunk_tokens: int) -> Solution:
-    """Every expert on the exact CPU path: the unmodified model's computation."""
+def all_exact(outcome: SearchOutcome, scorer: Scorer, chunk_tokens: int) -> list[Solution]:
+    """The gate's last candidates: where the plan's exact path runs off the CPU, every expert on it (what mlx-lm
+    runs: no slower than the user's own runtime), then every expert on cpu-exact, the unmodified model's own
+    computation, which passes by construction (MLX's CPU device computes bf16 rows in float32: not the bf16
+    reference's rounding)."""
     layers = outcome.chunks[chunk_tokens].layers
-    return solution([LayerConfig(0) for _ in layers], layers, scorer, exact_partial=True)
+    experts = layers[0].calib.shape[1]
+    on_exact_path = [LayerConfig(0)] if scorer.splits_exact else []
+    return [solution([cfg for _ in layers], layers, scorer, exact_partial=True)
+            for cfg in (*on_exact_path, LayerConfig(0, cpu_tail=experts))]
 
 
 def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_round: int,
                rounds: int = ROUNDS) -> list[Solution]:
     """The candidates in the gate's order, each once, at most `rounds` rounds of `per_round`: the search's
     candidates `per_round` at a time, each batch followed by itself tightened (drops turned to spills, then
-    uncompressed), and last the all-CPU plan. Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
+    uncompressed), and last the all-exact plans (`all_exact`). Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
     would run exactly there, unmeasured). Each is scored as the search scored its own (energy where it weighs it)."""
     scorer = dataclasses.replace(scorer, with_energy=outcome.weights[1] > 0)
     primary: list[Solution] = []
@@ -58,11 +65,10 @@ def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_rou
     fits = [c for c in outcome.chunks if c <= gate_tokens]
     if not fits:
         return []
-    exact = all_cpu(outcome, scorer, outcome.best.chunk_tokens if outcome.best.chunk_tokens in fits else min(fits))
-    ordered = _distinct(ordered)[:per_round * rounds]
-    if _key(exact) in {_key(s) for s in ordered}:  # the search's own candidates hold it
-        return ordered
-    return ordered[:per_round * rounds - 1] + [exact]
+    exact = all_exact(outcome, scorer, outcome.best.chunk_tokens if outcome.best.chunk_tokens in fits else min(fits))
+    tail = {_key(s) for s in exact}
+    ordered = [s for s in _distinct(ordered) if _key(s) not in tail]
+    return ordered[:per_round * rounds - len(exact)] + exact
 
 
 def _distinct(sols) -> list[Solution]:

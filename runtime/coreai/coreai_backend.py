@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from runtime.backends.packages import PackageTarget
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec
 from runtime.coreai import assets
 from runtime.coreai.programs import additive_mask
@@ -218,22 +219,15 @@ class CoreAiBackend:
         return lambda x: torch.from_numpy(assets.call(fn, {ROW_INPUT: feed(x)})).to(x.dtype)
 
 
-def open_asset(package: str, plan: Plan, model: torch.nn.Module, plan_path: str = "") -> CoreAiBackend:
-    """The coreai backend over a built asset, checked on any host before the plan runs: each of the plan's coreai
-    groups and dense functions built for its shapes, compression and these weights."""
-    from runtime.dense.specs import backend_specs
-    from runtime.loading.model_loader import model_spec, moe_layers
-    from runtime.plan import check_plan_matches
-
-    check_plan_matches(plan, model_spec(model), plan_path)
+def open_asset(package: str, plan: Plan, target: PackageTarget) -> CoreAiBackend:
+    """The coreai backend over a built asset, checked on any host before the plan runs
+    (`runtime.backends.packages.bind_package`): each of the plan's coreai groups and dense functions built for its
+    shapes, compression and these weights."""
     backend = CoreAiBackend(package)
     if not Path(backend.asset).is_dir():
         raise NpumoeError(f"{package}: no Core AI asset at {backend.asset}")
-    for layer in moe_layers(model):
-        for gi, g in enumerate(plan.layer(layer.index).groups):
-            if g.backend == backend.name:
-                backend.check(GroupSpec(layer.index, gi, tuple(g.experts), tuple(g.capacities), layer.experts,
-                                        g.compression))
-    for spec in backend_specs(model, plan, backend.name):
+    for group in target.groups(plan, backend.name):
+        backend.check(group)
+    for spec in target.dense_specs(plan, backend.name):
         backend.check_dense(spec)
     return backend

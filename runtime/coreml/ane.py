@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
+from runtime.backends.packages import PackageTarget
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, expert_matrices
 from runtime.coreml.compiled_cache import compiled_package
 from runtime.coreml.dense_io import ATTENTION_INPUTS, MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
@@ -351,21 +352,15 @@ def read_manifest(path: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-def open_package(package: str, plan: Plan, model: torch.nn.Module, plan_path: str = "") -> AneBackend:
+def open_package(package: str, plan: Plan, target: PackageTarget) -> AneBackend:
     """The ane backend over a built package (or a split build's manifest), checked on any host before the plan
-    runs: a manifest's parts present and as recorded (`read_manifest`), and each of the plan's ane groups built
-    for its experts and capacities from these weights (the digests the build recorded, `AneBackend.check`)."""
-    from runtime.loading.model_loader import model_spec, moe_layers
-    from runtime.plan import check_plan_matches
-
-    check_plan_matches(plan, model_spec(model), plan_path)  # a plan for another model names the plan first
+    runs (`runtime.backends.packages.bind_package`): a manifest's parts present and as recorded (`read_manifest`),
+    and each of the plan's ane groups built for its experts and capacities from these weights (the digests the
+    build recorded, `AneBackend.check`)."""
     backend = AneBackend(package)
     backend.packages()
-    for layer in moe_layers(model):
-        for gi, g in enumerate(plan.layer(layer.index).groups):
-            if g.backend == backend.name:
-                backend.check(GroupSpec(layer.index, gi, tuple(g.experts), tuple(g.capacities), layer.experts,
-                                        g.compression))
+    for group in target.groups(plan, backend.name):
+        backend.check(group)
     return backend
 
 

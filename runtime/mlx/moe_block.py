@@ -12,6 +12,7 @@ weights (no second copy); `torch_experts` is the torch experts module the static
 weights views of MLX's memory."""
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 
 import mlx.core as mx
@@ -120,11 +121,19 @@ def fast_layer(layer_plan, plan) -> bool:
 class CountedSwitch:
     """mlx-lm's own `switch_mlp` for a layer all on mlx-exact; each call's expert ids kept, counted by `flush` once
     the forward is evaluated (`LayerExecutor.count_exact`: the torch spine's accounting). `timer`: the spine's
-    part timer (`spine._Timer`), which times the call in a timed pass."""
+    part timer (`spine._Timer`), which times the call in a timed pass. The ids are kept per thread: a server
+    prefills on one thread while it decodes on another, and each thread's arrays are evaluated on its own stream."""
 
     def __init__(self, switch, layer: LayerExecutor, timer) -> None:
         self.switch, self.layer, self.timer = switch, layer, timer
-        self.pending: list[mx.array] = []
+        self._local = threading.local()
+
+    @property
+    def pending(self) -> list[mx.array]:
+        """The calling thread's expert ids not counted yet."""
+        if not hasattr(self._local, "pending"):
+            self._local.pending = []
+        return self._local.pending
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         self.pending.append(inds)

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from runtime.backends.packages import PackageTarget, bind_package
 from runtime.backends.registry import registry
 from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
@@ -109,20 +110,29 @@ class MlxSpine(PlanRun):
     """Installs a plan on mlx-lm's model of `path` (and uninstalls it); collects run statistics and `executed`."""
 
     def __init__(self, model: nn.Module, plan: Plan, path: Path, backends: dict | None = None,
-                 plan_path: str = "", options: dict | None = None) -> None:
-        check_plan_matches(plan, read_model_spec(str(path)), plan_path)
+                 plan_path: str = "", options: dict | None = None, package: str | None = None) -> None:
+        """`package`: what `autotune build` wrote for the plan, bound as the torch spine binds it (`bind_package`,
+        against torch views of the experts) and given to the backends that take it."""
+        spec = read_model_spec(str(path))
+        check_plan_matches(plan, spec, plan_path)
         if unspliced(plan):
             raise NpumoeError(f"the plan puts dense functions ({', '.join(unspliced(plan))}) on a static backend, "
                               "which the MLX spine does not splice in yet: run it with --engine torch, or search it "
                               "for the MLX spine (it places only those the spine runs)")
         names = {plan.exact_path, *(p for lp in plan.layers for p in (lp.exact_split or {}))}
         exact = {n: SwitchExactPath() if n == NAME else registry.resolve_exact(n) for n in sorted(names)}
+        blocks = moe_blocks(model)
+        modules = {index: torch_experts(block.switch_mlp, index, check=not fast_layer(plan.layer(index), plan))
+                   for index, block in blocks.items()}
+        if package:
+            backends = {**(backends or {}), **bind_package(package, plan, PackageTarget(spec, modules), plan_path)}
+            options = {**(options or {}), "package": package}
         super().__init__(plan, backends, options, exact)
         self.model, self.timer = model, _Timer()
         self.switches: dict[int, CountedSwitch | PlannedSwitch] = {}
-        for index, block in moe_blocks(model).items():
+        for index, block in blocks.items():
+            layer = self.add_layer(index, modules[index])
             fast = fast_layer(plan.layer(index), plan)
-            layer = self.add_layer(index, torch_experts(block.switch_mlp, index, check=not fast))
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
         self.lane = dense_lane()

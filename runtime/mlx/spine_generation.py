@@ -1,6 +1,9 @@
 """Generation on the MLX spine: `runtime.generation.Generation`'s prefill and decode steps, run by `SpineModel`
 through mlx-lm's model and its KV cache (`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine
-samples (on a view of MLX's logits: greedy is mlx-lm's argmax). Imports mlx; never imports `runtime.generation`."""
+samples (on a view of MLX's logits: greedy is mlx-lm's argmax). A prefill may start from a reused prefix (the
+server's prefix cache: `spine_serving`) and keep a copy of its KV at a boundary (`kept_layers`), and with `echo`
+scores the prompt from every position's logits, as the torch spine's does. Imports mlx; never imports
+`runtime.generation`."""
 from __future__ import annotations
 
 import time
@@ -14,7 +17,6 @@ import torch
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import transformers_config
 from runtime.loading.model_config import read_config
 from runtime.mlx.mlx_exact import to_torch
@@ -42,19 +44,25 @@ class SpineModel:
     def make_cache(self) -> list:
         return make_prompt_cache(self.mlx)
 
+    @staticmethod
+    def cache_length(cache: list) -> int:
+        """The tokens mlx-lm's per-layer cache of one sequence holds."""
+        return cache[0].offset
+
     def prefill_steps(self, gen) -> Iterator[int]:
         """`Generation.prefill_steps` on this spine (`gen`: the generation): the same chunks, sampling and
-        timings, each forward in MLX on mlx-lm's cache."""
-        if gen.echo or gen.prefix is not None or gen.keep_at is not None:
-            raise NpumoeError("echo, a reused prefix and kept KV tensors run on the torch spine only: use "
-                              "--engine torch")
+        timings, each forward in MLX on mlx-lm's cache (the reused prefix's, continued)."""
         ids, n = gen.ids.tolist(), gen.ids.numel()
-        cache = self.make_cache()
+        cache = gen.prefix if gen.prefix is not None else self.make_cache()
         t0 = time.perf_counter()
-        for start, done, rows in prefill_forwards(self, n, gen.chunk):
+        for start, done, rows in prefill_forwards(self, n, gen.chunk, gen.cached, every_position=gen.echo):
             gen.loaded.pin_phase("prefill")
             out = self.forward(ids[start:done], cache, rows)
-            if done < n and rows == "none":
+            if done == gen.keep_at:
+                gen.kept = kept_layers(cache, done)
+            if gen.echo:
+                gen.score(start, done, to_torch(out[0].astype(mx.float32), torch.float32))
+            if done < n and rows != "last":
                 yield done
         if gen.max_tokens:
             gen.sample(last_logits(out))
@@ -70,9 +78,11 @@ class SpineModel:
         gen.sample(last_logits(out))
         gen.step_s.append(time.perf_counter() - t)
 
-    def forward(self, ids: list[int], cache: list, rows: str = "last") -> mx.array | None:
-        """On mlx-lm's generation stream, as its own generation runs (one per thread)."""
-        x = mx.array(ids, dtype=mx.uint32)[None]
+    def forward(self, ids: list[int] | list[list[int]], cache: list, rows: str = "last") -> mx.array | None:
+        """On mlx-lm's generation stream, as its own generation runs (one per thread). `ids`: one sequence's
+        tokens, or a token per row of a batched cache (a batched decode step)."""
+        x = mx.array(ids, dtype=mx.uint32)
+        x = x[None] if x.ndim == 1 else x
         with mx.stream(generation_stream):
             if self.spine is not None and self.spine.installed:
                 return self.spine.forward(x, cache, rows)
@@ -99,23 +109,45 @@ def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
             yield first, stop, "last"
 
 
-def last_logits(out: mx.array) -> torch.Tensor:
-    """The last position's logits as a float32 torch view (no copy where they are float32)."""
-    row = out[0, -1]
+def kept_layers(cache: list, tokens: int) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, a copy of the keys and values of the cache's first `tokens` (what the prefix cache keeps): mlx-lm
+    writes its cache in place and a view would pin its whole buffer; evaluated here, on the thread that made
+    them."""
+    kept = [(mx.contiguous(c.keys[..., :tokens, :]), mx.contiguous(c.values[..., :tokens, :])) for c in cache]
+    mx.eval(kept)
+    return kept
+
+
+def last_logits(out: mx.array, row: int = 0) -> torch.Tensor:
+    """Row `row`'s last position's logits as a float32 torch view (no copy where they are float32)."""
+    row = out[row, -1]
     return to_torch(row if row.dtype == mx.float32 else row.astype(mx.float32), torch.float32)
+
+
+def prompt_logits(model: SpineModel, ids: list[int], chunk_tokens: int, start: int, end: int,
+                  every_position: bool = False) -> Iterator[torch.Tensor]:
+    """Each forward's logits (float32 torch views of MLX's) prefilling `ids[start:end]` in chunks from an empty
+    cache: every position's (`every_position`), else the prompt's last row (each chunk but the last then fills the
+    cache only, as mlx-lm's prefill does). Each forward runs under the plan where it is installed at that moment."""
+    cache = model.make_cache()
+    for first, done, kept in prefill_forwards(model, end, chunk_tokens, start, every_position):
+        out = model.forward(ids[first:done], cache, kept)
+        if out is not None:
+            yield to_torch(out[0].astype(mx.float32), torch.float32)
+
+
+def chunk_logits(model: SpineModel, prompt: torch.Tensor, chunk_tokens: int) -> Iterator[torch.Tensor]:
+    """Every position's logits of a prompt, chunk by chunk (`[n, vocab]` each): the fidelity measures' prefill
+    (`autotune.evaluation.fidelity.ChunkLogits`) on this spine."""
+    return prompt_logits(model, prompt.tolist(), chunk_tokens, 0, prompt.numel(), every_position=True)
 
 
 def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
                    every_position: bool = False) -> torch.Tensor:
     """`runtime.prefill`'s prompt logits on the MLX spine, float32: every position's `[T, vocab]`
-    (`every_position`), else each prompt's last `[prompts, vocab]` (each chunk but a prompt's last then fills the
-    cache only, as mlx-lm's prefill does). Prompts of `prompt_tokens` (default one), each from an empty cache."""
+    (`every_position`), else each prompt's last `[prompts, vocab]` (`prompt_logits`). Prompts of `prompt_tokens`
+    (default one), each from an empty cache."""
     n, step = ids.numel(), prompt_tokens or ids.numel()
-    flat, rows = ids.tolist(), []
-    for s in range(0, n, step):
-        cache = model.make_cache()
-        for start, done, kept in prefill_forwards(model, min(s + step, n), chunk_tokens, s, every_position):
-            out = model.forward(flat[start:done], cache, kept)
-            if out is not None:
-                rows.append(to_torch(out[0].astype(mx.float32), torch.float32))
-    return torch.cat(rows)
+    flat = ids.tolist()
+    return torch.cat([rows for s in range(0, n, step)
+                      for rows in prompt_logits(model, flat, chunk_tokens, s, min(s + step, n), every_position)])

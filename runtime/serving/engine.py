@@ -4,12 +4,13 @@ The engine's thread runs every tokenizer call and the decode steps. A request st
 encoded: a chat through the tokenizer's template, or the fallback format below; a cached prefix looked up) and up
 to `max_batch` requests are active at once (continuous batching). Each round runs prefills (`_prefills`: one
 request at a time, in the plan's chunks, each request alone, as `runtime.generate` runs them) and then one decode
-step of every decoding request together (`DecodeBatch`: one forward, each row at its own position, each with its
-own sampling and stop sequences). A long prompt that arrives while others decode prefills on the prefill thread,
-with its own KV cache, while the rounds keep decoding (on a Mac its static groups run on the ANE; on Linux it
-takes another core, at a lower priority), so its prefill does not stall the streams; the executor keeps its phase
-per thread, so its counts stay its own. The calls go one way: engine -> prefix cache -> generation -> prefix
-cache (the caches are only touched from the engine's thread).
+step of every decoding request together (the spine's batch, `serving_spine`: one forward, each row at its own
+position, each with its own sampling and stop sequences). Either spine runs it, torch's or MLX's, under this one
+scheduler (`ServingSpine`: its KV caches, its prefix cache entries, its batched decode step). A long prompt that
+arrives while others decode prefills on the prefill thread, with its own KV cache, while the rounds keep decoding
+(on a Mac its static groups run on the ANE; on Linux it takes another core, at a lower priority), so its prefill
+does not stall the streams; the executor keeps its phase per thread, so its counts stay its own. The calls go one
+way: engine -> prefix cache -> generation -> prefix cache (the caches are only touched from the engine's thread).
 
 Chat fallback format, for a tokenizer without a chat template: one line per message, `System: ...`, `User: ...`,
 `Assistant: ...` (a developer message reads as System), then `Assistant:` for the reply to follow.
@@ -31,13 +32,21 @@ from functools import partial
 import torch
 
 from runtime.errors import NpumoeError
-from runtime.generation import ContextLimitError, Generation, Loaded, chat_prompt, max_new_tokens, prompt_ids
-from runtime.serving.decode_batch import DecodeBatch
+from runtime.generation import (
+    ContextLimitError,
+    Generation,
+    Loaded,
+    cache_length,
+    chat_prompt,
+    max_new_tokens,
+    prompt_ids,
+)
 from runtime.serving.disk_prefix_cache import DiskPrefixCache
 from runtime.serving.metrics import Metrics
-from runtime.serving.prefix_cache import PrefixCache, keeps_tail, supports_prefix_reuse
+from runtime.serving.prefix_cache import PrefixCache, keeps_tail
 from runtime.serving.request_stream import COUNTS, RequestStream, executor_counts
 from runtime.serving.scheduler import Job, Scheduler
+from runtime.serving.serving_spine import serving_spine
 
 log = logging.getLogger("npumoe.serve")
 
@@ -85,6 +94,15 @@ class GenerationRequest:
     echo: bool = False  # the prompt (and its log-probabilities) before the completion
 
 
+def disk_cache_off(engine: str) -> str | None:
+    """Why `--prefix-cache-dir` cannot run on the spine `engine` (None: it can)."""
+    if engine == "torch":
+        return None
+    return ("--prefix-cache-dir keeps the torch spine's KV tensors, tied to a digest of its torch weights; on "
+            "--engine mlx the prefix cache is in memory only (--prefix-cache-mb): leave --prefix-cache-dir out, or use "
+            "--engine torch")
+
+
 def fallback_chat_text(messages: list[dict]) -> str:
     return "".join(f"{FALLBACK_ROLES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
 
@@ -94,20 +112,24 @@ class Engine:
                  max_batch: int = DEFAULT_MAX_BATCH, prefix_cache_dir: str | None = None,
                  prefix_cache_disk_gb: float = DEFAULT_DISK_GB) -> None:
         self.loaded, self.model_id = loaded, model_id
+        self.spine = serving_spine(loaded)  # the KV caches and the batched decode step of the model's spine
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
+        reuse_off = self.spine.reuse_off()
         if self.chunk is None:
             self.prefix_cache_off = "no plan: prefill runs the whole prompt at once, so there is no chunk to reuse"
-        elif not supports_prefix_reuse(loaded.model):
-            self.prefix_cache_off = "the model's cache is not plain full attention"
+        elif reuse_off is not None:
+            self.prefix_cache_off = reuse_off
         elif prefix_cache_mb <= 0:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
-            self.prefix_cache = PrefixCache(loaded.model, self.chunk, int(prefix_cache_mb * 2**20),
+            self.prefix_cache = PrefixCache(self.spine, self.chunk, int(prefix_cache_mb * 2**20),
                                             loaded.plan.exact_below)
         self.disk_cache = None
         if prefix_cache_dir is not None:
-            if self.chunk is None or not supports_prefix_reuse(loaded.model):
+            if (off := disk_cache_off(loaded.engine)) is not None:
+                raise NpumoeError(off)
+            if self.chunk is None or reuse_off is not None:
                 raise NpumoeError("--prefix-cache-dir keeps whole prefill chunks: it needs --plan and a model with "
                                   "plain full attention")
             try:
@@ -115,7 +137,7 @@ class Engine:
                                                   loaded.plan)
             except OSError as e:
                 raise NpumoeError(f"--prefix-cache-dir {prefix_cache_dir}: {e.strerror or e}") from e
-        self.batch = DecodeBatch(loaded)
+        self.batch = self.spine.decode_batch()
         # prefill runs on its own thread (one request at a time) while this engine's thread keeps decoding
         self.prefill_thread = ThreadPoolExecutor(1, thread_name_prefix="npumoe-prefill", initializer=background)
         self.prefill: tuple[RequestStream, Future] | None = None
@@ -163,7 +185,8 @@ class Engine:
         if self.disk_cache is not None:
             cache["disk"] = {"dir": str(self.disk_cache.folder), "bytes": self.disk_cache.nbytes,
                              "max_bytes": self.disk_cache.max_bytes}
-        return {"status": "ok", "model": self.model_id, "plan": self.loaded.plan is not None,
+        return {"status": "ok", "model": self.model_id, "engine": self.loaded.engine,
+                "plan": self.loaded.plan is not None,
                 "active": self.scheduler.active, "max_batch": self.scheduler.max_active,
                 "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
 
@@ -296,8 +319,7 @@ class Engine:
         """The longest reusable prefix of `ids`: from memory, or a longer one from disk (then kept in memory)."""
         prefix = self.prefix_cache.lookup(ids) if self.prefix_cache else None
         if self.disk_cache is not None:
-            held = prefix.get_seq_length() if prefix is not None else 0
-            longer = self.disk_cache.lookup(ids, longer_than=held)
+            longer = self.disk_cache.lookup(ids, longer_than=cache_length(self.loaded, prefix))
             if longer is not None:
                 prefix = longer
                 if self.prefix_cache is not None:
@@ -318,7 +340,7 @@ class Engine:
             return None
         n = ids.numel()
         target = n if keeps_tail(n, self.chunk, self.loaded.plan.exact_below) else n // self.chunk * self.chunk
-        return target if target > (prefix.get_seq_length() if prefix is not None else 0) else None
+        return target if target > cache_length(self.loaded, prefix) else None
 
     def figures(self, stream: RequestStream, finish: str, text: str) -> dict:
         """What the response reports (usage and the `npumoe` object), and the metrics it adds to."""
@@ -344,6 +366,6 @@ class Engine:
                   "prefill_tok_s": (prompt - gen.cached) / gen.ttft_s if gen.ttft_s > 0 else None,
                   "generation_tok_s": (n - 1) / gen.decode_s if n > 1 and gen.decode_s > 0 else None,
                   "cached_tokens": gen.cached, **{k: c[k] for k in COUNTS}, "drift": drift,
-                  "token_ids": list(gen.tokens)}
+                  "token_ids": list(gen.tokens), "engine": self.loaded.engine}
         return {"finish_reason": finish, "text": text, "prompt_tokens": prompt, "completion_tokens": n,
                 "cached_tokens": gen.cached, "npumoe": npumoe}

@@ -7,31 +7,30 @@ path (fewer than the plan's `exact_below` tokens) is kept whole, and a later pro
 exactly when its own chunk holding them is partial and exact too (`prefill.exact_tail`): each position's keys and
 values then depend only on the tokens up to it, as they would without the cache. Entries are what prefill wrote at a
 boundary: transformers' dynamic cache grows by concatenation (new tensors each chunk), so keeping the boundary's
-tensors copies nothing. Bounded in bytes; the least recently used entry goes first; the longest match wins.
+tensors copies nothing (mlx-lm's cache is written in place: the MLX spine keeps a copy). Either spine's entries, its
+caches made by its `ServingSpine`. Bounded in bytes; the least recently used entry goes first; the longest match wins.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import count
+from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS
 from runtime.prefill import exact_tail
+
+if TYPE_CHECKING:
+    from runtime.serving.serving_spine import Layers, ServingSpine
 
 
 @dataclass
 class Entry:
     tokens: torch.Tensor  # 1-D token ids the KV covers (whole chunks, then maybe an exact tail)
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, heads, tokens, head_dim]
+    layers: Layers  # per layer: keys, values [1, heads, tokens, head_dim], as the spine's prefill wrote them
     nbytes: int
-
-
-def supports_prefix_reuse(model: torch.nn.Module) -> bool:
-    """Whether the model's cache is plain full attention (a sliding window would drop what a prefix holds)."""
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -57,14 +56,16 @@ def keeps_tail(tokens: int, chunk: int, exact_below: int) -> bool:
 
 
 class PrefixCache:
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int, max_bytes: int,
+    """The entries of one model on one spine (`spine`: its caches made from an entry, `ServingSpine.prefix`)."""
+
+    def __init__(self, spine: ServingSpine, chunk_tokens: int, max_bytes: int,
                  exact_below: int = DEFAULT_EXACT_BELOW_TOKENS) -> None:
-        self.model, self.chunk, self.max_bytes, self.exact_below = model, chunk_tokens, max_bytes, exact_below
+        self.spine, self.chunk, self.max_bytes, self.exact_below = spine, chunk_tokens, max_bytes, exact_below
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by arrival number, least recently used first
         self.nbytes = 0
         self._keys = count()
 
-    def lookup(self, ids: torch.Tensor) -> DynamicCache | None:
+    def lookup(self, ids: torch.Tensor) -> object | None:
         """A fresh cache holding the longest reusable prefix of `ids`, or None."""
         best, best_n = None, 0
         for key, entry in reversed(self.entries.items()):  # most recent first: it wins ties
@@ -74,12 +75,9 @@ class PrefixCache:
         if best is None:
             return None
         self.entries.move_to_end(best)
-        cache = DynamicCache(config=self.model.config)
-        for i, (k, v) in enumerate(self.entries[best].layers):
-            cache.update(k[:, :, :best_n], v[:, :, :best_n], i)  # copies: the entry stays as it is
-        return cache
+        return self.spine.prefix(self.entries[best].layers, best_n)
 
-    def store(self, tokens: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def store(self, tokens: torch.Tensor, layers: Layers) -> None:
         """Keep what prefill wrote for `tokens` (whole chunks, or a prompt ending in an exact tail): per layer,
         keys and values; an entry it extends goes."""
         length = tokens.numel()
@@ -92,7 +90,7 @@ class PrefixCache:
                 return
             if n == entry.tokens.numel():  # the new entry holds this one
                 self._remove(key)
-        nbytes = sum(t.numel() * t.element_size() for kv in layers for t in kv)
+        nbytes = sum(t.nbytes for kv in layers for t in kv)  # torch tensors and MLX arrays alike
         if nbytes > self.max_bytes:
             return
         self.entries[next(self._keys)] = Entry(tokens.clone(), layers, nbytes)

@@ -1,0 +1,66 @@
+"""What the server's scheduling asks of the spine a model runs on (`ServingSpine`), so that one engine, one
+scheduler and one prefix cache serve both spines: the torch spine (`TorchServing`: transformers' `DynamicCache`,
+`decode_batch.DecodeBatch`) and the MLX spine (`runtime.mlx.spine_serving.MlxServing`: mlx-lm's `KVCache` and
+`BatchKVCache`). A cache's tokens: `runtime.generation.cache_length`."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from runtime.generation import Generation, Loaded
+from runtime.serving.decode_batch import DecodeBatch
+
+# per layer, the keys and values a prefill wrote [1, heads, tokens, head_dim]: torch tensors or MLX arrays
+Layers = list[tuple[object, object]]
+
+
+class Batch(Protocol):
+    """Continuous batching's decode side: the decoding generations, one forward a step."""
+    rows: list[Generation]
+    widest: int  # the most rows one step has run (what a test of batching reads)
+
+    def add(self, gen: Generation) -> None:
+        """A generation whose prefill is done (its first token taken) joins; the batch holds its cache."""
+
+    def remove(self, gen: Generation) -> None: ...
+
+    def step(self) -> None:
+        """One decode step of every row: each row's next token pending (its own sampling), its step time kept."""
+
+
+class ServingSpine(Protocol):
+    def reuse_off(self) -> str | None:
+        """Why a prompt's KV cache cannot be reused on this model (None: it can)."""
+
+    def prefix(self, layers: Layers, tokens: int) -> object:
+        """A fresh KV cache of this spine holding the first `tokens` of `layers` (which stay as they are)."""
+
+    def decode_batch(self) -> Batch: ...
+
+
+class TorchServing:
+    def __init__(self, loaded: Loaded) -> None:
+        self.loaded = loaded
+
+    def reuse_off(self) -> str | None:
+        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=self.loaded.model.config).layers)
+        return None if plain else "the model's cache is not plain full attention"
+
+    def prefix(self, layers: Layers, tokens: int) -> DynamicCache:
+        cache = DynamicCache(config=self.loaded.model.config)
+        for i, (k, v) in enumerate(layers):
+            cache.update(k[:, :, :tokens], v[:, :, :tokens], i)  # copies: the entry stays as it is
+        return cache
+
+    def decode_batch(self) -> DecodeBatch:
+        return DecodeBatch(self.loaded)
+
+
+def serving_spine(loaded: Loaded) -> ServingSpine:
+    """The spine `loaded` runs on, as the server drives it (the MLX one imports mlx)."""
+    if loaded.engine == "mlx":
+        from runtime.mlx.spine_serving import MlxServing
+
+        return MlxServing(loaded)
+    return TorchServing(loaded)
