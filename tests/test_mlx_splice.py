@@ -115,3 +115,35 @@ def test_run_json_names_the_dense_lanes_on_both_spines(q4, plan, capsys):
     assert set(runs["mlx"]["attention_core"]) == {"ane-sim", "mlx-cpu"}
     assert set(runs["torch"]["attention_core"]) == {"ane-sim", "torch-cpu"}
     assert load_plan(plan).dense.layers[0].attention == "ane"
+
+
+def test_core_ai_asset_with_dense_functions_on_the_mlx_spine_is_exact(tmp_path, capsys):
+    """The mixed plan on coreai (layer 0's first group; q/k/v, o_proj and the attention core of layers 0 and 1, q/k/v
+    and the core split by rows) built as a Core AI asset in float32 and run by Apple's in-package runtime on this
+    CPU: the MLX spine with it within 1e-5 of mlx-lm's own forward."""
+    pytest.importorskip("coreai_torch")
+    pytest.importorskip("coreai.runtime")
+    plan, package = tmp_path / "P.json", tmp_path / "X.aimodel"
+    assert main(["plan-template", "--model", "tiny-moe", "--capacity", "tight", "--overflow", "spill", "--backend",
+                 "coreai", "--dense", "coreai", "--prompt-tokens", "256", "--exact", "mlx-exact", "--chunk",
+                 str(CHUNK), "--out", str(plan)]) == 0
+    p = json.loads(plan.read_text())
+    for layer in p["layers"]:
+        kept = layer["groups"][:1] if layer["layer"] == 0 else []
+        layer["cpu_exact"] = sorted(e for g in layer["groups"][len(kept):] for e in g["experts"])
+        layer["groups"] = kept
+    p["dense"]["layers"] = p["dense"]["layers"][:2]
+    p["dense"]["layers"][0]["qkv"]["rows"], p["dense"]["attention_rows"] = QKV_ROWS, ATTENTION_ROWS
+    plan.write_text(json.dumps(p))
+    assert main(["build", "--model", "tiny-moe", "--plan", str(plan), "--format", "coreai", "--dtype", "float32",
+                 "--out", str(package), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--model", "tiny-moe", "--plan", str(plan), "--package", str(package), "--engine", "mlx",
+                 "--dtype", "float32", "--reference", "--json", "--max-tokens", "256"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["engine"] == "mlx" and r["backend_fallbacks"] == {}
+    assert r["max_rel_diff_vs_reference"] <= 1e-5  # measured 8.7e-7
+    executed = r["executed"]
+    assert executed["attention_projections"]["coreai"]["calls"] == 2 * 2 * 2  # q/k/v and o, 2 layers, 2 chunks
+    assert executed["attention_core"]["coreai"]["calls"] == 2 * 2
+    assert executed["experts"]["coreai"]["calls"] == 2

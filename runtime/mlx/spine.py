@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ from runtime.backends.packages import PackageTarget, bind_package
 from runtime.backends.registry import registry
 from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
+from runtime.dense.specs import backend_specs
 from runtime.errors import NpumoeError
 from runtime.executor import PlanRun
 from runtime.loading.model_record import read_model_spec
@@ -124,8 +126,13 @@ class MlxSpine(PlanRun):
         blocks = moe_blocks(model)
         modules = {index: torch_experts(block.switch_mlp, index, check=not fast_layer(plan.layer(index), plan))
                    for index, block in blocks.items()}
+        # the torch form of the modules the plan's dense functions read (views of mlx-lm's weights), what a package's
+        # dense functions are checked against and the static backends prepare from
+        self.view = dense_view(model, path, plan) if placed_dense(plan) else None
         if package:
-            backends = {**(backends or {}), **bind_package(package, plan, PackageTarget(spec, modules), plan_path)}
+            dense = partial(backend_specs, self.view.model) if self.view is not None else None
+            backends = {**(backends or {}), **bind_package(package, plan, PackageTarget(spec, modules, dense),
+                                                           plan_path)}
             options = {**(options or {}), "package": package}
         super().__init__(plan, backends, options, exact)
         self.model, self.timer = model, _Timer()
@@ -136,10 +143,9 @@ class MlxSpine(PlanRun):
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
         self.lane = dense_lane()
-        self.dense = self.view = self.attention = None
+        self.dense = self.attention = None
         self.splices: list = []
-        if placed_dense(plan):
-            self.view = dense_view(model, path, plan)
+        if self.view is not None:
             self.dense = DenseExecutor(self.view.model, plan, {**(backends or {}), **self.backends}, options)
             self.splices = mlx_splices(self.dense, self.view, self.timer, self.lane)
             self.attention = AttentionSplice(self.dense.cores, self.timer) if self.dense.cores else None
