@@ -48,8 +48,9 @@ def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_rou
                rounds: int = ROUNDS) -> list[Solution]:
     """The candidates in the gate's order, each once, at most `rounds` rounds of `per_round`: the search's
     candidates `per_round` at a time, each batch followed by itself tightened (drops turned to spills, then
-    uncompressed), and last the all-exact plans (`all_exact`). Only plans with a chunk the gate's `gate_tokens` hold (a longer chunk
-    would run exactly there, unmeasured). Each is scored as the search scored its own (energy where it weighs it)."""
+    uncompressed), and last the all-exact plans (`all_exact`). Only plans with a chunk the gate's `gate_tokens` hold
+    (a longer chunk would run exactly there, unmeasured). Each is scored as the search scored its own (energy where it
+    weighs it)."""
     scorer = dataclasses.replace(scorer, with_energy=outcome.weights[1] > 0)
     primary: list[Solution] = []
     for sol in [outcome.best, *ranked_solutions(outcome, scorer)]:
