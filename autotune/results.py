@@ -40,6 +40,8 @@ class RunResult:
     dense_calls: dict | None = None  # a plan with dense functions: calls per part and backend (DenseExecutor)
     engine: str = "torch"  # the spine that ran it (runtime.engines)
     executed: dict | None = None  # per part, the lanes that ran it: calls and measured ms (runtime.stats.Executed)
+    priced: dict | None = None  # per part, the lanes the plan prices it on (runtime.priced_lanes)
+    off_priced: list | None = None  # the parts executed on a lane the plan does not price them on ([]: as priced)
 
     @property
     def drop_rate(self) -> float:
@@ -60,8 +62,9 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out["engine"] = self.engine  # added after the recorded keys, as scripts read them
-        if self.executed is not None:
-            out["executed"] = self.executed
+        for k in ("executed", "priced", "off_priced"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
 
 

@@ -36,6 +36,7 @@ from runtime.loading.model_loader import (
 from runtime.loading.model_record import check_context
 from runtime.plan import load_plan
 from runtime.prefill import max_rel_diff, prefill_prompts_last_logits, prefill_prompts_logits
+from runtime.priced_lanes import executed_as_priced
 from runtime.resources import peak_rss_bytes, timed_runs
 from runtime.stats import DENSE_PARTS, PARTS, TORCH_CPU, Executed, LayerStats, lane_of
 
@@ -127,7 +128,8 @@ def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
                      max_rel_diff_vs_reference=diff,
                      energy_per_backend=energy, traces=traces, measured_parts_ms=measured,
                      predicted_parts_ms=predicted, host_speed=host_speed(profile), dense_calls=dense_calls,
-                     executed=torch_executed(executor.stats.total(), measured, part_calls, dense_calls))
+                     **executed_as_priced(loaded.plan, executor,
+                                          torch_executed(executor.stats.total(), measured, part_calls, dense_calls)))
 
 
 def torch_executed(experts: LayerStats, measured: dict, calls: dict, dense_calls: dict | None) -> dict:

@@ -15,6 +15,7 @@ from runtime.generation import Loaded, context_positions, load
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_record import check_context
 from runtime.prefill import max_rel_diff
+from runtime.priced_lanes import executed_as_priced
 from runtime.resources import peak_rss_bytes, timed_runs
 
 GB = 1 << 30
@@ -54,7 +55,7 @@ def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: in
                              "measured": "peak resident set size of this process (ru_maxrss)"},
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=diff, energy_per_backend=spine.energy() or None, engine="mlx",
-                     executed=spine.executed().to_json())
+                     **executed_as_priced(loaded.plan, spine, spine.executed().to_json()))
 
 
 def _counted(loaded: Loaded, prefill):

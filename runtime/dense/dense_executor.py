@@ -286,6 +286,11 @@ class DenseExecutor:
             self._backends[name] = dense_backend(name, self._given, self._options)
         return self._backends[name]
 
+    def ran_on(self, name: str) -> str:
+        """The backend that runs the dense functions the plan puts on `name` (a stand-in's name where `name` falls
+        back)."""
+        return self._backend(name).name
+
     def _split(self, backend: StaticBackend, rows: int | None, cpu: DenseFn) -> Split | None:
         if rows is None:
             return None
