@@ -23,6 +23,7 @@ from runtime.plan import load_plan  # noqa: E402
 
 PROMPT = "Static groups for the prompt, the exact path for every new token. " * 16
 TOKENS, CHUNK, QKV_ROWS, LAYERS = 300, 128, 96, 4  # chunks of 128, 128 and 44: q/k/v's first 96 rows static
+HOST_PARTS = ["attention_projections", "attention_core", "lm_head", "rest"]  # the parts tiny-moe's dense host runs
 ATTENTION_ROWS = 64  # the attention core's first 64 queries of a full chunk static
 
 
@@ -100,13 +101,20 @@ def test_decode_steps_run_mlx_lms_own_modules(q4, plan):
     assert lanes["mlx-cpu"]["calls"] == 1 * LAYERS + 3 * 6 * LAYERS  # the split's rows of the full chunk; the steps
 
 
-def test_run_json_names_the_dense_lanes_on_both_spines(q4, plan, capsys):
+def _runs(q4: Path, plan: Path, capsys) -> dict[str, dict]:
+    """`autotune run --json` of `plan` on each spine."""
     runs = {}
     for engine in ("mlx", "torch"):
         capsys.readouterr()
         assert main(["run", "--model", str(q4), "--plan", str(plan), "--engine", engine, "--dtype", "float32",
                      "--max-tokens", str(TOKENS), "--json"]) == 0
-        runs[engine] = json.loads(capsys.readouterr().out)["executed"]
+        runs[engine] = json.loads(capsys.readouterr().out)
+    return runs
+
+
+def test_run_json_names_the_dense_lanes_on_both_spines(q4, plan, capsys):
+    full = _runs(q4, plan, capsys)
+    runs = {engine: r["executed"] for engine, r in full.items()}
     assert set(runs["mlx"]["attention_projections"]) == {"ane-sim", "mlx-cpu"}
     assert set(runs["torch"]["attention_projections"]) == {"ane-sim", "torch-cpu"}
     assert runs["mlx"]["attention_projections"]["ane-sim"]["calls"] == \
@@ -115,6 +123,28 @@ def test_run_json_names_the_dense_lanes_on_both_spines(q4, plan, capsys):
     assert set(runs["mlx"]["attention_core"]) == {"ane-sim", "mlx-cpu"}
     assert set(runs["torch"]["attention_core"]) == {"ane-sim", "torch-cpu"}
     assert load_plan(plan).dense.layers[0].attention == "ane"
+    # the template leaves the dense host at cpu-exact (the CPU in torch): the torch spine runs it as priced, the MLX
+    # spine on MLX's dense ops
+    assert full["torch"]["off_priced"] == []
+    assert full["mlx"]["off_priced"] == [{"part": part, "lanes": ["mlx-cpu"]} for part in HOST_PARTS]
+
+
+def test_a_plan_whose_dense_host_is_mlx_runs_as_priced_on_the_mlx_spine(q4, plan, tmp_path, capsys):
+    """The same plan with its dense host on mlx-exact (as the search writes it for a Mac): the MLX spine runs every
+    part where the plan prices it, ane's groups and functions on ane-sim, its stand-in here; the torch spine runs
+    the host's share of every dense part on the CPU in torch, off priced."""
+    p = json.loads(plan.read_text())
+    p["dense"]["exact"] = "mlx-exact"
+    host = tmp_path / "host.json"
+    host.write_text(json.dumps(p))
+    runs = _runs(q4, host, capsys)
+    assert runs["mlx"]["priced"] == {"attention_projections": ["ane-sim", "mlx-cpu"],
+                                     "attention_core": ["ane-sim", "mlx-cpu"], "experts": ["ane-sim", "mlx-exact"],
+                                     "dense_mlp": ["mlx-cpu"], "lm_head": ["mlx-cpu"], "rest": ["mlx-cpu"]}
+    assert runs["mlx"]["backend_fallbacks"] == {"ane": "ane-sim"}
+    assert set(runs["mlx"]["executed"]["attention_core"]) == {"ane-sim", "mlx-cpu"}
+    assert runs["mlx"]["off_priced"] == []
+    assert runs["torch"]["off_priced"] == [{"part": part, "lanes": ["torch-cpu"]} for part in HOST_PARTS]
 
 
 def test_core_ai_asset_with_dense_functions_on_the_mlx_spine_is_exact(tmp_path, capsys):
