@@ -19,8 +19,9 @@ EVALUATE = ["model", "plan", "text", "tokens", "prompts", "ppl_reference", "ppl_
             "assignments", "tokens_per_backend", "calls_per_backend", "backend_fallbacks", "drop_budget",
             "drop_rate_within_1_5x_budget"]
 # keys added since, after the recorded ones: the run's time per part (measured; predicted where the plan's profile
-# is here), the spine that ran it (evaluate's too) and what ran each part; the search's: helpers.SEARCH_REPORT_ADDED
-RUN_ADDED = ["measured_parts_ms", "engine", "executed"]
+# is here), the spine that ran it (evaluate's too), what ran each part and where the plan prices it; the search's:
+# helpers.SEARCH_REPORT_ADDED
+RUN_ADDED = ["measured_parts_ms", "engine", "executed", "priced", "off_priced"]
 EVALUATE_ADDED = ["engine"]
 TASKS = ["model", "plan", "limit", "num_fewshot", "tasks", "metric", "drop_rate", "spill_rate", "calls_per_backend",
          "tokens_per_backend", "backend_fallbacks"]
