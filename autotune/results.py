@@ -41,6 +41,7 @@ class RunResult:
     engine: str = "torch"  # the spine that ran it (runtime.engines)
     executed: dict | None = None  # per part, the lanes that ran it: calls and measured ms (runtime.stats.Executed)
     priced: dict | None = None  # per part, the lanes the plan prices it on (runtime.priced_lanes)
+    priced_stand_ins: dict | None = None  # the backends `priced` names by their stand-ins here (ane -> ane-sim)
     off_priced: list | None = None  # the parts executed on a lane the plan does not price them on ([]: as priced)
 
     @property
@@ -62,7 +63,7 @@ class RunResult:
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         out["engine"] = self.engine  # added after the recorded keys, as scripts read them
-        for k in ("executed", "priced", "off_priced"):
+        for k in ("executed", "priced", "priced_stand_ins", "off_priced"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out

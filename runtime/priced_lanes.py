@@ -79,7 +79,9 @@ def priced_lanes(plan: Plan, engine: object) -> PricedLanes:
 
 
 def executed_as_priced(plan: Plan, engine: object, executed: dict) -> dict[str, object]:
-    """`executed` (`Executed.to_json()`) beside where the plan prices each part (`priced`) and the parts it ran
-    elsewhere (`off_priced`): what `autotune run --json` reports under those keys."""
+    """`executed` (`Executed.to_json()`) beside where the plan prices each part (`priced`), the stand-ins those lanes
+    name (`priced_stand_ins`: backend -> stand-in) and the parts it ran elsewhere (`off_priced`): what `autotune run
+    --json` reports under those keys."""
     priced = priced_lanes(plan, engine)
-    return {"executed": executed, "priced": priced.to_json(), "off_priced": priced.off(executed)}
+    return {"executed": executed, "priced": priced.to_json(), "priced_stand_ins": priced.stand_ins,
+            "off_priced": priced.off(executed)}

@@ -141,7 +141,7 @@ def test_a_plan_whose_dense_host_is_mlx_runs_as_priced_on_the_mlx_spine(q4, plan
     assert runs["mlx"]["priced"] == {"attention_projections": ["ane-sim", "mlx-cpu"],
                                      "attention_core": ["ane-sim", "mlx-cpu"], "experts": ["ane-sim", "mlx-exact"],
                                      "dense_mlp": ["mlx-cpu"], "lm_head": ["mlx-cpu"], "rest": ["mlx-cpu"]}
-    assert runs["mlx"]["backend_fallbacks"] == {"ane": "ane-sim"}
+    assert runs["mlx"]["priced_stand_ins"] == runs["mlx"]["backend_fallbacks"] == {"ane": "ane-sim"}
     assert set(runs["mlx"]["executed"]["attention_core"]) == {"ane-sim", "mlx-cpu"}
     assert runs["mlx"]["off_priced"] == []
     assert runs["torch"]["off_priced"] == [{"part": part, "lanes": ["torch-cpu"]} for part in HOST_PARTS]

@@ -42,7 +42,7 @@ def test_the_main_jobs_plan_runs_as_priced_on_the_mlx_spine(main_job_plan, capsy
                            "rest": ["mlx-cpu"]}
     assert set(r["executed"]) == {"experts", *HOST_PARTS}
     assert set(r["executed"]["experts"]) == {"mlx-exact", "torch-cpu"}
-    assert r["off_priced"] == []
+    assert r["off_priced"] == [] and r["priced_stand_ins"] == {}
 
 
 def test_the_torch_spine_runs_the_mlx_priced_dense_host_off_priced(main_job_plan, capsys):

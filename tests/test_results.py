@@ -21,7 +21,7 @@ EVALUATE = ["model", "plan", "text", "tokens", "prompts", "ppl_reference", "ppl_
 # keys added since, after the recorded ones: the run's time per part (measured; predicted where the plan's profile
 # is here), the spine that ran it (evaluate's too), what ran each part and where the plan prices it; the search's:
 # helpers.SEARCH_REPORT_ADDED
-RUN_ADDED = ["measured_parts_ms", "engine", "executed", "priced", "off_priced"]
+RUN_ADDED = ["measured_parts_ms", "engine", "executed", "priced", "priced_stand_ins", "off_priced"]
 EVALUATE_ADDED = ["engine"]
 TASKS = ["model", "plan", "limit", "num_fewshot", "tasks", "metric", "drop_rate", "spill_rate", "calls_per_backend",
          "tokens_per_backend", "backend_fallbacks"]
