@@ -7,10 +7,14 @@ Mac) is priced on the stand-in's lane, and said as such."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.backends.registry import EXACT, registry
 from runtime.plan import Plan
 from runtime.stats import DENSE_PARTS, PARTS, lane_of
+
+if TYPE_CHECKING:
+    from runtime.executor import PlanRun
 
 DENSE_HOST_PARTS = tuple(p for p in PARTS if p != "experts")  # every part the dense host may take some of
 
@@ -50,12 +54,11 @@ def dense_host_lane(name: str) -> str:
     return lane_of(name)
 
 
-def priced_lanes(plan: Plan, engine: object) -> PricedLanes:
+def priced_lanes(plan: Plan, engine: PlanRun) -> PricedLanes:
     """Where `plan` prices each part, on the runtime `engine` loaded it on (a `runtime.executor.PlanRun`: its
     `fallbacks` name the stand-ins of groups' backends and exact paths, its `dense` those of dense functions')."""
     out = PricedLanes()
-    fallbacks = dict(getattr(engine, "fallbacks", {}))
-    dense = getattr(engine, "dense", None)
+    fallbacks, dense = engine.fallbacks, getattr(engine, "dense", None)  # each spine's `DenseExecutor`, or None
 
     def ran_on(name: str, dense_function: bool = False) -> str:
         stand_in = dense.ran_on(name) if dense_function and dense is not None else fallbacks.get(name, name)
@@ -78,7 +81,7 @@ def priced_lanes(plan: Plan, engine: object) -> PricedLanes:
     return out
 
 
-def executed_as_priced(plan: Plan, engine: object, executed: dict) -> dict[str, object]:
+def executed_as_priced(plan: Plan, engine: PlanRun, executed: dict) -> dict[str, object]:
     """`executed` (`Executed.to_json()`) beside where the plan prices each part (`priced`), the stand-ins those lanes
     name (`priced_stand_ins`: backend -> stand-in) and the parts it ran elsewhere (`off_priced`): what `autotune run
     --json` reports under those keys."""
