@@ -1,4 +1,6 @@
 """Predicted memory of a plan (autotune/costing/memory.py): each part from the model's sizes, compression, budget."""
+import os
+
 import pytest
 from helpers import random_model
 
@@ -198,3 +200,42 @@ def test_calibrate_peak_rss_within_its_stage_prediction(tmp_path):
     measured = memory["measured_peak_rss_gb"] * GB
     assert 1 / 1.15 <= measured / predicted <= 1.15, (measured / GB, predicted / GB)
     assert memory["predicted_over_measured"] == pytest.approx(predicted / measured, rel=1e-3)
+
+
+_MOVE_CHILD = """
+import json, torch, transformers
+from autotune.costing.memory import ModelSize, mlx_move_bytes
+from autotune.searching.templates import template_plan
+from runtime.loading.model_loader import model_spec
+from runtime.mlx.mlx_exact import MlxExactLayer
+from runtime.resources import peak_rss_mb
+torch.manual_seed(0)
+config = transformers.Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, num_experts=64,
+                                     num_experts_per_tok=4, num_hidden_layers=1, num_attention_heads=8,
+                                     num_key_value_heads=2, head_dim=64, vocab_size=256, intermediate_size=512)
+model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+size = ModelSize.of(model)
+plan = template_plan(model_spec(model), exact="mlx-exact", grouped=False)
+open("/proc/self/clear_refs", "w").write("5")  # the high-water mark from here (the fp32 init peaked higher)
+before = peak_rss_mb()
+MlxExactLayer(model.model.layers[0].mlp.experts)
+print(json.dumps({"predicted": mlx_move_bytes(size, [plan]), "measured": (peak_rss_mb() - before) * 2**20,
+                  "cpu_only": mlx_move_bytes(size, [template_plan(model_spec(model), grouped=False)])}))
+"""
+
+
+def test_the_gate_predicts_the_move_of_torchs_experts_into_mlx():
+    """mlx-exact on torch's model moves each layer's experts into MLX's memory: the largest tensor (the fused gate
+    and up, 64 MB here) is held twice for a moment; the search stage's prediction counts it, measured in a fresh
+    process's peak RSS."""
+    pytest.importorskip("mlx.core")
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("resets the peak RSS through Linux's /proc/self/clear_refs")
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MOVE_CHILD], capture_output=True, text=True, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["cpu_only"] == 0 and r["predicted"] == 64 * 2 * 512 * 1024 * 2
+    assert 0.8 <= r["measured"] / r["predicted"] <= 1.25, r
