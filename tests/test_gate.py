@@ -142,6 +142,9 @@ def test_with_an_exact_path_off_the_cpu_the_gate_ends_on_the_exact_lanes_then_th
             assert not lp.groups and sorted(lp.exact_split["cpu-exact"]) == list(range(8))
         assert all(c.resident == 0 and c.cpu_tail == 0 for c in before.configs)  # all on mlx-exact
         assert last.heldout_drops == before.heldout_drops == 0
+    # the search's own pick stays first even where it is one of the last candidates (every expert on mlx-exact)
+    outcome.best = order[-2]
+    assert gate_order(outcome, scorer, 4096, 2)[0] is outcome.best
 
 
 @pytest.mark.slow

@@ -67,9 +67,18 @@ def gate_order(outcome: SearchOutcome, scorer: Scorer, gate_tokens: int, per_rou
     if not fits:
         return []
     exact = all_exact(outcome, scorer, outcome.best.chunk_tokens if outcome.best.chunk_tokens in fits else min(fits))
-    tail = {_key(s) for s in exact}
-    ordered = [s for s in _distinct(ordered) if _key(s) not in tail]
-    return ordered[:per_round * rounds - len(exact)] + exact
+    return _ending_on(_distinct(ordered), exact, per_round * rounds)
+
+
+def _ending_on(ordered: list[Solution], last: list[Solution], cap: int) -> list[Solution]:
+    """At most `cap` of `ordered`, in order, with every plan of `last` that they do not hold after them."""
+    head = ordered[:cap]
+    while True:
+        held = {_key(s) for s in head}
+        missing = [s for s in last if _key(s) not in held]
+        if len(head) + len(missing) <= cap:
+            return head + missing
+        head = head[:cap - len(missing)]
 
 
 def _distinct(sols) -> list[Solution]:
