@@ -128,3 +128,29 @@ def test_mlx_exact_timed_on_mlx_cpu_device_is_no_lane_beside_the_cpu(device, ove
     assert model.overlaps_cpu is overlaps
     assert CostModel({GPU: model, "cpu-exact": three_lanes().models["cpu-exact"]}).plan_exact() == (
         GPU if overlaps else "cpu-exact")
+
+
+def test_a_search_for_the_mlx_spine_pins_mlx_exact_timed_on_mlxs_cpu_device():
+    """`search --engine mlx` off a Mac: mlx-exact, timed on MLX's CPU device, is the plan's exact path and the dense
+    half's host (what `run --engine mlx` runs there), priced on this process's CPU: its time adds to the CPU's, it
+    runs beside nothing. A profile without mlx-exact records is refused in one line."""
+    from autotune.costing.fitting import fit_backend
+    from autotune.searching.dense_choice import choose_dense
+    from runtime.errors import NpumoeError
+
+    recs = [{"kind": "group", "backend": GPU, "hidden": 256, "ffn": 128, "capacities": [m], "tokens": m,
+             "median_ms": 0.2 + 0.01 * m, "device": "cpu"} for m in (16, 64, 256)]
+    cpu = three_lanes().models["cpu-exact"]
+    cost = CostModel({GPU: fit_backend(GPU, recs, dtype_bytes=4, residual=False), "cpu-exact": cpu})
+    assert cost.plan_exact() == "cpu-exact"
+    pinned = cost.with_exact(GPU)
+    assert pinned.plan_exact() == GPU and Scorer(pinned, 256, 128, "cpu-static", 0.0).exact == GPU
+    counts = np.array([40, 0, 25, 7])
+    every = LayerPlan(layer=0, groups=[], cpu_exact=[0, 1, 2, 3])
+    latency, busy = pinned.layer_times(every, counts, 256, 128, "spill", exact=GPU)
+    assert latency == pytest.approx(busy) and busy == pytest.approx(pinned.exact_ms(counts, 256, 128, GPU))
+    assert busy == pytest.approx(sum(pinned.ffn_ms(GPU, c, 256, 128) for c in counts) + pinned.call_ms(GPU))
+    shape = DecoderShape(256, 4, 2, 64, 1000, 2, (0, 1), 4, 2, 128)
+    assert choose_dense(pinned, shape, 512, 256, None, (1.0, 0.0, 0.0), 1.0).placement.host == GPU
+    with pytest.raises(NpumoeError, match="no mlx-exact records"):
+        CostModel({"cpu-exact": cpu}).with_exact(GPU)
