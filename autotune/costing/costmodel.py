@@ -34,6 +34,7 @@ from autotune.costing.fit_range import Ranges
 from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
+from runtime.cpu.cpu_backends import kernel_rows
 from runtime.errors import NpumoeError
 
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
@@ -268,16 +269,25 @@ class CostModel:
         """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing), its weights stored as
         `compress`; int or ndarray."""
         model = self._model(backend)
+        rows = kernel_rows if self.runs_kernel_rows(backend) else (lambda m: m)
         key = (model.name, int(hidden), int(ffn), compress)
         lut = self._lut.get(key)
         if lut is None:
-            lut = self._lut[key] = model.ffn_ms(np.arange(LUT_TOKENS), hidden, ffn, compress)
+            lut = self._lut[key] = model.ffn_ms(rows(np.arange(LUT_TOKENS)), hidden, ffn, compress)
         m = np.asarray(tokens)
         if np.issubdtype(m.dtype, np.integer) and (m.size == 0 or (m.min() >= 0 and m.max() < LUT_TOKENS)):
             out = lut[m]
         else:
-            out = model.ffn_ms(m, hidden, ffn, compress)
+            out = model.ffn_ms(rows(m) if np.issubdtype(m.dtype, np.integer) else m, hidden, ffn, compress)
         return float(out) if np.ndim(out) == 0 else out
+
+    def runs_kernel_rows(self, backend: str) -> bool:
+        """Whether the runtime runs this backend's expert calls at `kernel_rows` rows: torch's exact path on the CPU in
+        half precision (its records, timed at row counts that are already such sizes, price those rows; a storage
+        with its own kernels runs every count as it is)."""
+        model, info = self._model(backend), registry.get(backend)
+        return (info is not None and info.exact and info.cpu_torch and model.dtype_bytes == 2
+                and model.storage is None)
 
     def group_call_ms(self, backend: str, capacities: Sequence[int], hidden: int, ffn: int,
                       compress: str = "none") -> float:
