@@ -155,3 +155,21 @@ def test_a_search_for_the_mlx_spine_pins_mlx_exact_timed_on_mlxs_cpu_device():
     assert choose_dense(pinned, shape, 512, 256, None, (1.0, 0.0, 0.0), 1.0).placement.host == GPU
     with pytest.raises(NpumoeError, match="no mlx-exact records"):
         CostModel({"cpu-exact": cpu}).with_exact(GPU)
+
+
+def test_the_dense_half_of_a_search_for_the_mlx_spine_is_priced_on_mlx_exact():
+    """Without a Core ML backend the search places no dense function; for the MLX spine (`search --engine mlx`) the
+    whole prefill still prices the dense half where that spine runs it, on mlx-exact, not on the CPU's torch."""
+    from autotune.searching.prefill_report import whole_prefill
+
+    spec = {**SPEC, "hidden_size": 2048, "expert_ffn_size": 768}
+    layers = LayerData.from_traces(synthetic_traces(spec, 20, 256, skew=1.2, seed=3))
+    shape = DecoderShape(2048, 16, 4, 128, 1000, 2, (0, 1), 8, 2, 768)
+    slow_gpu = three_lanes(gpu_ms_per_gflop=4.0)  # ten times the CPU's time per GFLOP
+    parts = {}
+    for name, cost in (("cpu", slow_gpu), ("mlx", slow_gpu.with_exact(GPU))):
+        scorer = Scorer(cost, 2048, 768, "cpu-static", 1e12)
+        out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
+        parts[name] = whole_prefill(out, scorer, shape, 256)["predicted_parts_ms"]
+    for part in ("attention_projections", "attention_core", "lm_head"):
+        assert parts["mlx"][part] == pytest.approx(10 * parts["cpu"][part], rel=0.05), part
