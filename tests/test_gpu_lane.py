@@ -45,7 +45,7 @@ def test_three_lanes_compose_by_hand():
     assert cost.layer_energy_mj(lp, counts, h, f, "spill", exact=GPU) == pytest.approx(2.0 * ane + 50.0 * gpu
                                                                                         + 60.0 * cpu)
     # the same experts all on the CPU (the plan's exact path cpu-exact): one lane, added CPU work, each expert's rows
-    # as torch runs them in half precision (`kernel_rows`: 200 -> 208)
+    # as torch runs them in half precision (`call_rows`: 200 -> 208)
     lat_cpu, busy = cost.layer_times(lp, counts, h, f, "spill")
     assert busy == pytest.approx(gflop(20 + 208 + 50 + 10) * 0.4) and lat_cpu == pytest.approx(max(ane, busy))
     # the memory bus: the GPU's and the CPU's bytes together take at least the bus's time for them

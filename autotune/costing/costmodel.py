@@ -34,7 +34,7 @@ from autotune.costing.fit_range import Ranges
 from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
-from runtime.cpu.cpu_backends import kernel_rows
+from runtime.cpu.cpu_backends import call_rows
 from runtime.errors import NpumoeError
 
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
@@ -269,7 +269,7 @@ class CostModel:
         """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing), its weights stored as
         `compress`; int or ndarray."""
         model = self._model(backend)
-        rows = kernel_rows if self.runs_kernel_rows(backend) else (lambda m: m)
+        rows = call_rows if self.runs_call_rows(backend) else (lambda m: m)
         key = (model.name, int(hidden), int(ffn), compress)
         lut = self._lut.get(key)
         if lut is None:
@@ -281,8 +281,8 @@ class CostModel:
             out = model.ffn_ms(rows(m) if np.issubdtype(m.dtype, np.integer) else m, hidden, ffn, compress)
         return float(out) if np.ndim(out) == 0 else out
 
-    def runs_kernel_rows(self, backend: str) -> bool:
-        """Whether the runtime runs this backend's expert calls at `kernel_rows` rows: torch's exact path on the CPU in
+    def runs_call_rows(self, backend: str) -> bool:
+        """Whether the runtime runs this backend's expert calls at `call_rows` rows: torch's exact path on the CPU in
         half precision (its records, timed at row counts that are already such sizes, price those rows; a storage
         with its own kernels runs every count as it is)."""
         model, info = self._model(backend), registry.get(backend)
