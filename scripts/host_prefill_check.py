@@ -22,9 +22,9 @@ it). Read the figures against `host_speed.now_over_profile` (this host now over 
 does (off a Mac MLX runs on its CPU device, slowly: hours at 4,096 tokens). The twin is converted as a Mac user holds
 it (`mlx_lm convert -q`, 4 bits in groups of 64: what the profile's mlx-exact records pack), the profile times
 mlx-exact too (`--backends cpu-exact,cpu-static,mlx-exact`; its records marked `device: cpu`), everything runs in
-float32 (MLX's CPU gather kernels take nothing else), `search --engine mlx` prices the exact path and the dense half
-on mlx-exact and `run --engine mlx --repeat R` measures it; the parts measured are `executed`'s (its timed pass,
-per prompt). Default DIR work-out/host-check-mlx.
+float32 (MLX's CPU gather kernels take nothing else), `search --engine mlx --resident-mb 1` prices every expert (no
+static group holds one) and the dense half on mlx-exact and `run --engine mlx --repeat R` measures it; the parts
+measured are `executed`'s (its timed pass, per prompt). Default DIR work-out/host-check-mlx.
 """
 from __future__ import annotations
 
@@ -97,9 +97,10 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
     if not Path(traces).exists():  # a rerun in the same folder keeps the routing it calibrated
         autotune("calibrate", "--model", str(model), "--prompt-tokens", str(prompt), "--max-tokens",
                  str(5 * prompt), "--out", traces, *one, log=log)
+    lane = () if engine == "torch" else ("--resident-mb", "1")  # no expert fits a static group: all on mlx-exact
     search = autotune("search", "--model", str(model), "--profile", str(profile), "--traces", traces,
-                      "--prompt-tokens", str(prompt), "--no-gate", "--json", "--out", plan, "--engine", engine, *one,
-                      log=log)
+                      "--prompt-tokens", str(prompt), "--no-gate", "--json", "--out", plan, "--engine", engine, *lane,
+                      *one, log=log)
     run = autotune("run", "--model", str(model), "--plan", plan, "--max-tokens", str(2 * prompt), "--prompt-tokens",
                    str(prompt), "--repeat", str(repeat), "--json", "--engine", engine, *one, log=log)
     (out / f"{shape}.search.json").write_text(json.dumps(search))

@@ -145,7 +145,10 @@ def test_a_search_for_the_mlx_spine_pins_mlx_exact_timed_on_mlxs_cpu_device():
     cost = CostModel({GPU: fit_backend(GPU, recs, dtype_bytes=4, residual=False), "cpu-exact": cpu})
     assert cost.plan_exact() == "cpu-exact"
     pinned = cost.with_exact(GPU)
-    assert pinned.plan_exact() == GPU and Scorer(pinned, 256, 128, "cpu-static", 0.0).exact == GPU
+    scorer = Scorer(pinned, 256, 128, "cpu-static", 0.0)
+    assert pinned.plan_exact() == GPU and scorer.exact == GPU
+    assert not scorer.splits_exact  # no CPU tail beside an exact path that runs on the CPU itself
+    assert Scorer(three_lanes(), 256, 128, "ane", 0.0).splits_exact  # beside the GPU's, one
     counts = np.array([40, 0, 25, 7])
     every = LayerPlan(layer=0, groups=[], cpu_exact=[0, 1, 2, 3])
     latency, busy = pinned.layer_times(every, counts, 256, 128, "spill", exact=GPU)
