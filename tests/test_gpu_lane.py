@@ -142,12 +142,16 @@ def test_a_search_for_the_mlx_spine_pins_mlx_exact_timed_on_mlxs_cpu_device():
     recs = [{"kind": "group", "backend": GPU, "hidden": 256, "ffn": 128, "capacities": [m], "tokens": m,
              "median_ms": 0.2 + 0.01 * m, "device": "cpu"} for m in (16, 64, 256)]
     cpu = three_lanes().models["cpu-exact"]
-    cost = CostModel({GPU: fit_backend(GPU, recs, dtype_bytes=4, residual=False), "cpu-exact": cpu})
+    cost = CostModel({GPU: fit_backend(GPU, recs, dtype_bytes=4, residual=False), "cpu-exact": cpu,
+                      "cpu-static": three_lanes().models["cpu-static"]})
     assert cost.plan_exact() == "cpu-exact"
     pinned = cost.with_exact(GPU)
     scorer = Scorer(pinned, 256, 128, "cpu-static", 0.0)
     assert pinned.plan_exact() == GPU and scorer.exact == GPU
     assert not scorer.splits_exact  # no CPU tail beside an exact path that runs on the CPU itself
+    layers = LayerData.from_traces(synthetic_traces(SPEC, 4, 64, skew=1.2, seed=3))
+    out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
+    assert solution_plan(out.best, out.layers, scorer, SPEC).exact_path == GPU  # the lane it was priced on
     assert Scorer(three_lanes(), 256, 128, "ane", 0.0).splits_exact  # beside the GPU's, one
     counts = np.array([40, 0, 25, 7])
     every = LayerPlan(layer=0, groups=[], cpu_exact=[0, 1, 2, 3])
@@ -174,5 +178,7 @@ def test_the_dense_half_of_a_search_for_the_mlx_spine_is_priced_on_mlx_exact():
         scorer = Scorer(cost, 2048, 768, "cpu-static", 1e12)
         out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
         parts[name] = whole_prefill(out, scorer, shape, 256)["predicted_parts_ms"]
+        plan = solution_plan(out.best, out.layers, scorer, spec)
+        assert plan.exact_path == GPU  # the plan names the lane its experts were priced on (the GPU's: both)
     for part in ("attention_projections", "attention_core", "lm_head"):
         assert parts["mlx"][part] == pytest.approx(10 * parts["cpu"][part], rel=0.05), part
