@@ -97,6 +97,7 @@ from runtime.loading.model_loader import (
     model_spec,
 )
 from runtime.loading.model_record import ModelRecord, check_context, resolve_model
+from runtime.mlx.formats import NAME as MLX_EXACT
 from runtime.plan import ModelSpec, Plan, save_plan
 
 log = logging.getLogger("npumoe")
@@ -265,6 +266,8 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
     trs, traces_path = _traces(record, c.traces, progress)
     prompt = _prompt_tokens(record, trs, c.prompt_tokens)
     cost, cache_state = prof.cost_model_for(size.layer_bytes, dtype_name(record.compute_dtype))
+    if c.engine == "mlx":  # the MLX spine runs the exact path and the dense half on mlx-exact, where it is
+        cost = cost.with_exact(MLX_EXACT)
     chunks = chunk_candidates(prompt, record.context) if trs.chunk is not None else \
         [trs.header["chunk_tokens"]]  # counts-only traces stay as recorded
     c.check_gate_tokens(min(chunks))

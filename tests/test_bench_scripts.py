@@ -66,9 +66,10 @@ def test_bench_scale_quick(tmp_path):
     assert out["peak_rss_over_checkpoint_max"] > 0 and out["build_mb_per_s"] > 0
 
 
-def test_host_check_names_the_host_its_dtype_and_threads(monkeypatch):
+def test_host_check_names_the_host_its_engine_dtype_and_threads(monkeypatch):
     """scripts/host_prefill_check.py's output starts with what it measured on: the CPU model (/proc/cpuinfo), the
-    thread count and each shape's compute dtype (the same in its JSON: `host`, `threads`, `compute_dtype`)."""
+    engine, the thread count and each shape's compute dtype (the same in its JSON: `host`, `engine`, `threads`,
+    `compute_dtype`)."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import host_prefill_check as check
 
@@ -78,6 +79,24 @@ def test_host_check_names_the_host_its_dtype_and_threads(monkeypatch):
               "measured_prefill_ms": 1000.0, "ratio": 0.9, "verdict": "ok", "parts": {}, "chunk_tokens": 1024,
               "measured_prefill_cpu_ms": 950.0, "ratio_cpu": 0.947, "host_speed": None}
     host = check.host_facts(check.THREADS)
-    first = check.table([result], host, check.THREADS).splitlines()[0]
-    assert first == (f"host: {cpu_model()} ({host['logical_cores']} logical cores, {host['os']}); 1 thread(s); "
-                     "computed in: phi-tiny-moe bfloat16")
+    first = check.table([result], host, check.THREADS, "torch").splitlines()[0]
+    assert first == (f"host: {cpu_model()} ({host['logical_cores']} logical cores, {host['os']}); engine torch "
+                     "(torch on the CPU); 1 torch thread(s); computed in: phi-tiny-moe bfloat16")
+    first = check.table([{**result, "compute_dtype": "float32"}], host, check.THREADS, "mlx").splitlines()[0]
+    assert "engine mlx (the MLX spine on MLX's CPU device)" in first and first.endswith("phi-tiny-moe float32")
+
+
+def test_host_check_through_the_mlx_spine_reads_executed_per_prompt(monkeypatch):
+    """With --engine mlx the parts measured are `executed`'s (each part's lanes summed, over the run's prompts),
+    per prompt, beside the search's prediction for one prompt."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import host_prefill_check as check
+
+    run = {"engine": "mlx", "tokens": 8192,
+           "executed": {"attention_projections": {"mlx-cpu": {"calls": 8, "ms": 300.0}},
+                        "experts": {"mlx-exact": {"calls": 2, "ms": 900.0}, "cpu-static": {"calls": 4, "ms": 100.0}},
+                        "rest": {"mlx-cpu": {"calls": 2}}}}
+    search = {"predicted_parts_ms": {"attention_projections": 140.0, "experts": 520.0}}
+    measured, predicted = check.by_part(run, search, 4096)
+    assert measured == {"attention_projections": 150.0, "experts": 500.0, "rest": 0.0, "clock": "wall"}
+    assert predicted is search["predicted_parts_ms"]

@@ -44,9 +44,10 @@ def test_three_lanes_compose_by_hand():
     assert cpu_busy == pytest.approx(cpu)  # the ANE's and the GPU's time is no CPU work
     assert cost.layer_energy_mj(lp, counts, h, f, "spill", exact=GPU) == pytest.approx(2.0 * ane + 50.0 * gpu
                                                                                         + 60.0 * cpu)
-    # the same experts all on the CPU (the plan's exact path cpu-exact): one lane, added CPU work
+    # the same experts all on the CPU (the plan's exact path cpu-exact): one lane, added CPU work, each expert's rows
+    # as torch runs them in half precision (`call_rows`: 200 -> 208)
     lat_cpu, busy = cost.layer_times(lp, counts, h, f, "spill")
-    assert busy == pytest.approx(gflop(280) * 0.4) and lat_cpu == pytest.approx(max(ane, busy))
+    assert busy == pytest.approx(gflop(20 + 208 + 50 + 10) * 0.4) and lat_cpu == pytest.approx(max(ane, busy))
     # the memory bus: the GPU's and the CPU's bytes together take at least the bus's time for them
     slow_bus = three_lanes(bus=1.0)
     mb = sum(float(slow_bus.ffn_mb(p, np.array(rows), h, f).sum()) for p, rows in ((GPU, [20, 200, 50]),
@@ -128,3 +129,56 @@ def test_mlx_exact_timed_on_mlx_cpu_device_is_no_lane_beside_the_cpu(device, ove
     assert model.overlaps_cpu is overlaps
     assert CostModel({GPU: model, "cpu-exact": three_lanes().models["cpu-exact"]}).plan_exact() == (
         GPU if overlaps else "cpu-exact")
+
+
+def test_a_search_for_the_mlx_spine_pins_mlx_exact_timed_on_mlxs_cpu_device():
+    """`search --engine mlx` off a Mac: mlx-exact, timed on MLX's CPU device, is the plan's exact path and the dense
+    half's host (what `run --engine mlx` runs there), priced on this process's CPU: its time adds to the CPU's, it
+    runs beside nothing. A profile without mlx-exact records is refused in one line."""
+    from autotune.costing.fitting import fit_backend
+    from autotune.searching.dense_choice import choose_dense
+    from runtime.errors import NpumoeError
+
+    recs = [{"kind": "group", "backend": GPU, "hidden": 256, "ffn": 128, "capacities": [m], "tokens": m,
+             "median_ms": 0.2 + 0.01 * m, "device": "cpu"} for m in (16, 64, 256)]
+    cpu = three_lanes().models["cpu-exact"]
+    cost = CostModel({GPU: fit_backend(GPU, recs, dtype_bytes=4, residual=False), "cpu-exact": cpu,
+                      "cpu-static": three_lanes().models["cpu-static"]})
+    assert cost.plan_exact() == "cpu-exact"
+    pinned = cost.with_exact(GPU)
+    scorer = Scorer(pinned, 256, 128, "cpu-static", 0.0)
+    assert pinned.plan_exact() == GPU and scorer.exact == GPU
+    assert not scorer.splits_exact  # no CPU tail beside an exact path that runs on the CPU itself
+    layers = LayerData.from_traces(synthetic_traces(SPEC, 4, 64, skew=1.2, seed=3))
+    out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
+    assert solution_plan(out.best, out.layers, scorer, SPEC).exact_path == GPU  # the lane it was priced on
+    assert Scorer(three_lanes(), 256, 128, "ane", 0.0).splits_exact  # beside the GPU's, one
+    counts = np.array([40, 0, 25, 7])
+    every = LayerPlan(layer=0, groups=[], cpu_exact=[0, 1, 2, 3])
+    latency, busy = pinned.layer_times(every, counts, 256, 128, "spill", exact=GPU)
+    assert latency == pytest.approx(busy) and busy == pytest.approx(pinned.exact_ms(counts, 256, 128, GPU))
+    assert busy == pytest.approx(sum(pinned.ffn_ms(GPU, c, 256, 128) for c in counts) + pinned.call_ms(GPU))
+    shape = DecoderShape(256, 4, 2, 64, 1000, 2, (0, 1), 4, 2, 128)
+    assert choose_dense(pinned, shape, 512, 256, None, (1.0, 0.0, 0.0), 1.0).placement.host == GPU
+    with pytest.raises(NpumoeError, match="no mlx-exact records"):
+        CostModel({"cpu-exact": cpu}).with_exact(GPU)
+
+
+def test_the_dense_half_of_a_search_for_the_mlx_spine_is_priced_on_mlx_exact():
+    """Without a Core ML backend the search places no dense function; for the MLX spine (`search --engine mlx`) the
+    whole prefill still prices the dense half where that spine runs it, on mlx-exact, not on the CPU's torch."""
+    from autotune.searching.prefill_report import whole_prefill
+
+    spec = {**SPEC, "hidden_size": 2048, "expert_ffn_size": 768}
+    layers = LayerData.from_traces(synthetic_traces(spec, 20, 256, skew=1.2, seed=3))
+    shape = DecoderShape(2048, 16, 4, 128, 1000, 2, (0, 1), 8, 2, 768)
+    slow_gpu = three_lanes(gpu_ms_per_gflop=4.0)  # ten times the CPU's time per GFLOP
+    parts = {}
+    for name, cost in (("cpu", slow_gpu), ("mlx", slow_gpu.with_exact(GPU))):
+        scorer = Scorer(cost, 2048, 768, "cpu-static", 1e12)
+        out = run_search(layers, scorer, layer_space(8, split_exact=scorer.splits_exact), trials=0, progress=False)
+        parts[name] = whole_prefill(out, scorer, shape, 256)["predicted_parts_ms"]
+        plan = solution_plan(out.best, out.layers, scorer, spec)
+        assert plan.exact_path == GPU  # the plan names the lane its experts were priced on (the GPU's: both)
+    for part in ("attention_projections", "attention_core", "lm_head"):
+        assert parts["mlx"][part] == pytest.approx(10 * parts["cpu"][part], rel=0.05), part

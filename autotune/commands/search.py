@@ -33,6 +33,7 @@ from autotune.searching.config import DEFAULTS, SearchConfig
 from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
+from runtime.engines import ENGINES
 from runtime.errors import NpumoeError
 from runtime.plan import COMPRESSIONS, SALIENCY_RULES
 
@@ -110,6 +111,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", type=static_backend, default=d.backend, metavar="NAME",
                    help="the static backend the plan's groups run on (one the profile fits); default: chosen, the "
                         "Neural Engine's preferred framework first (Core AI on macOS 27, Core ML before)")
+    p.add_argument("--engine", choices=ENGINES, default=d.engine,
+                   help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
+                        "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
+                        "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_macs_arguments(p)
     p.set_defaults(func=run)

@@ -34,6 +34,8 @@ from autotune.costing.fit_range import Ranges
 from autotune.costing.residual import Residual
 from runtime.backends import EXACT, REFERENCE, registry
 from runtime.coreml import ane_limits
+from runtime.cpu.cpu_backends import call_rows
+from runtime.errors import NpumoeError
 
 PARAMS = ("call_ms", "expert_ms", "ms_per_gflop", "ms_per_mb")  # coefficients of calls, experts, GFLOP, MB
 LUT_TOKENS = 8192  # ffn_ms is tabulated for 0..LUT_TOKENS-1 tokens per (backend, H, F): the search calls it a lot
@@ -194,6 +196,7 @@ class CostModel:
     dense: dict[str, dict[str, DenseFit]] = field(default_factory=dict)  # measured dense-op fits, by backend and op
     bus_ms_per_mb: float | None = None  # the memory bus the lanes share (ms per MB); None: not known, no floor
     ranges: Ranges = field(default_factory=dict)  # each fit's shape range (`fit_range`): where it interpolates
+    exact_path: str | None = None  # the plan's exact path where a search pins it (`with_exact`); None: `plan_exact`'s
     _lut: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -242,10 +245,21 @@ class CostModel:
         return info is not None and info.exact
 
     def plan_exact(self) -> str:
-        """The exact path the search gives a plan (`Plan.exact`): an exact path off the CPU that this profile prices
-        (the GPU's, mlx-exact), else cpu-exact."""
+        """The exact path the search gives a plan (`Plan.exact`): the one pinned (`with_exact`), else an exact path
+        off the CPU that this profile prices (the GPU's, mlx-exact), else cpu-exact."""
+        if self.exact_path is not None:
+            return self.exact_path
         return next((name for name, m in sorted(self.models.items()) if name != EXACT and m.overlaps_cpu
                      and self.is_exact(name)), EXACT)
+
+    def with_exact(self, path: str) -> "CostModel":
+        """This cost model with the plan's exact path pinned to `path`, one it prices from its own records, wherever
+        they ran (mlx-exact timed on MLX's CPU device, for a run on the MLX spine there: a lane on this process's
+        CPU, not beside it)."""
+        if path not in self.models:
+            raise NpumoeError(f"the profile has no {path} records to price the plan's exact path with (it prices "
+                              f"{', '.join(self.backends)}): run `autotune profile-device --backends ...,{path}`")
+        return dataclasses.replace(self, exact_path=path, _lut={})
 
     def overlaps(self, backend: str) -> bool:
         """Whether the backend's calls run off the CPU (the exact path overlaps them)."""
@@ -255,16 +269,25 @@ class CostModel:
         """Compute time of one expert's FFN over `tokens` rows (0 rows cost nothing), its weights stored as
         `compress`; int or ndarray."""
         model = self._model(backend)
+        rows = call_rows if self.runs_call_rows(backend) else (lambda m: m)
         key = (model.name, int(hidden), int(ffn), compress)
         lut = self._lut.get(key)
         if lut is None:
-            lut = self._lut[key] = model.ffn_ms(np.arange(LUT_TOKENS), hidden, ffn, compress)
+            lut = self._lut[key] = model.ffn_ms(rows(np.arange(LUT_TOKENS)), hidden, ffn, compress)
         m = np.asarray(tokens)
         if np.issubdtype(m.dtype, np.integer) and (m.size == 0 or (m.min() >= 0 and m.max() < LUT_TOKENS)):
             out = lut[m]
         else:
-            out = model.ffn_ms(m, hidden, ffn, compress)
+            out = model.ffn_ms(rows(m) if np.issubdtype(m.dtype, np.integer) else m, hidden, ffn, compress)
         return float(out) if np.ndim(out) == 0 else out
+
+    def runs_call_rows(self, backend: str) -> bool:
+        """Whether the runtime runs this backend's expert calls at `call_rows` rows: torch's exact path on the CPU in
+        half precision (its records, timed at row counts that are already such sizes, price those rows; a storage
+        with its own kernels runs every count as it is)."""
+        model, info = self._model(backend), registry.get(backend)
+        return (info is not None and info.exact and info.cpu_torch and model.dtype_bytes == 2
+                and model.storage is None)
 
     def group_call_ms(self, backend: str, capacities: Sequence[int], hidden: int, ffn: int,
                       compress: str = "none") -> float:

@@ -45,6 +45,7 @@ class SearchConfig:
     dtype: str = "auto"
     cpu_weights: str | None = None  # bf16, int8 or int4[:group]: pins the CPU's expert storage (None: searched)
     backend: str | None = None  # pins the static backend the plan's groups name (None: chosen, backend_choice)
+    engine: str = "auto"  # mlx: the plan's exact path and dense host are mlx-exact (run on the MLX spine)
 
     def __post_init__(self) -> None:
         if self.cpu_weights is not None:

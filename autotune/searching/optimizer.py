@@ -31,6 +31,7 @@ from autotune.searching.layer_data import LayerData
 from autotune.searching.scores import Scores, Weights, total_score, weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, Space
+from runtime.backends import EXACT
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
@@ -501,7 +502,7 @@ def solution_plan(sol: Solution, layers: list[LayerData], scorer: Scorer, model:
            "exact_below_tokens": exact_below(dataclasses.replace(sol, chunk_tokens=chunk_tokens), entries, layers,
                                              scorer),
            "layers": [e.model_dump(exclude_none=True) for e in entries], "dense": dense, "predicted": predicted,
-           "meta": meta, "exact": scorer.exact if scorer.splits_exact else None}
+           "meta": meta, "exact": scorer.exact if scorer.exact != EXACT else None}
     return plan_from_json({k: v for k, v in obj.items() if v is not None})
 
 

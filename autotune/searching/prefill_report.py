@@ -17,6 +17,7 @@ from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutio
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
+from runtime.backends import EXACT
 
 PREFILL_BASELINES = {
     "coreml-cpu": "Core ML CPU-only: every op on the CPU",
@@ -79,9 +80,10 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
     prompts = prompts_in(layers, prompt_tokens)
-    choice = outcome.dense_choice
+    choice = outcome.dense_choice  # none without a Core ML backend: the dense half on the host the search pinned
+    host = DensePlacement(host=scorer.cost.exact_path or EXACT)  # (search --engine mlx: mlx-exact), else the CPU
     plan = predict_prefill(scorer.cost, shape, prompt_tokens, chunk, expert_figures(outcome.best, prompts),
-                           choice.placement if choice else DensePlacement())
+                           choice.placement if choice else host)
     ane = all_dense(scorer.backend, shape, prompt_tokens, chunk)
     n = shape.num_experts
     masked = solution([LayerConfig(n, n, capacity=chunk) for _ in layers], layers, scorer)

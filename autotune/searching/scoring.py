@@ -113,8 +113,9 @@ class Scorer:
 
     @property
     def splits_exact(self) -> bool:
-        """Whether a layer may split its cold experts between the plan's exact path and the CPU (a `cpu_tail`)."""
-        return self.exact != EXACT
+        """Whether a layer may split its cold experts between the plan's exact path and the CPU (a `cpu_tail`): where
+        that path runs off the CPU (mlx-exact timed on MLX's CPU device is on it: nothing to run beside)."""
+        return self.exact != EXACT and self.cost.overlaps(self.exact)
 
     def layer_plan(self, data: LayerData, cfg: LayerConfig) -> LayerPlan:
         return layer_plan(data, cfg, self.backend, self.exact)
