@@ -129,7 +129,7 @@ def test_with_an_exact_path_off_the_cpu_the_gate_ends_on_the_exact_lanes_then_th
     traces = synthetic_traces(SMALL, 25, 640, skew=1.2, tokens=True)
     workloads = {c: LayerData.from_traces(traces, c, 640) for c in chunk_candidates(640)}
     cost = apple_like()
-    cost.models["mlx-exact"] = BackendModel("mlx-exact", 0.02, 0.0, 0.4, 0.0, 2, False, None)
+    cost.models["mlx-exact"] = BackendModel("mlx-exact", 0.02, 0.0, 0.4, 0.0, 2, True, None)  # a GPU beside the CPU
     scorer = Scorer(cost, 1024, 512, "ane", 1e12, exact="mlx-exact")
     assert scorer.splits_exact
     outcome = run_search(workloads, scorer, layer_space(8, ("none",), split_exact=True), trials=0, progress=False)
