@@ -430,6 +430,26 @@ class Generation:
             comparison=comparison, executed=executed_of(self.loaded), engine=self.loaded.engine)
 
 
+@contextmanager
+def batched_step(loaded: Loaded, rows: list[Generation]) -> Iterator[None]:
+    """One decode step of every generation of `rows` in one forward (continuous batching, on either spine): the
+    decode phase pinned, the executor told the step holds `len(rows)` sequences (each one-token row stays on the
+    exact path) and back to one after, and the step's time kept for every row once it completed."""
+    t = time.perf_counter()
+    executor = loaded.executor
+    loaded.pin_phase("decode")
+    if executor is not None:
+        executor.set_sequences(len(rows))
+    try:
+        yield
+    finally:
+        if executor is not None:
+            executor.set_sequences(1)
+    dt = time.perf_counter() - t
+    for gen in rows:
+        gen.step_s.append(dt)
+
+
 def cache_length(loaded: Loaded, cache: object | None) -> int:
     """The tokens a KV cache of `loaded`'s spine holds (a transformers `DynamicCache`, or mlx-lm's per-layer caches
     on the MLX spine); 0 for none."""

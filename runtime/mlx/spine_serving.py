@@ -6,12 +6,10 @@ row's logits of a padded batched step equal its own step's bitwise (measured: ti
 tokens). A row alone steps on its own `KVCache`, as `Generation.step` runs it. Imports mlx."""
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from runtime.generation import Generation, Loaded
+from runtime.generation import Generation, Loaded, batched_step
 from runtime.mlx.spine_generation import last_logits
 
 
@@ -57,22 +55,11 @@ class MlxDecodeBatch:
                 c.filter(keep)
 
     def step(self) -> None:
-        t = time.perf_counter()
         self.widest = max(self.widest, len(self.rows))
-        executor = self.loaded.executor
-        self.loaded.pin_phase("decode")
-        if executor is not None:
-            executor.set_sequences(len(self.rows))  # each one-token row stays on the exact path
-        try:
+        with batched_step(self.loaded, self.rows):
             out = self.loaded.model.forward([[gen.tokens[-1]] for gen in self.rows], self.cache)
             for i, gen in enumerate(self.rows):
                 gen.sample(last_logits(out, i))
-        finally:
-            if executor is not None:
-                executor.set_sequences(1)
-        dt = time.perf_counter() - t
-        for gen in self.rows:
-            gen.step_s.append(dt)
 
 
 class MlxServing:

@@ -16,7 +16,6 @@ padding) run as one call.
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from runtime.generation import Generation, Loaded
+from runtime.generation import Generation, Loaded, batched_step
 
 ROWS = "npumoe-rows"  # attention row by row over each row's own keys (a padded batched decode step)
 WRAPS = ("sdpa",)  # the implementations it wraps (a plan's dense attention, runtime/dense, installs its own)
@@ -111,32 +110,23 @@ class DecodeBatch:
         """One decode step for every row: each row's next token pending (its own sampling), its step time kept.
         Rows that pad nothing (one row, or rows of one length) step as one generation alone does: no mask, their
         positions the cache's length."""
-        t = time.perf_counter()
         self.widest = max(self.widest, len(self.rows))
-        ids = torch.tensor([[gen.tokens[-1]] for gen in self.rows])
-        padded = any(self.pads)
-        self.length += 1
-        mask = positions = None
-        if padded:  # each row's real tokens: its own positions, its padding masked
-            pads = torch.tensor(self.pads)
-            mask = (torch.arange(self.length) >= pads[:, None]).long()
-            positions = (self.length - 1 - pads)[:, None]
-        executor = self.loaded.executor
-        self.loaded.pin_phase("decode")
-        if executor is not None:
-            executor.set_sequences(len(self.rows))
-        try:
-            with torch.inference_mode():
-                _padding.pads = self.pads if padded else None
-                out = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                        cache=self.cache, use_cache=True, logits_to_keep=1)
-                for gen, logits in zip(self.rows, out.logits[:, -1]):
-                    gen.sample(logits)
-        finally:
-            _padding.pads = None
-            if executor is not None:
-                executor.set_sequences(1)
-        self.cache = out.cache
-        dt = time.perf_counter() - t
-        for gen in self.rows:
-            gen.step_s.append(dt)
+        with batched_step(self.loaded, self.rows):
+            ids = torch.tensor([[gen.tokens[-1]] for gen in self.rows])
+            padded = any(self.pads)
+            self.length += 1
+            mask = positions = None
+            if padded:  # each row's real tokens: its own positions, its padding masked
+                pads = torch.tensor(self.pads)
+                mask = (torch.arange(self.length) >= pads[:, None]).long()
+                positions = (self.length - 1 - pads)[:, None]
+            try:
+                with torch.inference_mode():
+                    _padding.pads = self.pads if padded else None
+                    out = self.loaded.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                            cache=self.cache, use_cache=True, logits_to_keep=1)
+                    for gen, logits in zip(self.rows, out.logits[:, -1]):
+                        gen.sample(logits)
+            finally:
+                _padding.pads = None
+            self.cache = out.cache
