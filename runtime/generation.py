@@ -158,8 +158,13 @@ def _eos_ids(loaded: Loaded) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
+def is_greedy(temp: float) -> bool:
+    """A temperature of 0, or so small that float32 holds it as 0: the most likely token each step."""
+    return temp < torch.finfo(torch.float32).tiny
+
+
 def _sample(logits: torch.Tensor, temp: float, gen: torch.Generator, top_p: float = 1.0) -> int:
-    if temp < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 holds it as 0: greedy
+    if is_greedy(temp):
         return int(logits.argmax())
     z = logits.float()
     probs = torch.softmax((z - z.max()) / temp, dim=-1)  # shifted first: a tiny temperature cannot overflow
@@ -305,6 +310,7 @@ class Generation:
         self.eos = _eos_ids(loaded)
         self.pending: int | None = None  # the token sampled and not yet taken (`accept`)
         self.cache: object | None = None  # the KV cache once prefill is done
+        self.ahead: object | None = None  # the MLX spine's next decode step, scheduled before this one's token is read
         self.ttft_s = self.decode_s = self.t1 = 0.0
         self.step_s: list[float] = []  # each decode step's forward + sample, without the caller's time between
         self.finish_reason = "length"
@@ -353,9 +359,14 @@ class Generation:
         self.prompt_logprobs += token_logprobs(rows[:-1], self.ids[start + first:done], self.top or 0)
         self._last_row = logits[-1:]
 
-    def sample(self, logits: torch.Tensor) -> None:
-        """The next token from this position's logits, pending; its log-probability kept when asked."""
-        self.pending = _sample(logits, self.temp, self.gen, self.top_p)
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temp)
+
+    def sample(self, logits: torch.Tensor | None, token: int | None = None) -> None:
+        """The next token from this position's logits (or `token`, where the spine took the greedy one itself),
+        pending; its log-probability kept when asked (`logits` then needed)."""
+        self.pending = _sample(logits, self.temp, self.gen, self.top_p) if token is None else token
         if self.top is not None:
             self.token_logprobs += token_logprobs(logits[None], torch.tensor([self.pending]), self.top)
 

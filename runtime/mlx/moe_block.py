@@ -119,9 +119,9 @@ def fast_layer(layer_plan, plan) -> bool:
 
 
 class CountedSwitch:
-    """mlx-lm's own `switch_mlp` for a layer all on mlx-exact; each call's expert ids kept, counted by `flush` once
-    the forward is evaluated (`LayerExecutor.count_exact`: the torch spine's accounting). `timer`: the spine's
-    part timer (`spine._Timer`), which times the call in a timed pass. The ids are kept per thread: a server
+    """mlx-lm's own `switch_mlp` for a layer all on mlx-exact; each call's expert ids kept (`take`), counted once
+    the forward is evaluated (`count`: `LayerExecutor.count_exact`, the torch spine's accounting). `timer`: the
+    spine's part timer (`spine._Timer`), which times the call in a timed pass. The ids are kept per thread: a server
     prefills on one thread while it decodes on another, and each thread's arrays are evaluated on its own stream."""
 
     def __init__(self, switch, layer: LayerExecutor, timer) -> None:
@@ -143,12 +143,16 @@ class CountedSwitch:
         self.layer.stats.seconds_per_backend[NAME] += seconds
         return y
 
-    def flush(self, count: bool = True) -> None:
-        """Count the calls kept since (`count` False: drop them, never computed)."""
-        for inds in self.pending if count else ():
+    def take(self) -> list[mx.array]:
+        """The calling thread's calls kept since the last take (their ids, maybe not evaluated yet)."""
+        inds, self._local.pending = self.pending, []
+        return inds
+
+    def count(self, calls: list[mx.array]) -> None:
+        """Count taken calls (`take`) once their forward is evaluated."""
+        for inds in calls:
             idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
             self.layer.count_exact(idx)
-        self.pending.clear()
 
 
 class PlannedSwitch:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -89,10 +89,12 @@ class _TiedHead(_Part):
         return _Part(self.inner.as_linear, "lm_head", self.timer)(x)
 
 
-def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
+def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str = "all",
+                 lazy: bool = False) -> mx.array | None:
     """mlx-lm's forward of token ids `ids` [1, L] on `cache` (continued in place), evaluated: the logits of every
     position (`rows` "all": [1, L, vocab]), of the last (`"last"`: [1, 1, vocab]; the head computes one row, as
-    transformers' `logits_to_keep=1`), or none (`"none"`: the cache filled, as mlx-lm's prefill evaluates it)."""
+    transformers' `logits_to_keep=1`), or none (`"none"`: the cache filled, as mlx-lm's prefill evaluates it).
+    `lazy`: the last row's logits left for the caller to evaluate (a pipelined decode step)."""
     if rows == "all":
         out = model(ids, cache=cache)
         mx.eval(out)
@@ -104,7 +106,8 @@ def forward_rows(model: nn.Module, ids: mx.array, cache: list | None, rows: str 
     tied = getattr(model.args, "tie_word_embeddings", False)
     head = model.model.embed_tokens.as_linear if tied else model.lm_head
     out = head(hidden[:, -1:, :])
-    mx.eval(out)
+    if not lazy:
+        mx.eval(out)
     return out
 
 
@@ -216,11 +219,8 @@ class MlxSpine(PlanRun):
             (self.install if was else self.uninstall)()
 
     def forward(self, ids: mx.array, cache: list | None, rows: str = "all") -> mx.array | None:
-        """`forward_rows` under the plan, evaluated and counted. A forward not pinned to a phase is a decode step
-        where it feeds one token onto a filled cache."""
-        if not self.pinned:
-            decode = ids.shape[1] == 1 and cache is not None and cache[0].offset > 0
-            self.set_phase("decode" if decode else "prefill")
+        """`forward_rows` under the plan, evaluated and counted."""
+        self._phase_of(ids, cache)
         start = time.perf_counter()
         out = forward_rows(self.model, ids, cache, rows)
         if self.timer.timing:
@@ -229,6 +229,26 @@ class MlxSpine(PlanRun):
         self.flush(computed_last=rows != "none")
         return out
 
+    def schedule(self, ids: mx.array, cache: list) -> tuple[mx.array, Callable[[], None]]:
+        """A decode step's forward under the plan, its last row's logits left lazy (a pipelined step:
+        `SpineModel.step`), and the count of its expert ids, to call once they are evaluated: taken now, so a step
+        scheduled after this one is not read (which would wait for it)."""
+        self._phase_of(ids, cache)
+        out = forward_rows(self.model, ids, cache, "last", lazy=True)
+        self.timer.times.calls["total"] += 1
+        taken = [(switch, switch.take()) for switch in self.switches.values() if isinstance(switch, CountedSwitch)]
+
+        def count() -> None:
+            for switch, inds in taken:
+                switch.count(inds)
+        return out, count
+
+    def _phase_of(self, ids: mx.array, cache: list | None) -> None:
+        """A forward not pinned to a phase is a decode step where it feeds one token onto a filled cache."""
+        if not self.pinned:
+            decode = ids.shape[1] == 1 and cache is not None and cache[0].offset > 0
+            self.set_phase("decode" if decode else "prefill")
+
     def flush(self, computed_last: bool = True) -> None:
         """Count the assignments of the forwards evaluated since (the all-mlx-exact layers count after the fact).
         `computed_last` False: a forward that filled the cache only, where the last layer's block never ran (as in
@@ -236,7 +256,9 @@ class MlxSpine(PlanRun):
         last = len(self.model.layers) - 1
         for index, switch in self.switches.items():
             if isinstance(switch, CountedSwitch):
-                switch.flush(count=computed_last or index != last)
+                inds = switch.take()
+                if computed_last or index != last:
+                    switch.count(inds)
 
     @property
     def all_fast(self) -> bool:

@@ -71,12 +71,36 @@ class SpineModel:
         gen.ttft_s = gen.t1 - t0
 
     def step(self, gen) -> None:
-        """`Generation.step` on this spine: one decode step on the generation's own cache."""
+        """`Generation.step` on this spine: one decode step on the generation's own cache. Greedy steps pipeline
+        as mlx-lm's `generate_step` does: the next step is scheduled on this one's lazy argmax (`mx.async_eval`)
+        before this one's token is read, so building one overlaps computing the other, and the caller's work on a
+        token (detokenising, streaming) overlaps the next step. A generation ending on an end-of-text token leaves
+        that step in its cache, as mlx-lm's does."""
         t = time.perf_counter()
         gen.loaded.pin_phase("decode")
-        out = self.forward([gen.tokens[-1]], gen.cache)
-        gen.sample(last_logits(out))
+        if not gen.greedy:
+            out = self.forward([gen.tokens[-1]], gen.cache)
+            gen.sample(last_logits(out))
+        else:
+            now = gen.ahead or self._greedy_step(mx.array([gen.tokens[-1]], dtype=mx.uint32), gen.cache)
+            more = len(gen.tokens) + 1 < gen.max_tokens  # the token after this one will be asked for
+            gen.ahead = self._greedy_step(now.token, gen.cache) if more else None
+            now.done()
+            gen.sample(last_logits(now.logits) if gen.top is not None else None, token=int(now.token.item()))
         gen.step_s.append(time.perf_counter() - t)
+
+    def _greedy_step(self, token: mx.array, cache: list) -> SimpleNamespace:
+        """A decode step feeding `token` (an MLX scalar, maybe lazy), scheduled: its logits, its argmax and, once
+        they are evaluated, `done` (the plan's count of its expert calls)."""
+        with mx.stream(generation_stream):
+            x = token.reshape(1, 1)
+            if self.spine is not None and self.spine.installed:
+                logits, done = self.spine.schedule(x, cache)
+            else:
+                logits, done = forward_rows(self.mlx, x, cache, "last", lazy=True), lambda: None
+            top = mx.argmax(logits[0, -1])
+            mx.async_eval(top, logits)
+        return SimpleNamespace(logits=logits, token=top, done=done)
 
     def forward(self, ids: list[int] | list[list[int]], cache: list, rows: str = "last") -> mx.array | None:
         """On mlx-lm's generation stream, as its own generation runs (one per thread). `ids`: one sequence's
