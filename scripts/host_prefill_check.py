@@ -19,7 +19,9 @@ it). Read the figures against `host_speed.now_over_profile` (this host now over 
 1.0 on a quiet machine).
 
 `--engine mlx`: the same check through the MLX spine, where a GPU lane's prediction meets a measurement before a Mac
-does (off a Mac MLX runs on its CPU device, slowly: hours at 4,096 tokens). The twin is converted as a Mac user holds
+does (off a Mac MLX runs on its CPU device, slowly: tens of minutes at 4,096 tokens). The twin has two layers (MLX
+computes what a logit reads: a chunk that fills the cache needs only the last layer's keys and values, which the
+cost model prices as such, so a one-layer twin would measure little but those) and is converted as a Mac user holds
 it (`mlx_lm convert -q`, 4 bits in groups of 64: what the profile's mlx-exact records pack), the profile times
 mlx-exact too (`--backends cpu-exact,cpu-static,mlx-exact`; its records marked `device: cpu`), everything runs in
 float32 (MLX's CPU gather kernels take nothing else), `search --engine mlx --resident-mb 1` prices every expert (no
@@ -66,14 +68,14 @@ def autotune(*args: str, log: Path) -> dict | None:
     return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
 
 
-def twin(shape: str, log: Path, engine: str) -> Path:
-    """The shape's one-layer twin (made where missing); for the MLX engine its MLX folder, packed as the profile's
-    mlx-exact records pack their experts."""
-    path = default_dir(shape, 1)
+def twin(shape: str, log: Path, engine: str, layers: int) -> Path:
+    """The shape's twin of `layers` decoder layers (made where missing); for the MLX engine its MLX folder, packed
+    as the profile's mlx-exact records pack their experts."""
+    path = default_dir(shape, layers)
     if not (path / "config.json").exists():
         with open(log, "a") as err:
             subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shape_twin.py"), "--like", shape,
-                            "--layers", "1"], check=True, stdout=err, stderr=err)
+                            "--layers", str(layers)], check=True, stdout=err, stderr=err)
     if engine == "torch":
         return path
     packed = path.with_name(f"{path.name}-mlx{PROFILE_BITS}")
@@ -176,6 +178,10 @@ def main() -> None:
                     help="the runs' --dtype (default auto, as a user runs them; float32 with --engine mlx)")
     ap.add_argument("--engine", choices=("torch", "mlx"), default="torch",
                     help="the spine that runs the twins (default torch); mlx: see above")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the twins' decoder layers (default 1; 2 with --engine mlx: MLX leaves out the last layer's "
+                         "work past its keys and values for rows no logit reads, so a one-layer twin's prefill "
+                         "would compute little else)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="run --repeat R: the whole's and each part's median over R prefills (default 3: the first "
                          "one after loading also pages the weights in)")
@@ -186,7 +192,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "commands.log"
     print(f"host check: {', '.join(shapes)} (commands' stderr in {log})", file=sys.stderr)
-    models = {s: twin(s, log, args.engine) for s in shapes}
+    args.layers = args.layers or (1 if args.engine == "torch" else 2)
+    models = {s: twin(s, log, args.engine, args.layers) for s in shapes}
     profile = args.profile or args.out / "profile.json"
     backends = () if args.engine == "torch" else ("--backends", "cpu-exact,cpu-static,mlx-exact")
     if args.profile is None:
@@ -201,7 +208,7 @@ def main() -> None:
                for s in shapes]
     host = {k: v for k, v in host_facts(THREADS).items() if k in ("cpu_model", "logical_cores", "description", "os")}
     report = {"profile": str(profile), "host": host, "prompt_tokens": args.prompt_tokens, "dtype": args.dtype,
-              "threads": THREADS, "engine": args.engine,
+              "threads": THREADS, "engine": args.engine, "layers": args.layers,
               "goal": {"whole": WHOLE, "part": PART, "part_share_over": SHARE}, "results": results,
               "met": all(r["verdict"] == "ok" and all(p["verdict"] != "OFF" for p in r["parts"].values())
                          for r in results)}

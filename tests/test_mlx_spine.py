@@ -218,3 +218,36 @@ def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):
     loaded = generation.load(str(q4), hosted, engine="mlx", dtype="float32")
     result = generation.generate(loaded, PROMPT, max_tokens=4)
     assert set(result.executed["attention_core"]) == {"mlx-cpu"} and set(result.executed["experts"]) == {"torch-cpu"}
+
+
+def test_a_timed_pass_leaves_out_what_a_cache_only_forward_never_computes(q4, exact_plan, monkeypatch):
+    """MLX computes what an output reads: a chunk that fills the cache needs the last layer's keys and values only.
+    The timed pass (each part evaluated around itself) leaves the same work out, so `executed`'s times measure what
+    a run computes (and what the cost model prices: `LazyLast`)."""
+    from runtime.mlx import spine as spine_module
+    from runtime.mlx.spine_generation import prefill_logits
+
+    loaded = generation.load(str(q4), str(exact_plan), engine="mlx", dtype="float32")
+    spine = loaded.executor
+    assert spine.prunes_last and spine.all_fast
+    timed: list[str] = []
+    real = spine_module._Timer.time
+
+    def record(self, bucket, fn, *args, **kwargs):
+        timed.append(bucket)
+        return real(self, bucket, fn, *args, **kwargs)
+
+    monkeypatch.setattr(spine_module._Timer, "time", record)
+    ids = torch.arange(512) % 200 + 5
+    untimed = prefill_logits(loaded.model, ids, 256)
+    loaded.reset()
+    with spine.timed():
+        logits = prefill_logits(loaded.model, ids, 256)
+    assert torch.allclose(logits, untimed, atol=1e-5)
+    # forwards: 256 and 255 tokens filling the cache, then the last token (every layer on mlx-lm's experts);
+    # 4 layers, the last one's experts and q/o projections left out of the two cache-only forwards
+    assert timed.count("experts") == 3 * 4 - 2
+    # six projection modules a layer (q/k/v/o and the q/k norms), three of them making the cache's keys and values
+    assert timed.count("attention_projections") == 3 * 4 * 6 - 2 * 3
+    assert timed.count("block") == 3 * 4
+    assert spine.stats.total().tokens_per_backend["mlx-exact"] == 512 * 2 * 3 + 2  # the last layer: one token

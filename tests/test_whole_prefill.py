@@ -16,6 +16,7 @@ from autotune.costing.whole_prefill import (
     DecoderShape,
     DensePlacement,
     ExpertFigures,
+    LazyLast,
     predict_prefill,
     prompt_chunks,
 )
@@ -232,3 +233,38 @@ def test_a_dense_half_priced_on_mlx_places_only_what_the_spine_runs(monkeypatch)
     monkeypatch.setattr(dense_choice, "SPINE_SPLICES", ("qkv",))
     spliced = choose_dense(cost, shape, 2048, 1024, "ane", (1.0, 0.0, 0.0), 4.0).placement
     assert spliced.qkv == "ane" and not (spliced.o_proj or spliced.attention or spliced.mlp)
+
+
+def test_a_lazy_host_leaves_out_the_last_layers_work_for_rows_no_output_reads():
+    """MLX computes what an output reads: a cache-only chunk needs the last layer's keys and values only, so its
+    queries, attention, o_proj and experts run for the prompt's last token alone (mlx-lm's prefill and the spine's)."""
+    cost = apple_like()
+    one = DecoderShape.from_config({**QWEN, "num_hidden_layers": 1, "model_type": "qwen3_moe"})  # q/k norms
+    four = DecoderShape.from_config(QWEN)
+    experts, last = ExpertFigures(400.0, 40.0, None), ExpertFigures(100.0, 10.0, None)
+    mlx = DensePlacement(host="mlx-exact")
+    split = LazyLast(last, split=True)
+    whole = predict_prefill(cost, four, 4096, 1024, experts, mlx)
+    lazy = predict_prefill(cost, four, 4096, 1024, experts, mlx, lazy_last=split)
+    assert lazy.parts_ms["experts"] == pytest.approx(400.0 - 100.0 * 4095 / 4096)
+    assert lazy.cpu_ms < whole.cpu_ms and sum(lazy.parts_ms.values()) == pytest.approx(lazy.latency_ms)
+    # three layers' cores whole, the last one's for one query over the prompt's keys
+    row = cost.attention_ms("mlx-exact", 1, 4096, one.heads, one.kv_heads, one.head_dim, False)
+    assert lazy.parts_ms["attention_core"] == pytest.approx(whole.parts_ms["attention_core"] * 3 / 4 + row)
+    # one layer: its projections are the keys' and values' (the prompt's less one row) and one row's q/k/v and o
+    alone = predict_prefill(cost, one, 4096, 1024, experts, mlx, lazy_last=split)
+    kv = one.kv_heads * one.head_dim
+    assert one.qk_norm
+    kv_ms = 2 * cost.matmul_ms("mlx-exact", 4095, kv, one.hidden) + cost.norm_ms("mlx-exact", 4095, kv, one.qk_norm)
+    row_ms = predict_prefill(cost, one, 1, 1, experts, mlx).parts_ms["attention_projections"]
+    assert alone.parts_ms["attention_projections"] == pytest.approx(kv_ms + row_ms, rel=1e-6)
+    # the final chunk's rows all run without the split; a CPU host computes everything; so does a chunk whose
+    # dense functions run on a static backend
+    final = predict_prefill(cost, four, 4096, 1024, experts, mlx, lazy_last=LazyLast(last, split=False))
+    assert final.parts_ms["experts"] == pytest.approx(400.0 - 100.0 * 3072 / 4096)
+    cpu = DensePlacement()
+    assert predict_prefill(cost, four, 4096, 1024, experts, cpu, lazy_last=split).parts_ms == \
+        predict_prefill(cost, four, 4096, 1024, experts, cpu).parts_ms
+    ane = DensePlacement(qkv="ane", host="mlx-exact")
+    assert predict_prefill(cost, four, 4096, 1024, experts, ane, lazy_last=split).parts_ms == \
+        pytest.approx(predict_prefill(cost, four, 4096, 1024, experts, ane).parts_ms)

@@ -244,6 +244,12 @@ class CostModel:
         info = registry.get(backend)
         return info is not None and info.exact
 
+    @staticmethod
+    def is_lazy(backend: str) -> bool:
+        """Whether `backend`, as the dense host, computes in a lazy graph (MLX: work no output reads never runs)."""
+        info = registry.get(backend)
+        return info is not None and info.lazy
+
     def plan_exact(self) -> str:
         """The exact path the search gives a plan (`Plan.exact`): the one pinned (`with_exact`), else an exact path
         off the CPU that this profile prices (the GPU's, mlx-exact), else cpu-exact."""

@@ -146,6 +146,19 @@ class ExpertFigures:
     energy_mj: float | None
 
 
+@dataclass(frozen=True)
+class LazyLast:
+    """The last decoder layer where a lazy host (MLX: `CostModel.is_lazy`) runs it: a prefill chunk evaluated for its
+    KV cache only needs that layer's keys and values, so its queries, attention core, o_proj, later norms, MLP and
+    experts run only for the rows whose output a logit reads (mlx-lm's prefill and the MLX spine's alike). `split`:
+    the prompt's last token goes alone (every MoE layer runs the host's own experts), so one row of the final chunk
+    runs them; else the final chunk's rows do. `experts`: that layer's expert figures over one prompt (none for a
+    dense layer). Only where the layer's experts run lazily too: a layer with static groups evaluates its input
+    (none of it is pruned), and a chunk whose dense functions run on a static backend is priced whole."""
+    experts: ExpertFigures | None
+    split: bool
+
+
 @dataclass
 class PrefillPrediction:
     """A whole prefill of `prompt_tokens`, predicted: total latency, CPU-busy time and energy, and each part's
@@ -236,25 +249,61 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     return out
 
 
+def expert_link(experts: ExpertFigures, left_out: ExpertFigures | None, share: float) -> evaluator.Link:
+    """The experts' step: their figures, less `share` of the rows of a layer whose experts run only where an output
+    reads them (`left_out`: that layer's figures, `LazyLast`), priced as a share of its rows."""
+    if left_out is None or not share:
+        return evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)
+    energy = None if experts.energy_mj is None or left_out.energy_mj is None else (
+        experts.energy_mj - share * left_out.energy_mj)
+    return evaluator.Link(experts.latency_ms - share * left_out.latency_ms,
+                          cpu_ms=experts.cpu_ms - share * left_out.cpu_ms, energy_mj=energy)
+
+
+def cache_only_links(cost: CostModel, shape: DecoderShape, rows: int, host: str) -> dict[str, list[evaluator.Link]]:
+    """What a lazy host computes of a decoder layer for rows no output reads (`LazyLast`): the input norm, then the
+    keys and values (and their norm) the KV cache holds."""
+    kv = shape.kv_heads * shape.head_dim
+    norms = cost.norm_ms(host, rows, kv, shape.qk_norm) if shape.qk_norm else 0.0
+    return {"attention_projections": [dense_link(cost, host, 2 * cost.matmul_ms(host, rows, kv, shape.hidden) + norms)],
+            "rest": [dense_link(cost, host, cost.norm_ms(host, rows, shape.hidden, shape.hidden))]}
+
+
 def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                     experts: ExpertFigures, place: DensePlacement = DensePlacement(),
-                    logits_rows: int = 1) -> PrefillPrediction:
+                    logits_rows: int = 1, lazy_last: LazyLast | None = None) -> PrefillPrediction:
     """The whole prefill of one prompt under a placement of the dense functions and the experts' figures;
     `logits_rows`: the positions whose logits it computes (a prefill needs one; a run that scores every token,
-    all)."""
+    all); `lazy_last`: the last decoder layer's work that a lazy host leaves out (with one logits row only)."""
     links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
+    host, last = place.host, shape.num_layers - 1
+    lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 else None
     kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
-    for layer in range(shape.num_layers):
+    for layer in range(shape.num_layers - (lazy is not None)):
         kinds.setdefault((layer in shape.moe_layers, shape.mlp_ffn(layer)), []).append(layer)
-    for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):
+    chunks, pruned_rows = prompt_chunks(prompt_tokens, chunk_tokens), 0
+    for i, (rows, context) in enumerate(chunks):
         full = rows == chunk_tokens
-        for same in kinds.values():
-            for part, steps in layer_links(cost, shape, same[0], rows, context, full, place).items():
-                links[part] += [s.times(len(same)) for s in steps]
-    host = place.host
+        layer_sets = [(same[0], len(same)) for same in kinds.values()]
+        static = full and any((place.qkv, place.o_proj, place.attention, place.mlp))
+        if lazy is not None and static:  # its static functions read the layer's input: priced whole
+            layer_sets.append((last, 1))
+        elif lazy is not None:
+            read = 0 if i < len(chunks) - 1 else 1 if lazy.split else rows
+            pruned_rows += rows - read
+            steps = cache_only_links(cost, shape, rows - read, host)
+            if read:
+                for part, more in layer_links(cost, shape, last, read, context, full, place).items():
+                    steps[part] = steps.get(part, []) + more
+            for part, more in steps.items():
+                links[part] += more
+        for layer, n in layer_sets:
+            for part, steps in layer_links(cost, shape, layer, rows, context, full, place).items():
+                links[part] += [s.times(n) for s in steps]
     links["lm_head"] = [dense_link(cost, host, cost.matmul_ms(host, logits_rows, shape.vocab, shape.hidden)
                                    + cost.norm_ms(host, logits_rows, shape.hidden, shape.hidden))]  # the final norm
-    links["experts"] = [evaluator.Link(experts.latency_ms, cpu_ms=experts.cpu_ms, energy_mj=experts.energy_mj)]
+    left_out = lazy.experts if lazy is not None and lazy.experts is not None else None
+    links["experts"] = [expert_link(experts, left_out, pruned_rows / prompt_tokens)]
     parts = {p: evaluator.chain(steps) for p, steps in links.items()}
     whole = evaluator.chain([s for steps in links.values() for s in steps])
     used = {b for b in (place.qkv, place.o_proj, place.attention, place.mlp) if b} | {host}

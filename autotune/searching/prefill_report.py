@@ -7,6 +7,7 @@ from autotune.costing.whole_prefill import (
     DecoderShape,
     DensePlacement,
     ExpertFigures,
+    LazyLast,
     PrefillPrediction,
     predict_prefill,
     prompt_chunks,
@@ -42,6 +43,26 @@ def expert_figures(sol: Solution, prompts: float) -> ExpertFigures:
                          None if sol.energy_mj is None else sol.energy_mj / prompts)
 
 
+def lazy_last(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: DecoderShape,
+              prompts: float) -> LazyLast | None:
+    """The model's last decoder layer as a lazy host leaves out its work for rows no output reads (`LazyLast`),
+    under a design whose experts there run on the host's own exact path (no static group, no CPU tail); None where
+    they do not (a layer that runs static calls evaluates its input) or the plan's exact path is not lazy."""
+    if not scorer.cost.is_lazy(scorer.exact):
+        return None
+    configs = {d.layer: (d, c) for d, c in zip(layers, sol.configs)}
+    lazy = [c.resident == 0 and c.cpu_tail == 0 for c in sol.configs]
+    last = shape.num_layers - 1
+    if last not in shape.moe_layers:
+        return LazyLast(None, split=all(lazy))
+    if last not in configs or not lazy[layers.index(configs[last][0])]:
+        return None
+    score = scorer.score(*configs[last])
+    energy = scorer.energy(*configs[last])
+    return LazyLast(ExpertFigures(score.latency_ms / prompts, score.cpu_ms / prompts,
+                                  None if energy is None else energy / prompts), split=all(lazy))
+
+
 def prompts_in(layers: list[LayerData], prompt_tokens: int) -> float:
     """The calibration prompts the layers' traces hold (what a solution's totals are summed over)."""
     return float(layers[0].tokens.sum()) / prompt_tokens
@@ -52,8 +73,10 @@ def mlx_gpu_prefill(scorer: Scorer, shape: DecoderShape, layers: list[LayerData]
     """mlx-lm's way, predicted: every expert on the GPU's exact path and every dense op on the GPU, in chunks of
     the layers' chunk size (`scorer.exact` must be the GPU's path)."""
     sol = solution([LayerConfig(0) for _ in layers], layers, scorer)
-    return predict_prefill(scorer.cost, shape, prompt_tokens, layers[0].chunk_tokens,
-                           expert_figures(sol, prompts_in(layers, prompt_tokens)), DensePlacement(host=scorer.exact))
+    prompts = prompts_in(layers, prompt_tokens)
+    return predict_prefill(scorer.cost, shape, prompt_tokens, layers[0].chunk_tokens, expert_figures(sol, prompts),
+                           DensePlacement(host=scorer.exact),
+                           lazy_last=lazy_last(sol, layers, scorer, shape, prompts))
 
 
 def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> list[dict]:
@@ -63,9 +86,10 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
     for sol in ranked_solutions(outcome, scorer):
         choice = outcome.dense.get(sol.chunk_tokens)
         layers = outcome.chunks[sol.chunk_tokens].layers
-        pred = predict_prefill(scorer.cost, shape, prompt_tokens, sol.chunk_tokens,
-                               expert_figures(sol, prompts_in(layers, prompt_tokens)),
-                               choice.placement if choice else DensePlacement())
+        prompts = prompts_in(layers, prompt_tokens)
+        pred = predict_prefill(scorer.cost, shape, prompt_tokens, sol.chunk_tokens, expert_figures(sol, prompts),
+                               choice.placement if choice else DensePlacement(),
+                               lazy_last=lazy_last(sol, layers, scorer, shape, prompts))
         out.append({"chunk_tokens": sol.chunk_tokens, "heldout_drops": sol.heldout_drops,
                     "predicted_prefill_ms": pred.latency_ms, "predicted_prefill_energy_mj": pred.energy_mj})
     return out
@@ -83,7 +107,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     choice = outcome.dense_choice  # none without a Core ML backend: the dense half on the host the search pinned
     host = DensePlacement(host=scorer.cost.exact_path or EXACT)  # (search --engine mlx: mlx-exact), else the CPU
     plan = predict_prefill(scorer.cost, shape, prompt_tokens, chunk, expert_figures(outcome.best, prompts),
-                           choice.placement if choice else host)
+                           choice.placement if choice else host,
+                           lazy_last=lazy_last(outcome.best, layers, scorer, shape, prompts))
     ane = all_dense(scorer.backend, shape, prompt_tokens, chunk)
     n = shape.num_experts
     masked = solution([LayerConfig(n, n, capacity=chunk) for _ in layers], layers, scorer)

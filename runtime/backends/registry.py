@@ -49,6 +49,9 @@ class BackendInfo:
     # registry options it declares in `options`; None for backends that only the profiler runs (Core ML on the CPU).
     factory: Callable[..., StaticBackend | ExactPath] | None
     overlaps_cpu: bool = False  # calls run off the CPU: the exact path runs meanwhile (executor, cost model)
+    # As a dense host, computes in a lazy graph (MLX): work no output reads is never computed (the cost model's
+    # `LazyLast`: a cache-only prefill chunk's last decoder layer past its keys and values)
+    lazy: bool = False
     fallback: str | None = REFERENCE  # where its groups run when it is unavailable; None: always available
     options: tuple[str, ...] = ()  # registry options its factory takes (the ANE: `package`)
     # Hard limits of one group's program: (capacities, hidden, ffn, compression) -> how far past them, 0 within.

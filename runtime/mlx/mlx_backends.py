@@ -106,7 +106,7 @@ def profile_call(module: torch.nn.Module, caps: Sequence[int], hidden: int) -> C
 
 BACKENDS = (
     # Not profiled by default off a Mac: there MLX runs on its CPU device, whose times say nothing about a GPU.
-    BackendInfo(NAME, MlxExactPath, overlaps_cpu=True, fallback=EXACT, exact=True, dtype_bytes=2,
+    BackendInfo(NAME, MlxExactPath, overlaps_cpu=True, lazy=True, fallback=EXACT, exact=True, dtype_bytes=2,
                 energy_field="gpu_mj", profile_call=profile_call, profile_available=mlx_available,
                 profile_device=profile_device, check_weights=check_folder,
                 profiled_by_default=sys.platform == "darwin" and mlx_available()[1] == "MLX on the Metal GPU"),

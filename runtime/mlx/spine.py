@@ -37,6 +37,7 @@ from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+KV = ("k_proj", "v_proj", "k_norm")  # what the KV cache holds is made of these
 SHARED = ("shared_expert", "shared_expert_gate")
 
 
@@ -48,32 +49,51 @@ def dense_lane() -> str:
 class _Timer:
     """Calls per part bucket always; in a timed pass (`timing`), each call's time with its inputs evaluated before
     and its output after. `lanes`: the spliced dense functions' calls per (part, lane), with the static calls' own
-    time in a timed pass (their whole call's is in their part's bucket)."""
+    time in a timed pass (their whole call's is in their part's bucket). `cache_only`: the forward fills the KV
+    cache only, and the last layer's work past its keys and values is left out as an untimed forward leaves it
+    (`_LastBlock` sets `pruning` from there)."""
 
     def __init__(self) -> None:
         self.timing, self.times, self.lanes = False, PartTimes(), Executed()
+        self.cache_only = self.pruning = False
 
-    def time(self, bucket: str, fn, *args, **kwargs) -> tuple[object, float]:
+    def time(self, bucket: str, fn, *args, reads: Callable | None = None, **kwargs) -> tuple[object, float]:
+        """`fn(*args, **kwargs)` timed, evaluated through `reads(out)` (default: its output)."""
         mx.eval([a for a in args if isinstance(a, mx.array)])
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        mx.eval(out)
+        mx.eval(out if reads is None else reads(out))
         seconds = time.perf_counter() - start
         self.times.seconds[bucket] += seconds
         return out, seconds
 
 
 class _Part:
-    """A module of mlx-lm's model in its part's bucket: counted per call, and timed in a timed pass."""
+    """A module of mlx-lm's model in its part's bucket: counted per call, and timed in a timed pass (but where the
+    forward leaves it out: `_Timer.pruning`, unless it makes the keys or values the cache holds: `kv`)."""
 
-    def __init__(self, inner, bucket: str, timer: _Timer) -> None:
-        self.inner, self.bucket, self.timer = inner, bucket, timer
+    def __init__(self, inner, bucket: str, timer: _Timer, kv: bool = False) -> None:
+        self.inner, self.bucket, self.timer, self.kv = inner, bucket, timer, kv
 
     def __call__(self, *args, **kwargs):
         self.timer.times.calls[self.bucket] += 1
-        if not self.timer.timing:
+        if not self.timer.timing or (self.timer.pruning and not self.kv):  # built, never computed
             return self.inner(*args, **kwargs)
         return self.timer.time(self.bucket, self.inner, *args, **kwargs)[0]
+
+
+class _LastBlock(_Part):
+    """The last decoder layer's attention, where nothing past it runs eagerly: in a timed forward that fills the
+    cache only, it evaluates the cache it writes, not its output, and the layer's parts after its keys and values
+    are left out (`_Timer.pruning`), as MLX leaves them out of an untimed forward (nothing reads them)."""
+
+    def __call__(self, *args, **kwargs):
+        if not (self.timer.timing and self.timer.cache_only):
+            return super().__call__(*args, **kwargs)
+        self.timer.times.calls[self.bucket] += 1
+        self.timer.pruning = True
+        cache = kwargs.get("cache") or next(a for a in args if hasattr(a, "state"))
+        return self.timer.time(self.bucket, self.inner, *args, reads=lambda _: cache.state, **kwargs)[0]
 
     def __getattr__(self, name: str):  # an attribute of the module (the embedding's `as_linear`, a width)
         return getattr(self.inner, name)
@@ -166,8 +186,9 @@ class MlxSpine(PlanRun):
             attn = layer.self_attn
             for name in PROJECTIONS:
                 if name in attn:
-                    self._swap(attn, name, _Part(attn[name], "attention_projections", self.timer))
-            self._swap(layer, "self_attn", _Part(attn, "block", self.timer))
+                    self._swap(attn, name, _Part(attn[name], "attention_projections", self.timer, name in KV))
+            block = _LastBlock if layer is self.model.layers[-1] and self.prunes_last else _Part
+            self._swap(layer, "self_attn", block(attn, "block", self.timer))
             for name in (n for n in MOE_BLOCKS if n in layer):
                 if id(layer[name]) not in blocks:  # a dense MLP layer
                     self._swap(layer, name, _Part(layer[name], "dense_mlp", self.timer))
@@ -222,7 +243,11 @@ class MlxSpine(PlanRun):
         """`forward_rows` under the plan, evaluated and counted."""
         self._phase_of(ids, cache)
         start = time.perf_counter()
-        out = forward_rows(self.model, ids, cache, rows)
+        self.timer.cache_only = rows == "none"
+        try:
+            out = forward_rows(self.model, ids, cache, rows)
+        finally:
+            self.timer.cache_only = self.timer.pruning = False
         if self.timer.timing:
             self.timer.times.seconds["total"] += time.perf_counter() - start
         self.timer.times.calls["total"] += 1
@@ -259,6 +284,14 @@ class MlxSpine(PlanRun):
                 inds = switch.take()
                 if computed_last or index != last:
                     switch.count(inds)
+
+    @property
+    def prunes_last(self) -> bool:
+        """Whether a forward that fills the cache only leaves out the last layer's work past its keys and values
+        (MLX computes what an output reads): where nothing in that layer runs eagerly (no static call: no spliced
+        dense function, its experts mlx-lm's own). The cost model prices it the same way (`LazyLast`)."""
+        switch = self.switches.get(len(self.model.layers) - 1)
+        return not self.splices and self.attention is None and (switch is None or isinstance(switch, CountedSwitch))
 
     @property
     def all_fast(self) -> bool:
