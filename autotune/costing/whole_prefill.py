@@ -11,7 +11,8 @@ GPU through MLX (mlx-exact, priced at its own rates, off the CPU). Parts run one
 a chain. Inside a step, the host works beside the ANE two ways: the experts' exact paths (inside the expert
 figure), and a dense function split by rows (`DensePlacement.rows`): the static function computes the first rows
 of each full chunk while the host computes the rest, so the step takes the longer of the two (their sum where both
-are CPU work). Partial chunks run on the host, as the runtime runs them. The composition is the evaluator's
+are CPU work). Partial chunks run on the host, as the runtime runs them. A lazy host (MLX) leaves out the last
+layer's work past its keys and values for rows no logit reads (`LazyLast`). The composition is the evaluator's
 (`evaluator.chain`).
 """
 from __future__ import annotations
