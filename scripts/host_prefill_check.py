@@ -7,10 +7,10 @@ it plans on this host?
 For each shape: its one-layer shape twin (scripts/make_shape_twin.py, made where missing), on a fresh
 `autotune profile-device --quick --threads 1` with the twin's own shapes added (`--model`, in the dtype it computes
 in), `calibrate` at 4,096-token prompts, `search --no-gate --json` (`predicted_prefill_ms`, `priced_outside`), then
-`run --json --repeat 3` on one thread over two 4,096-token prompts (medians: the first prefill after loading also
-pages the weights in). The check: `predicted_prefill_ms` against `wall_ms_per_token` x 4096, and each part's
-`predicted_parts_ms` / `measured_parts_ms` (goal: the whole within 0.8-1.25x, every part over 10% of the run within
-0.75-1.25x). A part that stays off is said with what the profile lacks there (the axes its price reaches past the
+`run --json --repeat 3` on one thread over two 4,096-token prompts (`--prompts`; medians: the first prefill after
+loading also pages the weights in). The check: `predicted_prefill_ms` against `wall_ms_per_token` x 4096, and each
+part's `predicted_parts_ms` / `measured_parts_ms` (goal: the whole within 0.8-1.25x, every part over 10% of the run
+within 0.75-1.25x). A part that stays off is said with what the profile lacks there (the axes its price reaches past the
 records, or "in range" where the fit misses inside them). The whole is also given on the CPU clock
 (`cpu_ms_per_token` x 4096: on a shared host the wall clock counts other processes' time). Prints the host (its CPU
 model from /proc/cpuinfo), each shape's compute dtype and the thread count, then a compact table, and writes
@@ -92,7 +92,7 @@ def verdict(ratio: float, band: tuple[float, float]) -> str:
 
 
 def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype: str, repeat: int,
-          engine: str) -> dict:
+          engine: str, prompts: int = 2) -> dict:
     log, stem = out / "commands.log", out / shape
     traces, plan = f"{stem}.traces.npz", f"{stem}.plan.json"
     one = ("--threads", str(THREADS), "--dtype", dtype)
@@ -104,8 +104,8 @@ def check(shape: str, model: Path, profile: Path, out: Path, prompt: int, dtype:
     search = autotune("search", "--model", str(model), "--profile", str(profile), "--traces", traces,
                       "--prompt-tokens", str(prompt), "--no-gate", "--json", "--out", plan, "--engine", engine, *lane,
                       *one, log=log)
-    run = autotune("run", "--model", str(model), "--plan", plan, "--max-tokens", str(2 * prompt), "--prompt-tokens",
-                   str(prompt), "--repeat", str(repeat), "--json", "--engine", engine, *one, log=log)
+    run = autotune("run", "--model", str(model), "--plan", plan, "--max-tokens", str(prompts * prompt),
+                   "--prompt-tokens", str(prompt), "--repeat", str(repeat), "--json", "--engine", engine, *one, log=log)
     (out / f"{shape}.search.json").write_text(json.dumps(search))
     (out / f"{shape}.run.json").write_text(json.dumps(run))
     measured_ms, cpu_ms = run["wall_ms_per_token"] * prompt, run["cpu_ms_per_token"] * prompt
@@ -183,6 +183,8 @@ def main() -> None:
                     help="the twins' decoder layers (default 1; 2 with --engine mlx: MLX leaves out the last layer's "
                          "work past its keys and values for rows no logit reads, so a one-layer twin's prefill "
                          "would compute little else)")
+    ap.add_argument("--prompts", type=int, default=2,
+                    help="prompts each run prefills (default 2; at 4,096 tokens MLX's CPU device takes minutes each)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="run --repeat R: the whole's and each part's median over R prefills (default 3: the first "
                          "one after loading also pages the weights in)")
@@ -205,11 +207,12 @@ def main() -> None:
         if not any(key.split("@")[0] == models[s].name for key in measured):
             autotune("profile-device", "--quick", "--threads", str(THREADS), "--model", str(models[s]), "--out",
                      str(profile), "--dtype", args.dtype, "--no-progress", log=log)
-    results = [check(s, models[s], profile, args.out, args.prompt_tokens, args.dtype, args.repeat, args.engine)
-               for s in shapes]
+    results = [check(s, models[s], profile, args.out, args.prompt_tokens, args.dtype, args.repeat, args.engine,
+                     args.prompts) for s in shapes]
     host = {k: v for k, v in host_facts(THREADS).items() if k in ("cpu_model", "logical_cores", "description", "os")}
     report = {"profile": str(profile), "host": host, "prompt_tokens": args.prompt_tokens, "dtype": args.dtype,
-              "threads": THREADS, "engine": args.engine, "layers": args.layers,
+              "threads": THREADS, "engine": args.engine, "layers": args.layers, "prompts": args.prompts,
+              "repeat": args.repeat,
               "goal": {"whole": WHOLE, "part": PART, "part_share_over": SHARE}, "results": results,
               "met": all(r["verdict"] == "ok" and all(p["verdict"] != "OFF" for p in r["parts"].values())
                          for r in results)}
