@@ -6,10 +6,10 @@ import pytest
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import BackendModel, CostModel
-from autotune.costing.whole_prefill import DecoderShape
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, LazyLast, predict_prefill
 from autotune.searching.layer_data import LayerData
-from autotune.searching.optimizer import run_search, solution_plan
-from autotune.searching.prefill_report import mlx_gpu_prefill
+from autotune.searching.optimizer import run_search, solution, solution_plan
+from autotune.searching.prefill_report import expert_figures, mlx_gpu_prefill, prompts_in
 from autotune.searching.report import plot_tradeoff
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, layer_space
@@ -92,13 +92,19 @@ def test_mlx_gpu_baseline_by_hand():
     scorer = Scorer(cost, 256, 128, "ane", 1e12)
     assert scorer.exact == GPU
     pred = mlx_gpu_prefill(scorer, shape, layers, 64)
+    experts = expert_figures(solution([LayerConfig(0)], layers, scorer), prompts_in(layers, 64))
+    whole = predict_prefill(cost, shape, 64, 64, experts, DensePlacement(host=GPU))  # every row of the layer
     m, h, q, kv = 64, 256, 4 * 64, 2 * 64
     flops = (2 * m * h * (q + 2 * kv) + 2 * m * q * h  # q, k, v and o projections
              + 0.5 * 4 * m * m * 4 * 64  # the causal attention core (half the block)
              + 4 * m * h * 4 + 2 * m * 8 * h  # norms and residual adds, the router
              + 6 * h * 128 * 2 * m  # the experts: top-2 of every token
              + 2 * 1000 * h + 4 * h)  # the last row's final norm and lm_head
-    assert pred.latency_ms == pytest.approx(flops / 1e9 * 0.05 + 0.2)  # one call of the GPU's exact path
+    assert whole.latency_ms == pytest.approx(flops / 1e9 * 0.05 + 0.2)  # one call of the GPU's exact path
+    # mlx-lm sends the prompt's last token alone: its only layer, the last, computes the keys and values alone for
+    # the 63 rows before it (`LazyLast`)
+    lazy = predict_prefill(cost, shape, 64, 64, experts, DensePlacement(host=GPU), lazy_last=LazyLast(experts, True))
+    assert pred.latency_ms == pytest.approx(lazy.latency_ms) and pred.latency_ms < whole.latency_ms / 10
     assert pred.energy_mj == pytest.approx(50.0 * pred.latency_ms) and pred.cpu_ms == 0.0
     full = LayerConfig(0)  # the same experts through the scorer: what the baseline's expert figure is
     assert scorer.score(layers[0], full).cpu_ms == 0.0
