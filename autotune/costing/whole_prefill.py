@@ -303,8 +303,7 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
                 links[part] += [s.times(n) for s in steps]
     links["lm_head"] = [dense_link(cost, host, cost.matmul_ms(host, logits_rows, shape.vocab, shape.hidden)
                                    + cost.norm_ms(host, logits_rows, shape.hidden, shape.hidden))]  # the final norm
-    left_out = lazy.experts if lazy is not None and lazy.experts is not None else None
-    links["experts"] = [expert_link(experts, left_out, pruned_rows / prompt_tokens)]
+    links["experts"] = [expert_link(experts, lazy.experts if lazy else None, pruned_rows / prompt_tokens)]
     parts = {p: evaluator.chain(steps) for p, steps in links.items()}
     whole = evaluator.chain([s for steps in links.values() for s in steps])
     used = {b for b in (place.qkv, place.o_proj, place.attention, place.mlp) if b} | {host}

@@ -50,17 +50,19 @@ def lazy_last(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: Dec
     they do not (a layer that runs static calls evaluates its input) or the plan's exact path is not lazy."""
     if not scorer.cost.is_lazy(scorer.exact):
         return None
-    configs = {d.layer: (d, c) for d, c in zip(layers, sol.configs)}
-    lazy = [c.resident == 0 and c.cpu_tail == 0 for c in sol.configs]
-    last = shape.num_layers - 1
+
+    def own(c: LayerConfig) -> bool:  # every expert of the layer on the host's own exact path
+        return c.resident == 0 and c.cpu_tail == 0
+
+    split, last = all(own(c) for c in sol.configs), shape.num_layers - 1
     if last not in shape.moe_layers:
-        return LazyLast(None, split=all(lazy))
-    if last not in configs or not lazy[layers.index(configs[last][0])]:
+        return LazyLast(None, split)
+    at = {d.layer: (d, c) for d, c in zip(layers, sol.configs)}.get(last)
+    if at is None or not own(at[1]):
         return None
-    score = scorer.score(*configs[last])
-    energy = scorer.energy(*configs[last])
+    score, energy = scorer.score(*at), scorer.energy(*at)
     return LazyLast(ExpertFigures(score.latency_ms / prompts, score.cpu_ms / prompts,
-                                  None if energy is None else energy / prompts), split=all(lazy))
+                                  None if energy is None else energy / prompts), split)
 
 
 def prompts_in(layers: list[LayerData], prompt_tokens: int) -> float:
