@@ -44,6 +44,7 @@ class Loaded:
     plan: Plan | None = None
     executor: PlanExecutor | None = None  # on the MLX spine: its `MlxSpine` (the same run statistics and phases)
     engine: str = "torch"  # the spine: "torch" (`.model` a transformers model) or "mlx" (a `SpineModel`)
+    cluster: object | None = None  # across Macs: this rank's `runtime.mlx.cluster.Cluster` (its layers, its link)
     _no_stats: RunStats = field(default_factory=RunStats, repr=False)
 
     @property
@@ -74,13 +75,19 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch") -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch",
+         cluster: object | None = None) -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
     plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
     (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
-    commands' `--engine` defaults to auto)."""
+    commands' `--engine` defaults to auto). `cluster`: under `mlx.launch`, this rank's part
+    (`runtime.mlx.cluster.ClusterSpec`): its stage of the model on the MLX spine, under its stage's plan."""
+    if cluster is not None:
+        from runtime.mlx.cluster import load_rank
+
+        return load_rank(cluster, model, dtype, package)
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if p is None and package:
         raise NpumoeError("a package runs a plan's ane groups: give the plan too")

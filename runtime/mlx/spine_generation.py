@@ -37,6 +37,9 @@ class SpineModel:
         except OSError:  # no generation_config.json: the model config's tokens
             self.generation_config = transformers.GenerationConfig.from_model_config(self.config)
         self.vocab = int(self.config.get_text_config().vocab_size)
+        # every MoE layer mlx-lm's own (`MlxSpine.all_fast`): a prompt's last token then goes alone; across Macs,
+        # every rank's stage (`runtime.mlx.cluster.load_rank`), so that the ranks make the same forwards
+        self.all_fast = spine is None or spine.all_fast
 
     def get_input_embeddings(self) -> SimpleNamespace:
         return SimpleNamespace(num_embeddings=self.vocab)
@@ -119,7 +122,7 @@ def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
     end (`forward_rows`), or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size
     matters to it) the prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the
     last layer's attention output or experts, so they are never computed."""
-    split = not every_position and (model.spine is None or model.spine.all_fast)
+    split = not every_position and model.all_fast
     for first in range(start, end, chunk):
         stop = min(first + chunk, end)
         if every_position:
