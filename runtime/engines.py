@@ -4,7 +4,6 @@ anything on MLX; torch otherwise (so Linux stays on torch)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 from runtime.errors import NpumoeError
@@ -26,12 +25,6 @@ def places_on_mlx(plan: Plan | None) -> bool:
 
 def mlx_importable() -> bool:
     return importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_lm") is not None
-
-
-def launched() -> bool:
-    """Whether this process is a rank `mlx.launch` started (its ring in the environment): a model across Macs
-    (`runtime.mlx.cluster`)."""
-    return "MLX_RANK" in os.environ and bool(os.environ.get("MLX_HOSTFILE"))
 
 
 def torch_only(plan: Plan | None, cpu_weights: str | None = None) -> str | None:

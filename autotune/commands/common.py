@@ -8,9 +8,10 @@ import sys
 import torch
 
 from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_float, positive_int
-from runtime.engines import ENGINES, launched, mlx_importable
+from runtime.engines import ENGINES, mlx_importable
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
+from runtime.mlx.launcher import launched
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:

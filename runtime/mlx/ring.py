@@ -26,8 +26,8 @@ from typing import Iterator, TypeVar
 
 import mlx.core as mx
 
-from runtime.engines import launched
 from runtime.errors import NpumoeError
+from runtime.mlx.launcher import launched
 
 PEER_LOST = 3  # the exit status of a rank whose neighbour died or could not be reached
 _WATCHDOGS: set[int] = set()  # the forked watchdogs running (`Ring.outside_watch`)
