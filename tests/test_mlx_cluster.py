@@ -62,7 +62,8 @@ def pipeline(tiny4, tmp_path_factory):
     common = ["--model", str(tiny4), "--exact", "mlx-exact", "--chunk", "16"]
     assert main(["plan-template", *common, "--capacity", "tight", "--overflow", "spill", "--backend", "cpu-static",
                  "--out", str(d / "plan.stage0.json")]) == 0
-    assert main(["plan-template", *common, "--no-groups", "--out", str(d / "plan.stage1.json")]) == 0
+    assert main(["plan-template", *common, "--no-groups", "--overflow", "spill", "--out",
+                 str(d / "plan.stage1.json")]) == 0
     whole = json.loads((d / "plan.stage1.json").read_text())
     whole["layers"][0] = json.loads((d / "plan.stage0.json").read_text())["layers"][0]
     (d / "plan.json").write_text(json.dumps(whole))
@@ -276,3 +277,10 @@ def test_serve_under_the_launcher_answers_on_rank_0_as_one_process(tiny4, pipeli
         for proc in (leader, follower):
             proc.kill()
             proc.wait()
+
+
+def test_the_old_entry_names_the_commands_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "runtime.mlx.cluster", "--model", "x"], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "autotune run|generate|serve" in done.stderr

@@ -20,6 +20,7 @@ needs the ring (the ranks agreeing on their plans' chunk).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -224,3 +225,9 @@ def route_forwards(model: nn.Module, through: Callable) -> None:
         return through(lambda: base.__call__(self, inputs, cache, *args, **kwargs), inputs, cache)
 
     inner.__class__ = type(f"Ringed{base.__name__}", (base,), {"__call__": call})
+
+
+if __name__ == "__main__":  # the entry before the commands ran across Macs: say which command to run instead
+    print("python -m runtime.mlx.cluster: error: across Macs, run the commands under the launcher: `mlx.launch "
+          "--hostfile hosts.json autotune run|generate|serve --model M --plan P`", file=sys.stderr)
+    sys.exit(2)

@@ -58,8 +58,10 @@ class Link:
         self.last = time.monotonic()
 
     def _share(self, x: mx.array, what: str) -> np.ndarray:
-        """rank 0's `x` on every rank (the others give zeros of its shape)."""
-        y = mx.distributed.all_sum(x)
+        """rank 0's `x` on every rank (the others give zeros of its shape), on the CPU's stream: the leader's beat
+        shares from a thread of its own."""
+        with mx.stream(mx.cpu):
+            y = mx.distributed.all_sum(x)
         return np.array(self.ring.step(what, lambda: _evaluated(y)))
 
     def receive(self) -> tuple[int, np.ndarray | None, bool, str]:
