@@ -34,7 +34,7 @@ from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
 from runtime.serving.engine import DEFAULT_DISK_GB, DEFAULT_MAX_BATCH, disk_cache_off
-from runtime.serving.engine_process import EngineProcess
+from runtime.serving.engine_process import EngineEnded, EngineProcess
 from runtime.serving.server import DRAIN_S, check_bind, listen, serve, served_model_id
 
 KEY_ENV = "NPUMOE_API_KEY"
@@ -101,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
         engine_args = {"max_queue": args.max_queue, "prefix_cache_mb": args.prefix_cache_mb,
                        "max_batch": args.max_batch, "prefix_cache_dir": args.prefix_cache_dir,
                        "prefix_cache_disk_gb": args.prefix_cache_disk_gb}
-        engine = EngineProcess(load_args, engine_args, model_id, args.threads, f"autotune {args.command}: %(message)s")
+        try:
+            engine = EngineProcess(load_args, engine_args, model_id, args.threads,
+                                   f"autotune {args.command}: %(message)s")
+        except EngineEnded as e:
+            if cluster is None or not e.exitcode or e.exitcode == 1:
+                raise
+            return peer_lost()  # the ring ended it, and its watchdog said which neighbour in one line
         host = f"[{args.host}]" if ":" in args.host else args.host
         url = f"http://{host}:{sock.getsockname()[1]}/v1"
 
@@ -113,7 +119,14 @@ def run(args: argparse.Namespace) -> int:
         serve(engine, sock, api_key, args.drain_s, ready)
     finally:
         sock.close()
-    return engine.process.exitcode if cluster is not None and engine.process.exitcode else 0
+    return peer_lost() if cluster is not None and engine.process.exitcode else 0
+
+
+def peer_lost() -> int:
+    """The exit status of a rank whose neighbour died or could not be reached."""
+    from runtime.mlx.ring import PEER_LOST
+
+    return PEER_LOST
 
 
 def follow_rank(load_args: dict, cluster) -> int:
