@@ -116,15 +116,16 @@ class Ring:
         return f"{self.named()} did not answer within {self.timeout_s:g} s ({what}): it died or cannot be reached"
 
     def join(self) -> mx.distributed.Group:
-        """The ring's group, once every neighbour answered (within the timeout)."""
+        """The ring's group, once every neighbour answered (within the timeout). The connecting side gives up on its
+        own after about 30 s (MLX), and may try again (measured here): it does until the watchdog's timeout, so a
+        neighbour that starts later (a server's engine process) is still met."""
         with self.outside_watch("joining the ring"):
-            try:
-                return mx.distributed.init(backend="ring", strict=True)
-            except RuntimeError as e:  # the connecting side gives up on its own (MLX: about 30 s)
-                if "[ring]" not in str(e):
-                    raise
-                self.fail(f"cannot reach {self.named()} (joining the ring): it died or cannot be reached")
-                raise
+            while True:
+                try:
+                    return mx.distributed.init(backend="ring", strict=True)
+                except RuntimeError as e:
+                    if "[ring]" not in str(e):
+                        raise
 
 
 _STDERR = 2  # replaced by `quiet_ring_lines` with a copy of the original stderr
