@@ -171,6 +171,7 @@ def test_a_neighbour_that_never_comes_ends_the_rank_within_the_timeout(tiny4, tm
     assert line == f"npumoe: rank 0: {name} did not answer within 3 s (joining the ring): it died or cannot be reached"
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_context_ends_every_rank_in_one_line(tiny4, tmp_path):
     hostfile, _ = ring_file(tmp_path)
     long = tmp_path / "long.txt"
