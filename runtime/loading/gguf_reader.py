@@ -34,7 +34,7 @@ from runtime.loading.gguf_tokenizer import write_tokenizer
 
 SUFFIX = ".gguf"
 SOURCE = "gguf-source.json"
-VIEW_VERSION = 1  # bump when what a view folder holds changes
+VIEW_VERSION = 2  # bump when what a view folder holds, or what is checked before it is made, changes
 BLOCK_VALUES = 1 << 22  # values converted at once (their float32 temporaries: tens of MB)
 
 
@@ -164,10 +164,14 @@ class _Tensors:
     def convert(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None):
         """Rows [a, b) of GGUF tensor `name` (or of its expert `index`) in the affine format, its figures kept."""
         type_name = self.file.tensors[name][0]
-        if type_name in EXACT:
-            out = convert_exact(self.file.read_bytes(name, index, rows), type_name)
-        else:
-            out = requantize(self.file.read_values(name, index, rows))
+        with np.errstate(all="ignore"):  # a corrupt block's factors overflow: refused once below, not warned per block
+            if type_name in EXACT:
+                out = convert_exact(self.file.read_bytes(name, index, rows), type_name)
+            else:
+                out = requantize(self.file.read_values(name, index, rows))
+        if not out.finite():
+            raise NpumoeError(f"{self.file.path}: tensor {name} has scales that are not finite (NaN or inf): the file "
+                              "is corrupt")
         entry = self.report.setdefault(name, {"type": type_name, "bits": out.bits, "exact": type_name in EXACT,
                                               "fp16_rounding": 0.0, "requant_error": 0.0})
         entry["fp16_rounding"] = max(entry["fp16_rounding"], out.fp16_rounding)
