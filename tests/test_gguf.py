@@ -297,6 +297,15 @@ def test_commands_take_the_file(files, tmp_path, capsys):
     assert len(err) == 1 and "is a GGUF file, which mlx-lm does not load here" in err[0], err
 
 
+def test_the_mlx_engine_names_itself_on_a_file(files, tmp_path, capsys):
+    pytest.importorskip("mlx_lm")
+    plan = tmp_path / "plan.json"
+    save_plan(template_plan(read_model_spec(str(files["Q8_0"])), "ample"), plan)
+    for cmd in (["run", "--plan", str(plan), "--max-tokens", "64"], ["generate", "--prompt", "To be"]):
+        assert "--engine mlx loads a model folder through mlx-lm; " in one_line_exit_2(
+            [cmd[0], "--model", str(files["Q8_0"]), "--engine", "mlx", *cmd[1:]], capsys)
+
+
 def test_missing_package_one_line(monkeypatch, tmp_path):
     import builtins
 
