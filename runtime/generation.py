@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.backends.packages import bind_package, torch_target
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
@@ -27,6 +26,7 @@ from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
 from runtime.loading.model_record import read_model_spec
 from runtime.logprobs import TokenLogprob, token_logprobs
+from runtime.packages import bind_package, torch_target
 from runtime.plan import Plan, check_plan_matches, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb

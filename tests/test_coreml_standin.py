@@ -11,7 +11,6 @@ from helpers import random_model
 from autotune.searching.templates import template_plan
 from runtime import generation
 from runtime.backends import GroupSpec
-from runtime.backends.packages import bind_package, torch_target
 from runtime.coreml.ane import AneBackend
 from runtime.coreml.ane_sim import AneSimBackend
 from runtime.coreml.converter import build_package, quiet_coremltools_import
@@ -19,6 +18,7 @@ from runtime.coreml.dense_io import dense_weights
 from runtime.dense.attention import allowed_keys
 from runtime.dense.specs import backend_specs
 from runtime.loading.model_loader import model_spec, moe_layers
+from runtime.packages import bind_package, torch_target
 from runtime.plan import Plan
 from runtime.prefill import prefill_chunks
 
