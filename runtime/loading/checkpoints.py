@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,7 +97,7 @@ def check_config(path: Path, config: dict, tensor_names: list[str]) -> None:
                           f"safetensors files hold {max(stored) + 1} layers")
 
 
-def check_finite(where: str, tensors: Iterator[tuple[str, object]]) -> None:
+def check_finite(where: str, tensors: Iterable[tuple[str, object]]) -> None:
     """Weights that must hold numbers (`tensors`: name, torch tensor) do: a NaN or inf in a norm or a router makes
     every token's output one, with no error of its own (a file corrupt past its header)."""
     for name, tensor in tensors:
