@@ -7,8 +7,9 @@ config reads that one, and the loader reads the weights from the file itself. A 
 
 Weights: every quantized matrix (experts, attention, embedding, head) becomes a `PackedWeight` in mlx's affine format
 at group 32 (`gguf_quants`: exact for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K up to fp16 scale rounding, measured; other
-types requantized to 8 bits, their error measured); a layer's experts a `QuantizedExperts`, never at full width but
-one expert per call. F32/F16/BF16 tensors are read whole into the model's dtype.
+types requantized to 8 bits, their error measured; scales and biases that are not finite refuse the file as corrupt);
+a layer's experts a `QuantizedExperts`, never at full width but one expert per call. F32/F16/BF16 tensors are read
+whole into the model's dtype.
 """
 from __future__ import annotations
 

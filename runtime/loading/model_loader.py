@@ -229,8 +229,8 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
 
 def small_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights a finite check reads whole, being small: norms and biases (1D) and the routers. The large
-    matrices are not passed over (a 30B model's would cost a pass over every weight); a quantized file's scales are
-    checked as they are converted (`gguf_quants.Converted.finite`)."""
+    matrices are not passed over (a 30B model's would cost a pass over every weight); a quantized checkpoint's scales
+    and biases are checked as they are read (`mlx_checkpoint`, `gguf_quants.Converted.finite`)."""
     routers = {id(layer.router.weight) for layer in moe_layers(model)}
     return ((n, p) for n, p in model.named_parameters() if p.ndim == 1 or id(p) in routers)
 
