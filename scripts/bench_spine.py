@@ -25,7 +25,6 @@ import sys
 import time
 
 import torch
-from script_deps import require  # scripts/
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
@@ -119,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a 128-token prompt, 16 new tokens, one round")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    require("bench_spine.py", "mlx", "mlx_lm")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
