@@ -38,6 +38,7 @@ from autotune.costing.memory import (
     model_size,
     predict_memory,
 )
+from autotune.costing.pipeline_link import profile_link
 from autotune.costing.whole_prefill import DecoderShape, decoder_shape, priced_outside
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.profiling.model_records import (
@@ -72,6 +73,7 @@ from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import SearchOutcome, Solution, chunk_candidates, solution_plan, timed_search
+from autotune.searching.pipeline_search import HostSpec, pipeline_json, pricing, split_hosts, stage_paths, write_stages
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import (
@@ -225,6 +227,36 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         plan, report = plan_and_report(inputs, config, found, cpu)
         sidecars = write_search(plan, report, inputs.out, config.objective)
     return SearchResult(plan=plan, report=report, path=inputs.out, sidecars=sidecars, seconds=found.seconds)
+
+
+def search_across_macs(model: str, config: SearchConfig, hosts: list[HostSpec], link_gb_s: float | None = None,
+                       progress: bool = True) -> dict:
+    """`autotune search --macs N` / `--hosts`: the plan searched (`search_plan`) once per distinct profile among
+    `hosts`, each layer priced under it on each host's profile, the layers split by those times under each host's
+    memory, and the stage plans and `<plan>.pipeline.json` written (autotune/searching/pipeline_search.py); returns
+    the pipeline file's content."""
+    out = Path(config.out) if config.out else default_plan_path(model, config.profile)
+    link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
+    record = resolve_model(model, config.dtype)
+    shape, size = decoder_shape(record), model_size(record)
+    zeros = [[0.0] * shape.num_layers for _ in hosts]  # the weights alone, before any search
+    split_hosts(zeros, hosts, shape, size, config.prompt_tokens or 0, 256)
+    searched: dict[str | None, SearchResult] = {}
+    for h in hosts:
+        if h.profile not in searched:
+            to = out if not searched else out.with_suffix(f".{Path(str(h.profile)).stem}.json")
+            searched[h.profile] = search_plan(model, config.replace(profile=h.profile, out=str(to)),
+                                                       progress=progress)
+    traces = config.traces or default_traces_path(model)
+    prices = [pricing(h, searched[h.profile].plan, record, traces, searched[h.profile].report.to_json()
+                      ["static_backend"]) for h in hosts]
+    split = split_hosts([p.layer_ms(shape) for p in prices], hosts, shape, size, prices[0].prompt,
+                        prices[0].plan.chunk_tokens)
+    pipe_path, files = stage_paths(out, len(hosts))
+    report = pipeline_json(prices, shape, split, link, files)
+    write_stages([p.plan for p in prices], hosts, split, files)
+    atomic_write_json(pipe_path, report)
+    return report
 
 
 @dataclass

@@ -18,15 +18,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.backends.packages import bind_package, torch_target
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
+from runtime.loading.model_record import read_model_spec
 from runtime.logprobs import TokenLogprob, token_logprobs
-from runtime.plan import Plan, load_plan
+from runtime.packages import bind_package, torch_target
+from runtime.plan import Plan, check_plan_matches, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
 from runtime.stats import Executed, RunStats
@@ -103,10 +104,12 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     if cpu_weights is None and p is not None and p.cpu_weights is not None:
         cpu_weights, group_size = p.cpu_weights.kind, p.cpu_weights.group_size or group_size
     kernel_rows = p.cpu_weights.kernel_rows if p is not None and p.cpu_weights is not None else None
+    path = "" if isinstance(plan, Plan) else str(plan)
+    if p is not None:  # a plan of another model refused from the record, before the weights load (and their notes)
+        check_plan_matches(p, read_model_spec(model), path)
     m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size, kernel_rows)
     if p is None:
         return Loaded(m, tokenizer)
-    path = "" if isinstance(plan, Plan) else str(plan)
     backends = bind_package(package, p, torch_target(m), path)
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)

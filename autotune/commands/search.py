@@ -172,7 +172,7 @@ def run_across_macs(args: argparse.Namespace, config: SearchConfig) -> int:
     for path in (*pipeline.search_sidecars(out, config.objective, tradeoff=True), *ps.stage_paths(out, len(hosts))[1],
                  ps.stage_paths(out, len(hosts))[0]):
         require_output(path, "--out")
-    report = ps.search_across_macs(args.model, config, hosts, args.link_gb_s, progress=not args.json)
+    report = pipeline.search_across_macs(args.model, config, hosts, args.link_gb_s, progress=not args.json)
     if args.json:
         print_json(report)
     else:

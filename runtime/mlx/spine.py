@@ -18,7 +18,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.backends.packages import PackageTarget, bind_package
 from runtime.backends.registry import registry
 from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
@@ -33,6 +32,7 @@ from runtime.mlx.formats import NAME, placed_dense, unspliced
 from runtime.mlx.mlx_exact import device
 from runtime.mlx.moe_block import CountedSwitch, PlannedSwitch, SwitchExactPath, fast_layer, torch_experts
 from runtime.mlx.splices import MlxPatches, mlx_splices
+from runtime.packages import PackageTarget, bind_package
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 

@@ -1,8 +1,8 @@
 """Generation on the MLX spine: `runtime.generation.Generation`'s prefill and decode steps, run by `SpineModel`
 through mlx-lm's model and its KV cache (`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine
 samples (on a view of MLX's logits: greedy is mlx-lm's argmax). A prefill may start from a reused prefix (the
-server's prefix cache: `spine_serving`) and keep a copy of its KV at a boundary (`kept_layers`), and with `echo`
-scores the prompt from every position's logits, as the torch spine's does. Imports mlx; never imports
+server's prefix cache: `runtime.serving.mlx_serving`) and keep a copy of its KV at a boundary (`kept_layers`), and
+with `echo` scores the prompt from every position's logits, as the torch spine's does. Imports mlx; never imports
 `runtime.generation`."""
 from __future__ import annotations
 
