@@ -80,15 +80,13 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
          cluster: object | None = None) -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
-    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
-    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
-    (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
-    commands' `--engine` defaults to auto). `cluster`: under `mlx.launch`, this rank's part
-    (`runtime.mlx.cluster.ClusterSpec`): its stage of the model on the MLX spine, under its stage's plan."""
-    if cluster is not None:
+    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as
+    the plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
+    (`runtime.engines`: torch, mlx, or auto; torch by default; the commands' `--engine` defaults to auto).
+    `cluster`: under mlx.launch, this rank's part (`cluster.ClusterSpec`)."""
+    if cluster is not None:  # its stage alone, on the MLX spine under its stage's plan
         from runtime.mlx.cluster import load_rank
-
-        return load_rank(cluster, model, dtype, package)
+        return Loaded(**load_rank(cluster, model, dtype, package))
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if p is None and package:
         raise NpumoeError("a package runs a plan's ane groups: give the plan too")

@@ -151,13 +151,13 @@ class Cluster:
                               "(`autotune search --macs N`)")
 
 
-def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = None):
-    """`runtime.generation.load` on a rank: its plan and its folder checked, then the ring joined, its stage loaded
-    and its plan installed; the ranks agree on the plans' chunk, and on whether a prompt's last token goes alone
-    (`SpineModel.all_fast`), so that every rank makes the same forwards."""
+def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = None) -> dict:
+    """`runtime.generation.Loaded`'s fields on a rank (its model, tokenizer, plan, spine and cluster): its plan and its
+    folder checked, then the ring joined, its stage loaded and its plan installed; the ranks agree on the plans'
+    chunk, and on whether a prompt's last token goes alone (`SpineModel.all_fast`), so that every rank makes the
+    same forwards."""
     import transformers
 
-    from runtime.generation import Loaded
     from runtime.loading.checkpoints import check_tokenizer_files
     from runtime.loading.model_config import read_config
     from runtime.loading.model_loader import model_dir, open_checkpoint
@@ -180,7 +180,8 @@ def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = No
     cluster.agree("chunk_tokens", plan.chunk_tokens if plan else 0)
     stage = SpineModel(model, path, spine)
     stage.all_fast = min(cluster.link.gather(int(stage.all_fast))) == 1
-    return Loaded(stage, tokenizer, plan, spine, engine="mlx", cluster=cluster)
+    return {"model": stage, "tokenizer": tokenizer, "plan": plan, "executor": spine, "engine": "mlx",
+            "cluster": cluster}
 
 
 def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None, dtype: str) -> nn.Module:
