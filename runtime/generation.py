@@ -82,8 +82,7 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
     int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as
     the plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
-    (`runtime.engines`: torch, mlx, or auto; torch by default; the commands' `--engine` defaults to auto).
-    `cluster`: under mlx.launch, this rank's part (`cluster.ClusterSpec`)."""
+    (`runtime.engines`; torch by default). `cluster`: under mlx.launch, this rank's part (`cluster.ClusterSpec`)."""
     if cluster is not None:  # its stage alone, on the MLX spine under its stage's plan
         from runtime.mlx.cluster import load_rank
         return Loaded(**load_rank(cluster, model, dtype, package))
