@@ -71,6 +71,7 @@ from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import WholePrefill
 from autotune.searching.optimizer import SearchOutcome, Solution, chunk_candidates, solution_plan, timed_search
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
@@ -335,7 +336,7 @@ def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progres
                                     storage=optuna_storage(c.storage),
                                     study_prefix=study_prefix(spec, cpu.cost, inputs.traces, ane_bytes / 1e6,
                                                               c.objective, inputs.prompt),
-                                    seed=c.seed, progress=progress)
+                                    seed=c.seed, progress=progress, whole=WholePrefill(inputs.shape, inputs.prompt))
     outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
     if robustness.dense_choice is not None:  # the robust pick's dense placement
         outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
