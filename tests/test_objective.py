@@ -11,7 +11,7 @@ from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import PLAN_ROWS, WholePrefill, own
+from autotune.searching.objective import PLAN_ROWS, WholePrefill
 from autotune.searching.optimizer import ranked_solutions, run_search, solution
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.scoring import Scorer

@@ -6,10 +6,11 @@ A whole plan is a `Solution` (one decision per MoE layer at a chunk size) with i
 its chunk size (`dense_choice`), by the rule the plan file follows (`placement`), or its own (`Solution.dense`, a
 baseline's). The candidates at each chunk size (`WholePrefill.candidates`): the exact optimum of the experts (the
 DP's), the same with the last layer on the host's own exact path where that host is lazy (its work for rows no
-logit reads left out, which the experts' sum cannot see), and every baseline of the report that is a plan of this
-model (`PLAN_ROWS`: all exact on each exact path, mlx-lm's own placement, the Core ML designs that fit); the
-cheapest by the weighted whole prefill is the pick, so it is never predicted slower than a row of its own table
-(the Core ML CPU-only and naive rows stay references: not plans)."""
+logit reads left out, which the experts' sum cannot see), each with the chunk size's dense choice and with its dense
+half all on the host (a static dense function reads the last layer's input: no row of it is left out), and every
+baseline of the report that is a plan of this model (`PLAN_ROWS`: all exact on each exact path, mlx-lm's own
+placement, the Core ML designs that fit); the cheapest by the weighted whole prefill is the pick, so it is never
+predicted slower than a row of its own table (the Core ML CPU-only and naive rows stay references: not plans)."""
 from __future__ import annotations
 
 import dataclasses
@@ -175,7 +176,9 @@ class WholePrefill:
     def candidates(self, search: ChunkSearch, choice: DenseChoice | None, scorer: Scorer, space: Space,
                    budget: int, budget_rate: float, weights: Weights) -> list[Solution]:
         """The whole plans at one chunk size (see the module docstring), each once."""
-        found = [s for s in (search.best, self.lazy_last_optimum(search, space, scorer, budget, weights)) if s]
+        optima = [s for s in (search.best, self.lazy_last_optimum(search, space, scorer, budget, weights)) if s]
+        host = DensePlacement(host=choice.placement.host if choice else host_of(scorer))
+        found = optima + [dataclasses.replace(s, dense=host) for s in optima]  # each with its dense half on the host
         if search.best is not None:
             rows = self.rows(search.layers, scorer, budget_rate, search.best)
             found += [s for s in rows.values() if self.is_plan(s, search.layers, scorer, budget)]
