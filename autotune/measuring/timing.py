@@ -87,7 +87,7 @@ def plan_side(name: str, loaded: Loaded) -> Side:
 
     def prefill(ids: Prompt) -> object:
         loaded.reset()
-        return _prefill(loaded, ids, chunk)
+        return prefill_prompt(loaded, ids, chunk)
 
     return Side(name, prefill, lambda ids, n: _generated(loaded, ids, n), simulated_lanes(loaded))
 
@@ -97,7 +97,7 @@ def unmodified_side(name: str, loaded: Loaded, chunk: int) -> Side:
 
     def prefill(ids: Prompt) -> object:
         with loaded.unmodified():
-            return _prefill(loaded, ids, chunk)
+            return prefill_prompt(loaded, ids, chunk)
 
     def decode(ids: Prompt, n: int) -> float:
         with loaded.unmodified():
@@ -171,7 +171,7 @@ def time_plans(model: str, plans: dict[str, Plan | str], prompts: Sequence[Promp
     return time_sides(sides, prompts, repeats)
 
 
-def _prefill(loaded: Loaded, ids: Prompt, chunk: int) -> object:
+def prefill_prompt(loaded: Loaded, ids: Prompt, chunk: int) -> object:
     """One prompt's prefill from an empty cache, the last position's logits computed (either spine)."""
     tensor = torch.as_tensor(list(ids), dtype=torch.long)
     if loaded.engine == "mlx":
