@@ -9,11 +9,11 @@ from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import input_file, non_negative_int, output_file, positive_int
 from autotune.commands.common import (
     add_dtype_argument,
-    add_engine_argument,
     add_model_argument,
     add_text_argument,
     print_json,
 )
+from runtime.engines import ENGINES
 from runtime.fileio import output_set
 
 
@@ -24,7 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("--plan", required=True, type=input_file, metavar="P", help="plan file (npumoe.plan/1 JSON)")
     add_dtype_argument(p)
-    add_engine_argument(p)
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="the spine that runs the plan and the all-exact plan: torch, mlx, or auto (default: mlx "
+                        "wherever mlx-lm is installed and the plan places anything on MLX, a Mac's GPU or MLX's CPU "
+                        "device elsewhere; torch otherwise)")
     p.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="N",
                    help="the prompt length timed (default: the plan's prompt, as its search was given)")
     p.add_argument("--prompts", type=positive_int, default=1, metavar="N",
