@@ -134,11 +134,12 @@ def run_bench(c: BenchConfig, progress: bool = True) -> dict:
     torch.set_num_threads(c.threads)
     loaded = load_sides(c, plan, engine)
     prompts = bench_prompts(loaded.loaded[PLAN], c, prompt_tokens)
-    with tqdm(total=(c.repeats * len(prompts) + 1) * len(loaded.sides), desc="bench: prefills", unit="prefill",
+    memory: dict[str, dict] = {}
+    with tqdm(total=c.repeats * len(prompts) * len(loaded.sides), desc="bench: prefills", unit="prefill",
               disable=not progress) as bar:
-        timed = time_sides(loaded.sides, prompts, c.repeats, progress=bar.update)
+        timed = time_sides(loaded.sides, prompts, c.repeats, progress=bar.update,
+                           warm=lambda side, ids: memory.setdefault(side.name, prefill_memory(side, ids)))
     decode = time_decode(loaded.sides, prompts[0], c.decode_tokens, c.repeats) if c.decode_tokens > 1 else {}
-    memory = {s.name: prefill_memory(s, prompts[0]) for s in loaded.sides}
     parts = {name: executed_parts(loaded.loaded[name], prompts[0]) for name in (PLAN, ALL_EXACT)}
     routing = transformers_routing(loaded, prompts, plan.chunk_tokens)
     predicted = predictions(c, record, loaded, routing, prompt_tokens, len(prompts))
@@ -226,8 +227,9 @@ def _sampled_peak(every_s: float = 0.002) -> Iterator[Callable[[], int]]:
 
 
 def prefill_memory(side: Side, ids: list[int]) -> dict:
-    """The side's prefill of one prompt, untimed: the process's resident set at its peak, and how far it rose over
-    the resident set before (every side is loaded in this one process, so the whole is shared)."""
+    """The side's first prefill of one prompt (its warm-up, untimed): the process's resident set at its peak, and
+    how far it rose over the resident set before (every side is loaded in this one process, so the whole is
+    shared)."""
     before = _rss_now() or peak_rss_bytes()
     with _sampled_peak() as peak:
         side.prefill(ids)

@@ -127,13 +127,16 @@ def mlx_lm_side(name: str, loaded: Loaded, chunk: int) -> Side:
 
 
 def time_sides(sides: Sequence[Side], prompts: Sequence[Prompt], repeats: int = 3,
-               threads: int | None = None, progress: Callable[[], None] | None = None) -> dict[str, Timed]:
+               threads: int | None = None, progress: Callable[[], None] | None = None,
+               warm: Callable[[Side, Prompt], object] | None = None) -> dict[str, Timed]:
     """Every side's prefill of every prompt, `repeats` rounds, interleaved (see the module docstring), on
-    `threads` torch threads (None: as set); `progress` is called after each timed prefill."""
+    `threads` torch threads (None: as set); `progress` is called after each timed prefill. Each side is warmed
+    first by one untimed prefill of the first prompt (`warm(side, prompt)` where given: a caller measuring
+    something else of it, such as its memory)."""
     if threads is not None:
         torch.set_num_threads(threads)
     for side in sides:  # untimed: first-call costs (allocations, MLX's compiled kernels) out of the rounds
-        side.prefill(prompts[0])
+        (warm or (lambda s, ids: s.prefill(ids)))(side, prompts[0])
     out = {s.name: Timed([[] for _ in prompts], [[] for _ in prompts], s.simulated) for s in sides}
     for r in range(repeats):
         order = [sides[(i + r) % len(sides)] for i in range(len(sides))]
