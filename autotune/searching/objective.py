@@ -80,6 +80,15 @@ def lazy_last(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: Dec
                                   None if energy is None else energy / prompts), split)
 
 
+def corrected(pred: PrefillPrediction, factors: dict[str, float]) -> PrefillPrediction:
+    """A prediction with each part's latency times its factor (the parts run one after another: the whole is their
+    sum); CPU-busy time and energy scaled as the latency is."""
+    parts = {p: ms * factors.get(p, 1.0) for p, ms in pred.parts_ms.items()}
+    scale = sum(parts.values()) / pred.latency_ms if pred.latency_ms > 0 else 1.0
+    return dataclasses.replace(pred, latency_ms=sum(parts.values()), cpu_ms=pred.cpu_ms * scale, parts_ms=parts,
+                               energy_mj=None if pred.energy_mj is None else pred.energy_mj * scale)
+
+
 def all_dense(backend: str, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int) -> DensePlacement:
     """Every dense function on `backend`, an attention function for every full chunk's context."""
     buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens)
@@ -109,17 +118,20 @@ def placement(sol: Solution, choice: DenseChoice | None, host: str) -> DensePlac
 
 @dataclass(frozen=True)
 class WholePrefill:
-    """The objective: the whole prefill of one `prompt_tokens` prompt of the model `shape` describes."""
+    """The objective: the whole prefill of one `prompt_tokens` prompt of the model `shape` describes; `factors`:
+    each part's correction from whole plans measured on this host (`measuring.feedback`; none: as priced)."""
     shape: DecoderShape
     prompt_tokens: int
+    factors: tuple[tuple[str, float], ...] = ()
 
     def price(self, sol: Solution, layers: list[LayerData], scorer: Scorer,
               choice: DenseChoice | None = None) -> PrefillPrediction:
         """A whole plan's prefill, predicted (`layers`: the traces at its chunk size, what its totals sum)."""
         prompts = prompts_in(layers, self.prompt_tokens)
-        return predict_prefill(scorer.cost, self.shape, self.prompt_tokens, sol.chunk_tokens,
+        pred = predict_prefill(scorer.cost, self.shape, self.prompt_tokens, sol.chunk_tokens,
                                expert_figures(sol, prompts), placement(sol, choice, host_of(scorer)),
                                lazy_last=lazy_last(sol, layers, scorer, self.shape, prompts))
+        return corrected(pred, dict(self.factors)) if self.factors else pred
 
     def cost(self, sol: Solution, layers: list[LayerData], scorer: Scorer, choice: DenseChoice | None,
              weights: Weights) -> float:
