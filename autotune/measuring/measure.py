@@ -25,6 +25,7 @@ from autotune.evaluation.gate import Candidate, GateSettings, run_gate
 from autotune.measuring.timing import clock_for, time_plans
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions
 from autotune.searching.scoring import Scorer
+from runtime.backends import registry
 from runtime.errors import NpumoeError
 from runtime.loading.compute_dtype import dtype_name
 from runtime.loading.model_record import ModelRecord
@@ -108,8 +109,15 @@ def time_trials(record: ModelRecord, trials: list[Trial], prompts: list[list[int
                        dtype=dtype_name(record.compute_dtype), engine=engine)
     clock = clock_for(threads)
     for t in trials:
-        t.simulated = timed[t.name].simulated
+        t.simulated = timed[t.name].simulated + dense_stand_ins(t.plan)
         t.measured_ms = None if t.simulated else timed[t.name].whole_ms(clock)
+
+
+def dense_stand_ins(plan: Plan) -> tuple[str, ...]:
+    """The backends the plan's dense functions name that this host runs through a stand-in (`timing.simulated_lanes`
+    names the groups' only), each as "name -> what runs it"."""
+    names = sorted(plan.dense.backends) if plan.dense is not None else []
+    return tuple(f"{n} -> {used}" for n in names if (used := registry.resolve(n).name) != n)
 
 
 def summary(trials: list[Trial], pick: Trial, predicted_pick: Trial, prompts: int, threads: int) -> dict:
