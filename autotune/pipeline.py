@@ -280,7 +280,7 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
     return SearchInputs(record, size, shape, prof, profile_name, cost, cache_state, trs, traces_path, prompt, chunks,
                         {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks},
                         Path(c.out) if c.out else default_plan_path(name, c.profile), [n for n in notes if n],
-                        not prof.published and not caught)
+                        not prof.published and not any(issubclass(w.category, ProfileHostWarning) for w in caught))
 
 
 @dataclass
