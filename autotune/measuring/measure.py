@@ -149,7 +149,7 @@ def candidates(outcome: SearchOutcome, scorer: Scorer, k: int) -> list[Solution]
     rows = [s for s in whole.candidates(at, outcome.dense.get(at.chunk_tokens), scorer, outcome.space,
                                         outcome.drop_budget, outcome.drop_rate, outcome.weights) if s.baseline]
     out, seen = [], set()
-    for i, sol in enumerate([outcome.best, *ranked_solutions(outcome, scorer), *rows]):
+    for sol in [outcome.best, *ranked_solutions(outcome, scorer), *rows]:
         key = (sol.chunk_tokens, sol.exact_partial, tuple(sol.configs), sol.dense)
         if key not in seen and (len(out) < k or sol.baseline):
             seen.add(key)
