@@ -19,7 +19,7 @@ def test_profile_this_host_then_search_writes_a_plan(tmp_path, monkeypatch):
     assert main(["calibrate", "--model", "tiny-moe", "--prompt-tokens", "256", "--max-tokens", "2048"]) == 0
     before = len(load_profile(host).records)
     assert main(["search", "--model", "tiny-moe", "--profile", str(host), "--trials", "5", "--no-gate",
-                 "--threads", "1", "--out", str(plan)]) == 0
+                 "--measure", "0", "--threads", "1", "--out", str(plan)]) == 0  # tests/test_measure.py measures
     after = load_profile(host)
     assert len(after.records) > before and any(key.startswith("tiny-moe") for key in after.settings["models"])
     report = json.loads(plan.with_suffix(".report.json").read_text())

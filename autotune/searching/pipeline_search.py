@@ -24,9 +24,9 @@ from autotune.costing.stage_prefill import kv_bytes_per_layer, stage_chunk_ms, s
 from autotune.costing.whole_prefill import DecoderShape, placement_of
 from autotune.profiling.profile import load_profile
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import prompts_in
 from autotune.searching.pipeline_plan import chunk_links, layer_times
 from autotune.searching.pipeline_split import balanced_split
-from autotune.searching.prefill_report import prompts_in
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits
