@@ -4,6 +4,7 @@ positive ratios, which baseline the plan is, the predictions where the plan's pr
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,17 @@ def test_bench_an_all_exact_plan_on_mlx_is_mlx_lm(q4, tmp_path, capsys):
     assert {s: v["is_plan"] for s, v in r["vs"].items()} == {"all-exact": True, "mlx-lm": True, "transformers": False}
     assert set(r["sides"]["plan"]["executed"]["experts"]) == {"mlx-exact"}
     assert all(v["predicted_latency"] is None for v in r["vs"].values())  # a template names no profile
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off a Mac the ane backend runs through its simulator")
+def test_bench_never_reports_a_simulator_as_a_device(q4, tmp_path, capsys):
+    """A plan's ane groups run on ane-sim here: the lanes say so, and no measured ratio against the plan is given as
+    a device's (only as the simulator's)."""
+    plan = _template(q4, tmp_path / "ane.json", "--backend", "ane")
+    r = _bench(capsys, q4, plan, "--decode-tokens", "0")
+    assert r["lanes"]["simulated"] == ["ane -> ane-sim"] and "ane-sim" not in r["lanes"]["real"]
+    for v in r["vs"].values():
+        assert v["latency"] is None and v["latency_through_simulator"] > 0 and v["simulated"] == ["ane -> ane-sim"]
 
 
 def test_bench_refuses_bad_input_in_one_line(q4, tmp_path, capsys):

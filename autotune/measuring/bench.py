@@ -272,6 +272,17 @@ def _ratio(side: float | None, plan: float | None) -> float | None:
     return None if side is None or not plan else round(side / plan, 4)
 
 
+def versus(side: dict, plan: dict, same: bool) -> dict:
+    """A baseline over the plan: measured, predicted, decode. Where either ran a lane through a simulator here, the
+    measured ratio is the simulator's (`latency_through_simulator`), never a device's: `latency` is None."""
+    measured = _ratio(side["measured_prefill_ms"], plan["measured_prefill_ms"])
+    simulated = sorted({*side["prefill"]["simulated"], *plan["prefill"]["simulated"]})
+    out = {"latency": None if simulated else measured,
+           "predicted_latency": _ratio(side["predicted_prefill_ms"], plan["predicted_prefill_ms"]),
+           "decode": _ratio(plan["decode_tok_s"], side["decode_tok_s"]), "is_plan": same}
+    return out | ({"simulated": simulated, "latency_through_simulator": measured} if simulated else {})
+
+
 def report(c: BenchConfig, plan: Plan, loaded: Sides, timed: dict[str, Timed], decode: dict, memory: dict,
            parts: dict, predicted: dict, prompt_tokens: int) -> dict:
     """The bench's JSON: each side measured beside predicted, and `vs` each baseline over the plan."""
@@ -290,10 +301,7 @@ def report(c: BenchConfig, plan: Plan, loaded: Sides, timed: dict[str, Timed], d
     mine["search_predicted"] = {k: own.get(k) for k in ("predicted_prefill_ms", "label")} | {
         "prompt_tokens": (plan.meta or {}).get("prompt_tokens"),
         "memory_gb": (own.get("memory") or {}).get("total_gb")} if own else None
-    vs = {name: {"latency": _ratio(s["measured_prefill_ms"], mine["measured_prefill_ms"]),
-                 "predicted_latency": _ratio(s["predicted_prefill_ms"], mine["predicted_prefill_ms"]),
-                 "decode": _ratio(mine["decode_tok_s"], s["decode_tok_s"]),
-                 "is_plan": is_plan(name, plan, loaded.engine)} for name, s in sides.items() if name != PLAN}
+    vs = {name: versus(s, mine, is_plan(name, plan, loaded.engine)) for name, s in sides.items() if name != PLAN}
     return {"model": c.model, "plan": str(c.plan), "engine": loaded.engine, "dtype": c.dtype, "threads": c.threads,
             "prompt_tokens": prompt_tokens, "prompts": c.prompts, "repeats": c.repeats,
             "decode_tokens": c.decode_tokens, "chunk_tokens": plan.chunk_tokens, "clock": clock,
