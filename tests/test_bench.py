@@ -63,6 +63,7 @@ def test_bench_a_static_plan_on_torch(q4, tmp_path, capsys):
     sides = r["sides"]
     assert sides["plan"]["predicted_prefill_ms"] > 0 and sides["mlx-lm"]["predicted_prefill_ms"] is None
     assert sides["all-exact"]["predicted_prefill_ms"] == sides["transformers"]["predicted_prefill_ms"] > 0
+    assert all(sides[s]["predicted"]["predicted_parts_ms"]["experts"] > 0 for s in ("plan", "all-exact"))  # routed
     assert r["vs"]["all-exact"]["predicted_latency"] > 0 and r["vs"]["mlx-lm"]["predicted_latency"] is None
     executed = sides["plan"]["executed"]
     assert "cpu-static" in executed["experts"]  # the groups ran on their backend
