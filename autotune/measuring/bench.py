@@ -68,11 +68,11 @@ class BenchConfig:
 
 @dataclass
 class Sides:
-    """The sides loaded for one bench: each side, its plan (None: not a plan), and the torch model whose routing
-    prices them (transformers' own)."""
+    """The sides loaded for one bench: each side, the plans among them, what each side runs on (`loaded`: a
+    baseline may share the all-exact side's model, with the plan uninstalled) and the baselines left out, with why."""
     engine: str
     sides: list[Side] = field(default_factory=list)
-    plans: dict[str, Plan | None] = field(default_factory=dict)
+    plans: dict[str, Plan] = field(default_factory=dict)
     loaded: dict[str, Loaded] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
 
@@ -183,14 +183,12 @@ def predictions(c: BenchConfig, record, loaded: Sides, routing: Routing, prompt_
     shape = decoder_shape(record)
     spec = loaded.plans[PLAN].model
     chunk = loaded.plans[PLAN].chunk_tokens
-    as_plans = {**loaded.plans,
+    as_plans = {**{name: (p, loaded.engine) for name, p in loaded.plans.items()},
                 MLX_LM: (template_plan(spec, chunk_tokens=chunk, exact=MLX_EXACT, grouped=False), "mlx"),
                 TRANSFORMERS: (template_plan(spec, chunk_tokens=chunk, grouped=False), "torch")}
     out: dict[str, dict | None] = {}
     for side in loaded.sides:
-        p, engine = as_plans[side.name] if isinstance(as_plans[side.name], tuple) else (as_plans[side.name],
-                                                                                        loaded.engine)
-        pred = predict_side(cost, p, engine, shape, routing, prompt_tokens, prompts)
+        pred = predict_side(cost, *as_plans[side.name], shape, routing, prompt_tokens, prompts)
         out[side.name] = None if pred is None else {
             "predicted_prefill_ms": round(pred.latency_ms, 3),
             "predicted_parts_ms": {k: round(v, 3) for k, v in pred.parts_ms.items()},
