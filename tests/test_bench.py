@@ -43,6 +43,7 @@ def _bench(capsys, q4: Path, plan: Path, *flags: str) -> dict:
 
 def _check_measured(r: dict) -> None:
     assert set(r["vs"]) == SIDES and set(r["sides"]) == SIDES | {"plan"} and r["threads"] == 1
+    assert r["decode_prompt_tokens"] == 48  # well within the context
     for side, v in r["vs"].items():
         assert set(v) >= {"latency", "predicted_latency", "is_plan"}
         assert v["latency"] > 0 and v["decode"] > 0, side

@@ -139,11 +139,18 @@ def run_bench(c: BenchConfig, progress: bool = True) -> dict:
               disable=not progress) as bar:
         timed = time_sides(loaded.sides, prompts, c.repeats, progress=bar.update,
                            warm=lambda side, ids: memory.setdefault(side.name, prefill_memory(side, ids)))
-    decode = time_decode(loaded.sides, prompts[0], c.decode_tokens, c.repeats) if c.decode_tokens > 1 else {}
+    decode_ids = decode_prompt(prompts[0], record.context, c.decode_tokens)
+    decode = time_decode(loaded.sides, decode_ids, c.decode_tokens, c.repeats) if c.decode_tokens > 1 else {}
     parts = {name: executed_parts(loaded.loaded[name], prompts[0]) for name in (PLAN, ALL_EXACT)}
     routing = transformers_routing(loaded, prompts, plan.chunk_tokens)
     predicted = predictions(c, record, loaded, routing, prompt_tokens, len(prompts))
-    return report(c, plan, loaded, timed, decode, memory, parts, predicted, prompt_tokens)
+    out = report(c, plan, loaded, timed, decode, memory, parts, predicted, prompt_tokens)
+    return out | {"decode_prompt_tokens": len(decode_ids)}
+
+
+def decode_prompt(ids: list[int], context: int | None, tokens: int) -> list[int]:
+    """The prompt decode is timed after: the first prompt, cut where the new tokens would pass the context."""
+    return ids if context is None else ids[:max(1, min(len(ids), context - tokens))]
 
 
 def executed_parts(loaded: Loaded, ids: list[int]) -> dict:
