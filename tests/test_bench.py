@@ -4,6 +4,7 @@ positive ratios, which baseline the plan is, the predictions where the plan's pr
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def _bench(capsys, q4: Path, plan: Path, *flags: str) -> dict:
 
 def _check_measured(r: dict) -> None:
     assert set(r["vs"]) == SIDES and set(r["sides"]) == SIDES | {"plan"} and r["threads"] == 1
+    assert r["decode_prompt_tokens"] == 48  # well within the context
     for side, v in r["vs"].items():
         assert set(v) >= {"latency", "predicted_latency", "is_plan"}
         assert v["latency"] > 0 and v["decode"] > 0, side
@@ -62,6 +64,7 @@ def test_bench_a_static_plan_on_torch(q4, tmp_path, capsys):
     sides = r["sides"]
     assert sides["plan"]["predicted_prefill_ms"] > 0 and sides["mlx-lm"]["predicted_prefill_ms"] is None
     assert sides["all-exact"]["predicted_prefill_ms"] == sides["transformers"]["predicted_prefill_ms"] > 0
+    assert all(sides[s]["predicted"]["predicted_parts_ms"]["experts"] > 0 for s in ("plan", "all-exact"))  # routed
     assert r["vs"]["all-exact"]["predicted_latency"] > 0 and r["vs"]["mlx-lm"]["predicted_latency"] is None
     executed = sides["plan"]["executed"]
     assert "cpu-static" in executed["experts"]  # the groups ran on their backend
@@ -79,6 +82,17 @@ def test_bench_an_all_exact_plan_on_mlx_is_mlx_lm(q4, tmp_path, capsys):
     assert {s: v["is_plan"] for s, v in r["vs"].items()} == {"all-exact": True, "mlx-lm": True, "transformers": False}
     assert set(r["sides"]["plan"]["executed"]["experts"]) == {"mlx-exact"}
     assert all(v["predicted_latency"] is None for v in r["vs"].values())  # a template names no profile
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off a Mac the ane backend runs through its simulator")
+def test_bench_never_reports_a_simulator_as_a_device(q4, tmp_path, capsys):
+    """A plan's ane groups run on ane-sim here: the lanes say so, and no measured ratio against the plan is given as
+    a device's (only as the simulator's)."""
+    plan = _template(q4, tmp_path / "ane.json", "--backend", "ane")
+    r = _bench(capsys, q4, plan, "--decode-tokens", "0")
+    assert r["lanes"]["simulated"] == ["ane -> ane-sim"] and "ane-sim" not in r["lanes"]["real"]
+    for v in r["vs"].values():
+        assert v["latency"] is None and v["latency_through_simulator"] > 0 and v["simulated"] == ["ane -> ane-sim"]
 
 
 def test_bench_refuses_bad_input_in_one_line(q4, tmp_path, capsys):

@@ -68,11 +68,11 @@ class BenchConfig:
 
 @dataclass
 class Sides:
-    """The sides loaded for one bench: each side, its plan (None: not a plan), and the torch model whose routing
-    prices them (transformers' own)."""
+    """The sides loaded for one bench: each side, the plans among them, what each side runs on (`loaded`: a
+    baseline may share the all-exact side's model, with the plan uninstalled) and the baselines left out, with why."""
     engine: str
     sides: list[Side] = field(default_factory=list)
-    plans: dict[str, Plan | None] = field(default_factory=dict)
+    plans: dict[str, Plan] = field(default_factory=dict)
     loaded: dict[str, Loaded] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
 
@@ -139,11 +139,18 @@ def run_bench(c: BenchConfig, progress: bool = True) -> dict:
               disable=not progress) as bar:
         timed = time_sides(loaded.sides, prompts, c.repeats, progress=bar.update,
                            warm=lambda side, ids: memory.setdefault(side.name, prefill_memory(side, ids)))
-    decode = time_decode(loaded.sides, prompts[0], c.decode_tokens, c.repeats) if c.decode_tokens > 1 else {}
+    decode_ids = decode_prompt(prompts[0], record.context, c.decode_tokens)
+    decode = time_decode(loaded.sides, decode_ids, c.decode_tokens, c.repeats) if c.decode_tokens > 1 else {}
     parts = {name: executed_parts(loaded.loaded[name], prompts[0]) for name in (PLAN, ALL_EXACT)}
     routing = transformers_routing(loaded, prompts, plan.chunk_tokens)
     predicted = predictions(c, record, loaded, routing, prompt_tokens, len(prompts))
-    return report(c, plan, loaded, timed, decode, memory, parts, predicted, prompt_tokens)
+    out = report(c, plan, loaded, timed, decode, memory, parts, predicted, prompt_tokens)
+    return out | {"decode_prompt_tokens": len(decode_ids)}
+
+
+def decode_prompt(ids: list[int], context: int | None, tokens: int) -> list[int]:
+    """The prompt decode is timed after: the first prompt, cut where the new tokens would pass the context."""
+    return ids if context is None else ids[:max(1, min(len(ids), context - tokens))]
 
 
 def executed_parts(loaded: Loaded, ids: list[int]) -> dict:
@@ -183,14 +190,12 @@ def predictions(c: BenchConfig, record, loaded: Sides, routing: Routing, prompt_
     shape = decoder_shape(record)
     spec = loaded.plans[PLAN].model
     chunk = loaded.plans[PLAN].chunk_tokens
-    as_plans = {**loaded.plans,
+    as_plans = {**{name: (p, loaded.engine) for name, p in loaded.plans.items()},
                 MLX_LM: (template_plan(spec, chunk_tokens=chunk, exact=MLX_EXACT, grouped=False), "mlx"),
                 TRANSFORMERS: (template_plan(spec, chunk_tokens=chunk, grouped=False), "torch")}
     out: dict[str, dict | None] = {}
     for side in loaded.sides:
-        p, engine = as_plans[side.name] if isinstance(as_plans[side.name], tuple) else (as_plans[side.name],
-                                                                                        loaded.engine)
-        pred = predict_side(cost, p, engine, shape, routing, prompt_tokens, prompts)
+        pred = predict_side(cost, *as_plans[side.name], shape, routing, prompt_tokens, prompts)
         out[side.name] = None if pred is None else {
             "predicted_prefill_ms": round(pred.latency_ms, 3),
             "predicted_parts_ms": {k: round(v, 3) for k, v in pred.parts_ms.items()},
@@ -272,6 +277,17 @@ def _ratio(side: float | None, plan: float | None) -> float | None:
     return None if side is None or not plan else round(side / plan, 4)
 
 
+def versus(side: dict, plan: dict, same: bool) -> dict:
+    """A baseline over the plan: measured, predicted, decode. Where either ran a lane through a simulator here, the
+    measured ratio is the simulator's (`latency_through_simulator`), never a device's: `latency` is None."""
+    measured = _ratio(side["measured_prefill_ms"], plan["measured_prefill_ms"])
+    simulated = sorted({*side["prefill"]["simulated"], *plan["prefill"]["simulated"]})
+    out = {"latency": None if simulated else measured,
+           "predicted_latency": _ratio(side["predicted_prefill_ms"], plan["predicted_prefill_ms"]),
+           "decode": _ratio(plan["decode_tok_s"], side["decode_tok_s"]), "is_plan": same}
+    return out | ({"simulated": simulated, "latency_through_simulator": measured} if simulated else {})
+
+
 def report(c: BenchConfig, plan: Plan, loaded: Sides, timed: dict[str, Timed], decode: dict, memory: dict,
            parts: dict, predicted: dict, prompt_tokens: int) -> dict:
     """The bench's JSON: each side measured beside predicted, and `vs` each baseline over the plan."""
@@ -290,10 +306,7 @@ def report(c: BenchConfig, plan: Plan, loaded: Sides, timed: dict[str, Timed], d
     mine["search_predicted"] = {k: own.get(k) for k in ("predicted_prefill_ms", "label")} | {
         "prompt_tokens": (plan.meta or {}).get("prompt_tokens"),
         "memory_gb": (own.get("memory") or {}).get("total_gb")} if own else None
-    vs = {name: {"latency": _ratio(s["measured_prefill_ms"], mine["measured_prefill_ms"]),
-                 "predicted_latency": _ratio(s["predicted_prefill_ms"], mine["predicted_prefill_ms"]),
-                 "decode": _ratio(mine["decode_tok_s"], s["decode_tok_s"]),
-                 "is_plan": is_plan(name, plan, loaded.engine)} for name, s in sides.items() if name != PLAN}
+    vs = {name: versus(s, mine, is_plan(name, plan, loaded.engine)) for name, s in sides.items() if name != PLAN}
     return {"model": c.model, "plan": str(c.plan), "engine": loaded.engine, "dtype": c.dtype, "threads": c.threads,
             "prompt_tokens": prompt_tokens, "prompts": c.prompts, "repeats": c.repeats,
             "decode_tokens": c.decode_tokens, "chunk_tokens": plan.chunk_tokens, "clock": clock,
