@@ -274,7 +274,7 @@ def test_rows_widened_to_float32_widen_only_a_block_of_experts_at_a_time():
     use, a block of WIDEN_BYTES at a time: the same output, bit for bit, for under half the experts' bytes."""
     import transformers
 
-    from runtime.mlx.mlx_exact import WIDEN_BYTES
+    from runtime.mlx.formats import WIDEN_BYTES
 
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, num_experts=64,

@@ -26,10 +26,9 @@ import torch
 
 from runtime.cpu.quantized import PackedWeight, QuantizedExperts
 from runtime.errors import NpumoeError
-from runtime.mlx.formats import NAME, check_format
+from runtime.mlx.formats import NAME, WIDEN_BYTES, check_format
 from runtime.stats import LayerStats
 
-WIDEN_BYTES = 64 << 20  # float32 weights widened at once for rows computed in float32 (`_Full`)
 SORT_FROM = 64  # assignments from which a decode step's rows are sorted by expert (mlx-lm's SwitchGLU: indices >= 64)
 ACTIVATIONS = {"SiLUActivation": lambda x: x * mx.sigmoid(x), "SiLU": lambda x: x * mx.sigmoid(x),
                "GELUActivation": lambda x: 0.5 * x * (1 + mx.erf(x / np.sqrt(2.0)))}
