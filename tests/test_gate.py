@@ -207,9 +207,9 @@ print(json.dumps({"gate_mb": peak_rss_mb() - loaded, "predicted_mb": gate["predi
 def test_the_gates_peak_does_not_grow_with_its_candidates():
     """tiny-moe, one round of 2 and of 4 candidates (ane groups on ane-sim, sharing their experts as stored,
     overflow dropped; the exact path on mlx-exact where MLX is installed) over two 1024-token prompts in chunks of
-    1024, each in a fresh process: the gate's peak over the loaded model's RSS is the same within 5% (every candidate's chunk of logits
-    was held at once: +6.7% from 2 to 4 measured before; now the reference's chunk and one candidate's, and a KV
-    cache per side, 2 MB each here). Its prediction grows by those KV caches alone."""
+    1024, each in a fresh process: the gate's peak over the loaded model's RSS is the same within 5% (every
+    candidate's chunk of logits was held at once: +6.7% from 2 to 4 measured before; now the reference's chunk and
+    one candidate's, and a KV cache per side, 2 MB each here). Its prediction grows by those KV caches alone."""
     import os
     import subprocess
     import sys
