@@ -50,6 +50,13 @@ class LayerExecutor:
         # Set by a PlanExecutor: the calling thread's phase and sequences, and this layer's stats per phase.
         self.context: ForwardContext | None = None
         self.phase_stats: dict[str, LayerStats] = {}
+        # The layer's exact paths, the plan's first (spills, decode steps, cold experts), then its exact_split's;
+        # `path_of[e]`: which one runs expert e's exact assignments. Prepared before the groups: a path that moves
+        # the experts (mlx-exact: into MLX's memory, the largest tensor held twice for a moment) peaks before a
+        # group's backend adds its own weights (ane-sim's fp16 experts), not on top of them
+        names = [plan.exact_path, *(p for p in (layer_plan.exact_split or {}) if p != plan.exact_path)]
+        paths = {p: (exact_paths or {}).get(p) or registry.resolve_exact(p) for p in names}
+        self.paths = [(paths[p].name, paths[p].prepare(module)) for p in names]
         self.base = torch.full((n,), -1, dtype=torch.long)  # first packed row of each grouped expert
         self.cap = torch.zeros(n, dtype=torch.long)
         self.group_of = torch.full((n,), -1, dtype=torch.long)
@@ -64,11 +71,6 @@ class LayerExecutor:
                 row += c
             self.groups.append((backend.name, fn, row - g.slots, row))
         self.slots = row
-        # The layer's exact paths, the plan's first (spills, decode steps, cold experts), then its exact_split's;
-        # `path_of[e]`: which one runs expert e's exact assignments.
-        names = [plan.exact_path, *(p for p in (layer_plan.exact_split or {}) if p != plan.exact_path)]
-        paths = {p: (exact_paths or {}).get(p) or registry.resolve_exact(p) for p in names}
-        self.paths = [(paths[p].name, paths[p].prepare(module)) for p in names]
         self.path_of = torch.zeros(n, dtype=torch.long)
         for i, p in enumerate(names[1:], 1):
             self.path_of[(layer_plan.exact_split or {})[p]] = i

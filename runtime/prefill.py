@@ -15,10 +15,11 @@ def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
     ids = input_ids.reshape(1, -1)
     keep = {"logits_to_keep": 1} if last_logits_only else {}
     for start in range(0, ids.shape[1], chunk_tokens):
-        out = model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)
-        cache = out.cache
-        yield out
-        del out  # the caller holds it if it wants it: the next chunk's forward must not hold its logits as well
+        held = [model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)]
+        cache = held[0].cache
+        # suspended here, nothing of the output is held (popped as it goes): the caller's drop lets its logits go
+        # before the next chunk's forward, and before other generators' forwards between
+        yield held.pop()
 
 
 def exact_tail(prompt_tokens: int, boundary: int, chunk_tokens: int, exact_below: int) -> bool:

@@ -161,7 +161,8 @@ def test_mlx_folder_predicted_as_loaded(tmp_path):
 
 def test_stage_predictions_count_what_each_stage_holds(model):
     """calibrate runs the decoder stack alone and keeps its traces; the search's gate holds the reference and K
-    candidates side by side (a KV cache and a chunk's logits each) and 7 x 64 rows of fp32 logits."""
+    candidates side by side (a KV cache each), the reference's chunk of logits and one candidate's (however many
+    candidates), and 7 x 64 rows of fp32 logits."""
     size = ModelSize.of(model)
     cal = stage_memory(size, "calibrate", 32, 100, tokens=1000)
     traces = 1000 * LAYERS * (2 * 6 + 4)  # per MoE layer and token: top-2 ids (int16) and weights (fp32), a norm
@@ -169,7 +170,11 @@ def test_stage_predictions_count_what_each_stage_holds(model):
     assert cal.kv_cache == 100 * size.kv_bytes_per_token and cal.ane_packages == 0
     search = stage_memory(size, "search", 32, 100, gate_candidates=4)
     assert search.kv_cache == 5 * cal.kv_cache
-    assert search.activations - (cal.activations - traces) == 5 * 32 * size.vocab * 4 + 4 * 7 * 64 * size.vocab
+    assert search.activations - (cal.activations - traces) == 2 * 32 * size.vocab * 4 + 4 * 7 * 64 * size.vocab
+    two = stage_memory(size, "search", 32, 100, gate_candidates=2)
+    assert two.activations == search.activations and search.total - two.total == 2 * cal.kv_cache
+    assert dict(search.terms)["logits_reference_and_one_candidate"] == 2 * 32 * size.vocab * 4
+    assert sum(v for k, v in search.terms if k != "mlx_move_moment") == search.total  # no mlx-exact: no move
     plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
     assert stage_memory(size, "search", 32, 100, plan=plan).ane_packages == LAYERS * E * 3 * H * F * 2
     with pytest.raises(NpumoeError, match="^stage 'run': calibrate or search"):

@@ -265,3 +265,35 @@ def test_every_executor_reads_one_copy_of_the_experts(folder, q4):
     four = mx.get_active_memory() - before
     assert one > 0 and four <= 1.1 * one, (one, four)
     assert len(executors) == 4
+
+
+def test_rows_widened_to_float32_widen_only_a_block_of_experts_at_a_time():
+    """MLX's CPU kernels accumulate in the rows' dtype, so bf16 experts there compute float32 rows (`widen`):
+    gather_mm promoted the whole weight to float32 at every call, 2x the layer's bf16 experts of MLX memory for a
+    moment (the Qwen3-30B-A3B twin's gate: MLX's peak 3.5 GB for 1.15 GB of experts). Now only the experts the rows
+    use, a block of WIDEN_BYTES at a time: the same output, bit for bit, for under half the experts' bytes."""
+    import transformers
+
+    from runtime.mlx.formats import WIDEN_BYTES
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, num_experts=64,
+                                         num_experts_per_tok=4, num_hidden_layers=1, num_attention_heads=8,
+                                         num_key_value_heads=2, head_dim=64, vocab_size=256, intermediate_size=512)
+    experts = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval().model.layers[0].mlp.experts
+    held = 64 * 3 * 1024 * 512 * 2  # 192 MiB in bf16: a gate_up block of 16 experts is WIDEN_BYTES in float32
+    layer = MlxExactLayer(experts)
+    layer.widen = True  # as on MLX's CPU device (a Mac's GPU accumulates in float32 and never widens)
+    x = torch.randn(256, 1024).bfloat16()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    ours = layer.run(x, list(range(64)), [4] * 64)
+    transient = mx.get_peak_memory() - before
+    assert WIDEN_BYTES < transient < 0.6 * held, (transient, held)  # whole: 2.0x held (388.5 MiB measured)
+
+    ids = mx.array(np.repeat(np.arange(64, dtype=np.uint32), 4))  # what the whole promotion computed
+    gate_up = mx.gather_mm(mx.array(x.float().numpy())[:, None, :], layer.gate_up.wt.astype(mx.float32),
+                           rhs_indices=ids, sorted_indices=True)
+    whole = mx.gather_mm(layer.act(gate_up[..., :512]) * gate_up[..., 512:], layer.down.wt.astype(mx.float32),
+                         rhs_indices=ids, sorted_indices=True)[:, 0, :].astype(mx.bfloat16).astype(mx.float32)
+    assert torch.equal(ours.float(), torch.from_numpy(np.array(whole)))

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from runtime.errors import NpumoeError
 from runtime.loading.model_config import head_dim
 from runtime.loading.model_record import ModelRecord
 from runtime.mlx.formats import NAME as MLX_EXACT
+from runtime.mlx.formats import WIDEN_BYTES
 from runtime.plan import Plan
 
 GB = 1e9
@@ -212,6 +214,18 @@ def ane_package_bytes(plan: Plan, simulated: bool = False) -> int:
     return sum(stored.values())
 
 
+def simulated_expert_bytes(plans: list[Plan]) -> int:
+    """What one host simulator (`runtime.coreml.ane_sim`, one per gate round) holds for `plans` together: each
+    distinct (layer, expert, compression) of their ane groups once, decompressed in fp16 (candidates that share an
+    expert as stored share its weights)."""
+    if not plans:
+        return 0
+    held = {(lp.layer, e, g.compression) for p in plans for lp in p.layers for g in lp.groups
+            if is_coreml_function(g.backend) for e in g.experts}
+    return len(held) * ane_limits.expert_weight_bytes(plans[0].model.hidden_size, plans[0].model.expert_ffn_size,
+                                                      "none")
+
+
 def dense_function_bytes(plan: Plan, size: ModelSize, simulated: bool = False) -> int:
     """Bytes of the plan's dense functions on a Core ML backend, in its packages: each placed function's matrices as
     its `compress` stores them (vectors, a few KB, left out). `simulated`: on the host's simulator instead, which
@@ -257,10 +271,12 @@ class MemoryPrediction:
     cpu_experts: int = 0  # of cpu_weights: the experts, in the CPU storage
     cpu_storage: str = "bf16"
     cpu_copy_of_ane_resident: int = 0  # of cpu_experts: the ANE-resident experts' one CPU copy
+    transient: int = 0  # a moment of its own (never beside the activations) past the other parts' peak
+    terms: tuple[tuple[str, int], ...] = ()  # the parts as a stage's memory trace names them (search: `gate_terms`)
 
     @property
     def total(self) -> int:
-        return self.cpu_weights + self.ane_packages + self.activations + self.kv_cache + self.runtime
+        return self.cpu_weights + self.ane_packages + self.activations + self.kv_cache + self.runtime + self.transient
 
     @property
     def fixed(self) -> int:
@@ -270,7 +286,8 @@ class MemoryPrediction:
     def to_json(self) -> dict:
         parts = {"cpu_weights_bytes": self.cpu_weights, "ane_package_bytes": self.ane_packages,
                  "activations_bytes": self.activations, "kv_cache_bytes": self.kv_cache,
-                 "runtime_bytes": self.runtime}
+                 "runtime_bytes": self.runtime, **({"transient_bytes": self.transient} if self.transient else {}),
+                 **({"terms_bytes": dict(self.terms)} if self.terms else {})}
         return {"total_gb": round(self.total / GB, 4), "total_bytes": self.total, **parts,
                 "cpu_dense_bytes": self.cpu_weights - self.cpu_experts, "cpu_expert_bytes": self.cpu_experts,
                 "cpu_storage": self.cpu_storage, "cpu_copy_of_ane_resident_bytes": self.cpu_copy_of_ane_resident,
@@ -287,12 +304,29 @@ class MemoryPrediction:
                 f"{self.prompt_tokens} tokens {self.kv_cache / GB:.3f}, runtime {self.runtime / GB:.2f})")
 
 
+def runs_mlx_exact(plans: list[Plan]) -> bool:
+    """Some plan runs experts on mlx-exact (its exact path, or a layer's exact_split)."""
+    return any(p.exact == MLX_EXACT or any(MLX_EXACT in (lp.exact_split or {}) for lp in p.layers) for p in plans)
+
+
+def mlx_widen_bytes(size: ModelSize, plans: list[Plan]) -> int:
+    """What one mlx-exact call holds past its rows where they compute in float32 (MLX's CPU device, off a Mac:
+    `runtime/mlx/mlx_exact.py` `_Full`): one projection's used experts widened to float32, WIDEN_BYTES of them at
+    a time (at most a layer's fused gate and up), and the full-width experts taken to make them. Packed experts
+    dequantize inside gather_qmm: none."""
+    if sys.platform == "darwin" or size.storage != "bf16" or not runs_mlx_exact(plans) or not size.experts_per_layer:
+        return 0
+    per_expert = 4 * 2 * size.expert_ffn * size.hidden  # fused gate and up, float32
+    widened = min(max(1, WIDEN_BYTES // per_expert), size.experts_per_layer) * per_expert
+    return widened + widened * size.dtype_bytes // 4
+
+
 def mlx_move_bytes(size: ModelSize, plans: list[Plan]) -> int:
     """The transient of moving torch's experts into MLX's memory where a plan's exact path is mlx-exact on torch's
     model (`runtime/mlx/mlx_exact.py` `_held`): its largest tensor is held twice until torch's copy is dropped, one
     layer's fused gate and up at full width (2/3 of its experts; measured on the Qwen3-30B-A3B twin in bf16: peak
     RSS +790 MB for 805 MB), a packed projection's codes otherwise (1/3)."""
-    if not any(p.exact == MLX_EXACT for p in plans) or not size.experts_per_layer:
+    if not runs_mlx_exact(plans) or not size.experts_per_layer:
         return 0
     moe_layers = size.expert_weights // max(1, size.experts_per_layer * 3 * size.hidden * size.expert_ffn)
     per_layer = size.expert_bytes // max(1, moe_layers)
@@ -370,12 +404,13 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
 
     - `calibrate`: the decoder stack alone per chunk (routing is all it records: no logits), and the traces of
       `tokens` tokens it keeps (per MoE layer and token: top-k expert ids as int16 and weights as fp32, a norm);
-    - `search`, its fidelity gate: the unmodified model and `gate_candidates` plans side by side over each prompt,
-      each with its own KV cache and one chunk's logits, COMPARED_ROWS positions of fp32 logits and
-      log-probabilities of the reference and of a candidate at a time; the padded static slots of `plan` (the
-      written plan, where known; or a gate round's candidates, measured side by side: the most slots of them)
-      and its ane groups and dense functions on the host's simulator (experts in fp16, dense matrices in fp32;
-      a round's together, an expert two of them share counted twice: a bound).
+    - `search`, its fidelity gate (`_gate_memory`): the unmodified model and `gate_candidates` plans side by side
+      over each prompt, each with its own KV cache, the reference's chunk of logits and one candidate's at a time,
+      COMPARED_ROWS positions of fp32 logits and log-probabilities at a time; the padded static slots of `plan` (the
+      written plan, where known; or a gate round's candidates, measured side by side: the most slots of them) and
+      its ane groups and dense functions on the host's simulator (experts in fp16, each distinct one of a round
+      once; dense matrices in fp32, a round's together: a bound); where a candidate runs mlx-exact, the
+      experts held once (in MLX's memory, torch reading a view), a block widened per call, and their move.
 
     `run` and `generate` are a plan's own prediction (`predict_memory`)."""
     chunk = min(chunk_tokens, prompt_tokens)
@@ -391,13 +426,31 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
         return MemoryPrediction(dense + experts, 0, activations, kv, RUNTIME_BYTES, chunk, prompt_tokens, experts,
                                 size.storage)
     if stage == "search":
-        sides = 1 + gate_candidates
-        # fp32 rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's
-        # three temporaries (exp, difference, product)
-        slots = max((sum(g.slots for g in lp.groups) for p in plans for lp in p.layers), default=0) or None
-        activations = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=7 * COMPARED_ROWS,
-                                       chunk_logits=sides)
-        ane = sum(ane_package_bytes(p, simulated=True) + dense_function_bytes(p, size, simulated=True) for p in plans)
-        return MemoryPrediction(dense + experts, ane, activations + mlx_move_bytes(size, plans), sides * kv,
-                                RUNTIME_BYTES, chunk, prompt_tokens, experts, size.storage)
+        return _gate_memory(size, chunk, prompt_tokens, gate_candidates, plans, dense, experts)
     raise NpumoeError(f"stage {stage!r}: calibrate or search (run and generate: predict_memory of the plan)")
+
+
+def _gate_memory(size: ModelSize, chunk: int, prompt_tokens: int, candidates: int, plans: list[Plan], dense: int,
+                 experts: int) -> MemoryPrediction:
+    """The search stage's peak (`stage_memory`), with its terms named as the gate's memory trace finds them."""
+    sides = 1 + candidates
+    slots = max((sum(g.slots for g in lp.groups) for p in plans for lp in p.layers), default=0) or None
+    layer = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=0, chunk_logits=0)
+    # the reference's chunk of logits and one candidate's (evaluation/fidelity.py compares one at a time); fp32
+    # rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's three
+    # temporaries (exp, difference, product)
+    logits, rows = 2 * chunk * size.vocab * size.dtype_bytes, 4 * 7 * COMPARED_ROWS * size.vocab
+    widen = mlx_widen_bytes(size, plans)
+    ane = simulated_expert_bytes(plans) + sum(dense_function_bytes(p, size, simulated=True) for p in plans)
+    kv = sides * size.kv_bytes_per_token * prompt_tokens
+    # the move into MLX's memory peaks while the executors are built, before any comparison (each layer's exact
+    # path before its groups: the simulator's weights of the layers before it beside it): a moment of its own
+    move = mlx_move_bytes(size, plans)
+    before = ane * (size.layers - 1) // max(1, size.layers)
+    transient = max(0, move + before - (ane + layer + logits + rows + widen + kv))
+    terms = (("dense_weights", dense), ("experts_held_once", experts), ("ane_sim_weights", ane),
+             ("layer_working_set", layer), ("logits_reference_and_one_candidate", logits),
+             ("compared_rows_fp32", rows), ("mlx_widened_block", widen), ("kv_caches_every_side", kv),
+             ("mlx_move_moment", move), ("runtime", RUNTIME_BYTES))
+    return MemoryPrediction(dense + experts, ane, layer + logits + rows + widen, kv, RUNTIME_BYTES, chunk,
+                            prompt_tokens, experts, size.storage, transient=transient, terms=terms)

@@ -32,13 +32,11 @@ ChunkLogits = Callable[[torch.Tensor, int], Iterator[torch.Tensor]]
 
 
 def torch_chunk_logits(model: torch.nn.Module) -> ChunkLogits:
-    """The torch spine's `ChunkLogits` (`prefill_chunks` of the transformers model)."""
+    """The torch spine's `ChunkLogits` (`prefill_chunks` of the transformers model). Suspended between chunks, it
+    holds none of the chunk it gave (`yield from` a map: no local of its own keeps the logits): the caller's drop
+    lets them go, so candidates prefilled side by side hold one chunk's logits at a time, not one each."""
     def chunks(prompt: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-        for out in prefill_chunks(model, prompt, chunk):
-            logits = out.logits[0]
-            del out  # nothing of this chunk is held here into the next one's forward (the caller drops its own)
-            yield logits
-            del logits
+        yield from map(lambda out: out.logits[0], prefill_chunks(model, prompt, chunk))
 
     return chunks
 
@@ -61,7 +59,8 @@ def evaluate_plan(executor: PlanExecutor, ids: torch.Tensor, prompt_tokens: int,
 def compare_plans(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: int,
                   progress: bool = True, chunk_logits: ChunkLogits | None = None) -> list[dict]:
     """Each executor's plan (all on one model) against the unmodified model, on the same prompts: the reference
-    runs once per chunk size and prompt, side by side with every plan of that chunk size."""
+    runs once per chunk size and prompt, side by side with every plan of that chunk size, whose chunks are compared
+    one plan at a time (the logits held do not grow with the plans)."""
     chunk_logits = chunk_logits or torch_chunk_logits(executors[0].model)
     out: list[dict] = [{} for _ in executors]
     by_chunk: dict[int, list[int]] = {}
@@ -86,8 +85,10 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
         prompt = ids[start:start + prompt_tokens]
         if prompt.numel() < 2:
             continue
-        # Chunk by chunk, the unmodified model and each planned one side by side (each with its own cache): only
-        # one chunk's logits of each are held, never the prompt's [tokens, vocab].
+        # Chunk by chunk, the unmodified model and each planned one side by side (each with its own cache): the
+        # reference's chunk of logits is held while each candidate's is computed, compared and let go before the
+        # next candidate's forward, so the logits held are two chunks' however many candidates there are (never
+        # the prompt's [tokens, vocab])
         ref_chunks = chunk_logits(prompt, chunk)
         plan_chunks = [chunk_logits(prompt, chunk) for _ in executors]
         scale = 0.0
@@ -95,30 +96,18 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
             for s in range(0, prompt.numel(), chunk):
                 with executors[0].applied(False):
                     ref_out = next(ref_chunks)
-                outs = []
-                for ex, gen in zip(executors, plan_chunks):
+                target = prompt[s + 1:s + ref_out.shape[0] + 1]
+                nll, top = _reference_figures(ref_out, target)
+                nll_ref, scale = nll_ref + nll, max(scale, top)
+                for t, ex, gen in zip(tallies, executors, plan_chunks):
                     with ex.applied(True):
-                        outs.append(next(gen))
-                n = ref_out.shape[0]
-                for r in range(0, n, ROWS):  # fp32 temporaries for ROWS positions at a time, not the chunk's
-                    ref = ref_out[r:r + ROWS].float()
-                    ref_logp = F.log_softmax(ref, -1)
-                    target = prompt[s + r + 1:s + min(n, r + ROWS) + 1]
-                    nll_ref += float(F.nll_loss(ref_logp[:target.numel()], target, reduction="sum"))
-                    top1, scale = ref.argmax(-1), max(scale, float(ref.abs().max()))
-                    for t, o in zip(tallies, outs):
-                        got = o[r:r + ROWS].float()
-                        logp = F.log_softmax(got, -1)
-                        t.nll += float(F.nll_loss(logp[:target.numel()], target, reduction="sum"))
-                        t.agree += int((top1 == got.argmax(-1)).sum())
-                        t.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())  # KL(reference || plan)
-                        t.diff = max(t.diff, float((got - ref).abs().max()))
-                    del ref, ref_logp, got, logp  # 4 x ROWS fp32 rows of the vocabulary: not into the next forward
-                del ref_out, outs, o  # `o`, the loop's last output, would hold a candidate's logits as well
-                release_freed_heap()  # as calibrate does per chunk: the heap's high-water mark stays one chunk's
-        # a generator suspended at its last chunk still holds that output (logits, cache): every side's, 0.31 GB
-        # each for a 1024-token chunk of a 152k vocabulary in bf16, into the next prompt's forwards (measured on
-        # the Qwen3-30B-A3B twin: the gate's peak 0.45 GB over its prediction); closed, they let it go now
+                        out = next(gen)
+                    _tally(t, ref_out, out, target)
+                    del out
+                    release_freed_heap()  # as calibrate does per chunk: the heap's high-water mark stays one chunk's
+                del ref_out
+                release_freed_heap()
+        # each side's generator still holds its KV cache: closed, they let it go before the next prompt's forwards
         for gen in (ref_chunks, *plan_chunks):
             gen.close()
         release_freed_heap()
@@ -131,3 +120,27 @@ def _compare(executors: list[PlanExecutor], ids: torch.Tensor, prompt_tokens: in
              "ppl_plan": math.exp(t.nll / n), "ppl_delta_rel": math.exp(t.nll / n) / ppl_ref - 1.0,
              "top1_agreement": t.agree / predicted, "kl_mean": t.kl / predicted,
              "max_rel_diff_vs_reference": t.worst} for t in tallies]
+
+
+def _reference_figures(ref_out: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:
+    """The reference chunk's summed next-token NLL over `target` and its largest |logit|, ROWS positions at a time."""
+    nll, scale = 0.0, 0.0
+    for r in range(0, ref_out.shape[0], ROWS):
+        ref = ref_out[r:r + ROWS].float()
+        rows = target[r:r + ROWS]
+        nll += float(F.nll_loss(F.log_softmax(ref, -1)[:rows.numel()], rows, reduction="sum"))
+        scale = max(scale, float(ref.abs().max()))
+    return nll, scale
+
+
+def _tally(t: _Tally, ref_out: torch.Tensor, out: torch.Tensor, target: torch.Tensor) -> None:
+    """A candidate's chunk `out` against the reference's, added to `t`: fp32 temporaries (7 x ROWS rows of the
+    vocabulary: both logits and log-probabilities, the KL's three) for ROWS positions at a time, not the chunk's."""
+    for r in range(0, ref_out.shape[0], ROWS):
+        ref, got = ref_out[r:r + ROWS].float(), out[r:r + ROWS].float()
+        ref_logp, logp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
+        rows = target[r:r + ROWS]
+        t.nll += float(F.nll_loss(logp[:rows.numel()], rows, reduction="sum"))
+        t.agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        t.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())  # KL(reference || plan)
+        t.diff = max(t.diff, float((got - ref).abs().max()))

@@ -6,6 +6,9 @@ from runtime.errors import NpumoeError
 from runtime.plan import Plan
 
 NAME = "mlx-exact"
+# Float32 weights one mlx-exact call widens at a time where its rows compute in float32 (MLX's CPU device):
+# `mlx_exact._Full`, and the gate's predicted peak (autotune/costing/memory.py `mlx_widen_bytes`)
+WIDEN_BYTES = 64 << 20
 # The dense functions (a plan's `dense` layers: qkv, o_proj, attention, mlp) the MLX spine runs on a static backend,
 # spliced into mlx-lm's forward; a plan whose dense half is priced on MLX places only these (the search), and the
 # spine refuses others.
