@@ -14,7 +14,8 @@ from autotune.costing.whole_prefill import (
     roofline_ms,
 )
 from autotune.searching.layer_data import LayerData
-from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, solution
+from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
+from autotune.searching.overlap_choice import Candidate, best_overlapped, expert_steps, with_steps
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
@@ -97,12 +98,33 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
     return out
 
 
-def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> dict:
+def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape,
+                       prompt_tokens: int) -> list[Candidate]:
+    """Each chunk size's solved plan as a candidate for two chunks in flight (`overlap_choice`)."""
+    out = []
+    for chunk, found in sorted(outcome.chunks.items()):
+        if found.best is None:
+            continue
+        prompts = prompts_in(found.layers, prompt_tokens)
+        experts = with_steps(expert_figures(found.best, prompts), expert_steps(found.best, found.layers, scorer,
+                                                                               prompts))
+        choice = outcome.dense.get(chunk)
+        out.append(Candidate(chunk, experts, choice.placement if choice else DensePlacement(host=scorer.exact),
+                             lazy_last(found.best, found.layers, scorer, shape, prompts),
+                             resident_bytes(found.best, scorer.hidden, scorer.ffn)))
+    return out
+
+
+def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                  in_flight: int = 1) -> dict:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time), `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the
     plan's is 0), `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the throughput of the
     ANE, the CPU and the GPU together; None where no lane's fit prices FLOPs) and `tradeoff` (the candidate plans'
-    latency and energy)."""
+    latency and energy). With `in_flight` 2 the plan runs two chunks in flight: each chunk size's plan with its
+    dense half chosen again under the schedule (`overlap_choice`) at no more energy than the GPU alone's, its latency
+    the schedule's and `predicted_schedule` each unit's busy and idle ms; `one_in_flight_ms`: the search's plan as a
+    chain."""
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
     prompts = prompts_in(layers, prompt_tokens)
@@ -129,12 +151,19 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                                      expert_figures(sol, prompts_in(at, prompt_tokens)), place)
     if scorer.splits_exact:  # at the plan's chunk size (mlx-lm's prefill step is 2048)
         base["mlx-gpu"] = mlx_gpu_prefill(scorer, shape, layers, prompt_tokens)
+    placement, one = choice.placement if choice else DensePlacement(), {}
+    if in_flight > 1:
+        cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
+        over = best_overlapped(scorer, shape, prompt_tokens, overlap_candidates(outcome, scorer, shape, prompt_tokens),
+                               in_flight, cap)
+        plan, placement, one = over.prediction, over.placement, {"one_in_flight_ms": plan.latency_ms}
     roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
-            "dense_placement": placement_json(choice.placement if choice else DensePlacement(), prompt_tokens, chunk),
+            "dense_placement": placement_json(placement, prompt_tokens, plan.chunk_tokens), "in_flight": in_flight,
+            **one,
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], **b.to_json()} for name, b in base.items()},
             "vs": vs,
             "over_roofline_whole": plan.latency_ms / roof if roof else None,

@@ -1,0 +1,137 @@
+"""Two chunks in flight, chosen: the experts' steps of a search's solution per unit (what `schedule` queues), and
+the dense half's placement chosen again under the schedule (`autotune.costing.schedule`).
+
+Priced as a chain, a dense function the ANE runs slower than the GPU never pays: the layer waits for it. With two
+chunks in flight it runs while the GPU computes the other chunk, so the choice that pays differs: for each dense
+function in turn, the static rows (none, or a multiple of `ROW_GRAIN` up to the chunk) whose schedule ends first,
+the others as chosen, until no function changes; per chunk size, with that size's expert solution. A placement that
+would take more energy than `energy_cap_mj` (the GPU alone's, say) is not taken."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotune.costing.schedule import Schedule, predict_scheduled
+from autotune.costing.whole_prefill import (
+    DENSE_FUNCTIONS,
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    LazyLast,
+    PrefillPrediction,
+    prompt_chunks,
+    unit_of,
+)
+from autotune.searching.dense_choice import ROW_GRAIN, dense_weight_bytes
+from autotune.searching.layer_data import LayerData
+from autotune.searching.optimizer import Solution
+from autotune.searching.scoring import Scorer
+from runtime.coreml import ane_limits
+
+
+@dataclass
+class Candidate:
+    """One chunk size's plan as the search left it: its experts (with their steps), dense placement, lazy last
+    layer, and the expert bytes resident on the static backend beside the dense functions."""
+    chunk: int
+    experts: ExpertFigures
+    placement: DensePlacement
+    lazy_last: LazyLast | None = None
+    resident_bytes: float = 0.0
+
+
+@dataclass
+class Overlapped:
+    """A placement chosen under the schedule, and its prediction (latency: the schedule's makespan)."""
+    placement: DensePlacement
+    prediction: PrefillPrediction
+    schedule: Schedule
+
+
+def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> tuple[dict, ...]:
+    """The solution's experts per prompt as two steps of unit busy times: the host's packing and the static calls
+    computed on the CPU, then the static calls off it beside the exact lanes (the evaluator's per-chunk formula,
+    `pack + on_cpu + max(off_cpu, exact)`, as parts)."""
+    cost = scorer.cost
+    first: dict[str, float] = {}
+    second: dict[str, float] = {}
+
+    def add(into: dict, unit: str, ms: float) -> None:
+        into[unit] = into.get(unit, 0.0) + float(ms) / prompts
+
+    static, exact = unit_of(cost, scorer.backend), unit_of(cost, scorer.exact)
+    for data, cfg in zip(layers, sol.configs):
+        work = cost.layer_work(scorer.layer_plan(data, cfg), data.calib, scorer.hidden, scorer.ffn, cfg.overflow,
+                               scorer.exact)
+        n = work.exact.shape[1]
+        add(first, "cpu", work.pack.sum() + n * work.on_cpu[0])
+        add(second, static, n * work.off_cpu[0])
+        if exact == "cpu":
+            add(second, "cpu", work.exact.sum())
+        else:
+            add(second, exact, work.exact.sum())
+            add(second, "cpu", work.cpu_table().sum())
+    return tuple(s for s in (first, second) if any(v > 0 for v in s.values()))
+
+
+def with_steps(experts: ExpertFigures, steps: tuple[dict, ...]) -> ExpertFigures:
+    return dataclasses.replace(experts, steps=steps)
+
+
+def static_rows_grid(chunk: int) -> list[int]:
+    """The static rows tried per function: none, then multiples of `ROW_GRAIN` (at most 16 of them), the chunk."""
+    step = max(ROW_GRAIN, (chunk // 16) // ROW_GRAIN * ROW_GRAIN)
+    return [0, *range(step, chunk, step), chunk]
+
+
+def placed(place: DensePlacement, function: str, rows: int, chunk: int, backend: str,
+           prompt_tokens: int) -> DensePlacement:
+    """`place` with `function` on `backend` for `rows` of a full chunk's rows (0: on the host)."""
+    if not rows:
+        return dataclasses.replace(place, **{function: None}).with_rows(function, None)
+    out = dataclasses.replace(place, **{function: backend})
+    if function == "attention" and not out.buckets:  # a static core per full chunk's context
+        out = dataclasses.replace(out, buckets=tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk))
+    return out.with_rows(function, rows if rows < chunk else None)
+
+
+def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
+                     in_flight: int = 2, energy_cap_mj: float | None = None) -> Overlapped:
+    """Of the chunk sizes' plans, each with its dense placement chosen again under the schedule, the one whose
+    schedule ends first."""
+    got = [choose_overlapped(scorer, shape, prompt_tokens, c, in_flight, energy_cap_mj) for c in candidates]
+    return min(got, key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
+
+
+def choose_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, cand: Candidate, in_flight: int = 2,
+                      energy_cap_mj: float | None = None, rounds: int = 2) -> Overlapped:
+    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own; one
+    whose dense weights and the resident experts overflow the ANE's window is not taken."""
+    chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
+
+    def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
+        pred, sched = predict_scheduled(scorer.cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
+                                        cand.lazy_last)
+        over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
+        window = {"experts": cand.resident_bytes, "dense functions": dense_weight_bytes(shape, place, per_weight)}
+        over = over or ane_limits.resident_over_window(window) > 0
+        return (np.inf if over else pred.latency_ms), pred, sched
+
+    best_place = start = cand.placement
+    best = price(start)
+    functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
+    for _ in range(rounds):
+        changed = False
+        for function in functions:
+            for rows in static_rows_grid(chunk):
+                place = placed(best_place, function, rows, chunk, scorer.backend, prompt_tokens)
+                if place == best_place:
+                    continue
+                got = price(place)
+                if got[0] < best[0] - 1e-9:
+                    best_place, best, changed = place, got, True
+        if not changed:
+            break
+    return Overlapped(best_place, best[1], best[2])
