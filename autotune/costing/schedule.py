@@ -236,3 +236,29 @@ def _layer_steps(layer: int, links: dict[str, list[evaluator.Link]], experts: li
         elif index < len(links.get(part, [])):
             steps.append(Step.of(name, layer, links[part][index].units))
     return steps
+
+
+def steps_from_events(events: list[tuple[str, int, float, float, int]]) -> list[list[Step]]:
+    """Each chunk's chain of steps from a run's recorded lane intervals (`runtime.mlx.overlap.Lanes(record=True)`,
+    one chunk in flight): a host-lane hold is a step on `host` (the attention core of the layer whose keys and
+    values it wrote, then that write); a time off the host lane is a step on `static` (its static calls and the
+    chunk thread's own packing) beside the `host` time its layer's exact path held meanwhile."""
+    chunks = sorted({e[1] for e in events if e[0] in ("host", "off")})
+    out = []
+    for c in chunks:
+        mine = sorted((e for e in events if e[1] == c), key=lambda e: e[2])
+        kvs = [e for e in mine if e[0] == "kv"]
+        steps = []
+        for kind, _, start, end, _ in (e for e in mine if e[0] in ("host", "off")):
+            if kind == "host":
+                layers = [e[4] for e in kvs if start <= e[3] <= end]
+                steps.append(Step.of(CORE_STEP if layers else "host", layers[0] if layers else -1,
+                                     {"host": end - start}))
+                steps += [Step.of(KV_STEP, layer, {}) for layer in layers]
+                continue
+            inside = lambda k: sum(e[3] - e[2] for e in mine if e[0] == k and start <= e[2] < end)  # noqa: E731
+            exact = inside("exact")
+            steps.append(Step.of("static", -1, {"static": max(inside("static"), end - start - exact),
+                                                "host": exact}))
+        out.append(steps)
+    return out

@@ -29,9 +29,15 @@ EXACT_PRIORITY = -1  # a layer's exact path takes the host lane before any chunk
 class Lanes:
     """The host lane (a lock served by priority: lower first) and the static lane (a lock), each timed."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         self.cond = threading.Condition()
         self.holder: int | None = None
+        self.priority = 0  # the holder's
+        # `record`: each lane's intervals as (kind, chunk, start s, end s, layer): "host" (a chunk thread holds the
+        # host lane), "exact" (a layer's exact path holds it, for the chunk off it), "off" (a chunk off the host
+        # lane), "static" (a static call), "kv" (a chunk's keys and values of `layer` written, at `end`)
+        self.events: list[tuple[str, int, float, float, int]] | None = [] if record else None
+        self.current = 0  # the chunk last off the host lane (one in flight: whose exact path holds it)
         self.waiting: set[tuple[int, int]] = set()
         self.seq = itertools.count()
         self.static_lock = threading.Lock()
@@ -47,11 +53,18 @@ class Lanes:
             while self.holder is not None or min(self.waiting) != me:
                 self.cond.wait()
             self.waiting.discard(me)
-            self.holder, self.since = threading.get_ident(), time.perf_counter()
+            self.holder, self.since, self.priority = threading.get_ident(), time.perf_counter(), priority
+
+    def note(self, kind: str, chunk: int, start: float, end: float, layer: int = -1) -> None:
+        if self.events is not None:
+            self.events.append((kind, chunk, start, end, layer))
 
     def release(self) -> None:
         with self.cond:
-            self.busy["host"] += time.perf_counter() - self.since
+            now = time.perf_counter()
+            self.busy["host"] += now - self.since
+            exact = self.priority == EXACT_PRIORITY
+            self.note("exact" if exact else "host", self.current if exact else self.priority, self.since, now)
             self.holder = None
             self.cond.notify_all()
 
@@ -72,9 +85,11 @@ class Lanes:
             yield
             return
         self.release()
+        self.current, start = self.local.chunk, time.perf_counter()
         try:
             yield
         finally:
+            self.note("off", self.local.chunk, start, time.perf_counter())
             self.acquire(self.local.chunk)
 
     def static(self, fn: Callable) -> Callable:
@@ -85,7 +100,9 @@ class Lanes:
                 try:
                     return fn(rows)
                 finally:
-                    self.busy["static"] += time.perf_counter() - start
+                    end = time.perf_counter()
+                    self.busy["static"] += end - start
+                    self.note("static", self.local.chunk, start, end)
         return call
 
     def figures(self) -> dict[str, dict[str, float]]:
@@ -110,6 +127,8 @@ class KvOrder:
             self.cond.wait_for(lambda: self.written.get(layer, 0) >= chunk)
 
     def done(self, layer: int, chunk: int) -> None:
+        now = time.perf_counter()
+        self.lanes.note("kv", chunk, now, now, layer)
         with self.cond:
             self.written[layer] = chunk + 1
             self.cond.notify_all()

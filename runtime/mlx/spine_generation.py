@@ -83,16 +83,18 @@ class SpineModel:
         return (self.in_flight > 1 and len(forwards) > 1 and self.spine is not None and self.spine.installed
                 and not gen.echo and gen.keep_at is None)
 
-    def forward_in_flight(self, pieces: list[tuple[list[int], str]], cache: list) -> mx.array | None:
-        """Each (ids, rows) forward under the plan with `in_flight` chunks in flight (`runtime.mlx.overlap`), in
-        order on `cache`; the last one's output. Each lane's busy and wait time go to the spine's `executed`."""
-        lanes = Lanes()
+    def forward_in_flight(self, pieces: list[tuple[list[int], str]], cache: list, in_flight: int | None = None,
+                          lanes: Lanes | None = None) -> mx.array | None:
+        """Each (ids, rows) forward under the plan with `in_flight` (default: this model's) chunks in flight
+        (`runtime.mlx.overlap`), in order on `cache`, on `lanes` (default: new ones); the last one's output. Each
+        lane's busy and wait time go to the spine's `executed`."""
+        lanes = lanes or Lanes()
 
         def forward(ids: list[int], rows: str) -> Callable[[], mx.array | None]:
             return lambda: self.spine.forward(mx.array(ids, dtype=mx.uint32)[None], cache, rows)
 
         with self.spine.in_flight(lanes):
-            out = run_in_flight([forward(ids, rows) for ids, rows in pieces], lanes, self.in_flight)[-1]
+            out = run_in_flight([forward(ids, rows) for ids, rows in pieces], lanes, in_flight or self.in_flight)[-1]
         self.spine.add_lanes(lanes.figures())
         return out
 
