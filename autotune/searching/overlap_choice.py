@@ -26,8 +26,9 @@ from autotune.costing.whole_prefill import (
 )
 from autotune.searching.dense_choice import ROW_GRAIN, dense_weight_bytes
 from autotune.searching.layer_data import LayerData
-from autotune.searching.optimizer import Solution
+from autotune.searching.optimizer import ChunkSearch, Solution, solution
 from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig, Space
 from runtime.coreml import ane_limits
 
 
@@ -50,30 +51,60 @@ class Overlapped:
     schedule: Schedule
 
 
-def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> tuple[dict, ...]:
-    """The solution's experts per prompt as two steps of unit busy times: the host's packing and the static calls
-    computed on the CPU, then the static calls off it beside the exact lanes (the evaluator's per-chunk formula,
-    `pack + on_cpu + max(off_cpu, exact)`, as parts)."""
+def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict, dict]:
+    """One layer's decision as two steps of unit busy times over its calibration chunks: the host's packing and the
+    static calls computed on the CPU, then the static calls off it beside the exact lanes (the evaluator's
+    per-chunk formula, `pack + on_cpu + max(off_cpu, exact)`, as parts)."""
     cost = scorer.cost
+    work = cost.layer_work(scorer.layer_plan(data, cfg), data.calib, scorer.hidden, scorer.ffn, cfg.overflow,
+                           scorer.exact)
+    n = work.exact.shape[1]
+    exact = unit_of(cost, scorer.exact)
+    second = {unit_of(cost, scorer.backend): n * float(work.off_cpu[0])}
+    if exact == "cpu":
+        second["cpu"] = float(work.exact.sum())
+    else:
+        second[exact], second["cpu"] = float(work.exact.sum()), float(work.cpu_table().sum())
+    return {"cpu": float(work.pack.sum()) + n * float(work.on_cpu[0])}, second
+
+
+def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> tuple[dict, ...]:
+    """The solution's experts per prompt as two steps of unit busy times (`layer_units`, summed over layers)."""
     first: dict[str, float] = {}
     second: dict[str, float] = {}
-
-    def add(into: dict, unit: str, ms: float) -> None:
-        into[unit] = into.get(unit, 0.0) + float(ms) / prompts
-
-    static, exact = unit_of(cost, scorer.backend), unit_of(cost, scorer.exact)
     for data, cfg in zip(layers, sol.configs):
-        work = cost.layer_work(scorer.layer_plan(data, cfg), data.calib, scorer.hidden, scorer.ffn, cfg.overflow,
-                               scorer.exact)
-        n = work.exact.shape[1]
-        add(first, "cpu", work.pack.sum() + n * work.on_cpu[0])
-        add(second, static, n * work.off_cpu[0])
-        if exact == "cpu":
-            add(second, "cpu", work.exact.sum())
-        else:
-            add(second, exact, work.exact.sum())
-            add(second, "cpu", work.cpu_table().sum())
+        for into, units in zip((first, second), layer_units(scorer, data, cfg)):
+            for unit, ms in units.items():
+                into[unit] = into.get(unit, 0.0) + ms / prompts
     return tuple(s for s in (first, second) if any(v > 0 for v in s.values()))
+
+
+def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: int, per_layer: int = 24,
+               weights: tuple[float, ...] = tuple(np.linspace(0.1, 0.9, 9))) -> list[Solution]:
+    """Solutions that move the experts' work between the static backend and the exact path, for a schedule to
+    price: each layer's `per_layer` decisions of least chain latency in the search's pool, and as many with more
+    experts resident than its own pick (its own among them),
+    and per weight w, each layer's decision of least `pack + w * static + (1 - w) * exact` (a schedule with two
+    chunks in flight is bound by the busier unit's total, not each layer's longer side); those within the drop
+    budget."""
+    static = unit_of(scorer.cost, scorer.backend)
+    options = []
+    for data, pool, own in zip(found.layers, found.pool, found.best.configs):
+        order = np.argsort(pool.scores.latency_ms, kind="stable")
+        more = order[space.column(pool.rows[order], "resident") > own.resident]  # more work on the static backend
+        rows = pool.rows[np.concatenate([order[:per_layer], more[:per_layer]])]
+        cfgs = list(dict.fromkeys([own, *(space.config(r) for r in rows)]))
+        options.append([(c, layer_units(scorer, data, c), scorer.score(data, c).heldout_drops) for c in cfgs])
+    out = []
+    for w in weights:
+        def cost(option) -> float:
+            first, second = option[1]
+            rest = max((ms for u, ms in second.items() if u != static), default=0.0)
+            return sum(first.values()) + w * second.get(static, 0.0) + (1 - w) * rest
+        picks = [min(opts, key=cost) for opts in options]
+        if sum(p[2] for p in picks) <= drop_budget:
+            out.append(solution([p[0] for p in picks], found.layers, scorer, found.best.exact_partial))
+    return out
 
 
 def with_steps(experts: ExpertFigures, steps: tuple[dict, ...]) -> ExpertFigures:
@@ -98,10 +129,19 @@ def placed(place: DensePlacement, function: str, rows: int, chunk: int, backend:
 
 
 def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
-                     in_flight: int = 2, energy_cap_mj: float | None = None) -> Overlapped:
-    """Of the chunk sizes' plans, each with its dense placement chosen again under the schedule, the one whose
-    schedule ends first."""
-    got = [choose_overlapped(scorer, shape, prompt_tokens, c, in_flight, energy_cap_mj) for c in candidates]
+                     in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3) -> Overlapped:
+    """Of the candidates, the `keep` whose schedules end first as they stand and each chunk size's first, each with
+    its dense placement chosen again under the schedule; the one that then ends first."""
+    def as_is(c: Candidate) -> float:
+        pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
+                                    c.lazy_last)
+        over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
+        return np.inf if over else pred.latency_ms
+
+    ranked = sorted(candidates, key=as_is)
+    first = list({c.chunk: c for c in reversed(ranked)}.values()) + ranked[:keep]  # each chunk size's best too
+    first = list({id(c): c for c in first}.values())
+    got = [choose_overlapped(scorer, shape, prompt_tokens, c, in_flight, energy_cap_mj) for c in first]
     return min(got, key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
 
 

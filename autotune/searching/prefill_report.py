@@ -15,7 +15,7 @@ from autotune.costing.whole_prefill import (
 )
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
-from autotune.searching.overlap_choice import Candidate, best_overlapped, expert_steps, with_steps
+from autotune.searching.overlap_choice import Candidate, best_overlapped, expert_steps, rebalanced, with_steps
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
@@ -98,20 +98,23 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
     return out
 
 
-def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape,
-                       prompt_tokens: int) -> list[Candidate]:
-    """Each chunk size's solved plan as a candidate for two chunks in flight (`overlap_choice`)."""
+def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                       within: float = 1.5) -> list[Candidate]:
+    """For two chunks in flight (`overlap_choice`): at each chunk size whose plan is within `within` of the best's
+    chain latency, that plan and its rebalanced variants (`rebalanced`), each with the size's dense placement."""
     out = []
-    for chunk, found in sorted(outcome.chunks.items()):
-        if found.best is None:
-            continue
+    solved = {c: f for c, f in sorted(outcome.chunks.items()) if f.best is not None}
+    least = min(f.best.latency_ms / prompts_in(f.layers, prompt_tokens) for f in solved.values())
+    for chunk, found in solved.items():
         prompts = prompts_in(found.layers, prompt_tokens)
-        experts = with_steps(expert_figures(found.best, prompts), expert_steps(found.best, found.layers, scorer,
-                                                                               prompts))
+        if found.best.latency_ms / prompts > within * least:
+            continue
         choice = outcome.dense.get(chunk)
-        out.append(Candidate(chunk, experts, choice.placement if choice else DensePlacement(host=scorer.exact),
-                             lazy_last(found.best, found.layers, scorer, shape, prompts),
-                             resident_bytes(found.best, scorer.hidden, scorer.ffn)))
+        for sol in [found.best, *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]:
+            experts = with_steps(expert_figures(sol, prompts), expert_steps(sol, found.layers, scorer, prompts))
+            out.append(Candidate(chunk, experts, choice.placement if choice else DensePlacement(host=scorer.exact),
+                                 lazy_last(sol, found.layers, scorer, shape, prompts),
+                                 resident_bytes(sol, scorer.hidden, scorer.ffn)))
     return out
 
 
