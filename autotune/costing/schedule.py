@@ -262,3 +262,31 @@ def steps_from_events(events: list[tuple[str, int, float, float, int]]) -> list[
                                                 "host": exact}))
         out.append(steps)
     return out
+
+
+def timeline_chart(sched: Schedule, path: str, layers: tuple[int, int] = (0, 2), title: str = "") -> None:
+    """The schedule's ops of layers `layers` (first, last inclusive) as a PNG: one row per unit, one bar per op
+    (colour: its chunk; label: its step), time on the x axis (predicted ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = [o for o in sched.ops if layers[0] <= o.layer <= layers[1] and o.end_ms > o.start_ms]
+    units = sorted({o.unit for o in ops})
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(units)))
+    for o in ops:
+        row = units.index(o.unit)
+        ax.barh(row, o.end_ms - o.start_ms, left=o.start_ms, color=colours(o.chunk % 10), edgecolor="black",
+                linewidth=0.3)
+        if o.end_ms - o.start_ms > 0.04 * (max(p.end_ms for p in ops) - min(p.start_ms for p in ops)):
+            ax.text((o.start_ms + o.end_ms) / 2, row, f"c{o.chunk} L{o.layer}\n{o.name}", ha="center",
+                    va="center", fontsize=6)
+    ax.set_yticks(range(len(units)), units)
+    ax.set_xlabel("ms (predicted)")
+    ax.set_title(title or f"{sched.in_flight} chunk(s) in flight, layers {layers[0]}-{layers[1]}: units as rows, "
+                 "ops as bars (colour: chunk)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -2,6 +2,7 @@
 whole-model, each predicted over one prompt by `autotune.costing.whole_prefill`, and the plan's ratio against each."""
 from __future__ import annotations
 
+from autotune.costing.schedule import timeline_chart
 from autotune.costing.whole_prefill import (
     DENSE_FUNCTIONS,
     DecoderShape,
@@ -119,7 +120,7 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
 
 
 def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                  in_flight: int = 1) -> dict:
+                  in_flight: int = 1, timeline: str | None = None) -> dict:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time), `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the
     plan's is 0), `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the throughput of the
@@ -127,7 +128,7 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     latency and energy). With `in_flight` 2 the plan runs two chunks in flight: each chunk size's plan with its
     dense half chosen again under the schedule (`overlap_choice`) at no more energy than the GPU alone's, its latency
     the schedule's and `predicted_schedule` each unit's busy and idle ms; `one_in_flight_ms`: the search's plan as a
-    chain."""
+    chain; `timeline`: a PNG of its schedule's first two layers (`schedule.timeline_chart`)."""
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
     prompts = prompts_in(layers, prompt_tokens)
@@ -160,6 +161,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
         over = best_overlapped(scorer, shape, prompt_tokens, overlap_candidates(outcome, scorer, shape, prompt_tokens),
                                in_flight, cap)
         plan, placement, one = over.prediction, over.placement, {"one_in_flight_ms": plan.latency_ms}
+        if timeline:
+            timeline_chart(over.schedule, timeline, (0, 1))
     roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
