@@ -22,7 +22,8 @@ process, `--repeats` rounds, each the prefill of the same prompt from an empty c
 the one-at-a-time prefill's median wall over the two-in-flight one's), `overlap_predicted_speedup` (predicted: the
 schedule, `autotune.costing.schedule`, of the one-at-a-time run's recorded lane times per op, one in flight over
 two), `overlap_max_rel_diff` (the two runs' last logits), `greedy_text_equal` (`generate`'s greedy text under
-each), each lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after.
+each, on the prompt's first `greedy_prompt_tokens`: what fits the model's context before the new tokens), each
+lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after.
 
     python scripts/bench_spine.py --overlap --json [--threads 1]
 """
@@ -164,9 +165,10 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
     steps = steps_from_events(events)
     one, two = (schedule(steps, n).makespan_ms for n in (1, 2))
     texts = {}
+    fits = ids[:int(loaded.model.config.max_position_embeddings) - decode_tokens]  # generate refuses past the context
     for n in (1, 2):
         loaded.model.in_flight = n
-        texts[n] = generation.generate(loaded, ids, max_tokens=decode_tokens).text
+        texts[n] = generation.generate(loaded, fits, max_tokens=decode_tokens).text
     wall = {n: statistics.median(v) for n, v in walls.items()}
     diff = float((logits[2] - logits[1]).abs().max() / logits[1].abs().max())
     return {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
@@ -176,7 +178,7 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
             "overlap_predicted_speedup": round(one / two, 4),
             "overlap_predicted_over_measured": round(one / two / (wall[1] / wall[2]), 4),
             "overlap_max_rel_diff": diff,
-            "greedy_text_equal": texts[1] == texts[2], "decode_tokens": decode_tokens,
+            "greedy_text_equal": texts[1] == texts[2], "greedy_prompt_tokens": len(fits), "decode_tokens": decode_tokens,
             "lanes_ms": {"one_in_flight": lanes[1], "two_in_flight": lanes[2]},
             "loadavg": {"before": load_before, "after": _loadavg()},
             "measured": "sides interleaved, median of the rounds: the prefill's wall time to the last chunk's logits; "

@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "5th chunk held out) for `autotune search --traces T`")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (figures and text) instead of streaming the text")
+    p.add_argument("--in-flight", type=int, choices=(1, 2), default=1,
+                   help="prefill chunks in flight on the MLX spine (default 1): 2 runs one chunk's static calls while "
+                        "the other chunk's MLX work runs (same logits; executed gains each lane's busy and wait ms)")
     p.set_defaults(func=run)
 
 
@@ -81,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     if args.record_traces and engine == "mlx":
         raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
     loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine)
+    if args.in_flight > 1:
+        if loaded.engine != "mlx" or not loaded.plan:
+            raise NpumoeError("--in-flight 2 runs a plan's prefill on the MLX spine: give --plan and --engine mlx")
+        loaded.model.in_flight = args.in_flight
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
