@@ -12,7 +12,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from helpers import convert_to_mlx  # noqa: E402
+from helpers import convert_to_mlx, one_line_exit_2  # noqa: E402
 
 from autotune.searching.templates import template_plan  # noqa: E402
 from runtime import generation  # noqa: E402
@@ -85,3 +85,9 @@ def test_greedy_text_of_generate_is_the_same_in_flight(loaded):
         texts[n] = generation.generate(loaded, ids, max_tokens=8).text
     loaded.model.in_flight = 1
     assert texts[1] == texts[2] and texts[1]
+
+
+def test_in_flight_without_a_plan_on_the_mlx_spine_is_refused_in_one_line(capsys):
+    line = one_line_exit_2(["generate", "--model", "tiny-moe", "--prompt", "hello", "--engine", "torch",
+                            "--in-flight", "2", "--max-tokens", "1"], capsys)
+    assert "--in-flight 2" in line and "--engine mlx" in line
