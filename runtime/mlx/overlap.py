@@ -6,8 +6,9 @@ Each chunk's forward runs on its own thread, at most `in_flight` at a time, in o
   an array built lazily on one thread and first evaluated on another fails, so nothing lazy crosses threads); a
   chunk thread holds it but while it waits, the older chunk first when both ask; a layer's exact path, run on the
   layer's worker (`LayerExecutor`), takes it around its MLX call ahead of any chunk.
-- the static lane: the plan's static group calls, one at a time (the ANE is one unit), off the host lane. torch's
-  kernels release the GIL, so they compute while the other thread runs MLX.
+- the static lane: the plan's static calls (its groups; its dense functions spliced into mlx-lm's forward, their
+  rows crossed first), one at a time (the ANE is one unit), off the host lane. torch's kernels release the GIL, so
+  they compute while the other thread runs MLX.
 The KV cache receives each chunk's keys and values in order: a chunk's layer l attention starts once the chunk
 before has written layer l's (`KvOrder`), and its cache write is evaluated at once, on its own thread. Within a
 chunk the ops and their order are the one-at-a-time run's, so the logits are the same. Each lane's busy time (held)
@@ -92,17 +93,23 @@ class Lanes:
             self.note("off", self.local.chunk, start, time.perf_counter())
             self.acquire(self.local.chunk)
 
+    @contextmanager
+    def on_static(self) -> Iterator[None]:
+        """The static lane for the block (one static call), timed."""
+        with self.static_lock:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                end = time.perf_counter()
+                self.busy["static"] += end - start
+                self.note("static", self.local.chunk, start, end)
+
     def static(self, fn: Callable) -> Callable:
         """`fn` (a static group's call) run on the static lane."""
         def call(rows):
-            with self.static_lock:
-                start = time.perf_counter()
-                try:
-                    return fn(rows)
-                finally:
-                    end = time.perf_counter()
-                    self.busy["static"] += end - start
-                    self.note("static", self.local.chunk, start, end)
+            with self.on_static():
+                return fn(rows)
         return call
 
     def figures(self) -> dict[str, dict[str, float]]:

@@ -40,7 +40,7 @@ from runtime.mlx.moe_block import (
     torch_experts,
 )
 from runtime.mlx.overlap import KvOrder, Lanes, OrderedAttention
-from runtime.mlx.splices import MlxPatches, mlx_splices
+from runtime.mlx.splices import MlxPatches, MlxRows, mlx_splices
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 
@@ -297,8 +297,8 @@ class MlxSpine(PlanRun):
     @contextmanager
     def in_flight(self, lanes: Lanes) -> Iterator[None]:
         """The plan run with chunks in flight (`runtime.mlx.overlap`) for the block: each layer's attention in chunk
-        order, the planned layers off the host lane, their static calls on the static lane and their MLX exact
-        paths on the host lane; as before, after it."""
+        order, the planned layers off the host lane, their static calls (and the spliced dense functions') on the
+        static lane and their MLX exact paths on the host lane; as before, after it."""
         order, swapped = KvOrder(lanes), len(self._originals)
         for index, layer in enumerate(self.model.layers):
             self._swap(layer, "self_attn", OrderedAttention(layer.self_attn, index, order))
@@ -308,6 +308,8 @@ class MlxSpine(PlanRun):
                 held.append((switch.layer, list(switch.layer.groups)))
                 switch.layer.groups = [(n, lanes.static(fn), a, b) for n, fn, a, b in switch.layer.groups]
                 touched += [switch, *(p for _, p in switch.layer.paths if isinstance(p, SwitchExactLayer))]
+        touched += [rows for item in self.splices for rows in (item if isinstance(item, tuple) else vars(item).values())
+                    if isinstance(rows, MlxRows)]
         for obj in touched:
             obj.lanes = lanes
         try:
