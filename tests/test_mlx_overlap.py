@@ -19,15 +19,20 @@ from runtime import generation  # noqa: E402
 from runtime.loading.model_record import read_model_spec  # noqa: E402
 from runtime.mlx.overlap import Lanes  # noqa: E402
 from runtime.mlx.spine_generation import last_logits, prefill_forwards  # noqa: E402
-from runtime.plan import Group, LayerPlan  # noqa: E402
+from runtime.plan import DenseFunction, DenseLayer, DensePlan, Group, LayerPlan  # noqa: E402
 
 PROMPT = "Two chunks in flight: the static lane and the host lane never wait for each other. " * 8
 CHUNK, TOKENS, GROUPED = 32, 128, 8
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    q4 = convert_to_mlx(tmp_path_factory.mktemp("overlap") / "q4g64", 4, 64)
+def q4(tmp_path_factory) -> Path:
+    return convert_to_mlx(tmp_path_factory.mktemp("overlap") / "q4g64", 4, 64)
+
+
+@pytest.fixture(scope="module", params=[(), ("qkv", "o_proj")], ids=["dense-on-mlx", "qkv-o-proj-spliced"])
+def loaded(q4, request):
+    """The plan, its dense half on mlx-exact, or with q/k/v and o_proj spliced in on cpu-static (static calls too)."""
     spec = read_model_spec(str(q4))
     plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend="cpu-static")
     layers = [LayerPlan(layer=lp.layer, cpu_exact=list(range(GROUPED, spec.num_experts)),
@@ -35,7 +40,11 @@ def loaded(tmp_path_factory):
                                       capacities=[c for e, c in zip(g.experts, g.capacities) if e < GROUPED])
                                 for g in lp.groups if min(g.experts) < GROUPED])
               for lp in plan.layers]
-    return generation.load(str(q4), plan.model_copy(update={"layers": layers}), engine="mlx", dtype="float32")
+    fn = DenseFunction(backend="cpu-static")
+    dense = DensePlan(attention_context_buckets=[], layers=[DenseLayer(layer=i, **{f: fn for f in request.param})
+                                                            for i in range(spec.num_layers)]) if request.param else None
+    return generation.load(str(q4), plan.model_copy(update={"layers": layers, "dense": dense}), engine="mlx",
+                           dtype="float32")
 
 
 def _ids(loaded) -> list[int]:
@@ -67,6 +76,9 @@ def test_two_in_flight_gives_the_one_at_a_time_logits_and_accounting(loaded):
     for key in ("tokens_per_backend", "calls_per_backend"):
         assert getattr(overlapped, key) == getattr(sequential, key) and getattr(sequential, key), key
     assert sequential.tokens_per_backend["cpu-static"] > 0 and sequential.tokens_per_backend["mlx-exact"] > 0
+    if loaded.plan.dense:  # the spliced functions ran their static calls, in flight as one at a time
+        calls = spine.executed().to_json()["attention_projections"]["cpu-static"]["calls"]
+        assert calls == 2 * len(pieces) * len(loaded.plan.dense.layers)
     lanes_ms = spine.executed().to_json()["lanes"]
     assert set(lanes_ms) == {"host", "static"}
     assert all(f["busy_ms"] > 0 and f["wait_ms"] >= 0 for f in lanes_ms.values())
