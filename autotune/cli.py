@@ -16,7 +16,7 @@ from runtime.interrupts import Terminated, signals_raise
 
 # Subcommand modules, in the order `autotune --help` lists them (one per pipeline stage).
 COMMANDS = ["models", "profile_device", "show_profile", "calibrate", "search", "plan_template", "run", "evaluate",
-            "generate", "serve", "build", "doctor"]
+            "generate", "serve", "build", "bench", "doctor"]
 
 
 def build_parser() -> argparse.ArgumentParser:

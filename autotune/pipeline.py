@@ -38,8 +38,11 @@ from autotune.costing.memory import (
     model_size,
     predict_memory,
 )
+from autotune.costing.pipeline_link import profile_link
 from autotune.costing.whole_prefill import DecoderShape, decoder_shape, priced_outside
 from autotune.evaluation.gate import refusal, run_gate
+from autotune.measuring.feedback import add_records, part_factors
+from autotune.measuring.measure import DEFAULT_K, measure_search
 from autotune.profiling.model_records import (
     add_model_records,
     cover_model,
@@ -71,7 +74,9 @@ from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import WholePrefill
 from autotune.searching.optimizer import SearchOutcome, Solution, chunk_candidates, solution_plan, timed_search
+from autotune.searching.pipeline_search import HostSpec, pipeline_json, pricing, split_hosts, stage_paths, write_stages
 from autotune.searching.plan_fields import compress_counts, dense_of, gate_meta
 from autotune.searching.prefill_report import whole_prefill
 from autotune.searching.report import (
@@ -222,9 +227,40 @@ def search_plan(model: str, config: SearchConfig = SearchConfig(), *, progress: 
         for note in inputs.notes:  # held until the inputs are known good, so that an error is always the only line
             log.warning(note)
         found, cpu = gate_rounds(inputs, config, cpu, progress)
-        plan, report = plan_and_report(inputs, config, found, cpu)
+        measured = measure_stage(inputs, config, found, cpu, progress)
+        plan, report = plan_and_report(inputs, config, found, cpu, measured)
         sidecars = write_search(plan, report, inputs.out, config.objective)
     return SearchResult(plan=plan, report=report, path=inputs.out, sidecars=sidecars, seconds=found.seconds)
+
+
+def search_across_macs(model: str, config: SearchConfig, hosts: list[HostSpec], link_gb_s: float | None = None,
+                       progress: bool = True) -> dict:
+    """`autotune search --macs N` / `--hosts`: the plan searched (`search_plan`) once per distinct profile among
+    `hosts`, each layer priced under it on each host's profile, the layers split by those times under each host's
+    memory, and the stage plans and `<plan>.pipeline.json` written (autotune/searching/pipeline_search.py); returns
+    the pipeline file's content."""
+    out = Path(config.out) if config.out else default_plan_path(model, config.profile)
+    link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
+    record = resolve_model(model, config.dtype)
+    shape, size = decoder_shape(record), model_size(record)
+    zeros = [[0.0] * shape.num_layers for _ in hosts]  # the weights alone, before any search
+    split_hosts(zeros, hosts, shape, size, config.prompt_tokens or 0, 256)
+    searched: dict[str | None, SearchResult] = {}
+    for h in hosts:
+        if h.profile not in searched:
+            to = out if not searched else out.with_suffix(f".{Path(str(h.profile)).stem}.json")
+            searched[h.profile] = search_plan(model, config.replace(profile=h.profile, out=str(to)),
+                                                       progress=progress)
+    traces = config.traces or default_traces_path(model)
+    prices = [pricing(h, searched[h.profile].plan, record, traces, searched[h.profile].report.to_json()
+                      ["static_backend"]) for h in hosts]
+    split = split_hosts([p.layer_ms(shape) for p in prices], hosts, shape, size, prices[0].prompt,
+                        prices[0].plan.chunk_tokens)
+    pipe_path, files = stage_paths(out, len(hosts))
+    report = pipeline_json(prices, shape, split, link, files)
+    write_stages([p.plan for p in prices], hosts, split, files)
+    atomic_write_json(pipe_path, report)
+    return report
 
 
 @dataclass
@@ -246,6 +282,7 @@ class SearchInputs:
     workloads: dict[int, list[LayerData]]
     out: Path  # the plan file
     notes: list[str]  # the profile's warnings, said once the inputs are known good
+    measured_here: bool = False  # the profile was measured on this host (`--measure` on by default, records kept)
 
 
 def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
@@ -274,7 +311,8 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
     notes = [f"warning: {w.message}" for w in caught] + [published_note(prof, profile_name)]
     return SearchInputs(record, size, shape, prof, profile_name, cost, cache_state, trs, traces_path, prompt, chunks,
                         {ch: LayerData.from_traces(trs, ch, prompt) for ch in chunks},
-                        Path(c.out) if c.out else default_plan_path(name, c.profile), [n for n in notes if n])
+                        Path(c.out) if c.out else default_plan_path(name, c.profile), [n for n in notes if n],
+                        not prof.published and not any(issubclass(w.category, ProfileHostWarning) for w in caught))
 
 
 @dataclass
@@ -290,6 +328,7 @@ class ExpertSearch:
     robustness: Robustness
     seconds: float
     gated: dict | None = None
+    gated_solutions: list[Solution] = dataclasses.field(default_factory=list)  # in the gate's order
 
 
 def gate_rounds(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice,
@@ -300,6 +339,7 @@ def gate_rounds(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice,
     while True:
         found = expert_search(inputs, c, cpu, progress)
         found.gated, solutions = _gate(inputs, c, cpu, found, progress)
+        found.gated_solutions = solutions
         if found.gated is None or found.gated["chosen"] is not None:
             break
         if cpu.wider is None:
@@ -335,7 +375,9 @@ def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progres
                                     storage=optuna_storage(c.storage),
                                     study_prefix=study_prefix(spec, cpu.cost, inputs.traces, ane_bytes / 1e6,
                                                               c.objective, inputs.prompt),
-                                    seed=c.seed, progress=progress)
+                                    seed=c.seed, progress=progress, whole=WholePrefill(
+                                        inputs.shape, inputs.prompt, tuple(part_factors(
+                                            inputs.profile, model_label(inputs.record.name)).items())))
     outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
     if robustness.dense_choice is not None:  # the robust pick's dense placement
         outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
@@ -372,8 +414,32 @@ def _gate(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, found: ExpertSe
                     kernel_rows=cpu.kernel_rows), solutions
 
 
+def measure_stage(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch, cpu: CpuChoice,
+                  progress: bool) -> dict | None:
+    """`--measure K` (autotune/measuring/measure.py): the candidates timed on this host, the measured best within
+    the fidelity limits made the search's pick, and the runs kept in a profile measured here
+    (`measuring.feedback`); the report's `measure` (None: not measured)."""
+    k = c.measure if c.measure is not None else DEFAULT_K if inputs.measured_here else 0
+    if not k:
+        return None
+    outcome, scorer, spec = found.outcome, found.scorer, inputs.record.spec
+
+    def plan_of(sol: Solution) -> Plan:
+        return solution_plan(sol, outcome.chunks[sol.chunk_tokens].layers, scorer, spec.to_json(), sol.chunk_tokens,
+                             c.saliency, dense=dense_of(outcome, inputs.shape, sol)).model_copy(
+            update={"cpu_weights": cpu.plan_field()})
+
+    outcome.best, measured, trials = measure_search(
+        inputs.record, inputs.traces, outcome, scorer, k, plan_of, found.gated, found.gated_solutions,
+        c.gate_settings(), c.threads or torch.get_num_threads(), c.engine, progress,
+        cpu_weights=cpu.kind_and_group, kernel_rows=cpu.kernel_rows)
+    if inputs.measured_here:
+        add_records(inputs.profile, model_label(inputs.record.name), inputs.prompt, [t.to_json() for t in trials])
+    return measured
+
+
 def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
-                    cpu: CpuChoice) -> tuple[Plan, SearchReport]:
+                    cpu: CpuChoice, measured: dict | None = None) -> tuple[Plan, SearchReport]:
     """The plan of the search's pick with its predicted figures and memory, and the report that describes it."""
     outcome = found.outcome
     layers = outcome.chunks[outcome.best.chunk_tokens].layers
@@ -390,7 +456,7 @@ def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
         raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
                           f"{memory.describe()}; give a larger budget")
     plan = plan.model_copy(update={"predicted": {**predicted, "memory": memory.to_json()}})
-    return plan, SearchReport(**figures, robustness=found.robustness.to_json(), gate=found.gated,
+    return plan, SearchReport(**figures, robustness=found.robustness.to_json(), gate=found.gated, measure=measured,
                               predicted_memory=memory.to_json(), cpu_weights=cpu.to_json(),
                               explanation=explain(plan, layers, found.cost, found.backend))
 

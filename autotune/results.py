@@ -43,6 +43,7 @@ class RunResult:
     priced: dict | None = None  # per part, the lanes the plan prices it on (runtime.priced_lanes)
     priced_stand_ins: dict | None = None  # the backends `priced` names by their stand-ins here (ane -> ane-sim)
     off_priced: list | None = None  # the parts executed on a lane the plan does not price them on ([]: as priced)
+    cluster: dict | None = None  # under mlx.launch: this rank's `rank`, `ranks` and `layers` ([first, last))
 
     @property
     def drop_rate(self) -> float:
@@ -58,6 +59,7 @@ class RunResult:
         for k in ("energy_per_backend", "traces", "max_rel_diff_vs_reference", "dense_calls"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        out.update(self.cluster or {})
         out.update(memory=self.memory, plan_predicted=self.plan_predicted)
         for k in ("measured_parts_ms", "predicted_parts_ms", "host_speed"):
             if getattr(self, k) is not None:
@@ -162,7 +164,8 @@ class SearchReport:
     cpu_weights: dict | None = None  # how the CPU holds the experts, and why (searching/cpu_choice.py)
     # per part of the prefill, the axes its prices reach past the profile's records (`costing.fit_range.Reach`)
     priced_outside: dict | None = None
+    measure: dict | None = None  # the candidates timed on this host (`search --measure`, autotune/measuring/measure.py)
 
     def to_json(self) -> dict:
         return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill",
-                                         "priced_outside"))
+                                         "priced_outside", "measure"))

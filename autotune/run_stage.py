@@ -63,20 +63,21 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
-             cpu_weights: str | None = None, engine: str = "torch") -> RunResult:
+             cpu_weights: str | None = None, engine: str = "torch", cluster: object | None = None) -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
-    the spine (`runtime.engines`; mlx: `autotune.spine_run`)."""
+    the spine (`runtime.engines`; mlx: `autotune.spine_run`). `cluster`: under `mlx.launch`, this rank's part
+    (`runtime.mlx.cluster.ClusterSpec`), run on the MLX spine."""
     p = load_plan(plan)
     needs_torch = "--record-traces" if record_traces else torch_only(p, cpu_weights)
-    if resolve_engine(engine, p, needs_torch) == "mlx":
+    if resolve_engine("mlx" if cluster is not None else engine, p, needs_torch) == "mlx":
         from autotune.spine_run import run_on_mlx
 
         return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,
-                          reference=reference, repeat=repeat, package=package)
+                          reference=reference, repeat=repeat, package=package, cluster=cluster)
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     n = int(ids.numel())

@@ -22,12 +22,14 @@ GB = 1 << 30
 
 
 def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: int, prompt_tokens: int | None,
-               dtype: str, reference: bool, repeat: int, package: str | None = None) -> RunResult:
+               dtype: str, reference: bool, repeat: int, package: str | None = None,
+               cluster: object | None = None) -> RunResult:
     """`pipeline.run_plan` on the MLX spine (the same keys, `engine` "mlx"); `package`: what `autotune build` wrote
-    for the plan's groups."""
+    for the plan's groups. `cluster`: under `mlx.launch`, this rank's stage of the model (its `rank` and `layers`
+    in the result)."""
     from runtime.mlx.spine_generation import prefill_logits
 
-    loaded = load(model, plan, package, dtype=dtype, engine="mlx")
+    loaded = load(model, plan, package, dtype=dtype, engine="mlx", cluster=cluster)
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
     n, chunk, spine = int(ids.numel()), loaded.plan.chunk_tokens, loaded.executor
@@ -55,6 +57,7 @@ def run_on_mlx(model: str, plan: str | os.PathLike, *, text: str, max_tokens: in
                              "measured": "peak resident set size of this process (ru_maxrss)"},
                      plan_predicted=plan_predictions(loaded.plan), reference_latency_ms=reference_ms,
                      max_rel_diff_vs_reference=diff, energy_per_backend=spine.energy() or None, engine="mlx",
+                     cluster=loaded.cluster.to_json() if loaded.cluster else None,
                      **executed_as_priced(loaded.plan, spine, spine.executed().to_json()))
 
 

@@ -30,7 +30,7 @@ def mlx_importable() -> bool:
 def torch_only(plan: Plan | None, cpu_weights: str | None = None) -> str | None:
     """What in a run only the torch spine runs (None: nothing): CPU expert storage, a plan's dense functions on a
     static backend that the MLX spine does not splice in. (A built package runs on either spine:
-    `runtime.backends.packages`.)"""
+    `runtime.packages`.)"""
     if cpu_weights or (plan is not None and plan.cpu_weights is not None):
         return "CPU expert storage (--cpu-weights)"
     if unspliced(plan):

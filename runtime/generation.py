@@ -18,15 +18,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from runtime.backends.packages import bind_package, torch_target
 from runtime.detokenizer import StreamingDetokenizer
 from runtime.engines import resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
 from runtime.loading.model_loader import load_model
+from runtime.loading.model_record import read_model_spec
 from runtime.logprobs import TokenLogprob, token_logprobs
-from runtime.plan import Plan, load_plan
+from runtime.packages import bind_package, torch_target
+from runtime.plan import Plan, check_plan_matches, load_plan
 from runtime.prefill import exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
 from runtime.stats import Executed, RunStats
@@ -44,6 +45,7 @@ class Loaded:
     plan: Plan | None = None
     executor: PlanExecutor | None = None  # on the MLX spine: its `MlxSpine` (the same run statistics and phases)
     engine: str = "torch"  # the spine: "torch" (`.model` a transformers model) or "mlx" (a `SpineModel`)
+    cluster: object | None = None  # across Macs: this rank's `runtime.mlx.cluster.Cluster` (its layers, its link)
     _no_stats: RunStats = field(default_factory=RunStats, repr=False)
 
     @property
@@ -74,13 +76,16 @@ class Loaded:
 
 
 def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str | None = None,
-         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch") -> Loaded:
+         dtype: str = "auto", cpu_weights: str | None = None, group_size: int = 64, engine: str = "torch",
+         cluster: object | None = None) -> Loaded:
     """Load `model` (a built-in name, a local transformers directory or an MLX folder) and install `plan` on it, if
     given. `package`: the Core ML package `autotune build` made for the plan's `ane` groups. `cpu_weights`: int8 or
-    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as the
-    plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
-    (`runtime.engines`: torch, mlx, or auto; torch by default, as every caller before the switch had it; the
-    commands' `--engine` defaults to auto)."""
+    int4 (groups of `group_size`) quantizes the experts the CPU holds at load (`runtime.cpu.cpu_weights`); None: as
+    the plan's optional `cpu_weights` says (its kernels from its `kernel_rows`), else as loaded. `engine`: the spine
+    (`runtime.engines`; torch by default). `cluster`: under mlx.launch, this rank's part (`cluster.ClusterSpec`)."""
+    if cluster is not None:  # its stage alone, on the MLX spine under its stage's plan
+        from runtime.mlx.cluster import load_rank
+        return Loaded(**load_rank(cluster, model, dtype, package))
     p = None if plan is None else plan if isinstance(plan, Plan) else load_plan(plan)
     if p is None and package:
         raise NpumoeError("a package runs a plan's ane groups: give the plan too")
@@ -96,10 +101,12 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
     if cpu_weights is None and p is not None and p.cpu_weights is not None:
         cpu_weights, group_size = p.cpu_weights.kind, p.cpu_weights.group_size or group_size
     kernel_rows = p.cpu_weights.kernel_rows if p is not None and p.cpu_weights is not None else None
+    path = "" if isinstance(plan, Plan) else str(plan)
+    if p is not None:  # a plan of another model refused from the record, before the weights load (and their notes)
+        check_plan_matches(p, read_model_spec(model), path)
     m, tokenizer = load_model(model, dtype, cpu_weights or "bf16", group_size, kernel_rows)
     if p is None:
         return Loaded(m, tokenizer)
-    path = "" if isinstance(plan, Plan) else str(plan)
     backends = bind_package(package, p, torch_target(m), path)
     executor = PlanExecutor(m, p, backends, plan_path=path, options={"package": package}).install()
     return Loaded(m, tokenizer, p, executor)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     import torch
+    from script_deps import require  # scripts/
 
     from autotune.calibration.stage import calibrate
     from autotune.calibration.texts import DEFAULT_CALIB_TEXT
@@ -44,6 +45,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="both engines' --dtype (float32: compared exactly)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
+    require("bench_calibrate.py", "mlx", "mlx_lm")
     torch.set_num_threads(args.threads)
     seconds, cpu_seconds, traces, device = {"torch": [], "mlx": []}, {"torch": [], "mlx": []}, {}, None
     with tempfile.TemporaryDirectory() as tmp:

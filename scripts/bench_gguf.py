@@ -1,6 +1,7 @@
 """GGUF files as llama.cpp users have them, checked against llama.cpp itself (issue 57).
 
     python scripts/bench_gguf.py --json [--quants Q8_0,Q4_K_M] [--tokens 4096] [--cache DIR] [--jobs 2]
+    python scripts/bench_gguf.py --json --files F.gguf[,G.gguf] [--tokens N]   # our side alone, no llama.cpp
 
 1. Builds llama.cpp from llama-cpp-python's source package (`vendor/llama.cpp`, cmake; libllama, which holds the
    forward and the quantizer llama-quantize calls) into the cache folder, once (minutes on two cores; its log:
@@ -16,8 +17,11 @@
 4. `autotune search --model tiny-moe-Q4_K_M.gguf --profile apple-m2-ultra-published` (its gate), and
    `autotune generate --model F --plan P --prompt "def"` against llama.cpp's greedy tokens (32), per file.
 
-Needs: cmake and a C++ compiler; pip (to fetch the source package); diskcache and jinja2 (llama-cpp-python's
-Python dependencies). Figures are measured on this host, side by side in one run.
+With --files, steps 3 and 4 without llama.cpp on GGUF files given (tests/test_bench_scripts.py writes one with the
+gguf package): our perplexity, bytes and memory, search and generate; no build, no reference figures.
+
+Needs: cmake and a C++ compiler; pip (to fetch the source package); the `bench` extra (`pip install -e '.[bench]'`:
+llama-cpp-python's diskcache and jinja2, the gguf package). Figures are measured on this host, side by side in one run.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from script_deps import require  # noqa: E402  (scripts/)
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TARGETS = ("llama",)
@@ -178,6 +184,7 @@ def ours_worker(file: str, tokens: int, out: str) -> dict:
     from autotune.calibration.texts import read_text
     from autotune.costing.memory import model_size
     from runtime.loading.model_loader import load_model, moe_layers
+    from runtime.loading.model_record import resolve_model
 
     torch.set_num_threads(1)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -202,7 +209,7 @@ def ours_worker(file: str, tokens: int, out: str) -> dict:
     return {"ppl": float(np.exp(nll / count)), "tokens": len(ids), "expert_bytes_held": int(held),
             "prompt_ids": tokenizer.encode(PROMPT), "report": getattr(model, "npumoe_gguf_report", {}),
             "weights_held_mb": weights / 2**20,
-            "weights_predicted_mb": model_size(file, "float32").weight_bytes / 2**20,
+            "weights_predicted_mb": model_size(resolve_model(file, "float32")).weight_bytes / 2**20,
             "rss_before_load_mb": before, "peak_rss_after_load_mb": loaded,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -262,20 +269,12 @@ def autotune(*argv: str, json_out: bool = True) -> tuple[int, dict | None, str]:
     return proc.returncode, out, proc.stderr.strip()[-600:]
 
 
-def bench_file(bin_dir: Path, sdist: Path, quant: str, file: Path, tokens: int, work: Path) -> dict:
-    import numpy as np
-
-    base = str(work / quant)
-    ours = worker("ours", [str(file), str(tokens), base])
-    ref = worker("llama", [str(bin_dir), str(sdist), str(file), base, json.dumps(ours["prompt_ids"])])
-    top = np.load(base + ".top.npy")
-    theirs = np.load(base + ".llama_top.npy")
+def ours_entry(quant: str, file: Path, tokens: int, work: Path) -> tuple[dict, dict]:
+    """Our reader's figures of the file (its own process): the entry's keys, and the worker's whole answer."""
+    ours = worker("ours", [str(file), str(tokens), str(work / quant)])
     held, stored = ours["expert_bytes_held"], expert_bytes_in_file(file)
     return {"quant": quant, "file": str(file), "file_mb": round(file.stat().st_size / 2**20, 2),
-            "tokens": ours["tokens"], "ppl_ours": round(ours["ppl"], 4), "ppl_llama_cpp": round(ref["ppl"], 4),
-            "ppl_rel_diff": round(ours["ppl"] / ref["ppl"] - 1, 6),
-            "top1_vs_llama_cpp": round(float((top == theirs).mean()), 4),
-            "same_tokenization": ref["same_tokenization"],
+            "tokens": ours["tokens"], "ppl_ours": round(ours["ppl"], 4),
             "expert_bytes_held": held, "expert_bytes_in_file": stored, "held_over_file": round(held / stored, 4),
             "peak_rss_mb": round(ours["peak_rss_mb"], 1), "rss_before_load_mb": round(ours["rss_before_load_mb"], 1),
             "peak_rss_after_load_mb": round(ours["peak_rss_after_load_mb"], 1),
@@ -285,7 +284,20 @@ def bench_file(bin_dir: Path, sdist: Path, quant: str, file: Path, tokens: int, 
                         for t in sorted({r["type"] for r in ours["report"].values()})},
             "max_fp16_rounding": max((r["fp16_rounding"] for r in ours["report"].values()), default=0.0),
             "max_requant_error": max((r["requant_error"] for r in ours["report"].values()), default=0.0),
-            "llama_cpp_greedy": ref["greedy"], "prompt_ids": ours["prompt_ids"]}
+            "prompt_ids": ours["prompt_ids"]}, ours
+
+
+def bench_file(bin_dir: Path, sdist: Path, quant: str, file: Path, tokens: int, work: Path) -> dict:
+    """Our figures of the file beside llama.cpp's on the same token ids."""
+    import numpy as np
+
+    entry, ours = ours_entry(quant, file, tokens, work)
+    base = str(work / quant)
+    ref = worker("llama", [str(bin_dir), str(sdist), str(file), base, json.dumps(ours["prompt_ids"])])
+    top, theirs = np.load(base + ".top.npy"), np.load(base + ".llama_top.npy")
+    return {**entry, "ppl_llama_cpp": round(ref["ppl"], 4), "ppl_rel_diff": round(ours["ppl"] / ref["ppl"] - 1, 6),
+            "top1_vs_llama_cpp": round(float((top == theirs).mean()), 4),
+            "same_tokenization": ref["same_tokenization"], "llama_cpp_greedy": ref["greedy"]}
 
 
 def search_and_generate(entry: dict, work: Path, search: bool) -> None:
@@ -305,11 +317,12 @@ def search_and_generate(entry: dict, work: Path, search: bool) -> None:
     code, out, err = autotune("generate", "--model", file, "--plan", str(plan), "--prompt", PROMPT,
                               "--max-tokens", str(GREEDY_TOKENS), "--dtype", "float32", "--threads", "1")
     ours = (out or {}).get("token_ids", [])
-    theirs = entry["llama_cpp_greedy"]
+    theirs = entry.get("llama_cpp_greedy", [])  # --files: no reference, the tokens alone
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    same = ours == theirs[:len(ours)] and len(ours) > 0
     out = out or {}
     entry["generate"] = {"exit": code, "plan": plan.name, "tokens_ours": ours, "tokens_llama_cpp": theirs,
-                         "same_tokens": ours == theirs[:len(ours)] and len(ours) > 0, "agree_first": agree,
+                         "same_tokens": same if theirs else None, "agree_first": agree if theirs else None,
                          "finish_reason": out.get("finish_reason"), "peak_rss_mb": out.get("peak_rss_mb"),
                          "memory": out.get("memory"), "stderr": err if code else ""}
 
@@ -331,7 +344,13 @@ def main() -> int:
     p.add_argument("--cache", type=Path, default=default_cache(), help="llama.cpp's build and the files")
     p.add_argument("--jobs", type=int, default=2, help="build jobs (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--files", help="GGUF files (comma-separated) to run our side on alone: no llama.cpp build, no "
+                   "reference figures")
     args = p.parse_args()
+    if args.files:
+        require("bench_gguf.py", "gguf")
+        return ours_alone([Path(f) for f in args.files.split(",")], args)
+    require("bench_gguf.py", "diskcache", "jinja2", "gguf")
     bin_dir = build_llama_cpp(args.cache, args.jobs)
     sdist = source_package(args.cache)
     llama = sdist / "vendor" / "llama.cpp"
@@ -354,6 +373,24 @@ def main() -> int:
             entry = bench_file(bin_dir, sdist, quant, file, args.tokens, Path(tmp))
             if not args.no_search:
                 search_and_generate(entry, Path(tmp), search=quant == "Q4_K_M")
+            result["files"].append(entry)
+    print(json.dumps(result, indent=None if args.json else 1))
+    return 0
+
+
+def ours_alone(files: list[Path], args: argparse.Namespace) -> int:
+    """--files: steps 3 and 4 on our side alone, generate under a template plan (a search calibrates for minutes)."""
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        print(f"bench_gguf.py: no such GGUF file: {', '.join(absent)}", file=sys.stderr)
+        return 2
+    result = {"text": TEXT, "chunk": CHUNK, "llama_cpp": None, "files": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for file in files:
+            log(f"{file.name}: ours alone")
+            entry, _ = ours_entry(file.stem, file, args.tokens, Path(tmp))
+            if not args.no_search:
+                search_and_generate(entry, Path(tmp), search=False)
             result["files"].append(entry)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0

@@ -31,6 +31,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from script_deps import require  # noqa: E402  (scripts/)
 
 import runtime  # noqa: E402
 from runtime.cpu.cpu_backends import CpuExactLayer  # noqa: E402
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b", help="the layer bench's width")
     ap.add_argument("--model", help="an MLX 4-bit folder of tiny-moe (default: converted here by mlx-lm)")
     args = ap.parse_args()
+    require("bench_mlx_exact.py", "mlx", "mlx_lm")
     torch.set_num_threads(args.threads)
     report = {"device": f"MLX {device()}", "threads": args.threads, "shape": args.shape,
               "layer": layer_bench(args.shape, args.repeats)}

@@ -35,6 +35,7 @@ from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import WholePrefill
 from autotune.searching.optimizer import chunk_candidates, run_search
 from autotune.searching.pipeline_plan import Mac, StageSearch, plan_pipeline
 from autotune.searching.pipeline_report import pipeline_report
@@ -90,8 +91,8 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
         return choose_dense(cost, shape, prompt_tokens, chunk, scorer.backend, weights, calib_prompts, resident)
 
     out = run_search(workloads, scorer, layer_space(shape.num_experts, compress, scorer.splits_exact),
-                     objective=objective,
-                     trials=trials, progress=True, dense=dense)
+                     objective=objective, trials=trials, progress=True, dense=dense,
+                     whole=WholePrefill(shape, prompt_tokens))
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     report = whole_prefill(out, scorer, shape, prompt_tokens, in_flight, timeline)
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,

@@ -46,9 +46,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import httpx
-import torch
-import uvicorn
+from script_deps import require  # scripts/
+
+require("bench_serve.py", "httpx")
+import httpx  # noqa: E402
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

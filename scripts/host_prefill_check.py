@@ -3,6 +3,7 @@ it plans on this host?
 
     python scripts/host_prefill_check.py [--shapes phi-3.5-moe,qwen3-30b-a3b,phi-tiny-moe] [--out DIR]
     python scripts/host_prefill_check.py --engine mlx --shapes phi-3.5-moe,qwen3-30b-a3b
+    python scripts/host_prefill_check.py --model DIR --profile FILE --prompt-tokens 256 --prompts 1 --repeat 1
 
 For each shape: its one-layer shape twin (scripts/make_shape_twin.py, made where missing), on a fresh
 `autotune profile-device --quick --threads 1` with the twin's own shapes added (`--model`, in the dtype it computes
@@ -27,6 +28,9 @@ mlx-exact too (`--backends cpu-exact,cpu-static,mlx-exact`; its records marked `
 float32 (MLX's CPU gather kernels take nothing else), `search --engine mlx --resident-mb 1` prices every expert (no
 static group holds one) and the dense half on mlx-exact and `run --engine mlx --repeat R` measures it; the parts
 measured are `executed`'s (its timed pass, per prompt). Default DIR work-out/host-check-mlx.
+
+`--model DIR`: the same check on that folder instead of the shapes' twins (the reduced form tests run: tiny-moe, a
+given profile, a short prompt).
 """
 from __future__ import annotations
 
@@ -188,15 +192,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="run --repeat R: the whole's and each part's median over R prefills (default 3: the first "
                          "one after loading also pages the weights in)")
+    ap.add_argument("--model", type=Path, metavar="DIR",
+                    help="check this model folder instead of the shapes' twins (e.g. tiny-moe: the reduced form)")
     args = ap.parse_args()
     args.out = args.out or ROOT / "work-out" / ("host-check" if args.engine == "torch" else "host-check-mlx")
     args.dtype = args.dtype or ("auto" if args.engine == "torch" else "float32")
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = [args.model.name] if args.model else [s for s in args.shapes.split(",") if s]
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "commands.log"
     print(f"host check: {', '.join(shapes)} (commands' stderr in {log})", file=sys.stderr)
     args.layers = args.layers or (1 if args.engine == "torch" else 2)
-    models = {s: twin(s, log, args.engine, args.layers) for s in shapes}
+    models = {shapes[0]: args.model} if args.model else {s: twin(s, log, args.engine, args.layers) for s in shapes}
     profile = args.profile or args.out / "profile.json"
     backends = () if args.engine == "torch" else ("--backends", "cpu-exact,cpu-static,mlx-exact")
     if args.profile is None:

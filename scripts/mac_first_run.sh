@@ -6,7 +6,7 @@
 # Steps: autotune doctor; profile-device --quick (this Mac's profile); search tiny-moe on it; build the plan's device
 # functions in the format the plan names (a Core AI .aimodel where its groups are on coreai, macOS 27; Core ML
 # .mlpackage files where they are on ane; a template plan with every group on the ane backend when the tuned plan puts
-# none on a device); run against the reference; evaluate; where Core AI is there (macOS 27 and the doctor's coreai
+# none on a device); run against the reference; evaluate; bench the tuned plan against mlx-lm; where Core AI is there (macOS 27 and the doctor's coreai
 # check not skipped), a plan with every group and dense function on the coreai backend built into a Core AI asset and
 # run against the reference. A failing step is recorded with its exit code and output and the run goes on where it
 # can; the report holds each step's outcome and the Neural Engine shares Core AI's compute plan gave each build's
@@ -54,6 +54,9 @@ if [ "$(cat "$WORK/build.rc")" != 0 ] && grep -q "nothing to build" "$WORK/build
 fi
 step run autotune run --model "$MODEL" --plan "$PLAN" --package "$PACKAGE" --reference --json
 step evaluate autotune evaluate --model "$MODEL" --plan "$PLAN" --package "$PACKAGE" --json
+# The tuned plan measured against what a user runs instead (mlx-lm's own forward on the GPU, transformers, the
+# all-exact plan), side by side on this Mac: its JSON is the report's `bench`.
+step bench autotune bench --model "$MODEL" --plan "$WORK/plan.json" --no-progress --json
 # Core AI on the Neural Engine (macOS 27, and the doctor found Core AI there): every group and dense function in
 # one .aimodel asset.
 coreai_here() {
@@ -111,6 +114,8 @@ if profile.exists():
 for name, step in out["steps"].items():  # where Core AI's compute plan put each build's functions (macOS 27)
     if name.endswith("build") and isinstance(step["json"], dict) and step["json"].get("placement"):
         out.setdefault("placement", {})[name] = {f: s["share"] for f, s in step["json"]["placement"].items()}
+if "bench" in out["steps"]:  # the tuned plan against mlx-lm on this Mac, measured
+    out["bench"] = out["steps"]["bench"]["json"]
 for name in ("plan.json", "template.json"):
     if (work / name).exists():
         out.setdefault("plans", {})[name] = json.loads((work / name).read_text())

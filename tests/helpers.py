@@ -61,6 +61,23 @@ TINY_PROFILE = Settings({"t": (32, 32)}, tokens=[1, 2, 4, 8, 16, 32], groups=[(2
                         dense_shapes=("tiny-moe",))
 
 
+def small_profiling(monkeypatch) -> None:
+    """profile-device --quick at TINY_PROFILE's shape, the dense ops at fewer rows and contexts, and a model's own
+    records (tiny-moe's, in the dtype it computes in) at fewer rows: a host profile in seconds, not minutes."""
+    import dataclasses
+
+    from autotune.profiling import dense_records, model_records, settings
+
+    monkeypatch.setattr(settings, "settings_for", lambda quick: dataclasses.replace(TINY_PROFILE, kernels=False))
+    tiny = dataclasses.replace(dense_records.DENSE_SHAPES["tiny-moe"], rows=(1, 256))
+    for module, name, value in ((dense_records, "DENSE_SHAPES", {"tiny-moe": tiny}),
+                                (dense_records, "ELEMENTWISE_ROWS", (64, 256)),
+                                (dense_records, "ATTENTION_POINTS_QUICK", ((256, 256), (256, 512))),
+                                (model_records, "ROWS_QUICK", (1, 16, 64)), (model_records, "DENSE_ROWS", (1, 64)),
+                                (model_records, "PACK_TOKENS", (256,))):
+        monkeypatch.setattr(module, name, value)
+
+
 def apple_like(power: bool = True) -> CostModel:
     """An ANE-like device: 0.095 ms fixed cost per call, twice the CPU's throughput."""
     w = lambda x: x if power else None  # noqa: E731

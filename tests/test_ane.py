@@ -11,11 +11,11 @@ from helpers import random_model
 
 from autotune.searching.templates import template_plan
 from runtime.backends import GroupSpec, registry
-from runtime.backends.packages import bind_package, torch_target
 from runtime.coreml.ane import AneBackend, from_layout, function_name, to_layout
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.model_loader import model_spec, moe_layers
+from runtime.packages import bind_package, torch_target
 from runtime.prefill import max_rel_diff, prefill_logits
 
 MODEL = "random:qwen3_moe"

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import random_model
+from safetensors.torch import load_file, save
 
 from autotune.cli import main
 from autotune.profiling.profile import SHIPPED_PROFILES, ProfileHostWarning, host_id, load_profile, save_profile
@@ -92,7 +93,18 @@ def _bad_checkpoints(d: Path) -> dict[str, str]:
                 shutil.copy(t, m / t.name)
         return str(m)
 
+    def weights_with(name: str, value: float) -> dict[str, bytes]:
+        """The checkpoint's weights with one value of tensor `name` set to `value` (NaN, inf)."""
+        tensors = load_file(good / "model.safetensors")
+        tensors[name].view(-1)[0] = value
+        return {"model.safetensors": save(tensors, metadata={"format": "pt"})}
+
     return {
+        "ck_topk": checkpoint("topk", {"num_experts_per_tok": 32}),  # of 8 experts
+        "ck_nan_norm": checkpoint("nan-norm", files=weights_with("model.layers.1.post_attention_layernorm.weight",
+                                                                  float("nan"))),
+        "ck_inf_router": checkpoint("inf-router", files=weights_with("model.layers.2.mlp.gate.weight",
+                                                                      float("inf"))),
         "ck_pickle": checkpoint("pickle", files={"pytorch_model.bin": b"PK\x03\x04 a pickle, never opened"}),
         "ck_none": checkpoint("none", files={}),
         "ck_truncated": checkpoint("truncated", files={"model.safetensors": weights[: len(weights) // 2]}),
@@ -252,6 +264,14 @@ CASES = [
     ("generate-other-tokenizer", ["generate", "--model", "{ck_othertokenizer}", "--prompt", "To be, or not"],
      "another model"),
     ("model-missing", ["calibrate", "--model", "{missing}"], "neither a built-in model"),
+    # issue 64: the round-7 sweep (the GGUF cases: tests/test_gguf.py)
+    *[(f"{cmd}-top-k-past-the-experts", [cmd, "--model", "{ck_topk}", *extra],
+       "num_experts_per_tok 32 is more than the model's 8 experts")
+      for cmd, extra in [("generate", ["--prompt", "To be"]), ("plan-template", ["--out", "p.json"])]],
+    ("generate-nan-norm", ["generate", "--model", "{ck_nan_norm}", "--prompt", "To be"],
+     "model.layers.1.post_attention_layernorm.weight holds values that are not finite (NaN or inf)"),
+    ("template-inf-router", ["plan-template", "--model", "{ck_inf_router}", "--out", "p.json"],
+     "model.layers.2.mlp.gate.weight holds values that are not finite (NaN or inf)"),
     # issue 19: the last round's sweep
     ("search-report-path-is-a-folder", [*S, "--traces", "{traces}", "--out", "{sidecar_out}"], "hw.report.json"),
     ("profile-number-as-text", ["show-profile", "{call_ms_text}"], "call_ms"),

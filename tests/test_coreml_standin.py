@@ -1,6 +1,6 @@
 """The `ane` backend's own code run on Linux against packages `autotune build` made, with Core ML's compile and
 predict replaced by a stand-in (tests/coreml_standin.py): every variant a user can build agrees with `ane-sim`, per
-function and end to end, within 1e-3 of the output's scale."""
+function and end to end, within one fp16 step of the output's scale (plus one step of a narrower output format)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,6 @@ from helpers import random_model
 from autotune.searching.templates import template_plan
 from runtime import generation
 from runtime.backends import GroupSpec
-from runtime.backends.packages import bind_package, torch_target
 from runtime.coreml.ane import AneBackend
 from runtime.coreml.ane_sim import AneSimBackend
 from runtime.coreml.converter import build_package, quiet_coremltools_import
@@ -19,16 +18,27 @@ from runtime.coreml.dense_io import dense_weights
 from runtime.dense.attention import allowed_keys
 from runtime.dense.specs import backend_specs
 from runtime.loading.model_loader import model_spec, moe_layers
+from runtime.packages import bind_package, torch_target
 from runtime.plan import Plan
 from runtime.prefill import prefill_chunks
 
 quiet_coremltools_import()
 MODEL = "random:qwen3_moe"
-AGREE = 1e-3  # of the output's scale: the stand-in and ane-sim compute the same fp16 ops
+# Of the output's scale. The stand-in (coremltools' numpy evaluation) and ane-sim (torch) compute the same fp16 ops,
+# each in fp32 inside an op, but sum in different orders (and each CPU's kernels block differently): where an fp32
+# result lies near the middle of two fp16 values the two paths round it to adjacent ones (on an AMD EPYC: 4 of 32,768
+# after qkv's norm, 16 of 16,384 after its q projection). One such step, 2^-10 of a value, is the bound; the flips
+# measured move the outputs by 3.5e-4 of their scale at most.
+AGREE = torch.finfo(torch.float16).eps
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    """max|a - b| / max|b|, less one step of the outputs' format at each value where that format is narrower than
+    fp16 (bf16: 2^-7): two fp16 results one fp16 step apart round to bf16 values up to a bf16 step apart."""
+    step = torch.finfo(a.dtype).eps if torch.finfo(a.dtype).eps > AGREE else 0.0
+    a, b = a.float(), b.float()
+    excess = ((a - b).abs() - step * torch.maximum(a.abs(), b.abs())).clamp(min=0)
+    return float(excess.max() / b.abs().max())
 
 
 def layers_of(model) -> dict:

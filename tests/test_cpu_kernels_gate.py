@@ -154,7 +154,8 @@ def tiny_traces(tmp_path_factory):
 def _search(tmp_path, traces, *extra) -> tuple[int, dict]:
     out = tmp_path / "plan.json"
     rc = main(["search", "--model", "tiny-moe", "--traces", str(traces), "--out", str(out), "--threads", "1",
-               "--trials", "8", "--gate-candidates", "1", "--gate-tokens", "2048", "--json", *extra])
+               "--trials", "8", "--gate-candidates", "1", "--gate-tokens", "2048", "--measure", "0", "--json",
+               *extra])
     return rc, json.loads(out.read_text()) if rc == 0 else {}
 
 

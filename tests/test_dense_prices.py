@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import apple_like
 
+from autotune.costing.costmodel import BackendModel
 from autotune.costing.dense_prices import attention_work, fit_dense, fresh_mb, matmul_work, record_ms, record_work
 from autotune.costing.whole_prefill import DecoderShape
 from autotune.evaluation.run_parts import routed_experts
@@ -80,15 +81,21 @@ def test_a_runs_experts_are_priced_from_its_own_routing():
     shape = DecoderShape(hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=100, num_layers=2, moe_layers=(0, 1),
                          num_experts=4, top_k=2, expert_ffn=32)
     plan = type("P", (), {"layers": [LayerPlan(layer=i, groups=[], cpu_exact=[0, 1, 2, 3]) for i in (0, 1)],
-                          "exact_below": 2, "overflow": "drop"})()
+                          "exact_below": 2, "overflow": "drop", "exact_path": "cpu-exact"})()
     hot = np.array([64, 0, 0, 0])  # one chunk of 32 tokens, every one on expert 0 (twice: top-2 counts)
     spread = np.array([16, 16, 16, 16])
-    figures = routed_experts(cost, plan, shape, {0: [hot, spread], 1: [spread, spread]})
+    routing = {0: [hot, spread], 1: [spread, spread]}
+    figures = routed_experts(cost, plan, shape, routing)
     assert len(figures) == 2
     for chunk, counts in enumerate(([hot, spread], [spread, spread])):
         want = sum(cost.exact_ms(c, 64, 32) for c in counts)
         assert figures[chunk].latency_ms == pytest.approx(want)
     assert figures[0].latency_ms != pytest.approx(figures[1].latency_ms)  # the routing, not a mean per chunk
+    # a plan whose exact path is another lane is priced on that lane (mlx-exact here: every term twice the CPU's)
+    cost.models["mlx-exact"] = BackendModel("mlx-exact", 0.02, 0.01, 1.2, 0.0, 2, False, None)
+    plan.exact_path = "mlx-exact"
+    on_mlx = routed_experts(cost, plan, shape, routing)
+    assert [f.latency_ms for f in on_mlx] == pytest.approx([2 * f.latency_ms for f in figures])
 
 
 def test_a_runs_parts_are_each_parts_median_over_its_repeats(monkeypatch):

@@ -2,35 +2,24 @@
 size, as TINY_PROFILE does), then `search --model tiny-moe` on that profile, which measures tiny-moe's own records
 into it, fits them and writes a plan. At tiny shapes a fit may put its compute rate at 0 (issue #54: the roofline
 divided by it)."""
-import dataclasses
 import json
 
-from helpers import TINY_PROFILE
+from helpers import small_profiling
 
 from autotune.cli import main
-from autotune.profiling import dense_records, model_records, settings
 from autotune.profiling.profile import load_profile
 
 
 def test_profile_this_host_then_search_writes_a_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the search reads tiny-moe's traces from ./traces, as a new user's does
-    monkeypatch.setattr(settings, "settings_for", lambda quick: dataclasses.replace(TINY_PROFILE, kernels=False))
-    # the dense ops at fewer rows and contexts, and the search's own records of tiny-moe (in the dtype it computes
-    # in) at fewer rows: seconds, not minutes
-    tiny = dataclasses.replace(dense_records.DENSE_SHAPES["tiny-moe"], rows=(1, 256))
-    for module, name, value in ((dense_records, "DENSE_SHAPES", {"tiny-moe": tiny}),
-                                (dense_records, "ELEMENTWISE_ROWS", (64, 256)),
-                                (dense_records, "ATTENTION_POINTS_QUICK", ((256, 256), (256, 512))),
-                                (model_records, "ROWS_QUICK", (1, 16, 64)), (model_records, "DENSE_ROWS", (1, 64)),
-                                (model_records, "PACK_TOKENS", (256,))):
-        monkeypatch.setattr(module, name, value)
+    small_profiling(monkeypatch)
     host, plan = tmp_path / "host.json", tmp_path / "plan.json"
     assert main(["profile-device", "--quick", "--threads", "1", "--backends", "cpu-exact,cpu-static",
                  "--out", str(host), "--no-progress"]) == 0
     assert main(["calibrate", "--model", "tiny-moe", "--prompt-tokens", "256", "--max-tokens", "2048"]) == 0
     before = len(load_profile(host).records)
     assert main(["search", "--model", "tiny-moe", "--profile", str(host), "--trials", "5", "--no-gate",
-                 "--threads", "1", "--out", str(plan)]) == 0
+                 "--measure", "0", "--threads", "1", "--out", str(plan)]) == 0  # tests/test_measure.py measures
     after = load_profile(host)
     assert len(after.records) > before and any(key.startswith("tiny-moe") for key in after.settings["models"])
     report = json.loads(plan.with_suffix(".report.json").read_text())

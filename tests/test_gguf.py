@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +25,12 @@ from gguf_files import (  # noqa: E402
     tiny_moe_tensors,
     write_tiny_moe_gguf,
 )
+from helpers import one_line_exit_2  # noqa: E402
 
 from autotune.calibration.modelstats import perplexity  # noqa: E402
 from autotune.calibration.texts import read_text  # noqa: E402
 from autotune.cli import main  # noqa: E402
+from autotune.searching.templates import template_plan  # noqa: E402
 from runtime.cpu.quantized import dequantize  # noqa: E402
 from runtime.errors import NpumoeError  # noqa: E402
 from runtime.loading.gguf_file import GGUFFile  # noqa: E402
@@ -214,7 +217,12 @@ def _bad_files(d: Path, good: Path) -> dict[str, Path]:
     tiny = {"token_embd.weight": np.zeros((4096, 256), np.float32)}
     write_tiny_moe_gguf(d / "arch.gguf", "F32", arch="gpt2", tensors=tiny)
     write_tiny_moe_gguf(d / "key.gguf", "F32", tensors=tiny, metadata={"qwen3moe.expert_used_count": ("2", "STRING")})
-    return {k: d / f"{k}.gguf" for k in ("truncated", "type", "arch", "key")}
+    write_tiny_moe_gguf(d / "topk.gguf", "F32", tensors=tiny, metadata={"qwen3moe.expert_used_count": (32, "UINT32")})
+    write_tiny_moe_gguf(d / "context.gguf", "F32", tensors=tiny, metadata={"qwen3moe.context_length": (0, "UINT32")})
+    tokens = tiny_moe_metadata()["tokenizer.ggml.tokens"][0][:300]  # its merges name the 3,796 tokens left out
+    write_tiny_moe_gguf(d / "merges.gguf", metadata={"tokenizer.ggml.tokens": (tokens, "STRING"),
+                                                     "tokenizer.ggml.token_type": ([1] * 300, "INT32")})
+    return {k: d / f"{k}.gguf" for k in BAD}
 
 
 BAD = {
@@ -222,7 +230,34 @@ BAD = {
     "type": "tensor blk.1.ffn_up_exps.weight has quantization type 99",
     "arch": "architecture 'gpt2' is not one this reader runs",
     "key": "metadata key qwen3moe.expert_used_count is STRING, expected an integer",
+    "topk": "qwen3moe.expert_used_count 32 is more than the model's 16 experts",
+    "context": "qwen3moe.context_length must be a positive integer, got 0",
+    "merges": "which is not among its 300 tokens: not a vocabulary the tokenizer can build",
 }
+
+
+def test_corrupt_weights_and_another_models_plan_one_line(files, tmp_path, capsys):
+    """A file whose every tensor byte is random (the header intact) is corrupt: refused in one line by its scales
+    (no numpy warning of the overflows on the way) and, for what reads only the routers, by theirs; a plan of another
+    model is refused before the weights load (no loader's note ahead of the error)."""
+    good = files["Q8_0"]
+    raw = bytearray(good.read_bytes())
+    start = gguf.GGUFReader(good).data_offset
+    raw[start:] = np.random.default_rng(0).bytes(len(raw) - start)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(bytes(raw))
+    other = tmp_path / "other.json"
+    save_plan(template_plan(read_model_spec("tiny-moe"), "ample"), other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert "scales that are not finite (NaN or inf): the file is corrupt" in one_line_exit_2(
+            ["generate", "--model", str(corrupt), "--prompt", "To be", "--max-tokens", "4"], capsys)
+        for argv in (["plan-template", "--model", str(corrupt), "--out", str(tmp_path / "p.json")],
+                     ["run", "--model", str(corrupt), "--plan", str(other), "--max-tokens", "64"]):
+            assert "mlp.gate.weight holds values that are not finite (NaN or inf)" in one_line_exit_2(argv, capsys)
+    assert "plan is for a different model" in one_line_exit_2(
+        ["generate", "--model", str(good), "--plan", str(other), "--prompt", "To be", "--max-tokens", "4"], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.gguf", "other.json"]
 
 
 def test_bad_files_one_line_nothing_written(files, cache, tmp_path, capsys):
@@ -230,8 +265,6 @@ def test_bad_files_one_line_nothing_written(files, cache, tmp_path, capsys):
     folder in the cache."""
     bad = _bad_files(tmp_path, files["Q8_0"])
     plan = tmp_path / "plan.json"
-    from autotune.searching.templates import template_plan
-
     save_plan(template_plan(read_model_spec(str(files["Q8_0"])), "ample"), plan)
     made = set(cache.glob("gguf/*"))
     traces = tmp_path / "traces.npz"
@@ -251,8 +284,6 @@ def test_bad_files_one_line_nothing_written(files, cache, tmp_path, capsys):
 
 
 def test_commands_take_the_file(files, tmp_path, capsys):
-    from autotune.searching.templates import template_plan
-
     path = str(files["Q4_0"])
     plan = tmp_path / "plan.json"
     save_plan(template_plan(read_model_spec(path), "ample"), plan)
@@ -264,6 +295,15 @@ def test_commands_take_the_file(files, tmp_path, capsys):
     assert main(["calibrate", "--model", path, "--engine", "mlx", "--out", str(tmp_path / "t.npz")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a GGUF file, which mlx-lm does not load here" in err[0], err
+
+
+def test_the_mlx_engine_names_itself_on_a_file(files, tmp_path, capsys):
+    pytest.importorskip("mlx_lm")
+    plan = tmp_path / "plan.json"
+    save_plan(template_plan(read_model_spec(str(files["Q8_0"])), "ample"), plan)
+    for cmd in (["run", "--plan", str(plan), "--max-tokens", "64"], ["generate", "--prompt", "To be"]):
+        assert "--engine mlx loads a model folder through mlx-lm; " in one_line_exit_2(
+            [cmd[0], "--model", str(files["Q8_0"]), "--engine", "mlx", *cmd[1:]], capsys)
 
 
 def test_missing_package_one_line(monkeypatch, tmp_path):

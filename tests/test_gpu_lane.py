@@ -8,8 +8,9 @@ from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, LazyLast, predict_prefill
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import expert_figures, prompts_in
 from autotune.searching.optimizer import run_search, solution, solution_plan
-from autotune.searching.prefill_report import expert_figures, mlx_gpu_prefill, prompts_in
+from autotune.searching.prefill_report import mlx_gpu_prefill
 from autotune.searching.report import plot_tradeoff
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, layer_space

@@ -53,11 +53,13 @@ def test_first_run_report_gathers_every_step(tmp_path):
     r = json.loads(report.read_text())
     assert r["schema"] == "npumoe.mac-first-run/1" and r["host"]["libraries"]
     steps = r["steps"]
-    assert list(steps) == ["doctor", "profile", "search", "build", "template", "build_template", "run", "evaluate"]
+    assert list(steps) == ["doctor", "profile", "search", "build", "template", "build_template", "run", "evaluate",
+                           "bench"]
     assert steps["doctor"]["json"]["checks"][0]["status"] == "pass"
     assert steps["build"]["exit_code"] == 2 and "no group on the ane backend" in steps["build"]["stderr_tail"]
     assert steps["run"]["json"] == {"step": "run"} and r["plan_run"].endswith("template.json")
     assert r["ok"]  # the expected build refusal is replaced by the template's build
+    assert r["bench"] == {"step": "bench"}  # bench's JSON, the tuned plan against mlx-lm
 
 
 def test_macos_workflow_parses_and_names_its_steps():
@@ -103,8 +105,9 @@ def test_first_run_on_macos_27_builds_the_plans_core_ai_asset(tmp_path):
 """, macos="27.0")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(report.read_text())
-    assert list(r["steps"]) == ["doctor", "profile", "search", "build", "run", "evaluate", "coreai_template",
+    assert list(r["steps"]) == ["doctor", "profile", "search", "build", "run", "evaluate", "bench", "coreai_template",
                                 "coreai_build", "coreai_run"]
+    assert "--plan" in r["bench"]["args"] and r["bench"]["args"].endswith("/plan.json --no-progress --json")
     assert r["ok"] and all(s["exit_code"] == 0 for s in r["steps"].values())
     assert r["steps"]["build"]["json"]["package"].endswith("/plan.aimodel")
     args = r["steps"]["run"]["json"]["args"]

@@ -15,7 +15,11 @@ import torch.nn.functional as F
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from helpers import all_cpu_plan, mlx_fp32  # noqa: E402
+from helpers import (  # noqa: E402
+    all_cpu_plan,
+    mlx_fp32,
+    one_line_exit_2,  # noqa: E402
+)
 from helpers import convert_to_mlx as convert  # noqa: E402
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT  # noqa: E402
@@ -141,6 +145,23 @@ def test_bad_checkpoint_one_line(case, needle, q4, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and needle in err[0], (argv[0], err)
     assert not traces.exists() and not (tmp_path / "template.json").exists()  # no calibration, no plan
+
+
+def test_a_scale_that_is_not_a_number_is_refused_as_corrupt(q4, tmp_path, capsys):
+    """A packed weight's scales are checked as they are read (its codes need no check): a NaN there would make its
+    group's weights NaN and every token's output with them."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(q4, bad)
+    key = "model.layers.1.mlp.switch_mlp.down_proj.scales"
+    tensors = load_file(bad / "model.safetensors")
+    tensors[key].view(-1)[5] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "mlx"})
+    before = sorted(tmp_path.rglob("*"))
+    assert f"{key} holds values that are not finite (NaN or inf)" in one_line_exit_2(
+        ["generate", "--model", str(bad), "--engine", "torch", "--prompt", "To be", "--max-tokens", "4"], capsys)
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_the_fingerprint_covers_the_quantization(q4, tmp_path, capsys):

@@ -1,22 +1,25 @@
-"""A model across two ranks of MLX's ring on 127.0.0.1 (free ports): tiny-moe at 4 bits, each rank holding half its
-layers, against mlx-lm's single process in float32; and a neighbour that dies, hangs or never comes ends the rank
-with one line naming it, within the timeout."""
+"""A model across two ranks of MLX's ring on 127.0.0.1 (free ports), as users run it: `autotune run`, `generate` and
+`serve` under `mlx.launch` (or each rank started with the launcher's environment), tiny-moe at 4 bits in float32,
+each rank holding only its stage's layers under its stage's plan, against one process; a neighbour that dies, hangs
+or never comes ends a rank with one line naming it, within the timeout; bad input ends every rank with one line of
+ours, before the ring is joined where the input says it."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from helpers import convert_to_mlx, mlx_fp32
+from helpers import convert_to_mlx
 
 pytest.importorskip("mlx_lm")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Static capacity tiers and grouped experts"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+AUTOTUNE = [sys.executable, "-m", "autotune"]
 
 
 @pytest.fixture(scope="module")
@@ -48,68 +51,67 @@ def test_rank_split_is_mlx_lms_order():
 
 
 @pytest.fixture(scope="module")
-def tight_plan(tiny4, tmp_path_factory):
-    """ane-sim groups at a tight capacity, spills to mlx-exact: a plan whose every layer runs the plan's block."""
+def pipeline(tiny4, tmp_path_factory):
+    """A pipeline file as `autotune search --macs 2` writes it, beside its plan: stage 0 (layer 0, on rank 1) under
+    a plan of cpu-static groups (float32) at a tight capacity spilling to mlx-exact, stage 1 (layers 1-3, on rank 0)
+    every expert on mlx-exact; an uneven split, so that mlx-lm's even one would not pass for it. The plan beside it
+    is the two stages' layers in one, what one process runs."""
     from autotune.cli import main
 
-    out = tmp_path_factory.mktemp("plan") / "tight.json"
-    assert main(["plan-template", "--model", str(tiny4), "--capacity", "tight", "--overflow", "spill", "--backend",
-                 "ane", "--exact", "mlx-exact", "--out", str(out)]) == 0
-    return out
+    d = tmp_path_factory.mktemp("plan")
+    common = ["--model", str(tiny4), "--exact", "mlx-exact", "--chunk", "16"]
+    assert main(["plan-template", *common, "--capacity", "tight", "--overflow", "spill", "--backend", "cpu-static",
+                 "--out", str(d / "plan.stage0.json")]) == 0
+    assert main(["plan-template", *common, "--no-groups", "--overflow", "spill", "--out",
+                 str(d / "plan.stage1.json")]) == 0
+    whole = json.loads((d / "plan.stage1.json").read_text())
+    whole["layers"][0] = json.loads((d / "plan.stage0.json").read_text())["layers"][0]
+    (d / "plan.json").write_text(json.dumps(whole))
+    stages = [{"stage": 0, "rank": 1, "layers": [0, 1], "plan": str(d / "plan.stage0.json")},
+              {"stage": 1, "rank": 0, "layers": [1, 4], "plan": "plan.stage1.json"}]  # beside the file
+    (d / "plan.pipeline.json").write_text(json.dumps({"schema": "npumoe.pipeline/1", "split": [[0, 1], [1, 4]],
+                                                      "stages": stages}))
+    return d
 
 
-def spine_logits(tiny4, plan, ids: list[int], step: int) -> np.ndarray:
-    """The single-process MLX spine's logits of every position, in chunks of `step`, float32."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from runtime.mlx.spine import MlxSpine
-    from runtime.plan import load_plan
-
-    model = mlx_fp32(tiny4)
-    spine, cache = MlxSpine(model, load_plan(plan), tiny4).install(), make_prompt_cache(model)
-    return np.concatenate([np.array(spine.forward(mx.array([ids[s:s + step]], dtype=mx.uint32), cache, "all")[0])
-                           for s in range(0, len(ids), step)])
+def launch(args: list[str], cwd: Path, timeout: float = 240) -> list[dict]:
+    """`args` of autotune under `mlx.launch --backend ring --hosts 127.0.0.1 -n 2`: each rank's JSON line, rank 0
+    first (the launcher exits 0 whatever its ranks do: every rank must print its own)."""
+    port = free_ports(2, consecutive=True)[0]
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+           "--starting-port", str(port), "--env", f"PYTHONPATH={ROOT}", "--env", "OMP_NUM_THREADS=1",
+           "--python", sys.executable, "-m", "autotune", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    return sorted(lines, key=lambda r: r["rank"])
 
 
 @pytest.mark.slow
-def test_a_two_stage_plan_under_the_launcher_matches_the_single_process_spine(tiny4, tight_plan, tmp_path):
-    import transformers
+def test_run_under_the_launcher_runs_each_stage_under_its_plan(tiny4, pipeline, tmp_path):
+    ranks = launch(["run", "--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--engine", "mlx",
+                    "--dtype", "float32", "--max-tokens", "64", "--reference", "--json"], tmp_path)
+    assert [(r["rank"], r["ranks"], r["layers"]) for r in ranks] == [(0, 2, [1, 4]), (1, 2, [0, 1])]
+    for r in ranks:  # every position's logits against mlx-lm's own forward across the same two ranks
+        assert r["max_rel_diff_vs_reference"] <= 1e-5 and r["tokens"] == 64
+    assert ranks[0]["assignments"] == 64 * 3 * 2 and ranks[1]["assignments"] == 64 * 2  # top-2, each its layers
+    assert ranks[1]["spilled"] > 0 and ranks[0]["spilled"] == 0  # rank 1 runs stage 0's tight groups
 
+
+@pytest.mark.slow
+def test_generate_under_the_launcher_gives_one_processs_greedy_tokens(tiny4, pipeline, tmp_path):
     import runtime
 
-    port = free_ports(2, consecutive=True)[0]
-    logits_out = tmp_path / "logits.npy"
-    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2", "--starting-port",
-           str(port), "--env", f"PYTHONPATH={ROOT}", "--env", "OMP_NUM_THREADS=1", sys.executable, "-m",
-           "runtime.mlx.cluster", "--model", str(tiny4), "--plan", str(tight_plan), "--prompt", PROMPT,
-           "--max-tokens", "12", "--dtype", "float32", "--logits-out", str(logits_out), "--timeout", "60"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (out["ranks"], out["layers"]) == (2, [2, 4])  # rank 0: the last two of tiny-moe's four layers
-    ids = transformers.AutoTokenizer.from_pretrained(tiny4).encode(PROMPT)
-    ref = spine_logits(tiny4, tight_plan, ids, 256)  # the plan's chunk
-    got = np.load(logits_out)
-    assert got.shape == ref.shape == (out["prompt_tokens"], 4096)
-    assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5
-    loaded = runtime.load(str(tiny4), plan=str(tight_plan), engine="mlx", dtype="float32")
-    assert out["tokens"] == runtime.generate(loaded, PROMPT, max_tokens=12).to_json()["token_ids"]
+    ranks = launch(["generate", "--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--dtype", "float32",
+                    "--prompt", PROMPT, "--max-tokens", "12", "--json"], tmp_path)
+    loaded = runtime.load(str(tiny4), plan=str(pipeline / "plan.json"), engine="mlx", dtype="float32")
+    one = runtime.generate(loaded, PROMPT, max_tokens=12).to_json()
+    assert [r["layers"] for r in ranks] == [[1, 4], [0, 1]]
+    assert [r["token_ids"] for r in ranks] == [one["token_ids"]] * 2 and ranks[0]["text"] == one["text"]
 
 
-def rank0(tiny4, hostfile: Path, timeout: float, cwd: Path) -> subprocess.Popen:
-    env = {**ENV, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)}
-    return subprocess.Popen([sys.executable, "-m", "runtime.mlx.cluster", "--model", str(tiny4), "--prompt", PROMPT,
-                             "--max-tokens", "4", "--timeout", str(timeout)], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def peer(hostfile: Path, then: str, cwd: Path) -> subprocess.Popen:
-    """Rank 1: joins the ring, then `then` (a Python statement)."""
-    code = f"import os, time, mlx.core as mx; mx.distributed.init(backend='ring', strict=True); {then}"
-    env = {**ENV, "MLX_RANK": "1", "MLX_HOSTFILE": str(hostfile)}
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def rank_env(hostfile: Path, rank: int) -> dict:
+    return {**ENV, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
 
 def ring_file(tmp_path: Path) -> tuple[Path, str]:
@@ -119,24 +121,42 @@ def ring_file(tmp_path: Path) -> tuple[Path, str]:
     return hostfile, f"rank 1 (127.0.0.1:{ports[1]})"
 
 
-def one_line(proc: subprocess.Popen, limit: float, status: int = 3) -> tuple[str, float]:
-    start = time.monotonic()
+def rank(hostfile: Path, k: int, args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([*AUTOTUNE, *args], env=rank_env(hostfile, k), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def peer(hostfile: Path, then: str, cwd: Path) -> subprocess.Popen:
+    """Rank 1: joins the ring (trying again while rank 0 still imports: MLX's connecting side gives up after about
+    30 s), then `then` (a Python statement)."""
+    code = ("import os, time, mlx.core as mx\nwhile True:\n    try:\n        mx.distributed.init(backend='ring', "
+            f"strict=True)\n        break\n    except RuntimeError:\n        pass\n{then}")
+    return subprocess.Popen([sys.executable, "-c", code], env=rank_env(hostfile, 1), cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def one_line(proc: subprocess.Popen, limit: float, status: int = 3, prefix: str = "npumoe:") -> str:
     _, err = proc.communicate(timeout=limit)
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == status, err[-2000:]
-    assert len([line for line in lines if line.startswith("npumoe:")]) == 1 and not any(
-        line.startswith("[ring]") or "Traceback" in line for line in lines), err
-    return next(line for line in lines if line.startswith("npumoe:")), time.monotonic() - start
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
 
 
-@pytest.mark.parametrize("then, says", [("os._exit(1)", "lost {peer}"),
-                                        ("time.sleep(120)", "{peer} did not answer within 4 s")])
+def generate_args(tiny4, timeout: float, *extra: str) -> list[str]:
+    return ["generate", "--model", str(tiny4), "--prompt", PROMPT, "--max-tokens", "4", "--dtype", "float32",
+            "--peer-timeout-s", str(timeout), *extra]
+
+
+@pytest.mark.parametrize("then, says", [("time.sleep(1); os._exit(1)", "lost {peer}"),
+                                        ("time.sleep(120)", "{peer} did not answer within 15 s")])
 def test_a_neighbour_that_dies_or_hangs_ends_the_rank_naming_it(tiny4, tmp_path, then, says):
     hostfile, name = ring_file(tmp_path)
-    first = rank0(tiny4, hostfile, 4.0, tmp_path)  # rank 0 accepts; rank 1 connects (and gives up after ~30 s)
+    # rank 0 accepts; rank 1 connects, and MLX spaces its tries by seconds while rank 0 still imports
+    first = rank(hostfile, 0, generate_args(tiny4, 15.0), tmp_path)
     other = peer(hostfile, then, tmp_path)
     try:
-        line, _ = one_line(first, 60)
+        line = one_line(first, 90)
     finally:
         other.kill()
         other.wait()
@@ -146,8 +166,125 @@ def test_a_neighbour_that_dies_or_hangs_ends_the_rank_naming_it(tiny4, tmp_path,
 
 def test_a_neighbour_that_never_comes_ends_the_rank_within_the_timeout(tiny4, tmp_path):
     hostfile, name = ring_file(tmp_path)
-    start = time.monotonic()
-    proc = rank0(tiny4, hostfile, 3.0, tmp_path)
-    line, _ = one_line(proc, 60, status=-9)  # killed by its watchdog: the ring's init holds the interpreter
+    proc = rank(hostfile, 0, generate_args(tiny4, 3.0), tmp_path)
+    line = one_line(proc, 90, status=-9)  # killed by its watchdog: the ring's init holds the interpreter
     assert line == f"npumoe: rank 0: {name} did not answer within 3 s (joining the ring): it died or cannot be reached"
-    assert time.monotonic() - start < 40  # the imports, then 3 s
+
+
+@pytest.mark.slow
+def test_a_prompt_past_the_context_ends_every_rank_in_one_line(tiny4, tmp_path):
+    hostfile, _ = ring_file(tmp_path)
+    long = tmp_path / "long.txt"
+    long.write_text("static capacity tiers " * 1200)  # past tiny-moe's 2,048 positions
+    args = generate_args(tiny4, 60.0)
+    args[args.index("--prompt"):args.index("--prompt") + 2] = ["--prompt-file", str(long)]
+    procs = [rank(hostfile, k, args, tmp_path) for k in (0, 1)]
+    for proc in procs:
+        assert "context" in one_line(proc, 180, status=2, prefix="autotune generate: error:")
+
+
+@pytest.fixture
+def a_rank(monkeypatch, tmp_path):
+    """This process as rank 0 of a two-rank ring nobody listens on: whatever is refused is refused before joining
+    it (joining would wait for rank 1)."""
+    hostfile, _ = ring_file(tmp_path)
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    return tmp_path
+
+
+def _refused(capsys, args: list[str]) -> str:
+    from autotune.cli import main
+
+    with pytest.raises(SystemExit) as out:
+        code = main(args)
+        raise SystemExit(code)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert out.value.code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("command", ["run", "generate", "serve"])
+def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline, a_rank, capsys, command):
+    d = a_rank
+    (d / "broken.pipeline.json").write_text("{not json")
+    short = json.loads((pipeline / "plan.pipeline.json").read_text()) | {"split": [[0, 1], [1, 3]]}
+    (d / "short.pipeline.json").write_text(json.dumps(short))
+    (d / "bad.txt").write_text("text")
+    base = [command, "--model", str(tiny4)] + (["--prompt", PROMPT] if command == "generate" else [])
+    plan = ["--plan", str(pipeline / "plan.json")]
+    cases = {
+        "missing model": (["--model", str(d / "nowhere")], "neither a built-in model"),
+        "pipeline not JSON": (["--pipeline", str(d / "broken.pipeline.json")], "cannot read the split"),
+        "split short of the layers": (["--pipeline", str(d / "short.pipeline.json")], "does not cover the 4 layers"),
+        "timeout below zero": (["--peer-timeout-s", "-1"], "--peer-timeout-s"),
+        "torch across Macs": (["--engine", "torch"], "--engine torch: across Macs"),
+    }
+    if command == "generate":
+        cases |= {"negative max tokens": (["--max-tokens", "-1"], "--max-tokens"),
+                  "empty prompt": (["--prompt", ""], "the prompt is empty")}
+    for name, (extra, says) in cases.items():
+        line = _refused(capsys, base + plan + extra)
+        assert line.startswith(f"autotune {command}: error:") and says in line, (name, line)
+
+
+def test_a_pipeline_needs_the_launcher(tiny4, pipeline, capsys):
+    line = _refused(capsys, ["generate", "--model", str(tiny4), "--prompt", PROMPT, "--pipeline",
+                             str(pipeline / "plan.pipeline.json")])
+    assert "start every rank with `mlx.launch" in line
+
+
+def _serve_url(proc: subprocess.Popen, limit: float) -> str:
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        line = proc.stdout.readline()
+        if " at http://" in line:
+            return line.split(" at ")[1].split()[0]
+        assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+    raise AssertionError("the server did not start")
+
+
+@pytest.mark.slow
+def test_serve_under_the_launcher_answers_on_rank_0_as_one_process(tiny4, pipeline, tmp_path):
+    import httpx
+    import openai
+
+    import runtime
+
+    hostfile, name = ring_file(tmp_path)
+    args = ["serve", "--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--dtype", "float32", "--port",
+            "0", "--peer-timeout-s", "120"]  # rank 0's engine process joins after its own imports
+    leader, follower = rank(hostfile, 0, args, tmp_path), rank(hostfile, 1, args, tmp_path)
+    try:
+        url = _serve_url(leader, 240)
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        assert health["cluster"]["stages"] == [{"rank": 0, "layers": [1, 4]}, {"rank": 1, "layers": [0, 1]}]
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
+        loaded = runtime.load(str(tiny4), plan=str(pipeline / "plan.json"), engine="mlx", dtype="float32")
+        one = runtime.generate(loaded, PROMPT, max_tokens=12).text
+        whole = client.completions.create(model="q4g64", prompt=PROMPT, max_tokens=12, temperature=0)
+        assert whole.choices[0].text == one
+        pieces = client.completions.create(model="q4g64", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in pieces) == one
+        stream = client.completions.create(model="q4g64", prompt=PROMPT * 20, max_tokens=400, temperature=0,
+                                           stream=True)
+        next(iter(stream))  # mid-request: rank 1 goes
+        follower.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 120 + 5
+        line = one_line(leader, 60)
+        assert line.startswith(f"npumoe: rank 0: lost {name}") or line.startswith(f"npumoe: rank 0: {name} did not")
+    finally:
+        for proc in (leader, follower):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_old_entry_names_the_commands_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "runtime.mlx.cluster", "--model", "x"], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "autotune run|generate|serve" in done.stderr

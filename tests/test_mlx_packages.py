@@ -1,5 +1,5 @@
 """A built package on the MLX spine (`run --engine mlx --package`): bound to the plan by the same code as on the
-torch spine (`runtime.backends.packages`), its functions run by its backend where the plan puts them. A Core AI asset
+torch spine (`runtime.packages`), its functions run by its backend where the plan puts them. A Core AI asset
 in float32 (Apple's in-package runtime on this CPU) holding tiny-moe's layer-0 group, beside mlx-exact: within 1e-5 of
 mlx-lm's own forward, and of the same package on the torch spine. Core AI's own checks (the asset's digest before
 Apple's parser, a dtype other than the run's said once, a function built for other shapes refused) hold here too,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,19 @@ def test_what_the_mlx_spine_does_not_run_is_refused_in_one_line(q4, exact_plan, 
     monkeypatch.setattr("runtime.mlx.formats.SPINE_SPLICES", ("qkv",))  # a kind of dense function not spliced in
     assert "dense functions on a static backend (attention, o_proj)" in one_line_exit_2(
         ["run", "--model", str(q4), "--plan", str(dense), "--engine", "mlx", "--dtype", "float32"], capsys)
+
+
+def test_a_top_k_past_the_experts_is_refused_before_mlx_lm_routes(q4, tmp_path, capsys):
+    """An MLX folder whose top-k is more than its experts: one line from the folder's check (mlx-lm's argpartition
+    would fail inside the first forward)."""
+    folder = tmp_path / "topk"
+    shutil.copytree(q4, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 32}))
+    before = sorted(tmp_path.rglob("*"))
+    assert "num_experts_per_tok 32 is more than the model's 16 experts" in one_line_exit_2(
+        ["generate", "--model", str(folder), "--engine", "mlx", "--prompt", "To be", "--max-tokens", "4"], capsys)
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_layer_plan_without_groups_is_the_fast_path(exact_plan):

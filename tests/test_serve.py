@@ -503,6 +503,27 @@ def test_a_key_is_required_but_not_for_health(served):
     assert httpx.get(served.url + "/health").json()["status"] == "ok"
 
 
+def test_an_idle_connection_outlives_the_clients_pools(served):
+    """A connection the openai/anthropic clients' pools hold (httpx: dropped after 5 s idle) is still open past
+    that on the server: else a request sent on it as the server's own timer fired got a reset (the flaky
+    APIConnectionError). One connection, idle past the clients' expiry, then used again."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    url = urlsplit(served.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        for pause in (0.0, DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 0.5):
+            time.sleep(pause)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        conn.close()
+
+
 BAD = [
     (b"{bad json", 400, None),
     (b"[1, 2]", 400, None),

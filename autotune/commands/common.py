@@ -7,10 +7,11 @@ import sys
 
 import torch
 
-from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_int
-from runtime.engines import ENGINES
+from autotune.commands.argtypes import cpu_storage, input_file, input_package, positive_float, positive_int
+from runtime.engines import ENGINES, mlx_importable
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import BUILTIN_MODELS, DTYPE_CHOICES
+from runtime.mlx.launcher import launched
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -86,3 +87,35 @@ def add_planned_arguments(p: argparse.ArgumentParser, text_default: str, max_tok
     add_cpu_weights_argument(p)
     add_threads_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+PEER_TIMEOUT_S = 60.0
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a command that runs across Macs under `mlx.launch` (`runtime.mlx.cluster`)."""
+    p.add_argument("--pipeline", type=input_file, metavar="F",
+                   help="under mlx.launch: the pipeline file `autotune search --macs N` (or --hosts) wrote, each rank "
+                        "loading only its stage's layers and running them under its stage's plan (default: "
+                        "<plan>.pipeline.json beside the plan, else mlx-lm's even split under the plan given)")
+    p.add_argument("--peer-timeout-s", type=positive_float, default=PEER_TIMEOUT_S, metavar="S",
+                   help="under mlx.launch: how long a rank waits on a neighbour before it ends, naming it (default "
+                        f"{PEER_TIMEOUT_S:g})")
+
+
+def cluster_of(args: argparse.Namespace, plan: str | None) -> object | None:
+    """Under `mlx.launch`, this rank's part (`runtime.mlx.cluster.ClusterSpec`), checked before any ring is joined;
+    None in a process of its own."""
+    if not launched():
+        if args.pipeline:
+            raise NpumoeError("--pipeline runs a model across Macs: start every rank with `mlx.launch --backend ring "
+                              "-n N ...` or `mlx.launch --hostfile hosts.json ...`")
+        return None
+    if args.engine == "torch":
+        raise NpumoeError("--engine torch: across Macs (under mlx.launch) the model runs on the MLX spine; leave "
+                          "--engine out or give --engine mlx")
+    if not mlx_importable():
+        raise NpumoeError("under mlx.launch the model runs across Macs on mlx and mlx-lm (pip install mlx-lm)")
+    from runtime.mlx.cluster import cluster_spec
+
+    return cluster_spec(args.model, plan, args.pipeline, args.peer_timeout_s)

@@ -17,6 +17,7 @@ from autotune.commands.argtypes import (
     positive_int,
 )
 from autotune.commands.common import (
+    add_cluster_arguments,
     add_cpu_weights_argument,
     add_dtype_argument,
     add_engine_argument,
@@ -24,6 +25,7 @@ from autotune.commands.common import (
     add_package_argument,
     add_threads_argument,
     apply_threads,
+    cluster_of,
     print_json,
     require_plan_for_package,
 )
@@ -64,10 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --plan: write the prompt's routing under the plan as traces (npumoe.traces/1, every "
                         "5th chunk held out) for `autotune search --traces T`")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (figures and text) instead of streaming the text")
+                   help="print one JSON object (figures and text) instead of streaming the text; under mlx.launch "
+                        "every rank prints its own, with its `rank` and `layers`")
     p.add_argument("--in-flight", type=int, choices=(1, 2), default=1,
                    help="prefill chunks in flight on the MLX spine (default 1): 2 runs one chunk's static calls while "
                         "the other chunk's MLX work runs (same logits; executed gains each lane's busy and wait ms)")
+    add_cluster_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -79,18 +83,24 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:  # before the model loads: nothing to generate from (with --chat, an empty user turn)
         raise NpumoeError(f"the prompt is empty ({'--prompt' if args.prompt is not None else args.prompt_file}): "
                           "give some text")
+    cluster = cluster_of(args, args.plan)
+    if cluster is not None and args.record_traces:
+        raise NpumoeError("--record-traces records the routing of the whole model: run it in one process, not "
+                          "under mlx.launch")
     apply_threads(args.threads)
     engine = "torch" if args.record_traces and args.engine == "auto" else args.engine
     if args.record_traces and engine == "mlx":
         raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
-    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine)
+    loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine,
+                  cluster=cluster)
     if args.in_flight > 1:
         if loaded.engine != "mlx" or not loaded.plan:
             raise NpumoeError("--in-flight 2 runs a plan's prefill on the MLX spine: give --plan and --engine mlx")
         loaded.model.in_flight = args.in_flight
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
-    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    answers = cluster is None or cluster.rank == 0  # across Macs every rank computes the text; rank 0 shows it
+    stream = None if args.json or not answers else (lambda piece: print(piece, end="", flush=True))
     result = generate(loaded, prompt, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed, chat=args.chat,
                       compare=args.compare, on_text=stream)
     extra: dict = {"model": args.model, "plan": args.plan}
@@ -106,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
         extra["traces"] = pipeline.record_prompt_traces(loaded, prompt, args.record_traces, chat=args.chat,
                                                         text=args.prompt_file or "--prompt",
                                                         recorded_by=f"autotune generate --plan {args.plan}")
-    report = dataclasses.replace(result, **extra).to_json()
+    report = dataclasses.replace(result, **extra).to_json() | (loaded.cluster.to_json() if loaded.cluster else {})
     if args.json:
         print_json(report)
-    else:
+    elif answers:
         print(flush=True)
         _print_summary(report)
     return 0

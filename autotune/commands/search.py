@@ -115,6 +115,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
                         "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
                         "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
+    p.add_argument("--measure", type=non_negative_int, default=d.measure, metavar="K",
+                   help="after the gate, time the K best distinct candidates by predicted whole prefill and the "
+                        "baselines that are plans on this host (held-out prompts, interleaved, repeated), write the "
+                        "measured best within the fidelity limits, and store the runs in the profile so the next "
+                        "search predicts them; 0: off (default: 8 on a profile measured on this host, else 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_macs_arguments(p)
     p.set_defaults(func=run)
@@ -172,7 +177,7 @@ def run_across_macs(args: argparse.Namespace, config: SearchConfig) -> int:
     for path in (*pipeline.search_sidecars(out, config.objective, tradeoff=True), *ps.stage_paths(out, len(hosts))[1],
                  ps.stage_paths(out, len(hosts))[0]):
         require_output(path, "--out")
-    report = ps.search_across_macs(args.model, config, hosts, args.link_gb_s, progress=not args.json)
+    report = pipeline.search_across_macs(args.model, config, hosts, args.link_gb_s, progress=not args.json)
     if args.json:
         print_json(report)
     else:

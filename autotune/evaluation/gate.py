@@ -72,7 +72,7 @@ class GateSettings:
 @dataclass(frozen=True)
 class Candidate:
     plan: Plan
-    predicted_ms: float  # per chunk, all MoE layers: predicted by the cost model
+    predicted_ms: float  # what the search minimised (its whole prefill of one prompt), predicted by the cost model
 
 
 def _summary(plan: Plan) -> dict:

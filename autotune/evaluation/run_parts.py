@@ -88,7 +88,8 @@ def routed_experts(cost: CostModel, plan: Plan, shape: DecoderShape, routing: Ro
         planned = counts.sum(axis=1) >= plan.exact_below * shape.top_k  # a chunk's tokens pick top-k experts each
         for lp, rows in ((plans.get(layer, every), planned), (every, ~planned)):
             if rows.any():
-                t, c = cost.layer_times(lp, counts[rows], shape.hidden, shape.expert_ffn, plan.overflow)
+                t, c = cost.layer_times(lp, counts[rows], shape.hidden, shape.expert_ffn, plan.overflow,
+                                        plan.exact_path)
                 latency[rows] += t
                 cpu[rows] += c
     return [ExpertFigures(float(t), float(c), None) for t, c in zip(latency, cpu)]

@@ -46,6 +46,7 @@ class SearchConfig:
     cpu_weights: str | None = None  # bf16, int8 or int4[:group]: pins the CPU's expert storage (None: searched)
     backend: str | None = None  # pins the static backend the plan's groups name (None: chosen, backend_choice)
     engine: str = "auto"  # mlx: the plan's exact path and dense host are mlx-exact (run on the MLX spine)
+    measure: int | None = None  # candidates timed on this host after the gate (None: 8 on a profile measured here)
 
     def __post_init__(self) -> None:
         if self.cpu_weights is not None:

@@ -1,9 +1,9 @@
 """The plans the fidelity gate measures, in the order it measures them, so that it never leaves a user without
-a plan: the search's pick and `optimizer.ranked_solutions` by predicted cost (each compressed one followed by itself
-uncompressed), a round of them at a time followed by the same plans tightened (drops turned to spills, then
-compression off), and last, within at most ROUNDS rounds, the all-exact plans (`all_exact`): every expert on the plan's
-exact path where it runs off the CPU, then the all-CPU plan, which runs what the model runs and so passes by
-construction."""
+a plan: the search's pick and `optimizer.ranked_solutions` by what the search minimised (the whole prefill of one
+prompt, `objective.WholePrefill`, where it is the objective), each compressed one followed by itself uncompressed,
+a round of them at a time followed by the same plans tightened (drops turned to spills, then compression off), and
+last, within at most ROUNDS rounds, the all-exact plans (`all_exact`): every expert on the plan's exact path where it
+runs off the CPU, then the all-CPU plan, which runs what the model runs and so passes by construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +19,7 @@ ROUNDS = 4  # rounds of --gate-candidates the gate measures at most; the last en
 
 
 def _key(sol: Solution) -> tuple:
-    return sol.chunk_tokens, sol.exact_partial, tuple(sol.configs)
+    return sol.chunk_tokens, sol.exact_partial, tuple(sol.configs), sol.dense
 
 
 def _variant(sol: Solution, outcome: SearchOutcome, scorer: Scorer, residents_only: bool = False,
@@ -29,7 +29,8 @@ def _variant(sol: Solution, outcome: SearchOutcome, scorer: Scorer, residents_on
     configs = [dataclasses.replace(c, **change) if c.resident or not residents_only else c for c in sol.configs]
     if configs == sol.configs:
         return None
-    return solution(configs, outcome.chunks[sol.chunk_tokens].layers, scorer, sol.exact_partial)
+    return dataclasses.replace(solution(configs, outcome.chunks[sol.chunk_tokens].layers, scorer, sol.exact_partial),
+                               dense=sol.dense)
 
 
 def all_exact(outcome: SearchOutcome, scorer: Scorer, chunk_tokens: int) -> list[Solution]:
@@ -93,9 +94,12 @@ def _distinct(sols) -> list[Solution]:
 def gate_candidates(sols: list[Solution], outcome: SearchOutcome, scorer: Scorer, spec: ModelSpec,
                     saliency: str, dense: Callable[[Solution], dict | None] = lambda sol: None
                     ) -> Iterator[Candidate]:
-    """Each solution as the plan the gate runs (with `dense(sol)`, the dense functions at its chunk size), with
-    its predicted latency per chunk (made as the gate reaches it)."""
+    """Each solution as the plan the gate runs (with `dense(sol)`, its dense functions), with its predicted latency
+    (made as the gate reaches it): the whole prefill of one prompt where that is the search's objective, else the
+    experts' per chunk."""
     for sol in sols:
         layers = outcome.chunks[sol.chunk_tokens].layers
+        ms = sol.latency_ms / layers[0].calib_chunks if outcome.whole is None else outcome.whole.price(
+            sol, layers, scorer, outcome.dense.get(sol.chunk_tokens)).latency_ms
         yield Candidate(solution_plan(sol, layers, scorer, spec.to_json(), sol.chunk_tokens, saliency,
-                                      dense=dense(sol)), sol.latency_ms / layers[0].calib_chunks)
+                                      dense=dense(sol)), ms)

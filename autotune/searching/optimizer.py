@@ -20,11 +20,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import optuna
 from tqdm import tqdm
 
+from autotune.costing.whole_prefill import DensePlacement
 from autotune.searching.decisions import calibration, heuristic_config
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
@@ -35,6 +37,9 @@ from runtime.backends import EXACT
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
+
+if TYPE_CHECKING:
+    from autotune.searching.objective import WholePrefill
 
 OBJECTIVES = ("latency", "energy", "both", "cpu")  # both: the Pareto front of latency and energy; cpu: CPU-busy time
 CPU_TIE_BREAK = 1e-3  # --objective cpu: latency's weight, relative to CPU-busy time's
@@ -73,6 +78,8 @@ class Solution:
     chunk_tokens: int = 0
     exact_partial: bool = False  # prompts' last, partial chunks run on the exact path (else padded static calls)
     cpu_ms: float = 0.0  # predicted CPU-busy time, summed over calibration chunks
+    dense: DensePlacement | None = None  # its own dense placement (a baseline's); None: its chunk size's choice
+    baseline: str | None = None  # the report's baseline row it is, where it is one (`objective.PLAN_ROWS`)
 
     @property
     def overflow(self) -> str | None:
@@ -102,6 +109,8 @@ class SearchOutcome:
     weights: Weights = (1.0, 0.0, 0.0)  # the (latency, energy, CPU-busy time) weights that chose `best`
     space: Space | None = None
     dense: dict[int, DenseChoice] = field(default_factory=dict)  # the dense functions' choice per chunk size searched
+    whole: WholePrefill | None = None  # the objective that picked `best` (None: the experts' alone)
+    drop_rate: float = 0.0  # the drop budget as a share of held-out assignments (the baselines' uniform capacity)
 
     @property
     def dense_choice(self) -> DenseChoice | None:
@@ -354,18 +363,32 @@ def partial_cost(layers: list[LayerData], scorer: Scorer, weights: Weights, exac
 
 def ranked_solutions(outcome: SearchOutcome, scorer: Scorer,
                      budget_fractions: tuple[float, ...] = (1.0, 0.5, 0.25, 0.0)) -> list[Solution]:
-    """Whole-plan solutions by predicted cost, best first: the optimum of each chunk size at each share of the
-    drop budget (fewer drops: closer to the unmodified model). What a fidelity gate runs, in order, to keep the
-    first that passes."""
+    """Whole-plan solutions by predicted cost (`solution_cost`), best first: the optimum of each chunk size at each
+    share of the drop budget (fewer drops: closer to the unmodified model) and, where the search's objective is the
+    whole prefill, its other candidates at each chunk size (`WholePrefill.candidates`). What a fidelity gate runs,
+    in order, to keep the first that passes."""
     out, seen = [], set()
     for search in outcome.chunks.values():
-        for f in budget_fractions:
-            sol = best_plan(search, outcome.space, scorer, int(outcome.drop_budget * f), outcome.weights)
-            key = sol and (sol.chunk_tokens, sol.exact_partial, tuple(sol.configs))
+        found = [best_plan(search, outcome.space, scorer, int(outcome.drop_budget * f), outcome.weights)
+                 for f in budget_fractions]
+        if outcome.whole is not None and search.best is not None:
+            found += outcome.whole.candidates(search, outcome.dense.get(search.chunk_tokens), scorer, outcome.space,
+                                              outcome.drop_budget, outcome.drop_rate, outcome.weights)
+        for sol in found:
+            key = sol and (sol.chunk_tokens, sol.exact_partial, tuple(sol.configs), sol.dense)
             if sol and key not in seen:
                 seen.add(key)
                 out.append(sol)
-    return sorted(out, key=lambda s: weighted_cost(s, outcome.weights))
+    return sorted(out, key=lambda s: solution_cost(outcome, s, scorer))
+
+
+def solution_cost(outcome: SearchOutcome, sol: Solution, scorer: Scorer) -> float:
+    """What the search minimised, of one whole plan: its whole prefill weighted (where the objective is the whole
+    prefill), else its experts' weighted cost."""
+    if outcome.whole is None:
+        return weighted_cost(sol, outcome.weights)
+    return outcome.whole.cost(sol, outcome.chunks[sol.chunk_tokens].layers, scorer,
+                              outcome.dense.get(sol.chunk_tokens), outcome.weights)
 
 
 def uniform_capacity(layers: list[LayerData], budget_rate: float, chunk_tokens: int) -> int:
@@ -397,12 +420,14 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
                objective: str = "latency", drop_budget: float = 0.10, trials: int = 60,
                storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
                exact_limit: int = EXACT_LIMIT, progress: bool = True,
-               dense: Callable[[int, Weights, float], DenseChoice] | None = None) -> SearchOutcome:
+               dense: Callable[[int, Weights, float], DenseChoice] | None = None,
+               whole: WholePrefill | None = None) -> SearchOutcome:
     """Search every chunk size (`workloads`: the layers' traces per chunk size, or one chunk size's list), combine
     under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum.
     `dense(chunk, weights, resident_bytes)`: the dense functions' choice at a chunk size (`dense_choice.choose_dense`)
-    beside the solution's resident experts, whose cost the chunk sizes are compared with (the whole prefill); without
-    it, the experts' alone."""
+    beside the solution's resident experts. `whole`: the objective, the whole prefill of one prompt
+    (`objective.WholePrefill`): the chunk size and the plan are the cheapest of its candidates at every chunk size;
+    without it, the experts' cost (with the dense choice's beside it) picks them."""
     if objective in ("energy", "both") and not scorer.cost.has_energy:
         raise NpumoeError(f"--objective {objective} needs power figures, and this profile has none "
                           "(it measured no energy); use --objective latency or a profile with energy")
@@ -436,8 +461,12 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
         raise NpumoeError(f"no plan meets the drop budget {drop_budget:.2%} on held-out traces")
     beside = lambda sol: resident_bytes(sol, scorer.hidden, scorer.ffn)  # noqa: E731  (the window's other part)
     dense_at = {s.chunk_tokens: dense(s.chunk_tokens, mid, beside(s.best)) for s in solved} if dense else {}
-    at = min(solved, key=lambda s: weighted_cost(s.best, mid) + (weighted_cost(dense_at[s.chunk_tokens].score, mid)
-                                                                 if dense else 0.0))
+
+    def whole_best(s: ChunkSearch) -> tuple[float, Solution]:
+        return whole.best(s, dense_at.get(s.chunk_tokens), scorer, space, budget, drop_budget, mid)
+
+    at = min(solved, key=lambda s: whole_best(s)[0] if whole else weighted_cost(s.best, mid) + (
+        weighted_cost(dense_at[s.chunk_tokens].score, mid) if dense else 0.0))
     gap = None
     if trials > 0:  # Optuna at the chosen chunk size, seeded with the screen's decisions
         searched = []
@@ -455,10 +484,13 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
             dense_at[at.chunk_tokens] = dense(at.chunk_tokens, mid, beside(at.best))
     bar.close()
     front = [s for w in weight_sets if (s := best_plan(at, space, scorer, budget, w))]
-    return SearchOutcome(best=at.best, baselines=baselines(at.layers, scorer, drop_budget, at.chunk_tokens),
+    best = min((whole_best(s) for s in solved), key=lambda p: p[0])[1] if whole else at.best
+    picked = chunks[best.chunk_tokens]
+    return SearchOutcome(best=best, baselines=baselines(picked.layers, scorer, drop_budget, best.chunk_tokens),
                          front=_pareto_solutions(front) if objective == "both" else [], gap_vs_exact=gap,
                          trials=trials * len(first) if trials > 0 else 0, exact_layers=len(first) if exact else 0,
-                         chunks=chunks, drop_budget=budget, weights=mid, space=space, dense=dense_at)
+                         chunks=chunks, drop_budget=budget, weights=mid, space=space, dense=dense_at, whole=whole,
+                         drop_rate=drop_budget)
 
 
 def resident_bytes(sol: Solution, hidden: int, ffn: int) -> float:

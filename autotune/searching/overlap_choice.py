@@ -35,20 +35,24 @@ from runtime.coreml import ane_limits
 @dataclass
 class Candidate:
     """One chunk size's plan as the search left it: its experts (with their steps), dense placement, lazy last
-    layer, and the expert bytes resident on the static backend beside the dense functions."""
+    layer, the expert bytes resident on the static backend beside the dense functions, and the report's baseline
+    row it is (`Solution.baseline`; None: the search's own)."""
     chunk: int
     experts: ExpertFigures
     placement: DensePlacement
     lazy_last: LazyLast | None = None
     resident_bytes: float = 0.0
+    baseline: str | None = None
 
 
 @dataclass
 class Overlapped:
-    """A placement chosen under the schedule, and its prediction (latency: the schedule's makespan)."""
+    """A placement chosen under the schedule for `candidate`, and its prediction (latency: the schedule's
+    makespan)."""
     placement: DensePlacement
     prediction: PrefillPrediction
     schedule: Schedule
+    candidate: Candidate
 
 
 def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict, dict]:
@@ -174,4 +178,4 @@ def choose_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, c
                     best_place, best, changed = place, got, True
         if not changed:
             break
-    return Overlapped(best_place, best[1], best[2])
+    return Overlapped(best_place, best[1], best[2], cand)

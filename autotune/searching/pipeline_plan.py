@@ -19,9 +19,9 @@ from autotune.costing.whole_prefill import DecoderShape, DensePlacement, prompt_
 from autotune.searching.backend_choice import choose_static_backend
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import SearchOutcome, Solution, run_search
 from autotune.searching.pipeline_split import balanced_split
-from autotune.searching.prefill_report import prompts_in
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, layer_space
 from runtime.coreml import ane_limits

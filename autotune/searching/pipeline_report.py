@@ -23,6 +23,7 @@ from autotune.costing.pipeline_link import LinkFigure, pipeline_ms, sequential_m
 from autotune.costing.stage_prefill import stage_chunk_ms, stage_memory, stage_shape
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, prompt_chunks
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import Solution
 from autotune.searching.pipeline_plan import (
     MLX_LM_PREFILL_STEP,
@@ -35,7 +36,7 @@ from autotune.searching.pipeline_plan import (
     static_backend,
 )
 from autotune.searching.pipeline_split import even_split
-from autotune.searching.prefill_report import placement_json, prompts_in
+from autotune.searching.prefill_report import placement_json
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits

@@ -1,4 +1,5 @@
-"""`autotune search --macs N` / `--hosts hosts.json`: a model's plan split across Macs.
+"""`autotune search --macs N` / `--hosts hosts.json`: a model's plan split across Macs, in steps that
+`pipeline.search_across_macs` runs.
 
 The plan is searched as today (`pipeline.search_plan`), once per distinct profile among the hosts; then each layer
 is priced under it on each host's profile (its experts under the plan's decision for it, its dense functions where
@@ -16,21 +17,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.calibration.traces import default_traces_path, load_traces
+from autotune.calibration.traces import load_traces
 from autotune.costing.memory import HIDDEN_BUFFERS, RUNTIME_BYTES, ModelSize, model_size
-from autotune.costing.pipeline_link import LinkFigure, pipeline_ms, profile_link
+from autotune.costing.pipeline_link import LinkFigure, pipeline_ms
 from autotune.costing.stage_prefill import kv_bytes_per_layer, stage_chunk_ms, stage_shape
-from autotune.costing.whole_prefill import DecoderShape, decoder_shape, placement_of
+from autotune.costing.whole_prefill import DecoderShape, placement_of
 from autotune.profiling.profile import load_profile
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import prompts_in
 from autotune.searching.pipeline_plan import chunk_links, layer_times
 from autotune.searching.pipeline_split import balanced_split
-from autotune.searching.prefill_report import prompts_in
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
-from runtime.fileio import atomic_write_json
 from runtime.loading.compute_dtype import dtype_name
 from runtime.plan import Plan, save_plan
 
@@ -132,33 +132,3 @@ def write_stages(plans: list[Plan], hosts: list[HostSpec], split: list[tuple[int
         meta = {**(plan.meta or {}), "pipeline": {"stage": k, "of": n, "layers": [a, b], "rank": n - 1 - k,
                                                   "host": host.name}}
         save_plan(plan.model_copy(update={"meta": meta}), path)
-
-
-def search_across_macs(model: str, config, hosts: list[HostSpec], link_gb_s: float | None = None,
-                       progress: bool = True) -> dict:
-    """Search, split and write (see the module docstring); returns the pipeline file's content."""
-    from autotune import pipeline
-    from runtime.loading.model_record import resolve_model
-
-    out = Path(config.out) if config.out else pipeline.default_plan_path(model, config.profile)
-    link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
-    record = resolve_model(model, config.dtype)
-    shape, size = decoder_shape(record), model_size(record)
-    zeros = [[0.0] * shape.num_layers for _ in hosts]  # the weights alone, before any search
-    split_hosts(zeros, hosts, shape, size, config.prompt_tokens or 0, 256)
-    searched: dict[str | None, object] = {}
-    for h in hosts:
-        if h.profile not in searched:
-            to = out if not searched else out.with_suffix(f".{Path(str(h.profile)).stem}.json")
-            searched[h.profile] = pipeline.search_plan(model, config.replace(profile=h.profile, out=str(to)),
-                                                       progress=progress)
-    traces = config.traces or default_traces_path(model)
-    prices = [pricing(h, searched[h.profile].plan, record, traces, searched[h.profile].report.to_json()
-                      ["static_backend"]) for h in hosts]
-    split = split_hosts([p.layer_ms(shape) for p in prices], hosts, shape, size, prices[0].prompt,
-                        prices[0].plan.chunk_tokens)
-    pipe_path, files = stage_paths(out, len(hosts))
-    report = pipeline_json(prices, shape, split, link, files)
-    write_stages([p.plan for p in prices], hosts, split, files)
-    atomic_write_json(pipe_path, report)
-    return report

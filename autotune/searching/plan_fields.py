@@ -2,26 +2,23 @@
 measurement of the chosen plan, and the dense functions' field."""
 from __future__ import annotations
 
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement
+from autotune.costing.whole_prefill import DecoderShape
 from autotune.searching.dense_choice import dense_plan
-from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes
+from autotune.searching.objective import placement
+from autotune.searching.optimizer import SearchOutcome, Solution
+from runtime.backends import EXACT
 
 
 def dense_of(outcome: SearchOutcome, shape: DecoderShape, sol: Solution) -> dict | None:
-    """The plan's `dense` field for a solution: the dense functions chosen at its chunk size, except for the all-CPU
-    plan (the unmodified model's computation, the gate's last resort) and a solution keeping more experts resident
-    than the choice was made beside, past the ANE's window with them: their dense functions stay on the host. The
-    host (the GPU where the profile prices one) is written whatever the functions: the prediction priced the dense
-    half there, so the runtime must run it there, or say it does not."""
+    """The plan's `dense` field for a solution: where it runs its dense functions as the search priced it
+    (`objective.placement`: its own, or the choice at its chunk size but for the all-exact plans and a solution
+    keeping more experts resident than fit the ANE's window beside the choice's functions). The host (the GPU where
+    the profile prices one) is written whatever the functions: the prediction priced the dense half there, so the
+    runtime must run it there, or say it does not. None: no choice and no placement of its own (all on the CPU)."""
     choice = outcome.dense.get(sol.chunk_tokens)
-    if choice is None:
+    if choice is None and sol.dense is None:
         return None
-    host_only = DensePlacement(host=choice.placement.host)
-    if not any(cfg.resident for cfg in sol.configs):
-        return dense_plan(host_only, shape)
-    if not choice.fits_beside(resident_bytes(sol, shape.hidden, shape.expert_ffn)):
-        return dense_plan(host_only, shape)
-    return dense_plan(choice.placement, shape)
+    return dense_plan(placement(sol, choice, EXACT), shape)
 
 
 def compress_counts(configs) -> dict[str, int]:

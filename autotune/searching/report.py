@@ -93,9 +93,13 @@ def format_whole_prefill(w: dict) -> list[str]:
     core = [core_reads(place, w["chunk_tokens"])] if place.get("attention_block") and place["attention"] else []
     times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731  (None: the plan's or the roofline's is 0)
     vs = ", ".join(f"{k} {times(v['latency'])}" for k, v in w["vs"].items())
+    refs = [k for k, b in w.get("prefill_baselines", {}).items() if not b.get("candidate", True)]
+    said = (f"; the plan is the {w['plan_is']} row" if w.get("plan_is") else "") + (
+        f"; reference rows (not plans the search could write): {', '.join(refs)}" if refs else "")
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
             f"{parts}; dense functions: {where}",
-            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {times(w['over_roofline_whole'])}"]
+            *core, f"  baselines' latency over the plan's: {vs}; over the roofline {times(w['over_roofline_whole'])}"
+                   f"{said}"]
 
 
 def core_reads(place: dict, chunk: int) -> str:

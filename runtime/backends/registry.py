@@ -76,7 +76,7 @@ class BackendInfo:
     compiles_per_shape: bool = False  # each new shape is compiled (seconds): the profiler measures fewer shapes
     profiled_by_default: bool = True  # measured by `profile-device` without --backends (where it can run)
     # The built artifact its `package` option names (`autotune build`): its suffix, and how it is opened and checked
-    # against a plan and model before the plan runs: (path, plan, `runtime.backends.packages.PackageTarget`) -> the
+    # against a plan and model before the plan runs: (path, plan, `runtime.packages.PackageTarget`) -> the
     # backend over it (`bind_package` checks the plan against the model first).
     # The backends it replaces on this host, when both are fitted (the search plans on it instead): () by default.
     supersedes: Callable[[], tuple[str, ...]] | None = None

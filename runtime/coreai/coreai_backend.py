@@ -21,7 +21,6 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from runtime.backends.packages import PackageTarget
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec
 from runtime.coreai import assets
 from runtime.coreai.programs import additive_mask
@@ -29,6 +28,7 @@ from runtime.coreml.ane import function_name, weights_digest
 from runtime.coreml.dense_io import ROW_INPUT, dense_digest, dense_weights
 from runtime.errors import NpumoeError
 from runtime.fileio import read_versioned_json
+from runtime.packages import PackageTarget
 from runtime.plan import Plan
 
 log = logging.getLogger("npumoe")
@@ -221,7 +221,7 @@ class CoreAiBackend:
 
 def open_asset(package: str, plan: Plan, target: PackageTarget) -> CoreAiBackend:
     """The coreai backend over a built asset, checked on any host before the plan runs
-    (`runtime.backends.packages.bind_package`): each of the plan's coreai groups and dense functions built for its
+    (`runtime.packages.bind_package`): each of the plan's coreai groups and dense functions built for its
     shapes, compression and these weights."""
     backend = CoreAiBackend(package)
     if not Path(backend.asset).is_dir():

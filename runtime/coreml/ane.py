@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from runtime.apple_energy import energy_window, zeus_monitor
-from runtime.backends.packages import PackageTarget
 from runtime.backends.protocol import DenseFn, DenseSpec, GroupFn, GroupSpec, expert_matrices
 from runtime.coreml.compiled_cache import compiled_package
 from runtime.coreml.dense_io import ATTENTION_INPUTS, MASKED, ROW_INPUT, dense_digest, dense_weights, fp16
@@ -39,6 +38,7 @@ from runtime.cpu.cpu_backends import is_packed
 from runtime.errors import FileFormatError, NpumoeError
 from runtime.fileio import read_versioned_json
 from runtime.macos import macos_module, macos_version
+from runtime.packages import PackageTarget
 from runtime.plan import Plan
 
 log = logging.getLogger("npumoe")
@@ -354,7 +354,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, str]:
 
 def open_package(package: str, plan: Plan, target: PackageTarget) -> AneBackend:
     """The ane backend over a built package (or a split build's manifest), checked on any host before the plan
-    runs (`runtime.backends.packages.bind_package`): a manifest's parts present and as recorded (`read_manifest`),
+    runs (`runtime.packages.bind_package`): a manifest's parts present and as recorded (`read_manifest`),
     and each of the plan's ane groups built for its experts and capacities from these weights (the digests the
     build recorded, `AneBackend.check`)."""
     backend = AneBackend(package)

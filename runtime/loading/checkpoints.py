@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError  # transformers 5 checks config fields with it
 
 from runtime.errors import NpumoeError
+from runtime.loading.model_config import check_facts
 
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth", "model.ckpt")
 CONVERT_HINT = ("convert it once, where you trust the file, with: python -c \"from transformers import "
@@ -81,27 +82,28 @@ def check_checkpoint(path: Path, config: dict) -> dict[Path, dict]:
 # What transformers raises on a config.json it cannot build a model from (a value of another type, say): one line.
 CONFIG_ERRORS = (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError, OverflowError,
                  ZeroDivisionError, StrictDataclassError)
-# config.json sizes that must be positive integers where given: transformers takes others and fails later, deep
-# inside, or (a layer count in the billions) builds for ever.
-CONFIG_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
-                "vocab_size", "max_position_embeddings")
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def check_config(path: Path, config: dict, tensor_names: list[str]) -> None:
-    """`config` (path's config.json) has sizes that are positive integers and the layer count of the weights
-    (`tensor_names`: the checkpoint's tensors). Each failure names config.json and the field."""
-    where = path / "config.json"
-    for name in CONFIG_SIZES:
-        value = config.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise NpumoeError(f"{where}: {name} must be a positive integer, got {value!r}")
+    """`config` (path's config.json) holds the facts every format is checked for (`model_config.check_facts`) and
+    the layer count of the weights (`tensor_names`: the checkpoint's tensors). Each failure names config.json and the
+    field."""
+    check_facts(config, str(path / "config.json"))
     stored = {int(m.group(1)) for k in tensor_names for m in [_LAYER_KEY.search(k)] if m}
     layers = config.get("num_hidden_layers")
     if stored and layers is not None and layers != max(stored) + 1:
         raise NpumoeError(f"{path}: config.json does not match the weights: num_hidden_layers {layers}, the "
                           f"safetensors files hold {max(stored) + 1} layers")
+
+
+def check_finite(where: str, tensors: Iterable[tuple[str, object]]) -> None:
+    """Weights that must hold numbers (`tensors`: name, torch tensor) do: a NaN or inf in a norm or a router makes
+    every token's output one, with no error of its own (a file corrupt past its header)."""
+    for name, tensor in tensors:
+        if not bool(tensor.isfinite().all()):
+            raise NpumoeError(f"{where}: {name} holds values that are not finite (NaN or inf): the checkpoint is "
+                              "corrupt")
 
 
 def check_tokenizer_files(path: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from runtime.errors import NpumoeError
 from runtime.loading.gguf_file import GGUFFile
 from runtime.loading.gguf_quants import EXACT, HALF_WIDTHS
+from runtime.loading.model_config import check_facts
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,13 @@ ARCHS = {"qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", True, False),
          "olmoe": Arch("olmoe", "OlmoeForCausalLM", False, False),
          "llama": Arch("mixtral", "MixtralForCausalLM", True, True)}
 EXPERT_FIELD = {"num_experts": ("qwen3_moe", "qwen2_moe", "olmoe"), "num_local_experts": ("mixtral",)}
+# config field -> the metadata key (after `<arch>.`) it is read from: what a refusal of the field names
+CONFIG_KEYS = {"num_hidden_layers": "block_count", "hidden_size": "embedding_length",
+               "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+               "head_dim": "attention.key_length", "max_position_embeddings": "context_length",
+               "num_experts_per_tok": "expert_used_count", "num_experts": "expert_count",
+               "num_local_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+               "intermediate_size": "feed_forward_length"}
 
 # transformers parameter (layer index as {i}) -> GGUF tensor; the fused experts are `EXPERT_PARTS`.
 _NAMES = {
@@ -72,7 +80,7 @@ def _tensor_dim(file: GGUFFile, name: str, axis: int) -> int | None:
 
 def hf_config(file: GGUFFile) -> dict:
     """The transformers config.json of the model the file holds, from its metadata (sizes the metadata leaves out
-    from the tensors' shapes)."""
+    from the tensors' shapes), its facts checked as every format's are (`model_config.check_facts`)."""
     arch_name, arch = architecture(file)
     p = arch_name + "."
     experts = file.value(p + "expert_count", "int", 0)
@@ -88,7 +96,7 @@ def hf_config(file: GGUFFile) -> dict:
         architectures=[arch.architecture], model_type=arch.model_type, dtype="float32",
         hidden_size=hidden, num_hidden_layers=file.value(p + "block_count", "int"), num_attention_heads=heads,
         num_key_value_heads=file.value(p + "attention.head_count_kv", "int", heads),
-        head_dim=file.value(p + "attention.key_length", "int", hidden // heads),
+        head_dim=file.value(p + "attention.key_length", "int", hidden // heads if heads else None),
         rms_norm_eps=float(file.value(p + "attention.layer_norm_rms_epsilon", "float")),
         rope_parameters={"rope_type": "default", "rope_theta": float(file.value(p + "rope.freq_base", "float",
                                                                                 10000.0))},
@@ -109,6 +117,7 @@ def hf_config(file: GGUFFile) -> dict:
         config["shared_expert_intermediate_size"] = file.value(p + "expert_shared_feed_forward_length", "int",
                                                                None) or _tensor_dim(file, "blk.0.ffn_gate_shexp.weight",
                                                                                     0)
+    check_facts(config, str(file.path), {field: p + key for field, key in CONFIG_KEYS.items()})
     return config
 
 

@@ -35,6 +35,11 @@ class Converted:
     fp16_rounding: float = 0.0
     requant_error: float = 0.0
 
+    def finite(self) -> bool:
+        """Its scales and biases are numbers: a block whose fp16 factors are NaN or inf (or overflow fp16 once
+        formed) makes every weight of its group one; the codes need no check (any code is a weight)."""
+        return bool(np.isfinite(self.scales).all() and np.isfinite(self.biases).all())
+
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
     """[rows, row_bytes] uint8 -> [rows, blocks, block_bytes]."""

@@ -7,8 +7,9 @@ config reads that one, and the loader reads the weights from the file itself. A 
 
 Weights: every quantized matrix (experts, attention, embedding, head) becomes a `PackedWeight` in mlx's affine format
 at group 32 (`gguf_quants`: exact for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K up to fp16 scale rounding, measured; other
-types requantized to 8 bits, their error measured); a layer's experts a `QuantizedExperts`, never at full width but
-one expert per call. F32/F16/BF16 tensors are read whole into the model's dtype.
+types requantized to 8 bits, their error measured; scales and biases that are not finite refuse the file as corrupt);
+a layer's experts a `QuantizedExperts`, never at full width but one expert per call. F32/F16/BF16 tensors are read
+whole into the model's dtype.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from runtime.loading.gguf_tokenizer import write_tokenizer
 
 SUFFIX = ".gguf"
 SOURCE = "gguf-source.json"
-VIEW_VERSION = 1  # bump when what a view folder holds changes
+VIEW_VERSION = 2  # bump when what a view folder holds, or what is checked before it is made, changes
 BLOCK_VALUES = 1 << 22  # values converted at once (their float32 temporaries: tens of MB)
 
 
@@ -164,10 +165,14 @@ class _Tensors:
     def convert(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None):
         """Rows [a, b) of GGUF tensor `name` (or of its expert `index`) in the affine format, its figures kept."""
         type_name = self.file.tensors[name][0]
-        if type_name in EXACT:
-            out = convert_exact(self.file.read_bytes(name, index, rows), type_name)
-        else:
-            out = requantize(self.file.read_values(name, index, rows))
+        with np.errstate(all="ignore"):  # a corrupt block's factors overflow: refused once below, not warned per block
+            if type_name in EXACT:
+                out = convert_exact(self.file.read_bytes(name, index, rows), type_name)
+            else:
+                out = requantize(self.file.read_values(name, index, rows))
+        if not out.finite():
+            raise NpumoeError(f"{self.file.path}: tensor {name} has scales that are not finite (NaN or inf): the file "
+                              "is corrupt")
         entry = self.report.setdefault(name, {"type": type_name, "bits": out.bits, "exact": type_name in EXACT,
                                               "fp16_rounding": 0.0, "requant_error": 0.0})
         entry["fp16_rounding"] = max(entry["fp16_rounding"], out.fp16_rounding)

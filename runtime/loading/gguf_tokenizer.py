@@ -39,13 +39,29 @@ def write_tokenizer(file: GGUFFile, out: Path) -> None:
             shutil.copy(beside / name, out / name)
 
 
+def _merges(file: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The vocabulary's merges, each two tokens it holds whose join it holds too (the BPE tokenizer fails on any
+    other with a traceback of its own)."""
+    merges = []
+    for i, merge in enumerate(file.value("tokenizer.ggml.merges", "strs")):
+        pair = tuple(merge.split(" ", 1))
+        missing = [t for t in (*pair, "".join(pair)) if t not in vocab] if len(pair) == 2 else [merge]
+        if missing:
+            raise NpumoeError(f"{file.path}: tokenizer.ggml.merges entry {i} ({merge!r}) names {missing[0]!r}, which "
+                              f"is not among its {len(vocab)} tokens: not a vocabulary the tokenizer can build")
+        merges.append(pair)
+    return merges
+
+
 def _write_bpe(file: GGUFFile, out: Path, split: str | None) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tokens = file.value("tokenizer.ggml.tokens", "strs")
-    merges = [tuple(m.split(" ", 1)) for m in file.value("tokenizer.ggml.merges", "strs")]
+    vocab = {t: i for i, t in enumerate(tokens)}
     types = file.value("tokenizer.ggml.token_type", "ints", [1] * len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    if len(types) != len(tokens):
+        raise NpumoeError(f"{file.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(file, vocab)))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:

@@ -34,7 +34,7 @@ from runtime.loading.checkpoint_reader import (
     tensor_index,
     transformers_config,
 )
-from runtime.loading.checkpoints import safetensors_header
+from runtime.loading.checkpoints import check_finite, safetensors_header
 from runtime.loading.model_config import read_config
 
 # mlx-lm's names of a layer's MoE block (transformers 5 says `mlp` for every family) and of its experts' parts.
@@ -120,7 +120,9 @@ def _packed(files: _Files, formats: _Formats, module: str, inputs: int) -> Packe
     check_format(module, bits, group, mode)
     check_packed(weight, files.shape(weight), files.shape(f"{module}.scales"), files.shape(f"{module}.biases"),
                  inputs, bits, group)
-    return PackedWeight(files.read(weight), files.read(f"{module}.scales"), files.read(f"{module}.biases"), bits, group)
+    factors = {f"{module}.{k}": files.read(f"{module}.{k}") for k in ("scales", "biases")}
+    check_finite(str(files.keys[weight]), factors.items())  # a NaN scale makes its group's weights NaN
+    return PackedWeight(files.read(weight), *factors.values(), bits, group)
 
 
 def _stored(files: _Files, name: str, suffix: str = ".weight") -> str:

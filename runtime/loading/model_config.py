@@ -1,5 +1,6 @@
 """config.json, read once (`read_config`, the one reader) and asked: the facts every command takes from it, each
-rule written here once (the dtype it is stored in, its context, its heads' width, whether MLX packed it)."""
+rule written here once (the dtype it is stored in, its context, its heads' width, whether MLX packed it), and the
+facts every format's record is checked for once, where it is made (`check_facts`)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,12 @@ from runtime.errors import NpumoeError
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # auto: the checkpoint's own dtype, or float32 where this host emulates it (`compute_dtype.auto_dtype_for`)
 DTYPE_CHOICES = ("auto", *DTYPES)
+# sizes that must be positive integers where given: transformers takes others and fails later, deep inside, or (a
+# layer count in the billions) builds for ever; a context of 0 is no context (not "not given")
+CONFIG_SIZES = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                "vocab_size", "max_position_embeddings")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def read_config(path: Path) -> dict:
@@ -26,6 +33,28 @@ def read_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise NpumoeError(f"{where}: a model config is a JSON object, got {type(config).__name__}")
     return config
+
+
+def check_facts(config: dict, where: str, keys: dict[str, str] | None = None) -> None:
+    """The facts of a model's config that every command relies on, checked once where its record is made, for
+    every format (a folder's config.json, an MLX folder's, the config a GGUF file's metadata gives): its sizes
+    positive integers (`CONFIG_SIZES`; the context too) and its top-k within its experts (a router cannot pick 32
+    of 16: torch's topk and mlx-lm's argpartition fail deep inside the first forward). `keys` names each field as the
+    file spells it (a GGUF file's metadata keys); each failure one line naming `where` and the field."""
+    def named(field: str) -> str:
+        return (keys or {}).get(field, field)
+
+    for part in (config, text_config(config)):
+        for name in CONFIG_SIZES:
+            value = part.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise NpumoeError(f"{where}: {named(name)} must be a positive integer, got {value!r}")
+        counts = [name for name in EXPERT_COUNTS if isinstance(part.get(name), int)]
+        top_k = part.get("num_experts_per_tok")
+        if counts and isinstance(top_k, int) and top_k > part[counts[0]]:
+            raise NpumoeError(f"{where}: {named('num_experts_per_tok')} {top_k} is more than the model's "
+                              f"{part[counts[0]]} experts ({named(counts[0])}): a token cannot pick more experts "
+                              "than there are")
 
 
 def text_config(config: dict) -> dict:

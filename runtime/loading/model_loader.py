@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,6 +25,7 @@ from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_router, re
 from runtime.loading.checkpoints import (
     CONFIG_ERRORS,
     check_checkpoint,
+    check_finite,
     check_loading_info,
     check_tokenizer_files,
     load_error,
@@ -220,8 +222,17 @@ def _load(name: str, dtype: torch.dtype, on_experts=None) -> tuple[torch.nn.Modu
     check_loading_info(path, info)
     if not moe_layers(model):
         raise NpumoeError(f"model {name!r} has no MoE layers with fused experts (transformers 5.x MoE families)")
+    check_finite(str(path), small_weights(model))
     model.npumoe_quantization = quantization  # what the fingerprint covers beside the shape and the routers
     return model.eval(), tokenizer
+
+
+def small_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights a finite check reads whole, being small: norms and biases (1D) and the routers. The large
+    matrices are not passed over (a 30B model's would cost a pass over every weight); a quantized checkpoint's scales
+    and biases are checked as they are read (`mlx_checkpoint`, `gguf_quants.Converted.finite`)."""
+    routers = {id(layer.router.weight) for layer in moe_layers(model)}
+    return ((n, p) for n, p in model.named_parameters() if p.ndim == 1 or id(p) in routers)
 
 
 def open_checkpoint(path: Path, config: dict) -> tuple[dict[Path, dict], str | None]:
@@ -293,4 +304,5 @@ def checkpoint_spec(name: str, path: Path, config: dict, skeleton: torch.nn.Modu
     routers = [read(files, names[id(l.router.weight)]) for l in layers]
     if any(r is None for r in routers):
         return model_spec(load_model(name, "auto")[0])
+    check_finite(str(path), ((names[id(l.router.weight)], r) for l, r in zip(layers, routers)))
     return _fingerprint(_spec_fields(skeleton, layers), routers, quantization)

@@ -1,41 +1,39 @@
-"""A model across Macs on MLX's ring: each rank loads only its stage's layers (mlx-lm's `pipeline(group, split)`),
-every rank runs the same prefill and decode, and rank 0 answers. Imports mlx.
+"""A model across Macs on MLX's ring, as `autotune run`, `generate` and `serve` run it under `mlx.launch`: each rank
+loads only its stage's layers (mlx-lm's `pipeline(group, split)`) and installs its stage's plan on the MLX spine;
+every rank runs the same forwards, and rank 0 answers. Imports mlx.
 
-    mlx.launch --backend ring -n 2 python -m runtime.mlx.cluster --model DIR --prompt "..." [--max-tokens N]
-    mlx.launch --hostfile hosts.json python -m runtime.mlx.cluster --model DIR --split plans/M.pipeline.json ...
+    mlx.launch --backend ring -n 2 autotune generate --model DIR --plan P --prompt "..."
+    mlx.launch --hostfile hosts.json autotune serve --model DIR --plan P
 
-(`--split`: the split `autotune search --macs N` chose, each rank running its stage's plan.)
+The split is the pipeline file `autotune search --macs N` (or `--hosts`) wrote beside the plan (`<plan>.pipeline.json`,
+or `--pipeline F`), each rank running the plan of its stage; without one, mlx-lm's even split, every rank under the
+plan given. mlx-lm's pipeline gives rank 0 the last layers and rank N-1 the first: the stage of layers first..last-1
+that the search calls stage s of N runs on rank N-1-s.
 
-mlx-lm's pipeline gives rank 0 the last layers and rank N-1 the first: the stage of layers first..last-1 that the
-search calls stage s of N runs on rank N-1-s. A prefill chunk's hidden states go from rank to rank (`send`,
-`recv_like`); the chunks of one prompt overlap across ranks, as in mlx-lm, because a chunk evaluates only its KV
-cache, which depends on the send; the last chunk's and each decode step's hidden states are gathered on every rank
-(`all_gather`), so every rank computes the same logits and the same greedy token. Every step runs under the ring's
-watchdog (`runtime.mlx.ring`).
-
-With `--plan` (the stage's plan `autotune search --macs N` wrote, or any plan of the model), the MLX spine
-(`runtime.mlx.spine.MlxSpine`) installs it on this rank's layers: each MoE block's experts as the plan's block, the
-dense half as mlx-lm computes it. Without one, every rank runs mlx-lm's own experts.
+Every forward of the model's decoder is evaluated where it is called, under the ring's watchdog
+(`runtime.mlx.ring`): mlx-lm's pipelined decoder receives the hidden states from the rank after, sends its own to the
+rank before and gathers the last stage's on every rank (`all_gather`), so every rank computes the same logits and
+the same tokens; a neighbour that dies or hangs ends the rank with one line naming it. A server's followers
+(`cluster_follow`) are told each forward rank 0 makes. Everything here is checked before the ring is joined, but what
+needs the ring (the ranks agreeing on their plans' chunk).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_map
 
 from runtime.errors import NpumoeError
+from runtime.mlx.cluster_follow import Link
 from runtime.mlx.ring import Ring, quiet_ring_lines
 
-# imported once the ring is joined (runtime.mlx.spine pulls in torch and transformers: seconds to tens of seconds),
-# so that every rank joins within the connecting side's window (MLX's ring gives up connecting after about 30 s)
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
+DEFAULT_TIMEOUT_S = 60.0
 
 
 def rank_split(stages: list[tuple[int, int]]) -> list[int]:
@@ -49,9 +47,141 @@ def read_pipeline(path: str | Path) -> tuple[list[tuple[int, int]], dict[int, st
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
         split = [(int(a), int(b)) for a, b in obj["split"]]
         plans = {int(s["rank"]): str(s["plan"]) for s in obj.get("stages", []) if s.get("plan")}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise NpumoeError(f"cannot read the split in {path}: {e}") from None
     return split, plans
+
+
+def pipeline_beside(plan: str | None) -> str | None:
+    """The pipeline file `search --macs N` writes next to the plan, where there is one."""
+    if plan is None:
+        return None
+    beside = Path(plan).with_suffix(".pipeline.json")
+    return str(beside) if beside.is_file() else None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What a rank runs, known before it joins the ring (picklable: it crosses to the server's engine process):
+    the ring, the layers each rank holds (mlx-lm's `split`, rank 0 first; None: its even split), this rank's plan
+    and whether it leads followers (rank 0 of a server)."""
+    ring: Ring
+    split: tuple[int, ...] | None
+    plan: str | None
+    pipeline: str | None = None
+    lead: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.ring.rank
+
+    def stages(self, layers: int) -> list[list[int]]:
+        """[first, last) of the layers of each rank, rank 0 first."""
+        split = self.split or _even_split(layers, self.ring.size)
+        return [[sum(split[r + 1:]), sum(split[r:])] for r in range(len(split))]
+
+    def leading(self) -> ClusterSpec:
+        return replace(self, lead=True)
+
+
+def _even_split(layers: int, ranks: int) -> list[int]:
+    """mlx-lm's own split where none is given: the low ranks take the extra layers."""
+    base, extra = divmod(layers, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def cluster_spec(model: str, plan: str | None, pipeline: str | None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> ClusterSpec:
+    """This rank's part, checked before the ring is joined: the launcher's ring, the model's folder, the pipeline
+    file (`pipeline`, else the one beside `plan`) covering the model's layers over the ring's ranks, this rank's
+    plan readable."""
+    from runtime.loading.model_loader import model_dir
+    from runtime.loading.model_record import read_model_spec
+
+    ring = Ring.from_env(timeout_s)
+    layers = read_model_spec(str(model_dir(model))).num_layers
+    pipeline = pipeline or pipeline_beside(plan)
+    if pipeline is None:
+        if layers < ring.size:
+            raise NpumoeError(f"{model} has {layers} layers: too few for {ring.size} ranks")
+        return ClusterSpec(ring, None, plan)
+    stages, plans = read_pipeline(pipeline)
+    ends = [a for a, _ in stages[1:]] + [layers]
+    if (len(stages) != ring.size or stages[0][0] != 0
+            or any(b != end or b <= a for (a, b), end in zip(stages, ends))):
+        raise NpumoeError(f"the split {[list(s) for s in stages]} in {pipeline} does not cover the {layers} layers "
+                          f"of {model} in {ring.size} consecutive stages, one per rank")
+    mine = _plan_file(plans.get(ring.rank), Path(pipeline)) or plan
+    if mine is not None and not Path(mine).is_file():
+        raise NpumoeError(f"rank {ring.rank}'s plan {mine} (from {pipeline}) is not a file")
+    return ClusterSpec(ring, tuple(rank_split(stages)), mine, pipeline)
+
+
+def _plan_file(name: str | None, pipeline: Path) -> str | None:
+    """A stage's plan as the pipeline file names it: as written, else beside the pipeline file (a folder moved)."""
+    if name is None or Path(name).is_absolute() or Path(name).is_file():
+        return name
+    return str(pipeline.parent / Path(name).name)
+
+
+@dataclass
+class Cluster:
+    """A rank once joined: its spec, the group, the layers it holds and the link its forwards go through."""
+    spec: ClusterSpec
+    group: mx.distributed.Group
+    layers: list[int]
+    stages: list[list[int]]
+    link: Link
+
+    def to_json(self) -> dict:
+        """What a rank's report carries: its rank, the ranks, [first, last) of its layers."""
+        return {"rank": self.spec.rank, "ranks": self.group.size(), "layers": self.layers}
+
+    def health(self) -> dict:
+        """The ranks and their stages (`/health` on rank 0)."""
+        return {"ranks": self.group.size(), "pipeline": self.spec.pipeline,
+                "stages": [{"rank": r, "layers": s} for r, s in enumerate(self.stages)]}
+
+    def agree(self, what: str, value: int) -> None:
+        """Every rank holds the same `value` (a plan's chunk, ...), or every rank refuses in one line."""
+        got = self.link.gather(value)
+        if len(set(got)) > 1:
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(got))
+            raise NpumoeError(f"the ranks' plans differ in {what} ({each}): search them together "
+                              "(`autotune search --macs N`)")
+
+
+def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = None) -> dict:
+    """`runtime.generation.Loaded`'s fields on a rank (its model, tokenizer, plan, spine and cluster): its plan and its
+    folder checked, then the ring joined, its stage loaded and its plan installed; the ranks agree on the plans'
+    chunk, and on whether a prompt's last token goes alone (`SpineModel.all_fast`), so that every rank makes the
+    same forwards."""
+    import transformers
+
+    from runtime.loading.checkpoints import check_tokenizer_files
+    from runtime.loading.model_config import read_config
+    from runtime.loading.model_loader import model_dir, open_checkpoint
+    from runtime.loading.model_record import read_model_spec
+    from runtime.mlx.spine import MlxSpine
+    from runtime.mlx.spine_generation import SpineModel
+    from runtime.plan import check_plan_matches, load_plan
+
+    path = model_dir(name)
+    open_checkpoint(path, read_config(path))
+    check_tokenizer_files(path)
+    plan = load_plan(spec.plan) if spec.plan else None
+    if plan is not None:
+        check_plan_matches(plan, read_model_spec(str(path)), spec.plan)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model, cluster = join(spec, path, dtype)
+    spine = MlxSpine(model, plan, path, plan_path=spec.plan, package=package).install() if plan else None
+    if spine is not None:
+        cluster.link.phase = lambda: spine.phase
+    cluster.agree("chunk_tokens", plan.chunk_tokens if plan else 0)
+    stage = SpineModel(model, path, spine)
+    stage.all_fast = min(cluster.link.gather(int(stage.all_fast))) == 1
+    return {"model": stage, "tokenizer": tokenizer, "plan": plan, "executor": spine, "engine": "mlx",
+            "cluster": cluster}
 
 
 def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None, dtype: str) -> nn.Module:
@@ -64,9 +194,6 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
     model, _ = load_model(path, lazy=True, model_config=folder_config(path))
     if not hasattr(model, "model") or not hasattr(model.model, "pipeline"):
         raise NpumoeError(f"mlx-lm has no pipeline for {type(model).__module__.rsplit('.', 1)[-1]!r} models ({path})")
-    if split is not None and (len(split) != group.size() or sum(split) != len(model.model.layers)):
-        raise NpumoeError(f"the split {split} does not cover {len(model.model.layers)} layers over "
-                          f"{group.size()} ranks")
     model.model.pipeline(group, split)
     to = compute_dtype(dtype)
     if to is not None:
@@ -76,121 +203,32 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
     return model
 
 
-class Stage:
-    """This rank's part of a run: its model, the plan installed on its layers (or none) and the ring's watchdog."""
-
-    def __init__(self, ring: Ring, model: nn.Module, path: Path, plan: str | None) -> None:
-        from runtime.mlx.spine import MlxSpine
-        from runtime.plan import load_plan
-
-        self.ring, self.model, self.spine = ring, model, None
-        if plan is not None:
-            # the spine finds the MoE blocks by the model's own layer numbers (a rank's list holds None for the
-            # layers before its stage) and walks `model.layers`, which mlx-lm's pipeline narrows to the stage's
-            self.spine = MlxSpine(model, load_plan(plan), path, plan_path=plan).install()
-
-    def forward(self, ids: list[int], cache: list, rows: str) -> mx.array | None:
-        """`forward_rows` (under the plan where one is installed), watched."""
-        from runtime.mlx.spine import forward_rows
-
-        x = mx.array([ids], dtype=mx.uint32)
-        run = (lambda: self.spine.forward(x, cache, rows)) if self.spine else lambda: forward_rows(self.model, x,
-                                                                                                  cache, rows)
-        return self.ring.step(f"a forward of {len(ids)} tokens", run)
-
-    def fill(self, ids: list[int], cache: list) -> None:
-        """A prefill chunk that is not the last, evaluated through its KV cache only (as mlx-lm's prefill): the
-        chunks overlap across ranks, since each rank's cache depends on its send, not on the gathered output."""
-        if self.spine is not None:
-            self.spine.set_phase("prefill")
-        self.model(mx.array([ids], dtype=mx.uint32), cache=cache)
-        self.ring.step("a prefill chunk", lambda: mx.eval([c.state for c in cache]))
-        if self.spine is not None:
-            self.spine.flush()
-
-
-def logits_of(stage: Stage, ids: list[int], step: int = PREFILL_STEP) -> np.ndarray:
-    """Logits [tokens, vocab] of one text in float32, chunk by chunk (every chunk's logits gathered)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(stage.model)
-    out = [stage.forward(ids[s:s + step], cache, "all")[0].astype(mx.float32) for s in range(0, len(ids), step)]
-    return np.concatenate([np.array(o) for o in out])
-
-
-def generate(stage: Stage, ids: list[int], max_tokens: int, eos: set[int], step: int = PREFILL_STEP) -> list[int]:
-    """Greedy tokens after the prompt (every rank computes the same ones)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(stage.model)
-    starts = range(0, len(ids), step)
-    for s in starts[:-1]:
-        stage.fill(ids[s:s + step], cache)
-    logits = stage.forward(ids[starts[-1]:], cache, "last")
-    out: list[int] = []
-    while len(out) < max_tokens:
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        if out[-1] in eos:
-            break
-        logits = stage.forward(out[-1:], cache, "last")
-    return out
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m runtime.mlx.cluster", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="an MLX (or transformers) folder mlx-lm loads, on every Mac")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--split", help="the pipeline file `autotune search --macs N` wrote: its split, and each rank "
-                                    "its stage's plan (default: mlx-lm's even split, no plan)")
-    ap.add_argument("--plan", help="the plan every rank runs its layers under (default: its stage's, from --split)")
-    ap.add_argument("--dtype", choices=DTYPES, default="auto",
-                    help="the floats' dtype (default auto: float32 on MLX's CPU device, as stored on a GPU)")
-    ap.add_argument("--prefill-step", type=int, help="prefill chunk (default: the plan's chunk_tokens, else "
-                    f"mlx-lm's {PREFILL_STEP})")
-    ap.add_argument("--logits-out", help="rank 0 writes the prompt's logits [tokens, vocab] here (.npy, float32)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits on a neighbour (default 60)")
-    return ap.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> dict:
-    """Join the ring, load this rank's stage, run the prompt; the answer (what rank 0 prints)."""
-    import transformers
-
+def join(spec: ClusterSpec, path: Path, dtype: str) -> tuple[nn.Module, Cluster]:
+    """Join the ring (the ring's own retry lines kept off stderr), load this rank's stage and route its decoder's
+    forwards through the link."""
     quiet_ring_lines()
-    ring = Ring.from_env(args.timeout)
-    group = ring.join()
-    path = Path(args.model)
-    stages, plans = read_pipeline(args.split) if args.split else (None, {})
-    model = load_stage(path, group, rank_split(stages) if stages else None, args.dtype)
-    stage = Stage(ring, model, path, args.plan or plans.get(group.rank()))
-    step = args.prefill_step or (stage.spine.plan.chunk_tokens if stage.spine else PREFILL_STEP)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    ids = tokenizer.encode(args.prompt)
-    out = {"ranks": group.size(), "rank": group.rank(), "layers": [model.model.start_idx, model.model.end_idx],
-           "prompt_tokens": len(ids)}
-    if args.logits_out:
-        logits = logits_of(stage, ids, step)
-        if group.rank() == 0:
-            np.save(args.logits_out, logits)
-    if args.max_tokens:
-        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        tokens = generate(stage, ids, args.max_tokens, eos, step)
-        out |= {"tokens": tokens, "text": tokenizer.decode(tokens)}
-    return out
+    group = spec.ring.join()
+    model = load_stage(path, group, list(spec.split) if spec.split else None, dtype)
+    link = Link(spec.ring, spec.lead)
+    route_forwards(model, link.forward)
+    inner = model.model
+    layers = len(inner.layers)  # mlx-lm keeps the whole list, None before the stage
+    return model, Cluster(spec, group, [inner.start_idx, inner.end_idx], spec.stages(layers), link)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        out = run(args)
-    except NpumoeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if out["rank"] == 0:
-        print(json.dumps(out), flush=True)
-    return 0
+def route_forwards(model: nn.Module, through: Callable) -> None:
+    """Every call of the model's decoder (`model.model`) as `through(run, inputs, cache)`: the instance's class
+    becomes a subclass whose call does so, so the spine's wrappers and mlx-lm's attributes stay as they are."""
+    inner = model.model
+    base = type(inner)
+
+    def call(self, inputs: mx.array, cache: list | None = None, *args, **kwargs) -> mx.array:
+        return through(lambda: base.__call__(self, inputs, cache, *args, **kwargs), inputs, cache)
+
+    inner.__class__ = type(f"Ringed{base.__name__}", (base,), {"__call__": call})
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the entry before the commands ran across Macs: say which command to run instead
+    print("python -m runtime.mlx.cluster: error: across Macs, run the commands under the launcher: `mlx.launch "
+          "--hostfile hosts.json autotune run|generate|serve --model M --plan P`", file=sys.stderr)
+    sys.exit(2)

@@ -13,6 +13,7 @@ ring's own retry lines are filtered out of stderr (`quiet_ring_lines`). Imports 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ from typing import Iterator, TypeVar
 import mlx.core as mx
 
 from runtime.errors import NpumoeError
+from runtime.mlx.launcher import launched
 
 PEER_LOST = 3  # the exit status of a rank whose neighbour died or could not be reached
 _WATCHDOGS: set[int] = set()  # the forked watchdogs running (`Ring.outside_watch`)
@@ -43,7 +45,7 @@ class Ring:
     @classmethod
     def from_env(cls, timeout_s: float) -> "Ring":
         """The ring `mlx.launch --backend ring` describes in the environment (MLX_RANK, MLX_HOSTFILE)."""
-        if "MLX_RANK" not in os.environ or not os.environ.get("MLX_HOSTFILE"):
+        if not launched():
             raise NpumoeError("no MLX ring in the environment (MLX_RANK, MLX_HOSTFILE): start every rank with "
                               "`mlx.launch --backend ring -n N ...` or `mlx.launch --hostfile hosts.json ...`")
         try:
@@ -114,31 +116,38 @@ class Ring:
         return f"{self.named()} did not answer within {self.timeout_s:g} s ({what}): it died or cannot be reached"
 
     def join(self) -> mx.distributed.Group:
-        """The ring's group, once every neighbour answered (within the timeout)."""
+        """The ring's group, once every neighbour answered (within the timeout). The connecting side gives up on its
+        own after about 30 s (MLX), and may try again (measured here): it does until the watchdog's timeout, so a
+        neighbour that starts later (a server's engine process) is still met."""
         with self.outside_watch("joining the ring"):
-            try:
-                return mx.distributed.init(backend="ring", strict=True)
-            except RuntimeError as e:  # the connecting side gives up on its own (MLX: about 30 s)
-                if "[ring]" not in str(e):
-                    raise
-                self.fail(f"cannot reach {self.named()} (joining the ring): it died or cannot be reached")
-                raise
+            while True:
+                try:
+                    return mx.distributed.init(backend="ring", strict=True)
+                except RuntimeError as e:
+                    if "[ring]" not in str(e):
+                        raise
 
 
 _STDERR = 2  # replaced by `quiet_ring_lines` with a copy of the original stderr
 
 
 def quiet_ring_lines() -> None:
-    """Keep the ring's own retry lines (`[ring] ...`) off stderr: fd 2 goes through a pipe that drops them and passes
-    every other line on."""
+    """Keep the ring's own retry lines (`[ring] ...`, written by MLX to fd 2) off stderr: fd 2 goes through a pipe
+    that drops them and passes every other line on. Python's own stderr writes to the original stderr directly, so
+    a last line (an error, then the exit) is never left in the pipe behind a thread that dies with the process."""
     global _STDERR
     if _STDERR != 2:
         return
+    old = sys.stderr
+    old.flush()
     _STDERR = os.dup(2)
     read, write = os.pipe()
     os.dup2(write, 2)
     os.close(write)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(_STDERR, "w", buffering=1, closefd=False)
+    for handler in logging.getLogger().handlers:  # a log line too
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.setStream(sys.stderr)
 
     def forward() -> None:
         with os.fdopen(read, "rb") as pipe:

@@ -18,7 +18,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.backends.packages import PackageTarget, bind_package
 from runtime.backends.registry import registry
 from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
@@ -41,6 +40,7 @@ from runtime.mlx.moe_block import (
 )
 from runtime.mlx.overlap import KvOrder, Lanes, OrderedAttention
 from runtime.mlx.splices import MlxPatches, MlxRows, mlx_splices
+from runtime.packages import PackageTarget, bind_package
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
 

@@ -1,8 +1,8 @@
 """Generation on the MLX spine: `runtime.generation.Generation`'s prefill and decode steps, run by `SpineModel`
 through mlx-lm's model and its KV cache (`mlx_lm.models.cache.make_prompt_cache`), sampled as the torch spine
 samples (on a view of MLX's logits: greedy is mlx-lm's argmax). A prefill may start from a reused prefix (the
-server's prefix cache: `spine_serving`) and keep a copy of its KV at a boundary (`kept_layers`), and with `echo`
-scores the prompt from every position's logits, as the torch spine's does. Imports mlx; never imports
+server's prefix cache: `runtime.serving.mlx_serving`) and keep a copy of its KV at a boundary (`kept_layers`), and
+with `echo` scores the prompt from every position's logits, as the torch spine's does. Imports mlx; never imports
 `runtime.generation`."""
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ class SpineModel:
             self.generation_config = transformers.GenerationConfig.from_model_config(self.config)
         self.vocab = int(self.config.get_text_config().vocab_size)
         self.in_flight = 1  # prefill chunks in flight (`runtime.mlx.overlap`); 1: one at a time
+        # every MoE layer mlx-lm's own (`MlxSpine.all_fast`): a prompt's last token then goes alone; across Macs,
+        # every rank's stage (`runtime.mlx.cluster.load_rank`), so that the ranks make the same forwards
+        self.all_fast = spine is None or spine.all_fast
 
     def get_input_embeddings(self) -> SimpleNamespace:
         return SimpleNamespace(num_embeddings=self.vocab)
@@ -147,7 +150,7 @@ def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
     end (`forward_rows`), or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size
     matters to it) the prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the
     last layer's attention output or experts, so they are never computed."""
-    split = not every_position and (model.spine is None or model.spine.all_fast)
+    split = not every_position and model.all_fast
     for first in range(start, end, chunk):
         stop = min(first + chunk, end)
         if every_position:

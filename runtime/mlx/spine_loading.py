@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoints import check_tokenizer_files
+from runtime.loading.gguf_reader import is_gguf_path
 from runtime.loading.model_config import read_config
 from runtime.loading.model_loader import RANDOM_PREFIX, model_dir, open_checkpoint
 from runtime.mlx.mlx_exact import device
@@ -45,6 +46,9 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     if name.startswith(RANDOM_PREFIX):
         raise NpumoeError(f"--engine mlx loads a model folder through mlx-lm; {name} is made in torch: use "
                           "--engine torch")
+    if is_gguf_path(name):  # our reader runs it, on the torch spine
+        raise NpumoeError(f"--engine mlx loads a model folder through mlx-lm; {name} is a GGUF file, which mlx-lm "
+                          "does not load here: use --engine torch")
     import transformers
     from mlx_lm.utils import load_model
 

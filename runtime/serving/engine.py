@@ -116,6 +116,8 @@ class Engine:
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
         reuse_off = self.spine.reuse_off()
+        if loaded.cluster is not None:  # its followers mirror one KV cache, the one rank 0 fills (`cluster_follow`)
+            max_batch, reuse_off = 1, "across Macs (mlx.launch) one request runs at a time, with no prefix cache"
         if self.chunk is None:
             self.prefix_cache_off = "no plan: prefill runs the whole prompt at once, so there is no chunk to reuse"
         elif reuse_off is not None:
@@ -147,6 +149,8 @@ class Engine:
         self.scheduler = Scheduler(max_queue, max_batch, self._round)
         self.metrics = Metrics(lambda: self.scheduler.depth,
                                lambda: self.prefix_cache.nbytes if self.prefix_cache else 0)
+        if loaded.cluster is not None:
+            loaded.cluster.link.keep_alive()
 
     def warm_up(self) -> None:
         """One short untimed generation, so the first client does not pay first-call costs; then count afresh."""
@@ -178,6 +182,8 @@ class Engine:
     def close(self, timeout_s: float | None = None) -> None:
         self.scheduler.close(timeout_s)
         self.prefill_thread.shutdown(wait=False, cancel_futures=True)
+        if self.loaded.cluster is not None:  # the followers end with it
+            self.loaded.cluster.link.end()
 
     def health(self) -> dict:
         cache = {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes,
@@ -188,7 +194,8 @@ class Engine:
         return {"status": "ok", "model": self.model_id, "engine": self.loaded.engine,
                 "plan": self.loaded.plan is not None,
                 "active": self.scheduler.active, "max_batch": self.scheduler.max_active,
-                "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache}
+                "queue_depth": self.scheduler.depth, "max_queue": self.scheduler.max_queue, "prefix_cache": cache,
+                **({"cluster": self.loaded.cluster.health()} if self.loaded.cluster is not None else {})}
 
     def check_max_tokens(self, max_tokens: int, echo: bool = False) -> None:
         """Refuse, before the request queues, a `max_tokens` no prompt could meet (`max_new_tokens`, the one

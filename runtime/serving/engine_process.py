@@ -42,6 +42,14 @@ from runtime.serving.scheduler import Closed, Job, QueueFull
 log = logging.getLogger("npumoe.serve")
 
 
+class EngineEnded(NpumoeError):
+    """The engine process ended before it answered; `exitcode` says how (its own message is above)."""
+
+    def __init__(self, exitcode: int | None, message: str) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
 class EngineProcess:
     """An `Engine` (`engine_args` but the model) over `runtime.load(**load_args)` in a spawned child process, with
     the engine's methods the app calls. Returns once the child is ready (model loaded, warmed up); a failure to load
@@ -132,7 +140,8 @@ class EngineProcess:
             return self._requests.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise NpumoeError(f"the engine process ended (exit code {self.process.exitcode}) while {doing}; its "
+            raise EngineEnded(self.process.exitcode, f"the engine process ended (exit code {self.process.exitcode}) "
+                              f"while {doing}; its "
                               "message is above") from None
 
     def _forget(self, key: int) -> Job | None:

@@ -20,6 +20,10 @@ from runtime.errors import NpumoeError
 from runtime.serving.app import AnyEngine, create_app
 
 DRAIN_S = 30.0
+# How long an idle connection stays open. Longer than HTTP clients keep one in their pools (httpx, under the openai and
+# anthropic SDKs: 5 s), so a client's pool drops it first: uvicorn's own 5 s closed connections the client had just
+# reused (a request sent as the timer fired got a reset).
+KEEP_ALIVE_S = 75.0
 
 
 def served_model_id(model: str) -> str:
@@ -79,7 +83,7 @@ class _DrainingServer(uvicorn.Server):
 def make_server(engine: AnyEngine, api_key: str | None = None, drain_s: float = DRAIN_S) -> uvicorn.Server:
     """The uvicorn server of `engine`'s app; `.run(sockets=[sock])` serves, `.should_exit = True` stops it."""
     config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_s, lifespan="on")
+                            timeout_graceful_shutdown=drain_s, timeout_keep_alive=KEEP_ALIVE_S, lifespan="on")
     return _DrainingServer(config)
 
 

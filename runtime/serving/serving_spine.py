@@ -1,6 +1,6 @@
 """What the server's scheduling asks of the spine a model runs on (`ServingSpine`), so that one engine, one
 scheduler and one prefix cache serve both spines: the torch spine (`TorchServing`: transformers' `DynamicCache`,
-`decode_batch.DecodeBatch`) and the MLX spine (`runtime.mlx.spine_serving.MlxServing`: mlx-lm's `KVCache` and
+`decode_batch.DecodeBatch`) and the MLX spine (`runtime.serving.mlx_serving.MlxServing`: mlx-lm's `KVCache` and
 `BatchKVCache`). A cache's tokens: `runtime.generation.cache_length`."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class TorchServing:
 def serving_spine(loaded: Loaded) -> ServingSpine:
     """The spine `loaded` runs on, as the server drives it (the MLX one imports mlx)."""
     if loaded.engine == "mlx":
-        from runtime.mlx.spine_serving import MlxServing
+        from runtime.serving.mlx_serving import MlxServing
 
         return MlxServing(loaded)
     return TorchServing(loaded)

@@ -13,6 +13,8 @@ import torch
 
 from runtime.backends.protocol import DenseSpec, GroupSpec, StaticBackend
 from runtime.backends.registry import registry
+from runtime.dense.specs import backend_specs
+from runtime.loading.model_loader import model_spec, moe_layers
 from runtime.plan import ModelSpec, Plan, check_plan_matches
 
 
@@ -38,9 +40,6 @@ class PackageTarget:
 
 def torch_target(model: torch.nn.Module) -> PackageTarget:
     """A transformers model as a package's target."""
-    from runtime.dense.specs import backend_specs
-    from runtime.loading.model_loader import model_spec, moe_layers
-
     return PackageTarget(model_spec(model), {layer.index: layer.experts for layer in moe_layers(model)},
                          partial(backend_specs, model))
 

@@ -1,0 +1,78 @@
+"""`autotune search --measure K` (autotune/measuring/measure.py): the candidates timed on this host, the measured best
+within the fidelity limits written; and what was measured fed back into the profile (measuring/feedback.py)."""
+import json
+
+import pytest
+from helpers import apple_like
+
+from autotune.cli import main
+from autotune.costing.whole_prefill import PrefillPrediction
+from autotune.measuring.feedback import KEY, add_records, part_factors
+from autotune.profiling.profile import Profile, load_profile, save_profile
+from autotune.searching.objective import corrected
+from runtime.plan import load_plan
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """A search with `--measure 2` on a random model: a hand-made ANE-like profile, a short calibration (two
+    held-out 256-token prompts), the gate on 256 tokens."""
+    d = tmp_path_factory.mktemp("measure")
+    save_profile(Profile(host={"id": "test-device", "description": "hand-made ANE-like device"},
+                         cost_model=apple_like(), records=[], heldout={"method": "none", "mape": {}},
+                         measured_by="hand-made for tests"), d / "profile.json")
+    (d / "text.txt").write_text("Routing skews toward a few experts; the rest idle. " * 60)
+    assert main(["calibrate", "--model", "random:qwen3_moe", "--text", str(d / "text.txt"), "--chunk", "64",
+                 "--prompt-tokens", "256", "--out", str(d / "traces.npz"), "--json"]) == 0
+    assert main(["search", "--model", "random:qwen3_moe", "--profile", str(d / "profile.json"), "--traces",
+                 str(d / "traces.npz"), "--measure", "2", "--trials", "4", "--gate-tokens", "256", "--out",
+                 str(d / "plan.json"), "--json"]) == 0
+    return d
+
+
+def test_measure_times_the_candidates_and_writes_the_measured_best(measured):
+    m = json.loads((measured / "plan.report.json").read_text())["measure"]
+    rows = m["candidates"]
+    assert len(rows) >= 2 and all({"predicted_ms", "measured_ms", "passed"} <= set(r) for r in rows)
+    assert rows[0]["name"] == m["predicted_pick"]  # the search's pick first
+    for r in rows:
+        assert r["predicted_ms"] > 0 and r["passed"] in (True, False)
+        if r["simulated"]:  # a lane this host only simulates: measured for fidelity, not speed
+            assert r["measured_ms"] is None and "not speed" in r["note"]
+        else:
+            assert r["measured_ms"] > 0
+    timed = [r for r in rows if r["measured_ms"] is not None and r["passed"]]
+    chosen = next(r for r in rows if r["name"] == m["chosen"])
+    assert chosen["measured_ms"] == min(r["measured_ms"] for r in timed) and m["measured_regret"] == 0.0
+    assert m["predicted_pick_regret"] == pytest.approx(rows[0]["measured_ms"] / chosen["measured_ms"] - 1.0)
+    assert m["kendall_tau"] is None or -1.0 <= m["kendall_tau"] <= 1.0
+    plan = load_plan(measured / "plan.json")
+    assert plan.chunk_tokens == chosen["chunk_tokens"]
+    # the hand-made profile is no measurement of this host: its runs are not kept in it
+    assert KEY not in load_profile(measured / "profile.json", check_host=False).extra
+
+
+def prediction(parts: dict) -> PrefillPrediction:
+    total = sum(parts.values())
+    return PrefillPrediction(4096, 1024, total, total, None, dict(parts))
+
+
+def test_fed_back_records_correct_the_prediction(tmp_path):
+    """Whole plans measured at twice their predicted experts and as priced otherwise: the part factors fitted to
+    the records give the next prediction of each within 2% of what was measured (the issue asks 10%), and a plan
+    not among them is corrected the same way."""
+    prof = Profile(host={"id": "here", "description": "test"}, cost_model=apple_like(), records=[],
+                   heldout={"method": "none", "mape": {}}, measured_by="test", path=str(tmp_path / "p.json"))
+    plans = [{"experts": e, "attention_core": a, "rest": 1.0} for e, a in ((10.0, 5.0), (30.0, 5.0), (20.0, 15.0))]
+    truth = lambda p: 2.0 * p["experts"] + p["attention_core"] + p["rest"]  # noqa: E731
+    assert part_factors(prof, "m") == {}
+    add_records(prof, "m", 4096, [{"chunk_tokens": 1024, "predicted_parts_ms": p, "measured_ms": truth(p)}
+                                  for p in plans])
+    assert len(load_profile(tmp_path / "p.json", check_host=False).extra[KEY]) == 3  # kept in the profile file
+    factors = part_factors(prof, "m")
+    assert factors["experts"] == pytest.approx(2.0, rel=0.02)
+    assert part_factors(prof, "another model") == {}
+    for p in [*plans, {"experts": 50.0, "attention_core": 2.0, "rest": 1.0}]:
+        before, after = prediction(p), corrected(prediction(p), factors)
+        assert after.latency_ms == pytest.approx(truth(p), rel=0.02)
+        assert abs(before.latency_ms / truth(p) - 1.0) > 0.25  # the records changed the prediction
