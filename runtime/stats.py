@@ -137,6 +137,8 @@ class Executed:
     calls: Counter = field(default_factory=Counter)  # (part, lane) -> calls
     seconds: Counter = field(default_factory=Counter)  # (part, lane) -> measured seconds
     timed: set = field(default_factory=set)  # the (part, lane) pairs whose seconds were measured
+    # chunks in flight (`runtime.mlx.overlap`): each lane's measured busy and wait ms over the prefills so run
+    lanes: dict = field(default_factory=dict)
 
     def add(self, part: str, lane: str, calls: int = 1, seconds: float | None = None) -> None:
         assert part in PARTS, part
@@ -155,6 +157,7 @@ class Executed:
         self.calls.clear()
         self.seconds.clear()
         self.timed.clear()
+        self.lanes.clear()
 
     def to_json(self) -> dict:
         out: dict[str, dict] = {}
@@ -163,4 +166,4 @@ class Executed:
             if (part, lane) in self.timed:
                 entry["ms"] = round(self.seconds[part, lane] * 1e3, 3)
             out.setdefault(part, {})[lane] = entry
-        return out
+        return {**out, "lanes": self.lanes} if self.lanes else out

@@ -8,7 +8,9 @@ placement) on the published M2 Ultra profile, timed (`search_seconds`); then the
 and every whole-model baseline (`autotune.searching.prefill_report`; `mlx-gpu`: every op on the GPU through MLX),
 all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill_ms`, `predicted_parts_ms`,
 `chunk_tokens`, `over_roofline_whole`, `vs` (each baseline's latency, energy and CPU-busy time over the plan's),
-`search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them) and `mlx_gpu_pp`:
+`search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them), `in_flight`,
+`predicted_schedule` (each unit's busy and idle ms with two chunks in flight, the default; `--timeline PATH` draws
+its first layers), `one_in_flight_ms` (the search's plan as a chain) and `mlx_gpu_pp`:
 the all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk each), beside llama.cpp's measured M2
 Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 
@@ -75,7 +77,7 @@ def gpu_pp(cost, name: str, skew: float, prompts: int) -> dict:
 
 
 def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prompts: int, trials: int,
-          compress: tuple[str, ...]) -> dict:
+          compress: tuple[str, ...], in_flight: int = 2, timeline: str | None = None) -> dict:
     shape = DecoderShape.from_config(TWINS[name])
     spec = spec_of(name, shape)
     traces = synthetic_traces(spec, prompts, prompt_tokens, skew=skew, tokens=True)
@@ -92,7 +94,7 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
                      objective=objective, trials=trials, progress=True, dense=dense,
                      whole=WholePrefill(shape, prompt_tokens))
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
-    report = whole_prefill(out, scorer, shape, prompt_tokens)
+    report = whole_prefill(out, scorer, shape, prompt_tokens, in_flight, timeline)
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
             "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
             "label": "predicted by the cost model of the published M2 Ultra profile", **report,
@@ -125,6 +127,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=40, help="Optuna trials per layer (default 40)")
     ap.add_argument("--compress", default=",".join(COMPRESSIONS))
     ap.add_argument("--chart", help="write the latency/energy trade of the candidate plans to this PNG")
+    ap.add_argument("--in-flight", type=int, choices=(1, 2), default=2, help="prefill chunks in flight: 2 (default) "
+                    "prices the plan as a schedule of both units' queues (autotune.costing.schedule), 1 as a chain")
+    ap.add_argument("--timeline", help="with --in-flight 2, draw the plan's schedule (layers 0-1) to this PNG")
     ap.add_argument("--macs", type=int, default=1, help="split the model across this many Macs (default 1)")
     ap.add_argument("--budget-gb", type=float, default=192.0, help="each Mac's memory with --macs (default 192: an "
                     "M2 Ultra's)")
@@ -137,7 +142,7 @@ def main() -> None:
         return
     cost = load_profile(args.profile).cost_model
     result = bench(cost, args.shape, args.prompt_tokens, args.objective, args.skew, args.prompts, args.trials,
-                   tuple(args.compress.split(",")))
+                   tuple(args.compress.split(",")), args.in_flight, args.timeline)
     if args.chart:
         plot_tradeoff(result, args.chart)
     print(json.dumps(result))

@@ -14,6 +14,18 @@ and the same for the torch spine. On Linux MLX runs on its CPU device: the figur
 not a GPU's speed.
 
     python scripts/bench_spine.py --json [--quick] [--model DIR] [--threads 1]
+
+With `--overlap` (default prompt 4,096 tokens in chunks of 1,024): two chunks in flight against one at a time
+(`runtime.mlx.overlap`), on a plan whose experts are in static groups on cpu-static (torch: the static lane) and
+whose dense half (and any spill) runs on mlx-exact (MLX: the host lane). The two sides run interleaved in one
+process, `--repeats` rounds, each the prefill of the same prompt from an empty cache: `overlap_speedup` (measured:
+the one-at-a-time prefill's median wall over the two-in-flight one's), `overlap_predicted_speedup` (predicted: the
+schedule, `autotune.costing.schedule`, of the one-at-a-time run's recorded lane times per op, one in flight over
+two), `overlap_max_rel_diff` (the two runs' last logits), `greedy_text_equal` (`generate`'s greedy text under
+each, on the prompt's first `greedy_prompt_tokens`: what fits the model's context before the new tokens), each
+lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after.
+
+    python scripts/bench_spine.py --overlap --json [--threads 1]
 """
 from __future__ import annotations
 
@@ -23,14 +35,17 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
+from autotune.costing.schedule import schedule, steps_from_events
 from autotune.searching.templates import template_plan
 from runtime import generation
 from runtime.loading.model_record import read_model_spec
+from runtime.plan import DenseFunction, DenseLayer, DensePlan, Plan
 
 
 def _mlx_lm_prefill(loaded, ids: list[int], chunk: int) -> None:
@@ -107,6 +122,80 @@ def measure(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, ch
                         "token, decode tokens/s after it"}
 
 
+def overlap_plan(model: str, chunk: int, static_dense: tuple[str, ...] = ()) -> Plan:
+    """Every expert in static groups on cpu-static (ample capacity), the plan's exact path mlx-exact; the dense
+    functions `static_dense` (of qkv, o_proj) on cpu-static too, spliced into mlx-lm's forward."""
+    spec = read_model_spec(model)
+    plan = template_plan(spec, chunk_tokens=chunk, exact="mlx-exact", backend="cpu-static")
+    if not static_dense:
+        return plan
+    fn = DenseFunction(backend="cpu-static")
+    layers = [DenseLayer(layer=i, **{f: fn for f in static_dense}) for i in range(spec.num_layers)]
+    return plan.model_copy(update={"dense": DensePlan(attention_context_buckets=[], layers=layers)})
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple[float, torch.Tensor]:
+    """(wall s, the last row's logits) of one prefill of `ids` from an empty cache with `in_flight` chunks."""
+    from runtime.mlx.spine_generation import last_logits, prefill_forwards
+
+    model = loaded.model
+    pieces = [(ids[s:d], rows) for s, d, rows in prefill_forwards(model, len(ids), chunk)]
+    start = time.perf_counter()
+    out = model.forward_in_flight(pieces, model.make_cache(), in_flight, lanes)
+    return time.perf_counter() - start, last_logits(out).clone()
+
+
+def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, decode_tokens: int,
+                    static_dense: tuple[str, ...] = ()) -> dict:
+    from runtime.mlx.overlap import Lanes
+
+    loaded = generation.load(model, overlap_plan(model, chunk, static_dense), engine="mlx", dtype="float32")
+    ids = encode_text(loaded.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
+    load_before = _loadavg()
+    for n in (1, 2):  # untimed, two chunks of the timed size: first-call costs out of the rounds
+        _prefill(loaded, ids[:2 * chunk], chunk, n, Lanes())
+    walls: dict[int, list[float]] = {1: [], 2: []}
+    logits, lanes, events = {}, {}, []
+    for r in range(repeats):  # interleaved, the order alternating: a shared host's load falls on both sides alike
+        for n in ((1, 2) if r % 2 == 0 else (2, 1)):
+            got = Lanes(record=n == 1)
+            wall, logits[n] = _prefill(loaded, ids, chunk, n, got)
+            walls[n].append(wall)
+            lanes[n] = got.figures()
+            events = got.events if n == 1 and not events else events
+    steps = steps_from_events(events)
+    one, two = (schedule(steps, n).makespan_ms for n in (1, 2))
+    texts = {}
+    fits = ids[:int(loaded.model.config.max_position_embeddings) - decode_tokens]  # generate refuses past the context
+    for n in (1, 2):
+        loaded.model.in_flight = n
+        texts[n] = generation.generate(loaded, fits, max_tokens=decode_tokens).text
+    wall = {n: statistics.median(v) for n, v in walls.items()}
+    diff = float((logits[2] - logits[1]).abs().max() / logits[1].abs().max())
+    return {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
+            "static_dense": list(static_dense),
+            "dtype": "float32", "mlx_device": loaded.executor.lane, "torch_threads": torch.get_num_threads(),
+            "prefill_ms": {"one_in_flight": round(wall[1] * 1e3, 1), "two_in_flight": round(wall[2] * 1e3, 1)},
+            "overlap_speedup": round(wall[1] / wall[2], 4),
+            "overlap_predicted_speedup": round(one / two, 4),
+            "overlap_predicted_over_measured": round(one / two / (wall[1] / wall[2]), 4),
+            "overlap_max_rel_diff": diff,
+            "greedy_text_equal": texts[1] == texts[2], "greedy_prompt_tokens": len(fits),
+            "decode_tokens": decode_tokens,
+            "lanes_ms": {"one_in_flight": lanes[1], "two_in_flight": lanes[2]},
+            "loadavg": {"before": load_before, "after": _loadavg()},
+            "measured": "sides interleaved, median of the rounds: the prefill's wall time to the last chunk's logits; "
+                        "overlap_predicted_speedup is predicted (the schedule of the one-at-a-time run's measured "
+                        "lane times)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-moe", help="a model folder mlx-lm loads (default tiny-moe)")
@@ -117,9 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="a 128-token prompt, 16 new tokens, one round")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--static-dense", default="", metavar="F,..", help="with --overlap: these dense functions (qkv, "
+                    "o_proj) on cpu-static too, beside the experts (default: none, the dense half on mlx-exact)")
+    ap.add_argument("--overlap", action="store_true", help="two chunks in flight against one at a time (4,096 tokens "
+                    "in chunks of 1,024 unless --prompt-tokens / --chunk say otherwise)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.overlap:
+        tokens = args.prompt_tokens if "--prompt-tokens" in (argv or sys.argv) else 4096
+        chunk = args.chunk if "--chunk" in (argv or sys.argv) else 1024
+        repeats = args.repeats if "--repeats" in (argv or sys.argv) else 1
+        dense = tuple(f for f in args.static_dense.split(",") if f)
+        out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense)
+        print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+        return 0
     if args.quick:
         args.prompt_tokens, args.decode_tokens, args.repeats, args.chunk = 128, 16, 1, 64
     out = measure(args.model, args.prompt_tokens, args.decode_tokens, args.repeats, args.chunk)

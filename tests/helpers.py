@@ -136,7 +136,8 @@ SEARCH_REPORT_KEYS = [
     "chunks_searched", "compress_allowed", "compress", "partial_chunks", "memory_gb", "packing_measured",
     "predicted_cpu_ms_per_token", "cpu_ratio_vs", "robustness", "gate", "predicted_memory", "explanation"]
 # added to the search's report since those were recorded: the whole prefill (where the model's decoder shape is known)
-SEARCH_REPORT_ADDED = ["predicted_prefill_ms", "predicted_parts_ms", "whole_prefill", "cpu_weights", "priced_outside"]
+SEARCH_REPORT_ADDED = ["predicted_prefill_ms", "predicted_parts_ms", "whole_prefill", "cpu_weights", "priced_outside",
+                       "measure"]
 
 
 def convert_to_mlx(out, bits: int, group: int):

@@ -1,5 +1,5 @@
 """`autotune bench`: a plan measured on this machine against mlx-lm, transformers and the all-exact plan, side by
-side (`autotune.measuring.bench`)."""
+side (`autotune.measuring.bench_run`)."""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.measuring.bench import BenchConfig, plot_bench, run_bench
+    from autotune.measuring.bench_run import BenchConfig, plot_bench, run_bench
 
     c = BenchConfig(args.model, args.plan, args.dtype, args.engine, args.threads, args.prompt_tokens, args.prompts,
                     args.repeats, args.decode_tokens, args.text)

@@ -68,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (figures and text) instead of streaming the text; under mlx.launch "
                         "every rank prints its own, with its `rank` and `layers`")
+    p.add_argument("--in-flight", type=int, choices=(1, 2), default=1,
+                   help="prefill chunks in flight on the MLX spine (default 1): 2 runs one chunk's static calls while "
+                        "the other chunk's MLX work runs (same logits; executed gains each lane's busy and wait ms)")
     add_cluster_arguments(p)
     p.set_defaults(func=run)
 
@@ -90,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
     loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine,
                   cluster=cluster)
+    if args.in_flight > 1:
+        if loaded.engine != "mlx" or not loaded.plan:
+            raise NpumoeError("--in-flight 2 runs a plan's prefill on the MLX spine: give --plan and --engine mlx")
+        loaded.model.in_flight = args.in_flight
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     answers = cluster is None or cluster.rank == 0  # across Macs every rank computes the text; rank 0 shows it

@@ -92,6 +92,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "lacks the model's own shapes times them first (`profile-device --model`, a minute or a few "
                         "with --quick's settings) and saves them into it; either way, the parts priced past the "
                         "profile's records are named")
+    p.add_argument("--backend", type=static_backend, default=d.backend, metavar="NAME",
+                   help="the static backend the plan's groups run on (one the profile fits); default: chosen, the "
+                        "Neural Engine's preferred framework first (Core AI on macOS 27, Core ML before)")
+    p.add_argument("--engine", choices=ENGINES, default=d.engine,
+                   help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
+                        "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
+                        "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
+    add_gate_arguments(p, d)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_macs_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_gate_arguments(p: argparse.ArgumentParser, d: SearchConfig) -> None:
+    """After the search: the fidelity gate's candidates and limits, and their measurement on this host."""
     p.add_argument("--no-gate", action="store_true",
                    help="skip the fidelity gate: write the search's pick from config and routers alone, unmeasured")
     p.add_argument("--gate-candidates", type=positive_int, default=d.gate_candidates, metavar="K",
@@ -108,21 +123,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gate-tokens", type=positive_int, default=d.gate_tokens, metavar="N",
                    help=f"held-out tokens ({gate.GATE_TEXT}) each gate candidate runs, at least one chunk of the "
                         f"smallest chunk searched (default {d.gate_tokens})")
-    p.add_argument("--backend", type=static_backend, default=d.backend, metavar="NAME",
-                   help="the static backend the plan's groups run on (one the profile fits); default: chosen, the "
-                        "Neural Engine's preferred framework first (Core AI on macOS 27, Core ML before)")
-    p.add_argument("--engine", choices=ENGINES, default=d.engine,
-                   help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
-                        "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
-                        "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
     p.add_argument("--measure", type=non_negative_int, default=d.measure, metavar="K",
                    help="after the gate, time the K best distinct candidates by predicted whole prefill and the "
                         "baselines that are plans on this host (held-out prompts, interleaved, repeated), write the "
                         "measured best within the fidelity limits, and store the runs in the profile so the next "
                         "search predicts them; 0: off (default: 8 on a profile measured on this host, else 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_macs_arguments(p)
-    p.set_defaults(func=run)
 
 
 # the split's options; each stage's search takes SearchConfig's

@@ -113,6 +113,7 @@ class Link:
     power_w: float | None = None
     cpu_ms: float | None = None
     energy_mj: float | None = None
+    units: dict[str, float] | None = None  # each unit's busy ms within the step (a schedule's parts: `schedule`)
 
     def __post_init__(self) -> None:
         if self.cpu_ms is None:
@@ -123,7 +124,8 @@ class Link:
     def times(self, n: int) -> "Link":
         """The same step `n` times (layers of one shape)."""
         return Link(n * self.latency_ms, self.on_cpu, self.power_w, n * self.cpu_ms,
-                    None if self.energy_mj is None else n * self.energy_mj)
+                    None if self.energy_mj is None else n * self.energy_mj,
+                    None if self.units is None else {u: n * ms for u, ms in self.units.items()})
 
 
 @dataclass

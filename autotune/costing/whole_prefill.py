@@ -145,6 +145,9 @@ class ExpertFigures:
     latency_ms: float
     cpu_ms: float
     energy_mj: float | None
+    # per prompt, the experts' steps in order, each its units' busy ms side by side (`schedule`): the host's
+    # packing, then the static groups beside the exact paths; () where unknown (one step on the host)
+    steps: tuple[dict[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,12 +174,14 @@ class PrefillPrediction:
     energy_mj: float | None
     parts_ms: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # how each backend's dense ops are priced
+    schedule: dict | None = None  # a schedule's figures (`autotune.costing.schedule`): each unit's busy and idle
 
     def to_json(self) -> dict:
-        return {"predicted_prefill_ms": self.latency_ms, "predicted_prefill_cpu_ms": self.cpu_ms,
-                "predicted_prefill_energy_mj": self.energy_mj,
-                "predicted_parts_ms": {k: round(v, 6) for k, v in self.parts_ms.items()},
-                "prompt_tokens": self.prompt_tokens, "chunk_tokens": self.chunk_tokens, "dense_pricing": self.sources}
+        out = {"predicted_prefill_ms": self.latency_ms, "predicted_prefill_cpu_ms": self.cpu_ms,
+               "predicted_prefill_energy_mj": self.energy_mj,
+               "predicted_parts_ms": {k: round(v, 6) for k, v in self.parts_ms.items()},
+               "prompt_tokens": self.prompt_tokens, "chunk_tokens": self.chunk_tokens, "dense_pricing": self.sources}
+        return {**out, "predicted_schedule": self.schedule} if self.schedule else out
 
 
 def prompt_chunks(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -190,11 +195,17 @@ def _on(backend: str | None, full: bool, host: str) -> str:
     return backend if backend is not None and full else host
 
 
+def unit_of(cost: CostModel, backend: str) -> str:
+    """The unit a backend computes on, as a schedule queues it: the CPU for every backend on it, else its own."""
+    return cost.backend_model(backend).name if cost.overlaps(backend) else "cpu"
+
+
 def dense_link(cost: CostModel, backend: str, ms: Any, calls: int = 1) -> evaluator.Link:
     """One step of the layer's chain on `backend`: a static function pays each of its `calls`; an exact path's
     work does not (the CPU's is torch's own; MLX's runs in the graph it is part of)."""
     t = float(np.sum(ms)) + (0.0 if cost.is_exact(backend) else calls * cost.call_ms(backend))
-    return evaluator.Link(t, on_cpu=not cost.overlaps(backend), power_w=cost.power_w(backend))
+    return evaluator.Link(t, on_cpu=not cost.overlaps(backend), power_w=cost.power_w(backend),
+                          units={unit_of(cost, backend): t})
 
 
 def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, calls: int = 1,
@@ -209,7 +220,10 @@ def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, call
     both_cpu = static.on_cpu and rest.on_cpu
     latency = static.latency_ms + rest.latency_ms if both_cpu else max(static.latency_ms, rest.latency_ms)
     energy = None if static.energy_mj is None or rest.energy_mj is None else static.energy_mj + rest.energy_mj
-    return evaluator.Link(latency, cpu_ms=static.cpu_ms + rest.cpu_ms, energy_mj=energy)
+    units = dict(static.units)
+    for unit, ms in rest.units.items():
+        units[unit] = units.get(unit, 0.0) + ms
+    return evaluator.Link(latency, cpu_ms=static.cpu_ms + rest.cpu_ms, energy_mj=energy, units=units)
 
 
 def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, context: int, full: bool,

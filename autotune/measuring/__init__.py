@@ -1,2 +1,2 @@
-"""Measuring on this host: plans and the baselines a user would run instead, timed side by side (`timing`), and the
-`autotune bench` report built on it (`bench`)."""
+"""Measuring on this host: plans and the baselines a user would run instead, timed side by side
+(`side_by_side`), and the `autotune bench` run built on it (`bench_run`)."""

@@ -2,7 +2,7 @@
 
 After the fidelity gate, the K best distinct candidates by predicted whole prefill (`optimizer.ranked_solutions`,
 the search's pick first) and the report's baselines that are plans (`objective.PLAN_ROWS`) are timed on this host
-(`timing.time_plans`: the calibration's held-out prompts, every plan interleaved, repeated, on the search's
+(`side_by_side.time_plans`: the calibration's held-out prompts, every plan interleaved, repeated, on the search's
 threads). Each candidate's fidelity is the gate's verdict where the gate measured it, else measured now in one more
 round of the gate (without the gate: not measured, `passed` null). A candidate running a lane this host only
 simulates (ane-sim) is timed for nothing: its time is the simulator's, so it is measured for fidelity, not speed
@@ -22,7 +22,7 @@ from scipy.stats import kendalltau
 from autotune.calibration.traces import Traces
 from autotune.calibration.workload import encode_text
 from autotune.evaluation.gate import Candidate, GateSettings, run_gate
-from autotune.measuring.timing import clock_for, time_plans
+from autotune.measuring.side_by_side import clock_for, time_plans
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions
 from autotune.searching.scoring import Scorer
 from runtime.backends import registry
@@ -114,8 +114,8 @@ def time_trials(record: ModelRecord, trials: list[Trial], prompts: list[list[int
 
 
 def dense_stand_ins(plan: Plan) -> tuple[str, ...]:
-    """The backends the plan's dense functions name that this host runs through a stand-in (`timing.simulated_lanes`
-    names the groups' only), each as "name -> what runs it"."""
+    """The backends the plan's dense functions name that this host runs through a stand-in
+    (`side_by_side.simulated_lanes` names the groups' only), each as "name -> what runs it"."""
     names = sorted(plan.dense.backends) if plan.dense is not None else []
     return tuple(f"{n} -> {used}" for n in names if (used := registry.resolve(n).name) != n)
 

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import optuna
@@ -38,8 +38,12 @@ from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.plan import DEFAULT_EXACT_BELOW_TOKENS, OVERFLOW_POLICIES, ModelSpec, Plan, plan_from_json
 
-if TYPE_CHECKING:
-    from autotune.searching.objective import WholePrefill
+
+class WholeObjective(Protocol):  # `objective.WholePrefill`, the whole prefill the search minimises (it imports this)
+    def candidates(self, search: ChunkSearch, *rest) -> list[Solution]: ...
+    def cost(self, sol: Solution, *rest) -> float: ...
+    def best(self, search: ChunkSearch, *rest) -> tuple[float, Solution] | None: ...
+
 
 OBJECTIVES = ("latency", "energy", "both", "cpu")  # both: the Pareto front of latency and energy; cpu: CPU-busy time
 CPU_TIE_BREAK = 1e-3  # --objective cpu: latency's weight, relative to CPU-busy time's
@@ -109,7 +113,7 @@ class SearchOutcome:
     weights: Weights = (1.0, 0.0, 0.0)  # the (latency, energy, CPU-busy time) weights that chose `best`
     space: Space | None = None
     dense: dict[int, DenseChoice] = field(default_factory=dict)  # the dense functions' choice per chunk size searched
-    whole: WholePrefill | None = None  # the objective that picked `best` (None: the experts' alone)
+    whole: WholeObjective | None = None  # the objective that picked `best` (None: the experts' alone)
     drop_rate: float = 0.0  # the drop budget as a share of held-out assignments (the baselines' uniform capacity)
 
     @property
@@ -421,7 +425,7 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
                storage: object | None = None, study_prefix: str = "npumoe", seed: int = 0,
                exact_limit: int = EXACT_LIMIT, progress: bool = True,
                dense: Callable[[int, Weights, float], DenseChoice] | None = None,
-               whole: WholePrefill | None = None) -> SearchOutcome:
+               whole: WholeObjective | None = None) -> SearchOutcome:
     """Search every chunk size (`workloads`: the layers' traces per chunk size, or one chunk size's list), combine
     under the held-out drop budget, compare with baselines and, where the space is enumerated, the exact optimum.
     `dense(chunk, weights, resident_bytes)`: the dense functions' choice at a chunk size (`dense_choice.choose_dense`)

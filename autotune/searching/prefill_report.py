@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autotune.costing.schedule import timeline_chart
 from autotune.costing.whole_prefill import (
     DENSE_FUNCTIONS,
     DecoderShape,
@@ -13,9 +14,11 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     roofline_ms,
 )
+from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import WholePrefill, host_of, placement
-from autotune.searching.optimizer import SearchOutcome, ranked_solutions, solution
+from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
+from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
+from autotune.searching.overlap_choice import Candidate, best_overlapped, expert_steps, rebalanced, with_steps
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
@@ -53,13 +56,51 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
     return out
 
 
-def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int) -> dict:
+def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                      choice: DenseChoice | None) -> Candidate:
+    """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
+    dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes."""
+    prompts = prompts_in(layers, prompt_tokens)
+    experts = with_steps(expert_figures(sol, prompts), expert_steps(sol, layers, scorer, prompts))
+    return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
+                     lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
+                     sol.baseline)
+
+
+def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                       within: float = 1.5) -> list[Candidate]:
+    """For two chunks in flight (`overlap_choice`): at each chunk size whose cheapest whole plan, as the search's
+    objective prices it (`WholePrefill.price`), is within `within` of the least latency over all sizes, the
+    objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`)."""
+    whole = outcome.whole or WholePrefill(shape, prompt_tokens)
+    plans: dict[int, list[Solution]] = {}
+    chain: dict[int, float] = {}
+    for chunk, found in sorted(outcome.chunks.items()):
+        if found.best is None:
+            continue
+        choice = outcome.dense.get(chunk)
+        plans[chunk] = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget,
+                                          outcome.drop_rate, outcome.weights),
+                        *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
+        chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
+    least = min(chain.values())
+    return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk))
+            for chunk, sols in plans.items() if chain[chunk] <= within * least for sol in sols]
+
+
+def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                  in_flight: int = 1, timeline: str | None = None) -> dict:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time, and `candidate`: whether it is a plan the search weighed, `objective.PLAN_ROWS`),
     `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the plan's is 0),
     `over_roofline_whole` (the plan's latency over the prompt's FLOPs at the throughput of the ANE, the CPU and the
     GPU together; None where no lane's fit prices FLOPs) and `tradeoff` (the candidate plans' latency and energy).
-    The plan and every row are priced as the search's objective prices them (`objective.WholePrefill`)."""
+    The plan and every row are priced as the search's objective prices them (`objective.WholePrefill`). With
+    `in_flight` 2 the plan runs two chunks in flight: the objective's whole plans at each chunk size and their
+    rebalanced variants (`overlap_candidates`), each with its dense half chosen again under the schedule
+    (`overlap_choice`) at no more energy than the GPU alone's; its latency the schedule's and `predicted_schedule`
+    each unit's busy and idle ms; `one_in_flight_ms`: the search's plan as a chain; `timeline`: a PNG of its
+    schedule's first two layers (`schedule.timeline_chart`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
@@ -72,13 +113,22 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     base = {name: whole.price(sol, at if name == "experts-only" else layers, scorer) for name, sol in rows.items()}
     candidate = {name: whole.is_plan(sol, at if name == "experts-only" else layers, scorer, outcome.drop_budget)
                  for name, sol in rows.items()}
+    place, plan_is, one = placement(outcome.best, choice, host_of(scorer)), outcome.best.baseline, {}
+    if in_flight > 1:
+        cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
+        over = best_overlapped(scorer, shape, prompt_tokens, overlap_candidates(outcome, scorer, shape, prompt_tokens),
+                               in_flight, cap)
+        plan, place, one = over.prediction, over.placement, {"one_in_flight_ms": plan.latency_ms}
+        plan_is = over.candidate.baseline
+        if timeline:
+            timeline_chart(over.schedule, timeline, (0, 1))
     roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
-            "plan_is": outcome.best.baseline,
-            "dense_placement": placement_json(placement(outcome.best, choice, host_of(scorer)), prompt_tokens, chunk),
+            "plan_is": plan_is,
+            "dense_placement": placement_json(place, prompt_tokens, plan.chunk_tokens), "in_flight": in_flight, **one,
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], "candidate": candidate[name], **b.to_json()}
                                   for name, b in base.items()},
             "vs": vs,

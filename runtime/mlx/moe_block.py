@@ -81,15 +81,17 @@ class SwitchExactLayer:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.switch = module.switch
+        self.lanes = None  # two chunks in flight (`runtime.mlx.overlap.Lanes`): the host lane around each call
 
     def run(self, x_sorted: torch.Tensor, experts: list[int], counts: list[int],
             stats: LayerStats | None = None) -> torch.Tensor:
         def compute(x: mx.array, idx: mx.array) -> mx.array:
             return switch_ffn(self.switch, x, idx, sorted_indices=True)[:, 0, :].astype(x.dtype)
 
-        # no lock: on the spine the thread that runs the forward waits for this call (its static groups are torch)
+        # one chunk at a time, no lock: the thread that runs the forward waits for this call (its static groups are
+        # torch); two in flight, the host lane (the other chunk's thread builds MLX work meanwhile)
         return crossed(lambda: sorted_inputs(x_sorted, experts, counts), compute, x_sorted.dtype, stats,
-                       nullcontext())
+                       nullcontext() if self.lanes is None else self.lanes.host())
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 stats: LayerStats | None = None) -> torch.Tensor:
@@ -161,6 +163,7 @@ class PlannedSwitch:
 
     def __init__(self, switch, layer: LayerExecutor, timer) -> None:
         self.switch, self.layer, self.timer = switch, layer, timer
+        self.lanes = None  # two chunks in flight (`runtime.mlx.overlap.Lanes`): the plan's layer runs off the host lane
 
     def __call__(self, x: mx.array, inds: mx.array) -> Assignments:
         return Assignments(self, x, inds)
@@ -178,7 +181,7 @@ class PlannedSwitch:
         xt = to_torch(x.reshape(-1, h), TORCH_DTYPES[x.dtype])
         idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
         w = to_torch(scores.reshape(-1, inds.shape[-1]), TORCH_DTYPES[scores.dtype])
-        with torch.inference_mode():
+        with torch.inference_mode(), nullcontext() if self.lanes is None else self.lanes.off_host():
             y = self.layer(xt, idx, w)
         return to_mx(y).reshape(*x.shape[:-1], h)
 

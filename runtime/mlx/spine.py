@@ -30,8 +30,16 @@ from runtime.mlx.blocks import MOE_BLOCKS, moe_blocks
 from runtime.mlx.dense_view import dense_view
 from runtime.mlx.formats import NAME, placed_dense, unspliced
 from runtime.mlx.mlx_exact import device
-from runtime.mlx.moe_block import CountedSwitch, PlannedSwitch, SwitchExactPath, fast_layer, torch_experts
-from runtime.mlx.splices import MlxPatches, mlx_splices
+from runtime.mlx.moe_block import (
+    CountedSwitch,
+    PlannedSwitch,
+    SwitchExactLayer,
+    SwitchExactPath,
+    fast_layer,
+    torch_experts,
+)
+from runtime.mlx.overlap import KvOrder, Lanes, OrderedAttention
+from runtime.mlx.splices import MlxPatches, MlxRows, mlx_splices
 from runtime.packages import PackageTarget, bind_package
 from runtime.plan import Plan, check_plan_matches
 from runtime.stats import Executed
@@ -166,6 +174,7 @@ class MlxSpine(PlanRun):
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
         self.lane = dense_lane()
+        self.in_flight_lanes: dict[str, dict[str, float]] = {}
         self.dense = self.attention = None
         self.splices: list = []
         if self.view is not None:
@@ -285,6 +294,35 @@ class MlxSpine(PlanRun):
                 if computed_last or index != last:
                     switch.count(inds)
 
+    @contextmanager
+    def in_flight(self, lanes: Lanes) -> Iterator[None]:
+        """The plan run with chunks in flight (`runtime.mlx.overlap`) for the block: each layer's attention in chunk
+        order, the planned layers off the host lane, their static calls (and the spliced dense functions') on the
+        static lane and their MLX exact paths on the host lane; as before, after it."""
+        order, swapped = KvOrder(lanes), len(self._originals)
+        for index, layer in enumerate(self.model.layers):
+            self._swap(layer, "self_attn", OrderedAttention(layer.self_attn, index, order))
+        held, touched = [], []
+        for switch in self.switches.values():
+            if isinstance(switch, PlannedSwitch):
+                held.append((switch.layer, list(switch.layer.groups)))
+                switch.layer.groups = [(n, lanes.static(fn), a, b) for n, fn, a, b in switch.layer.groups]
+                touched += [switch, *(p for _, p in switch.layer.paths if isinstance(p, SwitchExactLayer))]
+        touched += [rows for item in self.splices for rows in (item if isinstance(item, tuple) else vars(item).values())
+                    if isinstance(rows, MlxRows)]
+        for obj in touched:
+            obj.lanes = lanes
+        try:
+            yield
+        finally:
+            for layer, groups in held:
+                layer.groups = groups
+            for obj in touched:
+                obj.lanes = None
+            while len(self._originals) > swapped:
+                parent, name, module = self._originals.pop()
+                setattr(parent, name, module)
+
     @property
     def prunes_last(self) -> bool:
         """Whether a forward that fills the cache only leaves out the last layer's work past its keys and values
@@ -311,6 +349,14 @@ class MlxSpine(PlanRun):
         super().reset()
         self.timer.times = PartTimes()
         self.timer.lanes.clear()
+        self.in_flight_lanes.clear()
+
+    def add_lanes(self, figures: dict[str, dict[str, float]]) -> None:
+        """A prefill run in flight: each lane's busy and wait ms (`Lanes.figures`), summed since the last reset."""
+        for lane, fig in figures.items():
+            into = self.in_flight_lanes.setdefault(lane, {"busy_ms": 0.0, "wait_ms": 0.0})
+            for key, ms in fig.items():
+                into[key] = round(into[key] + ms, 3)
 
     def executed(self) -> Executed:
         """What ran each part since the last reset: the spliced dense functions' static calls on their backends'
@@ -329,4 +375,5 @@ class MlxSpine(PlanRun):
             if part != "experts" and n:
                 out.add(part, self.lane, n, ms[part] / 1e3 - static_s[part] if ms else None)
         out.add_experts(self.stats.total())
+        out.lanes = {lane: dict(fig) for lane, fig in self.in_flight_lanes.items()}
         return out

@@ -7,7 +7,7 @@ with `echo` scores the prompt from every position's logits, as the torch spine's
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from runtime.loading.checkpoint_reader import transformers_config
 from runtime.loading.model_config import read_config
 from runtime.mlx.mlx_exact import to_torch
+from runtime.mlx.overlap import Lanes, run_in_flight
 from runtime.mlx.spine import MlxSpine, forward_rows
 
 
@@ -37,6 +38,7 @@ class SpineModel:
         except OSError:  # no generation_config.json: the model config's tokens
             self.generation_config = transformers.GenerationConfig.from_model_config(self.config)
         self.vocab = int(self.config.get_text_config().vocab_size)
+        self.in_flight = 1  # prefill chunks in flight (`runtime.mlx.overlap`); 1: one at a time
         # every MoE layer mlx-lm's own (`MlxSpine.all_fast`): a prompt's last token then goes alone; across Macs,
         # every rank's stage (`runtime.mlx.cluster.load_rank`), so that the ranks make the same forwards
         self.all_fast = spine is None or spine.all_fast
@@ -58,7 +60,12 @@ class SpineModel:
         ids, n = gen.ids.tolist(), gen.ids.numel()
         cache = gen.prefix if gen.prefix is not None else self.make_cache()
         t0 = time.perf_counter()
-        for start, done, rows in prefill_forwards(self, n, gen.chunk, gen.cached, every_position=gen.echo):
+        forwards = list(prefill_forwards(self, n, gen.chunk, gen.cached, every_position=gen.echo))
+        if self.overlaps(gen, forwards):
+            gen.loaded.pin_phase("prefill")
+            out = self.forward_in_flight([(ids[start:done], rows) for start, done, rows in forwards], cache)
+            forwards = []
+        for start, done, rows in forwards:
             gen.loaded.pin_phase("prefill")
             out = self.forward(ids[start:done], cache, rows)
             if done == gen.keep_at:
@@ -72,6 +79,27 @@ class SpineModel:
         gen.cache = cache
         gen.t1 = time.perf_counter()
         gen.ttft_s = gen.t1 - t0
+
+    def overlaps(self, gen, forwards: list) -> bool:
+        """Whether this prefill runs its chunks in flight: several chunks under an installed plan, none scored
+        (`echo`) or kept (`keep_at`) on the way."""
+        return (self.in_flight > 1 and len(forwards) > 1 and self.spine is not None and self.spine.installed
+                and not gen.echo and gen.keep_at is None)
+
+    def forward_in_flight(self, pieces: list[tuple[list[int], str]], cache: list, in_flight: int | None = None,
+                          lanes: Lanes | None = None) -> mx.array | None:
+        """Each (ids, rows) forward under the plan with `in_flight` (default: this model's) chunks in flight
+        (`runtime.mlx.overlap`), in order on `cache`, on `lanes` (default: new ones); the last one's output. Each
+        lane's busy and wait time go to the spine's `executed`."""
+        lanes = lanes or Lanes()
+
+        def forward(ids: list[int], rows: str) -> Callable[[], mx.array | None]:
+            return lambda: self.spine.forward(mx.array(ids, dtype=mx.uint32)[None], cache, rows)
+
+        with self.spine.in_flight(lanes):
+            out = run_in_flight([forward(ids, rows) for ids, rows in pieces], lanes, in_flight or self.in_flight)[-1]
+        self.spine.add_lanes(lanes.figures())
+        return out
 
     def step(self, gen) -> None:
         """`Generation.step` on this spine: one decode step on the generation's own cache. Greedy steps pipeline

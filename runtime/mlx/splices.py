@@ -51,6 +51,7 @@ class MlxRows:
     def __init__(self, fn: RowFunction, share: Callable[[mx.array], mx.array], timer, lane: str) -> None:
         self.fn, self.share, self.timer, self.lane = fn, share, timer, lane
         self.part, self.backend = DENSE_PARTS[fn.part], lane_of(fn.backend)
+        self.lanes = None  # two chunks in flight (`runtime.mlx.overlap.Lanes`): each static call on the static lane
 
     def static(self, x: mx.array) -> bool:
         return self.fn.static(x)
@@ -81,7 +82,12 @@ class MlxRows:
         start = time.perf_counter()
         rows_t = to_torch(rows, TORCH_DTYPES[rows.dtype])
         with torch.inference_mode():
-            y = to_mx(self.fn.on_static(rows_t).to(rows_t.dtype))
+            if self.lanes is None:
+                y_t = self.fn.on_static(rows_t)
+            else:
+                with self.lanes.off_host(), self.lanes.on_static():
+                    y_t = self.fn.on_static(rows_t)
+            y = to_mx(y_t.to(rows_t.dtype))
         mx.eval(y)
         self.timer.lanes.add(self.part, self.backend, 1, time.perf_counter() - start if self.timer.timing else None)
         return y

@@ -1,7 +1,7 @@
-"""`autotune bench`: a plan measured on this machine against what a user would run instead, side by side in one
-run (`timing.time_sides`): mlx-lm's own forward of the same folder (where MLX runs), transformers' forward in torch,
-and the all-exact plan of the plan's engine, each on the same torch threads. Per side: the whole prefill of each
-prompt (measured, and predicted by the plan's profile where its cost model prices the side: `predicted`), each part
+"""`autotune bench`: a plan measured on this machine against what a user would run instead, side by side in
+one run (`side_by_side.time_sides`): mlx-lm's own forward of the same folder (where MLX runs), transformers' forward
+in torch, and the all-exact plan of the plan's engine, each on the same torch threads. Per side: the whole prefill of
+each prompt (measured, and predicted by the plan's profile where its cost model prices the side: `predicted`), each part
 from `executed` (the plans' timed pass), decode tokens/s and the prefill's peak memory; `vs` each baseline over the
 plan. Lanes this host only simulates (`ane-sim`) are named, never reported as a device's speed."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from autotune.costing.memory import model_size
 from autotune.costing.whole_prefill import decoder_shape
 from autotune.evaluation.run_parts import Routing, measure_parts, plan_profile, recorded_routing
 from autotune.measuring.predicted import all_exact, predict_side
-from autotune.measuring.timing import (
+from autotune.measuring.side_by_side import (
     Side,
     Timed,
     clock_for,

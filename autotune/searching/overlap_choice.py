@@ -1,0 +1,181 @@
+"""Two chunks in flight, chosen: the experts' steps of a search's solution per unit (what `schedule` queues), and
+the dense half's placement chosen again under the schedule (`autotune.costing.schedule`).
+
+Priced as a chain, a dense function the ANE runs slower than the GPU never pays: the layer waits for it. With two
+chunks in flight it runs while the GPU computes the other chunk, so the choice that pays differs: for each dense
+function in turn, the static rows (none, or a multiple of `ROW_GRAIN` up to the chunk) whose schedule ends first,
+the others as chosen, until no function changes; per chunk size, with that size's expert solution. A placement that
+would take more energy than `energy_cap_mj` (the GPU alone's, say) is not taken."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotune.costing.schedule import Schedule, predict_scheduled
+from autotune.costing.whole_prefill import (
+    DENSE_FUNCTIONS,
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    LazyLast,
+    PrefillPrediction,
+    prompt_chunks,
+    unit_of,
+)
+from autotune.searching.dense_choice import ROW_GRAIN, dense_weight_bytes
+from autotune.searching.layer_data import LayerData
+from autotune.searching.optimizer import ChunkSearch, Solution, solution
+from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig, Space
+from runtime.coreml import ane_limits
+
+
+@dataclass
+class Candidate:
+    """One chunk size's plan as the search left it: its experts (with their steps), dense placement, lazy last
+    layer, the expert bytes resident on the static backend beside the dense functions, and the report's baseline
+    row it is (`Solution.baseline`; None: the search's own)."""
+    chunk: int
+    experts: ExpertFigures
+    placement: DensePlacement
+    lazy_last: LazyLast | None = None
+    resident_bytes: float = 0.0
+    baseline: str | None = None
+
+
+@dataclass
+class Overlapped:
+    """A placement chosen under the schedule for `candidate`, and its prediction (latency: the schedule's
+    makespan)."""
+    placement: DensePlacement
+    prediction: PrefillPrediction
+    schedule: Schedule
+    candidate: Candidate
+
+
+def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict, dict]:
+    """One layer's decision as two steps of unit busy times over its calibration chunks: the host's packing and the
+    static calls computed on the CPU, then the static calls off it beside the exact lanes (the evaluator's
+    per-chunk formula, `pack + on_cpu + max(off_cpu, exact)`, as parts)."""
+    cost = scorer.cost
+    work = cost.layer_work(scorer.layer_plan(data, cfg), data.calib, scorer.hidden, scorer.ffn, cfg.overflow,
+                           scorer.exact)
+    n = work.exact.shape[1]
+    exact = unit_of(cost, scorer.exact)
+    second = {unit_of(cost, scorer.backend): n * float(work.off_cpu[0])}
+    if exact == "cpu":
+        second["cpu"] = float(work.exact.sum())
+    else:
+        second[exact], second["cpu"] = float(work.exact.sum()), float(work.cpu_table().sum())
+    return {"cpu": float(work.pack.sum()) + n * float(work.on_cpu[0])}, second
+
+
+def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> tuple[dict, ...]:
+    """The solution's experts per prompt as two steps of unit busy times (`layer_units`, summed over layers)."""
+    first: dict[str, float] = {}
+    second: dict[str, float] = {}
+    for data, cfg in zip(layers, sol.configs):
+        for into, units in zip((first, second), layer_units(scorer, data, cfg)):
+            for unit, ms in units.items():
+                into[unit] = into.get(unit, 0.0) + ms / prompts
+    return tuple(s for s in (first, second) if any(v > 0 for v in s.values()))
+
+
+def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: int, per_layer: int = 24,
+               weights: tuple[float, ...] = tuple(np.linspace(0.1, 0.9, 9))) -> list[Solution]:
+    """Solutions that move the experts' work between the static backend and the exact path, for a schedule to
+    price: each layer's `per_layer` decisions of least chain latency in the search's pool, and as many with more
+    experts resident than its own pick (its own among them),
+    and per weight w, each layer's decision of least `pack + w * static + (1 - w) * exact` (a schedule with two
+    chunks in flight is bound by the busier unit's total, not each layer's longer side); those within the drop
+    budget."""
+    static = unit_of(scorer.cost, scorer.backend)
+    options = []
+    for data, pool, own in zip(found.layers, found.pool, found.best.configs):
+        order = np.argsort(pool.scores.latency_ms, kind="stable")
+        more = order[space.column(pool.rows[order], "resident") > own.resident]  # more work on the static backend
+        rows = pool.rows[np.concatenate([order[:per_layer], more[:per_layer]])]
+        cfgs = list(dict.fromkeys([own, *(space.config(r) for r in rows)]))
+        options.append([(c, layer_units(scorer, data, c), scorer.score(data, c).heldout_drops) for c in cfgs])
+    out = []
+    for w in weights:
+        def cost(option) -> float:
+            first, second = option[1]
+            rest = max((ms for u, ms in second.items() if u != static), default=0.0)
+            return sum(first.values()) + w * second.get(static, 0.0) + (1 - w) * rest
+        picks = [min(opts, key=cost) for opts in options]
+        if sum(p[2] for p in picks) <= drop_budget:
+            out.append(solution([p[0] for p in picks], found.layers, scorer, found.best.exact_partial))
+    return out
+
+
+def with_steps(experts: ExpertFigures, steps: tuple[dict, ...]) -> ExpertFigures:
+    return dataclasses.replace(experts, steps=steps)
+
+
+def static_rows_grid(chunk: int) -> list[int]:
+    """The static rows tried per function: none, then multiples of `ROW_GRAIN` (at most 16 of them), the chunk."""
+    step = max(ROW_GRAIN, (chunk // 16) // ROW_GRAIN * ROW_GRAIN)
+    return [0, *range(step, chunk, step), chunk]
+
+
+def placed(place: DensePlacement, function: str, rows: int, chunk: int, backend: str,
+           prompt_tokens: int) -> DensePlacement:
+    """`place` with `function` on `backend` for `rows` of a full chunk's rows (0: on the host)."""
+    if not rows:
+        return dataclasses.replace(place, **{function: None}).with_rows(function, None)
+    out = dataclasses.replace(place, **{function: backend})
+    if function == "attention" and not out.buckets:  # a static core per full chunk's context
+        out = dataclasses.replace(out, buckets=tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk))
+    return out.with_rows(function, rows if rows < chunk else None)
+
+
+def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
+                     in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3) -> Overlapped:
+    """Of the candidates, the `keep` whose schedules end first as they stand and each chunk size's first, each with
+    its dense placement chosen again under the schedule; the one that then ends first."""
+    def as_is(c: Candidate) -> float:
+        pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
+                                    c.lazy_last)
+        over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
+        return np.inf if over else pred.latency_ms
+
+    ranked = sorted(candidates, key=as_is)
+    first = list({c.chunk: c for c in reversed(ranked)}.values()) + ranked[:keep]  # each chunk size's best too
+    first = list({id(c): c for c in first}.values())
+    got = [choose_overlapped(scorer, shape, prompt_tokens, c, in_flight, energy_cap_mj) for c in first]
+    return min(got, key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
+
+
+def choose_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, cand: Candidate, in_flight: int = 2,
+                      energy_cap_mj: float | None = None, rounds: int = 2) -> Overlapped:
+    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own; one
+    whose dense weights and the resident experts overflow the ANE's window is not taken."""
+    chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
+
+    def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
+        pred, sched = predict_scheduled(scorer.cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
+                                        cand.lazy_last)
+        over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
+        window = {"experts": cand.resident_bytes, "dense functions": dense_weight_bytes(shape, place, per_weight)}
+        over = over or ane_limits.resident_over_window(window) > 0
+        return (np.inf if over else pred.latency_ms), pred, sched
+
+    best_place = start = cand.placement
+    best = price(start)
+    functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
+    for _ in range(rounds):
+        changed = False
+        for function in functions:
+            for rows in static_rows_grid(chunk):
+                place = placed(best_place, function, rows, chunk, scorer.backend, prompt_tokens)
+                if place == best_place:
+                    continue
+                got = price(place)
+                if got[0] < best[0] - 1e-9:
+                    best_place, best, changed = place, got, True
+        if not changed:
+            break
+    return Overlapped(best_place, best[1], best[2], cand)

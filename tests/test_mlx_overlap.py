@@ -1,0 +1,105 @@
+"""Two chunks in flight on the MLX spine (`runtime.mlx.overlap`): tiny-moe converted by mlx-lm to 4 bits, float32 on
+MLX's CPU device, a plan whose first experts are in static groups on cpu-static (torch: the static lane) and whose
+other experts and dense half run on mlx-exact (MLX: the host lane). The same logits and greedy text as one chunk at
+a time, the same accounting, each lane's busy and wait time in `executed`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from helpers import convert_to_mlx, one_line_exit_2  # noqa: E402
+
+from autotune.searching.templates import template_plan  # noqa: E402
+from runtime import generation  # noqa: E402
+from runtime.loading.model_record import read_model_spec  # noqa: E402
+from runtime.mlx.overlap import Lanes  # noqa: E402
+from runtime.mlx.spine_generation import last_logits, prefill_forwards  # noqa: E402
+from runtime.plan import DenseFunction, DenseLayer, DensePlan, Group, LayerPlan  # noqa: E402
+
+PROMPT = "Two chunks in flight: the static lane and the host lane never wait for each other. " * 8
+CHUNK, TOKENS, GROUPED = 32, 128, 8
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory) -> Path:
+    return convert_to_mlx(tmp_path_factory.mktemp("overlap") / "q4g64", 4, 64)
+
+
+@pytest.fixture(scope="module", params=[(), ("qkv", "o_proj")], ids=["dense-on-mlx", "qkv-o-proj-spliced"])
+def loaded(q4, request):
+    """The plan, its dense half on mlx-exact, or with q/k/v and o_proj spliced in on cpu-static (static calls too)."""
+    spec = read_model_spec(str(q4))
+    plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend="cpu-static")
+    layers = [LayerPlan(layer=lp.layer, cpu_exact=list(range(GROUPED, spec.num_experts)),
+                        groups=[Group(backend=g.backend, experts=[e for e in g.experts if e < GROUPED],
+                                      capacities=[c for e, c in zip(g.experts, g.capacities) if e < GROUPED])
+                                for g in lp.groups if min(g.experts) < GROUPED])
+              for lp in plan.layers]
+    fn = DenseFunction(backend="cpu-static")
+    dense = DensePlan(attention_context_buckets=[], layers=[DenseLayer(layer=i, **{f: fn for f in request.param})
+                                                            for i in range(spec.num_layers)]) if request.param else None
+    return generation.load(str(q4), plan.model_copy(update={"layers": layers, "dense": dense}), engine="mlx",
+                           dtype="float32")
+
+
+def _ids(loaded) -> list[int]:
+    ids = loaded.tokenizer.encode(PROMPT, add_special_tokens=False)[:TOKENS]
+    assert len(ids) == TOKENS
+    return ids
+
+
+def _one_at_a_time(model, ids: list[int]) -> torch.Tensor:
+    cache = model.make_cache()
+    for start, done, rows in prefill_forwards(model, len(ids), CHUNK):
+        out = model.forward(ids[start:done], cache, rows)
+    return last_logits(out).clone()
+
+
+def test_two_in_flight_gives_the_one_at_a_time_logits_and_accounting(loaded):
+    model, spine = loaded.model, loaded.executor
+    ids = _ids(loaded)
+    spine.reset()
+    ref = _one_at_a_time(model, ids)
+    sequential = spine.stats.total()
+    spine.reset()
+    pieces = [(ids[s:d], rows) for s, d, rows in prefill_forwards(model, len(ids), CHUNK)]
+    assert len(pieces) == TOKENS // CHUNK
+    lanes = Lanes(record=True)
+    got = last_logits(model.forward_in_flight(pieces, model.make_cache(), 2, lanes)).clone()
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-6
+    overlapped = spine.stats.total()
+    for key in ("tokens_per_backend", "calls_per_backend"):
+        assert getattr(overlapped, key) == getattr(sequential, key) and getattr(sequential, key), key
+    assert sequential.tokens_per_backend["cpu-static"] > 0 and sequential.tokens_per_backend["mlx-exact"] > 0
+    if loaded.plan.dense:  # the spliced functions ran their static calls, in flight as one at a time
+        calls = spine.executed().to_json()["attention_projections"]["cpu-static"]["calls"]
+        assert calls == 2 * len(pieces) * len(loaded.plan.dense.layers)
+    lanes_ms = spine.executed().to_json()["lanes"]
+    assert set(lanes_ms) == {"host", "static"}
+    assert all(f["busy_ms"] > 0 and f["wait_ms"] >= 0 for f in lanes_ms.values())
+    # each chunk wrote every layer's keys and values, in chunk order
+    kv = [(e[4], e[1], e[3]) for e in lanes.events if e[0] == "kv"]
+    for layer in {k[0] for k in kv}:
+        times = [t for _, _, t in sorted(k for k in kv if k[0] == layer)]
+        assert len(times) == TOKENS // CHUNK and times == sorted(times)
+
+
+def test_greedy_text_of_generate_is_the_same_in_flight(loaded):
+    ids = _ids(loaded)
+    texts = {}
+    for n in (1, 2):
+        loaded.model.in_flight = n
+        texts[n] = generation.generate(loaded, ids, max_tokens=8).text
+    loaded.model.in_flight = 1
+    assert texts[1] == texts[2] and texts[1]
+
+
+def test_in_flight_without_a_plan_on_the_mlx_spine_is_refused_in_one_line(capsys):
+    line = one_line_exit_2(["generate", "--model", "tiny-moe", "--prompt", "hello", "--engine", "torch",
+                            "--in-flight", "2", "--max-tokens", "1"], capsys)
+    assert "--in-flight 2" in line and "--engine mlx" in line

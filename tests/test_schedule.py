@@ -1,0 +1,99 @@
+"""The prefill priced as a schedule (`autotune.costing.schedule`): a hand-made two-layer, two-chunk case with each
+unit's queue worked out by hand; the schedule of a real shape against the chain it replaces; a run's recorded lane
+intervals as steps."""
+from __future__ import annotations
+
+import pytest
+
+from autotune.costing.schedule import CORE_STEP, KV_STEP, Step, predict_scheduled, schedule, steps_from_events
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, predict_prefill
+from autotune.profiling.profile import load_profile
+
+
+def _chunk() -> list[Step]:
+    """Per layer: q/k/v on the GPU (1 ms), the attention core on the GPU (2 ms), the experts: the ANE's groups (3 ms)
+    beside the GPU's exact path (1 ms)."""
+    return [s for layer in range(2) for s in (Step.of(KV_STEP, layer, {"gpu": 1.0}),
+                                              Step.of(CORE_STEP, layer, {"gpu": 2.0}),
+                                              Step.of("experts", layer, {"ane": 3.0, "gpu": 1.0}))]
+
+
+def _queue(sched, unit: str) -> list[tuple[int, int, str, float, float]]:
+    return sorted(((o.chunk, o.layer, o.name, o.start_ms, o.end_ms) for o in sched.ops if o.unit == unit),
+                  key=lambda o: o[3])
+
+
+def test_two_layers_two_chunks_one_in_flight_is_the_chain():
+    s = schedule([_chunk(), _chunk()], in_flight=1)
+    assert s.makespan_ms == 2 * 2 * (1 + 2 + 3)  # every step waits for the one before, the ANE's 3 ms the longer
+    assert s.busy_ms == {"gpu": 16.0, "ane": 12.0}
+    assert s.idle_ms == {"gpu": 8.0, "ane": 12.0}
+
+
+def test_two_layers_two_chunks_two_in_flight_by_hand():
+    """Chunk 1 takes the GPU while chunk 0's experts run on the ANE; the older chunk wins a tie; chunk 1's core of
+    layer l starts after chunk 0's q/k/v of layer l."""
+    s = schedule([_chunk(), _chunk()], in_flight=2)
+    assert _queue(s, "gpu") == [
+        (0, 0, KV_STEP, 0, 1), (0, 0, CORE_STEP, 1, 3), (0, 0, "experts", 3, 4),
+        (1, 0, KV_STEP, 4, 5), (1, 0, CORE_STEP, 5, 7),
+        (0, 1, KV_STEP, 7, 8), (1, 0, "experts", 8, 9), (0, 1, CORE_STEP, 9, 11), (0, 1, "experts", 11, 12),
+        (1, 1, KV_STEP, 12, 13), (1, 1, CORE_STEP, 13, 15), (1, 1, "experts", 15, 16)]
+    assert _queue(s, "ane") == [(0, 0, "experts", 3, 6), (1, 0, "experts", 7, 10), (0, 1, "experts", 11, 14),
+                                (1, 1, "experts", 15, 18)]
+    assert s.makespan_ms == 18.0
+    assert s.to_json()["units"] == {"ane": {"busy_ms": 12.0, "idle_ms": 6.0}, "gpu": {"busy_ms": 16.0, "idle_ms": 2.0}}
+
+
+def test_a_third_chunk_waits_for_the_first():
+    s = schedule([_chunk(), _chunk(), _chunk()], in_flight=2)
+    first_end = max(o.end_ms for o in s.ops if o.chunk == 0)
+    assert min(o.start_ms for o in s.ops if o.chunk == 2) >= first_end
+
+
+@pytest.fixture(scope="module")
+def m2():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_shape_twin import TWINS
+
+    return load_profile("apple-m2-ultra-published").cost_model, DecoderShape.from_config(TWINS["qwen3-30b-a3b"])
+
+
+def test_one_in_flight_prices_the_chain_and_two_the_busier_unit(m2):
+    """The experts' steps as the chain composes them (packing, then the ANE beside the GPU): one chunk in flight
+    is `predict_prefill`'s sum; two end no later, no earlier than the busier unit, with the same work."""
+    cost, shape = m2
+    experts = ExpertFigures(10.0 + 400.0, 10.0, None, ({"cpu": 10.0}, {"ane": 300.0, "mlx-exact": 400.0}))
+    place = DensePlacement(qkv="ane", host="mlx-exact").with_rows("qkv", 512)
+    chain = predict_prefill(cost, shape, 4096, 1024, experts, place)
+    one, s1 = predict_scheduled(cost, shape, 4096, 1024, experts, place, in_flight=1)
+    two, s2 = predict_scheduled(cost, shape, 4096, 1024, experts, place, in_flight=2)
+    assert one.latency_ms == pytest.approx(chain.latency_ms, rel=1e-9)
+    assert s2.busy_ms == pytest.approx(s1.busy_ms, rel=1e-9)
+    assert max(s2.busy_ms.values()) <= two.latency_ms < one.latency_ms
+    assert two.energy_mj == one.energy_mj and two.cpu_ms == one.cpu_ms
+    assert two.to_json()["predicted_schedule"]["units"]["ane"]["idle_ms"] == pytest.approx(
+        two.latency_ms - s2.busy_ms["ane"])
+
+
+def test_keys_and_values_cross_chunks_in_order(m2):
+    cost, shape = m2
+    _, s = predict_scheduled(cost, shape, 2048, 512, ExpertFigures(100.0, 0.0, None), DensePlacement(host="mlx-exact"))
+    made = {(o.chunk, o.layer): o.end_ms for o in s.ops if o.name == KV_STEP}
+    for o in s.ops:
+        if o.name == CORE_STEP and o.chunk:
+            assert o.start_ms >= made[o.chunk - 1, o.layer]
+
+
+def test_recorded_lane_intervals_as_steps():
+    """A host hold that wrote layer 0's keys and values is that layer's attention; the time off the host lane is the
+    static lane's, beside the exact path's hold for that chunk."""
+    events = [("host", 0, 0.0, 2.0, -1), ("kv", 0, 1.5, 1.5, 0), ("off", 0, 2.0, 5.0, -1),
+              ("static", 0, 2.1, 4.0, -1), ("exact", 0, 2.0, 3.0, -1), ("host", 0, 5.0, 6.0, -1)]
+    (steps,) = steps_from_events(events)
+    assert steps == [Step.of(CORE_STEP, 0, {"host": 2.0}), Step.of(KV_STEP, 0, {}),
+                     Step.of("static", -1, {"static": 2.0, "host": 1.0}), Step.of("host", -1, {"host": 1.0})]
+    assert schedule([steps], 1).makespan_ms == pytest.approx(2.0 + 2.0 + 1.0)
