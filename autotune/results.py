@@ -164,8 +164,9 @@ class SearchReport:
     cpu_weights: dict | None = None  # how the CPU holds the experts, and why (searching/cpu_choice.py)
     # per part of the prefill, the axes its prices reach past the profile's records (`costing.fit_range.Reach`)
     priced_outside: dict | None = None
-    measure: dict | None = None  # the candidates timed on this host (`search --measure`, autotune/measuring/measure.py)
+    measure: dict | None = None  # the candidates timed here (`search --measure`: autotune/measuring/measure.py)
 
     def to_json(self) -> dict:
+        # `measure` stays when null: scripts read it, and null says the search measured nothing
         return _fields(self, skip_none=("predicted_prefill_ms", "predicted_parts_ms", "whole_prefill",
-                                         "priced_outside", "measure"))
+                                         "priced_outside"))
