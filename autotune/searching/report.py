@@ -201,10 +201,11 @@ def plot_plan_map(plan: Plan, path: str | os.PathLike) -> None:
                 ax.text(e, li, txt, ha="center", va="center", fontsize=5, color="k" if bright else "white")
     cbar = fig.colorbar(im, ax=ax, ticks=np.arange(low, top + 1))
     cbar.ax.set_yticklabels([paths[-1 - t] for t in range(low, 0)] + [f"tier {t}" for t in range(top + 1)])
-    backends = sorted({g.backend for lp in plan.layers for g in lp.groups}) or ["none"]
+    backends = sorted({g.backend for lp in plan.layers for g in lp.groups})
     rest = ", ".join(p for p in paths if p in runs_on.values()) or "none"
     ax.set_title(f"plan map: groups on {', '.join(backends)} (cell: group, capacity)\nthe rest on {rest}; overflow "
-                 f"{plan.overflow}", fontsize=8)
+                 f"{plan.overflow}" if backends else f"plan map: no static group, every expert exact on {rest}",
+                 fontsize=8)
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_yticks(range(n_layers), [str(lp.layer) for lp in plan.layers])
