@@ -41,6 +41,7 @@ class AttentionSplice:
 
     def __init__(self, cores: dict[int, AttentionCore], timer) -> None:
         self.timer, self.current = timer, _Layer()
+        self.lanes = None  # two chunks in flight (`runtime.mlx.overlap.Lanes`): each static call on the static lane
         self.cores = {i: AttentionCore(c.chunk, c.fns, c.backend, c.scaling, c.calls,
                                        Split(c.split.rows, _mlx_core(c.scaling)) if c.split else None, c.block)
                       for i, c in cores.items()}
@@ -76,13 +77,22 @@ class AttentionSplice:
         qt, kt, vt = (to_torch(mx.contiguous(a), dtype) for a in (q, k, v))
         allowed = to_torch(mask, torch.bool) if isinstance(mask, mx.array) else None
         key = ("attention", core.backend)
-        before = core.calls[key]
+
+        def call() -> tuple[torch.Tensor | None, int]:  # the calls counted on the static lane (one chunk's at a time)
+            before = core.calls[key]
+            return core(qt, kt, vt, allowed, scale), core.calls[key] - before
+
         with torch.inference_mode():
-            out = core(qt, kt, vt, allowed, scale)
+            if self.lanes is None:
+                out, calls = call()
+            else:  # the chunk's keys and values are written (read above): the next chunk's attention may start
+                self.lanes.kv_written()
+                with self.lanes.off_host(), self.lanes.on_static():
+                    out, calls = call()
         if out is None:
             return None
         y = to_mx(out).transpose(0, 2, 1, 3)
         mx.eval(y)
         seconds = time.perf_counter() - start if self.timer.timing else None
-        self.timer.lanes.add(PART, lane_of(core.backend), core.calls[key] - before, seconds)
+        self.timer.lanes.add(PART, lane_of(core.backend), calls, seconds)
         return y

@@ -10,7 +10,8 @@ Each chunk's forward runs on its own thread, at most `in_flight` at a time, in o
   rows crossed first), one at a time (the ANE is one unit), off the host lane. torch's kernels release the GIL, so
   they compute while the other thread runs MLX.
 The KV cache receives each chunk's keys and values in order: a chunk's layer l attention starts once the chunk
-before has written layer l's (`KvOrder`), and its cache write is evaluated at once, on its own thread. Within a
+before has written layer l's (`KvOrder`), and its cache write is evaluated at once, on its own thread (a static
+attention core reads them first: its call says they are written, so the next chunk's attention runs beside it). Within a
 chunk the ops and their order are the one-at-a-time run's, so the logits are the same. Each lane's busy time (held)
 and wait time (the prefill's wall less it) are measured (`Lanes.figures`). Imports mlx."""
 from __future__ import annotations
@@ -105,6 +106,13 @@ class Lanes:
                 self.busy["static"] += end - start
                 self.note("static", self.local.chunk, start, end)
 
+    def kv_written(self) -> None:
+        """The calling chunk's keys and values of its current layer are written and evaluated (a static attention
+        core read them): the next chunk's attention of that layer may start (`OrderedAttention`)."""
+        written = getattr(self.local, "kv_written", None)
+        if written is not None:
+            written()
+
     def static(self, fn: Callable) -> Callable:
         """`fn` (a static group's call) run on the static lane."""
         def call(rows):
@@ -134,6 +142,9 @@ class KvOrder:
             self.cond.wait_for(lambda: self.written.get(layer, 0) >= chunk)
 
     def done(self, layer: int, chunk: int) -> None:
+        """Chunk `chunk`'s keys and values of `layer` written (once: a static core may say so first)."""
+        if self.written.get(layer, 0) > chunk:
+            return
         now = time.perf_counter()
         self.lanes.note("kv", chunk, now, now, layer)
         with self.cond:
@@ -149,9 +160,14 @@ class OrderedAttention:
         self.inner, self.layer, self.order = inner, layer, order
 
     def __call__(self, *args, **kwargs):
-        chunk = self.order.lanes.local.chunk
+        local = self.order.lanes.local
+        chunk = local.chunk
         self.order.wait(self.layer, chunk)
-        out = self.inner(*args, **kwargs)
+        local.kv_written = lambda: self.order.done(self.layer, chunk)
+        try:
+            out = self.inner(*args, **kwargs)
+        finally:
+            local.kv_written = None
         cache = kwargs.get("cache") or next(a for a in args if hasattr(a, "state"))
         mx.eval(cache.keys, cache.values)
         self.order.done(self.layer, chunk)

@@ -310,6 +310,7 @@ class MlxSpine(PlanRun):
                 touched += [switch, *(p for _, p in switch.layer.paths if isinstance(p, SwitchExactLayer))]
         touched += [rows for item in self.splices for rows in (item if isinstance(item, tuple) else vars(item).values())
                     if isinstance(rows, MlxRows)]
+        touched += [self.attention] if self.attention is not None else []
         for obj in touched:
             obj.lanes = lanes
         try:
