@@ -10,7 +10,9 @@ all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill
 `chunk_tokens`, `over_roofline_whole`, `vs` (each baseline's latency, energy and CPU-busy time over the plan's),
 `search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them), `in_flight`,
 `predicted_schedule` (each unit's busy and idle ms with two chunks in flight, the default; `--timeline PATH` draws
-its first layers), `one_in_flight_ms` (the search's plan as a chain) and `mlx_gpu_pp`:
+its first layers), `one_in_flight_ms` (the search's plan as a chain), `unit_bound` (the least makespan any split of
+the prompt's FLOPs over the units reaches within the GPU alone's energy, with and without the CPU: what caps `vs`
+and `over_roofline_whole`; `autotune.costing.unit_bound`) and `mlx_gpu_pp`:
 the all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk each), beside llama.cpp's measured M2
 Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 
@@ -31,6 +33,7 @@ from make_shape_twin import TWINS  # scripts/: the published configs of the pape
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.pipeline_link import profile_link
+from autotune.costing.unit_bound import prefill_bound
 from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.dense_choice import choose_dense
@@ -95,10 +98,13 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
                      whole=WholePrefill(shape, prompt_tokens))
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     report = whole_prefill(out, scorer, shape, prompt_tokens, in_flight, timeline)
+    gpu = report["prefill_baselines"]["mlx-gpu"]
+    bound = prefill_bound(cost, shape, prompt_tokens, scorer.backend, gpu["predicted_prefill_ms"],
+                          gpu["predicted_prefill_energy_mj"])
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
             "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
             "label": "predicted by the cost model of the published M2 Ultra profile", **report,
-            "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
+            "unit_bound": bound, "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
 
 
 def bench_macs(profile, name: str, macs: int, budget_gb: float, link_gb_s: float | None, prompt_tokens: int,

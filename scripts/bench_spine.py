@@ -42,10 +42,12 @@ import torch
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
 from autotune.costing.schedule import schedule, steps_from_events
+from autotune.costing.whole_prefill import DensePlacement, decoder_shape, prompt_chunks
+from autotune.searching.dense_choice import dense_plan
 from autotune.searching.templates import template_plan
 from runtime import generation
-from runtime.loading.model_record import read_model_spec
-from runtime.plan import DenseFunction, DenseLayer, DensePlan, Plan
+from runtime.loading.model_record import read_model_spec, resolve_model
+from runtime.plan import DensePlan, Plan
 
 
 def _mlx_lm_prefill(loaded, ids: list[int], chunk: int) -> None:
@@ -122,16 +124,21 @@ def measure(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, ch
                         "token, decode tokens/s after it"}
 
 
-def overlap_plan(model: str, chunk: int, static_dense: tuple[str, ...] = ()) -> Plan:
+def static_placement(static_dense: tuple[str, ...], chunk: int, prompt_tokens: int) -> DensePlacement:
+    """The dense functions `static_dense` (of qkv, o_proj, attention: a bucket per full chunk's context) wholly on
+    cpu-static, the rest on mlx-exact."""
+    buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk) if "attention" in static_dense \
+        else ()
+    return DensePlacement(**{f: "cpu-static" for f in static_dense}, buckets=buckets, host="mlx-exact")
+
+
+def overlap_plan(model: str, chunk: int, place: DensePlacement = DensePlacement(host="mlx-exact")) -> Plan:
     """Every expert in static groups on cpu-static (ample capacity), the plan's exact path mlx-exact; the dense
-    functions `static_dense` (of qkv, o_proj) on cpu-static too, spliced into mlx-lm's forward."""
+    functions as `place` puts them (spliced into mlx-lm's forward where on cpu-static)."""
     spec = read_model_spec(model)
     plan = template_plan(spec, chunk_tokens=chunk, exact="mlx-exact", backend="cpu-static")
-    if not static_dense:
-        return plan
-    fn = DenseFunction(backend="cpu-static")
-    layers = [DenseLayer(layer=i, **{f: fn for f in static_dense}) for i in range(spec.num_layers)]
-    return plan.model_copy(update={"dense": DensePlan(attention_context_buckets=[], layers=layers)})
+    dense = dense_plan(place, decoder_shape(resolve_model(model, torch.float32)))
+    return plan.model_copy(update={"dense": None if dense is None else DensePlan.model_validate(dense)})
 
 
 def _loadavg() -> str:
@@ -156,7 +163,8 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
                     static_dense: tuple[str, ...] = ()) -> dict:
     from runtime.mlx.overlap import Lanes
 
-    loaded = generation.load(model, overlap_plan(model, chunk, static_dense), engine="mlx", dtype="float32")
+    loaded = generation.load(model, overlap_plan(model, chunk, static_placement(static_dense, chunk, prompt_tokens)),
+                             engine="mlx", dtype="float32")
     ids = encode_text(loaded.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
     load_before = _loadavg()
     for n in (1, 2):  # untimed, two chunks of the timed size: first-call costs out of the rounds
@@ -207,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a 128-token prompt, 16 new tokens, one round")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--static-dense", default="", metavar="F,..", help="with --overlap: these dense functions (qkv, "
-                    "o_proj) on cpu-static too, beside the experts (default: none, the dense half on mlx-exact)")
+                    "o_proj, attention) on cpu-static too, beside the experts (default: none, the dense half on "
+                    "mlx-exact)")
     ap.add_argument("--overlap", action="store_true", help="two chunks in flight against one at a time (4,096 tokens "
                     "in chunks of 1,024 unless --prompt-tokens / --chunk say otherwise)")
     args = ap.parse_args(argv)
