@@ -159,12 +159,35 @@ def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple
     return time.perf_counter() - start, last_logits(out).clone()
 
 
+def chosen_placement(profile: str, model: str, chunk: int, prompt_tokens: int) -> tuple[DensePlacement, dict]:
+    """The dense placement the schedule chooses on `profile` (a host profile pricing cpu-static and mlx-exact) for
+    `overlap_plan`'s experts (`autotune.searching.host_lanes`), and what it predicts: each lane's busy and idle ms
+    with two chunks in flight, the makespan with one and two (predicted)."""
+    from autotune.costing.schedule import predict_scheduled
+    from autotune.profiling.profile import load_profile
+    from autotune.searching.host_lanes import host_lanes_choice, lanes_apart
+
+    shape = decoder_shape(resolve_model(model, torch.float32))
+    cost = load_profile(profile, check_host=False).cost_model.with_exact("mlx-exact")
+    over = host_lanes_choice(cost, shape, overlap_plan(model, chunk), prompt_tokens, "cpu-static")
+    one = predict_scheduled(lanes_apart(cost, "cpu-static"), shape, prompt_tokens, chunk, over.candidate.experts,
+                            over.placement, 1)[1]
+    return over.placement, {"profile": profile, "static_dense": [f for f in ("qkv", "o_proj", "attention")
+                                                                 if getattr(over.placement, f)],
+                            "one_in_flight_ms": round(one.makespan_ms, 1), **over.schedule.to_json(),
+                            "speedup": round(one.makespan_ms / over.schedule.makespan_ms, 4),
+                            "label": "predicted by the profile's cost model, its lanes apart (host_lanes)"}
+
+
 def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, decode_tokens: int,
-                    static_dense: tuple[str, ...] = ()) -> dict:
+                    static_dense: tuple[str, ...] = (), profile: str | None = None) -> dict:
     from runtime.mlx.overlap import Lanes
 
-    loaded = generation.load(model, overlap_plan(model, chunk, static_placement(static_dense, chunk, prompt_tokens)),
-                             engine="mlx", dtype="float32")
+    place, chosen = static_placement(static_dense, chunk, prompt_tokens), None
+    if profile:
+        place, chosen = chosen_placement(profile, model, chunk, prompt_tokens)
+        static_dense = tuple(chosen["static_dense"])
+    loaded = generation.load(model, overlap_plan(model, chunk, place), engine="mlx", dtype="float32")
     ids = encode_text(loaded.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
     load_before = _loadavg()
     for n in (1, 2):  # untimed, two chunks of the timed size: first-call costs out of the rounds
@@ -188,7 +211,7 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
     wall = {n: statistics.median(v) for n, v in walls.items()}
     diff = float((logits[2] - logits[1]).abs().max() / logits[1].abs().max())
     return {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
-            "static_dense": list(static_dense),
+            "static_dense": list(static_dense), "chosen": chosen,
             "dtype": "float32", "mlx_device": loaded.executor.lane, "torch_threads": torch.get_num_threads(),
             "prefill_ms": {"one_in_flight": round(wall[1] * 1e3, 1), "two_in_flight": round(wall[2] * 1e3, 1)},
             "overlap_speedup": round(wall[1] / wall[2], 4),
@@ -217,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--static-dense", default="", metavar="F,..", help="with --overlap: these dense functions (qkv, "
                     "o_proj, attention) on cpu-static too, beside the experts (default: none, the dense half on "
                     "mlx-exact)")
+    ap.add_argument("--profile", help="with --overlap: the dense functions on cpu-static are the ones the schedule "
+                    "chooses on this host profile (autotune.searching.host_lanes), not --static-dense")
     ap.add_argument("--overlap", action="store_true", help="two chunks in flight against one at a time (4,096 tokens "
                     "in chunks of 1,024 unless --prompt-tokens / --chunk say otherwise)")
     args = ap.parse_args(argv)
@@ -227,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk = args.chunk if "--chunk" in (argv or sys.argv) else 1024
         repeats = args.repeats if "--repeats" in (argv or sys.argv) else 1
         dense = tuple(f for f in args.static_dense.split(",") if f)
-        out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense)
+        out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense, args.profile)
         print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
         return 0
     if args.quick:

@@ -9,10 +9,13 @@ would take more energy than `energy_cap_mj` (the GPU alone's, say) is not taken.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from autotune.costing.costmodel import CostModel
+from autotune.costing.evaluator import LayerWork
 from autotune.costing.schedule import Schedule, predict_scheduled
 from autotune.costing.whole_prefill import (
     DENSE_FUNCTIONS,
@@ -62,13 +65,19 @@ def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict
     cost = scorer.cost
     work = cost.layer_work(scorer.layer_plan(data, cfg), data.calib, scorer.hidden, scorer.ffn, cfg.overflow,
                            scorer.exact)
+    return work_units(cost, work, scorer.exact, scorer.backend)
+
+
+def work_units(cost: CostModel, work: LayerWork, exact: str, backend: str) -> tuple[dict, dict]:
+    """A layer's work (`CostModel.layer_work`) as `layer_units`' two steps: the exact path `exact`, the static calls
+    on `backend`."""
     n = work.exact.shape[1]
-    exact = unit_of(cost, scorer.exact)
-    second = {unit_of(cost, scorer.backend): n * float(work.off_cpu[0])}
-    if exact == "cpu":
-        second["cpu"] = float(work.exact.sum())
+    second = {unit_of(cost, backend): n * float(work.off_cpu[0])}
+    exact_unit = unit_of(cost, exact)
+    if exact_unit == "cpu":
+        second["cpu"] = second.get("cpu", 0.0) + float(work.exact.sum())
     else:
-        second[exact], second["cpu"] = float(work.exact.sum()), float(work.cpu_table().sum())
+        second[exact_unit], second["cpu"] = float(work.exact.sum()), float(work.cpu_table().sum())
     return {"cpu": float(work.pack.sum()) + n * float(work.on_cpu[0])}, second
 
 
@@ -145,18 +154,21 @@ def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, can
     ranked = sorted(candidates, key=as_is)
     first = list({c.chunk: c for c in reversed(ranked)}.values()) + ranked[:keep]  # each chunk size's best too
     first = list({id(c): c for c in first}.values())
-    got = [choose_overlapped(scorer, shape, prompt_tokens, c, in_flight, energy_cap_mj) for c in first]
+    got = [choose_overlapped(scorer.cost, scorer.backend, shape, prompt_tokens, c, in_flight, energy_cap_mj)
+           for c in first]
     return min(got, key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
 
 
-def choose_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, cand: Candidate, in_flight: int = 2,
-                      energy_cap_mj: float | None = None, rounds: int = 2) -> Overlapped:
-    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own; one
-    whose dense weights and the resident experts overflow the ANE's window is not taken."""
+def choose_overlapped(cost: CostModel, backend: str, shape: DecoderShape, prompt_tokens: int, cand: Candidate,
+                      in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
+                      grid: Callable[[int], list[int]] = static_rows_grid) -> Overlapped:
+    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, the
+    static rows of each function from `grid(chunk)`; one whose dense weights and the resident experts overflow the
+    ANE's window is not taken."""
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
     def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
-        pred, sched = predict_scheduled(scorer.cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
+        pred, sched = predict_scheduled(cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
                                         cand.lazy_last)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         window = {"experts": cand.resident_bytes, "dense functions": dense_weight_bytes(shape, place, per_weight)}
@@ -169,8 +181,8 @@ def choose_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, c
     for _ in range(rounds):
         changed = False
         for function in functions:
-            for rows in static_rows_grid(chunk):
-                place = placed(best_place, function, rows, chunk, scorer.backend, prompt_tokens)
+            for rows in grid(chunk):
+                place = placed(best_place, function, rows, chunk, backend, prompt_tokens)
                 if place == best_place:
                     continue
                 got = price(place)
