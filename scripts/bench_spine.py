@@ -23,9 +23,12 @@ the one-at-a-time prefill's median wall over the two-in-flight one's), `overlap_
 schedule, `autotune.costing.schedule`, of the one-at-a-time run's recorded lane times per op, one in flight over
 two), `overlap_max_rel_diff` (the two runs' last logits), `greedy_text_equal` (`generate`'s greedy text under
 each, on the prompt's first `greedy_prompt_tokens`: what fits the model's context before the new tokens), each
-lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after.
+lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after. `--static-dense F,..` puts those
+dense functions (of qkv, o_proj, attention) on cpu-static by hand; `--profile P` lets the schedule choose them on host
+profile P (`autotune.searching.host_lanes`: the placement whose two-in-flight schedule ends first), and `chosen` says
+what it chose and predicted (each lane's busy and idle ms, the makespan with one and two in flight).
 
-    python scripts/bench_spine.py --overlap --json [--threads 1]
+    python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P | --static-dense F,..]
 """
 from __future__ import annotations
 
