@@ -49,6 +49,7 @@ from autotune.costing.whole_prefill import DensePlacement, decoder_shape, prompt
 from autotune.searching.dense_choice import dense_plan
 from autotune.searching.templates import template_plan
 from runtime import generation
+from runtime.errors import NpumoeError
 from runtime.loading.model_record import read_model_spec, resolve_model
 from runtime.plan import DensePlan, Plan
 
@@ -255,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         chunk = args.chunk if "--chunk" in (argv or sys.argv) else 1024
         repeats = args.repeats if "--repeats" in (argv or sys.argv) else 1
         dense = tuple(f for f in args.static_dense.split(",") if f)
-        out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense, args.profile)
+        if not set(dense) <= {"qkv", "o_proj", "attention"} or (dense and args.profile):
+            print("bench_spine: --static-dense takes qkv, o_proj, attention, and not with --profile", file=sys.stderr)
+            return 2
+        try:
+            out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense, args.profile)
+        except NpumoeError as e:  # a profile that cannot be read or prices no mlx-exact
+            print(f"bench_spine: {e}", file=sys.stderr)
+            return 2
         print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
         return 0
     if args.quick:
