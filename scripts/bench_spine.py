@@ -23,10 +23,12 @@ the one-at-a-time prefill's median wall over the two-in-flight one's), `overlap_
 schedule, `autotune.costing.schedule`, of the one-at-a-time run's recorded lane times per op, one in flight over
 two), `overlap_max_rel_diff` (the two runs' last logits), `greedy_text_equal` (`generate`'s greedy text under
 each, on the prompt's first `greedy_prompt_tokens`: what fits the model's context before the new tokens), each
-lane's busy and wait ms, and the host's load (`/proc/loadavg`) before and after. `--static-dense F,..` puts those
-dense functions (of qkv, o_proj, attention) on cpu-static by hand; `--profile P` lets the schedule choose them on host
-profile P (`autotune.searching.host_lanes`: the placement whose two-in-flight schedule ends first), and `chosen` says
-what it chose and predicted (each lane's busy and idle ms, the makespan with one and two in flight).
+lane's busy and wait ms, the process's CPU time per side and `cores_used` (it over the wall: two in flight overlap
+only where this process gets a second core), and the host's load (`/proc/loadavg`) before and after.
+`--static-dense F,..` puts those dense functions (of qkv, o_proj, attention) on cpu-static by hand; `--profile P`
+lets the schedule choose them on host profile P (`autotune.searching.host_lanes`: the placement whose two-in-flight
+schedule ends first), and `chosen` says what it chose and predicted (each lane's busy and idle ms, the makespan with
+one and two in flight).
 
     python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P | --static-dense F,..]
 """
@@ -152,15 +154,16 @@ def _loadavg() -> str:
         return "unknown"
 
 
-def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple[float, torch.Tensor]:
-    """(wall s, the last row's logits) of one prefill of `ids` from an empty cache with `in_flight` chunks."""
+def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple[float, float, torch.Tensor]:
+    """(wall s, process CPU s, the last row's logits) of one prefill of `ids` from an empty cache with `in_flight`
+    chunks."""
     from runtime.mlx.spine_generation import last_logits, prefill_forwards
 
     model = loaded.model
     pieces = [(ids[s:d], rows) for s, d, rows in prefill_forwards(model, len(ids), chunk)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = model.forward_in_flight(pieces, model.make_cache(), in_flight, lanes)
-    return time.perf_counter() - start, last_logits(out).clone()
+    return time.perf_counter() - start, time.process_time() - cpu, last_logits(out).clone()
 
 
 def chosen_placement(profile: str, model: str, chunk: int, prompt_tokens: int) -> tuple[DensePlacement, dict]:
@@ -197,12 +200,14 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
     for n in (1, 2):  # untimed, two chunks of the timed size: first-call costs out of the rounds
         _prefill(loaded, ids[:2 * chunk], chunk, n, Lanes())
     walls: dict[int, list[float]] = {1: [], 2: []}
+    cpus: dict[int, list[float]] = {1: [], 2: []}
     logits, lanes, events = {}, {}, []
     for r in range(repeats):  # interleaved, the order alternating: a shared host's load falls on both sides alike
         for n in ((1, 2) if r % 2 == 0 else (2, 1)):
             got = Lanes(record=n == 1)
-            wall, logits[n] = _prefill(loaded, ids, chunk, n, got)
+            wall, cpu, logits[n] = _prefill(loaded, ids, chunk, n, got)
             walls[n].append(wall)
+            cpus[n].append(cpu)
             lanes[n] = got.figures()
             events = got.events if n == 1 and not events else events
     steps = steps_from_events(events)
@@ -213,11 +218,14 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
         loaded.model.in_flight = n
         texts[n] = generation.generate(loaded, fits, max_tokens=decode_tokens).text
     wall = {n: statistics.median(v) for n, v in walls.items()}
+    cpu = {n: statistics.median(v) for n, v in cpus.items()}
     diff = float((logits[2] - logits[1]).abs().max() / logits[1].abs().max())
     return {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
             "static_dense": list(static_dense), "chosen": chosen,
             "dtype": "float32", "mlx_device": loaded.executor.lane, "torch_threads": torch.get_num_threads(),
             "prefill_ms": {"one_in_flight": round(wall[1] * 1e3, 1), "two_in_flight": round(wall[2] * 1e3, 1)},
+            "prefill_cpu_ms": {"one_in_flight": round(cpu[1] * 1e3, 1), "two_in_flight": round(cpu[2] * 1e3, 1)},
+            "cores_used": {"one_in_flight": round(cpu[1] / wall[1], 3), "two_in_flight": round(cpu[2] / wall[2], 3)},
             "overlap_speedup": round(wall[1] / wall[2], 4),
             "overlap_predicted_speedup": round(one / two, 4),
             "overlap_predicted_over_measured": round(one / two / (wall[1] / wall[2]), 4),
