@@ -2,7 +2,8 @@
 at most the makespan, the energy at most a cap (the GPU alone's, say), as a linear program.
 
 Every op a plan runs costs at least its FLOPs at its unit's rate (a call, its bytes and a static function's padding
-only add), so no plan under the same prices ends before `bound_ms`: `vs_latency_at_most` (a baseline's latency over
+only add; a fitted residual below 1 would break this, and the published M2 Ultra profile has none), so no plan under
+the same prices ends before `bound_ms`: `vs_latency_at_most` (a baseline's latency over
 it) caps the plan's speedup, `over_roofline_at_least` (it over the roofline, every unit at full rate and no cap) caps
 `over_roofline_whole` from below. With a cap, a unit whose energy per FLOP is high (the CPU) gets only the share the
 cap leaves. Predicted from the profile's prices; what it leaves out (calls, bytes, padding, dependencies) makes any
