@@ -71,7 +71,8 @@ class Link:
         return owner.npumoe_handle
 
     def tell(self, op: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> None:
-        """Announce a change rank 0 made to its caches (after making it: the handles it names are held)."""
+        """Announce a change rank 0 made to its caches, the caller holding what it names until this returns (one
+        collected before would be freed on the followers first)."""
         with self.lock:
             self._announce(op, a, b, c, d)
 
@@ -81,16 +82,17 @@ class Link:
         return [int(v) for v in np.array(self.ring.step("agreeing on the plans", lambda: _evaluated(x)))]
 
     def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0, ids: mx.array | None = None) -> None:
-        """Tell the followers what comes (the lock held), then what rank 0 no longer holds."""
+        """Tell the followers what rank 0 no longer holds, then what comes (the lock held; a follower runs a forward
+        as soon as it is told: nothing may follow it)."""
+        if self._gone and op != FREE:
+            gone = self._gone[:]
+            del self._gone[:len(gone)]
+            self._announce(FREE, ids=mx.array([gone], dtype=mx.int32))
         rows, cols = ids.shape if ids is not None else (0, 0)
         header = mx.array([op, a, b, c, d, rows, cols, PHASES.index(self.phase())], dtype=mx.int32)
         self._share(header, "announcing a forward")
         if ids is not None:
             self._share(ids.astype(mx.int32), "sending a forward's tokens")
-        if self._gone and op != END:
-            gone = self._gone[:]
-            del self._gone[:len(gone)]
-            self._announce(FREE, ids=mx.array([gone], dtype=mx.int32))
         self.last = time.monotonic()
 
     def _share(self, x: mx.array, what: str) -> np.ndarray:

@@ -22,15 +22,19 @@ class ClusterDecodeBatch(MlxDecodeBatch):
         self.link: Link = loaded.cluster.link
 
     def add(self, gen: Generation) -> None:
+        held = self.cache, gen.cache  # until told: what the batch replaces is not freed before
         batch = self.link.handle(self.cache) if self.rows else 0
         row = self.link.handle(gen.cache)
         super().add(gen)
         self.link.tell(ADD, batch, row, self.link.handle(self.cache))
+        del held
 
     def remove(self, gen: Generation) -> None:
+        held = self.cache
         batch, i, rows = self.link.handle(self.cache), self.rows.index(gen), len(self.rows)
         super().remove(gen)
         self.link.tell(REMOVE, batch, i, self.link.handle(self.cache) if self.cache is not None else 0, rows)
+        del held
 
 
 class ClusterServing(MlxServing):
