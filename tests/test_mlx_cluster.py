@@ -110,6 +110,28 @@ def test_generate_under_the_launcher_gives_one_processs_greedy_tokens(tiny4, pip
     assert [r["token_ids"] for r in ranks] == [one["token_ids"]] * 2 and ranks[0]["text"] == one["text"]
 
 
+@pytest.mark.slow
+def test_evaluate_under_the_launcher_gives_one_processs_figures(tiny4, pipeline, tmp_path):
+    """Every rank gets the model's logits: one process's perplexities, agreement and difference; each rank counts
+    its own layers' experts, which add up to one process's counts."""
+    from autotune import pipeline as stages
+
+    args = ["--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--dtype", "float32", "--max-tokens",
+            "256", "--prompt-tokens", "64"]
+    ranks = launch(["evaluate", *args, "--json"], tmp_path)
+    one = stages.evaluate(str(tiny4), pipeline / "plan.json", max_tokens=256, prompt_tokens=64, dtype="float32",
+                          engine="mlx", progress=False).to_json()
+    assert [r["layers"] for r in ranks] == [[1, 4], [0, 1]] and one["top1_agreement"] == 1.0
+    for r in ranks:
+        for key in ("tokens", "prompts", "ppl_reference", "ppl_plan", "top1_agreement", "max_rel_diff_vs_reference"):
+            assert r[key] == pytest.approx(one[key], rel=1e-6), key
+        assert r["kl_mean"] == pytest.approx(one["kl_mean"], abs=1e-9)
+    counts = [[r["assignments"], r["assignments"] * r["spill_rate"], r["assignments"] * r["drop_rate"]]
+              for r in [*ranks, one]]
+    assert [a + b for a, b in zip(counts[0], counts[1])] == pytest.approx(counts[2])
+    assert ranks[1]["spill_rate"] > 0 and ranks[0]["spill_rate"] == 0  # rank 1 runs stage 0's tight groups
+
+
 def rank_env(hostfile: Path, rank: int) -> dict:
     return {**ENV, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
@@ -204,7 +226,7 @@ def _refused(capsys, args: list[str]) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("command", ["run", "generate", "serve"])
+@pytest.mark.parametrize("command", ["run", "generate", "serve", "evaluate"])
 def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline, a_rank, capsys, command):
     d = a_rank
     (d / "broken.pipeline.json").write_text("{not json")
@@ -220,6 +242,8 @@ def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline
         "timeout below zero": (["--peer-timeout-s", "-1"], "--peer-timeout-s"),
         "torch across Macs": (["--engine", "torch"], "--engine torch: across Macs"),
     }
+    if command == "evaluate":
+        cases |= {"tasks across Macs": (["--tasks", "builtin:pydoc-nextsent"], "--tasks scores through the torch")}
     if command == "generate":
         cases |= {"negative max tokens": (["--max-tokens", "-1"], "--max-tokens"),
                   "empty prompt": (["--prompt", ""], "the prompt is empty")}
