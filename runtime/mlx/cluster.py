@@ -209,7 +209,7 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
 def join(spec: ClusterSpec, path: Path, dtype: str) -> tuple[nn.Module, Cluster]:
     """Join the ring (the ring's own retry lines kept off stderr), load this rank's stage and route its decoder's
     forwards through the link."""
-    quiet_ring_lines()
+    quiet_ring_lines(spec.ring)
     group = spec.ring.join()
     model = load_stage(path, group, list(spec.split) if spec.split else None, dtype)
     link = Link(spec.ring, spec.lead)
