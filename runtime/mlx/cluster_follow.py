@@ -134,9 +134,10 @@ def _evaluated(x: mx.array) -> mx.array:
     return x
 
 
-def follow(loaded) -> None:
+def follow(loaded) -> dict[int, object]:
     """A follower of a server (`loaded`: its stage, `runtime.generation.Loaded`): each forward and each change to a
-    cache rank 0 announces, made on this rank's layers and caches, until rank 0 announces the end."""
+    cache rank 0 announces, made on this rank's layers and caches, until rank 0 announces the end. Returns what it
+    holds then, by rank 0's handles (what a test compares with rank 0's)."""
     from runtime.mlx.spine_generation import kept_layers
     from runtime.serving.mlx_serving import add_row, prefix_of, remove_row
 
@@ -145,7 +146,7 @@ def follow(loaded) -> None:
     while True:
         op, (a, b, c, d), ids, phase = link.receive()
         if op == END:
-            return
+            return held
         if op == FORWARD:
             if a and a not in held:
                 held[a] = model.make_cache()
