@@ -95,9 +95,12 @@ class EvaluateResult:
     drop_budget: float | None = None  # the plan's, where it has one
     drop_rate_within_1_5x_budget: bool | None = None
     engine: str = "torch"  # the spine that ran it (runtime.engines): added after the recorded keys
+    # under mlx.launch: this rank's `rank`, `ranks` and `layers` ([first, last)), whose experts its rates count
+    cluster: dict | None = None
 
     def to_json(self) -> dict:
-        return _fields(self, ("drop_budget", "drop_rate_within_1_5x_budget"))
+        out = _fields(self, ("drop_budget", "drop_rate_within_1_5x_budget"))
+        return {**out, **(out.pop("cluster") or {})}
 
 
 @dataclass

@@ -46,13 +46,14 @@ SHIFT_TOLERANCE = 1.5  # a plan "holds" on shifted text when its measured drop r
 
 def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: str, text: str,
              max_tokens: int, prompt_tokens: int | None, cpu_weights: str | None,
-             engine: str = "torch") -> tuple[Loaded, torch.Tensor]:
+             engine: str = "torch", cluster: object | None = None) -> tuple[Loaded, torch.Tensor]:
     """The planned model (the plan checked against it before any text is read) and the text's token ids, its
     prompts (of `prompt_tokens`; None: the whole text, one prompt) within the model's context; `cpu_weights`: the
-    CPU's expert storage (`--cpu-weights`), quantized at load; `engine`: the spine (`runtime.load`)."""
+    CPU's expert storage (`--cpu-weights`), quantized at load; `engine`: the spine (`runtime.load`); `cluster`:
+    under mlx.launch, this rank's part (`runtime.mlx.cluster.ClusterSpec`)."""
     if prompt_tokens:  # before the load says anything
         check_context(model, context_length(model), prompt_tokens)
-    loaded = load(model, plan, package, dtype, **load_options(cpu_weights), engine=engine)
+    loaded = load(model, plan, package, dtype, **load_options(cpu_weights), engine=engine, cluster=cluster)
     ids = encode_text(loaded.tokenizer, text, max_tokens)
     check_token_ids(loaded.model, ids)
     if not prompt_tokens:  # one prompt: the whole text
@@ -151,16 +152,20 @@ def torch_executed(experts: LayerStats, measured: dict, calls: dict, dense_calls
 
 def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 8192,
              prompt_tokens: int = 1024, package: str | None = None, dtype: str = "auto",
-             progress: bool = True, cpu_weights: str | None = None, engine: str = "torch") -> EvaluateResult:
+             progress: bool = True, cpu_weights: str | None = None, engine: str = "torch",
+             cluster: object | None = None) -> EvaluateResult:
     """A plan's fidelity on the first `max_tokens` tokens of `text` (prompts of `prompt_tokens`): perplexity of
     the plan and the unmodified model, top-1 agreement, drop and spill rates, and whether the drop rate stays
     within 1.5x the plan's budget (`.to_json()`: what `autotune evaluate --json` prints). `engine`: the spine
-    (`runtime.engines`); on mlx the unmodified model is mlx-lm's own forward of the same folder."""
+    (`runtime.engines`); on mlx the unmodified model is mlx-lm's own forward of the same folder. `cluster`: under
+    `mlx.launch`, this rank's part (`runtime.mlx.cluster.ClusterSpec`), on the MLX spine: every rank gets the
+    model's logits, so the same perplexities and agreement; its rates count its own layers' experts."""
     from autotune.evaluation.fidelity import evaluate_plan
 
     p = load_plan(plan)
-    engine = resolve_engine(engine, p, torch_only(p, cpu_weights))
-    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights, engine)
+    engine = resolve_engine("mlx" if cluster is not None else engine, p, torch_only(p, cpu_weights))
+    loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights, engine,
+                           cluster)
     chunks = None
     if engine == "mlx":
         from runtime.mlx.spine_generation import chunk_logits
@@ -170,7 +175,8 @@ def evaluate(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TE
     budget = (loaded.plan.meta or {}).get("drop_budget")
     return EvaluateResult(model=model, plan=str(plan), text=text, **figures, drop_budget=budget,
                           drop_rate_within_1_5x_budget=None if budget is None else
-                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget, engine=engine)
+                          figures["drop_rate"] <= SHIFT_TOLERANCE * budget, engine=engine,
+                          cluster=loaded.cluster.to_json() if loaded.cluster else None)
 
 
 def evaluate_tasks(model: str, plan: str | os.PathLike, tasks: list[str], *, limit: int | None = None,

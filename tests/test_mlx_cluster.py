@@ -110,6 +110,28 @@ def test_generate_under_the_launcher_gives_one_processs_greedy_tokens(tiny4, pip
     assert [r["token_ids"] for r in ranks] == [one["token_ids"]] * 2 and ranks[0]["text"] == one["text"]
 
 
+@pytest.mark.slow
+def test_evaluate_under_the_launcher_gives_one_processs_figures(tiny4, pipeline, tmp_path):
+    """Every rank gets the model's logits: one process's perplexities, agreement and difference; each rank counts
+    its own layers' experts, which add up to one process's counts."""
+    from autotune import pipeline as stages
+
+    args = ["--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--dtype", "float32", "--max-tokens",
+            "256", "--prompt-tokens", "64"]
+    ranks = launch(["evaluate", *args, "--json"], tmp_path)
+    one = stages.evaluate(str(tiny4), pipeline / "plan.json", max_tokens=256, prompt_tokens=64, dtype="float32",
+                          engine="mlx", progress=False).to_json()
+    assert [r["layers"] for r in ranks] == [[1, 4], [0, 1]] and one["top1_agreement"] == 1.0
+    for r in ranks:
+        for key in ("tokens", "prompts", "ppl_reference", "ppl_plan", "top1_agreement", "max_rel_diff_vs_reference"):
+            assert r[key] == pytest.approx(one[key], rel=1e-6), key
+        assert r["kl_mean"] == pytest.approx(one["kl_mean"], abs=1e-9)
+    counts = [[r["assignments"], r["assignments"] * r["spill_rate"], r["assignments"] * r["drop_rate"]]
+              for r in [*ranks, one]]
+    assert [a + b for a, b in zip(counts[0], counts[1])] == pytest.approx(counts[2])
+    assert ranks[1]["spill_rate"] > 0 and ranks[0]["spill_rate"] == 0  # rank 1 runs stage 0's tight groups
+
+
 def rank_env(hostfile: Path, rank: int) -> dict:
     return {**ENV, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
@@ -204,7 +226,7 @@ def _refused(capsys, args: list[str]) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("command", ["run", "generate", "serve"])
+@pytest.mark.parametrize("command", ["run", "generate", "serve", "evaluate"])
 def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline, a_rank, capsys, command):
     d = a_rank
     (d / "broken.pipeline.json").write_text("{not json")
@@ -220,6 +242,8 @@ def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline
         "timeout below zero": (["--peer-timeout-s", "-1"], "--peer-timeout-s"),
         "torch across Macs": (["--engine", "torch"], "--engine torch: across Macs"),
     }
+    if command == "evaluate":
+        cases |= {"tasks across Macs": (["--tasks", "builtin:pydoc-nextsent"], "--tasks scores through the torch")}
     if command == "generate":
         cases |= {"negative max tokens": (["--max-tokens", "-1"], "--max-tokens"),
                   "empty prompt": (["--prompt", ""], "the prompt is empty")}
@@ -244,36 +268,124 @@ def _serve_url(proc: subprocess.Popen, limit: float) -> str:
     raise AssertionError("the server did not start")
 
 
-@pytest.mark.slow
-def test_serve_under_the_launcher_answers_on_rank_0_as_one_process(tiny4, pipeline, tmp_path):
-    import httpx
+def _requests(url: str) -> dict:
+    """Three requests started at once, the official clients' (an OpenAI completion and chat, streamed, and an
+    Anthropic message, streamed), each read past its first token: the streams, by name."""
+    import anthropic
     import openai
 
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=180)
+    claude = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0, timeout=180)
+    streams = {
+        "completion": client.completions.create(model="q4g64", prompt=PROMPT, max_tokens=16, temperature=0,
+                                                stream=True),
+        "chat": client.chat.completions.create(model="q4g64", messages=CHAT, max_tokens=16, temperature=0,
+                                               stream=True),
+        "message": claude.messages.create(model="q4g64", messages=CHAT, max_tokens=16, extra_body=GREEDY,
+                                          stream=True)}
+    return {name: iter(stream) for name, stream in streams.items()}
+
+
+def _text(name: str, events) -> str:
+    """A stream's text, read to its end."""
+    if name == "message":
+        return "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    if name == "chat":
+        return "".join(c.choices[0].delta.content or "" for c in events if c.choices)
+    return "".join(c.choices[0].text for c in events)
+
+
+def _first(name: str, events) -> str:
+    """A stream read to its first token's text."""
+    for e in events:
+        if name == "message" and e.type == "content_block_delta":
+            return e.delta.text
+        if name != "message" and e.choices:
+            return e.choices[0].text if name == "completion" else e.choices[0].delta.content or ""
+    raise AssertionError(f"the {name} stream ended before its first token")
+
+
+def _cached(url: str, ids: list[int]) -> tuple[list[int], int]:
+    """A completion of token ids: its greedy tokens and the prompt tokens it took from the prefix cache."""
+    import openai
+
+    r = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=180).completions.create(
+        model="q4g64", prompt=ids, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["npumoe"]["cached_tokens"]
+    return r.model_extra["npumoe"]["token_ids"], r.usage.prompt_tokens_details.cached_tokens
+
+
+def _cached_metric(url: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("npumoe_prompt_cached_tokens_total "))
+
+
+def _one_process(tiny4, plan: Path, prefix_ids: list[int]) -> dict:
+    """What one process serves (the same server on the whole plan, in this process): each request's text alone,
+    and a prompt's tokens and cached prompt tokens, first and again."""
+    from helpers import served_on_a_thread
+
     import runtime
+    from runtime.serving.engine import Engine
+
+    loaded = runtime.load(str(tiny4), plan=str(plan), engine="mlx", dtype="float32")
+    with served_on_a_thread(Engine(loaded, "q4g64", max_queue=4, prefix_cache_mb=64), "k") as url:
+        texts = {name: _text(name, events) for name, events in _requests(url).items()}
+        return {"texts": texts, "prefix": [_cached(url, prefix_ids), _cached(url, prefix_ids)]}
+
+
+CHAT = [{"role": "user", "content": "To be, or not to be"}]
+GREEDY = {"temperature": 0}  # the Anthropic SDK no longer names it; the server takes it
+
+
+@pytest.mark.slow
+def test_serve_under_the_launcher_batches_and_caches_prefixes_as_one_process(tiny4, pipeline, tmp_path):
+    """rank 0 decides (which requests decode together, which prefix each reuses) and rank 1 follows with its own
+    stage's KV caches: three requests at once, by the OpenAI and the Anthropic clients, streamed, give one process's
+    greedy text; a prompt again reuses its cached chunks as one process does, in usage, /health and /metrics; rank 1
+    killed while two requests decode together gives each client an error within the timeout, and rank 0 ends in one
+    line naming rank 1."""
+    import httpx
+    import openai
+    import transformers
 
     hostfile, name = ring_file(tmp_path)
     args = ["serve", "--model", str(tiny4), "--plan", str(pipeline / "plan.json"), "--dtype", "float32", "--port",
             "0", "--peer-timeout-s", "120"]  # rank 0's engine process joins after its own imports
     leader, follower = rank(hostfile, 0, args, tmp_path), rank(hostfile, 1, args, tmp_path)
+    words = "A prompt no other request sends, long enough for two whole chunks of sixteen tokens. " * 3
+    ids = transformers.AutoTokenizer.from_pretrained(tiny4).encode(words, add_special_tokens=False)[:40]
     try:
-        url = _serve_url(leader, 240)
-        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        one = _one_process(tiny4, pipeline / "plan.json", ids)
+        url = _serve_url(leader, 240).removesuffix("/v1")
+        health = httpx.get(url + "/health").json()
         assert health["cluster"]["stages"] == [{"rank": 0, "layers": [1, 4]}, {"rank": 1, "layers": [0, 1]}]
-        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=120)
-        loaded = runtime.load(str(tiny4), plan=str(pipeline / "plan.json"), engine="mlx", dtype="float32")
-        one = runtime.generate(loaded, PROMPT, max_tokens=12).text
-        whole = client.completions.create(model="q4g64", prompt=PROMPT, max_tokens=12, temperature=0)
-        assert whole.choices[0].text == one
-        pieces = client.completions.create(model="q4g64", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
-        assert "".join(c.choices[0].text for c in pieces) == one
-        stream = client.completions.create(model="q4g64", prompt=PROMPT * 20, max_tokens=400, temperature=0,
-                                           stream=True)
-        next(iter(stream))  # mid-request: rank 1 goes
-        follower.send_signal(signal.SIGKILL)
+        assert health["max_batch"] > 1 and "entries" in health["prefix_cache"]
+        streams = _requests(url)
+        firsts = {name: _first(name, events) for name, events in streams.items()}
+        assert httpx.get(url + "/health").json()["active"] == 3  # decoding together: one forward a step
+        assert {n: firsts[n] + _text(n, events) for n, events in streams.items()} == one["texts"]
+
+        before = _cached_metric(url)
+        first, again = _cached(url, ids), _cached(url, ids)
+        assert [first, again] == one["prefix"] and again[1] == 32  # two whole chunks of 16 from the cache
+        assert _cached_metric(url) - before == 32 and httpx.get(url + "/health").json()["prefix_cache"]["entries"]
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=180)
+        long = [client.completions.create(model="q4g64", prompt=PROMPT * k, max_tokens=400, temperature=0,
+                                          stream=True) for k in (20, 12)]
+        for stream in long:
+            next(iter(stream))
+        assert httpx.get(url + "/health").json()["active"] == 2
+        follower.send_signal(signal.SIGKILL)  # mid-batch: rank 1 goes
         start = time.monotonic()
-        with pytest.raises(openai.APIError):
-            for _ in stream:
-                pass
+        for stream in long:
+            with pytest.raises(openai.APIError):
+                for _ in stream:
+                    pass
         assert time.monotonic() - start < 120 + 5
         line = one_line(leader, 60)
         assert line.startswith(f"npumoe: rank 0: lost {name}") or line.startswith(f"npumoe: rank 0: {name} did not")

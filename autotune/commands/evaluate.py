@@ -6,7 +6,13 @@ import argparse
 from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import input_directory, non_negative_int, positive_int
-from autotune.commands.common import add_planned_arguments, apply_threads, print_json
+from autotune.commands.common import (
+    add_cluster_arguments,
+    add_planned_arguments,
+    apply_threads,
+    cluster_of,
+    print_json,
+)
 from runtime.engines import resolve_engine
 from runtime.errors import NpumoeError
 from runtime.plan import load_plan
@@ -27,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with --tasks: K few-shot examples (default: each task's own)")
     p.add_argument("--include-path", type=input_directory, metavar="DIR",
                    help="with --tasks: a folder of extra lm-eval task YAMLs (local datasets)")
+    add_cluster_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -53,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if given and not args.tasks:  # said, not silently ignored
         raise NpumoeError(f"{', '.join(given)} applies to lm-evaluation-harness tasks only: give --tasks too, or "
                           "--max-tokens to evaluate less of the text")
+    cluster = cluster_of(args, args.plan)
+    if cluster is not None and args.tasks:
+        raise NpumoeError("--tasks scores through the torch model in one process: under mlx.launch, evaluate the text "
+                          "(leave --tasks out)")
     apply_threads(args.threads)
     if args.tasks:  # lm-evaluation-harness scores through the torch model
         resolve_engine(args.engine, load_plan(args.plan), "evaluate --tasks")
@@ -62,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = pipeline.evaluate(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                    prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
-                                   progress=not args.json, cpu_weights=args.cpu_weights, engine=args.engine)
+                                   progress=not args.json, cpu_weights=args.cpu_weights, engine=args.engine,
+                                   cluster=cluster)
     if args.json:
         print_json(result.to_json())
     elif args.tasks:

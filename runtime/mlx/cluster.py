@@ -132,6 +132,7 @@ class Cluster:
     layers: list[int]
     stages: list[list[int]]
     link: Link
+    exact_below: int = 0  # the ranks' plans' smallest exact_below_tokens: a tail every rank runs exactly is below it
 
     def to_json(self) -> dict:
         """What a rank's report carries: its rank, the ranks, [first, last) of its layers."""
@@ -140,7 +141,8 @@ class Cluster:
     def health(self) -> dict:
         """The ranks and their stages (`/health` on rank 0)."""
         return {"ranks": self.group.size(), "pipeline": self.spec.pipeline,
-                "stages": [{"rank": r, "layers": s} for r, s in enumerate(self.stages)]}
+                "stages": [{"rank": r, "layers": s} for r, s in enumerate(self.stages)],
+                "exact_below": self.exact_below}
 
     def agree(self, what: str, value: int) -> None:
         """Every rank holds the same `value` (a plan's chunk, ...), or every rank refuses in one line."""
@@ -155,7 +157,7 @@ def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = No
     """`runtime.generation.Loaded`'s fields on a rank (its model, tokenizer, plan, spine and cluster): its plan and its
     folder checked, then the ring joined, its stage loaded and its plan installed; the ranks agree on the plans'
     chunk, and on whether a prompt's last token goes alone (`SpineModel.all_fast`), so that every rank makes the
-    same forwards."""
+    same forwards; and a server's prefix cache keeps a prompt's exact tail only below every rank's `exact_below`."""
     import transformers
 
     from runtime.loading.checkpoints import check_tokenizer_files
@@ -178,6 +180,7 @@ def load_rank(spec: ClusterSpec, name: str, dtype: str, package: str | None = No
     if spine is not None:
         cluster.link.phase = lambda: spine.phase
     cluster.agree("chunk_tokens", plan.chunk_tokens if plan else 0)
+    cluster.exact_below = min(cluster.link.gather(plan.exact_below if plan else 0))
     stage = SpineModel(model, path, spine)
     stage.all_fast = min(cluster.link.gather(int(stage.all_fast))) == 1
     return {"model": stage, "tokenizer": tokenizer, "plan": plan, "executor": spine, "engine": "mlx",
@@ -206,7 +209,7 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
 def join(spec: ClusterSpec, path: Path, dtype: str) -> tuple[nn.Module, Cluster]:
     """Join the ring (the ring's own retry lines kept off stderr), load this rank's stage and route its decoder's
     forwards through the link."""
-    quiet_ring_lines()
+    quiet_ring_lines(spec.ring)
     group = spec.ring.join()
     model = load_stage(path, group, list(spec.split) if spec.split else None, dtype)
     link = Link(spec.ring, spec.lead)

@@ -8,7 +8,10 @@ lost") after MLX's own lines on stderr, one per failed retry. So every distribut
 (`rank 1 (127.0.0.1:47412)`) and exits with `PEER_LOST`; `mlx.launch` then ends the ranks still running. The
 ring's `init` holds the interpreter while it waits, so its watchdog is a forked process that prints the line and
 kills the rank (`Ring.outside_watch`). The
-ring's own retry lines are filtered out of stderr (`quiet_ring_lines`). Imports mlx.
+ring's own retry lines are filtered out of stderr (`quiet_ring_lines`). A receive from a neighbour whose process
+ended fails on MLX's own thread and leaves the evaluation waiting (measured, MLX 0.32.4: a pipelined forward's
+`recv` waited out the timeout), so the ring's line that it gave up on a socket ends the rank at once too.
+Imports mlx.
 """
 from __future__ import annotations
 
@@ -64,7 +67,9 @@ class Ring:
 
     def fail(self, why: str) -> None:
         """One line on stderr and the end of this process (no cleanup can wait on a ring that is gone), its
-        watchdog process with it."""
+        watchdog process with it; a second thread that fails meanwhile waits for the end (one line)."""
+        if not _ENDING.acquire(blocking=False):
+            threading.Event().wait()
         os.write(_STDERR, f"npumoe: rank {self.rank}: {why}\n".encode())
         for pid in _WATCHDOGS:
             os.kill(pid, signal.SIGKILL)
@@ -129,12 +134,15 @@ class Ring:
 
 
 _STDERR = 2  # replaced by `quiet_ring_lines` with a copy of the original stderr
+_ENDING = threading.Lock()  # held by the thread that ends this rank (`Ring.fail`)
+GAVE_UP = b"Too many send/recv errors"  # MLX's line once a socket's peer is gone: its pending ops fail
 
 
-def quiet_ring_lines() -> None:
+def quiet_ring_lines(ring: Ring) -> None:
     """Keep the ring's own retry lines (`[ring] ...`, written by MLX to fd 2) off stderr: fd 2 goes through a pipe
-    that drops them and passes every other line on. Python's own stderr writes to the original stderr directly, so
-    a last line (an error, then the exit) is never left in the pipe behind a thread that dies with the process."""
+    that drops them and passes every other line on; the line that the ring gave up on a socket ends `ring`'s rank,
+    naming its neighbours. Python's own stderr writes to the original stderr directly, so a last line (an error,
+    then the exit) is never left in the pipe behind a thread that dies with the process."""
     global _STDERR
     if _STDERR != 2:
         return
@@ -152,6 +160,8 @@ def quiet_ring_lines() -> None:
     def forward() -> None:
         with os.fdopen(read, "rb") as pipe:
             for line in pipe:
+                if GAVE_UP in line:
+                    ring.fail(f"lost {ring.named()} (its connection closed): it died or cannot be reached")
                 if not line.startswith(b"[ring]"):
                     os.write(_STDERR, line)
 

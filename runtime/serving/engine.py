@@ -116,8 +116,9 @@ class Engine:
         self.chunk = loaded.plan.chunk_tokens if loaded.plan else None
         self.prefix_cache, self.prefix_cache_off = None, None
         reuse_off = self.spine.reuse_off()
-        if loaded.cluster is not None:  # its followers mirror one KV cache, the one rank 0 fills (`cluster_follow`)
-            max_batch, reuse_off = 1, "across Macs (mlx.launch) one request runs at a time, with no prefix cache"
+        # across Macs, a tail is kept where every rank's plan runs it exactly (`runtime.mlx.cluster.load_rank`)
+        self.exact_below = loaded.cluster.exact_below if loaded.cluster is not None else \
+            loaded.plan.exact_below if loaded.plan else None
         if self.chunk is None:
             self.prefix_cache_off = "no plan: prefill runs the whole prompt at once, so there is no chunk to reuse"
         elif reuse_off is not None:
@@ -125,8 +126,7 @@ class Engine:
         elif prefix_cache_mb <= 0:
             self.prefix_cache_off = "--prefix-cache-mb 0"
         else:
-            self.prefix_cache = PrefixCache(self.spine, self.chunk, int(prefix_cache_mb * 2**20),
-                                            loaded.plan.exact_below)
+            self.prefix_cache = PrefixCache(self.spine, self.chunk, int(prefix_cache_mb * 2**20), self.exact_below)
         self.disk_cache = None
         if prefix_cache_dir is not None:
             if (off := disk_cache_off(loaded.engine)) is not None:
@@ -346,7 +346,7 @@ class Engine:
         if self.prefix_cache is None and self.disk_cache is None:
             return None
         n = ids.numel()
-        target = n if keeps_tail(n, self.chunk, self.loaded.plan.exact_below) else n // self.chunk * self.chunk
+        target = n if keeps_tail(n, self.chunk, self.exact_below) else n // self.chunk * self.chunk
         return target if target > cache_length(self.loaded, prefix) else None
 
     def figures(self, stream: RequestStream, finish: str, text: str) -> dict:

@@ -18,6 +18,45 @@ def _batched(cache: list) -> list[BatchKVCache]:
     return [c if isinstance(c, BatchKVCache) else BatchKVCache.merge([c]) for c in cache]
 
 
+def add_row(batch: list | None, row: list) -> list:
+    """The batch's cache (None: no row yet) with `row`'s cache (a prefilled sequence's) as its last row: a row alone
+    keeps its own caches; a second one makes them a batch (new objects), which grows in place after."""
+    if batch is None:
+        return row
+    batch = _batched(batch)
+    for cache, one in zip(batch, _batched(row)):
+        cache.extend(one)
+    return batch
+
+
+def remove_row(batch: list, i: int, rows: int) -> list | None:
+    """The batch's cache of `rows` rows without row `i`: None once empty; the row left alone back on its own caches
+    (its padding gone: it steps as it would alone); else filtered in place."""
+    keep = [j for j in range(rows) if j != i]
+    if not keep:
+        return None
+    if len(keep) == 1:
+        alone = [c.extract(keep[0]) for c in batch]
+        mx.eval([(c.keys, c.values) for c in alone])
+        return alone
+    for c in batch:
+        c.filter(keep)
+    return batch
+
+
+def prefix_of(layers: list[tuple[mx.array, mx.array]], tokens: int) -> list[KVCache]:
+    """mlx-lm's caches holding an entry's first `tokens`: views (no copy), which the first token written after them
+    replaces with a grown buffer (`KVCache.update_and_fetch` concatenates past a full one), so the entry stays as it
+    is. Evaluated here, on the thread that made them."""
+    cache = []
+    for k, v in layers:
+        c = KVCache()
+        c.state = (k[..., :tokens, :], v[..., :tokens, :], tokens)
+        cache.append(c)
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache
+
+
 class MlxDecodeBatch:
     """`runtime.serving.decode_batch.DecodeBatch` on the MLX spine: every decoding generation's next token in one
     forward of `SpineModel` on one batched cache."""
@@ -32,27 +71,14 @@ class MlxDecodeBatch:
         return len(self.rows)
 
     def add(self, gen: Generation) -> None:
-        if not self.rows:
-            self.cache = gen.cache
-        else:
-            self.cache = _batched(self.cache)
-            for batch, row in zip(self.cache, _batched(gen.cache)):
-                batch.extend(row)
+        self.cache = add_row(self.cache if self.rows else None, gen.cache)
         gen.cache = None  # the batch holds it now
         self.rows.append(gen)
 
     def remove(self, gen: Generation) -> None:
         i = self.rows.index(gen)
+        self.cache = remove_row(self.cache, i, len(self.rows))
         self.rows.pop(i)
-        keep = [j for j in range(len(self.rows) + 1) if j != i]
-        if not self.rows:
-            self.cache = None
-        elif len(self.rows) == 1:  # back to its own cache (its padding gone): it steps as it would alone
-            self.cache = [c.extract(keep[0]) for c in self.cache]
-            mx.eval([(c.keys, c.values) for c in self.cache])
-        else:
-            for c in self.cache:
-                c.filter(keep)
 
     def step(self) -> None:
         self.widest = max(self.widest, len(self.rows))
@@ -73,16 +99,10 @@ class MlxServing:
         return None if plain else "the model's cache is not plain full attention"
 
     def prefix(self, layers: list[tuple[mx.array, mx.array]], tokens: int) -> list[KVCache]:
-        """mlx-lm's caches holding the entry's first `tokens`: views (no copy), which the first token written
-        after them replaces with a grown buffer (`KVCache.update_and_fetch` concatenates past a full one), so the
-        entry stays as it is. Evaluated here, on the engine's thread, which made them."""
-        cache = []
-        for k, v in layers:
-            c = KVCache()
-            c.state = (k[..., :tokens, :], v[..., :tokens, :], tokens)
-            cache.append(c)
-        mx.eval([(c.keys, c.values) for c in cache])
-        return cache
+        return prefix_of(layers, tokens)
+
+    def keep(self, layers: list[tuple[mx.array, mx.array]], cache: list, tokens: int) -> list:
+        return layers
 
     def decode_batch(self) -> MlxDecodeBatch:
         return MlxDecodeBatch(self.loaded)

@@ -69,7 +69,8 @@ class RequestStream:
         """Back on the engine's thread once `prefill` is done: decoding next, the prefix it kept stored."""
         self.prefilling = False
         if self.gen.kept is not None:
-            self.engine.store_prefix(self.ids[:self.gen.keep_at], self.gen.kept)
+            kept = self.engine.spine.keep(self.gen.kept, self.gen.cache, self.gen.keep_at)
+            self.engine.store_prefix(self.ids[:self.gen.keep_at], kept)
 
     def take(self) -> bool:
         """Take the pending token and send its text (a chunk per token, text or not: the client sees each token

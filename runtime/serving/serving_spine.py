@@ -36,6 +36,10 @@ class ServingSpine(Protocol):
     def prefix(self, layers: Layers, tokens: int) -> object:
         """A fresh KV cache of this spine holding the first `tokens` of `layers` (which stay as they are)."""
 
+    def keep(self, layers: Layers, cache: object, tokens: int) -> Layers:
+        """What the prefix cache keeps of `layers`, a prefill's copy of the first `tokens` of `cache` (the KV cache
+        of the prompt it prefilled): `layers` itself; across Macs, with the name the other ranks keep theirs by."""
+
     def decode_batch(self) -> Batch: ...
 
 
@@ -53,12 +57,20 @@ class TorchServing:
             cache.update(k[:, :, :tokens], v[:, :, :tokens], i)  # copies: the entry stays as it is
         return cache
 
+    def keep(self, layers: Layers, cache: DynamicCache, tokens: int) -> Layers:
+        return layers
+
     def decode_batch(self) -> DecodeBatch:
         return DecodeBatch(self.loaded)
 
 
 def serving_spine(loaded: Loaded) -> ServingSpine:
-    """The spine `loaded` runs on, as the server drives it (the MLX one imports mlx)."""
+    """The spine `loaded` runs on, as the server drives it (the MLX one imports mlx; across Macs, rank 0's, which
+    tells the other ranks what it does to its caches: `runtime.serving.cluster_serving`)."""
+    if loaded.cluster is not None:
+        from runtime.serving.cluster_serving import ClusterServing
+
+        return ClusterServing(loaded)
     if loaded.engine == "mlx":
         from runtime.serving.mlx_serving import MlxServing
 
