@@ -37,6 +37,7 @@ from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill
 from autotune.searching.optimizer import chunk_candidates, run_search
+from autotune.searching.pipeline_layouts import plan_expert, plan_tensor
 from autotune.searching.pipeline_plan import Mac, StageSearch, plan_pipeline
 from autotune.searching.pipeline_report import pipeline_report
 from autotune.searching.prefill_report import mlx_gpu_prefill, whole_prefill
@@ -110,10 +111,11 @@ def bench_macs(profile, name: str, macs: int, budget_gb: float, link_gb_s: float
                                                                                               shape.context)}
     cluster = [Mac(f"mac{i}", profile.cost_model, budget_gb * 1e9) for i in range(macs)]
     link = profile_link(profile.extra, link_gb_s)
-    out = plan_pipeline(cluster, shape, workloads, prompt_tokens, link,
-                        StageSearch(objective, trials, compress, progress=True))
+    how = StageSearch(objective, trials, compress, progress=True)
+    out = plan_pipeline(cluster, shape, workloads, prompt_tokens, link, how)
+    others = tuple(plan(cluster, shape, workloads, prompt_tokens, link, how) for plan in (plan_tensor, plan_expert))
     return {"shape": name, "objective": objective, "skew": skew, **pipeline_report(out, shape, workloads,
-                                                                                   prompt_tokens, link)}
+                                                                                   prompt_tokens, link, others)}
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Imports mlx.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,9 +20,28 @@ from runtime.errors import NpumoeError
 LAYOUTS = ("pipeline", "tensor")  # what a pipeline file's `layout` may name (absent: the pipeline)
 
 
-def check_shardable(config: dict, ranks: int) -> None:
+def read_layout(path: str | Path) -> str:
+    """The layout a pipeline file names (`layout`; absent: the pipeline)."""
+    try:
+        layout = json.loads(Path(path).read_text(encoding="utf-8")).get("layout", "pipeline")
+    except (OSError, ValueError, AttributeError) as e:
+        raise NpumoeError(f"cannot read the layout in {path}: {e}") from None
+    if layout not in LAYOUTS:
+        raise NpumoeError(f"{path} names the layout {layout!r}; the runtime runs {' or '.join(LAYOUTS)}")
+    return layout
+
+
+def check_shardable(config: dict, ranks: int, plan: str | None) -> None:
     """mlx-lm's `shard()` divides the heads, the KV heads and every FFN width by the ranks: refuse widths it
-    cannot (before the ring is joined)."""
+    cannot, and a plan that places dense functions on a static backend (the spine splices whole projections, not
+    slices), before the ring is joined."""
+    from runtime.mlx.formats import placed_dense
+    from runtime.plan import load_plan
+
+    if plan is not None and placed_dense(load_plan(plan)):
+        raise NpumoeError(f"{plan} places dense functions on a static backend; the tensor layout slices them, "
+                          "which the spine does not splice: use the pipeline layout, or a plan with no dense "
+                          "placement")
     widths = {k: config.get(k) for k in ("num_attention_heads", "num_key_value_heads", "moe_intermediate_size",
                                          "intermediate_size")}
     odd = [f"{k} {v}" for k, v in widths.items() if v and v % ranks]
