@@ -37,6 +37,12 @@ def sharded_shape(shape: DecoderShape, n: int) -> DecoderShape:
                                dense_ffn=shape.dense_ffn // n)
 
 
+def sliced(how: StageSearch) -> StageSearch:
+    """A sliced layer's search: its dense half on the exact path (the MLX spine splices whole projections and
+    attention cores, not a rank's slice of them)."""
+    return dataclasses.replace(how, dense=False)
+
+
 def sums_ms(link: LinkFigure, n: int, shape: DecoderShape, prompt: int, chunk: int) -> list[float]:
     """Each chunk's two `all_sum`s per layer over the link."""
     return [2 * shape.num_layers * all_sum_ms(link, n, rows, shape.hidden) for rows, _ in prompt_chunks(prompt, chunk)]
@@ -64,7 +70,7 @@ def plan_tensor(macs: list[Mac], shape: DecoderShape, workloads: dict[int, list[
                 link: LinkFigure, how: StageSearch = StageSearch()) -> LayoutOutcome:
     """The tensor layout: each distinct Mac's slice searched; a chunk takes the slowest rank's time, then its sums."""
     n, part = len(macs), sharded_shape(shape, len(macs))
-    searched = {k: search_stage(m, part, workloads, prompt, 0, shape.num_layers, how)
+    searched = {k: search_stage(m, part, workloads, prompt, 0, shape.num_layers, sliced(how))
                 for k, m in _distinct(macs).items()}
     ranks = [searched[(id(m.cost), m.budget_bytes)] for m in macs]
 
@@ -96,7 +102,7 @@ def plan_expert(macs: list[Mac], shape: DecoderShape, workloads: dict[int, list[
     part = dataclasses.replace(sharded_shape(shape, n), expert_ffn=shape.expert_ffn, num_experts=shape.num_experts // n)
     owners = expert_owners(next(iter(workloads.values())), shape.num_experts, n)
     ranks = [search_stage(m, part, {c: [_own(d, mine) for d in ls] for c, ls in workloads.items()}, prompt, 0,
-                          shape.num_layers, how) for m, mine in zip(macs, owners)]
+                          shape.num_layers, sliced(how)) for m, mine in zip(macs, owners)]
 
     def priced(chunk: int) -> tuple[float, float]:
         times = []

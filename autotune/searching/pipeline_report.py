@@ -1,14 +1,17 @@
 """The report of a plan per Mac: the split, each stage's plan and memory against its Mac's budget, the link, the
-pipelined prefill, and the same Macs running mlx-lm's pipeline on the GPU alone. Every figure is predicted.
+pipelined prefill, the other layouts (`pipeline_layouts`), and the same Macs running mlx-lm's pipeline on the GPU
+alone and its `shard()`. Every figure is predicted.
 
-- `predicted_prefill_ms`: the prompt's chunks overlapping across stages (`pipeline_link.pipeline_ms`);
+- `layouts`: each layout's prefill (`pipeline`; `tensor` and `expert` where priced: their work, their sums and each
+  rank's plan and memory); `layout`: the fastest, whose prefill is `predicted_prefill_ms`.
+- `pipeline_prefill_ms`: the prompt's chunks overlapping across stages (`pipeline_link.pipeline_ms`);
   `sequential_ms`: the same stages with no overlap.
 - `one_stage_ms`: one stage's worth of work, the stages' work over the number of Macs (what each Mac would do were the
   work split evenly and the chunks overlapping with no fill or drain); `efficiency` is it over the prefill.
   `busiest_stage_ms`: the slowest stage's own work, the floor no overlap can pass.
 - `mlx_gpu_pipeline`: mlx-lm's pipeline (its even split, every op on each Mac's GPU), its chunks overlapping the same
   way (each rank sends a chunk's hidden states on and starts the next), at the plan's chunk size and at mlx-lm's
-  2048-token prefill step; `vs`: its prefill over the plan's.
+  2048-token prefill step; `vs`: its prefill over the chosen layout's.
 - `mlx_gpu_sharded`: the other mode mlx-lm runs across Macs, priced against the pipeline before anything is built
   for it: `shard()` (tensor parallel), every rank a 1/N slice of every attention head group and every expert on its
   GPU, and two `all_sum`s of `chunk x hidden` per layer per chunk over the link (a ring all-reduce moves 2(N-1)/N of
@@ -132,7 +135,8 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
     chosen = choose_layout({k: v["predicted_prefill_ms"] for k, v in layouts.items()})
     ours = layouts[chosen]["predicted_prefill_ms"]
     return {"label": "predicted by the cost model (each Mac's profile) and the link's published figure",
-            "layout": chosen, "layouts": layouts, "predicted_prefill_ms": ours, "macs": n, "prompt_tokens": prompt, "chunk_tokens": chunk,
+            "layout": chosen, "layouts": layouts, "predicted_prefill_ms": ours, "macs": n, "prompt_tokens": prompt,
+            "chunk_tokens": chunk,
             "split": [[s.first, s.last] for s in out.stages], "first_split": [list(s) for s in out.first_split],
             "rebalanced": out.rebalanced,
             "stages": [stage_json(s, shape, prompt, chunk, k == n - 1) for k, s in enumerate(out.stages)],
