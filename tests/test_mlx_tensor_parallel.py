@@ -40,14 +40,14 @@ def tensor(tiny4, tmp_path_factory):
 RANK = """import json
 import sys
 import numpy as np
-from autotune.calibration.workload import encode_text
+import torch
 from runtime.generation import load
 from runtime.mlx.cluster import cluster_spec
 from runtime.mlx.spine_generation import prefill_logits
 
 model, plan, out, text = sys.argv[1:5]
 loaded = load(model, plan, dtype="float32", engine="mlx", cluster=cluster_spec(model, plan, None))
-ids = encode_text(loaded.tokenizer, text, 64)
+ids = torch.tensor(loaded.tokenizer.encode(text))
 logits = prefill_logits(loaded.model, ids, loaded.plan.chunk_tokens, every_position=True)
 np.save(f"{out}/rank{loaded.cluster.spec.rank}.npy", logits.numpy())
 print(json.dumps({"rank": loaded.cluster.spec.rank, "layers": loaded.cluster.layers,
@@ -58,7 +58,6 @@ print(json.dumps({"rank": loaded.cluster.spec.rank, "layers": loaded.cluster.lay
 @pytest.mark.slow
 def test_two_ranks_in_tensor_parallel_match_one_process(tiny4, tensor, tmp_path):
     import runtime
-    from autotune.calibration.workload import encode_text
     from runtime.mlx.spine_generation import prefill_logits
     from runtime.prefill import max_rel_diff
 
@@ -75,7 +74,7 @@ def test_two_ranks_in_tensor_parallel_match_one_process(tiny4, tensor, tmp_path)
     assert [r["layers"] for r in ranks] == [[0, 4], [0, 4]]  # every rank every layer, sliced
     assert ranks[0]["spilled"] == ranks[1]["spilled"] > 0  # each rank routes every token
     one = runtime.load(str(tiny4), plan=str(tensor / "plan.json"), engine="mlx", dtype="float32")
-    ids = encode_text(one.tokenizer, TEXT, 64)
+    ids = torch.tensor(one.tokenizer.encode(TEXT))
     want = prefill_logits(one.model, ids, one.plan.chunk_tokens, every_position=True)
     for k in (0, 1):  # the ranks' slices summed by all_sum: float32 rounding in another order, no more
         got = torch.from_numpy(np.load(tmp_path / f"rank{k}.npy"))
