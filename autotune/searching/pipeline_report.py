@@ -10,13 +10,14 @@ alone and its `shard()`. Every figure is predicted.
   work split evenly and the chunks overlapping with no fill or drain); `efficiency` is it over the prefill.
   `busiest_stage_ms`: the slowest stage's own work, the floor no overlap can pass.
 - `mlx_gpu_pipeline`: mlx-lm's pipeline (its even split, every op on each Mac's GPU), its chunks overlapping the same
-  way (each rank sends a chunk's hidden states on and starts the next), at the plan's chunk size and at mlx-lm's
-  2048-token prefill step; `vs`: its prefill over the chosen layout's.
+  way (each rank sends a chunk's hidden states on and starts the next), at the pipeline's chunk size, at mlx-lm's
+  2048-token prefill step and at the chosen layout's chunk size (`-chunk<c>`, where it is another); `vs`: its
+  prefill over the chosen layout's.
 - `mlx_gpu_sharded`: the other mode mlx-lm runs across Macs, priced against the pipeline before anything is built
   for it: `shard()` (tensor parallel), every rank a 1/N slice of every attention head group and every expert on its
   GPU, and two `all_sum`s of `chunk x hidden` per layer per chunk over the link (a ring all-reduce moves 2(N-1)/N of
   the bytes each way), on the critical path; the embedding, router and `lm_head` whole on every rank; at the same
-  chunk sizes as `mlx_gpu_pipeline`.
+  chunk sizes as `mlx_gpu_pipeline`. The `tensor` layout is the same slices and sums with our plan on each slice.
 """
 from __future__ import annotations
 
@@ -108,6 +109,19 @@ def mlx_gpu_sharded(mac: Mac, n: int, shape: DecoderShape, layers: list[LayerDat
             "predicted_prefill_ms": sum(ms) + sum(reduce)}
 
 
+def gpu_baselines(macs: list[Mac], shape: DecoderShape, workloads: dict[int, list[LayerData]], prompt: int,
+                  link: LinkFigure, steps: dict[str, int]) -> tuple[dict, dict]:
+    """mlx-lm's pipeline and its `shard()` on the GPU alone at each chunk size of `steps` (a key's suffix: its
+    chunk) that was searched, each size once."""
+    gpu: dict[str, dict] = {}
+    for k, c in steps.items():
+        if c in workloads and c not in {g["chunk_tokens"] for g in gpu.values()}:
+            gpu[f"mlx-gpu{k}"] = mlx_gpu_pipeline(macs, shape, workloads[c], prompt, link)
+    sharded = {f"mlx-gpu-sharded{k[7:]}": mlx_gpu_sharded(macs[0], len(macs), shape, workloads[g["chunk_tokens"]],
+                                                          prompt, link) for k, g in gpu.items()}
+    return gpu, sharded
+
+
 def layout_json(out: LayoutOutcome, prompt: int) -> dict:
     """A layout beside the pipeline (`pipeline_layouts`): its prefill, work and sums, and each rank's plan."""
     return {"chunk_tokens": out.chunk_tokens, "predicted_prefill_ms": out.prefill_ms, "compute_ms": out.compute_ms,
@@ -124,16 +138,13 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
     whole = pipeline_ms(ms, links)
     work = [sum(m) for m in ms]
     macs = [s.mac for s in out.stages]
-    gpu = {"mlx-gpu": mlx_gpu_pipeline(macs, shape, workloads[chunk], prompt, link)}
-    if MLX_LM_PREFILL_STEP in workloads and MLX_LM_PREFILL_STEP != chunk:
-        gpu[f"mlx-gpu-step{MLX_LM_PREFILL_STEP}"] = mlx_gpu_pipeline(macs, shape, workloads[MLX_LM_PREFILL_STEP],
-                                                                     prompt, link)
-    sharded = {f"mlx-gpu-sharded{k[7:]}": mlx_gpu_sharded(macs[0], n, shape, workloads[g["chunk_tokens"]], prompt,
-                                                          link) for k, g in gpu.items()}
     layouts = {"pipeline": {"chunk_tokens": chunk, "predicted_prefill_ms": whole},
                **{o.layout: layout_json(o, prompt) for o in others}}
     chosen = choose_layout({k: v["predicted_prefill_ms"] for k, v in layouts.items()})
     ours = layouts[chosen]["predicted_prefill_ms"]
+    steps = {"": chunk, f"-step{MLX_LM_PREFILL_STEP}": MLX_LM_PREFILL_STEP,
+             f"-chunk{layouts[chosen]['chunk_tokens']}": layouts[chosen]["chunk_tokens"]}
+    gpu, sharded = gpu_baselines(macs, shape, workloads, prompt, link, steps)
     return {"label": "predicted by the cost model (each Mac's profile) and the link's published figure",
             "layout": chosen, "layouts": layouts, "predicted_prefill_ms": ours, "macs": n, "prompt_tokens": prompt,
             "chunk_tokens": chunk,
