@@ -18,8 +18,10 @@ Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 
 With `--macs N`, the model's layers split across N Macs of the profile, each with `--budget-gb` of memory (an M2
 Ultra's 192 GB), joined by the profile's link (Thunderbolt 5's published rate; `--link-gb-s` replaces it): the
-split, each stage's plan and memory, the link time, the pipelined prefill, and the same Macs running mlx-lm's
-pipeline on the GPU alone (`autotune.searching.pipeline_report`). All predicted.
+split, each stage's plan and memory, the link time, the pipelined prefill, the tensor and expert layouts with our plan
+on each Mac (`autotune.searching.pipeline_layouts`) and the fastest of the three (`layout`, whose prefill `vs` is
+over), and the same Macs running mlx-lm's pipeline and its `shard()` on the GPU alone
+(`autotune.searching.pipeline_report`). All predicted.
 """
 from __future__ import annotations
 
