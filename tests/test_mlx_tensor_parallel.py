@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import convert_to_mlx
-from test_mlx_cluster import ENV, ROOT, free_ports, launch
+from test_mlx_cluster import ENV, ROOT, _refused, a_rank, free_ports, launch  # noqa: F401 (a_rank: a fixture)
 
 pytest.importorskip("mlx_lm")
 TEXT = "Static capacity tiers and grouped experts run beside the exact path on every Mac of the ring."
@@ -88,6 +88,22 @@ def test_run_under_the_launcher_in_tensor_parallel(tiny4, tensor, tmp_path):
     assert [(r["rank"], r["layers"]) for r in ranks] == [(0, [0, 4]), (1, [0, 4])]
     for r in ranks:  # against mlx-lm's own shard() forward on the same two ranks
         assert r["max_rel_diff_vs_reference"] <= 1e-5 and r["assignments"] == 64 * 4 * 2  # top-2, every layer
+
+
+@pytest.mark.usefixtures("a_rank")  # this process as rank 0 of a ring nobody listens on
+def test_a_plan_with_dense_functions_placed_is_refused_before_the_ring(tiny4, tensor, tmp_path, capsys):
+    from autotune.cli import main
+
+    dense = tmp_path / "dense.json"
+    assert main(["plan-template", "--model", str(tiny4), "--exact", "mlx-exact", "--chunk", "16", "--backend",
+                 "cpu-static", "--dense", "cpu-static", "--out", str(dense)]) == 0
+    capsys.readouterr()
+    layout = json.loads((tensor / "plan.pipeline.json").read_text())
+    for stage in layout["stages"]:
+        stage["plan"] = "dense.json"
+    (tmp_path / "dense.pipeline.json").write_text(json.dumps(layout))
+    line = _refused(capsys, ["run", "--model", str(tiny4), "--plan", str(dense), "--engine", "mlx"])
+    assert line.startswith("autotune run: error:") and "places dense functions on a static backend" in line
 
 
 def test_the_tensor_layout_refuses_widths_that_do_not_divide():
