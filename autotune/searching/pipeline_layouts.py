@@ -72,7 +72,7 @@ def plan_tensor(macs: list[Mac], shape: DecoderShape, workloads: dict[int, list[
     n, part = len(macs), sharded_shape(shape, len(macs))
     searched = {k: search_stage(m, part, workloads, prompt, 0, shape.num_layers, sliced(how))
                 for k, m in _distinct(macs).items()}
-    ranks = [searched[(id(m.cost), m.budget_bytes)] for m in macs]
+    ranks = [dataclasses.replace(searched[(id(m.cost), m.budget_bytes)], mac=m) for m in macs]
 
     def priced(chunk: int) -> tuple[float, float]:
         per_rank = [stage_ms(r, prompt, chunk, True) for r in ranks]
