@@ -151,8 +151,7 @@ def tensor_json(prices: list[HostPricing], shape: DecoderShape, link: LinkFigure
         return {}
     compute = sum(map(max, zip(*(p.slice_ms(shape, n) for p in prices))))
     sums = sum(sums_ms(link, n, shape, prompt, chunk))
-    return {"tensor": {"prefill_ms": compute + sums, "compute_ms": compute, "all_sum_ms": sums,
-                       "ranks": [n - 1 - k for k in range(n)]}}
+    return {"tensor": {"prefill_ms": compute + sums, "compute_ms": compute, "all_sum_ms": sums}}
 
 
 def write_stages(plans: list[Plan], hosts: list[HostSpec], split: list[tuple[int, int]], files: list[Path]) -> None:

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 
 from runtime.errors import NpumoeError
 from runtime.mlx.cluster_follow import Link
@@ -198,17 +197,13 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
     `dtype` (`spine_loading.compute_dtype`)."""
     from mlx_lm.utils import load_model
 
-    from runtime.mlx.spine_loading import compute_dtype, folder_config
+    from runtime.mlx.spine_loading import cast_floats, folder_config
 
     model, _ = load_model(path, lazy=True, model_config=folder_config(path))
     if not hasattr(model, "model") or not hasattr(model.model, "pipeline"):
         raise NpumoeError(f"mlx-lm has no pipeline for {type(model).__module__.rsplit('.', 1)[-1]!r} models ({path})")
     model.model.pipeline(group, split)
-    to = compute_dtype(dtype)
-    if to is not None:
-        floats = (mx.float32, mx.bfloat16, mx.float16)
-        model.update(tree_map(lambda a: a.astype(to) if a.dtype in floats else a, model.parameters()))
-    mx.eval(model.parameters())
+    cast_floats(model, dtype)
     return model
 
 
