@@ -20,8 +20,10 @@ Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 
 With `--macs N`, the model's layers split across N Macs of the profile, each with `--budget-gb` of memory (an M2
 Ultra's 192 GB), joined by the profile's link (Thunderbolt 5's published rate; `--link-gb-s` replaces it): the
-split, each stage's plan and memory, the link time, the pipelined prefill, and the same Macs running mlx-lm's
-pipeline on the GPU alone (`autotune.searching.pipeline_report`). All predicted.
+split, each stage's plan and memory, the link time, the pipelined prefill, the tensor and expert layouts with our plan
+on each Mac (`autotune.searching.pipeline_layouts`) and the fastest of the three (`layout`, whose prefill `vs` is
+over), and the same Macs running mlx-lm's pipeline and its `shard()` on the GPU alone
+(`autotune.searching.pipeline_report`). All predicted.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill
 from autotune.searching.optimizer import chunk_candidates, run_search
+from autotune.searching.pipeline_layouts import plan_expert, plan_tensor
 from autotune.searching.pipeline_plan import Mac, StageSearch, plan_pipeline
 from autotune.searching.pipeline_report import pipeline_report
 from autotune.searching.prefill_report import mlx_gpu_prefill, whole_prefill
@@ -116,10 +119,11 @@ def bench_macs(profile, name: str, macs: int, budget_gb: float, link_gb_s: float
                                                                                               shape.context)}
     cluster = [Mac(f"mac{i}", profile.cost_model, budget_gb * 1e9) for i in range(macs)]
     link = profile_link(profile.extra, link_gb_s)
-    out = plan_pipeline(cluster, shape, workloads, prompt_tokens, link,
-                        StageSearch(objective, trials, compress, progress=True))
+    how = StageSearch(objective, trials, compress, progress=True)
+    out = plan_pipeline(cluster, shape, workloads, prompt_tokens, link, how)
+    others = tuple(plan(cluster, shape, workloads, prompt_tokens, link, how) for plan in (plan_tensor, plan_expert))
     return {"shape": name, "objective": objective, "skew": skew, **pipeline_report(out, shape, workloads,
-                                                                                   prompt_tokens, link)}
+                                                                                   prompt_tokens, link, others)}
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from autotune.calibration.traces import synthetic_traces
@@ -13,6 +14,7 @@ from autotune.costing.whole_prefill import DecoderShape, ExpertFigures, predict_
 from autotune.profiling.profile import load_profile
 from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import chunk_candidates
+from autotune.searching.pipeline_layouts import expert_owners, plan_expert, plan_tensor
 from autotune.searching.pipeline_plan import Mac, StageSearch, plan_pipeline
 from autotune.searching.pipeline_report import pipeline_report
 from autotune.searching.pipeline_split import balanced_split, even_split
@@ -103,8 +105,41 @@ def test_a_two_mac_plan_of_a_qwen3_235b_slice(published):
     assert all(s["within_budget"] and s["memory"]["total"] < 192 for s in report["stages"])
     chunk = report["chunk_tokens"]
     assert report["link"]["ms_per_boundary_per_chunk"][0] == pytest.approx(chunk * 4096 * 2 / 1e10 * 1e3)
-    assert report["busiest_stage_ms"] <= report["predicted_prefill_ms"] < report["sequential_ms"]
+    assert report["busiest_stage_ms"] <= report["pipeline_prefill_ms"] < report["sequential_ms"]
     assert report["vs"]["mlx-gpu"] > 1.0  # the ANE's residents and the overlap ahead of mlx-lm's pipeline
+    assert report["layouts"] == {"pipeline": {"chunk_tokens": chunk, "predicted_prefill_ms":
+                                              report["pipeline_prefill_ms"]}}
+    assert report["layout"] == "pipeline" and report["predicted_prefill_ms"] == report["pipeline_prefill_ms"]
+
+
+def test_the_tensor_and_expert_layouts_of_a_qwen3_235b_slice(published):
+    """One prompt of one chunk: the pipeline cannot overlap it (one stage waits for the other); the tensor layout
+    splits every layer's work over both Macs, for two all_sums per layer."""
+    shape = DecoderShape.from_config({**TWINS["qwen3-235b-a22b"], "num_hidden_layers": 4})
+    spec = dict(num_experts=128, top_k=8, moe_layers=list(shape.moe_layers))
+    workloads = {512: LayerData.from_traces(synthetic_traces(spec, 5, 512, tokens=True), 512, 512)}
+    macs = [Mac(f"mac{i}", published.cost_model, 192e9) for i in range(2)]
+    link, how = profile_link(published.extra), StageSearch(trials=0)
+    others = tuple(plan(macs, shape, workloads, 512, link, how) for plan in (plan_tensor, plan_expert))
+    report = pipeline_report(plan_pipeline(macs, shape, workloads, 512, link, how), shape, workloads, 512, link,
+                             others)
+    tensor, expert = report["layouts"]["tensor"], report["layouts"]["expert"]
+    # 4 layers x 2 all_sums of 512 x 4096 x 2 bytes, a ring of 2 sending half of it twice, at 10 GB/s
+    assert tensor["all_sum_ms"] == expert["all_sum_ms"] == pytest.approx(8 * 512 * 4096 * 2 / 1e10 * 1e3)
+    assert tensor["predicted_prefill_ms"] == pytest.approx(tensor["compute_ms"] + tensor["all_sum_ms"])
+    rank = tensor["ranks"][0]
+    assert rank["plan"]["experts"] == 4 * 128 and rank["plan"]["dense_placement"]["qkv"] is None  # sliced: exact
+    assert rank["memory"]["weights"] < report["stages"][0]["memory"]["weights"] * 1.05  # half of 4 layers ~ 2 whole
+    assert [r["plan"]["experts"] for r in expert["ranks"]] == [4 * 64, 4 * 64]  # half the experts each, whole
+    assert report["layout"] == min(report["layouts"], key=lambda k: report["layouts"][k]["predicted_prefill_ms"])
+    assert report["predicted_prefill_ms"] < report["pipeline_prefill_ms"]  # one chunk: nothing to overlap
+    assert report["vs"]["mlx-gpu-sharded"] > 1.0  # our plan on each slice ahead of mlx-lm's shard() on the GPU
+
+
+def test_experts_are_dealt_in_a_snake_by_popularity():
+    calib = np.array([[80, 70, 60, 50, 40, 30, 20, 10]])
+    owners = expert_owners([LayerData(0, calib, calib, 8)], 8, 2)
+    assert [o.tolist() for o in owners] == [[0, 3, 4, 7], [1, 2, 5, 6]]  # 180 and 180 assignments
 
 
 def _macs_args(d, out, *extra):
@@ -124,7 +159,10 @@ def test_search_across_two_macs_writes_a_plan_per_stage(workdir, tmp_path, capsy
     assert report["split"] == [[0, n // 2], [n // 2, n]]  # identical layers: the balanced split halves them
     assert [s["rank"] for s in report["stages"]] == [1, 0]  # mlx-lm's order: rank 0 holds the last layers
     assert report["link"]["gb_per_s"] == 10.0 and report["link"]["label"] == "given"
-    assert report["predicted"]["prefill_ms"] > 0
+    assert report["predicted"]["prefill_ms"] == report["layouts"]["pipeline"]["prefill_ms"] > 0
+    tensor = report["layouts"]["tensor"]  # each host's plan on its slice: priced beside the pipeline
+    assert tensor["prefill_ms"] == pytest.approx(tensor["compute_ms"] + tensor["all_sum_ms"])
+    assert report["layout"] == min(report["layouts"], key=lambda k: report["layouts"][k]["prefill_ms"])
     for k, s in enumerate(report["stages"]):
         assert load_plan(s["plan"]).meta["pipeline"] == {"stage": k, "of": 2, "layers": s["layers"],
                                                          "rank": 1 - k, "host": f"mac{k}"}

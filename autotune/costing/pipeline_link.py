@@ -9,6 +9,9 @@ stages: while Mac 2 runs chunk 1's last layers, Mac 1 runs chunk 2's first ones.
 
 The link is priced at the profile's `link` figure (`LinkFigure`: bytes over its rate plus a fixed cost per
 transfer). A transfer occupies the link, not either Mac's units: the sender goes on to its next chunk.
+
+Tensor parallelism (every Mac a slice of every layer) pays instead an `all_sum` of the chunk's hidden states after
+each sliced matmul pair, on the critical path: no rank goes on before the sum (`all_sum_ms`).
 """
 from __future__ import annotations
 
@@ -62,6 +65,12 @@ def activation_bytes(rows: int, hidden: int, dtype_bytes: int = 2) -> int:
 def link_ms(link: LinkFigure, rows: int, hidden: int, dtype_bytes: int = 2) -> float:
     """One chunk's activations across one stage boundary."""
     return link.transfer_ms(activation_bytes(rows, hidden, dtype_bytes))
+
+
+def all_sum_ms(link: LinkFigure, ranks: int, rows: int, hidden: int, dtype_bytes: int = 2) -> float:
+    """One `all_sum` of `rows x hidden` over a ring of `ranks` Macs (what tensor parallelism pays after a sliced
+    matmul): a ring all-reduce sends 2(N-1)/N of the bytes each way, one transfer's fixed cost counted once."""
+    return link.transfer_ms(2 * (ranks - 1) / ranks * activation_bytes(rows, hidden, dtype_bytes))
 
 
 def pipeline_ms(stage_chunk_ms: list[list[float]], link_chunk_ms: list[float]) -> float:

@@ -45,6 +45,7 @@ class StageSearch:
     compress: tuple[str, ...] = ("none",)
     backend: str | None = None  # the static backend; None: the one today's search picks for each Mac's profile
     progress: bool = False
+    dense: bool = True  # the dense functions' placement searched (False: all on the exact path: a sliced layer's)
 
 
 @dataclass
@@ -105,7 +106,8 @@ def search_stage(mac: Mac, shape: DecoderShape, workloads: dict[int, list[LayerD
         return choose_dense(mac.cost, sub, prompt, chunk, scorer.backend, weights, calib, resident)
 
     outcome = run_search(mine, scorer, layer_space(shape.num_experts, how.compress, scorer.splits_exact),
-                         objective=how.objective, trials=how.trials, progress=how.progress, dense=dense)
+                         objective=how.objective, trials=how.trials, progress=how.progress,
+                         dense=dense if how.dense else None)
     return Stage(first, last, mac, sub, scorer, outcome, ane)
 
 

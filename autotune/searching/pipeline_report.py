@@ -1,30 +1,33 @@
 """The report of a plan per Mac: the split, each stage's plan and memory against its Mac's budget, the link, the
-pipelined prefill, and the same Macs running mlx-lm's pipeline on the GPU alone. Every figure is predicted.
+pipelined prefill, the other layouts (`pipeline_layouts`), and the same Macs running mlx-lm's pipeline on the GPU
+alone and its `shard()`. Every figure is predicted.
 
-- `predicted_prefill_ms`: the prompt's chunks overlapping across stages (`pipeline_link.pipeline_ms`);
+- `layouts`: each layout's prefill (`pipeline`; `tensor` and `expert` where priced: their work, their sums and each
+  rank's plan and memory); `layout`: the fastest, whose prefill is `predicted_prefill_ms`.
+- `pipeline_prefill_ms`: the prompt's chunks overlapping across stages (`pipeline_link.pipeline_ms`);
   `sequential_ms`: the same stages with no overlap.
 - `one_stage_ms`: one stage's worth of work, the stages' work over the number of Macs (what each Mac would do were the
   work split evenly and the chunks overlapping with no fill or drain); `efficiency` is it over the prefill.
   `busiest_stage_ms`: the slowest stage's own work, the floor no overlap can pass.
 - `mlx_gpu_pipeline`: mlx-lm's pipeline (its even split, every op on each Mac's GPU), its chunks overlapping the same
-  way (each rank sends a chunk's hidden states on and starts the next), at the plan's chunk size and at mlx-lm's
-  2048-token prefill step; `vs`: its prefill over the plan's.
+  way (each rank sends a chunk's hidden states on and starts the next), at the pipeline's chunk size, at mlx-lm's
+  2048-token prefill step and at the chosen layout's chunk size (`-chunk<c>`, where it is another); `vs`: its
+  prefill over the chosen layout's.
 - `mlx_gpu_sharded`: the other mode mlx-lm runs across Macs, priced against the pipeline before anything is built
   for it: `shard()` (tensor parallel), every rank a 1/N slice of every attention head group and every expert on its
   GPU, and two `all_sum`s of `chunk x hidden` per layer per chunk over the link (a ring all-reduce moves 2(N-1)/N of
   the bytes each way), on the critical path; the embedding, router and `lm_head` whole on every rank; at the same
-  chunk sizes as `mlx_gpu_pipeline`.
+  chunk sizes as `mlx_gpu_pipeline`. The `tensor` layout is the same slices and sums with our plan on each slice.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from autotune.costing.pipeline_link import LinkFigure, pipeline_ms, sequential_ms
 from autotune.costing.stage_prefill import stage_chunk_ms, stage_memory, stage_shape
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement, prompt_chunks
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import Solution
+from autotune.searching.pipeline_layouts import LayoutOutcome, choose_layout, sharded_shape, sums_ms
 from autotune.searching.pipeline_plan import (
     MLX_LM_PREFILL_STEP,
     Mac,
@@ -95,27 +98,39 @@ def mlx_gpu_pipeline(macs: list[Mac], shape: DecoderShape, layers: list[LayerDat
             "stage_ms": [sum(s) for s in ms], "predicted_prefill_ms": pipeline_ms(ms, links)}
 
 
-def sharded_shape(shape: DecoderShape, n: int) -> DecoderShape:
-    """What one rank of mlx-lm's `shard()` computes per layer: 1/n of the heads, KV heads and every FFN width."""
-    return dataclasses.replace(shape, heads=shape.heads // n, kv_heads=max(1, shape.kv_heads // n),
-                               expert_ffn=shape.expert_ffn // n, shared_ffn=shape.shared_ffn // n,
-                               dense_ffn=shape.dense_ffn // n)
-
-
 def mlx_gpu_sharded(mac: Mac, n: int, shape: DecoderShape, layers: list[LayerData], prompt: int,
                     link: LinkFigure) -> dict:
     """mlx-lm's tensor parallelism on n Macs alike at the layers' chunk size (see the module docstring)."""
     part = sharded_shape(shape, n)
     chunk = layers[0].chunk_tokens
     ms = gpu_stage_ms(mac, part, layers, prompt, 0, shape.num_layers, True)
-    reduce = [2 * shape.num_layers * link.transfer_ms(2 * (n - 1) / n * rows * shape.hidden * 2)
-              for rows, _ in prompt_chunks(prompt, chunk)]
+    reduce = sums_ms(link, n, shape, prompt, chunk)
     return {"chunk_tokens": chunk, "compute_ms": sum(ms), "all_sum_ms": sum(reduce),
             "predicted_prefill_ms": sum(ms) + sum(reduce)}
 
 
+def gpu_baselines(macs: list[Mac], shape: DecoderShape, workloads: dict[int, list[LayerData]], prompt: int,
+                  link: LinkFigure, steps: dict[str, int]) -> tuple[dict, dict]:
+    """mlx-lm's pipeline and its `shard()` on the GPU alone at each chunk size of `steps` (a key's suffix: its
+    chunk) that was searched, each size once."""
+    gpu: dict[str, dict] = {}
+    for k, c in steps.items():
+        if c in workloads and c not in {g["chunk_tokens"] for g in gpu.values()}:
+            gpu[f"mlx-gpu{k}"] = mlx_gpu_pipeline(macs, shape, workloads[c], prompt, link)
+    sharded = {f"mlx-gpu-sharded{k[7:]}": mlx_gpu_sharded(macs[0], len(macs), shape, workloads[g["chunk_tokens"]],
+                                                          prompt, link) for k, g in gpu.items()}
+    return gpu, sharded
+
+
+def layout_json(out: LayoutOutcome, prompt: int) -> dict:
+    """A layout beside the pipeline (`pipeline_layouts`): its prefill, work and sums, and each rank's plan."""
+    return {"chunk_tokens": out.chunk_tokens, "predicted_prefill_ms": out.prefill_ms, "compute_ms": out.compute_ms,
+            "all_sum_ms": out.all_sum_ms,
+            "ranks": [stage_json(r, r.shape, prompt, out.chunk_tokens, True) for r in out.ranks]}
+
+
 def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[int, list[LayerData]], prompt: int,
-                    link: LinkFigure) -> dict:
+                    link: LinkFigure, others: tuple[LayoutOutcome, ...] = ()) -> dict:
     """The report (see the module docstring)."""
     chunk, n = out.chunk_tokens, len(out.stages)
     ms = [stage_ms(s, prompt, chunk, k == n - 1) for k, s in enumerate(out.stages)]
@@ -123,23 +138,25 @@ def pipeline_report(out: PipelineOutcome, shape: DecoderShape, workloads: dict[i
     whole = pipeline_ms(ms, links)
     work = [sum(m) for m in ms]
     macs = [s.mac for s in out.stages]
-    gpu = {"mlx-gpu": mlx_gpu_pipeline(macs, shape, workloads[chunk], prompt, link)}
-    if MLX_LM_PREFILL_STEP in workloads and MLX_LM_PREFILL_STEP != chunk:
-        gpu[f"mlx-gpu-step{MLX_LM_PREFILL_STEP}"] = mlx_gpu_pipeline(macs, shape, workloads[MLX_LM_PREFILL_STEP],
-                                                                     prompt, link)
-    sharded = {f"mlx-gpu-sharded{k[7:]}": mlx_gpu_sharded(macs[0], n, shape, workloads[g["chunk_tokens"]], prompt,
-                                                          link) for k, g in gpu.items()}
+    layouts = {"pipeline": {"chunk_tokens": chunk, "predicted_prefill_ms": whole},
+               **{o.layout: layout_json(o, prompt) for o in others}}
+    chosen = choose_layout({k: v["predicted_prefill_ms"] for k, v in layouts.items()})
+    ours = layouts[chosen]["predicted_prefill_ms"]
+    steps = {"": chunk, f"-step{MLX_LM_PREFILL_STEP}": MLX_LM_PREFILL_STEP,
+             f"-chunk{layouts[chosen]['chunk_tokens']}": layouts[chosen]["chunk_tokens"]}
+    gpu, sharded = gpu_baselines(macs, shape, workloads, prompt, link, steps)
     return {"label": "predicted by the cost model (each Mac's profile) and the link's published figure",
-            "macs": n, "prompt_tokens": prompt, "chunk_tokens": chunk,
+            "layout": chosen, "layouts": layouts, "predicted_prefill_ms": ours, "macs": n, "prompt_tokens": prompt,
+            "chunk_tokens": chunk,
             "split": [[s.first, s.last] for s in out.stages], "first_split": [list(s) for s in out.first_split],
             "rebalanced": out.rebalanced,
             "stages": [stage_json(s, shape, prompt, chunk, k == n - 1) for k, s in enumerate(out.stages)],
             "link": {**link.to_json(), "bytes_per_chunk": chunk * shape.hidden * 2,
                      "ms_per_boundary_per_chunk": links, "ms_total": (n - 1) * sum(links)},
-            "predicted_prefill_ms": whole, "sequential_ms": sequential_ms(ms, links),
+            "pipeline_prefill_ms": whole, "sequential_ms": sequential_ms(ms, links),
             "one_stage_ms": sum(work) / n, "busiest_stage_ms": max(work), "efficiency": sum(work) / n / whole,
             "balance": max(work) / (sum(work) / n),
             "mlx_gpu_pipeline": gpu, "mlx_gpu_sharded": sharded,
-            "vs": {k: g["predicted_prefill_ms"] / whole for k, g in (gpu | sharded).items()},
+            "vs": {k: g["predicted_prefill_ms"] / ours for k, g in (gpu | sharded).items()},
             "search_seconds": out.seconds}
 

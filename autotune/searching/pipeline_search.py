@@ -21,10 +21,11 @@ from autotune.calibration.traces import load_traces
 from autotune.costing.memory import HIDDEN_BUFFERS, RUNTIME_BYTES, ModelSize, model_size
 from autotune.costing.pipeline_link import LinkFigure, pipeline_ms
 from autotune.costing.stage_prefill import kv_bytes_per_layer, stage_chunk_ms, stage_shape
-from autotune.costing.whole_prefill import DecoderShape, placement_of
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, placement_of
 from autotune.profiling.profile import load_profile
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import prompts_in
+from autotune.searching.pipeline_layouts import choose_layout, sharded_shape, sums_ms
 from autotune.searching.pipeline_plan import chunk_links, layer_times
 from autotune.searching.pipeline_split import balanced_split
 from autotune.searching.scoring import Scorer
@@ -32,6 +33,7 @@ from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits
 from runtime.errors import NpumoeError
 from runtime.loading.compute_dtype import dtype_name
+from runtime.mlx.formats import placed_dense
 from runtime.plan import Plan, save_plan
 
 GB = 1e9
@@ -84,6 +86,17 @@ class HostPricing:
         return layer_times(self.scorer.cost, self.scorer, shape, self.layers, self.prompt, self.configs(),
                            placement_of(self.plan.dense))
 
+    def slice_ms(self, shape: DecoderShape, n: int) -> list[float]:
+        """This host's rank of the tensor layout (`pipeline_layouts`): every layer sliced 1/n, the plan's decisions
+        on its slice of each expert, the dense half on the exact path (the spine splices no sliced projection)."""
+        part = sharded_shape(shape, n)
+        scorer = Scorer(self.scorer.cost, shape.hidden, part.expert_ffn, self.scorer.backend, float("inf"))
+        configs = self.configs()
+        experts = sum(scorer.score(d, configs.get(d.layer, LayerConfig(0))).latency_ms
+                      for d in self.layers) / prompts_in(self.layers, self.prompt)
+        return stage_chunk_ms(self.scorer.cost, part, self.prompt, self.plan.chunk_tokens, experts,
+                              DensePlacement(host=scorer.exact), logits=True)
+
     def stage_ms(self, shape: DecoderShape, first: int, last: int, final: bool) -> list[float]:
         configs = self.configs()
         experts = sum(self.scorer.score(d, configs.get(d.layer, LayerConfig(0))).latency_ms for d in self.layers
@@ -116,7 +129,9 @@ def pipeline_json(prices: list[HostPricing], shape: DecoderShape, split: list[tu
     ms = [p.stage_ms(shape, a, b, k == n - 1) for k, (p, (a, b)) in enumerate(zip(prices, split))]
     links = chunk_links(link, prompt, chunk, shape.hidden)
     whole = pipeline_ms(ms, links)
-    return {"schema": "npumoe.pipeline/1", "split": [list(s) for s in split],
+    layouts = {"pipeline": {"prefill_ms": whole}, **tensor_json(prices, shape, link)}
+    return {"schema": "npumoe.pipeline/1", "layout": choose_layout({k: v["prefill_ms"] for k, v in layouts.items()}),
+            "layouts": layouts, "split": [list(s) for s in split],
             "stages": [{"stage": k, "rank": n - 1 - k, "host": p.host.name, "profile": p.host.profile,
                         "layers": [a, b], "plan": str(f), "predicted_stage_ms": sum(m), "memory_gb": p.host.memory_gb}
                        for k, (p, (a, b), f, m) in enumerate(zip(prices, split, stage_files, ms))],
@@ -124,6 +139,19 @@ def pipeline_json(prices: list[HostPricing], shape: DecoderShape, split: list[tu
             "predicted": {"label": "predicted by each host's profile and the link's figure", "prompt_tokens": prompt,
                           "chunk_tokens": chunk, "prefill_ms": whole,
                           "efficiency": sum(map(sum, ms)) / n / whole}}
+
+
+def tensor_json(prices: list[HostPricing], shape: DecoderShape, link: LinkFigure) -> dict:
+    """The tensor layout's price, where the runtime can run it: widths that divide over the hosts (mlx-lm's
+    `shard()`) and plans that place no dense function (the spine splices whole projections); each rank the plan
+    of its host (stage k's file: the host of rank N-1-k), a chunk at the slowest rank's pace, then its sums."""
+    n, prompt, chunk = len(prices), prices[0].prompt, prices[0].plan.chunk_tokens
+    widths = (shape.heads, shape.kv_heads, shape.expert_ffn, shape.shared_ffn, shape.dense_ffn)
+    if any(w % n for w in widths) or any(placed_dense(p.plan) for p in prices):
+        return {}
+    compute = sum(map(max, zip(*(p.slice_ms(shape, n) for p in prices))))
+    sums = sum(sums_ms(link, n, shape, prompt, chunk))
+    return {"tensor": {"prefill_ms": compute + sums, "compute_ms": compute, "all_sum_ms": sums}}
 
 
 def write_stages(plans: list[Plan], hosts: list[HostSpec], split: list[tuple[int, int]], files: list[Path]) -> None:

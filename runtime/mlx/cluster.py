@@ -27,11 +27,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 
 from runtime.errors import NpumoeError
 from runtime.mlx.cluster_follow import Link
 from runtime.mlx.ring import Ring, quiet_ring_lines
+from runtime.mlx.tensor_parallel import check_shardable, load_shard, read_layout
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -70,6 +70,7 @@ class ClusterSpec:
     plan: str | None
     pipeline: str | None = None
     lead: bool = False
+    layout: str = "pipeline"  # or "tensor": every rank every layer, sliced (`tensor_parallel`)
 
     @property
     def rank(self) -> int:
@@ -77,6 +78,8 @@ class ClusterSpec:
 
     def stages(self, layers: int) -> list[list[int]]:
         """[first, last) of the layers of each rank, rank 0 first."""
+        if self.layout == "tensor":
+            return [[0, layers]] * self.ring.size
         split = self.split or _even_split(layers, self.ring.size)
         return [[sum(split[r + 1:]), sum(split[r:])] for r in range(len(split))]
 
@@ -95,6 +98,7 @@ def cluster_spec(model: str, plan: str | None, pipeline: str | None,
     """This rank's part, checked before the ring is joined: the launcher's ring, the model's folder, the pipeline
     file (`pipeline`, else the one beside `plan`) covering the model's layers over the ring's ranks, this rank's
     plan readable."""
+    from runtime.loading.model_config import read_config
     from runtime.loading.model_loader import model_dir
     from runtime.loading.model_record import read_model_spec
 
@@ -106,15 +110,19 @@ def cluster_spec(model: str, plan: str | None, pipeline: str | None,
             raise NpumoeError(f"{model} has {layers} layers: too few for {ring.size} ranks")
         return ClusterSpec(ring, None, plan)
     stages, plans = read_pipeline(pipeline)
+    layout = read_layout(pipeline)
     ends = [a for a, _ in stages[1:]] + [layers]
-    if (len(stages) != ring.size or stages[0][0] != 0
+    if layout == "pipeline" and (len(stages) != ring.size or stages[0][0] != 0
             or any(b != end or b <= a for (a, b), end in zip(stages, ends))):
         raise NpumoeError(f"the split {[list(s) for s in stages]} in {pipeline} does not cover the {layers} layers "
                           f"of {model} in {ring.size} consecutive stages, one per rank")
     mine = _plan_file(plans.get(ring.rank), Path(pipeline)) or plan
     if mine is not None and not Path(mine).is_file():
         raise NpumoeError(f"rank {ring.rank}'s plan {mine} (from {pipeline}) is not a file")
-    return ClusterSpec(ring, tuple(rank_split(stages)), mine, pipeline)
+    if layout == "tensor":
+        check_shardable(read_config(model_dir(model)), ring.size, mine)
+    split = None if layout == "tensor" else tuple(rank_split(stages))
+    return ClusterSpec(ring, split, mine, pipeline, layout=layout)
 
 
 def _plan_file(name: str | None, pipeline: Path) -> str | None:
@@ -140,7 +148,7 @@ class Cluster:
 
     def health(self) -> dict:
         """The ranks and their stages (`/health` on rank 0)."""
-        return {"ranks": self.group.size(), "pipeline": self.spec.pipeline,
+        return {"ranks": self.group.size(), "pipeline": self.spec.pipeline, "layout": self.spec.layout,
                 "stages": [{"rank": r, "layers": s} for r, s in enumerate(self.stages)],
                 "exact_below": self.exact_below}
 
@@ -192,17 +200,13 @@ def load_stage(path: Path, group: mx.distributed.Group, split: list[int] | None,
     `dtype` (`spine_loading.compute_dtype`)."""
     from mlx_lm.utils import load_model
 
-    from runtime.mlx.spine_loading import compute_dtype, folder_config
+    from runtime.mlx.spine_loading import cast_floats, folder_config
 
     model, _ = load_model(path, lazy=True, model_config=folder_config(path))
     if not hasattr(model, "model") or not hasattr(model.model, "pipeline"):
         raise NpumoeError(f"mlx-lm has no pipeline for {type(model).__module__.rsplit('.', 1)[-1]!r} models ({path})")
     model.model.pipeline(group, split)
-    to = compute_dtype(dtype)
-    if to is not None:
-        floats = (mx.float32, mx.bfloat16, mx.float16)
-        model.update(tree_map(lambda a: a.astype(to) if a.dtype in floats else a, model.parameters()))
-    mx.eval(model.parameters())
+    cast_floats(model, dtype)
     return model
 
 
@@ -211,12 +215,13 @@ def join(spec: ClusterSpec, path: Path, dtype: str) -> tuple[nn.Module, Cluster]
     forwards through the link."""
     quiet_ring_lines(spec.ring)
     group = spec.ring.join()
-    model = load_stage(path, group, list(spec.split) if spec.split else None, dtype)
+    model = (load_shard(path, group, dtype) if spec.layout == "tensor"
+             else load_stage(path, group, list(spec.split) if spec.split else None, dtype))
     link = Link(spec.ring, spec.lead)
     route_forwards(model, link.forward)
     inner = model.model
     layers = len(inner.layers)  # mlx-lm keeps the whole list, None before the stage
-    return model, Cluster(spec, group, [inner.start_idx, inner.end_idx], spec.stages(layers), link)
+    return model, Cluster(spec, group, [inner.start_idx, inner.end_idx or layers], spec.stages(layers), link)
 
 
 def route_forwards(model: nn.Module, through: Callable) -> None:

@@ -40,6 +40,15 @@ def compute_dtype(dtype: str) -> mx.Dtype | None:
     return DTYPES[dtype]
 
 
+def cast_floats(model: nn.Module, dtype: str) -> None:
+    """The model's floating weights in `dtype` (`compute_dtype`; packed codes as stored), made: nothing lazy is left
+    for another thread."""
+    to = compute_dtype(dtype)
+    if to is not None:
+        model.update(tree_map(lambda a: a.astype(to) if a.dtype in _FLOATS else a, model.parameters()))
+    mx.eval(model.parameters())
+
+
 def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, Path]:
     """(mlx-lm's model, the folder's tokenizer, the folder) with its floating weights in `dtype` (`compute_dtype`);
     packed codes stay as stored."""
@@ -61,10 +70,7 @@ def load_mlx_model(name: str, dtype: str = "auto") -> tuple[nn.Module, object, P
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:  # mlx-lm's own refusals: an unknown family,
         # weights or config fields it does not expect
         raise NpumoeError(f"--engine mlx: mlx-lm cannot load {path}: {str(e).splitlines()[0][:160]}") from None
-    to = compute_dtype(dtype)
-    if to is not None:
-        model.update(tree_map(lambda a: a.astype(to) if a.dtype in _FLOATS else a, model.parameters()))
-    mx.eval(model.parameters())  # made here, on the loading thread: no lazy weight is left for another thread
+    cast_floats(model, dtype)  # made here, on the loading thread
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer, path
 
