@@ -54,11 +54,12 @@ class Candidate:
 @dataclass
 class Overlapped:
     """A placement chosen under the schedule for `candidate`, and its prediction (latency: the schedule's
-    makespan)."""
+    makespan); `within_cap`: whether it fits the energy cap and the ANE's window (none of its placements may)."""
     placement: DensePlacement
     prediction: PrefillPrediction
     schedule: Schedule
     candidate: Candidate
+    within_cap: bool = True
 
 
 def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict, dict]:
@@ -170,13 +171,14 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
         mine = [c for c in ranked if c.chunk == chunk]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj)
                for c in [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]]
-        out[chunk] = min(got, key=lambda o: o.prediction.latency_ms)
+        out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     return out
 
 
 def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
-    """Of each chunk size's choice (`best_by_chunk`), the one whose schedule ends first (the smaller chunk on a tie)."""
-    return min(by_chunk.values(), key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
+    """Of each chunk size's choice (`best_by_chunk`) within the cap, the one whose schedule ends first (the smaller
+    chunk on a tie)."""
+    return min(by_chunk.values(), key=lambda o: (not o.within_cap, o.prediction.latency_ms, o.prediction.chunk_tokens))
 
 
 def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
@@ -214,4 +216,4 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
                         best_place, best, changed = place, got, True
         if not changed:
             break
-    return Overlapped(best_place, best[1], best[2], cand)
+    return Overlapped(best_place, best[1], best[2], cand, bool(np.isfinite(best[0])))

@@ -148,11 +148,12 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
 
 
 def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
-    """Per chunk size (chunks of the prompt), its best plan with two chunks in flight: latency, energy, each unit's
-    busy and idle ms and the dense functions' backends and static rows (predicted)."""
+    """Per chunk size (chunks of the prompt), its best plan with two chunks in flight: latency, energy (whether within
+    the GPU alone's and the ANE's window), each unit's busy and idle ms and the dense functions' backends and static
+    rows (predicted)."""
     return {str(chunk): {"chunks": len(prompt_chunks(prompt_tokens, chunk)),
                          "predicted_prefill_ms": o.prediction.latency_ms,
-                         "predicted_prefill_energy_mj": o.prediction.energy_mj,
+                         "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
                          "units": o.schedule.to_json()["units"],
                          "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
                                    "static_rows": dict(o.placement.rows)}}
