@@ -38,9 +38,9 @@ def loaded(q4, request):
     return _load(q4, request.param)
 
 
-def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static"):
+def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static", rows: int | None = None):
     """The plan: its first experts in static groups on `groups`, the others on mlx-exact; `functions` spliced in on
-    cpu-static."""
+    cpu-static (q/k/v and o_proj: a full chunk's first `rows` rows, mlx-exact the rest; None: every row)."""
     spec = read_model_spec(str(q4))
     plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend=groups)
     layers = [LayerPlan(layer=lp.layer, cpu_exact=list(range(GROUPED, spec.num_experts)),
@@ -48,7 +48,7 @@ def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static"):
                                       capacities=[c for e, c in zip(g.experts, g.capacities) if e < GROUPED])
                                 for g in lp.groups if min(g.experts) < GROUPED])
               for lp in plan.layers]
-    fn = DenseFunction(backend="cpu-static")
+    fn = DenseFunction(backend="cpu-static", rows=rows)
     core = "attention" in functions
     dense = DensePlan(attention_context_buckets=list(range(CHUNK, TOKENS + 1, CHUNK)) if core else [],
                       layers=[DenseLayer(layer=i, **{f: "cpu-static" if f == "attention" else fn
@@ -104,9 +104,10 @@ def test_two_in_flight_gives_the_one_at_a_time_logits_and_accounting(loaded):
 
 
 def test_the_cpu_beside_the_ane_runs_on_a_lane_of_its_own(q4):
-    """Groups on the ANE (here its simulation), q/k/v and o_proj on cpu-static: the CPU's calls have a lane of their
-    own beside the static lane (`Lanes.apart`), both busy; the logits are the one-at-a-time run's."""
-    loaded = _load(q4, ("qkv", "o_proj"), groups="ane")
+    """Groups on the ANE (here its simulation), q/k/v and o_proj's first half of each chunk's rows on cpu-static (the
+    other half on mlx-exact): the CPU's calls have a lane of their own beside the static lane (`Lanes.apart`), both
+    busy; the logits are the one-at-a-time run's."""
+    loaded = _load(q4, ("qkv", "o_proj"), groups="ane", rows=CHUNK // 2)
     model, spine = loaded.model, loaded.executor
     ids = _ids(loaded)
     ref = _one_at_a_time(model, ids)
