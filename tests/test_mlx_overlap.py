@@ -35,19 +35,25 @@ def q4(tmp_path_factory) -> Path:
 def loaded(q4, request):
     """The plan, its dense half on mlx-exact, or with q/k/v and o_proj, or the attention core (a bucket per full
     chunk's context: its call lets the next chunk's attention start), spliced in on cpu-static (static calls too)."""
+    return _load(q4, request.param)
+
+
+def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static", rows: int | None = None):
+    """The plan: its first experts in static groups on `groups`, the others on mlx-exact; `functions` spliced in on
+    cpu-static (q/k/v and o_proj: a full chunk's first `rows` rows, mlx-exact the rest; None: every row)."""
     spec = read_model_spec(str(q4))
-    plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend="cpu-static")
+    plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend=groups)
     layers = [LayerPlan(layer=lp.layer, cpu_exact=list(range(GROUPED, spec.num_experts)),
                         groups=[Group(backend=g.backend, experts=[e for e in g.experts if e < GROUPED],
                                       capacities=[c for e, c in zip(g.experts, g.capacities) if e < GROUPED])
                                 for g in lp.groups if min(g.experts) < GROUPED])
               for lp in plan.layers]
-    fn = DenseFunction(backend="cpu-static")
-    core = "attention" in request.param
+    fn = DenseFunction(backend="cpu-static", rows=rows)
+    core = "attention" in functions
     dense = DensePlan(attention_context_buckets=list(range(CHUNK, TOKENS + 1, CHUNK)) if core else [],
                       layers=[DenseLayer(layer=i, **{f: "cpu-static" if f == "attention" else fn
-                                                     for f in request.param})
-                              for i in range(spec.num_layers)]) if request.param else None
+                                                     for f in functions})
+                              for i in range(spec.num_layers)]) if functions else None
     return generation.load(str(q4), plan.model_copy(update={"layers": layers, "dense": dense}), engine="mlx",
                            dtype="float32")
 
@@ -95,6 +101,23 @@ def test_two_in_flight_gives_the_one_at_a_time_logits_and_accounting(loaded):
     for layer in {k[0] for k in kv}:
         times = [t for _, _, t in sorted(k for k in kv if k[0] == layer)]
         assert len(times) == TOKENS // CHUNK and times == sorted(times)
+
+
+def test_the_cpu_beside_the_ane_runs_on_a_lane_of_its_own(q4):
+    """Groups on the ANE (here its simulation), q/k/v and o_proj's first half of each chunk's rows on cpu-static (the
+    other half on mlx-exact): the CPU's calls have a lane of their own beside the static lane (`Lanes.apart`), both
+    busy; the logits are the one-at-a-time run's."""
+    loaded = _load(q4, ("qkv", "o_proj"), groups="ane", rows=CHUNK // 2)
+    model, spine = loaded.model, loaded.executor
+    ids = _ids(loaded)
+    ref = _one_at_a_time(model, ids)
+    spine.reset()
+    pieces = [(ids[s:d], rows) for s, d, rows in prefill_forwards(model, len(ids), CHUNK)]
+    got = last_logits(model.forward_in_flight(pieces, model.make_cache(), 2, Lanes())).clone()
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-6
+    lanes_ms = spine.executed().to_json()["lanes"]
+    assert set(lanes_ms) == {"host", "static", "cpu-static"}
+    assert all(f["busy_ms"] > 0 for f in lanes_ms.values())
 
 
 def test_greedy_text_of_generate_is_the_same_in_flight(loaded):

@@ -113,3 +113,33 @@ def test_no_baseline_plan_is_predicted_faster_than_the_plan(profile, chunk_promp
     for name, row in rows.items():
         if row["candidate"]:
             assert report["vs"][name]["latency"] >= 1.0 - 1e-12, name
+
+
+def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy():
+    """Two chunks in flight on the published M2 Ultra profile (the CPU a third unit): `by_chunk` has the chunk sizes
+    it priced; the plan is the fastest of them within the cap, at no more than mlx-gpu's energy; each unit's
+    busy and idle ms add up to its row's latency."""  # a size whose chain is past 1.5x the best's is not priced
+    cost, prompt = load_profile("apple-m2-ultra-published").cost_model, 2048
+    spec = {**SPEC, "num_layers": 4, "moe_layers": [0, 1, 2, 3], "num_experts": 16}
+    shape = dataclasses.replace(SHAPE, num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=16)
+    traces = synthetic_traces(spec, 4, prompt, skew=1.2, seed=5, tokens=True)
+    workloads = {c: LayerData.from_traces(traces, c, prompt) for c in (512, 1024)}
+    scorer = Scorer(cost, 256, 128, "ane", 1e9)
+    prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
+
+    def dense(chunk, weights, resident):
+        return choose_dense(cost, shape, prompt, chunk, "ane", weights, prompts, resident)
+
+    out = run_search(workloads, scorer, layer_space(16, split_exact=scorer.splits_exact), trials=0, progress=False,
+                     dense=dense, whole=WholePrefill(shape, prompt))
+    report = whole_prefill(out, scorer, shape, prompt, in_flight=2)
+    rows = report["by_chunk"]
+    assert str(report["chunk_tokens"]) in rows and set(rows) <= {"512", "1024"}
+    assert all(r["chunks"] == prompt // int(c) for c, r in rows.items())
+    fits = [r["predicted_prefill_ms"] for r in rows.values() if r["within_energy_cap"]]
+    assert report["predicted_prefill_ms"] == min(fits)
+    gpu = report["prefill_baselines"]["mlx-gpu"]
+    assert report["predicted_prefill_energy_mj"] <= gpu["predicted_prefill_energy_mj"]
+    for r in rows.values():
+        for unit in r["units"].values():
+            assert unit["busy_ms"] + unit["idle_ms"] == pytest.approx(r["predicted_prefill_ms"], rel=1e-6)

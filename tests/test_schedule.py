@@ -8,6 +8,7 @@ import pytest
 from autotune.costing.schedule import CORE_STEP, KV_STEP, Step, predict_scheduled, schedule, steps_from_events
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, predict_prefill
 from autotune.profiling.profile import load_profile
+from autotune.searching.overlap_choice import cpu_backends
 
 
 def _chunk() -> list[Step]:
@@ -97,3 +98,24 @@ def test_recorded_lane_intervals_as_steps():
     assert steps == [Step.of(CORE_STEP, 0, {"host": 2.0}), Step.of(KV_STEP, 0, {}),
                      Step.of("static", -1, {"static": 2.0, "host": 1.0}), Step.of("host", -1, {"host": 1.0})]
     assert schedule([steps], 1).makespan_ms == pytest.approx(2.0 + 2.0 + 1.0)
+
+
+def test_the_cpu_as_a_third_unit_by_hand(m2):
+    """o_proj's first 256 rows of each full chunk on the CPU (cpu-static): the CPU's queue gains each layer's
+    256-row matmul at its price, the GPU's loses its share of the chunk's, the energy is each unit's busy ms at its
+    own power; the choice offers the CPU where the profile prices it (not when the static backend is the CPU)."""
+    cost, shape = m2
+    experts = ExpertFigures(410.0, 10.0, 300 * 1.58 + 400 * 62.05, ({"cpu": 10.0}, {"ane": 300.0, "mlx-exact": 400.0}))
+    host = DensePlacement(host="mlx-exact")
+    place = DensePlacement(o_proj="cpu-static", host="mlx-exact").with_rows("o_proj", 256)
+    base, s0 = predict_scheduled(cost, shape, 4096, 2048, experts, host)
+    got, s1 = predict_scheduled(cost, shape, 4096, 2048, experts, place)
+    n, h, q = shape.num_layers * 2, shape.hidden, shape.heads * shape.head_dim
+    cpu = n * float(cost.matmul_ms("cpu-static", 256, h, q))
+    gpu = n * float(cost.matmul_ms("mlx-exact", 2048, h, q) - cost.matmul_ms("mlx-exact", 2048 - 256, h, q))
+    assert s1.busy_ms["cpu"] - s0.busy_ms["cpu"] == pytest.approx(cpu, rel=1e-9)
+    assert s0.busy_ms["mlx-exact"] - s1.busy_ms["mlx-exact"] == pytest.approx(gpu, rel=1e-9)
+    watts = {b: cost.power_w(b) for b in ("cpu-static", "mlx-exact")}
+    assert got.energy_mj - base.energy_mj == pytest.approx(cpu * watts["cpu-static"] - gpu * watts["mlx-exact"],
+                                                           rel=1e-9)
+    assert cpu_backends(cost, "ane") == ("cpu-static",) and cpu_backends(cost, "cpu-static") == ()

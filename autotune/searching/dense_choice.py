@@ -73,11 +73,16 @@ def dense_score(pred: PrefillPrediction, prompts: float) -> Score:
                  cpu_ms=pred.cpu_ms * prompts)
 
 
-def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, bytes_per_weight: float) -> float:
-    """Weights the placement puts on the static backend (every layer's functions)."""
+def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, bytes_per_weight: float,
+                       backend: str | None = None) -> float:
+    """Weights the placement puts on a static backend (every layer's functions); with `backend`, on that one only
+    (the ANE's window holds its own, not the CPU's)."""
+    def on(function: str) -> bool:
+        return bool(getattr(place, function)) and backend in (None, getattr(place, function))
+
     per = {"qkv": shape.hidden * shape.qkv_width, "o_proj": shape.hidden * shape.heads * shape.head_dim}
-    total = sum(per[f] for f in per if getattr(place, f)) * shape.num_layers
-    if place.mlp:
+    total = sum(per[f] for f in per if on(f)) * shape.num_layers
+    if on("mlp"):
         total += sum(3 * shape.hidden * shape.mlp_ffn(layer) for layer in range(shape.num_layers))
     return total * bytes_per_weight
 

@@ -3,9 +3,11 @@ the dense half's placement chosen again under the schedule (`autotune.costing.sc
 
 Priced as a chain, a dense function the ANE runs slower than the GPU never pays: the layer waits for it. With two
 chunks in flight it runs while the GPU computes the other chunk, so the choice that pays differs: for each dense
-function in turn, the static rows (none, or a multiple of `ROW_GRAIN` up to the chunk) whose schedule ends first,
-the others as chosen, until no function changes; per chunk size, with that size's expert solution. A placement that
-would take more energy than `energy_cap_mj` (the GPU alone's, say) is not taken."""
+function in turn, the backend (the static one, or the CPU's where the profile prices it: `cpu_backends`) and its
+rows (none, or a multiple of `ROW_GRAIN` up to the chunk; the host, the GPU, the rest) whose schedule ends first,
+the others as chosen, until no function changes; per chunk size, with that size's expert solution. So the CPU is a
+third unit of the schedule: a function's rows on it run beside the GPU's and the ANE's, at its own energy. A
+placement that would take more energy than `energy_cap_mj` (the GPU alone's, say) is not taken."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +34,7 @@ from autotune.searching.layer_data import LayerData
 from autotune.searching.optimizer import ChunkSearch, Solution, solution
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, Space
+from runtime.backends.registry import REFERENCE
 from runtime.coreml import ane_limits
 
 
@@ -51,11 +54,12 @@ class Candidate:
 @dataclass
 class Overlapped:
     """A placement chosen under the schedule for `candidate`, and its prediction (latency: the schedule's
-    makespan)."""
+    makespan); `within_cap`: whether it fits the energy cap and the ANE's window (none of its placements may)."""
     placement: DensePlacement
     prediction: PrefillPrediction
     schedule: Schedule
     candidate: Candidate
+    within_cap: bool = True
 
 
 def layer_units(scorer: Scorer, data: LayerData, cfg: LayerConfig) -> tuple[dict, dict]:
@@ -141,10 +145,19 @@ def placed(place: DensePlacement, function: str, rows: int, chunk: int, backend:
     return out.with_rows(function, rows if rows < chunk else None)
 
 
-def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
-                     in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3) -> Overlapped:
-    """Of the candidates, the `keep` whose schedules end first as they stand and each chunk size's first, each with
-    its dense placement chosen again under the schedule; the one that then ends first."""
+def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
+    """The CPU's static backend (torch, `REFERENCE`) as a third unit for dense functions, where the profile prices its
+    FLOPs and the static backend is not on the CPU itself."""
+    on_cpu = unit_of(cost, backend) == "cpu"
+    priced = REFERENCE in cost.models and cost.dense_fit(REFERENCE, "matmul").ms_per_gflop > 0
+    return (REFERENCE,) if priced and not on_cpu else ()
+
+
+def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
+                  in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3) -> dict[int, Overlapped]:
+    """Per chunk size, of its candidate whose schedule ends first as it stands and those among the `keep` first of
+    all sizes, each with its dense placement chosen again under the schedule (the static backend's and the CPU's,
+    `cpu_backends`), the one that then ends first."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last)
@@ -152,26 +165,38 @@ def best_overlapped(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, can
         return np.inf if over else pred.latency_ms
 
     ranked = sorted(candidates, key=as_is)
-    first = list({c.chunk: c for c in reversed(ranked)}.values()) + ranked[:keep]  # each chunk size's best too
-    first = list({id(c): c for c in first}.values())
-    got = [choose_overlapped(scorer.cost, scorer.backend, shape, prompt_tokens, c, in_flight, energy_cap_mj)
-           for c in first]
-    return min(got, key=lambda o: (o.prediction.latency_ms, o.prediction.chunk_tokens))
+    backends = (scorer.backend, *cpu_backends(scorer.cost, scorer.backend))
+    out = {}
+    for chunk in sorted({c.chunk for c in ranked}):
+        mine = [c for c in ranked if c.chunk == chunk]
+        got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj)
+               for c in [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]]
+        out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+    return out
 
 
-def choose_overlapped(cost: CostModel, backend: str, shape: DecoderShape, prompt_tokens: int, cand: Candidate,
-                      in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
+def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
+    """Of each chunk size's choice (`best_by_chunk`) within the cap, the one whose schedule ends first (the smaller
+    chunk on a tie)."""
+    return min(by_chunk.values(), key=lambda o: (not o.within_cap, o.prediction.latency_ms, o.prediction.chunk_tokens))
+
+
+def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
+                      cand: Candidate, in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
                       grid: Callable[[int], list[int]] = static_rows_grid) -> Overlapped:
-    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, the
-    static rows of each function from `grid(chunk)`; one whose dense weights and the resident experts overflow the
-    ANE's window is not taken."""
+    """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, each
+    function on one of `backends` (the first: the static backend whose window the experts share) for rows from
+    `grid(chunk)`; one whose dense weights on the first and the resident experts overflow the ANE's window is not
+    taken."""
+    backends = (backends,) if isinstance(backends, str) else backends
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
     def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
         pred, sched = predict_scheduled(cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
                                         cand.lazy_last)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
-        window = {"experts": cand.resident_bytes, "dense functions": dense_weight_bytes(shape, place, per_weight)}
+        window = {"experts": cand.resident_bytes,
+                  "dense functions": dense_weight_bytes(shape, place, per_weight, backends[0])}
         over = over or ane_limits.resident_over_window(window) > 0
         return (np.inf if over else pred.latency_ms), pred, sched
 
@@ -181,13 +206,14 @@ def choose_overlapped(cost: CostModel, backend: str, shape: DecoderShape, prompt
     for _ in range(rounds):
         changed = False
         for function in functions:
-            for rows in grid(chunk):
-                place = placed(best_place, function, rows, chunk, backend, prompt_tokens)
-                if place == best_place:
-                    continue
-                got = price(place)
-                if got[0] < best[0] - 1e-9:
-                    best_place, best, changed = place, got, True
+            for backend in backends:
+                for rows in grid(chunk):
+                    place = placed(best_place, function, rows, chunk, backend, prompt_tokens)
+                    if place == best_place:
+                        continue
+                    got = price(place)
+                    if got[0] < best[0] - 1e-9:
+                        best_place, best, changed = place, got, True
         if not changed:
             break
-    return Overlapped(best_place, best[1], best[2], cand)
+    return Overlapped(best_place, best[1], best[2], cand, bool(np.isfinite(best[0])))

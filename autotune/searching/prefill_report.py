@@ -18,7 +18,15 @@ from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
-from autotune.searching.overlap_choice import Candidate, best_overlapped, expert_steps, rebalanced, with_steps
+from autotune.searching.overlap_choice import (
+    Candidate,
+    Overlapped,
+    best_by_chunk,
+    best_overlapped,
+    expert_steps,
+    rebalanced,
+    with_steps,
+)
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig
@@ -99,8 +107,9 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     `in_flight` 2 the plan runs two chunks in flight: the objective's whole plans at each chunk size and their
     rebalanced variants (`overlap_candidates`), each with its dense half chosen again under the schedule
     (`overlap_choice`) at no more energy than the GPU alone's; its latency the schedule's and `predicted_schedule`
-    each unit's busy and idle ms; `one_in_flight_ms`: the search's plan as a chain; `timeline`: a PNG of its
-    schedule's first two layers (`schedule.timeline_chart`)."""
+    each unit's busy and idle ms (the CPU a third unit where its dense functions run there); `by_chunk`: each chunk
+    size's best so (`overlap_choice.best_by_chunk`); `one_in_flight_ms`: the search's plan as a chain; `timeline`:
+    a PNG of its schedule's first two layers (`schedule.timeline_chart`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
@@ -116,9 +125,11 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     place, plan_is, one = placement(outcome.best, choice, host_of(scorer)), outcome.best.baseline, {}
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
-        over = best_overlapped(scorer, shape, prompt_tokens, overlap_candidates(outcome, scorer, shape, prompt_tokens),
-                               in_flight, cap)
-        plan, place, one = over.prediction, over.placement, {"one_in_flight_ms": plan.latency_ms}
+        by_chunk = best_by_chunk(scorer, shape, prompt_tokens,
+                                 overlap_candidates(outcome, scorer, shape, prompt_tokens), in_flight, cap)
+        over = best_overlapped(by_chunk)
+        one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens)}
+        plan, place = over.prediction, over.placement
         plan_is = over.candidate.baseline
         if timeline:
             timeline_chart(over.schedule, timeline, (0, 1))
@@ -134,6 +145,19 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
             "vs": vs,
             "over_roofline_whole": plan.latency_ms / roof if roof else None,
             "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
+
+
+def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
+    """Per chunk size (chunks of the prompt), its best plan with two chunks in flight: latency, energy (whether within
+    the GPU alone's and the ANE's window), each unit's busy and idle ms and the dense functions' backends and static
+    rows (predicted)."""
+    return {str(chunk): {"chunks": len(prompt_chunks(prompt_tokens, chunk)),
+                         "predicted_prefill_ms": o.prediction.latency_ms,
+                         "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
+                         "units": o.schedule.to_json()["units"],
+                         "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
+                                   "static_rows": dict(o.placement.rows)}}
+            for chunk, o in sorted(by_chunk.items())}
 
 
 def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int) -> dict:

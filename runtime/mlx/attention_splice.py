@@ -87,7 +87,7 @@ class AttentionSplice:
                 out, calls = call()
             else:  # the chunk's keys and values are written (read above): the next chunk's attention may start
                 self.lanes.kv_written()
-                with self.lanes.off_host(), self.lanes.on_static():
+                with self.lanes.off_host(), self.lanes.on_static(core.backend):
                     out, calls = call()
         if out is None:
             return None

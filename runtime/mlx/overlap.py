@@ -8,7 +8,9 @@ Each chunk's forward runs on its own thread, at most `in_flight` at a time, in o
   layer's worker (`LayerExecutor`), takes it around its MLX call ahead of any chunk.
 - the static lane: the plan's static calls (its groups; its dense functions spliced into mlx-lm's forward, their
   rows crossed first), one at a time (the ANE is one unit), off the host lane. torch's kernels release the GIL, so
-  they compute while the other thread runs MLX.
+  they compute while the other thread runs MLX. A backend on a unit of its own beside the static one (the CPU's
+  torch, cpu-static, in a plan whose other static calls are the ANE's: `Lanes.apart`) has a lane of its own, named
+  for it: its calls run beside the static lane's.
 The KV cache receives each chunk's keys and values in order: a chunk's layer l attention starts once the chunk
 before has written layer l's (`KvOrder`), and its cache write is evaluated at once, on its own thread (a static
 attention core reads them first: its call says they are written, so the next chunk's attention runs beside it). Within a
@@ -42,7 +44,7 @@ class Lanes:
         self.current = 0  # the chunk last off the host lane (one in flight: whose exact path holds it)
         self.waiting: set[tuple[int, int]] = set()
         self.seq = itertools.count()
-        self.static_lock = threading.Lock()
+        self.static_locks = {"static": threading.Lock()}  # a lane -> its lock: one call at a time on each unit
         self.local = threading.local()
         self.busy = {"host": 0.0, "static": 0.0}
         self.since = 0.0
@@ -94,17 +96,25 @@ class Lanes:
             self.note("off", self.local.chunk, start, time.perf_counter())
             self.acquire(self.local.chunk)
 
+    def apart(self, backends: set[str]) -> None:
+        """`backends`' static calls each on a lane of their own (named for the backend), beside the static lane."""
+        for backend in backends:
+            self.static_locks.setdefault(backend, threading.Lock())
+            self.busy.setdefault(backend, 0.0)
+
     @contextmanager
-    def on_static(self) -> Iterator[None]:
-        """The static lane for the block (one static call), timed."""
-        with self.static_lock:
+    def on_static(self, backend: str | None = None) -> Iterator[None]:
+        """The static lane for the block (one static call of `backend`), or the backend's own lane where it runs
+        apart; timed."""
+        lane = backend if backend in self.static_locks else "static"
+        with self.static_locks[lane]:
             start = time.perf_counter()
             try:
                 yield
             finally:
                 end = time.perf_counter()
-                self.busy["static"] += end - start
-                self.note("static", self.local.chunk, start, end)
+                self.busy[lane] += end - start
+                self.note(lane, self.local.chunk, start, end)
 
     def kv_written(self) -> None:
         """The calling chunk's keys and values of its current layer are written and evaluated (a static attention

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from runtime.backends.registry import registry
+from runtime.backends.registry import REFERENCE, registry
 from runtime.dense.dense_executor import DenseExecutor, install_fused
 from runtime.dense.parts import PartTimes
 from runtime.dense.specs import backend_specs
@@ -300,6 +300,7 @@ class MlxSpine(PlanRun):
         order, the planned layers off the host lane, their static calls (and the spliced dense functions') on the
         static lane and their MLX exact paths on the host lane; as before, after it."""
         order, swapped = KvOrder(lanes), len(self._originals)
+        lanes.apart(self.cpu_apart)
         for index, layer in enumerate(self.model.layers):
             self._swap(layer, "self_attn", OrderedAttention(layer.self_attn, index, order))
         held, touched = [], []
@@ -323,6 +324,14 @@ class MlxSpine(PlanRun):
             while len(self._originals) > swapped:
                 parent, name, module = self._originals.pop()
                 setattr(parent, name, module)
+
+    @property
+    def cpu_apart(self) -> set[str]:
+        """The CPU's static backend (`REFERENCE`) where the plan's dense functions name it beside another static
+        backend: a unit of its own, so its calls run on a lane of their own in flight."""
+        dense = self.plan.dense.backends if self.plan.dense else set()
+        groups = {g.backend for lp in self.plan.layers for g in lp.groups}
+        return {REFERENCE} if REFERENCE in dense and (dense | groups) - {REFERENCE} else set()
 
     @property
     def prunes_last(self) -> bool:

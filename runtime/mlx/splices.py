@@ -85,7 +85,7 @@ class MlxRows:
             if self.lanes is None:
                 y_t = self.fn.on_static(rows_t)
             else:
-                with self.lanes.off_host(), self.lanes.on_static():
+                with self.lanes.off_host(), self.lanes.on_static(self.fn.backend):
                     y_t = self.fn.on_static(rows_t)
             y = to_mx(y_t.to(rows_t.dtype))
         mx.eval(y)
