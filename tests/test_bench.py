@@ -4,6 +4,7 @@ positive ratios, which baseline the plan is, the predictions where the plan's pr
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ pytest.importorskip("mlx_lm")
 from helpers import convert_to_mlx, one_line_exit_2  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
+from autotune.measuring.bench_run import paired_ratio  # noqa: E402
 
 SIDES = {"all-exact", "mlx-lm", "transformers"}
 FLAGS = ["--dtype", "float32", "--prompt-tokens", "48", "--repeats", "1", "--decode-tokens", "3", "--no-progress",
@@ -108,3 +110,13 @@ def test_bench_refuses_bad_input_in_one_line(q4, tmp_path, capsys):
     assert "tokens" in one_line_exit_2(["bench", "--model", str(q4), "--plan", str(plan), "--text", str(short),
                                         "--out", str(out)], capsys)
     assert not out.exists() and not out.with_suffix(".png").exists()
+
+
+def test_the_measured_ratio_pairs_each_rounds_runs():
+    """Two identical sides on a host whose load came on in the third round between the plan's run and the side's,
+    and stayed: the two medians read 2x, each round's pair reads what it is, a tie; two prompts pair prompt by
+    prompt."""
+    plan, side = [[100.0, 100.0, 100.0, 200.0, 200.0]], [[100.0, 100.0, 200.0, 200.0, 200.0]]
+    assert statistics.median(side[0]) / statistics.median(plan[0]) == 2.0
+    assert paired_ratio(side, plan) == 1.0
+    assert paired_ratio([[110.0, 220.0], [330.0, 330.0]], [[100.0, 200.0], [300.0, 300.0]]) == 1.1

@@ -28,6 +28,16 @@ def test_run_search_leaves_its_scorer_as_given():
     assert scorer.with_energy is False and scorer._cache == {}
 
 
+def test_one_trial_per_layer_searches():
+    """`search --trials 1` once crashed: 60% of one trial is none, and the polish ranked an empty study."""
+    layers = LayerData.from_traces(synthetic_traces(SMALL, 10, 64, skew=1.2))
+    space = layer_space(8)
+    scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
+    out = run_search(layers, scorer, space, trials=1, progress=False)
+    assert out.trials == len(layers)
+    assert out.best.latency_ms <= out.baselines["naive_coreml"].latency_ms
+
+
 def test_small_instance_within_1pct_of_exact():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2))
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)

@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=positive_int, default=1, metavar="N",
                    help="prompts of the text timed, each from an empty cache (default 1)")
     p.add_argument("--repeats", type=positive_int, default=3, metavar="R",
-                   help="rounds of every side, interleaved; each figure the median of its rounds (default 3)")
+                   help="rounds of every side, interleaved; each figure the median of its rounds, each ratio the "
+                        "median of its rounds' pairs (default 3)")
     p.add_argument("--decode-tokens", type=non_negative_int, default=32, metavar="N",
                    help="greedy tokens generated after the first prompt to time decode (default 32; 0 or 1: no "
                         "decode timing)")

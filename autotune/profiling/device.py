@@ -100,7 +100,10 @@ def run_tasks(tasks: list[Task], s: Settings, meter: EnergyMeter | None = None, 
             elif len(task.capacities) == 1:
                 rec["tokens"] = task.capacities[0]
             on_cpu = host or info.cpu_torch
-            which = clock_for(on_cpu, torch.get_num_threads()) if clock == "auto" else clock
+            # MLX's CPU device computes on one thread of this process: CPU work too, read on the CPU clock like
+            # torch's (on the wall clock a shared host's load inflated these records 2.5x and more)
+            cpu_work = on_cpu or rec.get("device") == "cpu"
+            which = clock_for(cpu_work, torch.get_num_threads()) if clock == "auto" else clock
             field = info.energy_field if info is not None else CPU_ENERGY  # host-side work is CPU work
             if on_cpu:  # CPU work meets the caches as a forward leaves them; a backend off the CPU runs as it is
                 rec.update(time_in_forward(call, s, meter, field, which, caches))

@@ -158,7 +158,7 @@ def optuna_layer(data: LayerData, scorer: Scorer, space: Space, objective: str, 
     def complete() -> list[optuna.trial.FrozenTrial]:
         return [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
 
-    explore_n = int(n_trials * explore)
+    explore_n = max(1, int(n_trials * explore))  # at least one trial before the polish, which ranks the done ones
     if len(complete()) < explore_n:
         study.optimize(run_trial, n_trials=explore_n - len(complete()))
     expanded: set[LayerConfig] = set()
