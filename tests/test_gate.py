@@ -199,7 +199,8 @@ loaded = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS"))
 gate = run_gate(tiny, [Candidate(p, 1.0) for p in plans], GateSettings(candidates=k, tokens=2048,
                 limits=GateLimits(0.0, 1.1)), progress=False)
 assert len(gate["candidates"]) == k
-print(json.dumps({"peak_mb": peak_rss_mb(), "gate_mb": peak_rss_mb() - loaded, "predicted_mb": gate["predicted_peak_mb"]}))
+print(json.dumps({"peak_mb": peak_rss_mb(), "gate_mb": peak_rss_mb() - loaded,
+                  "predicted_mb": gate["predicted_peak_mb"]}))
 """
 
 
