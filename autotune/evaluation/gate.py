@@ -29,6 +29,7 @@ from autotune.calibration.workload import encode_text
 from autotune.costing.memory import ModelSize, stage_memory
 from autotune.evaluation.fidelity import compare_plans
 from runtime.coreml.ane_sim import AneSimBackend
+from runtime.cpu.allocator import temporaries_returned
 from runtime.errors import NpumoeError
 from runtime.executor import PlanExecutor
 from runtime.loading.checkpoints import check_token_ids
@@ -166,8 +167,9 @@ def run_gate(record: ModelRecord, candidates: Iterable[Candidate],
     check_token_ids(loaded, ids)
     size = ModelSize.of(loaded)  # as loaded, before the CPU's storage beside it
     rows, tokens, rounds, taken, pending, measured_rounds = [], 0, 0, 0, iter(candidates), []
+    # the gate's blocks back to the OS as freed (nothing of it is timed): its peak is its own, not the heap's luck
     with _said_once(logging.getLogger("npumoe")), _silenced(logging.getLogger("npumoe.drift")), \
-            cpu_storage_beside(loaded, *cpu_weights, kernel_rows) as stores:
+            temporaries_returned(), cpu_storage_beside(loaded, *cpu_weights, kernel_rows) as stores:
         planned = dict(stores[0].kernel_rows) if stores else None  # the plan's, or the runtime's defaults
 
         def measure(batch: list[Candidate], kernels: dict[str, int] | None, sim: dict) -> list[dict]:

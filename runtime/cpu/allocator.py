@@ -13,6 +13,7 @@ thread, `run --repeat 7`, four processes): 626k, 661k, 781k and 962k minor fault
   0.62-0.67).
 - `return_temporaries_to_the_os` (packed weights, where peak memory is the point): every block over 1 MB back to
   the OS when freed.
+- `temporaries_returned`: the latter for a block, the policy before it restored after.
 - `release_freed_heap`: the heap's free pages back to the OS now.
 - `bound_primitive_cache`: the compute library's own cache of compiled matmuls kept small.
 """
@@ -22,10 +23,13 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_CEILING = 32 << 20  # glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 DEFAULT_TRIM = 128 << 10  # glibc's default trim threshold
+DEFAULT_MMAP = 128 << 10  # glibc's default mmap threshold
 ONEDNN_PRIMITIVES = 128  # compiled primitives oneDNN keeps (its default: 1,024)
 
 
@@ -46,8 +50,12 @@ def _mallopt(*settings: tuple[int, int]) -> None:
         libc.mallopt(param, value)
 
 
+_policy: list[Callable[[], None]] = []  # the policy set last, if any (`temporaries_returned` restores it)
+
+
 def reuse_temporaries() -> None:
     """Blocks up to 32 MB reused from the heap, never trimmed from it (the module docstring)."""
+    _policy[:] = [reuse_temporaries]
     _mallopt((M_MMAP_THRESHOLD, MMAP_CEILING), (M_TRIM_THRESHOLD, 1 << 30))
 
 
@@ -56,14 +64,39 @@ def return_temporaries_to_the_os() -> None:
     threshold as such blocks are freed and then keeps later ones in its heap, which only grows (a 2-layer
     Qwen3-30B-A3B twin at 4 bits: 2.9 GB peak RSS against 1.7 GB with the threshold fixed at 1 MB). Fixing it
     returns each one to the OS when freed (and the heap's top is trimmed as by default)."""
+    _policy[:] = [return_temporaries_to_the_os]
     _mallopt((M_MMAP_THRESHOLD, 1 << 20), (M_TRIM_THRESHOLD, DEFAULT_TRIM))
+
+
+@contextmanager
+def temporaries_returned() -> Iterator[None]:
+    """`return_temporaries_to_the_os` for the block, the policy before it restored after (glibc's defaults where none
+    was set): for work whose peak matters and whose time is not measured (the fidelity gate). Under
+    `reuse_temporaries` the heap kept the gate's freed blocks, which pinned pages prompt after prompt and left its
+    peak to where each process's blocks happened to fall (tiny-moe, 2 candidates: 183-269 MiB over the loaded
+    model across processes; 203-220 returned)."""
+    previous = list(_policy)
+    return_temporaries_to_the_os()
+    try:
+        yield
+    finally:
+        if previous:
+            previous[0]()
+        else:
+            _policy.clear()
+            _mallopt((M_MMAP_THRESHOLD, DEFAULT_MMAP), (M_TRIM_THRESHOLD, DEFAULT_TRIM))
 
 
 def release_freed_heap() -> None:
     """Give the heap's free pages back to the OS now (glibc's malloc_trim). Between prefill chunks: allocations
     under the mmap threshold live in the heap, and the few kept per chunk (routing records, a cache's growth) pin
     the pages freed around them, so the heap's high-water mark grows chunk after chunk (a 2-layer Qwen3-30B-A3B
-    twin at 4 bits, 20 chunks of calibrate: 1.89 GB peak RSS, 1.83 trimmed per chunk)."""
+    twin at 4 bits, 20 chunks of calibrate: 1.89 GB peak RSS, 1.83 trimmed per chunk). MLX's buffer cache first,
+    where MLX is loaded: on its CPU device its buffers are malloc's blocks, and it keeps those it freed for reuse
+    (tiny-moe's gate: 32 MiB after the first candidate on mlx-exact, held through the next ones' forwards)."""
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        mx.clear_cache()
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)

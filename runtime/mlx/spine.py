@@ -170,6 +170,7 @@ class MlxSpine(PlanRun):
         self.switches: dict[int, CountedSwitch | PlannedSwitch] = {}
         for index, block in blocks.items():
             layer = self.add_layer(index, modules[index])
+            layer.open()  # a worker per layer, for the spine's life
             fast = fast_layer(plan.layer(index), plan)
             self.switches[index] = (CountedSwitch if fast else PlannedSwitch)(block.switch_mlp, layer, self.timer)
         self._originals: list[tuple[nn.Module, str, object]] = []
