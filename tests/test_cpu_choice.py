@@ -3,6 +3,7 @@ priced per storage (measured kernel records, or derived from the fit), counted b
 --memory-gb (bf16 when it fits), pinned by --cpu-weights, recorded in the plan and measured by the gate."""
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,11 @@ def test_a_packed_checkpoints_experts_pay_their_dequant_each_call(published):
     priced = published.with_cpu_storage(price, quantized_at_load=False)
     assert priced.ffn_ms(EXACT, 16, 2048, 768) == pytest.approx(bf16 * price.factors[3])
     assert set(priced.models) == set(published.models)
+    size, layers = _qwen3()
+    choice = choose_cpu_storage(None, None, replace(size, storage="mlx-4bit-g64"), published, [], layers, 2048, 768,
+                                4096, 4096)
+    assert choice.storage == "mlx-4bit-g64" and choice.cost.ffn_ms(EXACT, 16, 2048, 768) == pytest.approx(
+        bf16 * price.factors[3])
 
 
 def test_qwen3_under_56_gb_gets_quantized_experts_that_fit(published):
