@@ -5,16 +5,20 @@ from collections.abc import Iterator
 
 import torch
 
+NO_ROWS = torch.empty(0, dtype=torch.long)  # transformers' `logits_to_keep` of no position: the head computes none
+
 
 def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
                    last_logits_only: bool = False, cache: object | None = None) -> Iterator:
     """The model's outputs, chunk by chunk, for a 1-D sequence of token ids; each output holds the cache so far.
-    `last_logits_only`: each chunk computes logits for its last position only (what generation needs). `cache`:
-    a KV cache holding the tokens before `input_ids` (continued in place). Callers run it under
-    `torch.inference_mode()`."""
+    `last_logits_only`: the last chunk computes logits for its last position only (what generation needs) and the
+    chunks before it none (their `logits` [1, 0, vocab]): the head, a packed one dequantized whole per call, runs
+    once per prompt, not once per chunk. `cache`: a KV cache holding the tokens before `input_ids` (continued in
+    place). Callers run it under `torch.inference_mode()`."""
     ids = input_ids.reshape(1, -1)
-    keep = {"logits_to_keep": 1} if last_logits_only else {}
     for start in range(0, ids.shape[1], chunk_tokens):
+        last = start + chunk_tokens >= ids.shape[1]
+        keep = {} if not last_logits_only else {"logits_to_keep": 1 if last else NO_ROWS}
         held = [model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)]
         cache = held[0].cache
         # suspended here, nothing of the output is held (popped as it goes): the caller's drop lets its logits go
@@ -46,15 +50,16 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens
 def prefill_prompts_last_logits(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
                                 prompt_tokens: int | None = None) -> torch.Tensor:
     """Each prompt's logits at its last position, `[prompts, vocab]` in fp32: what a prefill gives generation. The
-    sequence is cut into prompts as `prefill_prompts_logits` cuts it; each chunk computes one row of logits."""
+    sequence is cut into prompts as `prefill_prompts_logits` cuts it; each prompt's last chunk computes one row of
+    logits."""
     n = input_ids.numel()
     step = prompt_tokens or n
     rows = []
     with torch.inference_mode():
         for s in range(0, n, step):
             for out in prefill_chunks(model, input_ids[s:s + step], chunk_tokens, last_logits_only=True):
-                last = out.logits[0, -1]
-            rows.append(last.float())
+                pass
+            rows.append(out.logits[0, -1].float())
     return torch.stack(rows)
 
 

@@ -3,6 +3,7 @@ priced per storage (measured kernel records, or derived from the fit), counted b
 --memory-gb (bf16 when it fits), pinned by --cpu-weights, recorded in the plan and measured by the gate."""
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.cli import main
-from autotune.costing.cpu_storage import parse_storage, storage_price
+from autotune.costing.cpu_storage import dequant_ms, packed_checkpoint_price, parse_storage, storage_price
 from autotune.costing.memory import GB, ModelSize, fixed_memory, model_size
 from autotune.profiling.profile import load_profile
 from autotune.searching.cpu_choice import choose_cpu_storage
@@ -72,6 +73,25 @@ def test_a_derived_price_streams_fewer_bytes_and_moves_the_exact_path(published)
     assert priced.ffn_ms(EXACT, 16, 2048, 768) == pytest.approx(bf16 * price.factors[3])
     assert published.ffn_ms(EXACT, 16, 2048, 768) == bf16  # the profile's own model is left as it was
     assert priced.ffn_ms("ane", 16, 2048, 768) == published.ffn_ms("ane", 16, 2048, 768)
+
+
+def test_a_packed_checkpoints_experts_pay_their_dequant_each_call(published):
+    """An mlx checkpoint's experts stay packed and the exact path dequantizes each one it runs, every chunk: its
+    price is bf16's plus one elementwise pass over the expert's weights, and MLX's own path (which reads them
+    packed) stays in the model."""
+    price = packed_checkpoint_price(published, "mlx-4bit-g64", 2048, 768)
+    bf16 = published.ffn_ms(EXACT, 16, 2048, 768)
+    assert set(price.kernels) == {"dequant"}
+    assert price.factors[3] == pytest.approx((bf16 + dequant_ms(published, EXACT, 3 * 2048 * 768, 2048)) / bf16)
+    assert all(f > 1.0 for f in price.factors)
+    priced = published.with_cpu_storage(price, quantized_at_load=False)
+    assert priced.ffn_ms(EXACT, 16, 2048, 768) == pytest.approx(bf16 * price.factors[3])
+    assert set(priced.models) == set(published.models)
+    size, layers = _qwen3()
+    choice = choose_cpu_storage(None, None, replace(size, storage="mlx-4bit-g64"), published, [], layers, 2048, 768,
+                                4096, 4096)
+    assert choice.storage == "mlx-4bit-g64" and choice.cost.ffn_ms(EXACT, 16, 2048, 768) == pytest.approx(
+        bf16 * price.factors[3])
 
 
 def test_qwen3_under_56_gb_gets_quantized_experts_that_fit(published):

@@ -182,3 +182,17 @@ def test_dequant_converts_into_one_reused_buffer_per_thread():
     t.start()
     t.join()
     assert other[0] is not mine
+
+
+def test_quantized_linear_of_no_rows_dequantizes_nothing(monkeypatch):
+    """A prefill chunk before the last asks the head for no rows: its packed weight is not dequantized."""
+    import runtime.cpu.quantized as q
+
+    def dequantize(*args, **kwargs):
+        raise AssertionError("dequantized for no rows")
+
+    weight = q.PackedWeight(torch.zeros(300, 256 * 4 // 32, dtype=torch.int32), torch.ones(300, 4),
+                            torch.zeros(300, 4), 4, 64)
+    monkeypatch.setattr(q, "dequantize", dequantize)
+    out = q.QuantizedLinear(weight)(torch.ones(1, 0, 256, dtype=torch.bfloat16))
+    assert out.shape == (1, 0, 300) and out.dtype == torch.bfloat16

@@ -62,6 +62,21 @@ def test_parts_sum_to_the_prefill_and_attention_grows_with_the_prompt():
     assert four.parts_ms["lm_head"] == one.parts_ms["lm_head"]  # one row of logits either way
 
 
+def test_a_packed_head_on_the_cpu_is_dequantized_once_per_prompt():
+    """An mlx checkpoint's head on torch's CPU dequantizes its whole weight for the prompt's one row of logits: once
+    however many chunks (the runtime computes no logits before the last chunk), and nothing off torch's CPU."""
+    cost, shape = apple_like(), DecoderShape.from_config(QWEN)
+    packed, experts = dataclasses.replace(shape, packed=True), ExpertFigures(100.0, 60.0, 900.0)
+    head = float(cost.norm_ms(EXACT, shape.vocab, shape.hidden, shape.hidden))
+    assert head > 0
+    for chunk in (4096, 1024):
+        plain, dequant = (predict_prefill(cost, s, 4096, chunk, experts).parts_ms["lm_head"] for s in (shape, packed))
+        assert dequant == pytest.approx(plain + head)
+    on_ane = DensePlacement(host="ane")
+    assert predict_prefill(cost, packed, 4096, 1024, experts, on_ane).parts_ms["lm_head"] == \
+        predict_prefill(cost, shape, 4096, 1024, experts, on_ane).parts_ms["lm_head"]
+
+
 def test_placement_moves_the_dense_work_off_the_cpu():
     cost, shape = apple_like(), DecoderShape.from_config(QWEN)
     none = ExpertFigures(0.0, 0.0, 0.0)

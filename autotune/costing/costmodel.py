@@ -224,15 +224,16 @@ class CostModel:
         """The model a backend is costed with (its own, or its fallback's: see `_model`)."""
         return self._model(backend)
 
-    def with_cpu_storage(self, price: Any) -> "CostModel":
+    def with_cpu_storage(self, price: Any, quantized_at_load: bool = True) -> "CostModel":
         """This cost model with the CPU's experts held as `price` says (`costing.cpu_storage.StoragePrice`): the
         exact path and the CPU's static groups run that storage's kernels (None: as fitted, bf16). The exact paths
         off the CPU (mlx-exact) run the checkpoint's own weights and cannot read a storage quantized at load, which
-        the runtime refuses beside them: such a storage leaves them out."""
+        the runtime refuses beside them: such a storage leaves them out (`quantized_at_load` False: the checkpoint's
+        own packed storage, which they read)."""
         if price is None:
             return self
         models = {name: m for name, m in self.models.items()
-                  if not (name != EXACT and self.is_exact(name) and m.overlaps_cpu)}
+                  if not (quantized_at_load and name != EXACT and self.is_exact(name) and m.overlaps_cpu)}
         for backend in (EXACT, REFERENCE):
             if backend in models:
                 models[backend] = dataclasses.replace(models[backend], storage=price)

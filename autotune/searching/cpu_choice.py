@@ -23,7 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autotune.costing.costmodel import CostModel
-from autotune.costing.cpu_storage import SEARCHED, parse_storage, planned_kernels, storage_name, storage_price
+from autotune.costing.cpu_storage import (
+    SEARCHED,
+    packed_checkpoint_price,
+    parse_storage,
+    planned_kernels,
+    storage_name,
+    storage_price,
+)
 from autotune.costing.memory import GB, ModelSize, fixed_memory
 from autotune.evaluation.gate import GateLimits
 from autotune.searching.layer_data import LayerData
@@ -108,7 +115,8 @@ def choose_cpu_storage(pin: str | None, memory_gb: float | None, size: ModelSize
             raise NpumoeError(f"--cpu-weights {pin}: the model is already quantized ({size.storage}, kept packed "
                               "as stored); give a full-width checkpoint or leave --cpu-weights out")
         fixed = fixed_memory(size, chunk, prompt_tokens)
-        return CpuChoice(size.storage, cost, _left(memory_gb, fixed, size.storage), [], "the checkpoint's own "
+        packed = cost.with_cpu_storage(packed_checkpoint_price(cost, size.storage, hidden, ffn), False)
+        return CpuChoice(size.storage, packed, _left(memory_gb, fixed, size.storage), [], "the checkpoint's own "
                          f"packed storage ({size.storage}): needs {fixed.total / GB:.2f} GB", False)
     storages = [storage_name(*parse_storage(pin))] if pin else list(SEARCHED if memory_gb is not None else ("bf16",))
     if not pin:  # int4 packs rows in blocks of 64 and groups of inputs: a shape it cannot hold is not a choice

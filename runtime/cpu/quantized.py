@@ -123,6 +123,8 @@ class QuantizedLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # no rows (a prefill chunk's head before the last): nothing to dequantize
+            return x.new_empty((*x.shape[:-1], self.out_features))
         rows = max(1, BLOCK_WEIGHTS // self.in_features)
         if self.out_features <= rows:
             return F.linear(x, self.weight_q.full(x.dtype), self.bias)
