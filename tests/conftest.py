@@ -8,7 +8,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # tests never depend on timing; one thread keeps them steady on shared 2-core hosts
 
-from helpers import apple_like  # noqa: E402
+from helpers import apple_like, ring_file  # noqa: E402
 
 from autotune.cli import main  # noqa: E402
 from autotune.profiling.profile import Profile, save_profile  # noqa: E402
@@ -43,3 +43,13 @@ def workdir(tmp_path_factory):
     assert main(["calibrate", "--model", "random:qwen3_moe", "--text", str(text), "--chunk", "64",
                  "--prompt-tokens", "256", "--out", str(d / "traces.npz"), "--json"]) == 0
     return d
+
+
+@pytest.fixture
+def a_rank(monkeypatch, tmp_path):
+    """This process as rank 0 of a two-rank ring nobody listens on: whatever is refused is refused before joining
+    it (joining would wait for rank 1)."""
+    hostfile, _ = ring_file(tmp_path)
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    return tmp_path

@@ -1,9 +1,15 @@
 """Helpers shared by several test files (test modules never import each other)."""
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -261,11 +267,56 @@ def convert_family(out, family: str):
 
 
 def one_line_exit_2(argv: list[str], capsys) -> str:
-    """`autotune argv` in-process: exit 2 with exactly one line on stderr, returned."""
+    """`autotune argv` in-process: exit 2 (returned, or raised as argparse raises it) with exactly one line on
+    stderr, returned."""
     from autotune.cli import main
 
     capsys.readouterr()
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as out:
+        code = out.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     return err[0]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # a rank's environment under mlx.launch
+
+
+def free_ports(n: int, consecutive: bool = False) -> list[int]:
+    """`n` ports nothing listens on (consecutive ones for mlx.launch's --starting-port)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        ports = [first + i for i in range(n)] if consecutive else [first] + free_ports(n - 1) if n > 1 else [first]
+        try:
+            for p in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return ports
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 240) -> list[dict]:
+    """`args` of autotune under `mlx.launch --backend ring --hosts 127.0.0.1 -n 2`: each rank's JSON line, rank 0
+    first (the launcher exits 0 whatever its ranks do: every rank must print its own)."""
+    port = free_ports(2, consecutive=True)[0]
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+           "--starting-port", str(port), "--env", f"PYTHONPATH={ROOT}", "--env", "OMP_NUM_THREADS=1",
+           "--python", sys.executable, "-m", "autotune", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    return sorted(lines, key=lambda r: r["rank"])
+
+
+def ring_file(tmp_path: Path) -> tuple[Path, str]:
+    ports = free_ports(2)
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return hostfile, f"rank 1 (127.0.0.1:{ports[1]})"

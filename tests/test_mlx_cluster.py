@@ -4,44 +4,23 @@ each rank holding only its stage's layers under its stage's plan, against one pr
 or never comes ends a rank with one line naming it, within the timeout; bad input ends every rank with one line of
 ours, before the ring is joined where the input says it."""
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import convert_to_mlx
+from helpers import ENV, convert_to_mlx, launch, one_line_exit_2, ring_file
 
 pytest.importorskip("mlx_lm")
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Static capacity tiers and grouped experts"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 AUTOTUNE = [sys.executable, "-m", "autotune"]
 
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
     return convert_to_mlx(tmp_path_factory.mktemp("mlx") / "q4g64", 4, 64)
-
-
-def free_ports(n: int, consecutive: bool = False) -> list[int]:
-    """`n` ports nothing listens on (consecutive ones for mlx.launch's --starting-port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        ports = [first + i for i in range(n)] if consecutive else [first] + free_ports(n - 1) if n > 1 else [first]
-        try:
-            for p in ports:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return ports
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
 
 
 def test_rank_split_is_mlx_lms_order():
@@ -72,19 +51,6 @@ def pipeline(tiny4, tmp_path_factory):
     (d / "plan.pipeline.json").write_text(json.dumps({"schema": "npumoe.pipeline/1", "split": [[0, 1], [1, 4]],
                                                       "stages": stages}))
     return d
-
-
-def launch(args: list[str], cwd: Path, timeout: float = 240) -> list[dict]:
-    """`args` of autotune under `mlx.launch --backend ring --hosts 127.0.0.1 -n 2`: each rank's JSON line, rank 0
-    first (the launcher exits 0 whatever its ranks do: every rank must print its own)."""
-    port = free_ports(2, consecutive=True)[0]
-    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-           "--starting-port", str(port), "--env", f"PYTHONPATH={ROOT}", "--env", "OMP_NUM_THREADS=1",
-           "--python", sys.executable, "-m", "autotune", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 2, done.stdout[-2000:] + done.stderr[-3000:]
-    return sorted(lines, key=lambda r: r["rank"])
 
 
 @pytest.mark.slow
@@ -134,13 +100,6 @@ def test_evaluate_under_the_launcher_gives_one_processs_figures(tiny4, pipeline,
 
 def rank_env(hostfile: Path, rank: int) -> dict:
     return {**ENV, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-
-
-def ring_file(tmp_path: Path) -> tuple[Path, str]:
-    ports = free_ports(2)
-    hostfile = tmp_path / "ring.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    return hostfile, f"rank 1 (127.0.0.1:{ports[1]})"
 
 
 def rank(hostfile: Path, k: int, args: list[str], cwd: Path) -> subprocess.Popen:
@@ -205,27 +164,6 @@ def test_a_prompt_past_the_context_ends_every_rank_in_one_line(tiny4, tmp_path):
         assert "context" in one_line(proc, 180, status=2, prefix="autotune generate: error:")
 
 
-@pytest.fixture
-def a_rank(monkeypatch, tmp_path):
-    """This process as rank 0 of a two-rank ring nobody listens on: whatever is refused is refused before joining
-    it (joining would wait for rank 1)."""
-    hostfile, _ = ring_file(tmp_path)
-    monkeypatch.setenv("MLX_RANK", "0")
-    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
-    return tmp_path
-
-
-def _refused(capsys, args: list[str]) -> str:
-    from autotune.cli import main
-
-    with pytest.raises(SystemExit) as out:
-        code = main(args)
-        raise SystemExit(code)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert out.value.code == 2 and len(err) == 1, err
-    return err[0]
-
-
 @pytest.mark.parametrize("command", ["run", "generate", "serve", "evaluate"])
 def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline, a_rank, capsys, command):
     d = a_rank
@@ -248,12 +186,12 @@ def test_bad_input_under_the_launcher_is_refused_before_the_ring(tiny4, pipeline
         cases |= {"negative max tokens": (["--max-tokens", "-1"], "--max-tokens"),
                   "empty prompt": (["--prompt", ""], "the prompt is empty")}
     for name, (extra, says) in cases.items():
-        line = _refused(capsys, base + plan + extra)
+        line = one_line_exit_2(capsys=capsys, argv=base + plan + extra)
         assert line.startswith(f"autotune {command}: error:") and says in line, (name, line)
 
 
 def test_a_pipeline_needs_the_launcher(tiny4, pipeline, capsys):
-    line = _refused(capsys, ["generate", "--model", str(tiny4), "--prompt", PROMPT, "--pipeline",
+    line = one_line_exit_2(capsys=capsys, argv=["generate", "--model", str(tiny4), "--prompt", PROMPT, "--pipeline",
                              str(pipeline / "plan.pipeline.json")])
     assert "start every rank with `mlx.launch" in line
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import convert_to_mlx
-from test_mlx_cluster import ENV, ROOT, _refused, a_rank, free_ports, launch  # noqa: F401 (a_rank: a fixture)
+from helpers import ENV, ROOT, convert_to_mlx, free_ports, launch, one_line_exit_2
 
 pytest.importorskip("mlx_lm")
 TEXT = "Static capacity tiers and grouped experts run beside the exact path on every Mac of the ring."
@@ -102,7 +101,7 @@ def test_a_plan_with_dense_functions_placed_is_refused_before_the_ring(tiny4, te
     for stage in layout["stages"]:
         stage["plan"] = "dense.json"
     (tmp_path / "dense.pipeline.json").write_text(json.dumps(layout))
-    line = _refused(capsys, ["run", "--model", str(tiny4), "--plan", str(dense), "--engine", "mlx"])
+    line = one_line_exit_2(capsys=capsys, argv=["run", "--model", str(tiny4), "--plan", str(dense), "--engine", "mlx"])
     assert line.startswith("autotune run: error:") and "places dense functions on a static backend" in line
 
 

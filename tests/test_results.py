@@ -22,7 +22,7 @@ EVALUATE = ["model", "plan", "text", "tokens", "prompts", "ppl_reference", "ppl_
 # is here), the spine that ran it (evaluate's too), what ran each part and where the plan prices it; the search's:
 # helpers.SEARCH_REPORT_ADDED
 RUN_ADDED = ["measured_parts_ms", "engine", "executed", "priced", "priced_stand_ins", "off_priced"]
-EVALUATE_ADDED = ["engine"]
+EVALUATE_ADDED = ["engine", "cluster"]
 TASKS = ["model", "plan", "limit", "num_fewshot", "tasks", "metric", "drop_rate", "spill_rate", "calls_per_backend",
          "tokens_per_backend", "backend_fallbacks"]
 

@@ -26,10 +26,10 @@ from runtime.mlx.ring import Ring
 # What rank 0 announces, and its operands (a, b, c, d):
 END, NOTHING = 0, 1
 FORWARD = 2  # a forward of the decoder on cache a (new where unknown); the token ids follow
-PREFIX = 3  # cache a: the first c tokens of entry b (`mlx_serving.prefix_of`)
+PREFIX = 3  # cache a: the first c tokens of entry b (`cache_rows.prefix_of`)
 KEEP = 4  # entry a: a copy of the first c tokens of cache b (`spine_generation.kept_layers`)
-ADD = 5  # cache c: batch a (0: none) with cache b as its last row (`mlx_serving.add_row`)
-REMOVE = 6  # cache c (0: none): batch a of d rows without row b (`mlx_serving.remove_row`)
+ADD = 5  # cache c: batch a (0: none) with cache b as its last row (`cache_rows.add_row`)
+REMOVE = 6  # cache c (0: none): batch a of d rows without row b (`cache_rows.remove_row`)
 FREE = 7  # the handles that follow are gone on rank 0
 PHASES = ("prefill", "decode")
 HEADER = 8  # op, a, b, c, d, rows, columns (of the ids that follow), phase
@@ -138,8 +138,8 @@ def follow(loaded) -> dict[int, object]:
     """A follower of a server (`loaded`: its stage, `runtime.generation.Loaded`): each forward and each change to a
     cache rank 0 announces, made on this rank's layers and caches, until rank 0 announces the end. Returns what it
     holds then, by rank 0's handles (what a test compares with rank 0's)."""
+    from runtime.mlx.cache_rows import add_row, prefix_of, remove_row
     from runtime.mlx.spine_generation import kept_layers
-    from runtime.serving.mlx_serving import add_row, prefix_of, remove_row
 
     link, model = loaded.cluster.link, loaded.model
     held: dict[int, object] = {}  # by rank 0's handles: caches, and prefix cache entries' layers
