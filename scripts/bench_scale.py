@@ -147,12 +147,19 @@ def bench_twin(like: str, layers: int, quick: bool, threads: int, work: Path) ->
     for stage_name, argv, tokens in stages:
         run_stage(stage_name, argv, tokens)
     # On random weights the fidelity gate may keep only the all-CPU plan (nothing for `build`, which refuses it in
-    # one line): the build then takes the search's own pick, unmeasured (`--no-gate`), said in the output.
+    # one line): the build then takes the search's own pick, unmeasured (`--no-gate`), said in the output; where that
+    # places nothing on the ANE either (a one-layer twin's only layer is the last, which the objective may leave on
+    # the host's lazy path), the build takes a template plan of ANE groups, said too.
     built, built_from = plan, "the gated plan"
-    if not any(g["backend"] == "ane" for lp in json.loads(plan.read_text())["layers"] for g in lp["groups"]):
+    if not has_ane_groups(plan):
         built, built_from = work / f"{like}.ungated.json", "the search's pick without the gate (the gate kept the " \
                                                           "all-CPU plan: nothing to build)"
         run_stage("search --no-gate", autotune(*search, "--no-gate", "--out", str(built)), None)
+    if not has_ane_groups(built):
+        built, built_from = work / f"{like}.ane-template.json", "a template plan of ANE groups (the search's picks " \
+                                                                "place nothing on the ANE: nothing to build)"
+        run_stage("plan-template --backend ane", autotune("plan-template", "--model", model, "--backend", "ane",
+                                                          "--out", str(built)), None)
     run_stage("build", autotune("build", "--model", model, "--plan", str(built), "--out",
                                 str(work / f"{like}.mlpackage"), "--cache-dir", str(work / "cache"), "--no-progress"),
               None)
@@ -162,6 +169,11 @@ def bench_twin(like: str, layers: int, quick: bool, threads: int, work: Path) ->
     build = results["build"]["json"]
     return rows, {"overhead": over, "build": build, "checkpoint_bytes": ckpt, "built_from": built_from,
                   "gate_chosen": results["search"]["json"].get("gate", {}).get("chosen")}
+
+
+def has_ane_groups(plan: Path) -> bool:
+    """Whether `plan` places a group on the ANE (what `build` compiles)."""
+    return any(g["backend"] == "ane" for lp in json.loads(plan.read_text())["layers"] for g in lp["groups"])
 
 
 def print_table(rows: list[dict]) -> None:
