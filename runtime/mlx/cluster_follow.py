@@ -21,6 +21,7 @@ from itertools import count
 import mlx.core as mx
 import numpy as np
 
+from runtime.mlx.cache_rows import add_row, prefix_of, remove_row
 from runtime.mlx.ring import Ring
 
 # What rank 0 announces, and its operands (a, b, c, d):
@@ -138,7 +139,6 @@ def follow(loaded) -> dict[int, object]:
     """A follower of a server (`loaded`: its stage, `runtime.generation.Loaded`): each forward and each change to a
     cache rank 0 announces, made on this rank's layers and caches, until rank 0 announces the end. Returns what it
     holds then, by rank 0's handles (what a test compares with rank 0's)."""
-    from runtime.mlx.cache_rows import add_row, prefix_of, remove_row
     from runtime.mlx.spine_generation import kept_layers
 
     link, model = loaded.cluster.link, loaded.model
