@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.costing.schedule import CORE_STEP, KV_STEP, Step, predict_scheduled, schedule, steps_from_events
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, predict_prefill
+from autotune.costing.schedule import (
+    CORE_STEP,
+    JOIN_STEP,
+    KV_STEP,
+    Step,
+    predict_scheduled,
+    schedule,
+    steps_from_events,
+)
+from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, pieces, predict_prefill
 from autotune.profiling.profile import load_profile
 from autotune.searching.overlap_choice import cpu_backends
 
@@ -119,3 +127,48 @@ def test_the_cpu_as_a_third_unit_by_hand(m2):
     assert got.energy_mj - base.energy_mj == pytest.approx(cpu * watts["cpu-static"] - gpu * watts["mlx-exact"],
                                                            rel=1e-9)
     assert cpu_backends(cost, "ane") == ("cpu-static",) and cpu_backends(cost, "cpu-static") == ()
+
+
+def _halves() -> list[list[Step]]:
+    """One chunk as two halves, two layers: each half's q/k/v on the ANE (1 ms), its attention core on the GPU (the
+    first half's 2 ms, the second's 3: more keys); the chunk's experts once, in the second half's chain (the ANE
+    and the GPU 2 ms each), the first half joining them before its next layer."""
+    first = [s for layer in range(2) for s in (Step.of(KV_STEP, layer, {"ane": 1.0}),
+                                               Step.of(CORE_STEP, layer, {"gpu": 2.0}),
+                                               Step.of(JOIN_STEP, layer, {}, after=((1, "experts", layer),)))]
+    second = [s for layer in range(2) for s in (Step.of(KV_STEP, layer, {"ane": 1.0}),
+                                                Step.of(CORE_STEP, layer, {"gpu": 3.0}),
+                                                Step.of("experts", layer, {"ane": 2.0, "gpu": 2.0}))]
+    return [first, second]
+
+
+def test_half_chunks_by_hand():
+    """The second half's q/k/v runs on the ANE while the first half's core runs on the GPU; the second half's core
+    starts after the first's keys and values; the first half's next layer waits for the chunk's experts."""
+    s = schedule(_halves(), in_flight=2)
+    assert _queue(s, "ane") == [(0, 0, KV_STEP, 0, 1), (1, 0, KV_STEP, 1, 2), (1, 0, "experts", 6, 8),
+                                (0, 1, KV_STEP, 8, 9), (1, 1, KV_STEP, 9, 10), (1, 1, "experts", 14, 16)]
+    assert _queue(s, "gpu") == [(0, 0, CORE_STEP, 1, 3), (1, 0, CORE_STEP, 3, 6), (1, 0, "experts", 6, 8),
+                                (0, 1, CORE_STEP, 9, 11), (1, 1, CORE_STEP, 11, 14), (1, 1, "experts", 14, 16)]
+    assert s.makespan_ms == 16.0 and s.busy_ms == {"ane": 8.0, "gpu": 14.0}
+
+
+def test_half_chunks_on_a_real_shape(m2):
+    """A 4,096-token chunk as two halves of 2,048 (contexts 2,048 and 4,096): each half's q/k/v on the ANE at its
+    own price (half the chunk's static rows where split), the experts once per layer over the chunk, the work
+    (energy) the halves' chain's, and the schedule at least the busier unit; labelled as not run by the runtime."""
+    cost, shape = m2
+    experts = ExpertFigures(410.0, 10.0, 300 * 1.58 + 400 * 62.05, ({"cpu": 10.0}, {"ane": 300.0, "mlx-exact": 400.0}))
+    place = DensePlacement(qkv="ane", host="mlx-exact").with_rows("qkv", 1024)
+    pred, s = predict_scheduled(cost, shape, 4096, 4096, experts, place, halves=True)
+    chain = predict_prefill(cost, shape, 4096, 4096, experts, place, halves=True)
+    n, h = shape.num_layers, shape.hidden
+    qkv = float(cost.matmul_ms("ane", 512, shape.qkv_width, h)) + cost.call_ms("ane")
+    assert s.busy_ms["ane"] == pytest.approx(2 * n * qkv + 300.0, rel=1e-9)
+    assert sum(1 for o in s.ops if o.name == "experts" and o.unit == "ane") == len(shape.moe_layers)
+    assert {o.chunk for o in s.ops if o.name == "experts"} == {1}
+    assert pred.energy_mj == chain.energy_mj and pred.cpu_ms == chain.cpu_ms
+    assert max(s.busy_ms.values()) <= pred.latency_ms <= chain.latency_ms + 1e-9
+    assert pred.schedule["shape"] == "half-chunks" and pred.schedule["runtime_executes"] is False
+    assert pieces(4096, 4096, halves=True) == [(2048, 2048, True, 0), (2048, 4096, True, 4096)]
+    assert pieces(4097, 4096, halves=True)[-1] == (1, 4097, False, 1)  # a one-row chunk is not halved

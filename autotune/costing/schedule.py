@@ -26,12 +26,13 @@ from autotune.costing.whole_prefill import (
     dense_link,
     expert_link,
     layer_links,
+    pieces,
     predict_prefill,
-    prompt_chunks,
     unit_of,
 )
 
 KV_STEP, CORE_STEP = "qkv", "attention_core"  # the step that makes a layer's keys and values; the one reading them
+JOIN_STEP = "experts_join"  # a chunk's first half waits here for the experts its second half's chain computes
 # a decoder layer's steps in the order they run, as (part, index in the part's links, step name); the experts after
 # the router
 LAYER_ORDER = (("rest", 0, "norms"), ("attention_projections", 0, KV_STEP), ("attention_core", 0, CORE_STEP),
@@ -41,14 +42,16 @@ LAYER_ORDER = (("rest", 0, "norms"), ("attention_projections", 0, KV_STEP), ("at
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a chunk's chain: `units` (unit -> busy ms) run side by side; `layer` -1: after the decoder."""
+    """One step of a chunk's chain: `units` (unit -> busy ms) run side by side; `layer` -1: after the decoder;
+    `after`: (chunk offset, step name, layer) of other chunks' steps it also waits for (the last of that name)."""
     name: str
     layer: int
     units: tuple[tuple[str, float], ...]
+    after: tuple[tuple[int, str, int], ...] = ()
 
     @classmethod
-    def of(cls, name: str, layer: int, units: dict[str, float]) -> "Step":
-        return cls(name, layer, tuple((u, float(ms)) for u, ms in units.items() if ms > 0))
+    def of(cls, name: str, layer: int, units: dict[str, float], after: tuple = ()) -> "Step":
+        return cls(name, layer, tuple((u, float(ms)) for u, ms in units.items() if ms > 0), tuple(after))
 
     @property
     def ms(self) -> float:
@@ -69,11 +72,13 @@ class Op:
 
 @dataclass
 class Schedule:
-    """A prefill's schedule: `makespan_ms`, each unit's `busy_ms` and the ops (start and end)."""
+    """A prefill's schedule: `makespan_ms`, each unit's `busy_ms` and the ops (start and end); `halves`: each
+    chunk's dense ops ran per half (`prefill_steps`), which the runtime does not execute."""
     in_flight: int
     makespan_ms: float
     busy_ms: dict[str, float]
     ops: list[Op] = field(default_factory=list)
+    halves: bool = False
 
     @property
     def idle_ms(self) -> dict[str, float]:
@@ -84,7 +89,8 @@ class Schedule:
         idle = self.idle_ms
         return {"in_flight": self.in_flight, "makespan_ms": round(self.makespan_ms, 6),
                 "units": {u: {"busy_ms": round(b, 6), "idle_ms": round(idle[u], 6)}
-                          for u, b in sorted(self.busy_ms.items())}}
+                          for u, b in sorted(self.busy_ms.items())},
+                "shape": "half-chunks" if self.halves else "chunks", "runtime_executes": not self.halves}
 
 
 def schedule(chunks: list[list[Step]], in_flight: int = 2, tail: list[Step] = ()) -> Schedule:
@@ -117,6 +123,7 @@ class _State:
     chunks: list[list[Step]]
     done_at: list[list[float]] = field(default_factory=list)
     kv_at: list[dict[int, float]] = field(default_factory=list)  # chunk -> layer -> its keys and values made
+    last: list[dict[tuple[str, int], int]] = field(default_factory=list)  # chunk -> (name, layer) -> its last index
     free: dict[str, float] = field(default_factory=dict)
     entry: dict[int, float] = field(default_factory=dict)  # when a chunk came in flight (default 0)
     ops: list[Op] = field(default_factory=list)
@@ -124,6 +131,7 @@ class _State:
     def __post_init__(self) -> None:
         self.done_at = [[] for _ in self.chunks]
         self.kv_at = [{} for _ in self.chunks]
+        self.last = [{(s.name, s.layer): i for i, s in enumerate(steps)} for steps in self.chunks]
 
     def finished(self, c: int) -> bool:
         return len(self.done_at[c]) == len(self.chunks[c])
@@ -136,7 +144,15 @@ class _State:
         if step.name == CORE_STEP and c > 0 and any(s.name == KV_STEP and s.layer == step.layer
                                                     for s in self.chunks[c - 1]):
             kv = self.kv_at[c - 1].get(step.layer)
-            return None if kv is None else max(at, kv)
+            if kv is None:
+                return None
+            at = max(at, kv)
+        for offset, name, layer in step.after:
+            other = self.done_at[c + offset]
+            i = self.last[c + offset][name, layer]
+            if len(other) <= i:
+                return None
+            at = max(at, other[i])
         return at
 
     def pick(self, active: list[int]) -> int:
@@ -170,32 +186,42 @@ class _State:
 
 def predict_scheduled(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                       experts: ExpertFigures, place: DensePlacement = DensePlacement(), in_flight: int = 2,
-                      lazy_last: LazyLast | None = None) -> tuple[PrefillPrediction, Schedule]:
+                      lazy_last: LazyLast | None = None, halves: bool = False) -> tuple[PrefillPrediction, Schedule]:
     """`predict_prefill` priced as a schedule with up to `in_flight` chunks in flight: its latency the schedule's
-    makespan, its `schedule` each unit's busy and idle time; the work (parts, CPU-busy time, energy) the chain's."""
-    chain = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last=lazy_last)
-    chunks, tail = prefill_steps(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last)
-    sched = schedule(chunks, in_flight, tail)
+    makespan, its `schedule` each unit's busy and idle time; the work (parts, CPU-busy time, energy) the chain's.
+    `halves`: each chunk's dense ops per half (`prefill_steps`), both halves of each chunk in flight."""
+    chain = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last=lazy_last,
+                            halves=halves)
+    chunks, tail = prefill_steps(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last, halves)
+    sched = schedule(chunks, in_flight * (2 if halves else 1), tail)
+    sched.halves = halves
     return dataclasses.replace(chain, latency_ms=sched.makespan_ms, schedule=sched.to_json()), sched
 
 
 def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                   experts: ExpertFigures, place: DensePlacement = DensePlacement(),
-                  lazy_last: LazyLast | None = None) -> tuple[list[list[Step]], list[Step]]:
+                  lazy_last: LazyLast | None = None, halves: bool = False) -> tuple[list[list[Step]], list[Step]]:
     """Each chunk's chain of steps (`LAYER_ORDER`, layer by layer) and the tail (final norm and lm_head), from the
     links `predict_prefill` sums (`whole_prefill.layer_links`). The experts' steps (`ExpertFigures.steps`, per
     prompt) are shared among the (chunk, MoE layer) pairs by the rows each computes. A lazy host's last layer
-    (`LazyLast`) computes its keys and values only, but for the rows a logit reads."""
-    lazy = lazy_last if lazy_last is not None and cost.is_lazy(place.host) else None
-    last, chunks = shape.num_layers - 1, prompt_chunks(prompt_tokens, chunk_tokens)
+    (`LazyLast`) computes its keys and values only, but for the rows a logit reads.
+
+    `halves`: a micro-pipeline inside each chunk (`whole_prefill.pieces`): its dense, token-parallel ops (norms,
+    q/k/v, o_proj, router, MLP) and its attention core run per half, each half a chain of its own, so one unit
+    computes one half's projections while another computes the other half's core (the second half's core reads the
+    first's keys and values: the same rule as across chunks). The experts run once per chunk over both halves (their
+    per-expert batches the chunk's) in the second half's chain; the first half's next step waits for them (a
+    join). No lazy last layer. The runtime does not run it (`Schedule.halves`)."""
+    lazy = lazy_last if lazy_last is not None and cost.is_lazy(place.host) and not halves else None
+    last, chunks = shape.num_layers - 1, pieces(prompt_tokens, chunk_tokens, halves)
     static = any((place.qkv, place.o_proj, place.attention, place.mlp))
-    out: list[list[tuple[int, dict, int]]] = []  # per chunk: (layer, its links by part, rows its experts compute)
-    for i, (rows, context) in enumerate(chunks):
-        full = rows == chunk_tokens
+    place = place.halved() if halves else place
+    out: list[list[tuple[int, dict, int]]] = []  # per piece: (layer, its links by part, rows its experts compute)
+    for i, (rows, context, full, expert_rows) in enumerate(chunks):
         layers = []
         for layer in range(shape.num_layers):
             if lazy is None or layer != last or (full and static):
-                layers.append((layer, layer_links(cost, shape, layer, rows, context, full, place), rows))
+                layers.append((layer, layer_links(cost, shape, layer, rows, context, full, place), expert_rows))
                 continue
             read = 0 if i < len(chunks) - 1 else 1 if lazy.split else rows
             layers.append((layer, cache_only_links(cost, shape, rows - read, place.host), 0))
@@ -208,7 +234,8 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
     tail = [Step.of("lm_head", -1, dense_link(cost, place.host, head).units)]
     return [[step for layer, links, rows in layers
              for step in _layer_steps(layer, links, [{u: ms * rows for u, ms in s.items()} for s in per_row]
-                                      if layer in shape.moe_layers and rows else [])]
+                                      if layer in shape.moe_layers and rows else [],
+                                      halves and not rows and layer in shape.moe_layers)]
             for layers in out], tail
 
 
@@ -227,12 +254,15 @@ def _expert_steps(cost: CostModel, shape: DecoderShape, experts: ExpertFigures, 
     return [{u: ms * scale / rows for u, ms in s.items()} for s in steps]
 
 
-def _layer_steps(layer: int, links: dict[str, list[evaluator.Link]], experts: list[dict[str, float]]) -> list[Step]:
-    """One layer's links as steps in `LAYER_ORDER` (a cache-only layer has norms and qkv only)."""
+def _layer_steps(layer: int, links: dict[str, list[evaluator.Link]], experts: list[dict[str, float]],
+                 join: bool = False) -> list[Step]:
+    """One layer's links as steps in `LAYER_ORDER` (a cache-only layer has norms and qkv only); `join`: a chunk's
+    first half, whose experts the next piece's chain computes (a step of no work that waits for them)."""
     steps = []
     for part, index, name in LAYER_ORDER:
         if part == "experts":
             steps += [Step.of(name, layer, units) for units in experts]
+            steps += [Step.of(JOIN_STEP, layer, {}, after=((1, name, layer),))] if join else []
         elif index < len(links.get(part, [])):
             steps.append(Step.of(name, layer, links[part][index].units))
     return steps

@@ -141,6 +141,12 @@ class DensePlacement:
         kept = tuple((f, r) for f, r in self.rows if f != function)
         return dataclasses.replace(self, rows=kept + (((function, rows),) if rows else ()))
 
+    def halved(self) -> "DensePlacement":
+        """The placement as each half of a full chunk runs it (`pieces`): a split function's static side takes
+        half the chunk's static rows; the attention core runs on the host (its static buckets are per chunk)."""
+        return dataclasses.replace(self, attention=None, buckets=(), attention_block=None,
+                                   rows=tuple((f, r // 2) for f, r in self.rows if f != "attention" and r // 2))
+
 
 @dataclass
 class ExpertFigures:
@@ -191,6 +197,19 @@ def prompt_chunks(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]
     """(rows, context) of each prefill chunk of a prompt: full chunks, then the partial last one."""
     return [(min(chunk_tokens, prompt_tokens - start), min(prompt_tokens, start + chunk_tokens))
             for start in range(0, prompt_tokens, chunk_tokens)]
+
+
+def pieces(prompt_tokens: int, chunk_tokens: int, halves: bool = False) -> list[tuple[int, int, bool, int]]:
+    """(rows, context, full, experts' rows) of what runs as one forward: each chunk (`prompt_chunks`), or with
+    `halves` each half of each chunk of two rows or more, the second's context the chunk's; `full`: the chunk is.
+    The experts' rows: the chunk's, on its last piece (a chunk's experts run once, over both halves), else 0."""
+    out = []
+    for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):
+        full, first = rows == chunk_tokens, rows // 2
+        if halves and first:
+            out.append((first, context - rows + first, full, 0))
+        out.append((rows - first if halves else rows, context, full, rows))
+    return out
 
 
 def _on(backend: str | None, full: bool, host: str) -> str:
@@ -289,19 +308,21 @@ def cache_only_links(cost: CostModel, shape: DecoderShape, rows: int, host: str)
 
 def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                     experts: ExpertFigures, place: DensePlacement = DensePlacement(),
-                    logits_rows: int = 1, lazy_last: LazyLast | None = None) -> PrefillPrediction:
+                    logits_rows: int = 1, lazy_last: LazyLast | None = None, halves: bool = False
+                    ) -> PrefillPrediction:
     """The whole prefill of one prompt under a placement of the dense functions and the experts' figures;
     `logits_rows`: the positions whose logits it computes (a prefill needs one; a run that scores every token,
-    all); `lazy_last`: the last decoder layer's work that a lazy host leaves out (with one logits row only)."""
+    all); `lazy_last`: the last decoder layer's work that a lazy host leaves out (with one logits row only);
+    `halves`: each chunk's dense ops run per half (`pieces`, `DensePlacement.halved`; no lazy last layer)."""
     links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
     host, last = place.host, shape.num_layers - 1
-    lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 else None
+    lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 and not halves else None
     kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
     for layer in range(shape.num_layers - (lazy is not None)):
         kinds.setdefault((layer in shape.moe_layers, shape.mlp_ffn(layer)), []).append(layer)
-    chunks, pruned_rows = prompt_chunks(prompt_tokens, chunk_tokens), 0
-    for i, (rows, context) in enumerate(chunks):
-        full = rows == chunk_tokens
+    chunks, pruned_rows = pieces(prompt_tokens, chunk_tokens, halves), 0
+    place = place.halved() if halves else place
+    for i, (rows, context, full, _) in enumerate(chunks):
         layer_sets = [(same[0], len(same)) for same in kinds.values()]
         static = full and any((place.qkv, place.o_proj, place.attention, place.mlp))
         if lazy is not None and static:  # its static functions read the layer's input: priced whole

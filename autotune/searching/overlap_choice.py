@@ -154,13 +154,15 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
-                  in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3) -> dict[int, Overlapped]:
+                  in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
+                  halves: bool = False) -> dict[int, Overlapped]:
     """Per chunk size, of its candidate whose schedule ends first as it stands and those among the `keep` first of
     all sizes, each with its dense placement chosen again under the schedule (the static backend's and the CPU's,
-    `cpu_backends`), the one that then ends first."""
+    `cpu_backends`), the one that then ends first; `halves`: each chunk's dense ops per half (`schedule.prefill_steps`,
+    not run by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
-                                    c.lazy_last)
+                                    c.lazy_last, halves)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         return np.inf if over else pred.latency_ms
 
@@ -169,7 +171,8 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
     out = {}
     for chunk in sorted({c.chunk for c in ranked}):
         mine = [c for c in ranked if c.chunk == chunk]
-        got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj)
+        got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
+                                 halves=halves)
                for c in [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]]
         out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     return out
@@ -183,17 +186,17 @@ def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
 
 def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
                       cand: Candidate, in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
-                      grid: Callable[[int], list[int]] = static_rows_grid) -> Overlapped:
+                      grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False) -> Overlapped:
     """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, each
     function on one of `backends` (the first: the static backend whose window the experts share) for rows from
     `grid(chunk)`; one whose dense weights on the first and the resident experts overflow the ANE's window is not
-    taken."""
+    taken. `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`)."""
     backends = (backends,) if isinstance(backends, str) else backends
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
     def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
         pred, sched = predict_scheduled(cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
-                                        cand.lazy_last)
+                                        cand.lazy_last, halves)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         window = {"experts": cand.resident_bytes,
                   "dense functions": dense_weight_bytes(shape, place, per_weight, backends[0])}

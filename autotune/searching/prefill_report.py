@@ -123,17 +123,20 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     candidate = {name: whole.is_plan(sol, at if name == "experts-only" else layers, scorer, outcome.drop_budget)
                  for name, sol in rows.items()}
     place, plan_is, one = placement(outcome.best, choice, host_of(scorer)), outcome.best.baseline, {}
+    roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
-        by_chunk = best_by_chunk(scorer, shape, prompt_tokens,
-                                 overlap_candidates(outcome, scorer, shape, prompt_tokens), in_flight, cap)
-        over = best_overlapped(by_chunk)
-        one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens)}
+        cands = overlap_candidates(outcome, scorer, shape, prompt_tokens)
+        by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap)
+        by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
+        runs, over = best_overlapped(by_chunk), best_overlapped({**by_chunk, **{-c: o for c, o in by_half.items()}})
+        one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens),
+               "half_chunks": by_chunk_json(by_half, prompt_tokens),
+               "runtime_executes": over is runs, "executable": executable_json(runs, base, roof)}
         plan, place = over.prediction, over.placement
         plan_is = over.candidate.baseline
         if timeline:
             timeline_chart(over.schedule, timeline, (0, 1))
-    roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
@@ -145,6 +148,17 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
             "vs": vs,
             "over_roofline_whole": plan.latency_ms / roof if roof else None,
             "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
+
+
+def executable_json(runs: Overlapped, base: dict[str, PrefillPrediction], roof: float | None) -> dict:
+    """The schedule the runtime runs (whole chunks, `runtime/mlx/overlap.py`) where a faster one it does not run
+    (half-chunks) is the plan: its latency, its `vs` the GPU alone and its roofline ratio (predicted)."""
+    pred, gpu = runs.prediction, base.get("mlx-gpu")
+    return {"label": "the fastest schedule the runtime runs (whole chunks), predicted",
+            "chunk_tokens": pred.chunk_tokens, "predicted_prefill_ms": pred.latency_ms,
+            "predicted_prefill_energy_mj": pred.energy_mj,
+            "vs_mlx_gpu_latency": gpu.latency_ms / pred.latency_ms if gpu and pred.latency_ms else None,
+            "over_roofline_whole": pred.latency_ms / roof if roof else None, "units": runs.schedule.to_json()["units"]}
 
 
 def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
