@@ -68,6 +68,25 @@ def test_causal_first_chunks_and_masked_later_ones_price_the_work_sdpa_does():
     assert static == pytest.approx(2 * first)
 
 
+def test_a_kernel_that_skips_past_the_diagonal_prices_a_later_chunk_causal():
+    """MLX's sdpa on Metal (`skips`) stops each query block at its diagonal, the chunk's offset counted: 1,024 queries
+    after 1,024 cached keys compute 1,024 x 1,024 + 1,024^2 / 2 scores, three quarters of the whole block, and no
+    float mask; a first chunk is the causal half either way. On the published profile MLX (the GPU) prices it so,
+    the CPU's torch sdpa does not."""
+    whole = 4.0 * 1024 * 2048 * 32 * 128 / 1e9
+    later, masked = (attention_work(1024, 2048, 32, 4, 128, 2, sdpa=True, skips=s) for s in (True, False))
+    assert later[0] == pytest.approx(0.75 * whole) and masked[0] == pytest.approx(whole)
+    assert later[1] < masked[1]  # no mask written and read, k and v not repeated
+    assert attention_work(1024, 1024, 32, 4, 128, 2, sdpa=True, skips=True)[0] == pytest.approx(
+        attention_work(1024, 1024, 32, 4, 128, 2, sdpa=True)[0])
+    from autotune.profiling.profile import load_profile
+
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    mlx = [float(cost.attention_ms("mlx-exact", 2048, c, 32, 4, 128)) for c in (2048, 4096)]
+    cpu = [float(cost.attention_ms("cpu-exact", 2048, c, 32, 4, 128)) for c in (2048, 4096)]
+    assert mlx[1] < 3.1 * mlx[0] and cpu[1] > 3.5 * cpu[0]  # 3x the work (1.5 / 0.5), against 4x
+
+
 def test_only_buffers_glibc_maps_anew_count_as_fresh():
     assert fresh_mb(32 * 2**20 - 4) == 0.0 and fresh_mb(32 * 2**20) == pytest.approx(32 * 2**20 / 1e6)
     # 2048 rows of tiny-moe's 4096 logits in fp32 are 32 MiB: fresh; 1024 rows are not

@@ -391,9 +391,11 @@ class CostModel:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`; `masked`: a first
         chunk that still gets a mask (a sliding window shorter than its context), so the CPU's sdpa computes the
         whole block as a later chunk's."""
-        # an exact path prices its sdpa (causal, no padding); a static one, its padded masked function
+        # an exact path prices its sdpa (causal, no padding); a static one, its padded masked function; MLX off the
+        # CPU (Metal) skips the blocks past each query's diagonal in a later chunk too, MLX's CPU device does not
         work = attention_work(rows, context, heads, kv_heads, head_dim, self.dtype_bytes(backend),
-                              sdpa=self.is_exact(backend), masked=masked)
+                              sdpa=self.is_exact(backend), masked=masked,
+                              skips=self.is_lazy(backend) and self.overlaps(backend))
         before = np.asarray(context) + np.asarray(rows) if masked else context  # priced as a masked chunk's
         return self.dense_fit(backend, "attention").ms(*work, at=features("attention", rows=rows, context=before,
                                                                             width=heads * head_dim))

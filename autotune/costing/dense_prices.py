@@ -41,7 +41,8 @@ def fresh_mb(*buffers: Any) -> np.ndarray:
 
 
 def attention_work(rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int, dtype_bytes: float,
-                   sdpa: bool = False, masked: bool = False) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+                   sdpa: bool = False, masked: bool = False,
+                   skips: bool = False) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
     """(GFLOP, MB, 0 weight MB, fresh MB) of the attention core for `rows` queries over `context` keys.
 
     `sdpa`: as the CPU runs it in torch (what a run's `attention_core` part times): rope on q and k, the KV cache's
@@ -49,15 +50,18 @@ def attention_work(rows: Any, context: Any, heads: int, kv_heads: int, head_dim:
     grouped heads read in place) and otherwise computes the whole block under a bool mask (made an additive float
     mask), k and v repeated to the query heads; `masked`: a chunk with nothing cached before it that gets a mask all
     the same (a sliding window shorter than its context: on an AMX host such a 4,096-token chunk took 2.3x the causal
-    kernel's time). Else a static function's: the whole padded block under its mask,
+    kernel's time); `skips`: a kernel whose causal loop stops at each query block's diagonal at the chunk's offset
+    into the keys, so a chunk with keys cached before it runs causal too, its queries over the keys before them
+    (MLX's sdpa on Metal under mlx-lm's `mask="causal"`: `steel_attention.h` bounds its key loop by `qL_off`).
+    Else a static function's: the whole padded block under its mask,
     QK^T and PV, the scores (in the backend's element size) written, normalised and read."""
     m, n = np.asarray(rows, dtype=np.float64), np.asarray(context, dtype=np.float64)
     qo = 2 * m * heads * head_dim  # q in, the output out
     if not sdpa:
         gflop = 4.0 * m * n * heads * head_dim / 1e9
         return gflop, dtype_bytes * (qo + 2 * n * kv_heads * head_dim + 3 * m * n * heads) / 1e6, 0.0, 0.0 * m
-    causal = (m >= n) & (not masked)
-    gflop = np.where(causal, 0.5, 1.0) * 4.0 * m * n * heads * head_dim / 1e9
+    causal = ((m >= n) | skips) & (not masked)
+    gflop = np.where(causal, (n - m / 2) / n, 1.0) * 4.0 * m * n * heads * head_dim / 1e9  # m = n: the half
     rope = 4 * m * (heads + kv_heads) * head_dim  # read, rotate, multiply-add, write
     cache = 2 * 2 * n * kv_heads * head_dim  # k and v: the cache read and the concatenation written
     kv = np.where(causal, 2 * n * kv_heads * head_dim, 2 * 2 * n * heads * head_dim)  # read; repeated: written too

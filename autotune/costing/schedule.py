@@ -211,8 +211,8 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
     computes one half's projections while another computes the other half's core (the second half's core reads the
     first's keys and values: the same rule as across chunks). The experts run once per chunk over both halves (their
     per-expert batches the chunk's) in the second half's chain; the first half's next step waits for them (a
-    join). No lazy last layer. The runtime does not run it (`Schedule.halves`)."""
-    lazy = lazy_last if lazy_last is not None and cost.is_lazy(place.host) and not halves else None
+    join). The runtime does not run it (`Schedule.halves`)."""
+    lazy = lazy_last if lazy_last is not None and cost.is_lazy(place.host) else None
     last, chunks = shape.num_layers - 1, pieces(prompt_tokens, chunk_tokens, halves)
     static = any((place.qkv, place.o_proj, place.attention, place.mlp))
     place = place.halved() if halves else place
@@ -232,11 +232,12 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
     head = cost.matmul_ms(place.host, 1, shape.vocab, shape.hidden) + cost.norm_ms(place.host, 1, shape.hidden,
                                                                                   shape.hidden)
     tail = [Step.of("lm_head", -1, dense_link(cost, place.host, head).units)]
+    joins = [{layer for layer, _, rows in after if rows and layer in shape.moe_layers} if piece[3] == 0 else set()
+             for piece, after in zip(chunks, out[1:] + [[]])]  # a first half joins its second half's experts
     return [[step for layer, links, rows in layers
              for step in _layer_steps(layer, links, [{u: ms * rows for u, ms in s.items()} for s in per_row]
-                                      if layer in shape.moe_layers and rows else [],
-                                      halves and not rows and layer in shape.moe_layers)]
-            for layers in out], tail
+                                      if layer in shape.moe_layers and rows else [], layer in join)]
+            for layers, join in zip(out, joins)], tail
 
 
 def _expert_steps(cost: CostModel, shape: DecoderShape, experts: ExpertFigures, place: DensePlacement,

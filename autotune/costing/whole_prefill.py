@@ -313,10 +313,10 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
     """The whole prefill of one prompt under a placement of the dense functions and the experts' figures;
     `logits_rows`: the positions whose logits it computes (a prefill needs one; a run that scores every token,
     all); `lazy_last`: the last decoder layer's work that a lazy host leaves out (with one logits row only);
-    `halves`: each chunk's dense ops run per half (`pieces`, `DensePlacement.halved`; no lazy last layer)."""
+    `halves`: each chunk's dense ops run per half (`pieces`, `DensePlacement.halved`)."""
     links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
     host, last = place.host, shape.num_layers - 1
-    lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 and not halves else None
+    lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 else None
     kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
     for layer in range(shape.num_layers - (lazy is not None)):
         kinds.setdefault((layer in shape.moe_layers, shape.mlp_ffn(layer)), []).append(layer)

@@ -100,7 +100,8 @@ def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: in
                weights: tuple[float, ...] = tuple(np.linspace(0.1, 0.9, 9))) -> list[Solution]:
     """Solutions that move the experts' work between the static backend and the exact path, for a schedule to
     price: each layer's `per_layer` decisions of least chain latency in the search's pool, and as many with more
-    experts resident than its own pick (its own among them),
+    experts resident than its own pick and as many with fewer (its own among them: fewer residents free the
+    static backend's window for dense functions, `choose_overlapped`),
     and per weight w, each layer's decision of least `pack + w * static + (1 - w) * exact` (a schedule with two
     chunks in flight is bound by the busier unit's total, not each layer's longer side); those within the drop
     budget."""
@@ -108,8 +109,9 @@ def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: in
     options = []
     for data, pool, own in zip(found.layers, found.pool, found.best.configs):
         order = np.argsort(pool.scores.latency_ms, kind="stable")
-        more = order[space.column(pool.rows[order], "resident") > own.resident]  # more work on the static backend
-        rows = pool.rows[np.concatenate([order[:per_layer], more[:per_layer]])]
+        resident = space.column(pool.rows[order], "resident")
+        more, fewer = order[resident > own.resident], order[resident < own.resident]  # more or less static work
+        rows = pool.rows[np.concatenate([order[:per_layer], more[:per_layer], fewer[:per_layer]])]
         cfgs = list(dict.fromkeys([own, *(space.config(r) for r in rows)]))
         options.append([(c, layer_units(scorer, data, c), scorer.score(data, c).heldout_drops) for c in cfgs])
     out = []
