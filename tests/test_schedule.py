@@ -16,7 +16,7 @@ from autotune.costing.schedule import (
 )
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, pieces, predict_prefill
 from autotune.profiling.profile import load_profile
-from autotune.searching.overlap_choice import cpu_backends
+from autotune.searching.overlap_choice import Candidate, cpu_backends, window_trade
 
 
 def _chunk() -> list[Step]:
@@ -172,3 +172,17 @@ def test_half_chunks_on_a_real_shape(m2):
     assert pred.schedule["shape"] == "half-chunks" and pred.schedule["runtime_executes"] is False
     assert pieces(4096, 4096, halves=True) == [(2048, 2048, True, 0), (2048, 4096, True, 4096)]
     assert pieces(4097, 4096, halves=True)[-1] == (1, 4097, False, 1)  # a one-row chunk is not halved
+
+
+def test_the_window_trade_takes_the_first_candidate_with_room_for_the_projections(m2):
+    """Qwen3-30B-A3B's q/k/v and o_proj hold 48 x 2,048 x (5,120 + 4,096) fp16 weights, 1.81 GB: beside them the ANE's
+    4 GiB window leaves 2.48 GB for resident experts, so of candidates ranked 3.0, 2.6, 2.4 and 1.0 GB the trade
+    takes the 2.4 GB one; none where every candidate holds more."""
+    _, shape = m2
+    experts = ExpertFigures(1.0, 0.0, None)
+    ranked = [Candidate(4096, experts, DensePlacement(host="mlx-exact"), resident_bytes=gb * 1e9)
+              for gb in (3.0, 2.6, 2.4, 1.0)]
+    room = 4 * 2**30 - 48 * 2048 * (5120 + 4096) * 2
+    assert room == pytest.approx(2.4832e9, rel=1e-4)
+    assert window_trade(ranked, shape, "ane") == [ranked[2]]
+    assert window_trade(ranked[:2], shape, "ane") == []

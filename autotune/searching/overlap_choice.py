@@ -158,10 +158,11 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
                   halves: bool = False) -> dict[int, Overlapped]:
-    """Per chunk size, of its candidate whose schedule ends first as it stands and those among the `keep` first of
-    all sizes, each with its dense placement chosen again under the schedule (the static backend's and the CPU's,
-    `cpu_backends`), the one that then ends first; `halves`: each chunk's dense ops per half (`schedule.prefill_steps`,
-    not run by the runtime)."""
+    """Per chunk size, of its candidate whose schedule ends first as it stands, those among the `keep` first of all
+    sizes and its first that leaves the static backend's window room for q/k/v and o_proj (`window_trade`), each
+    with its dense placement chosen again under the schedule (the static backend's and the CPU's, `cpu_backends`),
+    the one that then ends first; `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not run by
+    the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves)
@@ -173,11 +174,21 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
     out = {}
     for chunk in sorted({c.chunk for c in ranked}):
         mine = [c for c in ranked if c.chunk == chunk]
+        tried = [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]
+        tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
-                                 halves=halves)
-               for c in [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]]
+                                 halves=halves) for c in tried]
         out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     return out
+
+
+def window_trade(ranked: list[Candidate], shape: DecoderShape, backend: str) -> list[Candidate]:
+    """The first of `ranked` whose resident experts leave the static backend's window room for every layer's q/k/v
+    and o_proj (none if none does): fewer experts on the ANE, the rest on the exact path, for dense rows there, a
+    trade the dense choice prices jointly with the rows (`choose_overlapped`) rather than one expert at a time."""
+    both = DensePlacement(qkv=backend, o_proj=backend)
+    room = ane_limits.WINDOW_BYTES - dense_weight_bytes(shape, both, ane_limits.BYTES_PER_WEIGHT["none"], backend)
+    return next(([c] for c in ranked if c.resident_bytes <= room), [])
 
 
 def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
