@@ -170,6 +170,7 @@ def test_half_chunks_on_a_real_shape(m2):
     assert pred.energy_mj == chain.energy_mj and pred.cpu_ms == chain.cpu_ms
     assert max(s.busy_ms.values()) <= pred.latency_ms <= chain.latency_ms + 1e-9
     assert pred.schedule["shape"] == "half-chunks" and pred.schedule["runtime_executes"] is False
+    assert pred.schedule["in_flight"] == 2  # chunks in flight, each as two halves
     assert pieces(4096, 4096, halves=True) == [(2048, 2048, True, 0), (2048, 4096, True, 4096)]
     assert pieces(4097, 4096, halves=True)[-1] == (1, 4097, False, 1)  # a one-row chunk is not halved
 

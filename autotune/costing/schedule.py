@@ -194,7 +194,7 @@ def predict_scheduled(cost: CostModel, shape: DecoderShape, prompt_tokens: int, 
                             halves=halves)
     chunks, tail = prefill_steps(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last, halves)
     sched = schedule(chunks, in_flight * (2 if halves else 1), tail)
-    sched.halves = halves
+    sched.in_flight, sched.halves = in_flight, halves  # chunks in flight, each as its two halves
     return dataclasses.replace(chain, latency_ms=sched.makespan_ms, schedule=sched.to_json()), sched
 
 
@@ -316,8 +316,9 @@ def timeline_chart(sched: Schedule, path: str, layers: tuple[int, int] = (0, 2),
                     va="center", fontsize=6)
     ax.set_yticks(range(len(units)), units)
     ax.set_xlabel("ms (predicted)")
-    ax.set_title(title or f"{sched.in_flight} chunk(s) in flight, layers {layers[0]}-{layers[1]}: units as rows, "
-                 "ops as bars (colour: chunk)")
+    pieces_are = "half-chunk" if sched.halves else "chunk"
+    ax.set_title(title or f"{sched.in_flight} chunk(s) in flight{' as half-chunks' if sched.halves else ''}, layers "
+                 f"{layers[0]}-{layers[1]}: units as rows, ops as bars (colour: {pieces_are})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
