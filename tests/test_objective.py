@@ -117,7 +117,8 @@ def test_no_baseline_plan_is_predicted_faster_than_the_plan(profile, chunk_promp
 
 def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy():
     """Two chunks in flight on the published M2 Ultra profile (the CPU a third unit): `by_chunk` has the chunk sizes
-    it priced; the plan is the fastest of them within the cap, at no more than mlx-gpu's energy; each unit's
+    it priced (`half_chunks` the same as half-chunks); the plan is the fastest of them within the cap (`executable`:
+    of whole chunks), at no more than mlx-gpu's energy; each unit's
     busy and idle ms add up to its row's latency."""  # a size whose chain is past 1.5x the best's is not priced
     cost, prompt = load_profile("apple-m2-ultra-published").cost_model, 2048
     spec = {**SPEC, "num_layers": 4, "moe_layers": [0, 1, 2, 3], "num_experts": 16}
@@ -137,7 +138,10 @@ def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy(
     assert str(report["chunk_tokens"]) in rows and set(rows) <= {"512", "1024"}
     assert all(r["chunks"] == prompt // int(c) for c, r in rows.items())
     fits = [r["predicted_prefill_ms"] for r in rows.values() if r["within_energy_cap"]]
-    assert report["predicted_prefill_ms"] == min(fits)
+    halves = [r["predicted_prefill_ms"] for r in report["half_chunks"].values() if r["within_energy_cap"]]
+    assert report["predicted_prefill_ms"] == min(fits + halves)  # half-chunks: priced, the runtime does not run them
+    assert report["executable"]["predicted_prefill_ms"] == min(fits)
+    assert report["runtime_executes"] == (report["predicted_schedule"]["shape"] == "chunks")
     gpu = report["prefill_baselines"]["mlx-gpu"]
     assert report["predicted_prefill_energy_mj"] <= gpu["predicted_prefill_energy_mj"]
     for r in rows.values():
