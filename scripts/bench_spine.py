@@ -156,6 +156,15 @@ def _loadavg() -> str:
         return "unknown"
 
 
+def _autogroup() -> bool | None:
+    """Whether the kernel shares the CPU by session (`sched_autogroup`): then a process's share is its session's,
+    one thread or two, and two in flight gain only from cores no other session wants."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple[float, float, torch.Tensor]:
     """(wall s, process CPU s, the last row's logits) of one prefill of `ids` from an empty cache with `in_flight`
     chunks."""
@@ -246,7 +255,9 @@ def _side_figures(loaded, got: dict, ids: list[int], decode_tokens: int) -> dict
             "overlap_max_rel_diff": float((logits[2] - logits[1]).abs().max() / logits[1].abs().max()),
             "greedy_text_equal": texts[1] == texts[2], "greedy_prompt_tokens": len(fits),
             "lanes_ms": {"one_in_flight": got["lanes"][1], "two_in_flight": got["lanes"][2]},
-            "loadavg_rounds": got["loadavg"]}
+            "rounds": [{"one_in_flight_ms": round(w1 * 1e3, 1), "two_in_flight_ms": round(w2 * 1e3, 1),
+                        "cores_used": [round(c1 / w1, 3), round(c2 / w2, 3)], "loadavg": load}
+                       for w1, w2, c1, c2, load in zip(*got["walls"].values(), *got["cpus"].values(), got["loadavg"])]}
 
 
 def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, decode_tokens: int,
@@ -273,7 +284,7 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
     out = {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
            "placement": next(iter(figures)), **head, "dtype": "float32", "mlx_device": first.executor.lane,
            "torch_threads": torch.get_num_threads(), "decode_tokens": decode_tokens,
-           "loadavg": {"before": load_before, "after": _loadavg()},
+           "loadavg": {"before": load_before, "after": _loadavg()}, "sched_autogroup": _autogroup(),
            "measured": "sides interleaved, median of the rounds: the prefill's wall time to the last chunk's logits; "
                        "overlap_predicted_speedup is predicted (the schedule of the one-at-a-time run's measured "
                        "lane times), chosen's figures predicted by the profile"}
