@@ -28,9 +28,16 @@ only where this process gets a second core), and the host's load (`/proc/loadavg
 `--static-dense F,..` puts those dense functions (of qkv, o_proj, attention) on cpu-static by hand; `--profile P`
 lets the schedule choose them on host profile P (`autotune.searching.host_lanes`: the placement whose two-in-flight
 schedule ends first), and `chosen` says what it chose and predicted (each lane's busy and idle ms, the makespan with
-one and two in flight).
+one and two in flight). `--placement` names the placements measured side by side on P (interleaved in each round):
+`schedule` (that choice, every expert grouped) and `balanced` (`host_lanes_balanced`: each layer's first k experts
+grouped, the others and the dense functions the static lane does not take on mlx-exact, the plan two in flight
+speed up most among those within 1.25 of the fastest); the first's figures are the top level's, `placements` holds
+each one's and `two_in_flight_ms_over` each one's in-flight wall over the first's. Each side's `rounds` gives every
+round's walls, `cores_used` and load; `sched_autogroup` whether the kernel shares the CPU by session (then the
+process's share is its session's, one thread or two: two in flight gain only from CPU no other session wants).
 
-    python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P | --static-dense F,..]
+    python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P [--placement balanced,schedule] |
+                                                    --static-dense F,..]
 """
 from __future__ import annotations
 
