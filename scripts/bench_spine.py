@@ -28,9 +28,16 @@ only where this process gets a second core), and the host's load (`/proc/loadavg
 `--static-dense F,..` puts those dense functions (of qkv, o_proj, attention) on cpu-static by hand; `--profile P`
 lets the schedule choose them on host profile P (`autotune.searching.host_lanes`: the placement whose two-in-flight
 schedule ends first), and `chosen` says what it chose and predicted (each lane's busy and idle ms, the makespan with
-one and two in flight).
+one and two in flight). `--placement` names the placements measured side by side on P (interleaved in each round):
+`schedule` (that choice, every expert grouped) and `balanced` (`host_lanes_balanced`: each layer's first k experts
+grouped, the others and the dense functions the static lane does not take on mlx-exact, the plan two in flight
+speed up most among those within 1.25 of the fastest); the first's figures are the top level's, `placements` holds
+each one's and `two_in_flight_ms_over` each one's in-flight wall over the first's. Each side's `rounds` gives every
+round's walls, `cores_used` and load; `sched_autogroup` whether the kernel shares the CPU by session (then the
+process's share is its session's, one thread or two: two in flight gain only from CPU no other session wants).
 
-    python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P | --static-dense F,..]
+    python scripts/bench_spine.py --overlap --json [--threads 1] [--profile P [--placement balanced,schedule] |
+                                                    --static-dense F,..]
 """
 from __future__ import annotations
 
@@ -47,8 +54,9 @@ import torch
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
 from autotune.costing.schedule import schedule, steps_from_events
-from autotune.costing.whole_prefill import DensePlacement, decoder_shape, prompt_chunks
+from autotune.costing.whole_prefill import DensePlacement, decoder_shape
 from autotune.searching.dense_choice import dense_plan
+from autotune.searching.host_lanes import WHOLE_FUNCTIONS, grouped_first, whole_placement
 from autotune.searching.templates import template_plan
 from runtime import generation
 from runtime.errors import NpumoeError
@@ -133,16 +141,17 @@ def measure(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, ch
 def static_placement(static_dense: tuple[str, ...], chunk: int, prompt_tokens: int) -> DensePlacement:
     """The dense functions `static_dense` (of qkv, o_proj, attention: a bucket per full chunk's context) wholly on
     cpu-static, the rest on mlx-exact."""
-    buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk) if "attention" in static_dense \
-        else ()
-    return DensePlacement(**{f: "cpu-static" for f in static_dense}, buckets=buckets, host="mlx-exact")
+    return whole_placement(static_dense, prompt_tokens, chunk, "cpu-static", "mlx-exact")
 
 
-def overlap_plan(model: str, chunk: int, place: DensePlacement = DensePlacement(host="mlx-exact")) -> Plan:
-    """Every expert in static groups on cpu-static (ample capacity), the plan's exact path mlx-exact; the dense
-    functions as `place` puts them (spliced into mlx-lm's forward where on cpu-static)."""
+def overlap_plan(model: str, chunk: int, place: DensePlacement = DensePlacement(host="mlx-exact"),
+                 grouped: int | None = None) -> Plan:
+    """Every expert (or each layer's first `grouped`) in static groups on cpu-static (ample capacity), the others
+    on the plan's exact path, mlx-exact; the dense functions as `place` puts them (spliced into mlx-lm's forward
+    where on cpu-static)."""
     spec = read_model_spec(model)
     plan = template_plan(spec, chunk_tokens=chunk, exact="mlx-exact", backend="cpu-static")
+    plan = plan if grouped is None else grouped_first(plan, grouped)
     dense = dense_plan(place, decoder_shape(resolve_model(model, torch.float32)))
     return plan.model_copy(update={"dense": None if dense is None else DensePlan.model_validate(dense)})
 
@@ -152,6 +161,15 @@ def _loadavg() -> str:
         return Path("/proc/loadavg").read_text().strip()
     except OSError:
         return "unknown"
+
+
+def _autogroup() -> bool | None:
+    """Whether the kernel shares the CPU by session (`sched_autogroup`): then a process's share is its session's,
+    one thread or two, and two in flight gain only from cores no other session wants."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
 
 
 def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple[float, float, torch.Tensor]:
@@ -166,77 +184,123 @@ def _prefill(loaded, ids: list[int], chunk: int, in_flight: int, lanes) -> tuple
     return time.perf_counter() - start, time.process_time() - cpu, last_logits(out).clone()
 
 
-def chosen_placement(profile: str, model: str, chunk: int, prompt_tokens: int) -> tuple[DensePlacement, dict]:
-    """The dense placement the schedule chooses on `profile` (a host profile pricing cpu-static and mlx-exact) for
-    `overlap_plan`'s experts (`autotune.searching.host_lanes`), and what it predicts: each lane's busy and idle ms
-    with two chunks in flight, the makespan with one and two (predicted)."""
+def chosen_placement(profile: str, model: str, chunk: int, prompt_tokens: int,
+                     placement: str = "schedule") -> tuple[Plan, dict]:
+    """The plan `placement` chooses on `profile` (a host profile pricing cpu-static and mlx-exact;
+    `autotune.searching.host_lanes`), and what it predicts: each lane's busy and idle ms with two chunks in flight,
+    the makespan with one and two (predicted). `schedule`: every expert in static groups, the dense functions whose
+    two-in-flight schedule ends first; `balanced`: each layer's first k experts in static groups, the others and
+    the dense functions the static lane does not take on mlx-exact, the k and functions two in flight speed up
+    most."""
     from autotune.costing.schedule import predict_scheduled
     from autotune.profiling.profile import load_profile
-    from autotune.searching.host_lanes import host_lanes_choice, lanes_apart
+    from autotune.searching.host_lanes import host_lanes_balanced, host_lanes_choice, lanes_apart
 
     shape = decoder_shape(resolve_model(model, torch.float32))
     cost = load_profile(profile, check_host=False).cost_model.with_exact("mlx-exact")
-    over = host_lanes_choice(cost, shape, overlap_plan(model, chunk), prompt_tokens, "cpu-static")
-    one = predict_scheduled(lanes_apart(cost, "cpu-static"), shape, prompt_tokens, chunk, over.candidate.experts,
-                            over.placement, 1)[1]
-    return over.placement, {"profile": profile, "static_dense": [f for f in ("qkv", "o_proj", "attention")
-                                                                 if getattr(over.placement, f)],
-                            "one_in_flight_ms": round(one.makespan_ms, 1), **over.schedule.to_json(),
-                            "speedup": round(one.makespan_ms / over.schedule.makespan_ms, 4),
-                            "label": "predicted by the profile's cost model, its lanes apart (host_lanes)"}
+    if placement == "balanced":
+        got = host_lanes_balanced(cost, shape, overlap_plan(model, chunk), prompt_tokens, "cpu-static")
+        place, grouped, one, two = got.placement, got.grouped, got.one, got.two
+    else:
+        over = host_lanes_choice(cost, shape, overlap_plan(model, chunk), prompt_tokens, "cpu-static")
+        place, grouped, two = over.placement, shape.num_experts, over.schedule
+        one = predict_scheduled(lanes_apart(cost, "cpu-static"), shape, prompt_tokens, chunk,
+                                over.candidate.experts, place, 1)[1]
+    return overlap_plan(model, chunk, place, grouped), {
+        "placement": placement, "profile": profile, "static_dense": [f for f in WHOLE_FUNCTIONS if getattr(place, f)],
+        "grouped_experts": grouped, "one_in_flight_ms": round(one.makespan_ms, 1), **two.to_json(),
+        "speedup": round(one.makespan_ms / two.makespan_ms, 4),
+        "label": "predicted by the profile's cost model, its lanes apart (host_lanes)"}
 
 
-def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, decode_tokens: int,
-                    static_dense: tuple[str, ...] = (), profile: str | None = None) -> dict:
+def _rounds(sides: dict, ids: list[int], chunk: int, repeats: int) -> dict[str, dict]:
+    """Each side's prefill with one and with two chunks in flight, `repeats` rounds, every side and both counts
+    interleaved in each round, the order alternating (a shared host's load falls on all alike): per side its walls,
+    CPU times, last logits, lanes' figures and the first one-at-a-time run's lane events (measured)."""
     from runtime.mlx.overlap import Lanes
 
-    place, chosen = static_placement(static_dense, chunk, prompt_tokens), None
-    if profile:
-        place, chosen = chosen_placement(profile, model, chunk, prompt_tokens)
-        static_dense = tuple(chosen["static_dense"])
-    loaded = generation.load(model, overlap_plan(model, chunk, place), engine="mlx", dtype="float32")
-    ids = encode_text(loaded.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
-    load_before = _loadavg()
-    for n in (1, 2):  # untimed, two chunks of the timed size: first-call costs out of the rounds
-        _prefill(loaded, ids[:2 * chunk], chunk, n, Lanes())
-    walls: dict[int, list[float]] = {1: [], 2: []}
-    cpus: dict[int, list[float]] = {1: [], 2: []}
-    logits, lanes, events = {}, {}, []
-    for r in range(repeats):  # interleaved, the order alternating: a shared host's load falls on both sides alike
-        for n in ((1, 2) if r % 2 == 0 else (2, 1)):
-            got = Lanes(record=n == 1)
-            wall, cpu, logits[n] = _prefill(loaded, ids, chunk, n, got)
-            walls[n].append(wall)
-            cpus[n].append(cpu)
-            lanes[n] = got.figures()
-            events = got.events if n == 1 and not events else events
-    steps = steps_from_events(events)
+    for loaded in sides.values():  # untimed, two chunks of the timed size: first-call costs out of the rounds
+        for n in (1, 2):
+            _prefill(loaded, ids[:2 * chunk], chunk, n, Lanes())
+    got = {name: {"walls": {1: [], 2: []}, "cpus": {1: [], 2: []}, "logits": {}, "lanes": {}, "events": [],
+                  "loadavg": []} for name in sides}
+    for r in range(repeats):
+        order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            into = got[name]
+            into["loadavg"].append(_loadavg())
+            for n in ((1, 2) if r % 2 == 0 else (2, 1)):
+                lanes = Lanes(record=n == 1)
+                wall, cpu, into["logits"][n] = _prefill(sides[name], ids, chunk, n, lanes)
+                into["walls"][n].append(wall)
+                into["cpus"][n].append(cpu)
+                into["lanes"][n] = lanes.figures()
+                into["events"] = lanes.events if n == 1 and not into["events"] else into["events"]
+    return got
+
+
+def _side_figures(loaded, got: dict, ids: list[int], decode_tokens: int) -> dict:
+    """One side's figures from its rounds (`_rounds`): the prefill's medians, the measured and the predicted
+    overlap speedup, the two runs' logits apart, and `generate`'s greedy text under each."""
+    steps = steps_from_events(got["events"])
     one, two = (schedule(steps, n).makespan_ms for n in (1, 2))
     texts = {}
     fits = ids[:int(loaded.model.config.max_position_embeddings) - decode_tokens]  # generate refuses past the context
     for n in (1, 2):
         loaded.model.in_flight = n
         texts[n] = generation.generate(loaded, fits, max_tokens=decode_tokens).text
-    wall = {n: statistics.median(v) for n, v in walls.items()}
-    cpu = {n: statistics.median(v) for n, v in cpus.items()}
-    diff = float((logits[2] - logits[1]).abs().max() / logits[1].abs().max())
-    return {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
-            "static_dense": list(static_dense), "chosen": chosen,
-            "dtype": "float32", "mlx_device": loaded.executor.lane, "torch_threads": torch.get_num_threads(),
-            "prefill_ms": {"one_in_flight": round(wall[1] * 1e3, 1), "two_in_flight": round(wall[2] * 1e3, 1)},
+    loaded.model.in_flight = 1
+    wall = {n: statistics.median(v) for n, v in got["walls"].items()}
+    cpu = {n: statistics.median(v) for n, v in got["cpus"].items()}
+    logits = got["logits"]
+    return {"prefill_ms": {"one_in_flight": round(wall[1] * 1e3, 1), "two_in_flight": round(wall[2] * 1e3, 1)},
             "prefill_cpu_ms": {"one_in_flight": round(cpu[1] * 1e3, 1), "two_in_flight": round(cpu[2] * 1e3, 1)},
             "cores_used": {"one_in_flight": round(cpu[1] / wall[1], 3), "two_in_flight": round(cpu[2] / wall[2], 3)},
             "overlap_speedup": round(wall[1] / wall[2], 4),
             "overlap_predicted_speedup": round(one / two, 4),
             "overlap_predicted_over_measured": round(one / two / (wall[1] / wall[2]), 4),
-            "overlap_max_rel_diff": diff,
+            "overlap_max_rel_diff": float((logits[2] - logits[1]).abs().max() / logits[1].abs().max()),
             "greedy_text_equal": texts[1] == texts[2], "greedy_prompt_tokens": len(fits),
-            "decode_tokens": decode_tokens,
-            "lanes_ms": {"one_in_flight": lanes[1], "two_in_flight": lanes[2]},
-            "loadavg": {"before": load_before, "after": _loadavg()},
-            "measured": "sides interleaved, median of the rounds: the prefill's wall time to the last chunk's logits; "
-                        "overlap_predicted_speedup is predicted (the schedule of the one-at-a-time run's measured "
-                        "lane times)"}
+            "lanes_ms": {"one_in_flight": got["lanes"][1], "two_in_flight": got["lanes"][2]},
+            "rounds": [{"one_in_flight_ms": round(w1 * 1e3, 1), "two_in_flight_ms": round(w2 * 1e3, 1),
+                        "cores_used": [round(c1 / w1, 3), round(c2 / w2, 3)], "loadavg": load}
+                       for w1, w2, c1, c2, load in zip(*got["walls"].values(), *got["cpus"].values(), got["loadavg"])]}
+
+
+def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, decode_tokens: int,
+                    static_dense: tuple[str, ...] = (), profile: str | None = None,
+                    placements: tuple[str, ...] = ("schedule",)) -> dict:
+    """Two chunks in flight against one at a time on each placement (the first's figures at the top level; with
+    more than one, `placements` holds each one's and `two_in_flight_ms_over` each one's in-flight wall over the
+    first's)."""
+    if profile:
+        chosen = {p: chosen_placement(profile, model, chunk, prompt_tokens, p) for p in placements}
+    else:
+        chosen = {"by-hand": (overlap_plan(model, chunk, static_placement(static_dense, chunk, prompt_tokens)), None)}
+    sides = {name: generation.load(model, plan, engine="mlx", dtype="float32") for name, (plan, _) in chosen.items()}
+    first = next(iter(sides.values()))
+    ids = encode_text(first.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
+    load_before = _loadavg()
+    rounds = _rounds(sides, ids, chunk, repeats)
+    figures = {}
+    for name, loaded in sides.items():
+        pred = chosen[name][1]
+        figures[name] = {"static_dense": pred["static_dense"] if pred else list(static_dense), "chosen": pred,
+                         **_side_figures(loaded, rounds[name], ids, decode_tokens)}
+    head = next(iter(figures.values()))
+    out = {"model": model, "prompt_tokens": len(ids), "chunk_tokens": chunk, "repeats": repeats,
+           "placement": next(iter(figures)), **head, "dtype": "float32", "mlx_device": first.executor.lane,
+           "torch_threads": torch.get_num_threads(), "decode_tokens": decode_tokens,
+           "loadavg": {"before": load_before, "after": _loadavg()}, "sched_autogroup": _autogroup(),
+           "measured": "sides interleaved, median of the rounds: the prefill's wall time to the last chunk's logits; "
+                       "overlap_predicted_speedup is predicted (the schedule of the one-at-a-time run's measured "
+                       "lane times), chosen's figures predicted by the profile"}
+    if len(figures) > 1:
+        out["placements"] = figures
+        out["two_in_flight_ms_over"] = {name: round(f["prefill_ms"]["two_in_flight"] /
+                                                    head["prefill_ms"]["two_in_flight"], 4)
+                                        for name, f in figures.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                     "mlx-exact)")
     ap.add_argument("--profile", help="with --overlap: the dense functions on cpu-static are the ones the schedule "
                     "chooses on this host profile (autotune.searching.host_lanes), not --static-dense")
+    ap.add_argument("--placement", default="schedule", metavar="P,..", help="with --profile: the placements measured "
+                    "side by side, the first's figures at the top level: schedule (every expert grouped, the dense "
+                    "functions whose two in flight end first), balanced (the experts grouped and the dense functions "
+                    "two in flight speed up most); default schedule")
     ap.add_argument("--overlap", action="store_true", help="two chunks in flight against one at a time (4,096 tokens "
                     "in chunks of 1,024 unless --prompt-tokens / --chunk say otherwise)")
     args = ap.parse_args(argv)
@@ -264,11 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         chunk = args.chunk if "--chunk" in (argv or sys.argv) else 1024
         repeats = args.repeats if "--repeats" in (argv or sys.argv) else 1
         dense = tuple(f for f in args.static_dense.split(",") if f)
-        if not set(dense) <= {"qkv", "o_proj", "attention"} or (dense and args.profile):
+        placements = tuple(dict.fromkeys(p for p in args.placement.split(",") if p))
+        if not set(dense) <= set(WHOLE_FUNCTIONS) or (dense and args.profile):
             print("bench_spine: --static-dense takes qkv, o_proj, attention, and not with --profile", file=sys.stderr)
             return 2
+        if not placements or not set(placements) <= {"schedule", "balanced"} or \
+                (placements != ("schedule",) and not args.profile):
+            print("bench_spine: --placement takes schedule, balanced, and needs --profile", file=sys.stderr)
+            return 2
         try:
-            out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense, args.profile)
+            out = measure_overlap(args.model, tokens, repeats, chunk, args.decode_tokens, dense, args.profile,
+                                  placements)
         except NpumoeError as e:  # a profile that cannot be read or prices no mlx-exact
             print(f"bench_spine: {e}", file=sys.stderr)
             return 2

@@ -4,6 +4,9 @@ other experts and dense half run on mlx-exact (MLX: the host lane). The same log
 a time, the same accounting, each lane's busy and wait time in `executed`."""
 from __future__ import annotations
 
+import copy
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from helpers import convert_to_mlx, one_line_exit_2  # noqa: E402
+from helpers import ROOT, convert_to_mlx, one_line_exit_2  # noqa: E402
 
 from autotune.searching.templates import template_plan  # noqa: E402
 from runtime import generation  # noqa: E402
@@ -134,3 +137,40 @@ def test_in_flight_without_a_plan_on_the_mlx_spine_is_refused_in_one_line(capsys
     line = one_line_exit_2(["generate", "--model", "tiny-moe", "--prompt", "hello", "--engine", "torch",
                             "--in-flight", "2", "--max-tokens", "1"], capsys)
     assert "--in-flight 2" in line and "--engine mlx" in line
+
+
+def _bench_spine():
+    spec = importlib.util.spec_from_file_location("bench_spine", ROOT / "scripts" / "bench_spine.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_spine_measures_each_placement_in_flight_and_one_at_a_time(q4, tmp_path, capsys):
+    """`bench_spine.py --overlap --placement balanced,schedule` on a host profile (the checked-in Xeon's, MLX priced
+    20x its CPU): both placements side by side, each the same logits and greedy text in flight as one at a time,
+    the balanced one's groups sized; a placement it does not know, or one without a profile, refused in one line."""
+    profile = json.loads((ROOT / "profiles" / "linux-xeon-2c-quick.json").read_text())
+    mlx = copy.deepcopy(profile["cost_model"]["backends"]["cpu-exact"])
+    mlx.update(ms_per_gflop=mlx["ms_per_gflop"] * 20, ms_per_mb=mlx["ms_per_mb"] * 20)
+    profile["cost_model"]["backends"]["mlx-exact"] = mlx
+    (tmp_path / "host.json").write_text(json.dumps(profile))
+    bench = _bench_spine()
+    args = ["--overlap", "--json", "--threads", "1", "--model", str(q4), "--prompt-tokens", str(TOKENS), "--chunk",
+            str(CHUNK), "--decode-tokens", "4", "--profile", str(tmp_path / "host.json")]
+    assert bench.main([*args, "--placement", "balanced,schedule"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"] == "balanced" and list(out["placements"]) == ["balanced", "schedule"]
+    assert out["overlap_speedup"] == out["placements"]["balanced"]["overlap_speedup"] > 0
+    for name, side in out["placements"].items():
+        assert side["chosen"]["placement"] == name and side["overlap_max_rel_diff"] <= 1e-6
+        assert side["greedy_text_equal"] and side["overlap_predicted_speedup"] > 0
+        assert side["lanes_ms"]["two_in_flight"]["static"]["busy_ms"] > 0
+    assert out["placements"]["schedule"]["chosen"]["grouped_experts"] == 16
+    assert 1 <= out["chosen"]["grouped_experts"] <= 16
+    assert out["two_in_flight_ms_over"]["balanced"] == 1.0
+    for bad in (["--placement", "fastest"], ["--placement", "balanced", "--profile", ""]):
+        capsys.readouterr()
+        assert bench.main([*args, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--placement" in err[0]

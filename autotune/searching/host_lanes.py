@@ -9,13 +9,18 @@ other rows would run MLX work off the host lane)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
 from autotune.costing.costmodel import CostModel
+from autotune.costing.schedule import Schedule, predict_scheduled
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, prompt_chunks
 from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, work_units
-from runtime.plan import Plan
+from runtime.plan import Group, LayerPlan, Plan
+
+WHOLE_FUNCTIONS = ("qkv", "o_proj", "attention")  # the dense functions a lane takes whole here
 
 
 def lanes_apart(cost: CostModel, backend: str) -> CostModel:
@@ -51,3 +56,62 @@ def host_lanes_choice(cost: CostModel, shape: DecoderShape, plan: Plan, prompt_t
     experts = plan_experts(apart, shape, plan, prompt_tokens, backend)
     cand = Candidate(plan.chunk_tokens, experts, DensePlacement(host=plan.exact_path))
     return choose_overlapped(apart, backend, shape, prompt_tokens, cand, in_flight, grid=lambda chunk: [0, chunk])
+
+
+@dataclass
+class Balanced:
+    """The placement two chunks in flight speed up most (`host_lanes_balanced`): each layer's first `grouped`
+    experts in static groups, the dense functions as `placement` puts them, and its schedules with one and with two
+    chunks in flight (predicted)."""
+    grouped: int
+    placement: DensePlacement
+    one: Schedule
+    two: Schedule
+
+    @property
+    def speedup(self) -> float:
+        return self.one.makespan_ms / self.two.makespan_ms
+
+
+def grouped_first(plan: Plan, grouped: int) -> Plan:
+    """`plan` with each layer's experts below `grouped` kept in its static groups (their capacities), the others on
+    its exact path."""
+    def layer(lp: LayerPlan) -> LayerPlan:
+        groups = [Group(backend=g.backend, experts=[e for e in g.experts if e < grouped],
+                        capacities=[c for e, c in zip(g.experts, g.capacities) if e < grouped])
+                  for g in lp.groups if min(g.experts) < grouped]
+        kept = {e for g in groups for e in g.experts}
+        experts = sorted({*kept, *lp.cpu_exact, *(e for g in lp.groups for e in g.experts)})
+        return lp.model_copy(update={"groups": groups, "cpu_exact": [e for e in experts if e not in kept]})
+    return plan.model_copy(update={"layers": [layer(lp) for lp in plan.layers]})
+
+
+def whole_placement(functions: tuple[str, ...], prompt_tokens: int, chunk: int, backend: str,
+                    host: str) -> DensePlacement:
+    """`functions` (of q/k/v, o_proj and the attention core: a bucket per full chunk's context) wholly on
+    `backend`, the rest on `host`."""
+    buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk) if "attention" in functions \
+        else ()
+    return DensePlacement(**{f: backend for f in functions}, buckets=buckets, host=host)
+
+
+def host_lanes_balanced(cost: CostModel, shape: DecoderShape, plan: Plan, prompt_tokens: int, backend: str,
+                        slack: float = 1.25) -> Balanced:
+    """The plan whose two chunks in flight gain most over one at a time on this host's two lanes, among those whose
+    two-in-flight makespan is within `slack` of the fastest's (predicted): each layer's first k experts (k >= 1) in
+    the plan's static groups on `backend`, the others on its exact path, and each dense function wholly on one lane.
+    Gain, not equal busy lanes, is the measure: a chunk's chain alternates lanes, so lanes equally busy may still wait
+    on each other; the slack keeps a plan that gains by being slow (work on the slower lane) out."""
+    apart = lanes_apart(cost, backend)
+    found: list[Balanced] = []
+    for grouped in range(1, shape.num_experts + 1):
+        experts = plan_experts(apart, shape, grouped_first(plan, grouped), prompt_tokens, backend)
+        for n in range(len(WHOLE_FUNCTIONS) + 1):
+            for functions in itertools.combinations(WHOLE_FUNCTIONS, n):
+                place = whole_placement(functions, prompt_tokens, plan.chunk_tokens, backend, plan.exact_path)
+                one, two = (predict_scheduled(apart, shape, prompt_tokens, plan.chunk_tokens, experts, place, k)[1]
+                            for k in (1, 2))
+                found.append(Balanced(grouped, place, one, two))
+    fastest = min(b.two.makespan_ms for b in found)
+    return max((b for b in found if b.two.makespan_ms <= slack * fastest),
+               key=lambda b: (b.speedup, -b.two.makespan_ms))
