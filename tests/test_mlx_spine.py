@@ -124,17 +124,20 @@ def test_count_exact_counts_as_the_executor_runs():
     model = load_model("random:qwen3_moe")[0]
     layer = moe_layers(model)[0]
     plan = all_cpu_plan(model, chunk=128)
-    ran, counted = LayerStats(), LayerStats()
+    ran, counted, from_mlx = LayerStats(), LayerStats(), LayerStats()
     runner = LayerExecutor(plan.layer(layer.index), layer.experts, plan, ran, {})
     counter = LayerExecutor(plan.layer(layer.index), layer.experts, plan, counted, {})
+    mlx_counter = LayerExecutor(plan.layer(layer.index), layer.experts, plan, from_mlx, {})
     gen = torch.Generator().manual_seed(0)
-    for tokens in (300, 1):
+    for tokens in (300, 1, 1):
         x = torch.randn(tokens, layer.experts.hidden_dim, generator=gen)
         idx = torch.stack([torch.randperm(layer.experts.num_experts, generator=gen)[:2] for _ in range(tokens)])
         runner(x, idx, torch.full(idx.shape, 0.5))
         counter.count_exact(idx)
+        mlx_counter.count_exact(idx.numpy().astype(np.uint32))  # the MLX spine's ids, as numpy reads them
     for name in ("tokens", "assignments", "dropped", "spilled", "tokens_per_backend", "calls_per_backend"):
-        assert getattr(ran, name) == getattr(counted, name), name
+        assert getattr(ran, name) == getattr(counted, name) == getattr(from_mlx, name), name
+    assert ran.tokens == 302 and ran.calls_per_backend
 
 
 def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
