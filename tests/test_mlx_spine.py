@@ -216,10 +216,14 @@ def test_bench_spine_quick_measures_every_side(capsys):
     assert bench.main(["--quick", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_tokens"] == 128 and out["mlx_device"] == "mlx-cpu"
-    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "torch_spine_prefill_vs_mlx_lm",
-                "torch_spine_decode_vs_mlx_lm"):
+    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "decode_cpu_vs_mlx_lm",
+                "torch_spine_prefill_vs_mlx_lm", "torch_spine_decode_vs_mlx_lm", "torch_spine_decode_cpu_vs_mlx_lm"):
         assert out[key] > 0, key
-    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == {"mlx-lm", "mlx-spine", "torch-spine"}
+    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == set(out["decode_cpu_tok_s"]) \
+        == {"mlx-lm", "mlx-spine", "torch-spine"}
+    # one round: each ratio is that round's pair, mlx-lm's prefill time over the spine's
+    assert out["prefill_cpu_vs_mlx_lm"] == pytest.approx(
+        out["prefill_cpu_ms"]["mlx-lm"] / out["prefill_cpu_ms"]["mlx-spine"], rel=1e-3)
 
 
 def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):
