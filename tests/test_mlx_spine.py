@@ -224,6 +224,7 @@ def test_bench_spine_quick_measures_every_side(capsys):
     # one round: each ratio is that round's pair, mlx-lm's prefill time over the spine's
     assert out["prefill_cpu_vs_mlx_lm"] == pytest.approx(
         out["prefill_cpu_ms"]["mlx-lm"] / out["prefill_cpu_ms"]["mlx-spine"], rel=1e-3)
+    assert out["best_round"]["decode_cpu_vs_mlx_lm"] == pytest.approx(out["decode_cpu_vs_mlx_lm"], rel=1e-3)
 
 
 def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):
