@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,25 @@ def test_greedy_tokens_equal_mlx_lm_generate(q4, exact_plan):
     sampled = generation.generate(loaded, PROMPT, max_tokens=8, temp=0.8, seed=3)
     again = generation.generate(loaded, PROMPT, max_tokens=8, temp=0.8, seed=3)
     assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == 8
+
+
+def test_a_greedy_decode_step_is_evaluated_once(q4, exact_plan, monkeypatch):
+    """As mlx-lm's `generate_step` pipelines: each decode forward after the first token is scheduled once
+    (`mx.async_eval`) and nothing else evaluates it (no `mx.eval` per step or per layer: the step's expert ids are
+    counted once computed, read from host memory)."""
+    loaded = generation.load(str(q4), str(exact_plan), engine="mlx", dtype="float32")
+    run = generation.Generation(loaded, generation.prompt_ids(loaded, PROMPT), 16, 0.0, 0, loaded.plan.chunk_tokens)
+    tokens = run.token_ids()
+    next(tokens)  # the prefill and the first token
+    calls = Counter()
+    for name in ("eval", "async_eval"):
+        def counted(*args, _own=getattr(mx, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _own(*args, **kwargs)
+        monkeypatch.setattr(mx, name, counted)
+    assert len(list(tokens)) == 15
+    assert calls == {"async_eval": 15}  # one per new token's forward
+    assert loaded.stats.total("decode").tokens_per_backend["mlx-exact"] == 15 * 2 * 4  # every step, every layer
 
 
 def test_tight_spilling_plan_accounts_as_the_torch_spine(q4, tmp_path, capsys):
