@@ -14,8 +14,7 @@ rounds' pairs (a pair ran close in time: a shared host's load drifts between rou
 mlx-lm's prefill time / ours (`prefill_cpu_vs_mlx_lm` on CPU time), `decode_vs_mlx_lm` = our decode tok/s / mlx-lm's
 (`decode_cpu_vs_mlx_lm` on CPU time; >= 1: ours is as fast), and the same for the torch spine; `best_round` the MLX
 spine's CPU-time ratios from each side's least disturbed round; `loadavg` the host's load before and after the
-rounds. On Linux MLX runs on its CPU device: the figures are the spine's overhead, not a
-GPU's speed.
+rounds. On Linux MLX runs on its CPU device: the figures are the spine's overhead, not a GPU's speed.
 
     python scripts/bench_spine.py --json [--quick] [--model DIR] [--threads 1]
 
