@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 
+import numpy as np
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
@@ -149,25 +150,27 @@ class LayerExecutor:
         Not shown to the drift monitor: the plan never ran these chunks."""
         st = self.stats
         name, path = self.paths[0]
-        self._count_all_exact(st, x.shape[0], idx)
+        self._count_all_exact(st, x.shape[0], idx.reshape(-1).tolist())
         start = time.perf_counter()
         out = path.forward(x, idx, weights, st)
         st.seconds_per_backend[name] += time.perf_counter() - start
         return out
 
-    def _count_all_exact(self, st: LayerStats, tokens: int, idx: torch.Tensor) -> None:
+    def _count_all_exact(self, st: LayerStats, tokens: int, ids: list[int]) -> None:
         st.tokens += tokens  # a few tokens (a decode step): counting in Python is cheaper than more torch ops
-        st.assignments += idx.numel()
-        _count_exact(st, self.paths[0][0], idx.numel(), len(set(idx.reshape(-1).tolist())))
+        st.assignments += len(ids)
+        _count_exact(st, self.paths[0][0], len(ids), len(set(ids)))
 
-    def count_exact(self, idx: torch.Tensor) -> None:
-        """Count, computing nothing, what `__call__` counts for assignments `idx` [T, k] of a layer with no groups
-        whose experts all run on its first exact path: for a caller that runs them itself (the MLX spine runs
-        mlx-lm's own kernel there), so both spines account alike."""
+    def count_exact(self, idx: torch.Tensor | np.ndarray) -> None:
+        """Count, computing nothing, what `__call__` counts for assignments `idx` [T, k] (torch or numpy) of a layer
+        with no groups whose experts all run on its first exact path: for a caller that runs them itself (the MLX
+        spine runs mlx-lm's own kernel there), so both spines account alike. A decode step's few ids are counted
+        in Python (no torch call: the MLX spine counts every layer of every step)."""
         below = self.exact_below * (1 if self.context is None else self.context.sequences)
         st = self.stats
         if idx.shape[0] < below:
-            return self._count_all_exact(st, idx.shape[0], idx)
+            return self._count_all_exact(st, idx.shape[0], idx.reshape(-1).tolist())
+        idx = torch.as_tensor(idx).long()
         for s in range(0, idx.shape[0], self.chunk):
             eid = idx[s:s + self.chunk].reshape(-1)
             loads = torch.bincount(eid, minlength=self.base.numel())

@@ -7,11 +7,14 @@ expert on mlx-exact and no static group:
 - `mlx-spine`: `runtime.generate` on the MLX spine (`--engine mlx`);
 - `torch-spine`: `runtime.generate` on the torch spine, the experts crossing to mlx-exact call by call.
 Prefill is the time to the first token (wall, and the process's CPU time: a shared host's other load inflates the
-wall clock only); decode is tokens/s after the first. The sides run interleaved, `--repeats` rounds, each figure the
-median of its rounds; the ratios are from this one run: `prefill_vs_mlx_lm` = mlx-lm's prefill time / ours
-(`prefill_cpu_vs_mlx_lm` on CPU time), `decode_vs_mlx_lm` = our decode tok/s / mlx-lm's (>= 1: ours is as fast),
-and the same for the torch spine. On Linux MLX runs on its CPU device: the figures are the spine's overhead,
-not a GPU's speed.
+wall clock only); decode is tokens/s after the first (wall, and on the process's CPU time: `decode_cpu_tok_s`),
+`generate`'s loop with its text against mlx-lm's `generate_step` (token ids). The sides run interleaved, their
+order rotated round by round, `--repeats` rounds, each figure the median of its rounds; each ratio the median of the
+rounds' pairs (a pair ran close in time: a shared host's load drifts between rounds): `prefill_vs_mlx_lm` =
+mlx-lm's prefill time / ours (`prefill_cpu_vs_mlx_lm` on CPU time), `decode_vs_mlx_lm` = our decode tok/s / mlx-lm's
+(`decode_cpu_vs_mlx_lm` on CPU time; >= 1: ours is as fast), and the same for the torch spine; `best_round` the MLX
+spine's CPU-time ratios from each side's least disturbed round; `loadavg` the host's load before and after the
+rounds. On Linux MLX runs on its CPU device: the figures are the spine's overhead, not a GPU's speed.
 
     python scripts/bench_spine.py --json [--quick] [--model DIR] [--threads 1]
 
@@ -47,6 +50,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,6 +59,7 @@ from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.calibration.workload import encode_text
 from autotune.costing.schedule import schedule, steps_from_events
 from autotune.costing.whole_prefill import DensePlacement, decoder_shape
+from autotune.measuring.bench_run import paired_ratio
 from autotune.searching.dense_choice import dense_plan
 from autotune.searching.host_lanes import WHOLE_FUNCTIONS, grouped_first, whole_placement
 from autotune.searching.templates import template_plan
@@ -74,23 +79,37 @@ def _mlx_lm_prefill(loaded, ids: list[int], chunk: int) -> None:
             pass
 
 
-def _mlx_lm_decode(loaded, ids: list[int], tokens: int, chunk: int) -> float:
-    """mlx-lm's `generate_step` tokens/s after its first token."""
+def _after_first(tokens: Iterator, count: Callable[[], int]) -> tuple[float, float]:
+    """Tokens/s after the first of a generation's `tokens` (one item a token; `count()`: the tokens made), on the
+    wall clock and on the process's CPU clock (every thread's, which a shared host's other load does not inflate)."""
+    for n, _ in enumerate(tokens):
+        if n == 0:
+            wall, cpu = time.perf_counter(), time.process_time()
+    made = count() - 1
+    return made / (time.perf_counter() - wall), made / (time.process_time() - cpu)
+
+
+def _mlx_lm_decode(loaded, ids: list[int], tokens: int, chunk: int) -> tuple[float, float]:
+    """mlx-lm's `generate_step` greedy after `ids`: tokens/s after its first token (wall, CPU). It leaves one step
+    past the last token computing: waited for after the clocks stop, so that it falls on no other side's time."""
     import mlx.core as mx
 
-    step = importlib.import_module("mlx_lm.generate").generate_step
+    gen = importlib.import_module("mlx_lm.generate")
     with loaded.unmodified():
-        first = None
-        for n, _ in enumerate(step(mx.array(ids), loaded.model.mlx, max_tokens=tokens, prefill_step_size=chunk)):
-            if n == 0:
-                first = time.perf_counter()
-        return (tokens - 1) / (time.perf_counter() - first)
+        out = _after_first(gen.generate_step(mx.array(ids), loaded.model.mlx, max_tokens=tokens,
+                                             prefill_step_size=chunk), lambda: tokens)
+    mx.synchronize(gen.generation_stream)
+    return out
 
 
-def _decode(loaded, ids: list[int], tokens: int) -> float:
-    r = generation.generate(loaded, ids, max_tokens=tokens)
-    assert r.generated_tokens == tokens, r.finish_reason
-    return r.generation_tok_s
+def _decode(loaded, ids: list[int], tokens: int) -> tuple[float, float]:
+    """`generate`'s greedy decode after `ids` (its loop, the text included: `Generation.pieces`): tokens/s after the
+    first token (wall, CPU)."""
+    run = generation.Generation(loaded, torch.tensor(ids), tokens, 0.0, 0, loaded.plan.chunk_tokens)
+    loaded.reset()
+    out = _after_first(run.pieces(every_token=True), lambda: len(run.tokens))
+    assert len(run.tokens) == tokens, run.finish_reason
+    return out
 
 
 def _clocked(fn) -> tuple[float, float]:
@@ -98,6 +117,41 @@ def _clocked(fn) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _rounds(prefills: dict, decodes: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Each side's prefill (wall s, CPU s) and decode (tok/s wall, CPU) per round, interleaved: every round runs
+    every side, the order rotated round by round, so a shared host's load falls on each alike."""
+    sides = list(prefills)
+    runs = {f: {s: [] for s in sides} for f in ("wall", "cpu", "tok_s", "cpu_tok_s")}
+    for r in range(repeats):
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+            wall, cpu = _clocked(prefills[side])
+            tok_s, cpu_tok_s = decodes[side]()
+            for f, v in zip(runs, (wall, cpu, tok_s, cpu_tok_s)):
+                runs[f][side].append(v)
+    return runs
+
+
+def ratios(runs: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """Each spine against mlx-lm, >= 1 where the spine is as fast: mlx-lm's prefill time over the spine's, the
+    spine's decode tokens/s over mlx-lm's; each the median of the rounds' pairs (`paired_ratio`: a pair ran close in
+    time, where a shared host's load drifts between rounds)."""
+    out = {}
+    for prefix, side in (("", "mlx-spine"), ("torch_spine_", "torch-spine")):
+        for key, fig in (("prefill", "wall"), ("prefill_cpu", "cpu"), ("decode", "tok_s"), ("decode_cpu", "cpu_tok_s")):
+            ours, lm = runs[fig][side], runs[fig]["mlx-lm"]
+            out[f"{prefix}{key}_vs_mlx_lm"] = paired_ratio([lm], [ours]) if key.startswith("prefill") \
+                else paired_ratio([ours], [lm])
+    return out
+
+
+def best_round(runs: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """The MLX spine against mlx-lm on each side's least disturbed round (the least CPU time, the most CPU-clock
+    tokens/s): a shared host's other load only adds time, so the best round is the closest to the work's own cost."""
+    cpu, tok_s = runs["cpu"], runs["cpu_tok_s"]
+    return {"prefill_cpu_vs_mlx_lm": round(min(cpu["mlx-lm"]) / min(cpu["mlx-spine"]), 4),
+            "decode_cpu_vs_mlx_lm": round(max(tok_s["mlx-spine"]) / max(tok_s["mlx-lm"]), 4)}
 
 
 def measure(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, chunk: int) -> dict:
@@ -113,29 +167,21 @@ def measure(model: str, prompt_tokens: int, decode_tokens: int, repeats: int, ch
                "torch-spine": lambda: _decode(torch_spine, ids, decode_tokens)}
     for run in [*prefills.values(), *decodes.values()]:  # untimed: first-call costs out of the rounds
         run()
-    wall: dict[str, list[float]] = {s: [] for s in prefills}
-    cpu: dict[str, list[float]] = {s: [] for s in prefills}
-    tok_s: dict[str, list[float]] = {s: [] for s in prefills}
-    for _ in range(repeats):  # interleaved: a shared host's load falls on every side alike
-        for side in prefills:
-            w, c = _clocked(prefills[side])
-            wall[side].append(w)
-            cpu[side].append(c)
-            tok_s[side].append(decodes[side]())
-    p, c, d = ({s: statistics.median(v) for s, v in fig.items()} for fig in (wall, cpu, tok_s))
+    load_before = _loadavg()
+    runs = _rounds(prefills, decodes, repeats)
+    med = {f: {s: statistics.median(v) for s, v in fig.items()} for f, fig in runs.items()}
     return {"model": model, "prompt_tokens": len(ids), "decode_tokens": decode_tokens, "chunk_tokens": chunk,
             "repeats": repeats, "dtype": "float32", "mlx_device": spine.executor.lane,
-            "prefill_ms": {s: round(v * 1e3, 2) for s, v in p.items()},
-            "prefill_cpu_ms": {s: round(v * 1e3, 2) for s, v in c.items()},
-            "decode_tok_s": {s: round(v, 2) for s, v in d.items()},
-            "prefill_vs_mlx_lm": round(p["mlx-lm"] / p["mlx-spine"], 4),
-            "prefill_cpu_vs_mlx_lm": round(c["mlx-lm"] / c["mlx-spine"], 4),
-            "decode_vs_mlx_lm": round(d["mlx-spine"] / d["mlx-lm"], 4),
-            "torch_spine_prefill_vs_mlx_lm": round(p["mlx-lm"] / p["torch-spine"], 4),
-            "torch_spine_prefill_cpu_vs_mlx_lm": round(c["mlx-lm"] / c["torch-spine"], 4),
-            "torch_spine_decode_vs_mlx_lm": round(d["torch-spine"] / d["mlx-lm"], 4),
-            "measured": "sides interleaved, median of the rounds: prefill wall and process CPU time to the first "
-                        "token, decode tokens/s after it"}
+            "prefill_ms": {s: round(v * 1e3, 2) for s, v in med["wall"].items()},
+            "prefill_cpu_ms": {s: round(v * 1e3, 2) for s, v in med["cpu"].items()},
+            "decode_tok_s": {s: round(v, 2) for s, v in med["tok_s"].items()},
+            "decode_cpu_tok_s": {s: round(v, 2) for s, v in med["cpu_tok_s"].items()},
+            **ratios(runs),
+            "best_round": best_round(runs),
+            "loadavg": {"before": load_before, "after": _loadavg()},
+            "measured": "sides interleaved, their order rotated round by round: prefill wall and process CPU time "
+                        "to the first token, decode tokens/s after it (wall and process CPU); each figure the median "
+                        "of the rounds, each ratio the median of the rounds' pairs"}
 
 
 def static_placement(static_dense: tuple[str, ...], chunk: int, prompt_tokens: int) -> DensePlacement:

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,25 @@ def test_greedy_tokens_equal_mlx_lm_generate(q4, exact_plan):
     assert sampled.token_ids == again.token_ids and len(sampled.token_ids) == 8
 
 
+def test_a_greedy_decode_step_is_evaluated_once(q4, exact_plan, monkeypatch):
+    """As mlx-lm's `generate_step` pipelines: each decode forward after the first token is scheduled once
+    (`mx.async_eval`) and nothing else evaluates it (no `mx.eval` per step or per layer: the step's expert ids are
+    counted once computed, read from host memory)."""
+    loaded = generation.load(str(q4), str(exact_plan), engine="mlx", dtype="float32")
+    run = generation.Generation(loaded, generation.prompt_ids(loaded, PROMPT), 16, 0.0, 0, loaded.plan.chunk_tokens)
+    tokens = run.token_ids()
+    next(tokens)  # the prefill and the first token
+    calls = Counter()
+    for name in ("eval", "async_eval"):
+        def counted(*args, _own=getattr(mx, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _own(*args, **kwargs)
+        monkeypatch.setattr(mx, name, counted)
+    assert len(list(tokens)) == 15
+    assert calls == {"async_eval": 15}  # one per new token's forward
+    assert loaded.stats.total("decode").tokens_per_backend["mlx-exact"] == 15 * 2 * 4  # every step, every layer
+
+
 def test_tight_spilling_plan_accounts_as_the_torch_spine(q4, tmp_path, capsys):
     """The issue's crash case (groups on ane, run here on ane-sim, spills on mlx-exact) on both spines: the same
     routing, so the same spills, calls and assignments per backend; the logits within fp16 rounding."""
@@ -124,17 +144,20 @@ def test_count_exact_counts_as_the_executor_runs():
     model = load_model("random:qwen3_moe")[0]
     layer = moe_layers(model)[0]
     plan = all_cpu_plan(model, chunk=128)
-    ran, counted = LayerStats(), LayerStats()
+    ran, counted, from_mlx = LayerStats(), LayerStats(), LayerStats()
     runner = LayerExecutor(plan.layer(layer.index), layer.experts, plan, ran, {})
     counter = LayerExecutor(plan.layer(layer.index), layer.experts, plan, counted, {})
+    mlx_counter = LayerExecutor(plan.layer(layer.index), layer.experts, plan, from_mlx, {})
     gen = torch.Generator().manual_seed(0)
-    for tokens in (300, 1):
+    for tokens in (300, 1, 1):
         x = torch.randn(tokens, layer.experts.hidden_dim, generator=gen)
         idx = torch.stack([torch.randperm(layer.experts.num_experts, generator=gen)[:2] for _ in range(tokens)])
         runner(x, idx, torch.full(idx.shape, 0.5))
         counter.count_exact(idx)
+        mlx_counter.count_exact(idx.numpy().astype(np.uint32))  # the MLX spine's ids, as numpy reads them
     for name in ("tokens", "assignments", "dropped", "spilled", "tokens_per_backend", "calls_per_backend"):
-        assert getattr(ran, name) == getattr(counted, name), name
+        assert getattr(ran, name) == getattr(counted, name) == getattr(from_mlx, name), name
+    assert ran.tokens == 302 and ran.calls_per_backend
 
 
 def test_engine_auto_is_torch_off_a_mac_and_mlx_on_one(exact_plan, monkeypatch):
@@ -213,10 +236,15 @@ def test_bench_spine_quick_measures_every_side(capsys):
     assert bench.main(["--quick", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_tokens"] == 128 and out["mlx_device"] == "mlx-cpu"
-    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "torch_spine_prefill_vs_mlx_lm",
-                "torch_spine_decode_vs_mlx_lm"):
+    for key in ("prefill_vs_mlx_lm", "prefill_cpu_vs_mlx_lm", "decode_vs_mlx_lm", "decode_cpu_vs_mlx_lm",
+                "torch_spine_prefill_vs_mlx_lm", "torch_spine_decode_vs_mlx_lm", "torch_spine_decode_cpu_vs_mlx_lm"):
         assert out[key] > 0, key
-    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == {"mlx-lm", "mlx-spine", "torch-spine"}
+    assert set(out["prefill_ms"]) == set(out["decode_tok_s"]) == set(out["decode_cpu_tok_s"]) \
+        == {"mlx-lm", "mlx-spine", "torch-spine"}
+    # one round: each ratio is that round's pair, mlx-lm's prefill time over the spine's
+    assert out["prefill_cpu_vs_mlx_lm"] == pytest.approx(
+        out["prefill_cpu_ms"]["mlx-lm"] / out["prefill_cpu_ms"]["mlx-spine"], rel=1e-3)
+    assert out["best_round"]["decode_cpu_vs_mlx_lm"] == pytest.approx(out["decode_cpu_vs_mlx_lm"], rel=1e-3)
 
 
 def test_a_plan_whose_dense_half_is_priced_on_mlx_runs_there(q4, exact_plan):

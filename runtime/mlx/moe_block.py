@@ -153,8 +153,7 @@ class CountedSwitch:
     def count(self, calls: list[mx.array]) -> None:
         """Count taken calls (`take`) once their forward is evaluated."""
         for inds in calls:
-            idx = torch.from_numpy(np.asarray(inds).reshape(-1, inds.shape[-1]).astype(np.int64))
-            self.layer.count_exact(idx)
+            self.layer.count_exact(np.asarray(inds).reshape(-1, inds.shape[-1]))
 
 
 class PlannedSwitch:
