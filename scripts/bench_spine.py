@@ -259,7 +259,7 @@ def chosen_placement(profile: str, model: str, chunk: int, prompt_tokens: int,
         "label": "predicted by the profile's cost model, its lanes apart (host_lanes)"}
 
 
-def _rounds(sides: dict, ids: list[int], chunk: int, repeats: int) -> dict[str, dict]:
+def _overlap_rounds(sides: dict, ids: list[int], chunk: int, repeats: int) -> dict[str, dict]:
     """Each side's prefill with one and with two chunks in flight, `repeats` rounds, every side and both counts
     interleaved in each round, the order alternating (a shared host's load falls on all alike): per side its walls,
     CPU times, last logits, lanes' figures and the first one-at-a-time run's lane events (measured)."""
@@ -286,7 +286,7 @@ def _rounds(sides: dict, ids: list[int], chunk: int, repeats: int) -> dict[str, 
 
 
 def _side_figures(loaded, got: dict, ids: list[int], decode_tokens: int) -> dict:
-    """One side's figures from its rounds (`_rounds`): the prefill's medians, the measured and the predicted
+    """One side's figures from its rounds (`_overlap_rounds`): the prefill's medians, the measured and the predicted
     overlap speedup, the two runs' logits apart, and `generate`'s greedy text under each."""
     steps = steps_from_events(got["events"])
     one, two = (schedule(steps, n).makespan_ms for n in (1, 2))
@@ -327,7 +327,7 @@ def measure_overlap(model: str, prompt_tokens: int, repeats: int, chunk: int, de
     first = next(iter(sides.values()))
     ids = encode_text(first.tokenizer, DEFAULT_EVAL_TEXT, prompt_tokens).tolist()
     load_before = _loadavg()
-    rounds = _rounds(sides, ids, chunk, repeats)
+    rounds = _overlap_rounds(sides, ids, chunk, repeats)
     figures = {}
     for name, loaded in sides.items():
         pred = chosen[name][1]
