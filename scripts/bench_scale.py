@@ -10,7 +10,9 @@ table (stage x twin: wall s, peak RSS, peak RSS / checkpoint bytes, tokens/s) an
 - calibrate_overhead_vs_forward: routing capture vs the unmodified decoder forward on the same tokens, timed side
   by side in one process, alternating, best of each (goal <= 0.10);
 - largest_function_weight_bytes, function_weight_limit_bytes: from the build of the searched plan;
-- build_mb_per_s: fp16 expert weights built per second (the worst twin).
+- build_mb_per_s: fp16 expert weights built per second (the worst twin);
+- search_gate_memory: per twin, the search's fidelity gate's peak RSS measured beside its predicted peak
+  (`costing/memory.py`'s search stage; goal: within 10%).
 --quick: one twin (Qwen3-30B-A3B, 1 layer) and fewer tokens, within 10 minutes on a 2-core host. Without it:
 Qwen3-30B-A3B with 2 layers and Phi-3.5-MoE with 1 layer. Threads: 1 by default (2-core hosts shared with other
 work swing 10x at 2 threads); the search plans for the published Apple M2 Ultra profile so that the plan has ANE
@@ -168,7 +170,16 @@ def bench_twin(like: str, layers: int, quick: bool, threads: int, work: Path) ->
                   "--threads", str(threads)], threads)["json"]
     build = results["build"]["json"]
     return rows, {"overhead": over, "build": build, "checkpoint_bytes": ckpt, "built_from": built_from,
-                  "gate_chosen": results["search"]["json"].get("gate", {}).get("chosen")}
+                  "gate_chosen": results["search"]["json"].get("gate", {}).get("chosen"),
+                  "gate_memory": _gate_memory(results["search"]["json"].get("gate") or {})}
+
+
+def _gate_memory(gate: dict) -> dict | None:
+    """The search stage's fidelity gate: its measured peak RSS beside its predicted peak (MiB; None: no gate)."""
+    if not gate.get("predicted_peak_mb"):
+        return None
+    return {"measured_peak_rss_mb": gate["peak_rss_mb"], "predicted_peak_mb": gate["predicted_peak_mb"],
+            "predicted_over_measured": round(gate["predicted_peak_mb"] / gate["peak_rss_mb"], 3)}
 
 
 def has_ane_groups(plan: Path) -> bool:
@@ -211,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{o['tokens']} tokens (+{o['overhead']:.1%}); build {b['build_mb_per_s']} MB/s "
               f"({b['build_seconds_by_stage']}), {len(b['packages'])} package(s), {b['package_bytes'] / GB:.2f} GB, "
               f"largest function {b['largest_function_weight_bytes'] / GB:.3f} GB; built {e['built_from']}")
+        if e["gate_memory"]:
+            g = e["gate_memory"]
+            print(f"{like} L{layers}: search's fidelity gate peak RSS {g['measured_peak_rss_mb']:,.0f} MiB measured, "
+                  f"{g['predicted_peak_mb']:,.0f} MiB predicted ({g['predicted_over_measured']:.3f}x)")
     print(json.dumps({
         "peak_rss_over_checkpoint_max": round(max((r["peak_rss"] - RSS_ALLOWANCE) / r["checkpoint_bytes"]
                                                   for r in rows), 3),
@@ -219,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "function_weight_limit_bytes": min(e["build"]["function_weight_limit_bytes"] for e in extras),
         "build_mb_per_s": min(e["build"]["build_mb_per_s"] for e in extras),
         "built_from": [e["built_from"] for e in extras],
+        "search_gate_memory": [e["gate_memory"] for e in extras],
     }))
     return 0
 

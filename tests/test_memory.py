@@ -1,4 +1,5 @@
 """Predicted memory of a plan (autotune/costing/memory.py): each part from the model's sizes, compression, budget."""
+import dataclasses
 import os
 
 import pytest
@@ -16,6 +17,7 @@ from autotune.costing.memory import (
     stage_memory,
 )
 from autotune.searching.templates import template_plan
+from runtime.cpu.allocator import PRIMITIVE_BYTES
 from runtime.errors import NpumoeError
 from runtime.loading.model_loader import model_spec
 
@@ -159,7 +161,7 @@ def test_mlx_folder_predicted_as_loaded(tmp_path):
     assert predicted.expert_bytes == loaded.expert_bytes
 
 
-def test_stage_predictions_count_what_each_stage_holds(model):
+def test_stage_predictions_count_what_each_stage_holds(model, monkeypatch):
     """calibrate runs the decoder stack alone and keeps its traces; the search's gate holds the reference and K
     candidates side by side (a KV cache each), the reference's chunk of logits and one candidate's (however many
     candidates), and 7 x 64 rows of fp32 logits."""
@@ -175,6 +177,12 @@ def test_stage_predictions_count_what_each_stage_holds(model):
     assert two.activations == search.activations and search.total - two.total == 2 * cal.kv_cache
     assert dict(search.terms)["logits_reference_and_one_candidate"] == 2 * 32 * size.vocab * 4
     assert sum(v for k, v in search.terms if k != "mlx_move_moment") == search.total  # no mlx-exact: no move
+    # where torch's matmuls go through oneDNN, its caches of compiled primitives are held full (at the bound, unset)
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+    on, off = (stage_memory(dataclasses.replace(size, onednn=o), "search", 32, 100, gate_candidates=4)
+               for o in (True, False))
+    assert on.total - off.total == dict(on.terms)["onednn_primitive_caches"] == 2 * 128 * PRIMITIVE_BYTES
     plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=32)
     assert stage_memory(size, "search", 32, 100, plan=plan).ane_packages == LAYERS * E * 3 * H * F * 2
     with pytest.raises(NpumoeError, match="^stage 'run': calibrate or search"):

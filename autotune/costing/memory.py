@@ -27,6 +27,7 @@ import torch
 
 from runtime.backends.registry import registry
 from runtime.coreml import ane_limits
+from runtime.cpu.allocator import matmuls_through_onednn, primitive_cache_bytes
 from runtime.cpu.quantized import BLOCK_WEIGHTS
 from runtime.errors import NpumoeError
 from runtime.loading.model_config import head_dim
@@ -65,6 +66,7 @@ class ModelSize:
     # per decoder layer, the weights (matrix entries) of its dense functions: (norm + q/k/v, o_proj, shared expert
     # or dense MLP; 0 where the layer has none)
     dense_function_weights: tuple[tuple[int, int, int], ...] = ()
+    onednn: bool = False  # torch computes its matmuls through oneDNN's caches of compiled primitives on this host
 
     @property
     def layer_bytes(self) -> int:
@@ -104,7 +106,8 @@ class ModelSize:
                    vocab=int(cfg.vocab_size), top_k=int(cfg.num_experts_per_tok),
                    expert_ffn=int(experts.intermediate_dim), expert_bytes=int(experts_held),
                    expert_weights=n_weights, experts_per_layer=int(experts.num_experts),
-                   storage="packed" if packed else "bf16", dense_function_weights=_dense_function_weights(model))
+                   storage="packed" if packed else "bf16", dense_function_weights=_dense_function_weights(model),
+                   onednn=dtype_bytes is None and matmuls_through_onednn(first.dtype))  # a skeleton: unknown
 
     @classmethod
     def of_config(cls, config: object, dtype_bytes: int, mlx: dict | None = None) -> "ModelSize":
@@ -410,7 +413,9 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
       written plan, where known; or a gate round's candidates, measured side by side: the most slots of them) and
       its ane groups and dense functions on the host's simulator (experts in fp16, each distinct one of a round
       once; dense matrices in fp32, a round's together: a bound); where a candidate runs mlx-exact, the
-      experts held once (in MLX's memory, torch reading a view), a block widened per call, and their move.
+      experts held once (in MLX's memory, torch reading a view), a block widened per call, and their move; where
+      torch's matmuls go through oneDNN (`ModelSize.onednn`), its caches of compiled primitives full: the gate's
+      thousands of expert calls of every row count fill them in its first prompt (`allocator.primitive_cache_bytes`).
 
     `run` and `generate` are a plan's own prediction (`predict_memory`)."""
     chunk = min(chunk_tokens, prompt_tokens)
@@ -448,9 +453,10 @@ def _gate_memory(size: ModelSize, chunk: int, prompt_tokens: int, candidates: in
     move = mlx_move_bytes(size, plans)
     before = ane * (size.layers - 1) // max(1, size.layers)
     transient = max(0, move + before - (ane + layer + logits + rows + widen + kv))
+    caches = primitive_cache_bytes() if size.onednn else 0
     terms = (("dense_weights", dense), ("experts_held_once", experts), ("ane_sim_weights", ane),
              ("layer_working_set", layer), ("logits_reference_and_one_candidate", logits),
              ("compared_rows_fp32", rows), ("mlx_widened_block", widen), ("kv_caches_every_side", kv),
-             ("mlx_move_moment", move), ("runtime", RUNTIME_BYTES))
-    return MemoryPrediction(dense + experts, ane, layer + logits + rows + widen, kv, RUNTIME_BYTES, chunk,
+             ("mlx_move_moment", move), ("onednn_primitive_caches", caches), ("runtime", RUNTIME_BYTES))
+    return MemoryPrediction(dense + experts, ane, layer + logits + rows + widen, kv, RUNTIME_BYTES + caches, chunk,
                             prompt_tokens, experts, size.storage, transient=transient, terms=terms)

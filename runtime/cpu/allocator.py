@@ -15,7 +15,8 @@ thread, `run --repeat 7`, four processes): 626k, 661k, 781k and 962k minor fault
   the OS when freed.
 - `temporaries_returned`: the latter for a block, the policy before it restored after.
 - `release_freed_heap`: the heap's free pages back to the OS now.
-- `bound_primitive_cache`: the compute library's own cache of compiled matmuls kept small.
+- `bound_primitive_cache`: the compute library's own caches of compiled matmuls kept small; `primitive_cache_bytes`
+  what they hold at most, and `matmuls_through_onednn` whether torch's matmuls of a dtype go through them.
 """
 from __future__ import annotations
 
@@ -25,12 +26,20 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_CEILING = 32 << 20  # glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
 DEFAULT_TRIM = 128 << 10  # glibc's default trim threshold
 DEFAULT_MMAP = 128 << 10  # glibc's default mmap threshold
-ONEDNN_PRIMITIVES = 128  # compiled primitives oneDNN keeps (its default: 1,024)
+ONEDNN_PRIMITIVES = 128  # compiled primitives oneDNN keeps (its default: 1,024), and as many in ideep's cache
+# What one cached primitive holds (its compiled code and descriptors), whatever the matmul's shape: measured on this
+# Linux x86-64 host (torch 2.13, oneDNN 3.12, bf16) as 0.28 MiB per entry at saturation, for tiny-moe's 256 x 256
+# experts and Qwen3-30B-A3B's 2048 x 768 alike (1,024 row counts through caches of 16, 128 and 1,024 entries).
+PRIMITIVE_BYTES = int(0.28 * 2**20)
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -103,10 +112,39 @@ def release_freed_heap() -> None:
 
 
 def bound_primitive_cache() -> None:
-    """oneDNN (torch's bf16 matmuls on x86, AMX's included) keeps a compiled primitive per shape, 1,024 by default,
-    and an expert's rows differ from call to call in a prefill, so its cache fills with them: anonymous memory grew
-    by about 90 MiB per 1,024-token prompt of the fidelity gate on a 2-layer Qwen3-30B-A3B twin at 4 bits, no tensor
-    alive more (3,511 MiB peak over 4 prompts; 3,325 with 128 kept, 3,185 with none; a 2,048-token prefill 0.14-0.16
-    GB smaller, and tiny-moe's decode 240.4 against 244.1 tok/s in 3 interleaved pairs, within their spread).
-    oneDNN reads it when it makes its first primitive; a user's own setting stands."""
+    """torch's bf16 matmuls on x86 (AMX's included) go through two caches of compiled primitives keyed by shape:
+    oneDNN's own (1,024 by default) and, in front of it, ideep's (torch's binding to oneDNN; `LRU_CACHE_CAPACITY`,
+    1,024 by default). An expert's rows differ from call to call in a prefill, so both fill with its row counts,
+    PRIMITIVE_BYTES an entry, no tensor alive more: on a 2-layer Qwen3-30B-A3B twin at 4 bits, 3,511 MiB peak over 4
+    prompts of the fidelity gate with oneDNN's at 1,024, 3,325 at 128, 3,185 with none; on tiny-moe in bf16, with
+    oneDNN's at 128, the main job's gate peaked at 812 MiB for 596 predicted, its heap's bytes in use 181 -> 428 MiB
+    over 8 prompts and still growing. Both at ONEDNN_PRIMITIVES, that gate's heap grows 68 MiB in its first
+    prompt and not after (665 MiB peak); tiny-moe's timed prefill (`run --repeat 5`, cpu-exact, bf16) spent 90.6 and
+    90.5 ms on its experts with ideep's at 1,024, 81.7 and 79.9 at 128 (interleaved, shared host), and its decode
+    stayed within its spread with oneDNN's at 128 (240.4 against 244.1 tok/s, 3 interleaved pairs). Each library
+    reads its setting once, at its first primitive; a user's own setting stands (ideep's crashes at 0: 1 or more)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVES))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_PRIMITIVES))
+
+
+def primitive_cache_bytes() -> int:
+    """What the two caches of compiled primitives hold at most in this process (`bound_primitive_cache`): their
+    entries, as set in the environment (the bound where unset), at PRIMITIVE_BYTES each."""
+    entries = sum(int(os.environ.get(name) or ONEDNN_PRIMITIVES)
+                  for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"))
+    return entries * PRIMITIVE_BYTES
+
+
+def matmuls_through_onednn(dtype: torch.dtype) -> bool:
+    """torch computes `dtype`'s matmuls on this host through oneDNN (and its caches): bf16 or fp16 where oneDNN has
+    kernels for it (x86 with AVX-512 or AMX); float32 goes to the BLAS, and a host without those kernels computes
+    16-bit floats in torch's own loops."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False

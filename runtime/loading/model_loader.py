@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.cpu.allocator import bound_primitive_cache, return_temporaries_to_the_os, reuse_temporaries
+from runtime.cpu.allocator import return_temporaries_to_the_os, reuse_temporaries
 from runtime.cpu.cpu_backends import PACKED_IMPLEMENTATION
 from runtime.errors import NpumoeError
 from runtime.loading.checkpoint_reader import is_mlx_checkpoint, read_router, read_weights, tensor_index
@@ -183,7 +183,6 @@ def load_model(name: str, dtype: str | torch.dtype = torch.float32, cpu_weights:
             raise NpumoeError(f"--cpu-weights {cpu_weights}: {name} is already quantized (an MLX or GGUF "
                               "checkpoint, kept packed as stored); give a full-width checkpoint")
         quantize = partial(quantize_experts, kind=cpu_weights, group_size=group_size, kernel_rows=kernel_rows)
-    bound_primitive_cache()  # before the first matmul: oneDNN reads it once
     model, tokenizer = _load(name, dtype, quantize)
     if quantize is not None or any(hasattr(l.experts, "npumoe_weights") for l in moe_layers(model)):
         return_temporaries_to_the_os()
