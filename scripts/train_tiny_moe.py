@@ -333,8 +333,8 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         f"({cfg.num_key_value_heads} KV heads, head dim {cfg.head_dim}), {cfg.num_experts} experts of width "
         f"{cfg.moe_intermediate_size} in every layer, top-{cfg.num_experts_per_tok} with normalised weights, "
         "tied input/output embeddings.",
-        f"- Context {cfg.max_position_embeddings:,} positions, default RoPE (theta {cfg.rope_parameters['rope_theta']:g}, "
-        f"no scaling); trained on windows of {args.seq_len:,} tokens.",
+        f"- Context {cfg.max_position_embeddings:,} positions, default RoPE (theta "
+        f"{cfg.rope_parameters['rope_theta']:g}, no scaling); trained on windows of {args.seq_len:,} tokens.",
         f"- Byte-level BPE tokenizer with {VOCAB_SIZE:,} tokens trained with `tokenizers` on the training text; "
         f"`{EOS}` separates documents.",
         "",
