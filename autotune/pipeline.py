@@ -23,9 +23,10 @@ import torch
 
 from autotune.build_stage import build  # noqa: F401 - the build stage, re-exported with the others
 from autotune.calibration import modelstats
-from autotune.calibration.stage import PROMPT_TOKENS, calibrate
+from autotune.calibration.stage import CHUNK_TOKENS, MAX_TOKENS, PROMPT_TOKENS, calibrate
 from autotune.calibration.texts import DEFAULT_CALIB_TEXT
 from autotune.calibration.traces import (
+    HELDOUT_EVERY,
     Traces,
     default_traces_path,
     load_traces,
@@ -42,7 +43,7 @@ from autotune.costing.pipeline_link import profile_link
 from autotune.costing.whole_prefill import DecoderShape, decoder_shape, priced_outside
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.measuring.feedback import add_records, part_factors
-from autotune.measuring.measure import DEFAULT_K, measure_search
+from autotune.measuring.measure import DEFAULT_K, PROMPTS, measure_search
 from autotune.profiling.model_records import (
     add_model_records,
     cover_model,
@@ -300,7 +301,7 @@ def search_inputs(model: str, c: SearchConfig, progress: bool) -> SearchInputs:
         prof, profile_name = _profile(c.profile, progress)
     prof = cover_model(prof, profile_name, shape, model_label(name), not c.no_measure, progress, size.layer_bytes,
                        record.compute_dtype)
-    trs, traces_path = _traces(record, c.traces, progress)
+    trs, traces_path = _traces(record, c.traces, progress, c.prompt_tokens or PROMPT_TOKENS)
     prompt = _prompt_tokens(record, trs, c.prompt_tokens)
     cost, cache_state = prof.cost_model_for(size.layer_bytes, dtype_name(record.compute_dtype))
     if c.engine == "mlx":  # the MLX spine runs the exact path and the dense half on mlx-exact, where it is
@@ -528,7 +529,8 @@ def _profile(name: str | None, progress: bool) -> tuple[Profile, str]:
     return load_profile(path), "host"
 
 
-def _traces(record: ModelRecord, given: str | os.PathLike | None, progress: bool) -> tuple[Traces, str]:
+def _traces(record: ModelRecord, given: str | os.PathLike | None, progress: bool,
+            prompt: int = PROMPT_TOKENS) -> tuple[Traces, str]:
     path = Path(given) if given else default_traces_path(record.name)
     fingerprint = record.spec.fingerprint
     if path.exists():
@@ -539,7 +541,9 @@ def _traces(record: ModelRecord, given: str | os.PathLike | None, progress: bool
         if given:
             raise NpumoeError(f"traces {path} are for another model (fingerprint {traces.spec['fingerprint']}, "
                               f"model {fingerprint})")
-    log.warning("no traces for %s; calibrating on %s into %s", record.name, DEFAULT_CALIB_TEXT, path)
-    traces = calibrate(record, DEFAULT_CALIB_TEXT, out=path, progress=progress).traces
+    log.warning("no traces for %s; calibrating %d-token prompts of %s into %s", record.name, prompt,
+                DEFAULT_CALIB_TEXT, path)  # the plan's prompts, enough of them for --measure's held-out ones
+    traces = calibrate(record, DEFAULT_CALIB_TEXT, chunk=min(CHUNK_TOKENS, prompt), prompt_tokens=prompt,
+                       max_tokens=max(MAX_TOKENS, HELDOUT_EVERY * PROMPTS * prompt), out=path, progress=progress).traces
     require_heldout(traces, str(path))
     return traces, str(path)

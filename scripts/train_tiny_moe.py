@@ -52,10 +52,12 @@ from runtime.loading.model_loader import TINY_MOE_DIR  # noqa: E402
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 4096
+# Context 4,096 positions: trained and shipped at 2,048, raised for 4,096-token prompts (default RoPE, no scaling:
+# the logits within 2,048 are the same bit for bit, tests/test_tiny_moe.py).
 MODEL_CONFIG = dict(
     vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=2,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=2048,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
     tie_word_embeddings=True, rope_theta=10000.0, router_aux_loss_coef=0.0, output_router_logits=False,
 )
 # Share of training windows drawn from each source (renormalised over the sources that are available).
@@ -331,6 +333,8 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         f"({cfg.num_key_value_heads} KV heads, head dim {cfg.head_dim}), {cfg.num_experts} experts of width "
         f"{cfg.moe_intermediate_size} in every layer, top-{cfg.num_experts_per_tok} with normalised weights, "
         "tied input/output embeddings.",
+        f"- Context {cfg.max_position_embeddings:,} positions, default RoPE (theta "
+        f"{cfg.rope_parameters['rope_theta']:g}, no scaling); trained on windows of {args.seq_len:,} tokens.",
         f"- Byte-level BPE tokenizer with {VOCAB_SIZE:,} tokens trained with `tokenizers` on the training text; "
         f"`{EOS}` separates documents.",
         "",

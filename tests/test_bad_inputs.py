@@ -294,12 +294,12 @@ CASES = [
     ("evaluate-broken-task-yaml", ["evaluate", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--tasks",
                                    "broken_task", "--include-path", "{tasks}"], "broken_task.yaml is not valid YAML"),
     ("evaluate-limit-without-tasks", ["evaluate", *M, "--plan", "{ck_plan}", "--limit", "5"], "--limit"),
-    *[(f"{cmd}-prompt-past-the-context", [cmd, "--model", "tiny-moe", *extra, "--prompt-tokens", "4096"],
-       "--prompt-tokens 4096 is longer than tiny-moe's context of 2048 tokens")
+    *[(f"{cmd}-prompt-past-the-context", [cmd, "--model", "tiny-moe", *extra, "--prompt-tokens", "8192"],
+       "--prompt-tokens 8192 is longer than tiny-moe's context of 4096 tokens")
       for cmd, extra in [("run", ["--plan", "{tiny_plan}"]), ("evaluate", ["--plan", "{tiny_plan}"]),
                          ("calibrate", []), ("search", ["--profile", "apple-m2-ultra-published"])]],
     ("run-one-prompt-past-the-context", ["run", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--max-tokens",
-                                         "4096"], "--max-tokens 4096 is longer than tiny-moe's context"),
+                                         "8192"], "--max-tokens 8192 is longer than tiny-moe's context"),
     ("search-gate-tokens-under-a-chunk", [*S, "--traces", "{traces}", "--gate-tokens", "1"],
      "--gate-tokens 1 is less than one chunk of the smallest chunk searched (64 tokens)"),
     ("search-gate-tokens-before-calibrating", ["search", "--model", "tiny-moe", "--profile",

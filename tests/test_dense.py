@@ -308,9 +308,9 @@ def _tiny_template(tmp_path, backend: str, block: int | None = None) -> str:
     queries over buckets at every multiple of the block."""
     path = str(tmp_path / f"tiny-{backend}.json")
     assert main(["plan-template", "--model", "tiny-moe", "--chunk", "256", "--backend", backend, "--dense", backend,
-                 "--out", path]) == 0
+                 "--prompt-tokens", "2048", "--out", path]) == 0
     plan = json.loads(open(path).read())
-    assert plan["dense"]["attention_context_buckets"] == list(range(256, 2049, 256))  # up to the 2,048 positions
+    assert plan["dense"]["attention_context_buckets"] == list(range(256, 2049, 256))  # up to the 2,048 asked for
     assert all(dl["qkv"] and dl["o_proj"] and dl["attention"] == backend for dl in plan["dense"]["layers"])
     if block:
         plan["dense"].update(attention_block=block, attention_context_buckets=list(range(block, 2049, block)))

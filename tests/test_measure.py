@@ -76,3 +76,28 @@ def test_fed_back_records_correct_the_prediction(tmp_path):
         before, after = prediction(p), corrected(prediction(p), factors)
         assert after.latency_ms == pytest.approx(truth(p), rel=0.02)
         assert abs(before.latency_ms / truth(p) - 1.0) > 0.25  # the records changed the prediction
+
+
+def test_a_search_without_traces_calibrates_prompts_of_its_length(tmp_path, monkeypatch, capsys):
+    """`search --prompt-tokens 4096` with no traces records 4,096-token prompts (not the calibration's default
+    1,024), ten of them, so that --measure times two held-out prompts of the plan's length; the built-in
+    calibration text holds that many tokens."""
+    import autotune.pipeline as pipeline
+    from autotune.calibration.workload import encode_text
+    from runtime.errors import NpumoeError
+    from runtime.loading.model_loader import load_model
+
+    asked = {}
+
+    def calibrate(record, text, **options):
+        asked.update(options, text=text)
+        raise NpumoeError("calibrated")
+
+    monkeypatch.setattr(pipeline, "calibrate", calibrate)
+    monkeypatch.chdir(tmp_path)
+    assert main(["search", "--model", "tiny-moe", "--profile", "apple-m2-ultra-published", "--prompt-tokens",
+                 "4096", "--trials", "2"]) == 2
+    assert "calibrated" in capsys.readouterr().err
+    assert (asked["prompt_tokens"], asked["max_tokens"], asked["chunk"]) == (4096, 40960, 256)
+    _, tokenizer = load_model("tiny-moe")
+    assert encode_text(tokenizer, asked["text"], 40960).numel() == 40960

@@ -156,7 +156,7 @@ def test_a_neighbour_that_never_comes_ends_the_rank_within_the_timeout(tiny4, tm
 def test_a_prompt_past_the_context_ends_every_rank_in_one_line(tiny4, tmp_path):
     hostfile, _ = ring_file(tmp_path)
     long = tmp_path / "long.txt"
-    long.write_text("static capacity tiers " * 1200)  # past tiny-moe's 2,048 positions
+    long.write_text("static capacity tiers " * 1200)  # 8,401 tokens: past tiny-moe's 4,096 positions
     args = generate_args(tiny4, 60.0)
     args[args.index("--prompt"):args.index("--prompt") + 2] = ["--prompt-file", str(long)]
     procs = [rank(hostfile, k, args, tmp_path) for k in (0, 1)]

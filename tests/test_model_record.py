@@ -65,7 +65,7 @@ def test_the_record_agrees_with_the_loaders():
     record = resolve_model("tiny-moe", "float32")
     model = load_model("tiny-moe", "float32")[0]
     assert record.spec == model_spec(model) == read_model_spec("tiny-moe")
-    assert record.context == context_length("tiny-moe") == 2048 and record.compute_dtype == torch.float32
+    assert record.context == context_length("tiny-moe") == 4096 and record.compute_dtype == torch.float32
     size = model_size(record)
     assert (size.hidden, size.heads, size.head_dim, size.layers) == (256, 4, 64, 4)
     held = sum(t.numel() for t in [*model.parameters(), *model.buffers()])

@@ -90,6 +90,27 @@ def test_heldout_perplexity_is_at_most_half_the_unigram(tiny, ids):
     assert ppl <= 0.5 * unigram
 
 
+def test_the_4096_position_context_changes_no_logits_within_2048(tiny, ids, tmp_path):
+    """The context was raised from the 2,048 positions tiny-moe was trained and shipped with to 4,096: its RoPE is
+    the default (no scaling, nothing computed from max_position_embeddings), so a prompt within 2,048 tokens gets
+    the logits it got under the 2,048-position config, bit for bit."""
+    import torch
+
+    config = json.loads((TINY_MOE_DIR / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096 and config["rope_parameters"]["rope_type"] == "default"
+    for f in TINY_MOE_DIR.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    before, _ = load_model(str(tmp_path))
+    assert before.config.max_position_embeddings == 2048
+    model, _ = tiny
+    with torch.no_grad():
+        for n in (64, 2048):
+            x = torch.tensor(ids[texts.DEFAULT_EVAL_TEXT][:n])[None]
+            assert torch.equal(model(input_ids=x).logits, before(input_ids=x).logits), n
+
+
 @pytest.mark.slow
 def test_routing_is_skewed_in_every_layer_on_the_calibration_text(shares):
     share = shares[texts.DEFAULT_CALIB_TEXT]
