@@ -286,11 +286,10 @@ def _overlaps(plan: Plan, lp: LayerPlan, ane_simulated: bool) -> bool:
 def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_bytes: int | None = None,
                      logits_rows: int = 1, chunk_logits: int = 1) -> int:
     """One chunk's working set in one decoder layer, plus the logits: hidden-state buffers, q/k/v, attention
-    scores (fp32, the chunk against the cache), the MoE call (`moe_call_bytes`: `moe_bytes` of a plan's groups;
-    default every assignment on the exact path),
-    `chunk_logits` chunks' logits in the model's dtype (0: the decoder stack alone, as calibrate runs it) and
-    `logits_rows` fp32 logits. Packed weights add what one call dequantizes: an expert, and a block of a packed
-    matrix (`runtime.cpu.quantized`)."""
+    scores (fp32, the chunk against the cache), the MoE call (`moe_bytes`: `moe_call_bytes` of a plan's groups;
+    default every assignment on the exact path), `chunk_logits` chunks' logits in the model's dtype (0: the decoder
+    stack alone, as calibrate runs it) and `logits_rows` fp32 logits. Packed weights add what one call dequantizes:
+    an expert, and a block of a packed matrix (`runtime.cpu.quantized`)."""
     c, d = chunk_tokens, size.dtype_bytes
     hidden = HIDDEN_BUFFERS * c * size.hidden * d
     qkv = c * (size.heads + 2 * size.kv_heads) * size.head_dim * d
@@ -450,8 +449,9 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
       `tokens` tokens it keeps (per MoE layer and token: top-k expert ids as int16 and weights as fp32, a norm);
     - `search`, its fidelity gate (`_gate_memory`): the unmodified model and `gate_candidates` plans side by side
       over each prompt, each with its own KV cache, the reference's chunk of logits and one candidate's at a time,
-      COMPARED_ROWS positions of fp32 logits and log-probabilities at a time; the padded static slots of `plan` (the
-      written plan, where known; or a gate round's candidates, measured side by side: the most slots of them) and
+      COMPARED_ROWS positions of fp32 logits and log-probabilities at a time; the MoE call of `plan`'s padded groups
+      (`moe_call_bytes`; the written plan, where known, or a gate round's candidates, measured side by side: the
+      largest of their calls) and
       its ane groups and dense functions on the host's simulator (experts in fp16, each distinct one of a round
       once; dense matrices in fp32, a round's together: a bound); where a candidate runs mlx-exact, the
       experts held once (in MLX's memory, torch reading a view), a block widened per call, and their move; where
