@@ -378,7 +378,8 @@ def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progres
                                                               c.objective, inputs.prompt),
                                     seed=c.seed, progress=progress, whole=WholePrefill(
                                         inputs.shape, inputs.prompt, tuple(part_factors(
-                                            inputs.profile, model_label(inputs.record.name)).items())))
+                                            inputs.profile, model_label(inputs.record.name),
+                                            dtype_name(inputs.record.compute_dtype)).items())))
     outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
     if robustness.dense_choice is not None:  # the robust pick's dense placement
         outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice
@@ -435,7 +436,8 @@ def measure_stage(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch, cp
         c.gate_settings(), c.threads or torch.get_num_threads(), c.engine, progress,
         cpu_weights=cpu.kind_and_group, kernel_rows=cpu.kernel_rows)
     if inputs.measured_here:
-        add_records(inputs.profile, model_label(inputs.record.name), inputs.prompt, [t.to_json() for t in trials])
+        add_records(inputs.profile, model_label(inputs.record.name), dtype_name(inputs.record.compute_dtype),
+                    inputs.prompt, [t.to_json() for t in trials])
     return measured
 
 

@@ -310,21 +310,30 @@ def _fmt(xs: list[float], digits: int = 2) -> str:
     return " | ".join(f"{x:.{digits}f}" for x in xs)
 
 
-def write_card(out: Path, model, sources: list[Source], training: dict, metrics: dict, args) -> None:
+CARD_INTRO = [
+    "# tiny-moe",
+    "",
+    "The embedded default model of npumoe: a small Qwen3-MoE trained from scratch on CPU by "
+    "`scripts/train_tiny_moe.py`, shipped so that every command runs offline. It exists to have real, "
+    "skewed, domain-dependent expert routing, not to write well.",
+    "",
+]
+CARD_LICENCES = [
+    "## Licences",
+    "",
+    "The weights and tokenizer are released with npumoe (Apache-2.0). Training text: Python documentation "
+    "and sources under the PSF License; the King James Bible and Shakespeare's works are in the public domain "
+    "(the Project Gutenberg headers and licence footers were stripped before training).",
+    "",
+]
+
+
+def card_model(out: Path, model, args) -> list[str]:
+    """The card's model section: its shape, the files' size (the card left out), its context and tokenizer."""
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "MODEL_CARD.md")
-    layers = list(range(cfg.num_hidden_layers))
-    src_rows = "\n".join(
-        f"| {s.name} | {s.origin} | {s.licence} | {s.chars:,} | {s.note or 'used'} |" for s in sources)
-    t = training
-    lines = [
-        "# tiny-moe",
-        "",
-        "The embedded default model of npumoe: a small Qwen3-MoE trained from scratch on CPU by "
-        "`scripts/train_tiny_moe.py`, shipped so that every command runs offline. It exists to have real, "
-        "skewed, domain-dependent expert routing, not to write well.",
-        "",
+    return [
         "## Model",
         "",
         f"- `Qwen3MoeForCausalLM`, {n_params:,} parameters ({n_params / 1e6:.1f}M), bf16 safetensors; "
@@ -338,6 +347,13 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         f"- Byte-level BPE tokenizer with {VOCAB_SIZE:,} tokens trained with `tokenizers` on the training text; "
         f"`{EOS}` separates documents.",
         "",
+    ]
+
+
+def card_training(sources: list[Source], training: dict, args) -> list[str]:
+    """The card's training section: the run's settings and time, and a row per text source with its status."""
+    t = training
+    return [
         "## Training",
         "",
         f"- {args.steps} steps of {args.batch}×{args.seq_len} tokens ({args.steps * args.batch * args.seq_len:,} "
@@ -352,50 +368,64 @@ def write_card(out: Path, model, sources: list[Source], training: dict, metrics:
         "",
         "| source | where it came from | licence | characters | status |",
         "|---|---|---|---|---|",
-        src_rows,
+        "\n".join(f"| {s.name} | {s.origin} | {s.licence} | {s.chars:,} | {s.note or 'used'} |" for s in sources),
         "",
         "Kept out of training: `builtin:pydoc-heldout` (a quarter of the pydoc topics) and the "
         "standard-library files of `builtin:stdlib-code` (see autotune/calibration/texts.py).",
         "",
+    ]
+
+
+def card_perplexity(metrics: dict) -> list[str]:
+    """The card's measured perplexities, after the built-in texts' sizes."""
+    m = metrics
+    return [
         "## Measured (fp32, chunks of 512 tokens)",
         "",
-        "Built-in text sizes in tokens: "
-        + ", ".join(f"`{k}` {v:,}" for k, v in metrics["tokens"].items()) + ".",
+        "Built-in text sizes in tokens: " + ", ".join(f"`{k}` {v:,}" for k, v in m["tokens"].items()) + ".",
         "",
         "| text | perplexity |",
         "|---|---|",
-        f"| builtin:pydoc-heldout (all) | {metrics['ppl_heldout']:.2f} "
-        f"({metrics['bits_per_byte_heldout']:.3f} bits/byte) |",
+        f"| builtin:pydoc-heldout (all) | {m['ppl_heldout']:.2f} ({m['bits_per_byte_heldout']:.3f} bits/byte) |",
         f"| builtin:pydoc-heldout, unigram model of the same tokenizer fitted on pydoc-calib | "
-        f"{metrics['unigram_ppl_heldout']:.2f} |",
-        f"| builtin:pydoc-calib (first {metrics['eval_token_cap']:,} tokens) | {metrics['ppl_calib']:.2f} |",
-        f"| builtin:stdlib-code (first {metrics['eval_token_cap']:,} tokens) | {metrics['ppl_stdlib_code']:.2f} |",
-        "",
-        f"Routing per layer (first {metrics['eval_token_cap']:,} tokens of each text). Skew is the most-used "
-        f"expert's share over the uniform share 1/{cfg.num_experts}; TV is the total-variation distance "
-        "between expert shares on the two texts.",
-        "",
-        "| | " + " | ".join(f"layer {i}" for i in layers) + " |",
-        "|---|" + "---|" * len(layers),
-        f"| skew on pydoc-calib | {_fmt(metrics['skew_calib'])} |",
-        f"| skew on pydoc-heldout | {_fmt(metrics['skew_heldout'])} |",
-        f"| skew on stdlib-code | {_fmt(metrics['skew_stdlib_code'])} |",
-        f"| least-used expert's share on pydoc-calib | {_fmt(metrics['min_share_calib'], 4)} |",
-        f"| TV(pydoc-heldout, stdlib-code) | {_fmt(metrics['tv_heldout_vs_code'], 3)} |",
-        "",
-        f"What npumoe requires of it (tests/test_tiny_moe.py checks the same on shorter slices): held-out "
-        f"perplexity / unigram perplexity = {metrics['ppl_heldout'] / metrics['unigram_ppl_heldout']:.3f} "
-        f"(at most 0.5); smallest per-layer skew on pydoc-calib {min(metrics['skew_calib']):.2f} (at least 1.5); "
-        f"layers with TV ≥ 0.1: {sum(t >= 0.1 for t in metrics['tv_heldout_vs_code'])} of {len(layers)} "
-        "(at least half).",
-        "",
-        "## Licences",
-        "",
-        "The weights and tokenizer are released with npumoe (Apache-2.0). Training text: Python documentation "
-        "and sources under the PSF License; the King James Bible and Shakespeare's works are in the public domain "
-        "(the Project Gutenberg headers and licence footers were stripped before training).",
+        f"{m['unigram_ppl_heldout']:.2f} |",
+        f"| builtin:pydoc-calib (first {m['eval_token_cap']:,} tokens) | {m['ppl_calib']:.2f} |",
+        f"| builtin:stdlib-code (first {m['eval_token_cap']:,} tokens) | {m['ppl_stdlib_code']:.2f} |",
         "",
     ]
+
+
+def card_routing(metrics: dict, num_layers: int, num_experts: int) -> list[str]:
+    """The card's routing table per layer (skew, least-used share, TV between texts) and what npumoe requires."""
+    m = metrics
+    return [
+        f"Routing per layer (first {m['eval_token_cap']:,} tokens of each text). Skew is the most-used "
+        f"expert's share over the uniform share 1/{num_experts}; TV is the total-variation distance "
+        "between expert shares on the two texts.",
+        "",
+        "| | " + " | ".join(f"layer {i}" for i in range(num_layers)) + " |",
+        "|---|" + "---|" * num_layers,
+        f"| skew on pydoc-calib | {_fmt(m['skew_calib'])} |",
+        f"| skew on pydoc-heldout | {_fmt(m['skew_heldout'])} |",
+        f"| skew on stdlib-code | {_fmt(m['skew_stdlib_code'])} |",
+        f"| least-used expert's share on pydoc-calib | {_fmt(m['min_share_calib'], 4)} |",
+        f"| TV(pydoc-heldout, stdlib-code) | {_fmt(m['tv_heldout_vs_code'], 3)} |",
+        "",
+        f"What npumoe requires of it (tests/test_tiny_moe.py checks the same on shorter slices): held-out "
+        f"perplexity / unigram perplexity = {m['ppl_heldout'] / m['unigram_ppl_heldout']:.3f} "
+        f"(at most 0.5); smallest per-layer skew on pydoc-calib {min(m['skew_calib']):.2f} (at least 1.5); "
+        f"layers with TV ≥ 0.1: {sum(t >= 0.1 for t in m['tv_heldout_vs_code'])} of {num_layers} "
+        "(at least half).",
+        "",
+    ]
+
+
+def write_card(out: Path, model, sources: list[Source], training: dict, metrics: dict, args) -> None:
+    """MODEL_CARD.md in `out`: what the model is, how it was trained, what was measured of it, the licences."""
+    cfg = model.config
+    lines = [*CARD_INTRO, *card_model(out, model, args), *card_training(sources, training, args),
+             *card_perplexity(metrics), *card_routing(metrics, cfg.num_hidden_layers, cfg.num_experts),
+             *CARD_LICENCES]
     (out / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")
 
 

@@ -65,17 +65,40 @@ def test_fed_back_records_correct_the_prediction(tmp_path):
                    heldout={"method": "none", "mape": {}}, measured_by="test", path=str(tmp_path / "p.json"))
     plans = [{"experts": e, "attention_core": a, "rest": 1.0} for e, a in ((10.0, 5.0), (30.0, 5.0), (20.0, 15.0))]
     truth = lambda p: 2.0 * p["experts"] + p["attention_core"] + p["rest"]  # noqa: E731
-    assert part_factors(prof, "m") == {}
-    add_records(prof, "m", 4096, [{"chunk_tokens": 1024, "predicted_parts_ms": p, "measured_ms": truth(p)}
-                                  for p in plans])
+    assert part_factors(prof, "m", "float32") == {}
+    add_records(prof, "m", "float32", 4096, [{"chunk_tokens": 1024, "predicted_parts_ms": p,
+                                              "measured_ms": truth(p)} for p in plans])
     assert len(load_profile(tmp_path / "p.json", check_host=False).extra[KEY]) == 3  # kept in the profile file
-    factors = part_factors(prof, "m")
+    factors = part_factors(prof, "m", "float32")
     assert factors["experts"] == pytest.approx(2.0, rel=0.02)
-    assert part_factors(prof, "another model") == {}
+    assert part_factors(prof, "another model", "float32") == {}
+    assert part_factors(prof, "m", "bfloat16") == {}  # no run in bf16: priced as before
     for p in [*plans, {"experts": 50.0, "attention_core": 2.0, "rest": 1.0}]:
         before, after = prediction(p), corrected(prediction(p), factors)
         assert after.latency_ms == pytest.approx(truth(p), rel=0.02)
         assert abs(before.latency_ms / truth(p) - 1.0) > 0.25  # the records changed the prediction
+
+
+def test_each_dtype_is_corrected_by_its_own_runs_only(tmp_path):
+    """Runs of one model in two dtypes, experts measured at 2x their price in bf16 and 0.5x in float32 (emulated
+    bf16 against native float32): each dtype's next prediction within 2% of what its own runs measured, none pulled
+    towards the other's; a record kept before runs carried a dtype counts as float32, the profile's own default."""
+    prof = Profile(host={"id": "here", "description": "test"}, cost_model=apple_like(), records=[],
+                   heldout={"method": "none", "mape": {}}, measured_by="test")
+    plans = [{"experts": e, "attention_core": a, "rest": 1.0} for e, a in ((10.0, 5.0), (30.0, 5.0), (20.0, 15.0))]
+    truth = {"bfloat16": lambda p: 2.0 * p["experts"] + p["attention_core"] + p["rest"],
+             "float32": lambda p: 0.5 * p["experts"] + p["attention_core"] + p["rest"]}
+    for dtype, measured in truth.items():
+        add_records(prof, "m", dtype, 4096, [{"chunk_tokens": 1024, "predicted_parts_ms": p,
+                                              "measured_ms": measured(p)} for p in plans])
+    for dtype, measured in truth.items():
+        factors = part_factors(prof, "m", dtype)
+        for p in [*plans, {"experts": 50.0, "attention_core": 2.0, "rest": 1.0}]:
+            assert corrected(prediction(p), factors).latency_ms == pytest.approx(measured(p), rel=0.02)
+    legacy = [{k: v for k, v in r.items() if k != "dtype"} for r in prof.extra[KEY] if r["dtype"] == "float32"]
+    prof.extra[KEY] = legacy
+    assert part_factors(prof, "m", "float32")["experts"] == pytest.approx(0.5, rel=0.02)
+    assert part_factors(prof, "m", "bfloat16") == {}
 
 
 def test_a_search_without_traces_calibrates_prompts_of_its_length(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ from autotune.costing.memory import (
     ane_budget_bytes,
     ane_package_bytes,
     dense_function_bytes,
+    moe_call_bytes,
     predict_memory,
     stage_memory,
 )
@@ -252,3 +253,82 @@ def test_the_gate_predicts_the_move_of_torchs_experts_into_mlx():
     r = json.loads(out.strip().splitlines()[-1])
     assert r["cpu_only"] == 0 and r["predicted"] == 64 * 2 * 512 * 1024 * 2
     assert 0.8 <= r["measured"] / r["predicted"] <= 1.25, r
+
+
+def _moe_call_peaks(model, ids) -> list[int]:
+    """Each MoE layer's peak of malloc's bytes in use (glibc's mallinfo2, heaps and mmapped blocks) during its
+    experts' call, over what was in use as the call began: read after every torch op, while the op's inputs and
+    output are alive."""
+    import ctypes
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+
+    def in_use() -> int:
+        m = libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    peaks: list[int] = []
+    start: list[int] = []  # what was in use as the current call began (empty: no call running)
+
+    class Reading(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if start:
+                peaks[-1] = max(peaks[-1], in_use() - start[0])
+            return out
+
+    def begin(*_) -> None:
+        start[:] = [in_use()]
+        peaks.append(0)
+
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    hooks = [e.register_forward_pre_hook(begin) for e in experts] + \
+        [e.register_forward_hook(lambda *_: start.clear()) for e in experts]
+    try:
+        with torch.inference_mode(), Reading():
+            model.model(ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return peaks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_layers_padded_groups_are_priced_as_they_run(dtype):
+    """tiny-moe with every expert in ane groups on ane-sim, each padded to the whole 256-token chunk (the gate's
+    template candidates): each layer's MoE call peaks within 10% of `moe_call_bytes`, the search stage's
+    `layer_working_set` holds that price, and the packed rows' gate/up and down priced for every slot at once (what
+    it priced before) would read 1.5-1.6x."""
+    import sys
+
+    import torch
+
+    from runtime.coreml.ane_sim import AneSimBackend
+    from runtime.executor import PlanExecutor
+    from runtime.loading.model_loader import load_model
+
+    if not sys.platform.startswith("linux") or not __import__("ctypes.util").util.find_library("c"):
+        pytest.skip("reads glibc's mallinfo2")
+    model, _ = load_model("tiny-moe", dtype)
+    size, chunk = ModelSize.of(model), 256
+    plan = template_plan(model_spec(model), "ample", backend="ane", chunk_tokens=chunk)
+    ids = torch.randint(0, size.vocab, (1, chunk), generator=torch.Generator().manual_seed(0))
+    with PlanExecutor(model, plan, {AneSimBackend.name: AneSimBackend()}):
+        _moe_call_peaks(model, ids)  # the first call of each shape makes what later ones reuse
+        measured = max(_moe_call_peaks(model, ids))
+    predicted = moe_call_bytes(size, chunk, [plan], ane_simulated=True)
+    assert 0.9 <= predicted / measured <= 1.1, (predicted / 2**20, measured / 2**20)
+    slots = sum(g.slots for g in plan.layers[0].groups)
+    every_slot_at_once = slots * (2 * size.hidden + 3 * size.expert_ffn) * size.dtype_bytes
+    assert every_slot_at_once / measured > 1.4
+    terms = dict(stage_memory(size, "search", chunk, chunk, plan=plan).terms)
+    assert terms["layer_working_set"] - dict(stage_memory(size, "search", chunk, chunk).terms)["layer_working_set"] \
+        == predicted - moe_call_bytes(size, chunk)

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from runtime.loading.model_config import head_dim
 from runtime.loading.model_record import ModelRecord
 from runtime.mlx.formats import NAME as MLX_EXACT
 from runtime.mlx.formats import WIDEN_BYTES
-from runtime.plan import Plan
+from runtime.plan import LayerPlan, Plan
 
 GB = 1e9
 # The process around the weights: Python, torch 2.x (CPU), transformers 5 and a tokenizer, and what torch's compute
@@ -44,6 +45,7 @@ GB = 1e9
 # activations and KV cache. A Mac's differs; it is the smallest part at any real model size.
 RUNTIME_BYTES = 498 * 2**20
 HIDDEN_BUFFERS = 8  # [chunk, hidden] tensors alive at once in a decoder layer (residual, norms, attention out, MoE)
+GROUP_CALL_BYTES = 3 * 4  # a group call's bytes per packed row and hidden unit: fp32 input, outputs, concatenated
 
 
 @dataclass(frozen=True)
@@ -243,21 +245,58 @@ def dense_function_bytes(plan: Plan, size: ModelSize, simulated: bool = False) -
     return int(total)
 
 
-def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_rows: int | None = None,
+def moe_call_bytes(size: ModelSize, chunk_tokens: int, plans: Sequence[Plan] = (),
+                   ane_simulated: bool = False) -> int:
+    """What one chunk's MoE call holds at its peak (`runtime.executor.LayerExecutor._chunk`), in the layer of
+    `plans` where it holds the most (none: every assignment on the exact path); `ane_simulated`: their Core ML groups
+    run on the host's simulator, on the CPU. The exact path: every assignment's row, its gate/up and down (`chunk x
+    top-k` rows; a short chunk runs whole there too). Static groups: the chunk's output and the groups' rows packed
+    in one buffer; the groups run one after another, each call's output kept until all are concatenated, so beside
+    those the peak holds all the outputs and their concatenation, or the other groups' outputs and the largest
+    group's call (its rows in fp32, its experts' outputs and their concatenation: ane-sim's; an ANE function's fp16
+    buffers and cpu-static's take less), or the concatenation while the exact path takes the rows the groups do not
+    (experts outside them, overflow spilled from a slice shorter than the chunk; beside the groups instead where a
+    call runs off the CPU). Measured (malloc's bytes in use, tests/test_memory.py), every expert on ane-sim padded
+    to the chunk: this is 0.98x the measured on tiny-moe in bf16, 1.00x in float32, where every padded slot's
+    gate/up and down priced at once (the price before) read 1.48x and 1.63x; 1.00x (before: 1.03x) at
+    Qwen3-30B-A3B's expert shape (2048 x 768, bf16)."""
+    h, d = size.hidden, size.dtype_bytes
+    exact = chunk_tokens * size.top_k * (2 * h + 3 * size.expert_ffn) * d
+    peak, out = exact, chunk_tokens * h * d
+    for plan in plans:
+        for lp in plan.layers:
+            if not lp.groups:
+                continue
+            packed, largest = sum(g.slots for g in lp.groups) * h * d, max(g.slots for g in lp.groups)
+            calls = max(2 * packed, packed - largest * h * d + GROUP_CALL_BYTES * largest * h)
+            spills = plan.overflow == "spill" and min(c for g in lp.groups for c in g.capacities) < plan.chunk_tokens
+            rest = exact if lp.cpu_exact or spills else 0
+            beside = rest if _overlaps(plan, lp, ane_simulated) else 0
+            peak = max(peak, out + packed + max(calls + beside, packed + rest))
+    return peak
+
+
+def _overlaps(plan: Plan, lp: LayerPlan, ane_simulated: bool) -> bool:
+    """The layer's exact path runs beside its groups (the executor's `overlap`): a call of either runs off the CPU."""
+    names = {plan.exact_path, *(lp.exact_split or {})}
+    names |= {g.backend for g in lp.groups if not (ane_simulated and is_coreml_function(g.backend))}
+    return any(registry.get(name).overlaps_cpu for name in names)
+
+
+def activation_bytes(size: ModelSize, chunk_tokens: int, prompt_tokens: int, moe_bytes: int | None = None,
                      logits_rows: int = 1, chunk_logits: int = 1) -> int:
     """One chunk's working set in one decoder layer, plus the logits: hidden-state buffers, q/k/v, attention
-    scores (fp32, the chunk against the cache), the MoE rows (`moe_rows`: default chunk x top-k assignments; a
-    plan's padded static slots when more) through gate_up, the gate and down, `chunk_logits` chunks' logits in the
-    model's dtype (0: the decoder stack alone, as calibrate runs it) and `logits_rows` fp32 logits. Packed weights
-    add what one call dequantizes: an expert, and a block of a packed matrix (`runtime.cpu.quantized`)."""
+    scores (fp32, the chunk against the cache), the MoE call (`moe_bytes`: `moe_call_bytes` of a plan's groups;
+    default every assignment on the exact path), `chunk_logits` chunks' logits in the model's dtype (0: the decoder
+    stack alone, as calibrate runs it) and `logits_rows` fp32 logits. Packed weights add what one call dequantizes:
+    an expert, and a block of a packed matrix (`runtime.cpu.quantized`)."""
     c, d = chunk_tokens, size.dtype_bytes
-    rows = max(moe_rows or 0, c * size.top_k)
     hidden = HIDDEN_BUFFERS * c * size.hidden * d
     qkv = c * (size.heads + 2 * size.kv_heads) * size.head_dim * d
     scores = 4 * size.heads * c * max(c, prompt_tokens)  # the last chunk attends to the whole prompt
-    moe = rows * (size.hidden * 2 + 3 * size.expert_ffn) * d
     logits = chunk_logits * c * size.vocab * d + 4 * logits_rows * size.vocab
     dequantized = (3 * size.hidden * size.expert_ffn + BLOCK_WEIGHTS) * d if size.storage != "bf16" else 0
+    moe = moe_call_bytes(size, c) if moe_bytes is None else moe_bytes
     return int(hidden + qkv + scores + moe + logits + dequantized)
 
 
@@ -341,7 +380,6 @@ def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows:
     """A plan's predicted peak memory for prompts of `prompt_tokens` (`logits_rows`, `chunk_logits`: see
     `activation_bytes`; `ane_simulated`: see `ane_package_bytes`)."""
     chunk = min(plan.chunk_tokens, prompt_tokens)
-    slots = max((sum(g.slots for g in lp.groups) for lp in plan.layers), default=0)
     kind = plan.cpu_weights.kind if plan.cpu_weights else None
     group = (plan.cpu_weights.group_size if plan.cpu_weights else None) or 64
     dense, experts = cpu_weight_bytes(size, kind, group)
@@ -351,7 +389,9 @@ def predict_memory(plan: Plan, size: ModelSize, prompt_tokens: int, logits_rows:
     per_expert = experts / max(1, size.expert_weights) * 3 * size.hidden * size.expert_ffn
     return MemoryPrediction(dense + experts, ane_package_bytes(plan, ane_simulated) +
                             dense_function_bytes(plan, size, ane_simulated),
-                            activation_bytes(size, chunk, prompt_tokens, slots, logits_rows, chunk_logits),
+                            activation_bytes(size, chunk, prompt_tokens,
+                                             moe_call_bytes(size, chunk, [plan], ane_simulated), logits_rows,
+                                             chunk_logits),
                             size.kv_bytes_per_token * prompt_tokens, RUNTIME_BYTES, chunk, prompt_tokens,
                             experts, storage, int(len(resident) * per_expert))
 
@@ -409,8 +449,9 @@ def stage_memory(size: ModelSize, stage: str, chunk_tokens: int, prompt_tokens: 
       `tokens` tokens it keeps (per MoE layer and token: top-k expert ids as int16 and weights as fp32, a norm);
     - `search`, its fidelity gate (`_gate_memory`): the unmodified model and `gate_candidates` plans side by side
       over each prompt, each with its own KV cache, the reference's chunk of logits and one candidate's at a time,
-      COMPARED_ROWS positions of fp32 logits and log-probabilities at a time; the padded static slots of `plan` (the
-      written plan, where known; or a gate round's candidates, measured side by side: the most slots of them) and
+      COMPARED_ROWS positions of fp32 logits and log-probabilities at a time; the MoE call of `plan`'s padded groups
+      (`moe_call_bytes`; the written plan, where known, or a gate round's candidates, measured side by side: the
+      largest of their calls) and
       its ane groups and dense functions on the host's simulator (experts in fp16, each distinct one of a round
       once; dense matrices in fp32, a round's together: a bound); where a candidate runs mlx-exact, the
       experts held once (in MLX's memory, torch reading a view), a block widened per call, and their move; where
@@ -439,8 +480,8 @@ def _gate_memory(size: ModelSize, chunk: int, prompt_tokens: int, candidates: in
                  experts: int) -> MemoryPrediction:
     """The search stage's peak (`stage_memory`), with its terms named as the gate's memory trace finds them."""
     sides = 1 + candidates
-    slots = max((sum(g.slots for g in lp.groups) for p in plans for lp in p.layers), default=0) or None
-    layer = activation_bytes(size, chunk, prompt_tokens, slots, logits_rows=0, chunk_logits=0)
+    layer = activation_bytes(size, chunk, prompt_tokens, moe_call_bytes(size, chunk, plans, ane_simulated=True),
+                             logits_rows=0, chunk_logits=0)
     # the reference's chunk of logits and one candidate's (evaluation/fidelity.py compares one at a time); fp32
     # rows alive at the KL: the reference's logits and log-probabilities, the candidate's, and the KL's three
     # temporaries (exp, difference, product)
