@@ -107,6 +107,9 @@ def test_never_above_a_priced_schedule_on_the_published_profile():
         assert set(row["units"]) == {"ane", "cpu", "mlx-exact"} and row["shapes_ms"][row["shape"]] == row["bound_ms"]
         busiest = max(u["busy_ms"] for u in row["units"].values())
         assert busiest == pytest.approx(row["bound_ms"], rel=1e-6)
+        for unit in row["units"].values():
+            assert sum(unit["by_op"].values()) == pytest.approx(unit["busy_ms"], abs=1e-2)
+        assert set(row["units"]["ane"]["by_op"]) <= {"qkv", "o_proj", "attention", "experts", "expert_calls"}
 
 
 def test_never_above_the_chain_on_a_cpu_host_with_a_dense_mlp():

@@ -108,11 +108,11 @@ def _dense(prog: SplitProgram, cost: CostModel, shape: DecoderShape, parts: list
             prices.layer(prog, last, rows, context, full, 1, windows, cover=w)
             only = sum(link.latency_ms for links in cache_only_links(cost, shape, rows, host).values()
                        for link in links)
-            kv = prog.var(unit_of(cost, host), only, cost.power_w(host) or 0.0)
+            kv = prog.var(unit_of(cost, host), only, cost.power_w(host) or 0.0, tag="kv_only")
             prog.equal({kv: 1.0, w: 1.0}, 1.0)
     head = float(cost.matmul_ms(host, 1, shape.vocab, shape.hidden) + cost.norm_ms(host, 1, shape.hidden, shape.hidden)
                  + head_dequant_ms(cost, shape, host))
-    prog.op([Role(unit_of(cost, host), (head, 0.0), cost.power_w(host) or 0.0, suffix=True)])
+    prog.op([Role(unit_of(cost, host), (head, 0.0), cost.power_w(host) or 0.0, suffix=True)], tag="lm_head")
     return covers
 
 
@@ -137,7 +137,7 @@ class _Prices:
         alone = self.links(layer, rows, context, full, DensePlacement(host=host))
         h_unit, h_power = unit_of(cost, host), cost.power_w(host) or 0.0
         rest = sum(link.latency_ms for link in alone["rest"])
-        prog.op([Role(h_unit, (rest, 0.0), h_power, suffix=True)], count, cover)
+        prog.op([Role(h_unit, (rest, 0.0), h_power, suffix=True)], count, cover, "rest")
         for f, (part, index) in LINK_OF.items():
             if part not in alone:
                 continue
@@ -148,7 +148,7 @@ class _Prices:
             roles = [Role(h_unit, tuple(suffix), h_power, suffix=True)]
             if static:
                 roles += [r for b in self.setup.static if (r := self.prefix(layer, rows, context, f, b, points))]
-            firsts = prog.op(roles, count, cover)
+            firsts = prog.op(roles, count, cover, f)
             first = self.setup.static[0] if self.setup.static else None
             if first is not None and f in windows and unit_of(cost, first) in firsts:
                 prog.le({firsts[unit_of(cost, first)]: 1.0, windows[f]: -1.0})
@@ -197,12 +197,12 @@ def _experts(prog: SplitProgram, cost: CostModel, shape: DecoderShape, loads: li
         counts = np.asarray(counts)
         n, peak = counts.sum(axis=0).astype(np.float64), counts.max(axis=0)
         total += float(n.sum())
-        calls = {p: prog.var(unit_of(cost, p), cost.call_ms(p) / prompts, cost.power_w(p) or 0.0, None)
+        calls = {p: prog.var(unit_of(cost, p), cost.call_ms(p) / prompts, cost.power_w(p) or 0.0, None, "expert_calls")
                  for p in per_row}
         cover = last_cover if last_cover is not None and shape.moe_layers[index] == last else None
         for e in np.flatnonzero(n):
-            share = {p: prog.var(unit_of(cost, p), n[e] * per_row[p][peak[e]] / prompts, cost.power_w(p) or 0.0)
-                     for p in per_row}
+            share = {p: prog.var(unit_of(cost, p), n[e] * per_row[p][peak[e]] / prompts, cost.power_w(p) or 0.0,
+                                 tag="experts") for p in per_row}
             for p in setup.paths:  # an exact path calls once per chunk it computes rows in: >= rows / the peak
                 prog.le({share[p]: n[e] / peak[e], calls[p]: -1.0})
             terms = {v: 1.0 for v in share.values()}

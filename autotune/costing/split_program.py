@@ -44,19 +44,22 @@ class Solved:
     energy_mj: float
     x: np.ndarray
     duals: dict[str, float]
+    by_op: dict[str, dict[str, float]] = field(default_factory=dict)  # unit -> op tag -> busy ms
 
 
 @dataclass
 class SplitProgram:
-    """The program as built: variables (unit, busy ms, mJ at share 1), inequality and equality rows."""
-    cols: list[tuple[str | None, float, float, float | None]] = field(default_factory=list)  # unit, ms, mJ, upper
+    """The program as built: variables (unit, busy ms, mJ at share 1, upper bound, op tag), inequality and
+    equality rows."""
+    cols: list[tuple[str | None, float, float, float | None, str]] = field(default_factory=list)
     ub: list[tuple[dict[int, float], float, str | None]] = field(default_factory=list)
     eq: list[tuple[dict[int, float], float]] = field(default_factory=list)
     window: dict[int, float] = field(default_factory=dict)  # variable -> bytes it keeps resident at share 1
 
-    def var(self, unit: str | None = None, ms: float = 0.0, power_w: float = 0.0, upper: float | None = 1.0) -> int:
-        """A variable in [0, upper] (None: no upper bound) that keeps `unit` busy `ms` at share 1."""
-        self.cols.append((unit, float(ms), float(ms) * float(power_w or 0.0), upper))
+    def var(self, unit: str | None = None, ms: float = 0.0, power_w: float = 0.0, upper: float | None = 1.0,
+            tag: str = "") -> int:
+        """A variable in [0, upper] (None: no upper bound) that keeps `unit` busy `ms` at share 1 (for op `tag`)."""
+        self.cols.append((unit, float(ms), float(ms) * float(power_w or 0.0), upper, tag))
         return len(self.cols) - 1
 
     def le(self, terms: dict[int, float], rhs: float = 0.0, name: str | None = None) -> None:
@@ -65,12 +68,12 @@ class SplitProgram:
     def equal(self, terms: dict[int, float], rhs: float = 0.0) -> None:
         self.eq.append((terms, float(rhs)))
 
-    def op(self, roles: list[Role], count: float = 1.0, cover: int | None = None) -> dict[str, int]:
+    def op(self, roles: list[Role], count: float = 1.0, cover: int | None = None, tag: str = "") -> dict[str, int]:
         """An op split over `roles` (see the module docstring), `count` times over (identical ops priced as one);
         `cover`: a variable its bands' shares add up to (None: 1). Returns each role's first band's variable by
         unit (a prefix's is its largest share: what a window counts)."""
         bands = len(roles[0].prices) - 1
-        grid = [[self.var(r.unit, m * count, r.power_w) for m in r.marginals()] for r in roles]
+        grid = [[self.var(r.unit, m * count, r.power_w, tag=tag) for m in r.marginals()] for r in roles]
         for k in range(bands):
             terms = {g[k]: 1.0 for g in grid}
             if cover is None:
@@ -99,14 +102,18 @@ class SplitProgram:
         got = linprog(c, A_ub=_matrix([r[0] for r in rows], n + 1), b_ub=[r[1] for r in rows],
                       A_eq=_matrix([e[0] for e in self.eq], n + 1) if self.eq else None,
                       b_eq=[e[1] for e in self.eq] if self.eq else None,
-                      bounds=[(0.0, u) for *_, u in self.cols] + [(0.0, None)], method="highs")
+                      bounds=[(0.0, c[3]) for c in self.cols] + [(0.0, None)], method="highs")
         if not got.success:
             raise ValueError(f"no split fits: {got.message}")
         x = got.x[:n]
-        busy = {u: float(sum(c[1] * x[i] for i, c in enumerate(self.cols) if c[0] == u)) for u in units}
+        by_op: dict[str, dict[str, float]] = {u: {} for u in units}
+        for (unit, ms, _, _, tag), share in zip(self.cols, x):
+            if unit is not None and ms * share:
+                by_op[unit][tag] = by_op[unit].get(tag, 0.0) + ms * share
+        busy = {u: float(sum(t.values())) for u, t in by_op.items()}
         energy = float(sum(c[2] * x[i] for i, c in enumerate(self.cols)))
         duals = {name: -float(d) for (_, _, name), d in zip(rows, got.ineqlin.marginals) if name}
-        return Solved(float(got.x[-1]), busy, energy, x, duals)
+        return Solved(float(got.x[-1]), busy, energy, x, duals, by_op)
 
 
 def _matrix(rows: list[dict[int, float]], width: int) -> coo_array:

@@ -65,9 +65,12 @@ def priced_bounds(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
 
 
 def solved_json(s: Solved, baseline_ms: float, roofline_ms: float | None) -> dict:
-    """A bound's figures: the makespan, the ratios, energy, each unit's busy ms and the rows that bind (a nonzero
-    dual: a unit's busy row's is its share of the makespan's sensitivity)."""
+    """A bound's figures: the makespan, the ratios, energy, each unit's busy ms (and by op: each dense function, the
+    norms and router `rest`, `experts` and their `expert_calls`, `lm_head`, a lazy last layer's `kv_only`) and the
+    rows that bind (a nonzero dual: a unit's busy row's is its share of the makespan's sensitivity)."""
+    units = {u: {"busy_ms": round(b, 3), "by_op": {t: round(ms, 3) for t, ms in sorted(s.by_op[u].items())}}
+             for u, b in s.busy_ms.items()}
     return {"bound_ms": round(s.bound_ms, 3), "vs_latency_at_most": round(baseline_ms / s.bound_ms, 4),
             "over_roofline_at_least": round(s.bound_ms / roofline_ms, 4) if roofline_ms else None,
-            "energy_mj": round(s.energy_mj, 3), "units": {u: {"busy_ms": round(b, 3)} for u, b in s.busy_ms.items()},
+            "energy_mj": round(s.energy_mj, 3), "units": units,
             "binding": {name: float(f"{d:.4g}") for name, d in s.duals.items() if abs(d) > 1e-9}}
