@@ -122,13 +122,14 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
 
 def priced_line(result: dict) -> str:
     """The priced bound's best in one line of text (predicted)."""
-    best = result["priced_bound"]["best"]
+    best, exact = result["priced_bound"]["best"], result["priced_bound"]["best_without_drops"]
     if best is None:
         return "priced_bound: no chunk size solved"
     busy = ", ".join(f"{u} {v['busy_ms']:.1f}" for u, v in best["units"].items())
     return (f"priced_bound (predicted): {best['bound_ms']:.1f} ms at {best['chunk_tokens']}-token {best['shape']}, "
             f"vs mlx-gpu at most {best['vs_latency_at_most']:.3f}, over_roofline at least "
-            f"{best['over_roofline_at_least']}; busy ms: {busy}; the plan (whole chunks) "
+            f"{best['over_roofline_at_least']}; busy ms: {busy}; without drops {exact['bound_ms']:.1f} ms "
+            f"({exact['vs_latency_at_most']:.3f}); the plan (whole chunks) "
             f"{result['predicted_prefill_ms']:.1f} ms, vs mlx-gpu {result['vs']['mlx-gpu']['latency']:.3f}")
 
 

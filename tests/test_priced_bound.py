@@ -95,6 +95,8 @@ def test_never_above_a_priced_schedule_on_the_published_profile():
     free = priced_bounds(out, scorer, SHAPE, PROMPT, 1.0, None, 1.0)
     assert set(free["by_chunk"]) == {"512", "1024"}
     assert free["best"]["bound_ms"] == min(r["bound_ms"] for r in free["by_chunk"].values())
+    exact = free["best_without_drops"]  # every row computed: no less
+    assert exact["chunk_tokens"] == free["best"]["chunk_tokens"] and exact["bound_ms"] >= free["best"]["bound_ms"]
     cands = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)
     assert {c.chunk for c in cands} == {512, 1024}
     for cand in cands:

@@ -3,6 +3,8 @@ prompt's ops reaches at the cost model's prices (`autotune.costing.priced_bound`
 least over the sizes; each beside the GPU alone's latency and the roofline (predicted)."""
 from __future__ import annotations
 
+import dataclasses
+
 from autotune.costing.priced_bound import BoundSetup, priced_bound
 from autotune.costing.split_program import Solved
 from autotune.costing.whole_prefill import DENSE_FUNCTIONS, DecoderShape, DensePlacement
@@ -42,26 +44,28 @@ def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, pro
 
 def priced_bounds(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
                   baseline_ms: float, energy_cap_mj: float | None, roofline_ms: float | None) -> dict:
-    """`{"label", "energy_cap_mj", "drop_share", "by_chunk": {chunk: figures}, "best": figures}`, each chunk size's
-    figures the lesser of its whole-chunk and half-chunk bounds (`shape`, and both as `shapes_ms`): `bound_ms`,
-    `vs_latency_at_most` (`baseline_ms` over it), `over_roofline_at_least`, the energy, each unit's busy ms and the
-    binding rows' duals (predicted)."""
-    by_chunk = {}
-    for chunk, found in sorted(outcome.chunks.items()):
-        if found.best is None:
-            continue
-        setup = bound_setup(outcome, scorer, shape, prompt_tokens, chunk)
-        loads = [d.calib for d in found.layers]
-        prompts = prompts_in(found.layers, prompt_tokens)
+    """`{"label", "energy_cap_mj", "drop_share", "by_chunk": {chunk: figures}, "best": figures,
+    "best_without_drops": figures}`, each chunk size's figures the lesser of its whole-chunk and half-chunk bounds
+    (`shape`, and both as `shapes_ms`): `bound_ms`, `vs_latency_at_most` (`baseline_ms` over it),
+    `over_roofline_at_least`, the energy, each unit's busy ms and the binding rows' duals (predicted). The search's
+    drop budget lets a plan leave out that share of the experts' rows, which the roofline counts (so its ratio may be
+    below 1); `best_without_drops`: the best chunk size's bound with every row computed."""
+    def at(chunk: int, drops: bool) -> dict:  # the lesser of the chunk size's whole-chunk and half-chunk bounds
+        found, setup = outcome.chunks[chunk], bound_setup(outcome, scorer, shape, prompt_tokens, chunk)
+        setup = setup if drops else dataclasses.replace(setup, drop_share=0.0)
+        loads, prompts = [d.calib for d in found.layers], prompts_in(found.layers, prompt_tokens)
         got = {name: priced_bound(scorer.cost, shape, prompt_tokens, chunk, loads, prompts, setup, energy_cap_mj,
                                   halves) for name, halves in (("chunks", False), ("half-chunks", True))}
         shape_of = min(got, key=lambda n: got[n].bound_ms)
-        by_chunk[str(chunk)] = {"chunk_tokens": chunk, "shape": shape_of,
-                                "shapes_ms": {n: round(s.bound_ms, 3) for n, s in got.items()},
-                                **solved_json(got[shape_of], baseline_ms, roofline_ms)}
+        return {"chunk_tokens": chunk, "shape": shape_of,
+                "shapes_ms": {n: round(s.bound_ms, 3) for n, s in got.items()},
+                **solved_json(got[shape_of], baseline_ms, roofline_ms)}
+
+    by_chunk = {str(chunk): at(chunk, True) for chunk, found in sorted(outcome.chunks.items()) if found.best}
     best = min(by_chunk.values(), key=lambda r: r["bound_ms"]) if by_chunk else None
+    exact = at(best["chunk_tokens"], False) if best and outcome.drop_rate > 0 else best
     return {"label": LABEL, "energy_cap_mj": energy_cap_mj, "drop_share": outcome.drop_rate, "by_chunk": by_chunk,
-            "best": best}
+            "best": best, "best_without_drops": exact}
 
 
 def solved_json(s: Solved, baseline_ms: float, roofline_ms: float | None) -> dict:
