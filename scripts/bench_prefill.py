@@ -10,12 +10,16 @@ all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill
 `chunk_tokens`, `over_roofline_whole`, `vs` (each baseline's latency, energy and CPU-busy time over the plan's),
 `search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them), `in_flight`,
 `predicted_schedule` (each unit's busy and idle ms with two chunks in flight, the default; `--timeline PATH` draws
-its first layers; `shape` and `runtime_executes`: whole chunks, or half-chunks, a micro-pipeline inside each chunk
-the runtime does not run), `by_chunk` and `half_chunks` (each chunk size's best of each shape), `runtime_executes`
-and `executable` (the fastest schedule the runtime runs, where the plan is one it does not: its latency, `vs` mlx-gpu
-and roofline ratio), `one_in_flight_ms` (the search's plan as a chain), `unit_bound` (the least makespan any split of
+its first layers); the plan and every top-level figure are the fastest schedule the runtime runs (whole chunks:
+`runtime_executes` true, `executable` the same figures), `half_chunk` the fastest half-chunk schedule beside it (a
+micro-pipeline inside each chunk the runtime does not run: its latency, `vs_mlx_gpu_latency`,
+`over_roofline_whole`, units), `by_chunk` and `half_chunks` (each chunk size's best of each shape),
+`one_in_flight_ms` (the search's plan as a chain), `unit_bound` (the least makespan any split of
 the prompt's FLOPs over the units reaches within the GPU alone's energy, with and without the CPU: what caps `vs`
-and `over_roofline_whole`; `autotune.costing.unit_bound`) and `mlx_gpu_pp`:
+and `over_roofline_whole`; `autotune.costing.unit_bound`), `priced_bound` (per chunk size the search tried, the
+least makespan any split of the prompt's ops reaches at the cost model's own prices, within the GPU alone's energy
+and the ANE's window, and the best: `autotune.costing.priced_bound`; also printed as a line of text before the
+JSON) and `mlx_gpu_pp`:
 the all-GPU plan's predicted prompt throughput at pp512 and pp2048 (one chunk each), beside llama.cpp's measured M2
 Ultra figures for Qwen3-30B-A3B (Q8_0, PR #15616).
 
@@ -39,8 +43,9 @@ from make_shape_twin import TWINS  # scripts/: the published configs of the pape
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.pipeline_link import profile_link
 from autotune.costing.unit_bound import prefill_bound
-from autotune.costing.whole_prefill import DecoderShape
+from autotune.costing.whole_prefill import DecoderShape, roofline_ms
 from autotune.profiling.profile import load_profile
+from autotune.searching.bound_report import priced_bounds
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill
@@ -107,10 +112,25 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
     gpu = report["prefill_baselines"]["mlx-gpu"]
     bound = prefill_bound(cost, shape, prompt_tokens, scorer.backend, gpu["predicted_prefill_ms"],
                           gpu["predicted_prefill_energy_mj"])
+    priced = priced_bounds(out, scorer, shape, prompt_tokens, gpu["predicted_prefill_ms"],
+                           gpu["predicted_prefill_energy_mj"], roofline_ms(cost, shape, prompt_tokens, scorer.backend))
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
             "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
             "label": "predicted by the cost model of the published M2 Ultra profile", **report,
-            "unit_bound": bound, "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
+            "unit_bound": bound, "priced_bound": priced, "mlx_gpu_pp": gpu_pp(cost, name, skew, prompts)}
+
+
+def priced_line(result: dict) -> str:
+    """The priced bound's best in one line of text (predicted)."""
+    best, exact = result["priced_bound"]["best"], result["priced_bound"]["best_without_drops"]
+    if best is None:
+        return "priced_bound: no chunk size solved"
+    busy = ", ".join(f"{u} {v['busy_ms']:.1f}" for u, v in best["units"].items())
+    return (f"priced_bound (predicted): {best['bound_ms']:.1f} ms at {best['chunk_tokens']}-token {best['shape']}, "
+            f"vs mlx-gpu at most {best['vs_latency_at_most']:.3f}, over_roofline at least "
+            f"{best['over_roofline_at_least']}; busy ms: {busy}; without drops {exact['bound_ms']:.1f} ms "
+            f"({exact['vs_latency_at_most']:.3f}); the plan (whole chunks) "
+            f"{result['predicted_prefill_ms']:.1f} ms, vs mlx-gpu {result['vs']['mlx-gpu']['latency']:.3f}")
 
 
 def bench_macs(profile, name: str, macs: int, budget_gb: float, link_gb_s: float | None, prompt_tokens: int,
@@ -158,6 +178,7 @@ def main() -> None:
                    tuple(args.compress.split(",")), args.in_flight, args.timeline)
     if args.chart:
         plot_tradeoff(result, args.chart)
+    print(priced_line(result))
     print(json.dumps(result))
 
 

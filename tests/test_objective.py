@@ -9,6 +9,7 @@ from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
+from autotune.searching.bound_report import priced_bounds
 from autotune.searching.dense_choice import choose_dense
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import PLAN_ROWS, WholePrefill
@@ -117,8 +118,9 @@ def test_no_baseline_plan_is_predicted_faster_than_the_plan(profile, chunk_promp
 
 def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy():
     """Two chunks in flight on the published M2 Ultra profile (the CPU a third unit): `by_chunk` has the chunk sizes
-    it priced (`half_chunks` the same as half-chunks); the plan is the fastest of them within the cap (`executable`:
-    of whole chunks), at no more than mlx-gpu's energy; each unit's
+    it priced (`half_chunks` the same as half-chunks, `half_chunk` their fastest); the plan is the fastest whole-chunk
+    one within the cap (what the runtime runs), at no more than mlx-gpu's energy, and ends no earlier than the
+    priced bound; each unit's
     busy and idle ms add up to its row's latency."""  # a size whose chain is past 1.5x the best's is not priced
     cost, prompt = load_profile("apple-m2-ultra-published").cost_model, 2048
     spec = {**SPEC, "num_layers": 4, "moe_layers": [0, 1, 2, 3], "num_experts": 16}
@@ -139,10 +141,21 @@ def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy(
     assert all(r["chunks"] == prompt // int(c) for c, r in rows.items())
     fits = [r["predicted_prefill_ms"] for r in rows.values() if r["within_energy_cap"]]
     halves = [r["predicted_prefill_ms"] for r in report["half_chunks"].values() if r["within_energy_cap"]]
-    assert report["predicted_prefill_ms"] == min(fits + halves)  # half-chunks: priced, the runtime does not run them
-    assert report["executable"]["predicted_prefill_ms"] == min(fits)
-    assert report["runtime_executes"] == (report["predicted_schedule"]["shape"] == "chunks")
+    # the plan: the fastest schedule the runtime runs (whole chunks); the half-chunks' best beside it
+    assert report["predicted_prefill_ms"] == report["executable"]["predicted_prefill_ms"] == min(fits)
+    assert report["runtime_executes"] and report["predicted_schedule"]["shape"] == "chunks"
+    half = min(report["half_chunks"].values(), key=lambda r: (not r["within_energy_cap"], r["predicted_prefill_ms"]))
+    assert report["half_chunk"]["predicted_prefill_ms"] == half["predicted_prefill_ms"]
+    assert report["half_chunk"]["within_energy_cap"] == bool(halves) and not report["half_chunk"]["runtime_executes"]
     gpu = report["prefill_baselines"]["mlx-gpu"]
+    assert report["half_chunk"]["vs_mlx_gpu_latency"] == pytest.approx(gpu["predicted_prefill_ms"]
+                                                                       / half["predicted_prefill_ms"])
+    # no plan within the cap ends before the priced bound at its chunk size (`autotune.costing.priced_bound`)
+    bound = priced_bounds(out, scorer, shape, prompt, gpu["predicted_prefill_ms"], gpu["predicted_prefill_energy_mj"],
+                          None)["by_chunk"]
+    for priced in (rows, report["half_chunks"]):
+        for chunk, r in priced.items():
+            assert not r["within_energy_cap"] or bound[chunk]["bound_ms"] <= r["predicted_prefill_ms"] * (1 + 1e-6)
     assert report["predicted_prefill_energy_mj"] <= gpu["predicted_prefill_energy_mj"]
     for r in rows.values():
         for unit in r["units"].values():

@@ -106,10 +106,13 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     The plan and every row are priced as the search's objective prices them (`objective.WholePrefill`). With
     `in_flight` 2 the plan runs two chunks in flight: the objective's whole plans at each chunk size and their
     rebalanced variants (`overlap_candidates`), each with its dense half chosen again under the schedule
-    (`overlap_choice`) at no more energy than the GPU alone's; its latency the schedule's and `predicted_schedule`
-    each unit's busy and idle ms (the CPU a third unit where its dense functions run there); `by_chunk`: each chunk
-    size's best so (`overlap_choice.best_by_chunk`); `one_in_flight_ms`: the search's plan as a chain; `timeline`:
-    a PNG of its schedule's first two layers (`schedule.timeline_chart`)."""
+    (`overlap_choice`) at no more energy than the GPU alone's; the plan the fastest schedule the runtime runs (whole
+    chunks: `runtime_executes` true, `executable` its figures again), its latency the schedule's and
+    `predicted_schedule` each unit's busy and idle ms (the CPU a third unit where its dense functions run there);
+    `by_chunk`: each chunk size's best so (`overlap_choice.best_by_chunk`), `half_chunks` the same as half-chunks and
+    `half_chunk` the fastest of those (`executable_json`: not the plan, the runtime does not run it);
+    `one_in_flight_ms`: the search's plan as a chain; `timeline`: a PNG of its schedule's first two layers
+    (`schedule.timeline_chart`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
@@ -129,14 +132,14 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
         cands = overlap_candidates(outcome, scorer, shape, prompt_tokens)
         by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
-        runs, over = best_overlapped(by_chunk), best_overlapped({**by_chunk, **{-c: o for c, o in by_half.items()}})
+        runs, half = best_overlapped(by_chunk), best_overlapped(by_half)
         one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens),
-               "half_chunks": by_chunk_json(by_half, prompt_tokens),
-               "runtime_executes": over is runs, "executable": executable_json(runs, base, roof)}
-        plan, place = over.prediction, over.placement
-        plan_is = over.candidate.baseline
+               "half_chunks": by_chunk_json(by_half, prompt_tokens), "runtime_executes": True,
+               "executable": executable_json(runs, base, roof), "half_chunk": executable_json(half, base, roof, HALF)}
+        plan, place = runs.prediction, runs.placement
+        plan_is = runs.candidate.baseline
         if timeline:
-            timeline_chart(over.schedule, timeline, (0, 1))
+            timeline_chart(runs.schedule, timeline, (0, 1))
     vs = {name: {"latency": b.latency_ms / plan.latency_ms if plan.latency_ms > 0 else None,
                  "energy": None if b.energy_mj is None or not plan.energy_mj else b.energy_mj / plan.energy_mj,
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
@@ -150,15 +153,21 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
             "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
 
 
-def executable_json(runs: Overlapped, base: dict[str, PrefillPrediction], roof: float | None) -> dict:
-    """The schedule the runtime runs (whole chunks, `runtime/mlx/overlap.py`) where a faster one it does not run
-    (half-chunks) is the plan: its latency, its `vs` the GPU alone and its roofline ratio (predicted)."""
+WHOLE = "the fastest schedule the runtime runs (whole chunks, the plan), predicted"
+HALF = "the fastest half-chunk schedule (a micro-pipeline inside each chunk the runtime does not run), predicted"
+
+
+def executable_json(runs: Overlapped, base: dict[str, PrefillPrediction], roof: float | None,
+                    label: str = WHOLE) -> dict:
+    """A schedule's figures beside the plan's: its latency, energy (and whether within the cap), its `vs` the GPU
+    alone and its roofline ratio, each unit's busy and idle ms (predicted); `executable` the plan's own schedule
+    (whole chunks, `runtime/mlx/overlap.py`), `half_chunk` the fastest half-chunk one."""
     pred, gpu = runs.prediction, base.get("mlx-gpu")
-    return {"label": "the fastest schedule the runtime runs (whole chunks), predicted",
-            "chunk_tokens": pred.chunk_tokens, "predicted_prefill_ms": pred.latency_ms,
-            "predicted_prefill_energy_mj": pred.energy_mj,
+    return {"label": label, "chunk_tokens": pred.chunk_tokens, "predicted_prefill_ms": pred.latency_ms,
+            "predicted_prefill_energy_mj": pred.energy_mj, "within_energy_cap": runs.within_cap,
             "vs_mlx_gpu_latency": gpu.latency_ms / pred.latency_ms if gpu and pred.latency_ms else None,
-            "over_roofline_whole": pred.latency_ms / roof if roof else None, "units": runs.schedule.to_json()["units"]}
+            "over_roofline_whole": pred.latency_ms / roof if roof else None, "units": runs.schedule.to_json()["units"],
+            "runtime_executes": not runs.schedule.halves}
 
 
 def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
