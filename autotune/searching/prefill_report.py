@@ -129,7 +129,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
         cands = overlap_candidates(outcome, scorer, shape, prompt_tokens)
         by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
-        runs, over = best_overlapped(by_chunk), best_overlapped({**by_chunk, **{-c: o for c, o in by_half.items()}})
+        halved = {(-c, r): o for (c, r), o in by_half.items()}
+        runs, over = best_overlapped(by_chunk), best_overlapped({**by_chunk, **halved})
         one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens),
                "half_chunks": by_chunk_json(by_half, prompt_tokens),
                "runtime_executes": over is runs, "executable": executable_json(runs, base, roof)}
@@ -142,7 +143,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
             "plan_is": plan_is,
-            "dense_placement": placement_json(place, prompt_tokens, plan.chunk_tokens), "in_flight": in_flight, **one,
+            "dense_placement": placement_json(place, prompt_tokens, plan.chunk_tokens, plan.chunk_rows),
+            "in_flight": in_flight, **one,
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], "candidate": candidate[name], **b.to_json()}
                                   for name, b in base.items()},
             "vs": vs,
@@ -155,29 +157,33 @@ def executable_json(runs: Overlapped, base: dict[str, PrefillPrediction], roof: 
     (half-chunks) is the plan: its latency, its `vs` the GPU alone and its roofline ratio (predicted)."""
     pred, gpu = runs.prediction, base.get("mlx-gpu")
     return {"label": "the fastest schedule the runtime runs (whole chunks), predicted",
-            "chunk_tokens": pred.chunk_tokens, "predicted_prefill_ms": pred.latency_ms,
+            "chunk_tokens": pred.chunk_tokens, **({"chunk_rows": list(pred.chunk_rows)} if pred.chunk_rows else {}),
+            "predicted_prefill_ms": pred.latency_ms,
             "predicted_prefill_energy_mj": pred.energy_mj,
             "vs_mlx_gpu_latency": gpu.latency_ms / pred.latency_ms if gpu and pred.latency_ms else None,
             "over_roofline_whole": pred.latency_ms / roof if roof else None, "units": runs.schedule.to_json()["units"]}
 
 
-def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
-    """Per chunk size (chunks of the prompt), its best plan with two chunks in flight: latency, energy (whether within
-    the GPU alone's and the ANE's window), each unit's busy and idle ms and the dense functions' backends and static
-    rows (predicted)."""
-    return {str(chunk): {"chunks": len(prompt_chunks(prompt_tokens, chunk)),
-                         "predicted_prefill_ms": o.prediction.latency_ms,
-                         "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
-                         "units": o.schedule.to_json()["units"],
-                         "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
-                                   "static_rows": dict(o.placement.rows)}}
-            for chunk, o in sorted(by_chunk.items())}
+def by_chunk_json(by_chunk: dict, prompt_tokens: int) -> dict:
+    """Per chunking (a chunk size, or an uneven chunking's rows joined by "+"), its best plan with two chunks in
+    flight: latency, energy (whether within the GPU alone's and the ANE's window), each unit's busy and idle ms and the
+    dense functions' backends and static rows (predicted)."""
+    return {"+".join(map(str, rows)) if rows else str(chunk): {
+                "chunks": len(prompt_chunks(prompt_tokens, chunk, rows)),
+                "predicted_prefill_ms": o.prediction.latency_ms,
+                "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
+                "units": o.schedule.to_json()["units"],
+                "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
+                          "static_rows": dict(o.placement.rows)}}
+            for (chunk, rows), o in sorted(by_chunk.items())}
 
 
-def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int) -> dict:
-    """The placement as the report gives it; `attention_reads`: per full chunk's offset, the keys each of its
-    static core calls reads (one call unblocked, one per block with `attention_block`)."""
-    starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens]
+def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int, chunk_rows: tuple[int, ...] = ()
+                   ) -> dict:
+    """The placement as the report gives it; `attention_reads`: per full chunk's offset (of the uneven chunking
+    `chunk_rows`), the keys each of its static core calls reads (one call unblocked, one per block with
+    `attention_block`)."""
+    starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens, chunk_rows) if r == chunk_tokens]
     reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
             "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads,
