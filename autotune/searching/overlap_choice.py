@@ -173,8 +173,9 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
     `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
     (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
     CPU's, `cpu_backends`), the one that then ends first; and, from the equal two chunks' choice, the uneven two
-    chunks that end first (`uneven_pairs`); `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not
-    run by the runtime)."""
+    chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves
+    one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
+    (`schedule.prefill_steps`, not run by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves, c.rows)
@@ -194,6 +195,10 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
     half = out.get((prompt_tokens // 2, ())) if prompt_tokens % (2 * ROW_GRAIN) == 0 and not halves else None
     for o in uneven_pairs(scorer.cost, backends, shape, prompt_tokens, half, in_flight, energy_cap_mj) if half else []:
         out[o.candidate.key] = o
+        again = choose_overlapped(scorer.cost, backends, shape, prompt_tokens,  # the equal two from its placement
+                                  dataclasses.replace(half.candidate, placement=o.placement), in_flight, energy_cap_mj)
+        if (not again.within_cap, again.prediction.latency_ms) < (not half.within_cap, half.prediction.latency_ms):
+            out[half.candidate.key] = half = again
     return out
 
 
@@ -248,11 +253,14 @@ def best_overlapped(by_chunk: dict) -> Overlapped:
 
 def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
                       cand: Candidate, in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
-                      grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False) -> Overlapped:
+                      grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False,
+                      grain: int = ROW_GRAIN, off: tuple[str, ...] = ()) -> Overlapped:
     """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, each
     function on one of `backends` (the first: the static backend whose window the experts share) for rows from
-    `grid(chunk)`; one whose dense weights on the first and the resident experts overflow the ANE's window is not
-    taken. `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`)."""
+    `grid(chunk)`, then each function's static rows moved by `grain` while that ends sooner (`refined`; 0: not);
+    one whose dense weights on the first and the resident experts overflow the ANE's window is not taken.
+    `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`); `off`: functions left as
+    they are."""
     backends = (backends,) if isinstance(backends, str) else backends
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
@@ -267,7 +275,8 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
 
     best_place = start = cand.placement
     best = price(start)
-    functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
+    functions = [f for f in DENSE_FUNCTIONS if f not in off
+                 and (f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers)))]
     for _ in range(rounds):
         changed = False
         for function in functions:
@@ -281,4 +290,29 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
                         best_place, best, changed = place, got, True
         if not changed:
             break
+    if grain:
+        best_place, best = refined(price, best_place, best, functions, chunk, grain)
     return Overlapped(best_place, best[1], best[2], cand, bool(np.isfinite(best[0])))
+
+
+def refined(price: Callable, place: DensePlacement, best: tuple, functions: list[str], chunk: int,
+            grain: int) -> tuple[DensePlacement, tuple]:
+    """A local search below the grid's step: each statically placed function's rows (of a full chunk) `grain`
+    fewer or more, kept while its schedule ends sooner (`price(place)` -> (ms, ...)), so that the static backend's
+    and the host's parts of a step finish together; never worse than `place`."""
+    changed = True
+    while changed:
+        changed = False
+        for function in functions:
+            backend = getattr(place, function)
+            if backend is None or (function == "attention" and place.attention_block):
+                continue
+            rows = place.static_rows(function, chunk)
+            for step in (-grain, grain):
+                while 0 < rows + step <= chunk:
+                    got = price(place.with_rows(function, rows + step if rows + step < chunk else None))
+                    if got[0] >= best[0] - 1e-9:
+                        break
+                    rows, best, changed = rows + step, got, True
+                    place = place.with_rows(function, rows if rows < chunk else None)
+    return place, best
