@@ -11,7 +11,8 @@ all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill
 `search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them), `in_flight`,
 `predicted_schedule` (each unit's busy and idle ms with two chunks in flight, the default; `--timeline PATH` draws
 its first layers; `shape` and `runtime_executes`: whole chunks, or half-chunks, a micro-pipeline inside each chunk
-the runtime does not run), `by_chunk` and `half_chunks` (each chunk size's best of each shape), `runtime_executes`
+the runtime does not run), `by_chunk` and `half_chunks` (each chunk size's best of each shape; `by_chunk` also two
+uneven two-chunk splits, keyed "first+second"), `chunk_rows` (where an uneven split is the plan), `runtime_executes`
 and `executable` (the fastest schedule the runtime runs, where the plan is one it does not: its latency, `vs` mlx-gpu
 and roofline ratio), `one_in_flight_ms` (the search's plan as a chain), `unit_bound` (the least makespan any split of
 the prompt's FLOPs over the units reaches within the GPU alone's energy, with and without the CPU: what caps `vs`
