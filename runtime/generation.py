@@ -28,7 +28,7 @@ from runtime.loading.model_record import read_model_spec
 from runtime.logprobs import TokenLogprob, token_logprobs
 from runtime.packages import bind_package, torch_target
 from runtime.plan import Plan, check_plan_matches, load_plan
-from runtime.prefill import exact_tail, prefill_chunks
+from runtime.prefill import chunk_spans, exact_tail, prefill_chunks
 from runtime.resources import peak_rss_mb
 from runtime.stats import Executed, RunStats
 
@@ -300,6 +300,9 @@ class Generation:
             raise NpumoeError("echo scores every prompt token: a reused prefix has no logits to score")
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
+        # the plan's uneven chunking (`chunk_rows`), for a prefill from the prompt's start (a reused prefix ends on a
+        # boundary of chunk_tokens: the chunks after it are of chunk_tokens)
+        self.chunk_rows = tuple(loaded.plan.chunk_rows or ()) if loaded.plan and prefix is None else ()
         self.prefix, self.keep_at = prefix, keep_at
         self.cached = cache_length(loaded, prefix)
         boundary = self.cached // self.chunk * self.chunk
@@ -335,13 +338,14 @@ class Generation:
         is pending (`accept`), `cache` holds the prompt and `ttft_s` is measured from the first chunk."""
         n, done = self.ids.numel(), self.cached
         chunks = prefill_chunks(self.loaded.model, self.ids[self.cached:], self.chunk,
-                                last_logits_only=not self.echo, cache=self.prefix)
+                                last_logits_only=not self.echo, cache=self.prefix, rows=self.chunk_rows)
+        spans = iter(chunk_spans(n - self.cached, self.chunk, self.chunk_rows))
         t0 = time.perf_counter()
         while done < n:
             self.loaded.pin_phase("prefill")
             with torch.inference_mode():
                 out = next(chunks)
-            start, done = done, min(done + self.chunk, n)
+            start, done = done, self.cached + next(spans)[1]
             if done == self.keep_at:  # dynamic caches grow by concatenation: these tensors stay as they are
                 self.kept = [(layer.keys, layer.values) for layer in out.cache.layers]
             if self.echo:

@@ -212,6 +212,9 @@ class Plan(_Strict):
     schema_: Literal["npumoe.plan/1"] = Field(SCHEMA, alias="schema")
     model: ModelSpec
     chunk_tokens: PositiveInt
+    # optional: an uneven chunking, a prompt's first chunks' rows in order, each at most chunk_tokens (the static
+    # functions' rows), then chunks of chunk_tokens past them (absent: chunks of chunk_tokens throughout)
+    chunk_rows: list[PositiveInt] | None = None
     overflow: Literal[OVERFLOW_POLICIES]
     saliency: Literal[SALIENCY_RULES]
     layers: list[LayerPlan] = Field(min_length=1)
@@ -313,7 +316,14 @@ def _check_layers(plan: Plan) -> tuple[str, str] | None:
     absent = sorted(set(plan.model.moe_layers) - seen_layers)
     if absent:
         return "layers", f"MoE layers {absent} have no entry"
-    return _check_dense(plan) or _check_cpu_weights(plan)
+    return _check_chunk_rows(plan) or _check_dense(plan) or _check_cpu_weights(plan)
+
+
+def _check_chunk_rows(plan: Plan) -> tuple[str, str] | None:
+    for i, rows in enumerate(plan.chunk_rows or ()):
+        if rows > plan.chunk_tokens:
+            return f"chunk_rows[{i}]", f"{rows} is past chunk_tokens ({plan.chunk_tokens}): the static functions' rows"
+    return None
 
 
 def _check_cpu_weights(plan: Plan) -> tuple[str, str] | None:

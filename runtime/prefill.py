@@ -1,25 +1,37 @@
 """Chunked prefill: the text goes through the model `chunk_tokens` at a time with a KV cache, as on device."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 NO_ROWS = torch.empty(0, dtype=torch.long)  # transformers' `logits_to_keep` of no position: the head computes none
 
 
+def chunk_spans(tokens: int, chunk_tokens: int, rows: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """(start, stop) of each prefill chunk of `tokens` tokens: an uneven chunking's `rows` first, in order (the
+    plan's `chunk_rows`, cut at the end), then chunks of `chunk_tokens`, the last one partial."""
+    out, start = [], 0
+    for r in rows:
+        if start < tokens:
+            out.append((start, min(start + r, tokens)))
+            start = out[-1][1]
+    return out + [(s, min(s + chunk_tokens, tokens)) for s in range(start, tokens, chunk_tokens)]
+
+
 def prefill_chunks(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int,
-                   last_logits_only: bool = False, cache: object | None = None) -> Iterator:
-    """The model's outputs, chunk by chunk, for a 1-D sequence of token ids; each output holds the cache so far.
-    `last_logits_only`: the last chunk computes logits for its last position only (what generation needs) and the
-    chunks before it none (their `logits` [1, 0, vocab]): the head, a packed one dequantized whole per call, runs
-    once per prompt, not once per chunk. `cache`: a KV cache holding the tokens before `input_ids` (continued in
-    place). Callers run it under `torch.inference_mode()`."""
+                   last_logits_only: bool = False, cache: object | None = None,
+                   rows: Sequence[int] = ()) -> Iterator:
+    """The model's outputs, chunk by chunk (`chunk_spans`: `rows` an uneven chunking), for a 1-D sequence of token
+    ids; each output holds the cache so far. `last_logits_only`: the last chunk computes logits for its last
+    position only (what generation needs) and the chunks before it none (their `logits` [1, 0, vocab]): the head,
+    a packed one dequantized whole per call, runs once per prompt, not once per chunk. `cache`: a KV cache holding
+    the tokens before `input_ids` (continued in place). Callers run it under `torch.inference_mode()`."""
     ids = input_ids.reshape(1, -1)
-    for start in range(0, ids.shape[1], chunk_tokens):
-        last = start + chunk_tokens >= ids.shape[1]
+    for start, stop in chunk_spans(ids.shape[1], chunk_tokens, rows):
+        last = stop >= ids.shape[1]
         keep = {} if not last_logits_only else {"logits_to_keep": 1 if last else NO_ROWS}
-        held = [model(input_ids=ids[:, start:start + chunk_tokens], cache=cache, use_cache=True, **keep)]
+        held = [model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, **keep)]
         cache = held[0].cache
         # suspended here, nothing of the output is held (popped as it goes): the caller's drop lets its logits go
         # before the next chunk's forward, and before other generators' forwards between

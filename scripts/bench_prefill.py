@@ -11,9 +11,10 @@ all predicted by the cost model. Prints, last, one JSON line: `predicted_prefill
 `search_seconds`, `tradeoff` (the candidate plans' latency and energy; `--chart PATH` draws them), `in_flight`,
 `predicted_schedule` (each unit's busy and idle ms with two chunks in flight, the default; `--timeline PATH` draws
 its first layers); the plan and every top-level figure are the fastest schedule the runtime runs (whole chunks:
-`runtime_executes` true, `executable` the same figures), `half_chunk` the fastest half-chunk schedule beside it (a
-micro-pipeline inside each chunk the runtime does not run: its latency, `vs_mlx_gpu_latency`,
-`over_roofline_whole`, units), `by_chunk` and `half_chunks` (each chunk size's best of each shape),
+`runtime_executes` true, `executable` the same figures; `chunk_rows` where an uneven two-chunk split is the plan),
+`half_chunk` the fastest half-chunk schedule beside it (a micro-pipeline inside each chunk the runtime does not run:
+its latency, `vs_mlx_gpu_latency`, `over_roofline_whole`, units), `by_chunk` and `half_chunks` (each chunk size's
+best of each shape; `by_chunk` also two uneven two-chunk splits, keyed "first+second"),
 `one_in_flight_ms` (the search's plan as a chain), `unit_bound` (the least makespan any split of
 the prompt's FLOPs over the units reaches within the GPU alone's energy, with and without the CPU: what caps `vs`
 and `over_roofline_whole`; `autotune.costing.unit_bound`), `priced_bound` (per chunk size the search tried, the

@@ -293,3 +293,24 @@ def test_a_timed_pass_leaves_out_what_a_cache_only_forward_never_computes(q4, ex
     assert timed.count("attention_projections") == 3 * 4 * 6 - 2 * 3
     assert timed.count("block") == 3 * 4
     assert spine.stats.total().tokens_per_backend["mlx-exact"] == 512 * 2 * 3 + 2  # the last layer: one token
+
+
+def test_an_uneven_chunking_gives_the_equal_chunkings_logits(q4, exact_plan):
+    """A plan's `chunk_rows` (an uneven chunking: 96 then 160 rows at chunk_tokens 160): the MLX spine's prefill
+    runs those forwards, every position's logits equal chunks of 128's within float32 rounding, and `generate`
+    under the plan (its prefill the plan's chunks) says the same greedy text."""
+    from runtime.mlx.spine_generation import prefill_forwards, prefill_logits
+    from runtime.prefill import max_rel_diff
+
+    plan = load_plan(exact_plan)
+    even = generation.load(str(q4), plan.model_copy(update={"chunk_tokens": 128}), engine="mlx", dtype="float32")
+    uneven_plan = plan.model_copy(update={"chunk_tokens": 160, "chunk_rows": [96]})
+    uneven = generation.load(str(q4), uneven_plan, engine="mlx", dtype="float32")
+    ids = torch.arange(256) % 200 + 5
+    assert list(prefill_forwards(uneven.model, 256, 160, rows=(96,))) == [(0, 96, "none"), (96, 255, "none"),
+                                                                           (255, 256, "last")]
+    a = prefill_logits(even.model, ids, 128, every_position=True)
+    b = prefill_logits(uneven.model, ids, 160, every_position=True, rows=(96,))
+    assert a.shape == b.shape == (256, a.shape[1]) and max_rel_diff(b, a) <= 1e-5
+    text = PROMPT * 12
+    assert generation.generate(uneven, text, max_tokens=8).text == generation.generate(even, text, max_tokens=8).text

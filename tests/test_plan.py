@@ -55,6 +55,8 @@ BAD = [  # (path, value, field named in the error)
     (["extra"], 1, "extra"),
     (["exact"], "cpu-static", "exact"),  # a static backend is not an exact path
     (["layers", 1, "exact_split"], {"gpu": [0]}, "layers[1].exact_split"),  # no such exact path
+    (["chunk_rows"], [32, 96], "chunk_rows[1]"),  # past chunk_tokens (64): the static functions' rows
+    (["chunk_rows"], [0], "chunk_rows[0]"),
 ]
 
 
@@ -63,6 +65,12 @@ def test_bad_plan_names_field(good, path, value, field):
     with pytest.raises(FileFormatError) as e:
         plan_from_json(_mutate(good, path, value), "p.json")
     assert e.value.field == field, str(e.value)
+
+
+def test_an_uneven_chunking_is_optional_and_round_trips(good):
+    assert plan_from_json(good).chunk_rows is None  # chunks of chunk_tokens
+    plan = plan_from_json({**good, "chunk_rows": [48, 64]})
+    assert plan.chunk_rows == [48, 64] and plan_from_json(plan.to_json()) == plan
 
 
 def test_exact_paths_are_optional_and_checked(good):

@@ -16,7 +16,14 @@ from autotune.costing.schedule import (
 )
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, pieces, predict_prefill
 from autotune.profiling.profile import load_profile
-from autotune.searching.overlap_choice import Candidate, cpu_backends, window_trade
+from autotune.searching.dense_choice import ROW_GRAIN
+from autotune.searching.overlap_choice import (
+    Candidate,
+    choose_overlapped,
+    cpu_backends,
+    static_rows_grid,
+    window_trade,
+)
 
 
 def _chunk() -> list[Step]:
@@ -187,3 +194,64 @@ def test_the_window_trade_takes_the_first_candidate_with_room_for_the_projection
     assert room == pytest.approx(2.4832e9, rel=1e-4)
     assert window_trade(ranked, shape, "ane") == [ranked[2]]
     assert window_trade(ranked[:2], shape, "ane") == []
+
+
+def _scaled(s: float) -> list[Step]:
+    """`_chunk` for a chunk of `s` times its rows: every step's ms scaled."""
+    return [Step.of(st.name, st.layer, {u: ms * s for u, ms in st.units}) for st in _chunk()]
+
+
+def test_an_uneven_two_chunk_case_by_hand():
+    """A long first chunk (1.5x) and a short last one (0.5x): chunk 1's layer 0 runs on the GPU while chunk 0's
+    experts hold the ANE, its experts then wait for the ANE; the same work as two equal chunks, 19.5 ms."""
+    s = schedule([_scaled(1.5), _scaled(0.5)], in_flight=2)
+    assert _queue(s, "gpu") == [
+        (0, 0, KV_STEP, 0, 1.5), (0, 0, CORE_STEP, 1.5, 4.5), (0, 0, "experts", 4.5, 6.0),
+        (1, 0, KV_STEP, 6.0, 6.5), (1, 0, CORE_STEP, 6.5, 7.5), (1, 0, "experts", 7.5, 8.0),
+        (0, 1, KV_STEP, 9.0, 10.5), (0, 1, CORE_STEP, 10.5, 13.5), (0, 1, "experts", 13.5, 15.0),
+        (1, 1, KV_STEP, 15.0, 15.5), (1, 1, CORE_STEP, 15.5, 16.5), (1, 1, "experts", 16.5, 17.0)]
+    assert _queue(s, "ane") == [(0, 0, "experts", 4.5, 9.0), (1, 0, "experts", 9.0, 10.5),
+                                (0, 1, "experts", 13.5, 18.0), (1, 1, "experts", 18.0, 19.5)]
+    assert s.makespan_ms == 19.5 and s.busy_ms == {"gpu": 16.0, "ane": 12.0}
+
+
+def test_an_uneven_chunking_on_a_real_shape(m2):
+    """4,096 tokens as 2,560 + 1,536 at chunk_tokens 2,560: q/k/v's static side takes its 1,024 rows of each chunk,
+    o_proj's unsplit function its 2,560-row shape on both (the short chunk's rows padded, as `RowFunction` runs
+    it); the experts' steps shared by rows; the work the chain's."""
+    cost, shape = m2
+    experts = ExpertFigures(410.0, 10.0, 300 * 1.58 + 400 * 62.05, ({"cpu": 10.0}, {"ane": 300.0, "mlx-exact": 400.0}))
+    place = DensePlacement(qkv="ane", o_proj="ane", host="mlx-exact").with_rows("qkv", 1024)
+    pred, s = predict_scheduled(cost, shape, 4096, 2560, experts, place, chunk_rows=(2560, 1536))
+    chain = predict_prefill(cost, shape, 4096, 2560, experts, place, chunk_rows=(2560, 1536))
+    n, h, q, call = shape.num_layers, shape.hidden, shape.heads * shape.head_dim, cost.call_ms("ane")
+    qkv = float(cost.matmul_ms("ane", 1024, shape.qkv_width, h)) + call
+    o_proj = float(cost.matmul_ms("ane", 2560, h, q)) + call
+    assert s.busy_ms["ane"] == pytest.approx(2 * n * (qkv + o_proj) + 300.0, rel=1e-9)
+    ane = [sum(o.end_ms - o.start_ms for o in s.ops if o.chunk == c and o.name == "experts" and o.unit == "ane")
+           for c in (0, 1)]
+    assert ane == pytest.approx([300.0 * 2560 / 4096, 300.0 * 1536 / 4096], rel=1e-9)
+    assert pred.energy_mj == chain.energy_mj and max(s.busy_ms.values()) <= pred.latency_ms <= chain.latency_ms
+    assert pred.to_json()["chunk_rows"] == [2560, 1536]
+    assert pieces(4096, 2560, rows=(1536, 2560)) == [(1536, 1536, True, 1536), (2560, 4096, True, 2560)]
+    assert pieces(5000, 2560, rows=(1536,)) == [(1536, 1536, True, 1536), (2560, 4096, True, 2560),
+                                                (904, 5000, False, 904)]
+
+
+def test_the_finer_row_grid_is_never_worse_than_the_coarse_one(m2):
+    """The dense placement chosen under the schedule for a two-layer shape, one 4,096-token chunk: refined by
+    ROW_GRAIN around the grid's picks (steps of 256 here), it ends no later than the grid's own, here sooner with
+    rows off the grid (each step's ANE and GPU parts closer to finishing together), still multiples of ROW_GRAIN."""
+    cost, _ = m2
+    shape = DecoderShape(hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=32000, num_layers=2,
+                         moe_layers=(0, 1), num_experts=64, top_k=4, expert_ffn=768)
+    experts = ExpertFigures(29.0, 1.0, 12 * 1.58 + 16 * 62.05, ({"cpu": 1.0}, {"ane": 12.0, "mlx-exact": 16.0}))
+    cand = Candidate(4096, experts, DensePlacement(host="mlx-exact"))
+    backends = ("ane", *cpu_backends(cost, "ane"))
+    coarse = choose_overlapped(cost, backends, shape, 4096, cand, grain=0)
+    fine = choose_overlapped(cost, backends, shape, 4096, cand)
+    assert fine.prediction.latency_ms < coarse.prediction.latency_ms
+    again, _ = predict_scheduled(cost, shape, 4096, 4096, experts, fine.placement)
+    assert fine.prediction.latency_ms == again.latency_ms
+    assert all(r % ROW_GRAIN == 0 for _, r in fine.placement.rows)
+    assert any(r % static_rows_grid(4096)[1] for _, r in fine.placement.rows)

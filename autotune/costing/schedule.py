@@ -186,13 +186,16 @@ class _State:
 
 def predict_scheduled(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                       experts: ExpertFigures, place: DensePlacement = DensePlacement(), in_flight: int = 2,
-                      lazy_last: LazyLast | None = None, halves: bool = False) -> tuple[PrefillPrediction, Schedule]:
+                      lazy_last: LazyLast | None = None, halves: bool = False,
+                      chunk_rows: tuple[int, ...] = ()) -> tuple[PrefillPrediction, Schedule]:
     """`predict_prefill` priced as a schedule with up to `in_flight` chunks in flight: its latency the schedule's
     makespan, its `schedule` each unit's busy and idle time; the work (parts, CPU-busy time, energy) the chain's.
-    `halves`: each chunk's dense ops per half (`prefill_steps`), both halves of each chunk in flight."""
+    `halves`: each chunk's dense ops per half (`prefill_steps`), both halves of each chunk in flight;
+    `chunk_rows`: an uneven chunking (`whole_prefill.prompt_chunks`)."""
     chain = predict_prefill(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last=lazy_last,
-                            halves=halves)
-    chunks, tail = prefill_steps(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last, halves)
+                            halves=halves, chunk_rows=chunk_rows)
+    chunks, tail = prefill_steps(cost, shape, prompt_tokens, chunk_tokens, experts, place, lazy_last, halves,
+                                 chunk_rows)
     sched = schedule(chunks, in_flight * (2 if halves else 1), tail)
     sched.in_flight, sched.halves = in_flight, halves  # chunks in flight, each as its two halves
     return dataclasses.replace(chain, latency_ms=sched.makespan_ms, schedule=sched.to_json()), sched
@@ -200,7 +203,8 @@ def predict_scheduled(cost: CostModel, shape: DecoderShape, prompt_tokens: int, 
 
 def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                   experts: ExpertFigures, place: DensePlacement = DensePlacement(),
-                  lazy_last: LazyLast | None = None, halves: bool = False) -> tuple[list[list[Step]], list[Step]]:
+                  lazy_last: LazyLast | None = None, halves: bool = False,
+                  chunk_rows: tuple[int, ...] = ()) -> tuple[list[list[Step]], list[Step]]:
     """Each chunk's chain of steps (`LAYER_ORDER`, layer by layer) and the tail (final norm and lm_head), from the
     links `predict_prefill` sums (`whole_prefill.layer_links`). The experts' steps (`ExpertFigures.steps`, per
     prompt) are shared among the (chunk, MoE layer) pairs by the rows each computes. A lazy host's last layer
@@ -211,9 +215,11 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
     computes one half's projections while another computes the other half's core (the second half's core reads the
     first's keys and values: the same rule as across chunks). The experts run once per chunk over both halves (their
     per-expert batches the chunk's) in the second half's chain; the first half's next step waits for them (a
-    join). The runtime does not run it (`Schedule.halves`)."""
+    join). The runtime does not run it (`Schedule.halves`). `chunk_rows`: an uneven chunking (`prompt_chunks`):
+    the experts' steps shared by rows as for any chunking."""
     lazy = lazy_last if lazy_last is not None and cost.is_lazy(place.host) else None
-    last, chunks = shape.num_layers - 1, pieces(prompt_tokens, chunk_tokens, halves)
+    last, chunks = shape.num_layers - 1, pieces(prompt_tokens, chunk_tokens, halves, chunk_rows)
+    padded = chunk_tokens if chunk_rows else 0
     static = any((place.qkv, place.o_proj, place.attention, place.mlp))
     place = place.halved() if halves else place
     out: list[list[tuple[int, dict, int]]] = []  # per piece: (layer, its links by part, rows its experts compute)
@@ -221,12 +227,13 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
         layers = []
         for layer in range(shape.num_layers):
             if lazy is None or layer != last or (full and static):
-                layers.append((layer, layer_links(cost, shape, layer, rows, context, full, place), expert_rows))
+                layers.append((layer, layer_links(cost, shape, layer, rows, context, full, place, padded),
+                               expert_rows))
                 continue
             read = 0 if i < len(chunks) - 1 else 1 if lazy.split else rows
             layers.append((layer, cache_only_links(cost, shape, rows - read, place.host), 0))
             if read:
-                layers.append((layer, layer_links(cost, shape, layer, read, context, full, place), read))
+                layers.append((layer, layer_links(cost, shape, layer, read, context, full, place, padded), read))
         out.append(layers)
     per_row = _expert_steps(cost, shape, experts, place, lazy, out)
     head = cost.matmul_ms(place.host, 1, shape.vocab, shape.hidden) + cost.norm_ms(place.host, 1, shape.hidden,

@@ -32,6 +32,7 @@ from runtime.dense.families import FAMILIES
 from runtime.loading.model_config import head_dim, mlx_quantization, text_config
 from runtime.loading.model_record import ModelRecord
 from runtime.plan import static_reads
+from runtime.prefill import chunk_spans
 
 # The parts as the runtime measures them (runtime.dense.parts): `rest` is the norms, rope, residual adds and router.
 PARTS = ("attention_projections", "attention_core", "experts", "dense_mlp", "lm_head", "rest")
@@ -184,31 +185,36 @@ class PrefillPrediction:
     parts_ms: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # how each backend's dense ops are priced
     schedule: dict | None = None  # a schedule's figures (`autotune.costing.schedule`): each unit's busy and idle
+    chunk_rows: tuple[int, ...] = ()  # an uneven chunking's rows (`prompt_chunks`); (): chunks of chunk_tokens
 
     def to_json(self) -> dict:
         out = {"predicted_prefill_ms": self.latency_ms, "predicted_prefill_cpu_ms": self.cpu_ms,
                "predicted_prefill_energy_mj": self.energy_mj,
                "predicted_parts_ms": {k: round(v, 6) for k, v in self.parts_ms.items()},
                "prompt_tokens": self.prompt_tokens, "chunk_tokens": self.chunk_tokens, "dense_pricing": self.sources}
+        out = {**out, "chunk_rows": list(self.chunk_rows)} if self.chunk_rows else out
         return {**out, "predicted_schedule": self.schedule} if self.schedule else out
 
 
-def prompt_chunks(prompt_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """(rows, context) of each prefill chunk of a prompt: full chunks, then the partial last one."""
-    return [(min(chunk_tokens, prompt_tokens - start), min(prompt_tokens, start + chunk_tokens))
-            for start in range(0, prompt_tokens, chunk_tokens)]
+def prompt_chunks(prompt_tokens: int, chunk_tokens: int, rows: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """(rows, context) of each prefill chunk of a prompt: full chunks, then the partial last one; `rows`: an uneven
+    chunking (the plan's `chunk_rows`), as the runtime chunks it (`runtime.prefill.chunk_spans`)."""
+    return [(stop - start, stop) for start, stop in chunk_spans(prompt_tokens, chunk_tokens, rows)]
 
 
-def pieces(prompt_tokens: int, chunk_tokens: int, halves: bool = False) -> list[tuple[int, int, bool, int]]:
-    """(rows, context, full, experts' rows) of what runs as one forward: each chunk (`prompt_chunks`), or with
-    `halves` each half of each chunk of two rows or more, the second's context the chunk's; `full`: the chunk is.
-    The experts' rows: the chunk's, on its last piece (a chunk's experts run once, over both halves), else 0."""
-    out = []
-    for rows, context in prompt_chunks(prompt_tokens, chunk_tokens):
-        full, first = rows == chunk_tokens, rows // 2
+def pieces(prompt_tokens: int, chunk_tokens: int, halves: bool = False,
+           rows: tuple[int, ...] = ()) -> list[tuple[int, int, bool, int]]:
+    """(rows, context, full, experts' rows) of what runs as one forward: each chunk (`prompt_chunks`, `rows` an
+    uneven chunking), or with `halves` each half of each chunk of two rows or more, the second's context the
+    chunk's; `full`: the chunk is, or is one of an uneven chunking's (its static calls padded: `layer_links`). The
+    experts' rows: the chunk's, on its last piece (a chunk's experts run once,
+    over both halves), else 0."""
+    out, listed = [], len(rows)
+    for i, (n, context) in enumerate(prompt_chunks(prompt_tokens, chunk_tokens, rows)):
+        full, first = n == chunk_tokens or i < listed, n // 2
         if halves and first:
-            out.append((first, context - rows + first, full, 0))
-        out.append((rows - first if halves else rows, context, full, rows))
+            out.append((first, context - n + first, full, 0))
+        out.append((n - first if halves else n, context, full, n))
     return out
 
 
@@ -231,13 +237,13 @@ def dense_link(cost: CostModel, backend: str, ms: Any, calls: int = 1) -> evalua
 
 
 def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, calls: int = 1,
-               host: str = EXACT) -> evaluator.Link:
+               host: str = EXACT, padded: int = 0) -> evaluator.Link:
     """A step whose static function computes `rows` of the chunk's rows (in `calls` calls) and the host the rest
     at the same time (`price(backend, rows)` -> ms): the longer side's latency where either runs off the CPU, else
-    their sum."""
+    their sum; `padded`: the static function's shape, its rows padded to it."""
     if backend == host or rows >= chunk:
-        return dense_link(cost, backend, price(backend, chunk), calls)
-    static = dense_link(cost, backend, price(backend, rows), calls)
+        return dense_link(cost, backend, price(backend, chunk if backend == host else max(chunk, padded)), calls)
+    static = dense_link(cost, backend, price(backend, max(rows, padded)), calls)
     rest = dense_link(cost, host, price(host, chunk - rows))
     both_cpu = static.on_cpu and rest.on_cpu
     latency = static.latency_ms + rest.latency_ms if both_cpu else max(static.latency_ms, rest.latency_ms)
@@ -249,11 +255,14 @@ def split_link(cost: CostModel, backend: str, rows: int, chunk: int, price, call
 
 
 def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, context: int, full: bool,
-                place: DensePlacement) -> dict[str, list[evaluator.Link]]:
-    """The dense steps of one decoder layer for one chunk, by part."""
-    h, ffn, host = shape.hidden, shape.mlp_ffn(layer), place.host
+                place: DensePlacement, padded: int = 0) -> dict[str, list[evaluator.Link]]:
+    """The dense steps of one decoder layer for one chunk, by part; `padded`: the static functions' rows where a
+    chunk of an uneven chunking has fewer (`prompt_chunks`): as the runtime runs it (`RowFunction`), each row
+    function's static side takes its static rows of the chunk, padded to its shape where the chunk has fewer, the
+    attention core runs on the host."""
+    h, ffn, host, short = shape.hidden, shape.mlp_ffn(layer), place.host, padded > rows
     qkv, o = _on(place.qkv, full, host), _on(place.o_proj, full, host)
-    reads = place.block_buckets(context - rows, rows) if place.attention is not None and full else None
+    reads = place.block_buckets(context - rows, rows) if place.attention is not None and full and not short else None
     attn = place.attention if reads is not None else host
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
@@ -272,7 +281,10 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
         return float(np.sum(ms))
 
     def split(function: str, backend: str, price, calls: int = 1) -> evaluator.Link:
-        return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls, host)
+        if not short:
+            return split_link(cost, backend, place.static_rows(function, rows), rows, price, calls, host)
+        static = place.static_rows(function, padded)
+        return split_link(cost, backend, min(static, rows), rows, price, calls, host, static)
 
     out = {"attention_projections": [split("qkv", qkv, qkv_ms),
                                      split("o_proj", o, lambda b, r: cost.matmul_ms(b, r, h, q))],
@@ -308,19 +320,21 @@ def cache_only_links(cost: CostModel, shape: DecoderShape, rows: int, host: str)
 
 def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,
                     experts: ExpertFigures, place: DensePlacement = DensePlacement(),
-                    logits_rows: int = 1, lazy_last: LazyLast | None = None, halves: bool = False
-                    ) -> PrefillPrediction:
+                    logits_rows: int = 1, lazy_last: LazyLast | None = None, halves: bool = False,
+                    chunk_rows: tuple[int, ...] = ()) -> PrefillPrediction:
     """The whole prefill of one prompt under a placement of the dense functions and the experts' figures;
     `logits_rows`: the positions whose logits it computes (a prefill needs one; a run that scores every token,
     all); `lazy_last`: the last decoder layer's work that a lazy host leaves out (with one logits row only);
-    `halves`: each chunk's dense ops run per half (`pieces`, `DensePlacement.halved`)."""
+    `halves`: each chunk's dense ops run per half (`pieces`, `DensePlacement.halved`); `chunk_rows`: an uneven
+    chunking (`prompt_chunks`), `chunk_tokens` its longest chunk (the static functions' rows)."""
     links: dict[str, list[evaluator.Link]] = {p: [] for p in PARTS}
     host, last = place.host, shape.num_layers - 1
     lazy = lazy_last if lazy_last is not None and cost.is_lazy(host) and logits_rows == 1 else None
     kinds: dict[tuple, list[int]] = {}  # layers of one shape cost the same: one of each, times their count
     for layer in range(shape.num_layers - (lazy is not None)):
         kinds.setdefault((layer in shape.moe_layers, shape.mlp_ffn(layer)), []).append(layer)
-    chunks, pruned_rows = pieces(prompt_tokens, chunk_tokens, halves), 0
+    chunks, pruned_rows = pieces(prompt_tokens, chunk_tokens, halves, chunk_rows), 0
+    padded = chunk_tokens if chunk_rows else 0
     place = place.halved() if halves else place
     for i, (rows, context, full, _) in enumerate(chunks):
         layer_sets = [(same[0], len(same)) for same in kinds.values()]
@@ -332,12 +346,12 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
             pruned_rows += rows - read
             steps = cache_only_links(cost, shape, rows - read, host)
             if read:
-                for part, more in layer_links(cost, shape, last, read, context, full, place).items():
+                for part, more in layer_links(cost, shape, last, read, context, full, place, padded).items():
                     steps[part] = steps.get(part, []) + more
             for part, more in steps.items():
                 links[part] += more
         for layer, n in layer_sets:
-            for part, steps in layer_links(cost, shape, layer, rows, context, full, place).items():
+            for part, steps in layer_links(cost, shape, layer, rows, context, full, place, padded).items():
                 links[part] += [s.times(n) for s in steps]
     links["lm_head"] = [dense_link(cost, host, cost.matmul_ms(host, logits_rows, shape.vocab, shape.hidden)
                                    + cost.norm_ms(host, logits_rows, shape.hidden, shape.hidden)  # the final norm
@@ -349,7 +363,7 @@ def predict_prefill(cost: CostModel, shape: DecoderShape, prompt_tokens: int, ch
     sources = {f"{cost.backend_model(b).name}.{op}": cost.dense_fit(b, op).source for b in sorted(used)
                for op in ("matmul", "attention", "elementwise")}
     return PrefillPrediction(prompt_tokens, chunk_tokens, whole.latency_ms, whole.cpu_ms, whole.energy_mj,
-                             {p: t.latency_ms for p, t in parts.items()}, sources)
+                             {p: t.latency_ms for p, t in parts.items()}, sources, chunk_rows=tuple(chunk_rows))
 
 
 def head_dequant_ms(cost: CostModel, shape: DecoderShape, host: str) -> float:

@@ -55,7 +55,8 @@ def host_lanes_choice(cost: CostModel, shape: DecoderShape, plan: Plan, prompt_t
     apart = lanes_apart(cost, backend)
     experts = plan_experts(apart, shape, plan, prompt_tokens, backend)
     cand = Candidate(plan.chunk_tokens, experts, DensePlacement(host=plan.exact_path))
-    return choose_overlapped(apart, backend, shape, prompt_tokens, cand, in_flight, grid=lambda chunk: [0, chunk])
+    return choose_overlapped(apart, backend, shape, prompt_tokens, cand, in_flight, grid=lambda chunk: [0, chunk],
+                             grain=0)
 
 
 @dataclass

@@ -49,6 +49,12 @@ class Candidate:
     lazy_last: LazyLast | None = None
     resident_bytes: float = 0.0
     baseline: str | None = None
+    rows: tuple[int, ...] = ()  # an uneven chunking (`whole_prefill.prompt_chunks`); (): chunks of `chunk`
+
+    @property
+    def key(self) -> tuple[int, tuple[int, ...]]:
+        """Its chunking: the chunk size and an uneven chunking's rows."""
+        return self.chunk, self.rows
 
 
 @dataclass
@@ -137,13 +143,18 @@ def static_rows_grid(chunk: int) -> list[int]:
 
 
 def placed(place: DensePlacement, function: str, rows: int, chunk: int, backend: str,
-           prompt_tokens: int) -> DensePlacement:
-    """`place` with `function` on `backend` for `rows` of a full chunk's rows (0: on the host)."""
+           prompt_tokens: int, chunk_rows: tuple[int, ...] = ()) -> DensePlacement:
+    """`place` with `function` on `backend` for `rows` of a full chunk's rows (0: on the host); an attention core's
+    buckets the full chunks' contexts (of the uneven chunking `chunk_rows`), each a multiple of the chunk as a
+    plan's must be (`place` as it is where one is not)."""
     if not rows:
         return dataclasses.replace(place, **{function: None}).with_rows(function, None)
     out = dataclasses.replace(place, **{function: backend})
     if function == "attention" and not out.buckets:  # a static core per full chunk's context
-        out = dataclasses.replace(out, buckets=tuple(c for r, c in prompt_chunks(prompt_tokens, chunk) if r == chunk))
+        buckets = tuple(c for r, c in prompt_chunks(prompt_tokens, chunk, chunk_rows) if r == chunk)
+        if any(c % chunk for c in buckets):
+            return place
+        out = dataclasses.replace(out, buckets=buckets)
     return out.with_rows(function, rows if rows < chunk else None)
 
 
@@ -157,29 +168,72 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
-                  halves: bool = False) -> dict[int, Overlapped]:
-    """Per chunk size, of its candidate whose schedule ends first as it stands, those among the `keep` first of all
-    sizes and its first that leaves the static backend's window room for q/k/v and o_proj (`window_trade`), each
-    with its dense placement chosen again under the schedule (the static backend's and the CPU's, `cpu_backends`),
-    the one that then ends first; `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not run by
-    the runtime)."""
+                  halves: bool = False) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
+    """Per chunking (`Candidate.key`), of its candidate whose schedule ends first as it stands, those among the
+    `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
+    (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
+    CPU's, `cpu_backends`), the one that then ends first; and, from the equal two chunks' choice, the uneven two
+    chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves
+    one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
+    (`schedule.prefill_steps`, not run by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
-                                    c.lazy_last, halves)
+                                    c.lazy_last, halves, c.rows)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         return np.inf if over else pred.latency_ms
 
     ranked = sorted(candidates, key=as_is)
     backends = (scorer.backend, *cpu_backends(scorer.cost, scorer.backend))
     out = {}
-    for chunk in sorted({c.chunk for c in ranked}):
-        mine = [c for c in ranked if c.chunk == chunk]
-        tried = [mine[0], *(c for c in ranked[:keep] if c.chunk == chunk and c is not mine[0])]
+    for key in sorted({c.key for c in ranked}):
+        mine = [c for c in ranked if c.key == key]
+        tried = [mine[0], *(c for c in ranked[:keep] if c.key == key and c is not mine[0])]
         tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
                                  halves=halves) for c in tried]
-        out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+        out[key] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+    half = out.get((prompt_tokens // 2, ())) if prompt_tokens % (2 * ROW_GRAIN) == 0 and not halves else None
+    for o in uneven_pairs(scorer.cost, backends, shape, prompt_tokens, half, in_flight, energy_cap_mj) if half else []:
+        out[o.candidate.key] = o
+        again = choose_overlapped(scorer.cost, backends, shape, prompt_tokens,  # the equal two from its placement
+                                  dataclasses.replace(half.candidate, placement=o.placement), in_flight, energy_cap_mj)
+        if (not again.within_cap, again.prediction.latency_ms) < (not half.within_cap, half.prediction.latency_ms):
+            out[half.candidate.key] = half = again
     return out
+
+
+def uneven_pairs(cost: CostModel, backends: tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
+                 half: Overlapped, in_flight: int = 2, energy_cap_mj: float | None = None,
+                 keep: int = 2) -> list[Overlapped]:
+    """The prompt as two uneven chunks, the first 1/4..3/4 of it in `ROW_GRAIN` steps (the equal split left out),
+    from the equal two chunks' choice `half`: each priced with its experts (as many calls per expert: their steps
+    shared by rows) and placement (`chunk_tokens` the longer chunk; the shorter one's dense work on the host, as a
+    partial chunk's), then the `keep` that end first with their dense placement chosen again
+    (`choose_overlapped`)."""
+    cand, quarter = half.candidate, prompt_tokens // 4
+
+    def price(first: int) -> tuple[float, Candidate]:
+        rows = (first, prompt_tokens - first)
+        c = dataclasses.replace(cand, chunk=max(rows), rows=rows, placement=rechunked(half.placement, max(rows),
+                                                                                      prompt_tokens, rows))
+        pred, _ = predict_scheduled(cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
+                                    c.lazy_last, chunk_rows=rows)
+        over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
+        return (np.inf if over else pred.latency_ms), c
+
+    firsts = [f for f in range(quarter // ROW_GRAIN * ROW_GRAIN, 3 * quarter + 1, ROW_GRAIN) if 2 * f != prompt_tokens]
+    best = sorted((price(f) for f in firsts), key=lambda p: p[0])[:keep]
+    return [choose_overlapped(cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj) for _, c in best]
+
+
+def rechunked(place: DensePlacement, chunk: int, prompt_tokens: int, chunk_rows: tuple[int, ...]) -> DensePlacement:
+    """`place` for chunks of `chunk` rows (uneven: `chunk_rows`): its split functions' static rows as they are, its
+    attention core's buckets the new full chunks' (`placed`)."""
+    if place.attention is None:
+        return place
+    rows = place.static_rows("attention", chunk)
+    bare = dataclasses.replace(place, attention=None, buckets=(), attention_block=None).with_rows("attention", None)
+    return placed(bare, "attention", rows, chunk, place.attention, prompt_tokens, chunk_rows)
 
 
 def window_trade(ranked: list[Candidate], shape: DecoderShape, backend: str) -> list[Candidate]:
@@ -191,7 +245,7 @@ def window_trade(ranked: list[Candidate], shape: DecoderShape, backend: str) -> 
     return next(([c] for c in ranked if c.resident_bytes <= room), [])
 
 
-def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
+def best_overlapped(by_chunk: dict) -> Overlapped:
     """Of each chunk size's choice (`best_by_chunk`) within the cap, the one whose schedule ends first (the smaller
     chunk on a tie)."""
     return min(by_chunk.values(), key=lambda o: (not o.within_cap, o.prediction.latency_ms, o.prediction.chunk_tokens))
@@ -199,17 +253,20 @@ def best_overlapped(by_chunk: dict[int, Overlapped]) -> Overlapped:
 
 def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
                       cand: Candidate, in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
-                      grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False) -> Overlapped:
+                      grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False,
+                      grain: int = ROW_GRAIN, off: tuple[str, ...] = ()) -> Overlapped:
     """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, each
     function on one of `backends` (the first: the static backend whose window the experts share) for rows from
-    `grid(chunk)`; one whose dense weights on the first and the resident experts overflow the ANE's window is not
-    taken. `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`)."""
+    `grid(chunk)`, then each function's static rows moved by `grain` while that ends sooner (`refined`; 0: not);
+    one whose dense weights on the first and the resident experts overflow the ANE's window is not taken.
+    `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`); `off`: functions left as
+    they are."""
     backends = (backends,) if isinstance(backends, str) else backends
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
     def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
         pred, sched = predict_scheduled(cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
-                                        cand.lazy_last, halves)
+                                        cand.lazy_last, halves, cand.rows)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         window = {"experts": cand.resident_bytes,
                   "dense functions": dense_weight_bytes(shape, place, per_weight, backends[0])}
@@ -218,13 +275,14 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
 
     best_place = start = cand.placement
     best = price(start)
-    functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
+    functions = [f for f in DENSE_FUNCTIONS if f not in off
+                 and (f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers)))]
     for _ in range(rounds):
         changed = False
         for function in functions:
             for backend in backends:
                 for rows in grid(chunk):
-                    place = placed(best_place, function, rows, chunk, backend, prompt_tokens)
+                    place = placed(best_place, function, rows, chunk, backend, prompt_tokens, cand.rows)
                     if place == best_place:
                         continue
                     got = price(place)
@@ -232,4 +290,29 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
                         best_place, best, changed = place, got, True
         if not changed:
             break
+    if grain:
+        best_place, best = refined(price, best_place, best, functions, chunk, grain)
     return Overlapped(best_place, best[1], best[2], cand, bool(np.isfinite(best[0])))
+
+
+def refined(price: Callable, place: DensePlacement, best: tuple, functions: list[str], chunk: int,
+            grain: int) -> tuple[DensePlacement, tuple]:
+    """A local search below the grid's step: each statically placed function's rows (of a full chunk) `grain`
+    fewer or more, kept while its schedule ends sooner (`price(place)` -> (ms, ...)), so that the static backend's
+    and the host's parts of a step finish together; never worse than `place`."""
+    changed = True
+    while changed:
+        changed = False
+        for function in functions:
+            backend = getattr(place, function)
+            if backend is None or (function == "attention" and place.attention_block):
+                continue
+            rows = place.static_rows(function, chunk)
+            for step in (-grain, grain):
+                while 0 < rows + step <= chunk:
+                    got = price(place.with_rows(function, rows + step if rows + step < chunk else None))
+                    if got[0] >= best[0] - 1e-9:
+                        break
+                    rows, best, changed = rows + step, got, True
+                    place = place.with_rows(function, rows if rows < chunk else None)
+    return place, best

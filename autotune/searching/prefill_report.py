@@ -145,7 +145,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                  "cpu": b.cpu_ms / plan.cpu_ms if plan.cpu_ms > 0 else None} for name, b in base.items()}
     return {"label": "predicted by the cost model (one prompt; dense prices as dense_pricing says)", **plan.to_json(),
             "plan_is": plan_is,
-            "dense_placement": placement_json(place, prompt_tokens, plan.chunk_tokens), "in_flight": in_flight, **one,
+            "dense_placement": placement_json(place, prompt_tokens, plan.chunk_tokens, plan.chunk_rows),
+            "in_flight": in_flight, **one,
             "prefill_baselines": {name: {"label": PREFILL_BASELINES[name], "candidate": candidate[name], **b.to_json()}
                                   for name, b in base.items()},
             "vs": vs,
@@ -163,30 +164,35 @@ def executable_json(runs: Overlapped, base: dict[str, PrefillPrediction], roof: 
     alone and its roofline ratio, each unit's busy and idle ms (predicted); `executable` the plan's own schedule
     (whole chunks, `runtime/mlx/overlap.py`), `half_chunk` the fastest half-chunk one."""
     pred, gpu = runs.prediction, base.get("mlx-gpu")
-    return {"label": label, "chunk_tokens": pred.chunk_tokens, "predicted_prefill_ms": pred.latency_ms,
+    return {"label": label, "chunk_tokens": pred.chunk_tokens,
+            **({"chunk_rows": list(pred.chunk_rows)} if pred.chunk_rows else {}),
+            "predicted_prefill_ms": pred.latency_ms,
             "predicted_prefill_energy_mj": pred.energy_mj, "within_energy_cap": runs.within_cap,
             "vs_mlx_gpu_latency": gpu.latency_ms / pred.latency_ms if gpu and pred.latency_ms else None,
             "over_roofline_whole": pred.latency_ms / roof if roof else None, "units": runs.schedule.to_json()["units"],
             "runtime_executes": not runs.schedule.halves}
 
 
-def by_chunk_json(by_chunk: dict[int, Overlapped], prompt_tokens: int) -> dict:
-    """Per chunk size (chunks of the prompt), its best plan with two chunks in flight: latency, energy (whether within
-    the GPU alone's and the ANE's window), each unit's busy and idle ms and the dense functions' backends and static
-    rows (predicted)."""
-    return {str(chunk): {"chunks": len(prompt_chunks(prompt_tokens, chunk)),
-                         "predicted_prefill_ms": o.prediction.latency_ms,
-                         "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
-                         "units": o.schedule.to_json()["units"],
-                         "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
-                                   "static_rows": dict(o.placement.rows)}}
-            for chunk, o in sorted(by_chunk.items())}
+def by_chunk_json(by_chunk: dict, prompt_tokens: int) -> dict:
+    """Per chunking (a chunk size, or an uneven chunking's rows joined by "+"), its best plan with two chunks in
+    flight: latency, energy (whether within the GPU alone's and the ANE's window), each unit's busy and idle ms and the
+    dense functions' backends and static rows (predicted)."""
+    return {"+".join(map(str, rows)) if rows else str(chunk): {
+                "chunks": len(prompt_chunks(prompt_tokens, chunk, rows)),
+                "predicted_prefill_ms": o.prediction.latency_ms,
+                "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
+                "units": o.schedule.to_json()["units"],
+                "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
+                          "static_rows": dict(o.placement.rows)}}
+            for (chunk, rows), o in sorted(by_chunk.items())}
 
 
-def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int) -> dict:
-    """The placement as the report gives it; `attention_reads`: per full chunk's offset, the keys each of its
-    static core calls reads (one call unblocked, one per block with `attention_block`)."""
-    starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens) if r == chunk_tokens]
+def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int, chunk_rows: tuple[int, ...] = ()
+                   ) -> dict:
+    """The placement as the report gives it; `attention_reads`: per full chunk's offset (of the uneven chunking
+    `chunk_rows`), the keys each of its static core calls reads (one call unblocked, one per block with
+    `attention_block`)."""
+    starts = [c - r for r, c in prompt_chunks(prompt_tokens, chunk_tokens, chunk_rows) if r == chunk_tokens]
     reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
             "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads,

@@ -7,7 +7,7 @@ with `echo` scores the prompt from every position's logits, as the torch spine's
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +22,7 @@ from runtime.loading.model_config import read_config
 from runtime.mlx.mlx_exact import to_torch
 from runtime.mlx.overlap import Lanes, run_in_flight
 from runtime.mlx.spine import MlxSpine, forward_rows
+from runtime.prefill import chunk_spans
 
 
 class SpineModel:
@@ -60,7 +61,7 @@ class SpineModel:
         ids, n = gen.ids.tolist(), gen.ids.numel()
         cache = gen.prefix if gen.prefix is not None else self.make_cache()
         t0 = time.perf_counter()
-        forwards = list(prefill_forwards(self, n, gen.chunk, gen.cached, every_position=gen.echo))
+        forwards = list(prefill_forwards(self, n, gen.chunk, gen.cached, gen.echo, gen.chunk_rows))
         if self.overlaps(gen, forwards):
             gen.loaded.pin_phase("prefill")
             out = self.forward_in_flight([(ids[start:done], rows) for start, done, rows in forwards], cache)
@@ -144,15 +145,16 @@ class SpineModel:
             return forward_rows(self.mlx, x, cache, rows)
 
 
-def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0,
-                     every_position: bool = False) -> Iterator[tuple[int, int, str]]:
-    """(first, end, rows) of each forward prefilling tokens start..end in `chunk`s: the last row's logits at the
-    end (`forward_rows`), or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size
-    matters to it) the prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the
-    last layer's attention output or experts, so they are never computed."""
+def prefill_forwards(model: SpineModel, end: int, chunk: int, start: int = 0, every_position: bool = False,
+                     rows: Sequence[int] = ()) -> Iterator[tuple[int, int, str]]:
+    """(first, end, rows) of each forward prefilling tokens start..end in `chunk`s (`runtime.prefill.chunk_spans`:
+    `rows` an uneven chunking, its chunks counted from `start`): the last row's logits at the end (`forward_rows`),
+    or every row's. Under a plan whose every layer runs mlx-lm's own experts (no chunk size matters to it) the
+    prompt's last token goes alone, as mlx-lm's prefill takes it: no row before it needs the last layer's attention
+    output or experts, so they are never computed."""
     split = not every_position and model.all_fast
-    for first in range(start, end, chunk):
-        stop = min(first + chunk, end)
+    for first, stop in chunk_spans(end - start, chunk, rows):
+        first, stop = start + first, start + stop
         if every_position:
             yield first, stop, "all"
         elif stop < end:
@@ -180,12 +182,13 @@ def last_logits(out: mx.array, row: int = 0) -> torch.Tensor:
 
 
 def prompt_logits(model: SpineModel, ids: list[int], chunk_tokens: int, start: int, end: int,
-                  every_position: bool = False) -> Iterator[torch.Tensor]:
-    """Each forward's logits (float32 torch views of MLX's) prefilling `ids[start:end]` in chunks from an empty
-    cache: every position's (`every_position`), else the prompt's last row (each chunk but the last then fills the
-    cache only, as mlx-lm's prefill does). Each forward runs under the plan where it is installed at that moment."""
+                  every_position: bool = False, rows: Sequence[int] = ()) -> Iterator[torch.Tensor]:
+    """Each forward's logits (float32 torch views of MLX's) prefilling `ids[start:end]` in chunks (`rows`: an
+    uneven chunking) from an empty cache: every position's (`every_position`), else the prompt's last row (each
+    chunk but the last then fills the cache only, as mlx-lm's prefill does). Each forward runs under the plan where
+    it is installed at that moment."""
     cache = model.make_cache()
-    for first, done, kept in prefill_forwards(model, end, chunk_tokens, start, every_position):
+    for first, done, kept in prefill_forwards(model, end, chunk_tokens, start, every_position, rows):
         out = model.forward(ids[first:done], cache, kept)
         if out is not None:
             yield to_torch(out[0].astype(mx.float32), torch.float32)
@@ -198,11 +201,11 @@ def chunk_logits(model: SpineModel, prompt: torch.Tensor, chunk_tokens: int) -> 
 
 
 def prefill_logits(model: SpineModel, ids: torch.Tensor, chunk_tokens: int, prompt_tokens: int | None = None,
-                   every_position: bool = False) -> torch.Tensor:
+                   every_position: bool = False, rows: Sequence[int] = ()) -> torch.Tensor:
     """`runtime.prefill`'s prompt logits on the MLX spine, float32: every position's `[T, vocab]`
     (`every_position`), else each prompt's last `[prompts, vocab]` (`prompt_logits`). Prompts of `prompt_tokens`
-    (default one), each from an empty cache."""
+    (default one), each from an empty cache, in chunks of `chunk_tokens` (`rows`: an uneven chunking first)."""
     n, step = ids.numel(), prompt_tokens or ids.numel()
     flat = ids.tolist()
-    return torch.cat([rows for s in range(0, n, step)
-                      for rows in prompt_logits(model, flat, chunk_tokens, s, min(s + step, n), every_position)])
+    return torch.cat([out for s in range(0, n, step)
+                      for out in prompt_logits(model, flat, chunk_tokens, s, min(s + step, n), every_position, rows)])
