@@ -9,11 +9,12 @@ import pytest
 from test_priced_bound import PROMPT, SHAPE, search
 
 from autotune.costing.schedule import predict_scheduled
+from autotune.costing.split_program import Role, Solved, SplitProgram
 from autotune.profiling.profile import load_profile
-from autotune.searching.bound_seed import tail_free
+from autotune.searching.bound_seed import LpSeeds, lp_placements, lp_rows, tail_free
 from autotune.searching.optimizer import solution
-from autotune.searching.overlap_choice import choose_overlapped, cpu_backends
-from autotune.searching.prefill_report import overlap_candidate, overlap_candidates
+from autotune.searching.overlap_choice import best_by_chunk, choose_overlapped, cpu_backends
+from autotune.searching.prefill_report import mlx_gpu_prefill, overlap_candidate, overlap_candidates
 
 CHUNK = 1024
 
@@ -61,3 +62,45 @@ def test_a_cpu_tail_past_the_cap_is_offered_without_it(searched):
     found.best = tailed  # the search's own plan the tailed one: the report's candidates hold it without its tail
     offered = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)
     assert any(c.experts == cands[1].experts for c in offered)
+
+
+def test_the_lp_split_read_back_and_rounded_to_the_grid():
+    """Two q/k/v ops of 1,024 rows in bands of 64 (the second counted twice): the ANE takes the first 5.5 bands of
+    one (352 rows), 3 of the other (192); by count, (352 + 2 x 192) / 3 = 245.33 rows, rounded to the grid of 64:
+    256 nearest, 192 down, 256 up. The CPU's static prefix of o_proj: 1,024 rows, all of it."""
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    prog = SplitProgram()
+    bands = 16
+    for count in (1, 2):
+        prog.op([Role("ane", tuple(range(bands + 1))), Role("mlx-exact", tuple(range(bands, -1, -1)), suffix=True)],
+                count, tag="qkv")
+    prog.op([Role("cpu", (0.0, 1.0)), Role("mlx-exact", (1.0, 0.0), suffix=True)], tag="o_proj")
+    x = np.zeros(len(prog.cols))
+    (_, _, first), (_, _, second), (_, _, third) = prog.ops
+    x[first[0][1][:5]], x[first[0][1][5]], x[first[1][1][5:]] = 1.0, 0.5, 1.0
+    x[second[0][1][:3]], x[second[1][1][3:]] = 1.0, 1.0
+    x[third[0][1]] = 1.0
+    solved = Solved(1.0, {}, 0.0, x, {}, {}, prog.ops)
+    rows = lp_rows(solved, cost, ("ane", "cpu-static"), 1024, 64)
+    assert rows == {"qkv": {"ane": pytest.approx((352 + 2 * 192) / 3)}, "o_proj": {"cpu-static": 1024.0}}
+    starts = lp_placements(rows, "mlx-exact", 1024, 4096)
+    assert [p.static_rows("qkv", 1024) for p in starts] == [256, 192]  # nearest and up agree: one start
+    assert all(p.qkv == "ane" and p.o_proj == "cpu-static" and p.static_rows("o_proj", 1024) == 1024 for p in starts)
+
+
+def test_seeded_starts_never_end_later(searched):
+    """The schedule's choice per chunk size with the LP's starts (`LpSeeds`) against without, at the GPU alone's
+    energy: each seeded choice within the cap, none ending later than the unseeded one, and the seeds priced at
+    every chunk size."""
+    cost, out, scorer = searched
+    found = out.chunks[CHUNK]
+    cap = mlx_gpu_prefill(scorer, SHAPE, found.layers, PROMPT).energy_mj * 1.5
+    cands = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)
+    seeds = LpSeeds(out, scorer, SHAPE, PROMPT, cap)
+    plain = best_by_chunk(scorer, SHAPE, PROMPT, cands, 2, cap)
+    seeded = best_by_chunk(scorer, SHAPE, PROMPT, cands, 2, cap, seeds=seeds)
+    extra = seeds(CHUNK, [c for c in cands if c.chunk == CHUNK])
+    assert extra and all(o.prediction.chunk_tokens == CHUNK for o in extra)
+    for chunk, o in plain.items():
+        assert seeded[chunk].within_cap or not o.within_cap
+        assert seeded[chunk].prediction.latency_ms <= o.prediction.latency_ms + 1e-9

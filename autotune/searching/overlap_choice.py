@@ -157,12 +157,13 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
-                  halves: bool = False) -> dict[int, Overlapped]:
+                  halves: bool = False, seeds: Callable[[int, list[Candidate]], list[Overlapped]] | None = None
+                  ) -> dict[int, Overlapped]:
     """Per chunk size, of its candidate whose schedule ends first as it stands, those among the `keep` first of all
     sizes and its first that leaves the static backend's window room for q/k/v and o_proj (`window_trade`), each
     with its dense placement chosen again under the schedule (the static backend's and the CPU's, `cpu_backends`),
     the one that then ends first; `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not run by
-    the runtime)."""
+    the runtime); `seeds`: more choices per chunk size from its ranked candidates (`bound_seed.LpSeeds`)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves)
@@ -178,6 +179,7 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
         tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
                                  halves=halves) for c in tried]
+        got += seeds(chunk, mine) if seeds is not None else []
         out[chunk] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     return out
 
