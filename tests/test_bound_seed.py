@@ -11,10 +11,11 @@ from test_priced_bound import PROMPT, SHAPE, search
 from autotune.costing.schedule import predict_scheduled
 from autotune.costing.split_program import Role, Solved, SplitProgram
 from autotune.profiling.profile import load_profile
-from autotune.searching.bound_seed import LpSeeds, lp_placements, lp_rows, tail_free
+from autotune.searching.bound_seed import LpSeeds, lp_placements, lp_rows, tail_free, window_fit
 from autotune.searching.optimizer import solution
 from autotune.searching.overlap_choice import best_by_chunk, choose_overlapped, cpu_backends
 from autotune.searching.prefill_report import mlx_gpu_prefill, overlap_candidate, overlap_candidates
+from runtime.coreml import ane_limits
 
 CHUNK = 1024
 
@@ -104,3 +105,25 @@ def test_seeded_starts_never_end_later(searched):
     for chunk, o in plain.items():
         assert seeded[chunk].within_cap or not o.within_cap
         assert seeded[chunk].prediction.latency_ms <= o.prediction.latency_ms + 1e-9
+
+
+def test_a_plan_past_the_window_is_offered_trimmed_to_fit(searched, monkeypatch):
+    """A plan whose residents overflow the ANE's window (here a window one and a half experts short of them): offered
+    with two residents fewer, within the window, no layer with more than before, dropping no more; one that fits
+    is not offered again."""
+    cost, out, scorer = searched
+    found, space = out.chunks[CHUNK], out.space
+    configs = []
+    for pool in found.pool:
+        ok = space.column(pool.rows, "resident") >= 2
+        best = space.config(pool.rows[ok][np.argmin(pool.scores.latency_ms[ok])])
+        configs.append(dataclasses.replace(best, compress="none"))  # one size of expert: the count taken off exact
+    plan = solution(configs, found.layers, scorer, found.best.exact_partial)
+    one = ane_limits.expert_weight_bytes(scorer.hidden, scorer.ffn, configs[0].compress)
+    stored = sum(c.resident for c in configs) * one
+    monkeypatch.setattr(ane_limits, "WINDOW_BYTES", stored - 1.5 * one)
+    fit = window_fit([plan], found.layers, scorer, out.drop_budget)
+    assert len(fit) == 1 and window_fit(fit, found.layers, scorer, out.drop_budget) == []
+    assert sum(c.resident for c in fit[0].configs) == sum(c.resident for c in configs) - 2
+    assert all(a.resident <= b.resident for a, b in zip(fit[0].configs, configs))
+    assert fit[0].heldout_drops <= plan.heldout_drops

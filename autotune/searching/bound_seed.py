@@ -6,7 +6,9 @@ plan past the GPU alone's energy, the cap two chunks in flight are held to. Wher
 the ANE's window carries tails past the cap (phi-3.5-moe at one chunk of 4,096 tokens, published M2 Ultra profile),
 no placement of its dense half can bring it back under, and that chunk size fell back to the GPU alone. So each plan
 with a tail is also offered without it (`tail_free`): the same residents and groups, the tail's experts on the
-plan's exact path.
+plan's exact path. Likewise a plan whose residents overflow the ANE's window (the search's per-layer budget does
+not see the window every layer shares) is also offered with the fewest residents taken off that fit it
+(`window_fit`).
 
 The schedule's choice of the dense half (`overlap_choice.choose_overlapped`) is a coordinate descent from the
 candidate's own placement, one function at a time; the priced bound's LP (`autotune.costing.priced_bound`) splits
@@ -29,6 +31,7 @@ from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import SearchOutcome, Solution, solution
 from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, placed, static_rows_grid
 from autotune.searching.scoring import Scorer
+from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits
 
 
@@ -41,6 +44,38 @@ def tail_free(sols: list[Solution], layers: list[LayerData], scorer: Scorer) -> 
             configs = [dataclasses.replace(c, cpu_tail=0) for c in sol.configs]
             out.append(dataclasses.replace(solution(configs, layers, scorer, sol.exact_partial), dense=sol.dense))
     return out
+
+
+def window_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, drop_budget: int) -> list[Solution]:
+    """Each of `sols` whose resident experts overflow the ANE's window (which the schedule's choice does not take),
+    with residents taken off one at a time, each where one fewer costs its layer the least chain latency per byte
+    freed, until they fit; those within the drop budget (fewer residents drop no more)."""
+    out = []
+    for sol in sols:
+        configs = list(sol.configs)
+        if sol.baseline is not None or _stored(configs, scorer) <= ane_limits.WINDOW_BYTES:
+            continue
+        latency = [scorer.score(d, c).latency_ms for d, c in zip(layers, configs)]
+        while _stored(configs, scorer) > ane_limits.WINDOW_BYTES:
+            options = []
+            for i, (data, cfg) in enumerate(zip(layers, configs)):
+                if cfg.resident:
+                    fewer = dataclasses.replace(cfg, resident=cfg.resident - 1, gpu_head=min(cfg.gpu_head,
+                                                                                               cfg.resident - 1))
+                    ms = scorer.score(data, fewer).latency_ms
+                    options.append(((ms - latency[i]) / _stored([cfg], scorer, 1), i, fewer, ms))
+            _, i, configs[i], latency[i] = min(options, key=lambda o: (o[0], o[1]))
+        fit = dataclasses.replace(solution(configs, layers, scorer, sol.exact_partial), dense=sol.dense)
+        if fit.heldout_drops <= drop_budget and all(f.configs != fit.configs for f in out):
+            out.append(fit)
+    return out
+
+
+def _stored(configs: list[LayerConfig], scorer: Scorer, per: int | None = None) -> float:
+    """The bytes `configs` keep resident on the static backend (`per`: one expert of each)."""
+    return float(sum((c.resident if per is None else per) * ane_limits.expert_weight_bytes(scorer.hidden, scorer.ffn,
+                                                                                            c.compress)
+                     for c in configs))
 
 
 def lp_rows(solved: Solved, cost: CostModel, static: tuple[str, ...], chunk: int, grain: int

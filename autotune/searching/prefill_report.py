@@ -14,7 +14,7 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     roofline_ms,
 )
-from autotune.searching.bound_seed import LpSeeds, tail_free
+from autotune.searching.bound_seed import LpSeeds, tail_free, window_fit
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
@@ -81,7 +81,8 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
     """For two chunks in flight (`overlap_choice`): at each chunk size whose cheapest whole plan, as the search's
     objective prices it (`WholePrefill.price`), is within `within` of the least latency over all sizes, the
     objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`),
-    each with a CPU tail also without it (`bound_seed.tail_free`: the energy cap may not allow the tail)."""
+    each with a CPU tail also without it (`bound_seed.tail_free`: the energy cap may not allow the tail), each past
+    the ANE's window also trimmed to fit it (`bound_seed.window_fit`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     plans: dict[int, list[Solution]] = {}
     chain: dict[int, float] = {}
@@ -91,7 +92,8 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         choice = outcome.dense.get(chunk)
         sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
                                   outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
-        plans[chunk] = [*sols, *tail_free(sols, found.layers, scorer)]
+        sols += tail_free(sols, found.layers, scorer)
+        plans[chunk] = [*sols, *window_fit(sols, found.layers, scorer, outcome.drop_budget)]
         chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
     least = min(chain.values())
     return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk))
