@@ -45,6 +45,7 @@ class Solved:
     x: np.ndarray
     duals: dict[str, float]
     by_op: dict[str, dict[str, float]] = field(default_factory=dict)  # unit -> op tag -> busy ms
+    ops: list[tuple[str, float, list[tuple[Role, list[int]]]]] = field(default_factory=list)  # `SplitProgram.ops`
 
 
 @dataclass
@@ -55,6 +56,7 @@ class SplitProgram:
     ub: list[tuple[dict[int, float], float, str | None]] = field(default_factory=list)
     eq: list[tuple[dict[int, float], float]] = field(default_factory=list)
     window: dict[int, float] = field(default_factory=dict)  # variable -> bytes it keeps resident at share 1
+    ops: list[tuple[str, float, list[tuple[Role, list[int]]]]] = field(default_factory=list)  # tag, count, bands
 
     def var(self, unit: str | None = None, ms: float = 0.0, power_w: float = 0.0, upper: float | None = 1.0,
             tag: str = "") -> int:
@@ -74,6 +76,7 @@ class SplitProgram:
         unit (a prefix's is its largest share: what a window counts)."""
         bands = len(roles[0].prices) - 1
         grid = [[self.var(r.unit, m * count, r.power_w, tag=tag) for m in r.marginals()] for r in roles]
+        self.ops.append((tag, count, list(zip(roles, grid))))  # each role's band variables, to read a split back
         for k in range(bands):
             terms = {g[k]: 1.0 for g in grid}
             if cover is None:
@@ -113,7 +116,7 @@ class SplitProgram:
         busy = {u: float(sum(t.values())) for u, t in by_op.items()}
         energy = float(sum(c[2] * x[i] for i, c in enumerate(self.cols)))
         duals = {name: -float(d) for (_, _, name), d in zip(rows, got.ineqlin.marginals) if name}
-        return Solved(float(got.x[-1]), busy, energy, x, duals, by_op)
+        return Solved(float(got.x[-1]), busy, energy, x, duals, by_op, self.ops)
 
 
 def _matrix(rows: list[dict[int, float]], width: int) -> coo_array:

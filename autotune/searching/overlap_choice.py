@@ -168,11 +168,13 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
-                  halves: bool = False) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
+                  halves: bool = False, seeds: Callable[[int, list[Candidate]], list[Overlapped]] | None = None
+                  ) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
     """Per chunking (`Candidate.key`), of its candidate whose schedule ends first as it stands, those among the
     `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
     (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
-    CPU's, `cpu_backends`), the one that then ends first; and, from the equal two chunks' choice, the uneven two
+    CPU's, `cpu_backends`), and, per equal chunking, `seeds`' choices from its ranked candidates (`bound_seed.LpSeeds`),
+    the one that then ends first; and, from the equal two chunks' choice, the uneven two
     chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves
     one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
     (`schedule.prefill_steps`, not run by the runtime)."""
@@ -191,6 +193,7 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
         tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
                                  halves=halves) for c in tried]
+        got += seeds(key[0], mine) if seeds is not None and not key[1] else []
         out[key] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     half = out.get((prompt_tokens // 2, ())) if prompt_tokens % (2 * ROW_GRAIN) == 0 and not halves else None
     for o in uneven_pairs(scorer.cost, backends, shape, prompt_tokens, half, in_flight, energy_cap_mj) if half else []:

@@ -14,6 +14,7 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     roofline_ms,
 )
+from autotune.searching.bound_seed import LpSeeds, tail_free, window_fit
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
@@ -79,7 +80,9 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
                        within: float = 1.5) -> list[Candidate]:
     """For two chunks in flight (`overlap_choice`): at each chunk size whose cheapest whole plan, as the search's
     objective prices it (`WholePrefill.price`), is within `within` of the least latency over all sizes, the
-    objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`)."""
+    objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`),
+    each with a CPU tail also without it (`bound_seed.tail_free`: the energy cap may not allow the tail), each past
+    the ANE's window also trimmed to fit it (`bound_seed.window_fit`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     plans: dict[int, list[Solution]] = {}
     chain: dict[int, float] = {}
@@ -87,9 +90,10 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         if found.best is None:
             continue
         choice = outcome.dense.get(chunk)
-        plans[chunk] = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget,
-                                          outcome.drop_rate, outcome.weights),
-                        *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
+        sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
+                                  outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
+        sols += tail_free(sols, found.layers, scorer)
+        plans[chunk] = [*sols, *window_fit(sols, found.layers, scorer, outcome.drop_budget)]
         chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
     least = min(chain.values())
     return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk))
@@ -106,7 +110,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     The plan and every row are priced as the search's objective prices them (`objective.WholePrefill`). With
     `in_flight` 2 the plan runs two chunks in flight: the objective's whole plans at each chunk size and their
     rebalanced variants (`overlap_candidates`), each with its dense half chosen again under the schedule
-    (`overlap_choice`) at no more energy than the GPU alone's; the plan the fastest schedule the runtime runs (whole
+    (`overlap_choice`) at no more energy than the GPU alone's, whole chunks also from the priced bound's split
+    (`bound_seed.LpSeeds`); the plan the fastest schedule the runtime runs (whole
     chunks: `runtime_executes` true, `executable` its figures again), its latency the schedule's and
     `predicted_schedule` each unit's busy and idle ms (the CPU a third unit where its dense functions run there);
     `by_chunk`: each chunk size's best so (`overlap_choice.best_by_chunk`), `half_chunks` the same as half-chunks and
@@ -130,7 +135,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
         cands = overlap_candidates(outcome, scorer, shape, prompt_tokens)
-        by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap)
+        seeds = LpSeeds(outcome, scorer, shape, prompt_tokens, cap, in_flight)
+        by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, seeds=seeds)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
         runs, half = best_overlapped(by_chunk), best_overlapped(by_half)
         one = {"one_in_flight_ms": plan.latency_ms, "by_chunk": by_chunk_json(by_chunk, prompt_tokens),
