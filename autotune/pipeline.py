@@ -5,8 +5,7 @@ logger, never on stdout, and raise `NpumoeError` on bad input. A planned model i
 way to load one.
 
 Outputs are written whole (atomically; a search's plan and its sidecars as one set). Checking that an output can be
-written before the work starts is the caller's (the commands do it, naming their option).
-"""
+written before the work starts is the caller's (the commands do it, naming their option)."""
 from __future__ import annotations
 
 import dataclasses
@@ -371,15 +370,14 @@ def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progres
     scorer, coreml = scorer_for(backend), registry.get(backend).limits is not None
     kinds = c.compress_kinds if coreml else ("none",)  # weights stored compressed are a Core ML function's
     dense = _dense_chooser(inputs, cpu.cost, backend) if coreml and not c.no_dense else None
+    factors = part_factors(inputs.profile, model_label(inputs.record.name), dtype_name(inputs.record.compute_dtype))
     outcome, seconds = timed_search(inputs.workloads, scorer, layer_space(spec.num_experts, kinds, scorer.splits_exact),
                                     dense=dense, objective=c.objective, drop_budget=c.drop_budget, trials=c.trials,
                                     storage=optuna_storage(c.storage),
                                     study_prefix=study_prefix(spec, cpu.cost, inputs.traces, ane_bytes / 1e6,
                                                               c.objective, inputs.prompt),
-                                    seed=c.seed, progress=progress, whole=WholePrefill(
-                                        inputs.shape, inputs.prompt, tuple(part_factors(
-                                            inputs.profile, model_label(inputs.record.name),
-                                            dtype_name(inputs.record.compute_dtype)).items())))
+                                    seed=c.seed, progress=progress,
+                                    whole=WholePrefill(inputs.shape, inputs.prompt, tuple(factors.items())))
     outcome.best, robustness = assess(outcome, scorer, pick=c.robust)
     if robustness.dense_choice is not None:  # the robust pick's dense placement
         outcome.dense[outcome.best.chunk_tokens] = robustness.dense_choice

@@ -1,11 +1,8 @@
 """Text generation under a plan: the runtime's application API, after mlx-lm's `load` / `generate` /
-`stream_generate`.
-
-Prefill feeds the prompt in the plan's chunks (as `autotune run` does), so static groups see the chunk sizes they
-were tuned for; decode feeds one token a step, which the executor's decode policy runs exactly. Everything
-reported is measured here: time to first token (prefill + first sample), prefill and generation tokens per second,
-the process's peak RSS, and the executor's statistics (prefill and decode apart).
-"""
+`stream_generate`. Prefill feeds the prompt in the plan's chunks (as `autotune run` does), so static groups see the
+chunk sizes they were tuned for; decode feeds one token a step, which the executor's decode policy runs exactly.
+Everything reported is measured here: time to first token (prefill + first sample), prefill and generation tokens per
+second, the process's peak RSS, and the executor's statistics (prefill and decode apart)."""
 from __future__ import annotations
 
 import logging
@@ -300,8 +297,7 @@ class Generation:
             raise NpumoeError("echo scores every prompt token: a reused prefix has no logits to score")
         self.gen = torch.Generator().manual_seed(seed)
         self.chunk = chunk_tokens or ids.numel()
-        # the plan's uneven chunking (`chunk_rows`), for a prefill from the prompt's start (a reused prefix ends on a
-        # boundary of chunk_tokens: the chunks after it are of chunk_tokens)
+        # the plan's uneven chunking from the prompt's start only (after a reused prefix: chunks of chunk_tokens)
         self.chunk_rows = tuple(loaded.plan.chunk_rows or ()) if loaded.plan and prefix is None else ()
         self.prefix, self.keep_at = prefix, keep_at
         self.cached = cache_length(loaded, prefix)
