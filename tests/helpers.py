@@ -15,6 +15,7 @@ import numpy as np
 
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.fitting import record_features
+from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.settings import Settings
 from runtime.loading.model_loader import load_model
 from runtime.serving.server import listen, make_server
@@ -320,3 +321,37 @@ def ring_file(tmp_path: Path) -> tuple[Path, str]:
     hostfile = tmp_path / "ring.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
     return hostfile, f"rank 1 (127.0.0.1:{ports[1]})"
+
+
+# a small synthetic decoder the priced bound's tests search (tests/test_priced_bound.py, test_bound_seed.py)
+BOUND_SPEC = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=4, moe_layers=[0, 1, 2, 3],
+                  num_experts=16, top_k=2, hidden_size=256, expert_ffn_size=128, fingerprint="synthetic-bound")
+BOUND_SHAPE = DecoderShape(hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=1000, num_layers=4,
+                           moe_layers=(0, 1, 2, 3), num_experts=16, top_k=2, expert_ffn=128, context=4096)
+BOUND_PROMPT = 2048
+
+
+def bound_search(cost: CostModel, backend: str | None, chunks: tuple[int, ...] = (512, 1024),
+                 shape: DecoderShape = BOUND_SHAPE):
+    """A search of a small synthetic decoder (`BOUND_SHAPE`) at `chunks` on `cost`, the dense half on `backend`:
+    what the priced bound's and its starts' tests price."""
+    from autotune.calibration.traces import synthetic_traces
+    from autotune.searching.dense_choice import choose_dense
+    from autotune.searching.layer_data import LayerData
+    from autotune.searching.objective import WholePrefill
+    from autotune.searching.optimizer import run_search
+    from autotune.searching.scoring import Scorer
+    from autotune.searching.space import layer_space
+
+    spec = {**BOUND_SPEC, "moe_layers": list(shape.moe_layers)}
+    traces = synthetic_traces(spec, 4, BOUND_PROMPT, skew=1.2, seed=5, tokens=True)
+    workloads = {c: LayerData.from_traces(traces, c, BOUND_PROMPT) for c in chunks}
+    scorer = Scorer(cost, 256, 128, "ane", 1e9)
+    prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / BOUND_PROMPT
+
+    def dense(chunk, weights, resident):
+        return choose_dense(cost, shape, BOUND_PROMPT, chunk, backend, weights, prompts, resident)
+
+    out = run_search(workloads, scorer, layer_space(16, ("none", "int8"), split_exact=scorer.splits_exact), trials=0,
+                     progress=False, dense=dense, whole=WholePrefill(shape, BOUND_PROMPT))
+    return out, scorer

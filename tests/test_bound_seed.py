@@ -6,7 +6,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_priced_bound import PROMPT, SHAPE, search
+from helpers import BOUND_PROMPT as PROMPT
+from helpers import BOUND_SHAPE as SHAPE
+from helpers import bound_search as search
 
 from autotune.costing.schedule import predict_scheduled
 from autotune.costing.split_program import Role, Solved, SplitProgram

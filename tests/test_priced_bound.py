@@ -6,27 +6,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import BOUND_PROMPT as PROMPT
+from helpers import BOUND_SHAPE as SHAPE
+from helpers import bound_search as search
 
-from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.schedule import predict_scheduled
 from autotune.costing.split_program import Role, SplitProgram
-from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.bound_report import bound_setup, priced_bounds
-from autotune.searching.dense_choice import choose_dense
-from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill
-from autotune.searching.optimizer import run_search
 from autotune.searching.prefill_report import overlap_candidates
-from autotune.searching.scoring import Scorer
-from autotune.searching.space import layer_space
-
-SPEC = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=4, moe_layers=[0, 1, 2, 3], num_experts=16,
-            top_k=2, hidden_size=256, expert_ffn_size=128, fingerprint="synthetic-bound")
-SHAPE = DecoderShape(hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=1000, num_layers=4, moe_layers=(0, 1, 2, 3),
-                     num_experts=16, top_k=2, expert_ffn=128, context=4096)
-PROMPT = 2048
 
 
 def two_ops(window: float | None = None) -> SplitProgram:
@@ -71,19 +61,6 @@ def test_a_prefix_pays_its_first_band():
     assert got.x[:2] == pytest.approx([0.625, 0.625], rel=1e-6)
 
 
-def search(cost: CostModel, backend: str | None, chunks: tuple[int, ...] = (512, 1024), shape: DecoderShape = SHAPE):
-    spec = {**SPEC, "moe_layers": list(shape.moe_layers)}
-    traces = synthetic_traces(spec, 4, PROMPT, skew=1.2, seed=5, tokens=True)
-    workloads = {c: LayerData.from_traces(traces, c, PROMPT) for c in chunks}
-    scorer = Scorer(cost, 256, 128, "ane", 1e9)
-    prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / PROMPT
-
-    def dense(chunk, weights, resident):
-        return choose_dense(cost, shape, PROMPT, chunk, backend, weights, prompts, resident)
-
-    out = run_search(workloads, scorer, layer_space(16, ("none", "int8"), split_exact=scorer.splits_exact), trials=0,
-                     progress=False, dense=dense, whole=WholePrefill(shape, PROMPT))
-    return out, scorer
 
 
 def test_never_above_a_priced_schedule_on_the_published_profile():
