@@ -86,6 +86,8 @@ def main() -> None:
         texts += [str(Path(args.write_texts) / n) for n in ("csv-a.txt", "csv-b.txt", "stdlib-a.txt", "stdlib-b.txt")]
     model, tokenizer = load_model(args.model)
     plan = load_plan(args.plan)
+    if not plan.calibrated:  # a template's plan: no calibration shares to measure drift against
+        ap.error(f"--plan {args.plan}: the plan has no calibration (make one with `autotune search`)")
     for text in texts:
         ws = windows(model, plan, encode_text(tokenizer, text, args.max_tokens), args.prompt_tokens, args.window)
         rates = np.array([w["rate"] for w in ws])

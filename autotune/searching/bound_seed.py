@@ -28,10 +28,9 @@ from autotune.costing.whole_prefill import DENSE_FUNCTIONS, DecoderShape, DenseP
 from autotune.searching.bound_report import bound_setup
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import prompts_in
-from autotune.searching.optimizer import SearchOutcome, Solution, solution
+from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes, solution
 from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, placed, static_rows_grid
 from autotune.searching.scoring import Scorer
-from autotune.searching.space import LayerConfig
 from runtime.coreml import ane_limits
 
 
@@ -53,29 +52,23 @@ def window_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, dr
     out = []
     for sol in sols:
         configs = list(sol.configs)
-        if sol.baseline is not None or _stored(configs, scorer) <= ane_limits.WINDOW_BYTES:
+        if sol.baseline is not None or resident_bytes(configs, scorer.hidden, scorer.ffn) <= ane_limits.WINDOW_BYTES:
             continue
         latency = [scorer.score(d, c).latency_ms for d, c in zip(layers, configs)]
-        while _stored(configs, scorer) > ane_limits.WINDOW_BYTES:
+        while resident_bytes(configs, scorer.hidden, scorer.ffn) > ane_limits.WINDOW_BYTES:
             options = []
             for i, (data, cfg) in enumerate(zip(layers, configs)):
                 if cfg.resident:
                     fewer = dataclasses.replace(cfg, resident=cfg.resident - 1, gpu_head=min(cfg.gpu_head,
                                                                                                cfg.resident - 1))
                     ms = scorer.score(data, fewer).latency_ms
-                    options.append(((ms - latency[i]) / _stored([cfg], scorer, 1), i, fewer, ms))
+                    freed = ane_limits.expert_weight_bytes(scorer.hidden, scorer.ffn, cfg.compress)
+                    options.append(((ms - latency[i]) / freed, i, fewer, ms))
             _, i, configs[i], latency[i] = min(options, key=lambda o: (o[0], o[1]))
         fit = dataclasses.replace(solution(configs, layers, scorer, sol.exact_partial), dense=sol.dense)
         if fit.heldout_drops <= drop_budget and all(f.configs != fit.configs for f in out):
             out.append(fit)
     return out
-
-
-def _stored(configs: list[LayerConfig], scorer: Scorer, per: int | None = None) -> float:
-    """The bytes `configs` keep resident on the static backend (`per`: one expert of each)."""
-    return float(sum((c.resident if per is None else per) * ane_limits.expert_weight_bytes(scorer.hidden, scorer.ffn,
-                                                                                            c.compress)
-                     for c in configs))
 
 
 def lp_rows(solved: Solved, cost: CostModel, static: tuple[str, ...], chunk: int, grain: int

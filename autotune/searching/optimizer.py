@@ -497,9 +497,10 @@ def run_search(workloads: list[LayerData] | dict[int, list[LayerData]], scorer: 
                          drop_rate=drop_budget)
 
 
-def resident_bytes(sol: Solution, hidden: int, ffn: int) -> float:
-    """The stored bytes of every expert a solution keeps resident on its static backend (all layers)."""
-    return float(sum(c.resident * ane_limits.expert_weight_bytes(hidden, ffn, c.compress) for c in sol.configs))
+def resident_bytes(sol: Solution | list[LayerConfig], hidden: int, ffn: int) -> float:
+    """The stored bytes of every expert a solution (or its layers' configs) keeps resident on its static backend."""
+    configs = sol if isinstance(sol, list) else sol.configs
+    return float(sum(c.resident * ane_limits.expert_weight_bytes(hidden, ffn, c.compress) for c in configs))
 
 
 def _pareto_solutions(sols: list[Solution]) -> list[Solution]:

@@ -173,11 +173,11 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
     """Per chunking (`Candidate.key`), of its candidate whose schedule ends first as it stands, those among the
     `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
     (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
-    CPU's, `cpu_backends`), and, per equal chunking, `seeds`' choices from its ranked candidates (`bound_seed.LpSeeds`),
-    the one that then ends first; and, from the equal two chunks' choice, the uneven two
-    chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves
-    one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
-    (`schedule.prefill_steps`, not run by the runtime)."""
+    CPU's, `cpu_backends`), and per equal chunking `seeds`' choices from its ranked candidates (`bound_seed.LpSeeds`),
+    the one that then ends first; and, from the equal two chunks' choice, the uneven two chunks that end first
+    (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves one function at a time:
+    another start finds another optimum); `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not
+    run by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves, c.rows)
@@ -257,13 +257,12 @@ def best_overlapped(by_chunk: dict) -> Overlapped:
 def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: DecoderShape, prompt_tokens: int,
                       cand: Candidate, in_flight: int = 2, energy_cap_mj: float | None = None, rounds: int = 2,
                       grid: Callable[[int], list[int]] = static_rows_grid, halves: bool = False,
-                      grain: int = ROW_GRAIN, off: tuple[str, ...] = ()) -> Overlapped:
+                      grain: int = ROW_GRAIN) -> Overlapped:
     """The dense placement whose schedule ends first (see the module docstring), from the candidate's own, each
     function on one of `backends` (the first: the static backend whose window the experts share) for rows from
     `grid(chunk)`, then each function's static rows moved by `grain` while that ends sooner (`refined`; 0: not);
     one whose dense weights on the first and the resident experts overflow the ANE's window is not taken.
-    `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`); `off`: functions left as
-    they are."""
+    `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`)."""
     backends = (backends,) if isinstance(backends, str) else backends
     chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
 
@@ -278,8 +277,7 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
 
     best_place = start = cand.placement
     best = price(start)
-    functions = [f for f in DENSE_FUNCTIONS if f not in off
-                 and (f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers)))]
+    functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
     for _ in range(rounds):
         changed = False
         for function in functions:
