@@ -90,6 +90,8 @@ def main() -> None:
         ap.error(f"--plan {args.plan}: the plan has no calibration (make one with `autotune search`)")
     for text in texts:
         ws = windows(model, plan, encode_text(tokenizer, text, args.max_tokens), args.prompt_tokens, args.window)
+        if not ws:  # the text is shorter than one window, or the plan has no static layer to watch
+            ap.error(f"{text}: no full window of {args.window} chunks (a longer --max-tokens, or a plan with groups)")
         rates = np.array([w["rate"] for w in ws])
         tv = np.array([w["tv"] for w in ws])
         print(json.dumps({"text": text, "window": args.window, "windows": len(ws),
