@@ -58,7 +58,9 @@ def test_two_layers_two_chunks_two_in_flight_by_hand():
     assert _queue(s, "ane") == [(0, 0, "experts", 3, 6), (1, 0, "experts", 7, 10), (0, 1, "experts", 11, 14),
                                 (1, 1, "experts", 15, 18)]
     assert s.makespan_ms == 18.0
-    assert s.to_json()["units"] == {"ane": {"busy_ms": 12.0, "idle_ms": 6.0}, "gpu": {"busy_ms": 16.0, "idle_ms": 2.0}}
+    assert s.to_json()["units"] == {  # per op as the priced bound tags them: the core is `attention`
+        "ane": {"busy_ms": 12.0, "idle_ms": 6.0, "by_op": {"experts": 12.0}},
+        "gpu": {"busy_ms": 16.0, "idle_ms": 2.0, "by_op": {"attention": 8.0, "experts": 4.0, "qkv": 4.0}}}
 
 
 def test_a_third_chunk_waits_for_the_first():

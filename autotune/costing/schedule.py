@@ -33,6 +33,8 @@ from autotune.costing.whole_prefill import (
 
 KV_STEP, CORE_STEP = "qkv", "attention_core"  # the step that makes a layer's keys and values; the one reading them
 JOIN_STEP = "experts_join"  # a chunk's first half waits here for the experts its second half's chain computes
+# each step's op as the priced bound tags it (`autotune.costing.priced_bound`), so a plan's busy time per op compares
+BOUND_TAG = {"norms": "rest", "router": "rest", CORE_STEP: "attention", "dense_mlp": "mlp"}
 # a decoder layer's steps in the order they run, as (part, index in the part's links, step name); the experts after
 # the router
 LAYER_ORDER = (("rest", 0, "norms"), ("attention_projections", 0, KV_STEP), ("attention_core", 0, CORE_STEP),
@@ -84,11 +86,22 @@ class Schedule:
     def idle_ms(self) -> dict[str, float]:
         return {u: self.makespan_ms - b for u, b in self.busy_ms.items()}
 
+    def by_op(self) -> dict[str, dict[str, float]]:
+        """Each unit's busy ms per op, tagged as the priced bound tags its ops (`BOUND_TAG`: the norms and router
+        `rest`, the attention core `attention`, ...), so the plan's work compares with the bound's op by op."""
+        out: dict[str, dict[str, float]] = {}
+        for op in self.ops:
+            into = out.setdefault(op.unit, {})
+            tag = BOUND_TAG.get(op.name, op.name)
+            into[tag] = into.get(tag, 0.0) + op.end_ms - op.start_ms
+        return out
+
     def to_json(self) -> dict:
-        """`in_flight`, `makespan_ms` and per unit `{"busy_ms", "idle_ms"}` (predicted)."""
-        idle = self.idle_ms
+        """`in_flight`, `makespan_ms` and per unit `{"busy_ms", "idle_ms", "by_op"}` (predicted)."""
+        idle, by_op = self.idle_ms, self.by_op()
         return {"in_flight": self.in_flight, "makespan_ms": round(self.makespan_ms, 6),
-                "units": {u: {"busy_ms": round(b, 6), "idle_ms": round(idle[u], 6)}
+                "units": {u: {"busy_ms": round(b, 6), "idle_ms": round(idle[u], 6),
+                              "by_op": {t: round(ms, 3) for t, ms in sorted(by_op.get(u, {}).items())}}
                           for u, b in sorted(self.busy_ms.items())},
                 "shape": "half-chunks" if self.halves else "chunks", "runtime_executes": not self.halves}
 
