@@ -312,12 +312,17 @@ def gate_rounds(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice,
     if found.gated is None:
         return found, cpu
     chosen = solutions[found.gated["chosen"]["candidate"]]
-    if chosen is not found.outcome.best:  # the gate passed over the search's pick
+    adopt(found, c, chosen)  # the gate may pass over the search's pick
+    return found, cpu.after_gate(found.gated)
+
+
+def adopt(found: ExpertSearch, c: SearchConfig, chosen: Solution) -> None:
+    """`chosen` made the search's pick where it is another, with its robustness (`--robust`: on the pick's
+    analysis, its candidates compared, its floor)."""
+    if chosen is not found.outcome.best:
         found.outcome.best = chosen
-        # --robust: the gate's plan on the pick's analysis (its candidates compared, its floor)
         found.robustness = reassess(found.outcome, found.robustness, chosen) if c.robust else \
             assess(found.outcome, found.scorer, pick=False)[1]
-    return found, cpu.after_gate(found.gated)
 
 
 def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progress: bool) -> ExpertSearch:
@@ -408,8 +413,9 @@ def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
     `--robust` chose them)."""
     flight = None
     if c.in_flight > 1:
-        flight, found.robustness = choose_flight(found.outcome, found.scorer, inputs.shape, inputs.prompt,
-                                                 found.robustness, bool(found.gated or measured or c.robust))
+        flight = choose_flight(found.outcome, found.scorer, inputs.shape, inputs.prompt,
+                               bool(found.gated or measured or c.robust))
+        adopt(found, c, flight.solution)
     outcome = found.outcome
     layers = outcome.chunks[outcome.best.chunk_tokens].layers
     figures = _figures(inputs, c, found, flight)

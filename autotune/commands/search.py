@@ -29,7 +29,7 @@ from autotune.commands.common import (
     print_json,
 )
 from autotune.evaluation import gate
-from autotune.searching.config import DEFAULTS, SearchConfig
+from autotune.searching.config import DEFAULTS, IN_FLIGHT, SearchConfig
 from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
@@ -99,6 +99,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
                         "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
                         "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
+    p.add_argument("--in-flight", type=int, choices=IN_FLIGHT, default=d.in_flight,
+                   help="prefill chunks in flight the plan is chosen for (default 1: one at a time, a chain); 2 (with "
+                        "--engine mlx): the chunk size (uneven where that wins), the dense half and the experts whose "
+                        "schedule of two chunks in flight ends first, as `generate --engine mlx` runs the plan")
     add_gate_arguments(p, d)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_macs_arguments(p)
@@ -178,6 +182,8 @@ def run_across_macs(args: argparse.Namespace, config: SearchConfig) -> int:
              [ps.HostSpec(f"mac{i}", config.profile, args.mac_memory_gb) for i in range(args.macs)])
     if len(hosts) < 2:
         raise NpumoeError("--macs: a pipeline needs at least 2 Macs")
+    if config.in_flight > 1:  # each rank's stage runs one chunk at a time
+        raise NpumoeError(f"--in-flight {config.in_flight} plans one Mac's prefill: not with --macs or --hosts")
     out = Path(config.out)
     for path in (*pipeline.search_sidecars(out, config.objective, tradeoff=True), *ps.stage_paths(out, len(hosts))[1],
                  ps.stage_paths(out, len(hosts))[0]):

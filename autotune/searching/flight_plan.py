@@ -1,7 +1,7 @@
 """`autotune search --in-flight 2`: the plan chosen for two prefill chunks in flight on the MLX spine
 (`runtime/mlx/overlap.py`), as the whole prefill's report chooses it (`prefill_report.whole_prefill_choice`): the
-schedule's chunking (an uneven one as the plan's `chunk_rows`), its dense half and its experts, which become the
-search's pick. Where something measured or assessed the pick's experts (the fidelity gate, `--measure`,
+schedule's chunking (an uneven one as the plan's `chunk_rows`), its dense half and its experts (the search's pick
+from then on). Where something measured or assessed the pick's experts (the fidelity gate, `--measure`,
 `--robust`), the schedule keeps them (`prefill_report.pick_candidates`) and chooses only the chunking and the dense
 half; else any candidate the report weighs."""
 from __future__ import annotations
@@ -10,23 +10,10 @@ from dataclasses import dataclass
 
 from autotune.costing.whole_prefill import DecoderShape
 from autotune.searching.dense_choice import dense_plan
-from autotune.searching.optimizer import SearchOutcome
+from autotune.searching.optimizer import SearchOutcome, Solution
 from autotune.searching.overlap_choice import Overlapped
 from autotune.searching.prefill_report import whole_prefill_choice
-from autotune.searching.robustness import Robustness, assess
 from autotune.searching.scoring import Scorer
-from runtime.errors import NpumoeError
-
-IN_FLIGHT = (1, 2)
-
-
-def check_in_flight(in_flight: int, engine: str) -> None:
-    """`--in-flight`: 1 or 2, and 2 only for the spine that runs it (`--engine mlx`)."""
-    if in_flight not in IN_FLIGHT:
-        raise NpumoeError(f"--in-flight {in_flight}: give 1 (one chunk at a time) or 2 (two chunks in flight)")
-    if in_flight > 1 and engine != "mlx":
-        raise NpumoeError(f"--in-flight {in_flight}: two chunks in flight run on the MLX spine only; give "
-                          "--engine mlx")
 
 
 @dataclass
@@ -39,6 +26,11 @@ class Flight:
     @property
     def chunk_tokens(self) -> int:
         return self.chosen.candidate.chunk
+
+    @property
+    def solution(self) -> Solution:
+        """The experts' solution (the search's pick from here on)."""
+        return self.chosen.candidate.solution
 
     def dense(self, shape: DecoderShape) -> dict | None:
         """The plan's `dense` field: the dense half as the schedule placed it."""
@@ -56,12 +48,6 @@ class Flight:
 
 
 def choose_flight(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                  robustness: Robustness, pick_only: bool) -> tuple[Flight, Robustness]:
-    """The schedule's choice for two chunks in flight, its experts made the search's pick (`outcome.best`); the
-    robustness of that pick (assessed again where the schedule chose other experts)."""
-    whole, chosen = whole_prefill_choice(outcome, scorer, shape, prompt_tokens, 2, pick_only=pick_only)
-    sol = chosen.candidate.solution
-    if sol is not outcome.best:
-        outcome.best = sol
-        robustness = assess(outcome, scorer, pick=False)[1]
-    return Flight(whole, chosen), robustness
+                  pick_only: bool) -> Flight:
+    """The schedule's choice for two chunks in flight (`pick_only`: of the search's pick's experts alone)."""
+    return Flight(*whole_prefill_choice(outcome, scorer, shape, prompt_tokens, 2, pick_only=pick_only))
