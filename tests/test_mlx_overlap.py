@@ -123,14 +123,21 @@ def test_the_cpu_beside_the_ane_runs_on_a_lane_of_its_own(q4):
     assert all(f["busy_ms"] > 0 for f in lanes_ms.values())
 
 
-def test_greedy_text_of_generate_is_the_same_in_flight(loaded):
+def test_greedy_text_of_generate_is_the_same_in_flight(loaded, q4):
+    """Two in flight set on the model, or by the plan's `in_flight` (what `runtime.load` reads: `search --in-flight
+    2` writes it): the greedy text of one chunk at a time."""
     ids = _ids(loaded)
     texts = {}
     for n in (1, 2):
         loaded.model.in_flight = n
         texts[n] = generation.generate(loaded, ids, max_tokens=8).text
     loaded.model.in_flight = 1
-    assert texts[1] == texts[2] and texts[1]
+    planned = generation.load(str(q4), loaded.plan.model_copy(update={"in_flight": 2}), engine="mlx", dtype="float32")
+    assert planned.model.in_flight == 2 and loaded.model.in_flight == 1
+    planned.executor.reset()
+    texts["plan"] = generation.generate(planned, ids, max_tokens=8).text
+    assert set(planned.executor.executed().to_json()["lanes"]) >= {"host", "static"}  # it ran in flight
+    assert texts[1] == texts[2] == texts["plan"] and texts[1]
 
 
 def test_in_flight_without_a_plan_on_the_mlx_spine_is_refused_in_one_line(capsys):
