@@ -101,8 +101,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
     p.add_argument("--in-flight", type=int, choices=IN_FLIGHT, default=d.in_flight,
                    help="prefill chunks in flight the plan is chosen for (default 1: one at a time, a chain); 2 (with "
-                        "--engine mlx): the chunk size (uneven where that wins), the dense half and the experts whose "
-                        "schedule of two chunks in flight ends first, as `generate --engine mlx` runs the plan")
+                        "--engine mlx): the chunking (uneven where that wins), the dense half and the experts (the "
+                        "gate's, --measure's or --robust's pick where one chose them) whose schedule of two chunks in "
+                        "flight ends first; the plan's in_flight, which `generate`/`run --engine mlx` run; --measure "
+                        "times the candidates two in flight")
     add_gate_arguments(p, d)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_macs_arguments(p)
