@@ -201,6 +201,8 @@ def search_across_macs(model: str, config: SearchConfig, hosts: list[HostSpec], 
     `hosts`, each layer priced under it on each host's profile, the layers split by those times under each host's
     memory, and the stage plans and `<plan>.pipeline.json` written (autotune/searching/pipeline_search.py); returns
     the pipeline file's content."""
+    if config.in_flight > 1:  # each rank's stage runs one chunk at a time
+        raise NpumoeError(f"--in-flight {config.in_flight} plans one Mac's prefill: not with --macs or --hosts")
     out = Path(config.out) if config.out else default_plan_path(model, config.profile)
     link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
     record = resolve_model(model, config.dtype)

@@ -184,8 +184,6 @@ def run_across_macs(args: argparse.Namespace, config: SearchConfig) -> int:
              [ps.HostSpec(f"mac{i}", config.profile, args.mac_memory_gb) for i in range(args.macs)])
     if len(hosts) < 2:
         raise NpumoeError("--macs: a pipeline needs at least 2 Macs")
-    if config.in_flight > 1:  # each rank's stage runs one chunk at a time
-        raise NpumoeError(f"--in-flight {config.in_flight} plans one Mac's prefill: not with --macs or --hosts")
     out = Path(config.out)
     for path in (*pipeline.search_sidecars(out, config.objective, tradeoff=True), *ps.stage_paths(out, len(hosts))[1],
                  ps.stage_paths(out, len(hosts))[0]):
