@@ -13,6 +13,7 @@ pytest.importorskip("mlx_lm")
 
 from autotune.calibration.traces import save_traces, synthetic_traces  # noqa: E402
 from autotune.cli import main  # noqa: E402
+from autotune.searching.report import format_report  # noqa: E402
 from runtime.loading.model_record import read_model_spec  # noqa: E402
 from runtime.plan import load_plan  # noqa: E402
 
@@ -51,6 +52,10 @@ def test_the_two_in_flight_plan_carries_the_schedules_figures(searched):
     # the same work scheduled two in flight ends no later than the one-at-a-time plan's chain
     assert figure <= one.predicted["predicted_prefill_ms"] * (1 + 1e-12)
     assert two.chunk_tokens == report["chunk_tokens"] and two.chunk_rows == whole.get("chunk_rows")
+    units = whole["predicted_schedule"]["units"]
+    line = next(t for t in format_report(report).splitlines() if "two chunks in flight" in t)
+    assert all(f"{u} busy {v['busy_ms']:.1f}" in line for u, v in units.items())
+    assert not any("two chunks in flight" in t for t in format_report(searched[1]["report"]).splitlines())
 
 
 def _generate(capsys, plan, *extra) -> dict:
