@@ -1,8 +1,8 @@
-"""The pipeline as library functions: describe a model, measure a device, calibrate routing traces, search a plan,
-build its device functions (`build`, from `autotune.build_stage`), run and evaluate a plan. Each `autotune` command
-is a thin argparse front over one of them; they show progress on stderr (tqdm) and notes through the `npumoe`
-logger, never on stdout, and raise `NpumoeError` on bad input. A planned model is loaded by `runtime.load`, the one
-way to load one.
+"""The pipeline as library functions: describe a model, measure a device (`profile_device`, from
+`autotune.profile_stage`), calibrate routing traces, search a plan, build its device functions (`build`, from
+`autotune.build_stage`), run and evaluate a plan. Each `autotune` command is a thin argparse front over one of them;
+they show progress on stderr (tqdm) and notes through the `npumoe` logger, never on stdout, and raise `NpumoeError`
+on bad input. A planned model is loaded by `runtime.load`, the one way to load one.
 
 Outputs are written whole (atomically; a search's plan and its sidecars as one set). Checking that an output can be
 written before the work starts is the caller's (the commands do it, naming their option)."""
@@ -43,12 +43,11 @@ from autotune.costing.whole_prefill import DecoderShape, decoder_shape, priced_o
 from autotune.evaluation.gate import refusal, run_gate
 from autotune.measuring.feedback import add_records, part_factors
 from autotune.measuring.measure import DEFAULT_K, PROMPTS, measure_search
+from autotune.profile_stage import measure_model_shapes, profile_device  # noqa: F401 - re-exported with the others
 from autotune.profiling.model_records import (
-    add_model_records,
     cover_model,
     model_label,
     outside_line,
-    require_measurable,
 )
 from autotune.profiling.profile import (
     Profile,
@@ -56,7 +55,6 @@ from autotune.profiling.profile import (
     host_profile_path,
     load_profile,
     published_note,
-    save_profile,
 )
 from autotune.results import SearchReport
 from autotune.run_stage import (  # noqa: F401 - the run stage, re-exported with the others
@@ -72,6 +70,7 @@ from autotune.searching.config import SearchConfig
 from autotune.searching.cpu_choice import CpuChoice, choose_cpu_storage
 from autotune.searching.dense_choice import DenseChoice, choose_dense
 from autotune.searching.explain import explain
+from autotune.searching.flight_plan import Flight, choose_flight
 from autotune.searching.gate_candidates import gate_candidates, gate_order
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill
@@ -139,43 +138,6 @@ def describe_model(name: str, text: str = DEFAULT_CALIB_TEXT, *, max_tokens: int
     }
 
 
-# --- profile --------------------------------------------------------------------------------------------------------
-def profile_device(backends: list[str] | None = None, *, quick: bool = False, threads: int = 1,
-                   shapes: dict[str, tuple[int, int]] | None = None, clock: str = "auto",
-                   out: str | os.PathLike | None = None, progress: bool = True, model: str | None = None,
-                   dtype: str = "auto") -> Profile:
-    """Measure this host's backends, fit the cost model and save the profile to `out` (default: this host's cache,
-    `host_profile_path()`); returns it with `path` set. With `model`: records at that model's own shapes
-    (`profiling.model_records`), timed in the dtype it computes in (`dtype`, auto resolved here), added to the
-    profile at `out` where one is there (measured on this host), else to a new one measured first."""
-    from autotune.profiling.device import profile_device as measure
-    from autotune.profiling.settings import settings_for
-
-    out = out or host_profile_path()
-    record = resolve_model(model, dtype) if model is not None else None  # a bad model: refused before measuring
-    if model is not None and Path(out).exists():
-        profile = load_profile(out, check_host=False)
-        require_measurable(profile, str(out))
-    else:
-        s = settings_for(quick)
-        if shapes:
-            s = dataclasses.replace(s, shapes=shapes)
-        profile = measure(backends, quick, threads, progress=progress, s=s, clock=clock)
-    profile.path = str(out)
-    if record is not None:
-        profile = measure_model_shapes(profile, record, quick, progress)[0]
-    save_profile(profile, out)
-    return profile
-
-
-def measure_model_shapes(profile: Profile, record: ModelRecord, quick: bool = True,
-                         progress: bool = True) -> tuple[Profile, int, float]:
-    """`profile` with records at the model's own shapes added and refitted (`model_records.add_model_records`);
-    with the records' count and the seconds they took."""
-    return add_model_records(profile, decoder_shape(record), model_label(record.name), quick, progress,
-                             record.compute_dtype)
-
-
 # --- search ---------------------------------------------------------------------------------------------------------
 @dataclass
 class SearchResult:
@@ -239,6 +201,8 @@ def search_across_macs(model: str, config: SearchConfig, hosts: list[HostSpec], 
     `hosts`, each layer priced under it on each host's profile, the layers split by those times under each host's
     memory, and the stage plans and `<plan>.pipeline.json` written (autotune/searching/pipeline_search.py); returns
     the pipeline file's content."""
+    if config.in_flight > 1:  # each rank's stage runs one chunk at a time
+        raise NpumoeError(f"--in-flight {config.in_flight} plans one Mac's prefill: not with --macs or --hosts")
     out = Path(config.out) if config.out else default_plan_path(model, config.profile)
     link = profile_link(load_profile(hosts[0].profile or "host").extra, link_gb_s)  # refused before any search
     record = resolve_model(model, config.dtype)
@@ -350,12 +314,17 @@ def gate_rounds(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice,
     if found.gated is None:
         return found, cpu
     chosen = solutions[found.gated["chosen"]["candidate"]]
-    if chosen is not found.outcome.best:  # the gate passed over the search's pick
+    adopt(found, c, chosen)  # the gate may pass over the search's pick
+    return found, cpu.after_gate(found.gated)
+
+
+def adopt(found: ExpertSearch, c: SearchConfig, chosen: Solution) -> None:
+    """`chosen` made the search's pick where it is another, with its robustness (`--robust`: on the pick's
+    analysis, its candidates compared, its floor)."""
+    if chosen is not found.outcome.best:
         found.outcome.best = chosen
-        # --robust: the gate's plan on the pick's analysis (its candidates compared, its floor)
         found.robustness = reassess(found.outcome, found.robustness, chosen) if c.robust else \
             assess(found.outcome, found.scorer, pick=False)[1]
-    return found, cpu.after_gate(found.gated)
 
 
 def expert_search(inputs: SearchInputs, c: SearchConfig, cpu: CpuChoice, progress: bool) -> ExpertSearch:
@@ -427,7 +396,7 @@ def measure_stage(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch, cp
     def plan_of(sol: Solution) -> Plan:
         return solution_plan(sol, outcome.chunks[sol.chunk_tokens].layers, scorer, spec.to_json(), sol.chunk_tokens,
                              c.saliency, dense=dense_of(outcome, inputs.shape, sol)).model_copy(
-            update={"cpu_weights": cpu.plan_field()})
+            update={"cpu_weights": cpu.plan_field(), "in_flight": c.in_flight if c.in_flight > 1 else None})
 
     outcome.best, measured, trials = measure_search(
         inputs.record, inputs.traces, outcome, scorer, k, plan_of, found.gated, found.gated_solutions,
@@ -441,17 +410,25 @@ def measure_stage(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch, cp
 
 def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
                     cpu: CpuChoice, measured: dict | None = None) -> tuple[Plan, SearchReport]:
-    """The plan of the search's pick with its predicted figures and memory, and the report that describes it."""
+    """The plan of the search's pick with its predicted figures and memory, and the report that describes it; with
+    `in_flight` 2, of the schedule's choice (`flight_plan`: the experts kept where the gate, `--measure` or
+    `--robust` chose them)."""
+    flight = None
+    if c.in_flight > 1:
+        flight = choose_flight(found.outcome, found.scorer, inputs.shape, inputs.prompt,
+                               bool(found.gated or measured or c.robust))
+        adopt(found, c, flight.solution)
     outcome = found.outcome
     layers = outcome.chunks[outcome.best.chunk_tokens].layers
-    figures = _figures(inputs, c, found)
+    figures = _figures(inputs, c, found, flight)
     predicted = {k: figures[k] for k in ("predicted_latency_ms", "predicted_energy_mj", "heldout_drop_rate",
                                          "predicted_cpu_ms_per_token", "predicted_prefill_ms", "predicted_parts_ms")}
     predicted["label"] = f"predicted by the cost model of profile {inputs.profile_name} ({inputs.cache_state})"
-    plan = solution_plan(outcome.best, layers, found.scorer, inputs.record.spec.to_json(), outcome.best.chunk_tokens,
+    predicted |= flight.predicted() if flight else {}
+    plan = solution_plan(outcome.best, layers, found.scorer, inputs.record.spec.to_json(), figures["chunk_tokens"],
                          c.saliency, predicted, _plan_meta(inputs, c, found),
-                         dense=dense_of(outcome, inputs.shape, outcome.best)).model_copy(
-        update={"cpu_weights": cpu.plan_field()})
+                         dense=flight.dense(inputs.shape) if flight else dense_of(outcome, inputs.shape, outcome.best)
+                         ).model_copy(update={"cpu_weights": cpu.plan_field(), **(flight.fields() if flight else {})})
     memory = predict_memory(plan, inputs.size, inputs.prompt)
     if c.memory_gb is not None and memory.total > c.memory_gb * 1e9:
         raise NpumoeError(f"--memory-gb {c.memory_gb:g}: the best plan within the drop budget needs "
@@ -462,11 +439,13 @@ def plan_and_report(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch,
                               explanation=explain(plan, layers, found.cost, found.backend))
 
 
-def _figures(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch) -> dict:
+def _figures(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch, flight: Flight | None = None) -> dict:
     """The report's predicted figures: the pick's and the baselines' per chunk over the MoE layers, the whole
-    prefill of one prompt, and the parts priced past the profile's records (said in one line)."""
-    outcome, chunk = found.outcome, found.outcome.best.chunk_tokens
-    layers = outcome.chunks[chunk].layers
+    prefill of one prompt (`flight`'s: two chunks in flight), and the parts priced past the profile's records (said
+    in one line)."""
+    outcome = found.outcome
+    layers = outcome.chunks[outcome.best.chunk_tokens].layers
+    chunk = flight.chunk_tokens if flight else outcome.best.chunk_tokens
     context = {"plan": str(inputs.out), "profile": inputs.profile_name, "static_backend": found.backend,
                "traces": inputs.traces_path, "objective": c.objective, "drop_budget": c.drop_budget,
                "chunk_tokens": chunk, "prompt_tokens": inputs.prompt, "chunks_searched": inputs.chunks,
@@ -475,7 +454,7 @@ def _figures(inputs: SearchInputs, c: SearchConfig, found: ExpertSearch) -> dict
     figures = search_report(outcome, layers[0].calib_chunks, sum(int(d.heldout.sum()) for d in layers),
                             found.seconds, context)
     add_cpu_figures(figures, outcome, layers, found.cost.host.pack is not None)
-    whole = whole_prefill(outcome, found.scorer, inputs.shape, inputs.prompt)
+    whole = flight.whole if flight else whole_prefill(outcome, found.scorer, inputs.shape, inputs.prompt)
     outside = priced_outside(found.cost, inputs.shape, inputs.prompt, chunk, found.backend)
     line = outside_line(inputs.profile, inputs.profile_name, model_label(inputs.record.name), outside,
                         not c.no_measure, inputs.record.compute_dtype)

@@ -25,7 +25,7 @@ from autotune.evaluation.host_speed import host_speed
 from autotune.evaluation.run_parts import measure_parts, plan_predictions, plan_profile, predict_parts
 from autotune.results import EvaluateResult, RunResult, TasksResult
 from runtime.backends import registry
-from runtime.engines import resolve_engine, torch_only
+from runtime.engines import check_in_flight, resolve_engine, torch_only
 from runtime.errors import NpumoeError
 from runtime.generation import Loaded, context_positions, load, prompt_ids
 from runtime.loading.checkpoints import check_token_ids
@@ -64,21 +64,24 @@ def _planned(model: str, plan: str | os.PathLike, package: str | None, dtype: st
 def run_plan(model: str, plan: str | os.PathLike, *, text: str = DEFAULT_EVAL_TEXT, max_tokens: int = 1024,
              prompt_tokens: int | None = None, package: str | None = None, dtype: str = "auto",
              reference: bool = False, repeat: int = 1, record_traces: str | os.PathLike | None = None,
-             cpu_weights: str | None = None, engine: str = "torch", cluster: object | None = None) -> RunResult:
+             cpu_weights: str | None = None, engine: str = "torch", cluster: object | None = None,
+             in_flight: int | None = None) -> RunResult:
     """Prefill the first `max_tokens` tokens of `text` under the plan (as prompts of `prompt_tokens`, default one
     prompt), timed as the median of `repeat` runs: run statistics, backend fallbacks, the drift monitor's verdict,
     the measured energy of backends that measure their calls (`energy_per_backend`, of the last run), and with
     `reference` the unmodified model's latency and the logits' max relative difference (`.to_json()`: what
     `autotune run --json` prints). `record_traces`: also write the routing the plan saw there as traces. `engine`:
     the spine (`runtime.engines`; mlx: `autotune.spine_run`). `cluster`: under `mlx.launch`, this rank's part
-    (`runtime.mlx.cluster.ClusterSpec`), run on the MLX spine."""
+    (`runtime.mlx.cluster.ClusterSpec`), run on the MLX spine. `in_flight`: the prefill's chunks in flight on the
+    MLX spine (None: the plan's; `runtime.engines.set_in_flight`)."""
     p = load_plan(plan)
     needs_torch = "--record-traces" if record_traces else torch_only(p, cpu_weights)
     if resolve_engine("mlx" if cluster is not None else engine, p, needs_torch) == "mlx":
         from autotune.spine_run import run_on_mlx
 
         return run_on_mlx(model, plan, text=text, max_tokens=max_tokens, prompt_tokens=prompt_tokens, dtype=dtype,
-                          reference=reference, repeat=repeat, package=package, cluster=cluster)
+                          reference=reference, repeat=repeat, package=package, cluster=cluster, in_flight=in_flight)
+    check_in_flight(in_flight, "torch", True)
     loaded, ids = _planned(model, plan, package, dtype, text, max_tokens, prompt_tokens, cpu_weights)
     executor, chunk = loaded.executor, loaded.plan.chunk_tokens
     n = int(ids.numel())

@@ -52,3 +52,18 @@ def resolve_engine(engine: str, plan: Plan | None, needs_torch: str | None = Non
     if engine == "mlx" and not mlx_importable():
         raise NpumoeError("--engine mlx needs mlx and mlx-lm (pip install mlx-lm); or use --engine torch")
     return engine
+
+
+def check_in_flight(in_flight: int | None, engine: str, planned: bool) -> None:
+    """`--in-flight` above 1 only for a plan (`planned`) on the MLX spine (`engine`: the spine that runs it)."""
+    if (in_flight or 1) > 1 and (engine != "mlx" or not planned):
+        raise NpumoeError(f"--in-flight {in_flight} runs a plan's prefill on the MLX spine: give --plan and "
+                          "--engine mlx")
+
+
+def set_in_flight(loaded: object, in_flight: int | None) -> None:
+    """`--in-flight` on a loaded model (`runtime.generation.Loaded`): its prefill's chunks in flight
+    (`check_in_flight`); None: as loaded (the plan's `in_flight` on the MLX spine, one at a time on torch's)."""
+    check_in_flight(in_flight, loaded.engine, loaded.plan is not None)
+    if in_flight is not None and loaded.engine == "mlx":
+        loaded.model.in_flight = in_flight

@@ -111,14 +111,14 @@ def load(model: str, plan: str | os.PathLike | Plan | None = None, package: str 
 
 def _load_mlx(model: str, plan: Plan | None, path: str, dtype: str, package: str | None) -> Loaded:
     """`load` on the MLX spine (`runtime.mlx.spine`): mlx-lm's own model of the folder, the plan installed on it
-    (with `package`'s backend, bound as on the torch spine)."""
+    (with `package`'s backend, bound as on the torch spine), prefilling with the plan's `in_flight` chunks in flight."""
     from runtime.mlx.spine import MlxSpine
     from runtime.mlx.spine_generation import SpineModel
     from runtime.mlx.spine_loading import load_mlx_model
 
     m, tokenizer, folder = load_mlx_model(model, dtype)
     spine = MlxSpine(m, plan, folder, plan_path=path, package=package).install() if plan is not None else None
-    return Loaded(SpineModel(m, folder, spine), tokenizer, plan, spine, engine="mlx")
+    return Loaded(SpineModel(m, folder, spine, (plan and plan.in_flight) or 1), tokenizer, plan, spine, engine="mlx")
 
 
 def chat_prompt(tokenizer: object, prompt: str | list[dict]) -> str | None:

@@ -215,6 +215,9 @@ class Plan(_Strict):
     # optional: an uneven chunking, a prompt's first chunks' rows in order, each at most chunk_tokens (the static
     # functions' rows), then chunks of chunk_tokens past them (absent: chunks of chunk_tokens throughout)
     chunk_rows: list[PositiveInt] | None = None
+    # optional: the prefill chunks in flight the plan was chosen for (runtime/mlx/overlap.py; the MLX spine runs it
+    # so unless told otherwise, the torch spine one at a time); absent: 1
+    in_flight: Annotated[StrictInt, Field(ge=1, le=2)] | None = None
     overflow: Literal[OVERFLOW_POLICIES]
     saliency: Literal[SALIENCY_RULES]
     layers: list[LayerPlan] = Field(min_length=1)

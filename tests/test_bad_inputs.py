@@ -305,6 +305,13 @@ CASES = [
     ("search-gate-tokens-before-calibrating", ["search", "--model", "tiny-moe", "--profile",
                                                "apple-m2-ultra-published", "--gate-tokens", "1"],
      "smallest chunk searched (256 tokens)"),  # refused before the traces it lacks are made
+    *[(f"search-in-flight-{n}", ["search", *M, "--in-flight", n], "--in-flight") for n in ("0", "3")],
+    ("search-in-flight-without-mlx", [*P, "--in-flight", "2"], "--in-flight 2: two chunks in flight run on the MLX "
+                                                               "spine only; give --engine mlx"),
+    ("search-in-flight-across-macs", [*P, "--engine", "mlx", "--in-flight", "2", "--macs", "2"],
+     "--in-flight 2 plans one Mac's prefill: not with --macs or --hosts"),
+    ("run-in-flight-on-torch", ["run", "--model", "tiny-moe", "--plan", "{tiny_plan}", "--engine", "torch",
+                                "--in-flight", "2"], "--in-flight 2 runs a plan's prefill on the MLX spine"),
     ("no-command", [], "required"),
     ("unknown-option", ["search", *M, "--trails", "5"], "unrecognized"),
 ]

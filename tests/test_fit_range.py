@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import SHAPES, TRUE, synthetic_records
 
-from autotune import pipeline
+from autotune import pipeline, profile_stage
 from autotune.costing.costmodel import BackendModel
 from autotune.costing.dense_prices import attention_work
 from autotune.costing.fit_range import describe_parts, fit_ranges, reach
@@ -141,9 +141,9 @@ def test_model_records_merge_into_the_profile_replacing_the_model_s_earlier_ones
         again.measured_by = "published figures"
         model_records.require_measurable(again, "p.json")
     # profile-device --model adds to the profile at --out
-    monkeypatch.setattr(pipeline, "resolve_model", lambda m, d: type("R", (), {"name": m,
+    monkeypatch.setattr(profile_stage, "resolve_model", lambda m, d: type("R", (), {"name": m,
                                                                             "compute_dtype": torch.float32})())
-    monkeypatch.setattr(pipeline, "decoder_shape", lambda record: SMALL)
+    monkeypatch.setattr(profile_stage, "decoder_shape", lambda record: SMALL)
     out = pipeline.profile_device(model="small", out=prof.path, progress=False)
     assert out.settings["models"].keys() == {"phi", "small"} and timed[-1][:2] == (1024, "small")
 

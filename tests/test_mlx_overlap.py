@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from helpers import ROOT, convert_to_mlx, one_line_exit_2  # noqa: E402
 from autotune.searching.templates import template_plan  # noqa: E402
 from runtime import generation  # noqa: E402
 from runtime.loading.model_record import read_model_spec  # noqa: E402
-from runtime.mlx.overlap import Lanes  # noqa: E402
+from runtime.mlx.overlap import KvOrder, Lanes, run_in_flight  # noqa: E402
 from runtime.mlx.spine_generation import last_logits, prefill_forwards  # noqa: E402
 from runtime.plan import DenseFunction, DenseLayer, DensePlan, Group, LayerPlan  # noqa: E402
 
@@ -123,14 +124,48 @@ def test_the_cpu_beside_the_ane_runs_on_a_lane_of_its_own(q4):
     assert all(f["busy_ms"] > 0 for f in lanes_ms.values())
 
 
-def test_greedy_text_of_generate_is_the_same_in_flight(loaded):
+def test_greedy_text_of_generate_is_the_same_in_flight(loaded, q4):
+    """Two in flight set on the model, or by the plan's `in_flight` (what `runtime.load` reads: `search --in-flight
+    2` writes it): the greedy text of one chunk at a time."""
     ids = _ids(loaded)
     texts = {}
     for n in (1, 2):
         loaded.model.in_flight = n
         texts[n] = generation.generate(loaded, ids, max_tokens=8).text
     loaded.model.in_flight = 1
-    assert texts[1] == texts[2] and texts[1]
+    planned = generation.load(str(q4), loaded.plan.model_copy(update={"in_flight": 2}), engine="mlx", dtype="float32")
+    assert planned.model.in_flight == 2 and loaded.model.in_flight == 1
+    planned.executor.reset()
+    texts["plan"] = generation.generate(planned, ids, max_tokens=8).text
+    assert set(planned.executor.executed().to_json()["lanes"]) >= {"host", "static"}  # it ran in flight
+    assert texts[1] == texts[2] == texts["plan"] and texts[1]
+
+
+def test_a_failing_chunk_ends_the_prefill_with_its_error():
+    """A chunk's forward that raises (MLX's CPU device refusing an op, say) ends the prefill with its error: the
+    next chunk, waiting for its keys and values, gives up rather than waiting forever."""
+    lanes = Lanes()
+    order = KvOrder(lanes)
+
+    def first():
+        raise ValueError("the first chunk's error")
+
+    def second():
+        order.wait(0, 1)  # layer 0's keys and values of chunk 0: never written
+        return "unreachable"
+
+    got = []
+
+    def prefill():
+        try:
+            run_in_flight([first, second], lanes)
+        except Exception as e:  # noqa: BLE001 - the test reads which
+            got.append(e)
+
+    thread = threading.Thread(target=prefill, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and len(got) == 1 and str(got[0]) == "the first chunk's error"
 
 
 def test_in_flight_without_a_plan_on_the_mlx_spine_is_refused_in_one_line(capsys):

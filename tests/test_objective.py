@@ -11,12 +11,14 @@ from autotune.costing.whole_prefill import DecoderShape
 from autotune.profiling.profile import load_profile
 from autotune.searching.bound_report import priced_bounds
 from autotune.searching.dense_choice import choose_dense
+from autotune.searching.flight_plan import Flight
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import PLAN_ROWS, WholePrefill
-from autotune.searching.optimizer import ranked_solutions, run_search, solution
-from autotune.searching.prefill_report import whole_prefill
+from autotune.searching.optimizer import ranked_solutions, run_search, solution, solution_plan
+from autotune.searching.prefill_report import pick_candidates, whole_prefill, whole_prefill_choice
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, layer_space
+from runtime.plan import plan_from_json
 
 GPU = "mlx-exact"
 SPEC = dict(architecture="synthetic", model_type="qwen3_moe", num_layers=2, moe_layers=[0, 1], num_experts=8,
@@ -116,16 +118,16 @@ def test_no_baseline_plan_is_predicted_faster_than_the_plan(profile, chunk_promp
             assert report["vs"][name]["latency"] >= 1.0 - 1e-12, name
 
 
-def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy():
-    """Two chunks in flight on the published M2 Ultra profile (the CPU a third unit): `by_chunk` has the chunk sizes
-    it priced and two uneven two-chunk splits (`half_chunks` the same as half-chunks, `half_chunk` their fastest); the
-    plan is the fastest whole-chunk one within the cap (what the runtime runs), at no more than mlx-gpu's energy, and
-    ends no earlier than the priced bound at its chunk size; each unit's busy and idle ms add up to its row's
-    latency."""  # a size whose chain is past 1.5x the best's is not priced
-    cost, prompt = load_profile("apple-m2-ultra-published").cost_model, 2048
-    spec = {**SPEC, "num_layers": 4, "moe_layers": [0, 1, 2, 3], "num_experts": 16}
-    shape = dataclasses.replace(SHAPE, num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=16)
-    traces = synthetic_traces(spec, 4, prompt, skew=1.2, seed=5, tokens=True)
+M2_PROMPT = 2048
+M2_SPEC = {**SPEC, "num_layers": 4, "moe_layers": [0, 1, 2, 3], "num_experts": 16}
+M2_SHAPE = dataclasses.replace(SHAPE, num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=16)
+
+
+@pytest.fixture(scope="module")
+def m2_search():
+    """The search's outcome on the published M2 Ultra profile, 512- and 1,024-token chunks of 2,048-token prompts."""
+    cost, prompt, shape = load_profile("apple-m2-ultra-published").cost_model, M2_PROMPT, M2_SHAPE
+    traces = synthetic_traces(M2_SPEC, 4, prompt, skew=1.2, seed=5, tokens=True)
     workloads = {c: LayerData.from_traces(traces, c, prompt) for c in (512, 1024)}
     scorer = Scorer(cost, 256, 128, "ane", 1e9)
     prompts = float(next(iter(workloads.values()))[0].tokens.sum()) / prompt
@@ -135,7 +137,19 @@ def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy(
 
     out = run_search(workloads, scorer, layer_space(16, split_exact=scorer.splits_exact), trials=0, progress=False,
                      dense=dense, whole=WholePrefill(shape, prompt))
-    report = whole_prefill(out, scorer, shape, prompt, in_flight=2)
+    return out, scorer
+
+
+def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy(m2_search):
+    """Two chunks in flight on the published M2 Ultra profile (the CPU a third unit): `by_chunk` has the chunk sizes
+    it priced and two uneven two-chunk splits (`half_chunks` the same as half-chunks, `half_chunk` their fastest); the
+    plan is the fastest whole-chunk one within the cap (what the runtime runs), at no more than mlx-gpu's energy, and
+    ends no earlier than the priced bound at its chunk size; each unit's busy and idle ms add up to its row's
+    latency. The plan `search --in-flight 2` writes of it (`flight_plan.Flight`) says the schedule's chunking,
+    dense half and figures, and ends no later than the search's plan as a chain."""
+    # a size whose chain is past 1.5x the best's is not priced
+    (out, scorer), prompt, shape = m2_search, M2_PROMPT, M2_SHAPE
+    report, chosen = whole_prefill_choice(out, scorer, shape, prompt, in_flight=2)
     rows = report["by_chunk"]
     equal = {c: r for c, r in rows.items() if "+" not in c}  # the others: two uneven chunks (`uneven_pairs`)
     assert set(equal) <= {"512", "1024"} and "1024" in equal and len(rows) - len(equal) == 2
@@ -165,3 +179,27 @@ def test_two_in_flight_gives_each_chunk_sizes_best_within_the_gpu_alones_energy(
     for r in rows.values():
         for unit in r["units"].values():
             assert unit["busy_ms"] + unit["idle_ms"] == pytest.approx(r["predicted_prefill_ms"], rel=1e-6)
+    flight = Flight(report, chosen)
+    plan = plan_from_json(solution_plan(flight.solution, out.chunks[flight.solution.chunk_tokens].layers, scorer,
+                                        M2_SPEC, flight.chunk_tokens, dense=flight.dense(shape),
+                                        predicted=flight.predicted()).model_copy(update=flight.fields()).to_json())
+    assert plan.in_flight == 2 and plan.chunk_tokens == report["chunk_tokens"]
+    assert plan.chunk_rows == report.get("chunk_rows") and (plan.chunk_rows is None or sum(plan.chunk_rows) == prompt)
+    place = report["dense_placement"]
+    assert plan.dense.exact == place["host"] == GPU
+    assert {f for dl in plan.dense.layers for f in ("qkv", "o_proj", "attention", "mlp") if getattr(dl, f)} == {
+        f for f in ("qkv", "o_proj", "attention", "mlp") if place[f]}
+    assert plan.predicted["predicted_schedule"] == report["predicted_schedule"]
+    assert report["predicted_prefill_ms"] == chosen.prediction.latency_ms <= report["one_in_flight_ms"] * (1 + 1e-12)
+
+
+def test_two_in_flight_after_the_gate_keeps_the_picks_experts(m2_search):
+    """Where the gate (or --measure, --robust) chose the pick's experts, two chunks in flight weigh those alone (with
+    their CPU tail and without): the schedule chooses their chunking and dense half only."""
+    out, scorer = m2_search
+    cands = pick_candidates(out, scorer, M2_SHAPE, M2_PROMPT)
+    assert cands[0].solution is out.best and cands[0].chunk == out.best.chunk_tokens
+    assert len(cands) == 1 + any(c.cpu_tail for c in out.best.configs)
+    for c in cands:
+        assert [dataclasses.replace(x, cpu_tail=0) for x in c.solution.configs] == [
+            dataclasses.replace(x, cpu_tail=0) for x in out.best.configs]

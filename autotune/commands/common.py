@@ -53,6 +53,13 @@ def add_engine_argument(p: argparse.ArgumentParser) -> None:
                         "where mlx imports and the plan places anything on MLX, torch otherwise)")
 
 
+def add_in_flight_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--in-flight", type=int, choices=(1, 2), default=None,
+                   help="prefill chunks in flight on the MLX spine (default: the plan's `in_flight`, 1 where it says "
+                        "none): 2 runs one chunk's static calls while the other chunk's MLX work runs (same logits; "
+                        "executed gains each lane's busy and wait ms)")
+
+
 def add_text_argument(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--text", default=default, metavar="F",
                    help=f"a UTF-8 text file or a built-in text name (default: {default})")

@@ -21,6 +21,7 @@ from autotune.commands.common import (
     add_cpu_weights_argument,
     add_dtype_argument,
     add_engine_argument,
+    add_in_flight_argument,
     add_model_argument,
     add_package_argument,
     add_threads_argument,
@@ -32,6 +33,7 @@ from autotune.commands.common import (
 from autotune.costing.cpu_storage import load_options
 from autotune.costing.memory import against_measured, simulated_functions
 from autotune.evaluation.run_parts import plan_predictions
+from runtime.engines import check_in_flight, set_in_flight
 from runtime.errors import NpumoeError
 from runtime.generation import DEFAULT_MAX_TOKENS, generate, load
 
@@ -68,9 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (figures and text) instead of streaming the text; under mlx.launch "
                         "every rank prints its own, with its `rank` and `layers`")
-    p.add_argument("--in-flight", type=int, choices=(1, 2), default=1,
-                   help="prefill chunks in flight on the MLX spine (default 1): 2 runs one chunk's static calls while "
-                        "the other chunk's MLX work runs (same logits; executed gains each lane's busy and wait ms)")
+    add_in_flight_argument(p)
     add_cluster_arguments(p)
     p.set_defaults(func=run)
 
@@ -89,14 +89,13 @@ def run(args: argparse.Namespace) -> int:
                           "under mlx.launch")
     apply_threads(args.threads)
     engine = "torch" if args.record_traces and args.engine == "auto" else args.engine
+    if engine != "auto":  # before the model loads (auto is resolved as it loads)
+        check_in_flight(args.in_flight, engine, bool(args.plan))
     if args.record_traces and engine == "mlx":
         raise NpumoeError("--engine mlx: --record-traces runs on the torch spine only; use --engine torch")
     loaded = load(args.model, args.plan, args.package, args.dtype, **load_options(args.cpu_weights), engine=engine,
                   cluster=cluster)
-    if args.in_flight > 1:
-        if loaded.engine != "mlx" or not loaded.plan:
-            raise NpumoeError("--in-flight 2 runs a plan's prefill on the MLX spine: give --plan and --engine mlx")
-        loaded.model.in_flight = args.in_flight
+    set_in_flight(loaded, args.in_flight)
     if args.record_traces:
         pipeline.check_prompt_recordable(loaded, prompt, chat=args.chat)
     answers = cluster is None or cluster.rank == 0  # across Macs every rank computes the text; rank 0 shows it

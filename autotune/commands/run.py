@@ -6,7 +6,14 @@ import argparse
 from autotune import pipeline
 from autotune.calibration.texts import DEFAULT_EVAL_TEXT
 from autotune.commands.argtypes import output_file, positive_int
-from autotune.commands.common import add_cluster_arguments, add_planned_arguments, apply_threads, cluster_of, print_json
+from autotune.commands.common import (
+    add_cluster_arguments,
+    add_in_flight_argument,
+    add_planned_arguments,
+    apply_threads,
+    cluster_of,
+    print_json,
+)
 
 DEFAULT_TEXT = DEFAULT_EVAL_TEXT
 
@@ -25,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--record-traces", type=output_file(), metavar="T",
                    help="write the routing the planned run saw as traces (npumoe.traces/1, every 5th chunk held "
                         "out) for `autotune search --traces T`")
+    add_in_flight_argument(p)
     add_cluster_arguments(p)
     p.set_defaults(func=run)
 
@@ -35,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     result = pipeline.run_plan(args.model, args.plan, text=args.text, max_tokens=args.max_tokens,
                                prompt_tokens=args.prompt_tokens, package=args.package, dtype=args.dtype,
                                reference=args.reference, repeat=args.repeat, record_traces=args.record_traces,
-                               cpu_weights=args.cpu_weights, engine=args.engine, cluster=cluster)
+                               cpu_weights=args.cpu_weights, engine=args.engine, cluster=cluster,
+                               in_flight=args.in_flight)
     if args.json:
         print_json(result.to_json())
     else:

@@ -29,7 +29,7 @@ from autotune.commands.common import (
     print_json,
 )
 from autotune.evaluation import gate
-from autotune.searching.config import DEFAULTS, SearchConfig
+from autotune.searching.config import DEFAULTS, IN_FLIGHT, SearchConfig
 from autotune.searching.gate_candidates import ROUNDS
 from autotune.searching.optimizer import OBJECTIVES
 from autotune.searching.report import format_report
@@ -99,6 +99,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the spine the plan is searched for: mlx prices the plan's exact path and the dense half on "
                         "mlx-exact, from the profile's mlx-exact records wherever they ran (MLX's CPU device off a "
                         "Mac), as `run --engine mlx` runs them; torch or auto (default): the profile's exact path")
+    p.add_argument("--in-flight", type=int, choices=IN_FLIGHT, default=d.in_flight,
+                   help="prefill chunks in flight the plan is chosen for (default 1: one at a time, a chain); 2 (with "
+                        "--engine mlx): the chunking (uneven where that wins), the dense half and the experts (the "
+                        "gate's, --measure's or --robust's pick where one chose them) whose schedule of two chunks in "
+                        "flight ends first; the plan's in_flight, which `generate`/`run --engine mlx` run; --measure "
+                        "times the candidates two in flight")
     add_gate_arguments(p, d)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_macs_arguments(p)

@@ -15,6 +15,17 @@ from runtime.plan import COMPRESSIONS
 DEFAULT_COMPRESS_GATED = COMPRESSIONS  # with the gate: every storage, a group kept compressed only where it holds
 DEFAULT_COMPRESS_UNGATED = ("none",)  # without it: fp16, as nothing measures what compression costs
 
+IN_FLIGHT = (1, 2)  # prefill chunks in flight a plan may be chosen for (runtime/mlx/overlap.py runs 2)
+
+
+def check_in_flight(in_flight: int, engine: str) -> None:
+    """`--in-flight`: 1 or 2, and 2 only for the spine that runs it (`--engine mlx`)."""
+    if in_flight not in IN_FLIGHT:
+        raise NpumoeError(f"--in-flight {in_flight}: give 1 (one chunk at a time) or 2 (two chunks in flight)")
+    if in_flight > 1 and engine != "mlx":
+        raise NpumoeError(f"--in-flight {in_flight}: two chunks in flight run on the MLX spine only; give "
+                          "--engine mlx")
+
 
 @dataclass(frozen=True)
 class SearchConfig:
@@ -47,8 +58,10 @@ class SearchConfig:
     backend: str | None = None  # pins the static backend the plan's groups name (None: chosen, backend_choice)
     engine: str = "auto"  # mlx: the plan's exact path and dense host are mlx-exact (run on the MLX spine)
     measure: int | None = None  # candidates timed on this host after the gate (None: 8 on a profile measured here)
+    in_flight: int = 1  # prefill chunks in flight the plan is chosen for (2: --engine mlx; searching/flight_plan.py)
 
     def __post_init__(self) -> None:
+        check_in_flight(self.in_flight, self.engine)
         if self.cpu_weights is not None:
             parse_storage(self.cpu_weights)
         if self.compress is not None:

@@ -50,6 +50,7 @@ class Candidate:
     resident_bytes: float = 0.0
     baseline: str | None = None
     rows: tuple[int, ...] = ()  # an uneven chunking (`whole_prefill.prompt_chunks`); (): chunks of `chunk`
+    solution: Solution | None = None  # the search's solution whose experts these are (what a plan of it writes)
 
     @property
     def key(self) -> tuple[int, tuple[int, ...]]:

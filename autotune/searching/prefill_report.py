@@ -73,7 +73,18 @@ def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, sh
     experts = with_steps(expert_figures(sol, prompts), expert_steps(sol, layers, scorer, prompts))
     return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
                      lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
-                     sol.baseline)
+                     sol.baseline, solution=sol)
+
+
+def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int
+                    ) -> list[Candidate]:
+    """For two chunks in flight where the search's pick's experts are fixed (the fidelity gate, `--measure` or
+    `--robust` chose them): the pick as it is and without its CPU tail (`bound_seed.tail_free`: a tail's experts are
+    exact either way), the schedule choosing their chunking and dense half."""
+    sol = outcome.best
+    layers = outcome.chunks[sol.chunk_tokens].layers
+    return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens))
+            for s in (sol, *tail_free([sol], layers, scorer))]
 
 
 def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
@@ -102,6 +113,13 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
 
 def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
                   in_flight: int = 1, timeline: str | None = None) -> dict:
+    """`whole_prefill_choice`'s figures."""
+    return whole_prefill_choice(outcome, scorer, shape, prompt_tokens, in_flight, timeline)[0]
+
+
+def whole_prefill_choice(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                         in_flight: int = 1, timeline: str | None = None, pick_only: bool = False
+                         ) -> tuple[dict, Overlapped | None]:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time, and `candidate`: whether it is a plan the search weighed, `objective.PLAN_ROWS`),
     `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the plan's is 0),
@@ -117,7 +135,8 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     `by_chunk`: each chunk size's best so (`overlap_choice.best_by_chunk`), `half_chunks` the same as half-chunks and
     `half_chunk` the fastest of those (`executable_json`: not the plan, the runtime does not run it);
     `one_in_flight_ms`: the search's plan as a chain; `timeline`: a PNG of its schedule's first two layers
-    (`schedule.timeline_chart`)."""
+    (`schedule.timeline_chart`); `pick_only`: of the experts, the search's pick's alone (`pick_candidates`). With the
+    figures, the schedule chosen (what a plan of it writes; None with `in_flight` 1)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
@@ -130,11 +149,11 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     base = {name: whole.price(sol, at if name == "experts-only" else layers, scorer) for name, sol in rows.items()}
     candidate = {name: whole.is_plan(sol, at if name == "experts-only" else layers, scorer, outcome.drop_budget)
                  for name, sol in rows.items()}
-    place, plan_is, one = placement(outcome.best, choice, host_of(scorer)), outcome.best.baseline, {}
+    place, plan_is, one, runs = placement(outcome.best, choice, host_of(scorer)), outcome.best.baseline, {}, None
     roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
-        cands = overlap_candidates(outcome, scorer, shape, prompt_tokens)
+        cands = (pick_candidates if pick_only else overlap_candidates)(outcome, scorer, shape, prompt_tokens)
         seeds = LpSeeds(outcome, scorer, shape, prompt_tokens, cap, in_flight)
         by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, seeds=seeds)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
@@ -157,7 +176,7 @@ def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
                                   for name, b in base.items()},
             "vs": vs,
             "over_roofline_whole": plan.latency_ms / roof if roof else None,
-            "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}
+            "tradeoff": tradeoff(outcome, scorer, shape, prompt_tokens)}, runs
 
 
 WHOLE = "the fastest schedule the runtime runs (whole chunks, the plan), predicted"

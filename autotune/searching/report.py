@@ -97,9 +97,19 @@ def format_whole_prefill(w: dict) -> list[str]:
     said = (f"; the plan is the {w['plan_is']} row" if w.get("plan_is") else "") + (
         f"; reference rows (not plans the search could write): {', '.join(refs)}" if refs else "")
     return [f"whole prefill of one {w['prompt_tokens']}-token prompt (predicted): {w['predicted_prefill_ms']:.1f} ms = "
-            f"{parts}; dense functions: {where}",
+            f"{parts}; dense functions: {where}", *in_flight_lines(w),
             *core, f"  baselines' latency over the plan's: {vs}; over the roofline {times(w['over_roofline_whole'])}"
                    f"{said}"]
+
+
+def in_flight_lines(w: dict) -> list[str]:
+    """With two chunks in flight: the schedule's chunking and each unit's busy and idle ms, against the chain."""
+    if w.get("in_flight", 1) < 2:
+        return []
+    rows = "+".join(map(str, w["chunk_rows"])) if w.get("chunk_rows") else f"chunks of {w['chunk_tokens']}"
+    units = ", ".join(f"{u} busy {v['busy_ms']:.1f} / idle {v['idle_ms']:.1f} ms"
+                      for u, v in w["predicted_schedule"]["units"].items())
+    return [f"  two chunks in flight ({rows}): {units}; the search's pick as a chain {w['one_in_flight_ms']:.1f} ms"]
 
 
 def core_reads(place: dict, chunk: int) -> str:

@@ -47,6 +47,7 @@ class Lanes:
         self.static_locks = {"static": threading.Lock()}  # a lane -> its lock: one call at a time on each unit
         self.local = threading.local()
         self.busy = {"host": 0.0, "static": 0.0}
+        self.aborts: list[Callable[[], None]] = []  # called when a chunk's forward fails (`abort`)
         self.since = 0.0
         self.start = self.end = time.perf_counter()
 
@@ -130,6 +131,11 @@ class Lanes:
                 return fn(rows)
         return call
 
+    def abort(self) -> None:
+        """A chunk's forward failed: whatever waits on it gives up (`KvOrder`), so its error ends the prefill."""
+        for fn in self.aborts:
+            fn()
+
     def figures(self) -> dict[str, dict[str, float]]:
         """Each lane's busy ms and wait ms (the prefill's wall less its busy time), measured."""
         wall = (self.end - self.start) * 1e3
@@ -142,14 +148,22 @@ class KvOrder:
     that layer's (`done`)."""
 
     def __init__(self, lanes: Lanes) -> None:
-        self.lanes, self.cond, self.written = lanes, threading.Condition(), {}
+        self.lanes, self.cond, self.written, self.failed = lanes, threading.Condition(), {}, False
+        lanes.aborts.append(self.abort)
 
     def wait(self, layer: int, chunk: int) -> None:
         with self.cond:
             if self.written.get(layer, 0) >= chunk:
                 return
         with self.lanes.off_host(), self.cond:
-            self.cond.wait_for(lambda: self.written.get(layer, 0) >= chunk)
+            self.cond.wait_for(lambda: self.written.get(layer, 0) >= chunk or self.failed)
+        if self.failed:
+            raise RuntimeError("an earlier chunk's forward failed")
+
+    def abort(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
 
     def done(self, layer: int, chunk: int) -> None:
         """Chunk `chunk`'s keys and values of `layer` written (once: a static core may say so first)."""
@@ -195,6 +209,9 @@ def run_in_flight(forwards: list[Callable[[], object]], lanes: Lanes, in_flight:
         lanes.acquire(c)
         try:
             return fn()
+        except BaseException:
+            lanes.abort()
+            raise
         finally:
             lanes.release()
 

@@ -29,7 +29,7 @@ class SpineModel:
     """mlx-lm's model as generation reads a model (its config, generation config and vocabulary); `forward` runs it,
     under the plan where one is installed (`spine`)."""
 
-    def __init__(self, model: nn.Module, path: Path, spine: MlxSpine | None) -> None:
+    def __init__(self, model: nn.Module, path: Path, spine: MlxSpine | None, in_flight: int = 1) -> None:
         import transformers
 
         self.mlx, self.path, self.spine = model, path, spine
@@ -39,7 +39,7 @@ class SpineModel:
         except OSError:  # no generation_config.json: the model config's tokens
             self.generation_config = transformers.GenerationConfig.from_model_config(self.config)
         self.vocab = int(self.config.get_text_config().vocab_size)
-        self.in_flight = 1  # prefill chunks in flight (`runtime.mlx.overlap`); 1: one at a time
+        self.in_flight = in_flight  # prefill chunks in flight (`runtime.mlx.overlap`); 1: one at a time
         # every MoE layer mlx-lm's own (`MlxSpine.all_fast`): a prompt's last token then goes alone; across Macs,
         # every rank's stage (`runtime.mlx.cluster.load_rank`), so that the ranks make the same forwards
         self.all_fast = spine is None or spine.all_fast
@@ -84,8 +84,12 @@ class SpineModel:
     def overlaps(self, gen, forwards: list) -> bool:
         """Whether this prefill runs its chunks in flight: several chunks under an installed plan, none scored
         (`echo`) or kept (`keep_at`) on the way."""
-        return (self.in_flight > 1 and len(forwards) > 1 and self.spine is not None and self.spine.installed
-                and not gen.echo and gen.keep_at is None)
+        return self.runs_in_flight(len(forwards)) and not gen.echo and gen.keep_at is None
+
+    def runs_in_flight(self, forwards: int) -> bool:
+        """Whether a prefill of `forwards` forwards runs them in flight: several, under an installed plan, with
+        `in_flight` above 1."""
+        return self.in_flight > 1 and forwards > 1 and self.spine is not None and self.spine.installed
 
     def forward_in_flight(self, pieces: list[tuple[list[int], str]], cache: list, in_flight: int | None = None,
                           lanes: Lanes | None = None) -> mx.array | None:
@@ -186,9 +190,15 @@ def prompt_logits(model: SpineModel, ids: list[int], chunk_tokens: int, start: i
     """Each forward's logits (float32 torch views of MLX's) prefilling `ids[start:end]` in chunks (`rows`: an
     uneven chunking) from an empty cache: every position's (`every_position`), else the prompt's last row (each
     chunk but the last then fills the cache only, as mlx-lm's prefill does). Each forward runs under the plan where
-    it is installed at that moment."""
+    it is installed at that moment, with the model's chunks in flight where it runs them so (only the last row's
+    logits then: each chunk but the last fills the cache)."""
     cache = model.make_cache()
-    for first, done, kept in prefill_forwards(model, end, chunk_tokens, start, every_position, rows):
+    forwards = list(prefill_forwards(model, end, chunk_tokens, start, every_position, rows))
+    if not every_position and model.runs_in_flight(len(forwards)):
+        out = model.forward_in_flight([(ids[first:done], kept) for first, done, kept in forwards], cache)
+        yield to_torch(out[0].astype(mx.float32), torch.float32)
+        return
+    for first, done, kept in forwards:
         out = model.forward(ids[first:done], cache, kept)
         if out is not None:
             yield to_torch(out[0].astype(mx.float32), torch.float32)
