@@ -109,12 +109,14 @@ def bench(cost, name: str, prompt_tokens: int, objective: str, skew: float, prom
                      objective=objective, trials=trials, progress=True, dense=dense,
                      whole=WholePrefill(shape, prompt_tokens))
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
-    report = whole_prefill(out, scorer, shape, prompt_tokens, in_flight, timeline)
+    bounds: dict = {}  # the priced bounds the report's starts solve, shared with `priced_bound`'s
+    report = whole_prefill(out, scorer, shape, prompt_tokens, in_flight, timeline, bounds)
     gpu = report["prefill_baselines"]["mlx-gpu"]
     bound = prefill_bound(cost, shape, prompt_tokens, scorer.backend, gpu["predicted_prefill_ms"],
                           gpu["predicted_prefill_energy_mj"])
     priced = priced_bounds(out, scorer, shape, prompt_tokens, gpu["predicted_prefill_ms"],
-                           gpu["predicted_prefill_energy_mj"], roofline_ms(cost, shape, prompt_tokens, scorer.backend))
+                           gpu["predicted_prefill_energy_mj"], roofline_ms(cost, shape, prompt_tokens, scorer.backend),
+                           bounds)
     return {"shape": name, "prompt_tokens": prompt_tokens, "objective": objective, "skew": skew,
             "chunk_tokens": out.best.chunk_tokens, "search_seconds": seconds, "search_cpu_seconds": cpu_seconds,
             "label": "predicted by the cost model of the published M2 Ultra profile", **report,

@@ -14,7 +14,7 @@ from autotune.costing.costmodel import BackendModel, CostModel
 from autotune.costing.schedule import predict_scheduled
 from autotune.costing.split_program import Role, SplitProgram
 from autotune.profiling.profile import load_profile
-from autotune.searching.bound_report import bound_setup, priced_bounds
+from autotune.searching.bound_report import bound_setup, priced_bounds, solved_bound
 from autotune.searching.objective import WholePrefill
 from autotune.searching.prefill_report import overlap_candidates
 
@@ -72,6 +72,10 @@ def test_never_above_a_priced_schedule_on_the_published_profile():
     free = priced_bounds(out, scorer, SHAPE, PROMPT, 1.0, None, 1.0)
     assert set(free["by_chunk"]) == {"512", "1024"}
     assert free["best"]["bound_ms"] == min(r["bound_ms"] for r in free["by_chunk"].values())
+    cache: dict = {}  # shared with the report's starts (`bound_seed.LpSeeds`): each bound solved once
+    assert priced_bounds(out, scorer, SHAPE, PROMPT, 1.0, None, 1.0, cache) == free
+    assert len(cache) == 2 * 2 + 2  # each chunk size whole and halved, the best one's again without drops
+    assert solved_bound(out, scorer, SHAPE, PROMPT, 512, None, cache=cache) is cache[(512, False, True, None)]
     exact = free["best_without_drops"]  # every row computed: no less
     assert exact["chunk_tokens"] == free["best"]["chunk_tokens"] and exact["bound_ms"] >= free["best"]["bound_ms"]
     cands = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)

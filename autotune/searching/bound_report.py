@@ -42,20 +42,37 @@ def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, pro
                                     for f in ("qkv", "o_proj", "mlp")})
 
 
+def solved_bound(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int, chunk: int,
+                 energy_cap_mj: float | None, halves: bool = False, drops: bool = True,
+                 cache: dict | None = None) -> Solved:
+    """The priced bound at `chunk` (whole chunks or `halves`; `drops`: within the search's drop budget, else every
+    row computed), solved once per such key and cap where a `cache` (a dict the callers share) is given; raises
+    ValueError where no split fits."""
+    key = (chunk, halves, drops, energy_cap_mj)
+    if cache is not None and key in cache:
+        return cache[key]
+    found, setup = outcome.chunks[chunk], bound_setup(outcome, scorer, shape, prompt_tokens, chunk)
+    setup = setup if drops else dataclasses.replace(setup, drop_share=0.0)
+    got = priced_bound(scorer.cost, shape, prompt_tokens, chunk, [d.calib for d in found.layers],
+                       prompts_in(found.layers, prompt_tokens), setup, energy_cap_mj, halves)
+    if cache is not None:
+        cache[key] = got
+    return got
+
+
 def priced_bounds(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                  baseline_ms: float, energy_cap_mj: float | None, roofline_ms: float | None) -> dict:
+                  baseline_ms: float, energy_cap_mj: float | None, roofline_ms: float | None,
+                  cache: dict | None = None) -> dict:
     """`{"label", "energy_cap_mj", "drop_share", "by_chunk": {chunk: figures}, "best": figures,
     "best_without_drops": figures}`, each chunk size's figures the lesser of its whole-chunk and half-chunk bounds
     (`shape`, and both as `shapes_ms`): `bound_ms`, `vs_latency_at_most` (`baseline_ms` over it),
     `over_roofline_at_least`, the energy, each unit's busy ms and the binding rows' duals (predicted). The search's
     drop budget lets a plan leave out that share of the experts' rows, which the roofline counts (so its ratio may be
-    below 1); `best_without_drops`: the best chunk size's bound with every row computed."""
+    below 1); `best_without_drops`: the best chunk size's bound with every row computed. `cache`: as
+    `solved_bound`'s (the report's starts solve the same whole-chunk bounds, `bound_seed.LpSeeds`)."""
     def at(chunk: int, drops: bool) -> dict:  # the lesser of the chunk size's whole-chunk and half-chunk bounds
-        found, setup = outcome.chunks[chunk], bound_setup(outcome, scorer, shape, prompt_tokens, chunk)
-        setup = setup if drops else dataclasses.replace(setup, drop_share=0.0)
-        loads, prompts = [d.calib for d in found.layers], prompts_in(found.layers, prompt_tokens)
-        got = {name: priced_bound(scorer.cost, shape, prompt_tokens, chunk, loads, prompts, setup, energy_cap_mj,
-                                  halves) for name, halves in (("chunks", False), ("half-chunks", True))}
+        got = {name: solved_bound(outcome, scorer, shape, prompt_tokens, chunk, energy_cap_mj, halves, drops, cache)
+               for name, halves in (("chunks", False), ("half-chunks", True))}
         shape_of = min(got, key=lambda n: got[n].bound_ms)
         return {"chunk_tokens": chunk, "shape": shape_of,
                 "shapes_ms": {n: round(s.bound_ms, 3) for n, s in got.items()},

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotune.costing.costmodel import CostModel
-from autotune.costing.priced_bound import BoundSetup, priced_bound
+from autotune.costing.priced_bound import BoundSetup
 from autotune.costing.split_program import Solved
 from autotune.costing.whole_prefill import DENSE_FUNCTIONS, DecoderShape, DensePlacement, unit_of
-from autotune.searching.bound_report import bound_setup
+from autotune.searching.bound_report import bound_setup, solved_bound
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import SearchOutcome, Solution, resident_bytes, solution
 from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, placed, static_rows_grid
 from autotune.searching.scoring import Scorer
@@ -133,16 +132,16 @@ class LpSeeds:
     prompt_tokens: int
     energy_cap_mj: float | None = None
     in_flight: int = 2
+    bounds: dict = dataclasses.field(default_factory=dict, repr=False)  # `bound_report.solved_bound`'s cache
 
     def solved(self, chunk: int) -> tuple[Solved, BoundSetup] | None:
-        found = self.outcome.chunks[chunk]
-        setup = bound_setup(self.outcome, self.scorer, self.shape, self.prompt_tokens, chunk)
+        """The priced bound at `chunk`, whole chunks within the cap (None where no split fits it), and its setup."""
         try:
-            got = priced_bound(self.scorer.cost, self.shape, self.prompt_tokens, chunk, [d.calib for d in found.layers],
-                               prompts_in(found.layers, self.prompt_tokens), setup, self.energy_cap_mj)
+            got = solved_bound(self.outcome, self.scorer, self.shape, self.prompt_tokens, chunk, self.energy_cap_mj,
+                               cache=self.bounds)
         except ValueError:  # no split fits the cap: no seed
             return None
-        return got, setup
+        return got, bound_setup(self.outcome, self.scorer, self.shape, self.prompt_tokens, chunk)
 
     def __call__(self, chunk: int, mine: list[Candidate]) -> list[Overlapped]:
         got = self.solved(chunk) if chunk in self.outcome.chunks else None

@@ -112,14 +112,14 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
 
 
 def whole_prefill(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                  in_flight: int = 1, timeline: str | None = None) -> dict:
+                  in_flight: int = 1, timeline: str | None = None, bounds: dict | None = None) -> dict:
     """`whole_prefill_choice`'s figures."""
-    return whole_prefill_choice(outcome, scorer, shape, prompt_tokens, in_flight, timeline)[0]
+    return whole_prefill_choice(outcome, scorer, shape, prompt_tokens, in_flight, timeline, bounds=bounds)[0]
 
 
 def whole_prefill_choice(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                         in_flight: int = 1, timeline: str | None = None, pick_only: bool = False
-                         ) -> tuple[dict, Overlapped | None]:
+                         in_flight: int = 1, timeline: str | None = None, pick_only: bool = False,
+                         bounds: dict | None = None) -> tuple[dict, Overlapped | None]:
     """`predicted_prefill_ms`, `predicted_parts_ms`, `prefill_baselines` (each design's whole-prefill latency,
     energy and CPU-busy time, and `candidate`: whether it is a plan the search weighed, `objective.PLAN_ROWS`),
     `vs` (each baseline's figure over the plan's: > 1, the plan is ahead; None where the plan's is 0),
@@ -136,7 +136,8 @@ def whole_prefill_choice(outcome: SearchOutcome, scorer: Scorer, shape: DecoderS
     `half_chunk` the fastest of those (`executable_json`: not the plan, the runtime does not run it);
     `one_in_flight_ms`: the search's plan as a chain; `timeline`: a PNG of its schedule's first two layers
     (`schedule.timeline_chart`); `pick_only`: of the experts, the search's pick's alone (`pick_candidates`). With the
-    figures, the schedule chosen (what a plan of it writes; None with `in_flight` 1)."""
+    figures, the schedule chosen (what a plan of it writes; None with `in_flight` 1). `bounds`: the priced bounds
+    solved so far, shared with the caller's (`bound_report.solved_bound`'s cache)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     chunk = outcome.best.chunk_tokens
     layers = outcome.chunks[chunk].layers
@@ -154,7 +155,7 @@ def whole_prefill_choice(outcome: SearchOutcome, scorer: Scorer, shape: DecoderS
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
         cands = (pick_candidates if pick_only else overlap_candidates)(outcome, scorer, shape, prompt_tokens)
-        seeds = LpSeeds(outcome, scorer, shape, prompt_tokens, cap, in_flight)
+        seeds = LpSeeds(outcome, scorer, shape, prompt_tokens, cap, in_flight, {} if bounds is None else bounds)
         by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, seeds=seeds)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
         runs, half = best_overlapped(by_chunk), best_overlapped(by_half)
