@@ -84,14 +84,14 @@ def test_a_group_past_the_function_weight_limit_is_a_hard_violation_counting_com
 
 def test_enumerated_space_is_complete_without_duplicates():
     space = layer_space(2)
-    # r=0: 1; r=1: group 1 only, 6 quantiles x 2 overflows; r=2: groups 1 and 2 x 2 overflows x (one tier: 6
-    # quantiles x 2 sizings; two tiers of one expert each: 36 quantile pairs)
-    assert len(space.enumerate()) == 1 + 12 + 2 * 2 * (6 * 2 + 36) == space.size()
-    assert len(layer_space(2, ("none", "int8")).enumerate()) == 1 + 2 * (12 + 2 * 2 * (6 * 2 + 36))
+    # r=0: 1; r=1: group 1 only, 7 quantiles x 2 overflows; r=2: groups 1 and 2 x 2 overflows x (one tier: 7
+    # quantiles x 2 sizings; two tiers of one expert each: 49 quantile pairs)
+    assert len(space.enumerate()) == 1 + 14 + 2 * 2 * (7 * 2 + 49) == space.size()
+    assert len(layer_space(2, ("none", "int8")).enumerate()) == 1 + 2 * (14 + 2 * 2 * (7 * 2 + 49))
     configs = [space.config(r) for r in space.enumerate()]
     assert len(set(configs)) == len(configs)
     assert max(layer_space(8).config(r).tiers for r in layer_space(8).enumerate()) == MAX_TIERS
-    assert layer_space(16).size() == 62_893  # Phi-3.5-MoE: enumerated (x3 with every compression)
+    assert layer_space(16).size() == 97_161  # Phi-3.5-MoE: enumerated (x3 with every compression)
     assert layer_space(128).size() == layer_space(128).product_size > 10 ** 6  # past enumeration: not counted
 
 
