@@ -41,7 +41,8 @@ def test_one_trial_per_layer_searches():
 def test_small_instance_within_1pct_of_exact():
     layers = LayerData.from_traces(synthetic_traces(SMALL, 40, 256, skew=1.2))
     scorer = Scorer(apple_like(), 1024, 512, "ane", 1e12)
-    out = run_search(layers, scorer, layer_space(8), trials=100, progress=False)
+    # 200 trials: the space's seven capacity quantiles (from 0.25) make it 1.6x the six's, where 100 trials sufficed
+    out = run_search(layers, scorer, layer_space(8), trials=200, progress=False)
     assert out.exact_layers == 2
     assert 0.0 <= out.gap_vs_exact <= 0.01
     heldout = sum(int(d.heldout.sum()) for d in layers)
