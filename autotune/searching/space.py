@@ -40,6 +40,7 @@ from runtime.plan import COMPRESSIONS, OVERFLOW_POLICIES
 QUANTILES = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 MAX_TIERS = 3
 SIZINGS = ("band", "expert")  # a tier's capacity: one for its experts' loads together, or one per expert
+BLOCK = 1 << 18  # product points canonicalised at a time by `Space.enumerate`
 ENUMERABLE = 4_000_000  # points of the product space past which the distinct decisions are not counted (an
 # 8-expert layer with the GPU's head and tail: 3.7M, counted and enumerated: 224,257 decisions)
 
@@ -95,7 +96,8 @@ def group_sizes(n_experts: int) -> list[int]:
 class Space:
     """One layer's decision space: its dimensions, in parameter order."""
     dims: tuple[Dimension, ...]
-    _keys: dict = field(default_factory=dict, compare=False, hash=False, repr=False)  # key_of's memo
+    _keys: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)  # key_of's memo
+    _rows: list = field(default_factory=list, init=False, compare=False, hash=False, repr=False)  # enumerate's
 
     # --- the declaration's parameters ---------------------------------------------------------------------------
     @property
@@ -225,11 +227,21 @@ class Space:
         return math.prod(len(d.values) for _, d in self.params)
 
     def enumerate(self) -> np.ndarray:
-        """Every decision once: the distinct canonical rows of the product of all parameters' values."""
-        radices = [len(d.values) for _, d in self.params]
-        rows = self.canonical(np.indices(radices, dtype=np.int64).reshape(len(radices), -1).T)
-        _, first = np.unique(self.keys(rows), return_index=True)
-        return rows[np.sort(first)]
+        """Every decision once: the distinct canonical rows of the product of all parameters' values, in the order
+        they first appear in it, found a block of the product at a time (memory: one block and the decisions, not
+        the product); computed once per space, a copy returned."""
+        if not self._rows:
+            radices = [len(d.values) for _, d in self.params]
+            seen, found = np.empty(0, dtype=np.int64), []  # the keys found so far (sorted) and their rows
+            for start in range(0, self.product_size, BLOCK):
+                points = np.arange(start, min(start + BLOCK, self.product_size))
+                rows = self.canonical(np.stack(np.unravel_index(points, radices), axis=1))
+                keys, first = np.unique(self.keys(rows), return_index=True)
+                new = ~np.isin(keys, seen, assume_unique=True)
+                found.append(rows[np.sort(first[new])])
+                seen = np.union1d(seen, keys[new])
+            self._rows.append(np.concatenate(found))
+        return self._rows[0].copy()
 
     def size(self) -> int:
         """Decisions in the space; past ENUMERABLE product points, the product's size (an upper bound)."""
