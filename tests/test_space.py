@@ -12,6 +12,7 @@ from autotune.costing.costmodel import BackendModel
 from autotune.searching.decisions import heuristic_config, layer_plan, tiers, violation
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scoring import Scorer
+from autotune.searching import space as space_module
 from autotune.searching.space import MAX_TIERS, LayerConfig, layer_space
 from runtime.coreml import ane_limits
 from runtime.coreml.ane_limits import FUNCTION_WEIGHT_BYTES, MAX_AXIS
@@ -84,14 +85,16 @@ def test_a_group_past_the_function_weight_limit_is_a_hard_violation_counting_com
 
 def test_enumerated_space_is_complete_without_duplicates():
     space = layer_space(2)
-    # r=0: 1; r=1: group 1 only, 7 quantiles x 2 overflows; r=2: groups 1 and 2 x 2 overflows x (one tier: 7
-    # quantiles x 2 sizings; two tiers of one expert each: 49 quantile pairs)
-    assert len(space.enumerate()) == 1 + 14 + 2 * 2 * (7 * 2 + 49) == space.size()
-    assert len(layer_space(2, ("none", "int8")).enumerate()) == 1 + 2 * (14 + 2 * 2 * (7 * 2 + 49))
+    # r=0: 1; r=1: group 1 only, 8 quantiles x 2 overflows; r=2: groups 1 and 2 x 2 overflows x (one tier: 8
+    # quantiles x 2 sizings; two tiers of one expert each: 64 quantile pairs)
+    assert len(space.enumerate()) == 1 + 16 + 2 * 2 * (8 * 2 + 64) == space.size()
+    assert len(layer_space(2, ("none", "int8")).enumerate()) == 1 + 2 * (16 + 2 * 2 * (8 * 2 + 64))
     configs = [space.config(r) for r in space.enumerate()]
     assert len(set(configs)) == len(configs)
     assert max(layer_space(8).config(r).tiers for r in layer_space(8).enumerate()) == MAX_TIERS
-    assert layer_space(16).size() == 97_161  # Phi-3.5-MoE: enumerated (x3 with every compression)
+    assert layer_space(16).size() == 142_097  # Phi-3.5-MoE: enumerated (x3 with every compression)
+    split = layer_space(8, split_exact=True)  # the largest layer the exact yardstick enumerates: 5.5M points
+    assert split.size() == 326_421 < split.product_size
     assert layer_space(128).size() == layer_space(128).product_size > 10 ** 6  # past enumeration: not counted
 
 
@@ -143,7 +146,7 @@ def test_bulk_scores_equal_the_plan_entry_through_the_cost_model(backend, prompt
     d = layers[1]
     assert d.partial.any() == (prompt % 256 != 0)
     space = layer_space(SMALL["num_experts"], ("none", "int8", "palettize4"), split_exact=gpu)
-    if gpu:  # a random sample of the product space (7M points), as canonical decisions
+    if gpu:  # a random sample of the product space (17M points), as canonical decisions
         radices = [len(dim.values) for _, dim in space.params]
         rows = np.unique(space.canonical(np.random.default_rng(0).integers(0, radices, (400, len(radices)))), axis=0)
     else:
@@ -168,6 +171,16 @@ def test_enumeration_is_the_distinct_decisions_of_the_declared_space():
     every = {space.config_from_params(dict(zip([p for p, _ in space.params], point)))
              for point in itertools.product(*values)}
     assert {space.config(r) for r in space.enumerate()} == every
+
+
+def test_enumeration_by_blocks_finds_each_decision_once_in_first_appearance_order(monkeypatch):
+    space = layer_space(4, ("none", "int8"))
+    assert space.product_size <= space_module.BLOCK
+    product = space.canonical(np.indices([len(d.values) for _, d in space.params]).reshape(len(space.params), -1).T)
+    _, first = np.unique(space.keys(product), return_index=True)
+    assert np.array_equal(space.enumerate(), product[np.sort(first)])  # one block: the whole product at once
+    monkeypatch.setattr(space_module, "BLOCK", 1000)  # 185 blocks, decisions recurring across them
+    assert np.array_equal(layer_space(4, ("none", "int8")).enumerate(), product[np.sort(first)])
 
 
 def test_params_round_trip_and_neighbours_step_along_each_parameter():
