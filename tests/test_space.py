@@ -9,10 +9,10 @@ from helpers import SMALL, apple_like
 
 from autotune.calibration.traces import synthetic_traces
 from autotune.costing.costmodel import BackendModel
+from autotune.searching import space as space_module
 from autotune.searching.decisions import heuristic_config, layer_plan, tiers, violation
 from autotune.searching.layer_data import LayerData
 from autotune.searching.scoring import Scorer
-from autotune.searching import space as space_module
 from autotune.searching.space import MAX_TIERS, LayerConfig, layer_space
 from runtime.coreml import ane_limits
 from runtime.coreml.ane_limits import FUNCTION_WEIGHT_BYTES, MAX_AXIS
