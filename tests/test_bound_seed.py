@@ -13,10 +13,16 @@ from helpers import bound_search as search
 from autotune.costing.schedule import predict_scheduled
 from autotune.costing.split_program import Role, Solved, SplitProgram
 from autotune.profiling.profile import load_profile
-from autotune.searching.bound_seed import LpSeeds, lp_placements, lp_rows, tail_free, window_fit
+from autotune.searching.bound_seed import LpSeeds, energy_fit, lp_placements, lp_rows, tail_free, window_fit
+from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import solution
 from autotune.searching.overlap_choice import best_by_chunk, choose_overlapped, cpu_backends
-from autotune.searching.prefill_report import mlx_gpu_prefill, overlap_candidate, overlap_candidates
+from autotune.searching.prefill_report import (
+    mlx_gpu_prefill,
+    overlap_candidate,
+    overlap_candidates,
+    pick_candidates,
+)
 from runtime.coreml import ane_limits
 
 CHUNK = 1024
@@ -65,6 +71,38 @@ def test_a_cpu_tail_past_the_cap_is_offered_without_it(searched):
     found.best = tailed  # the search's own plan the tailed one: the report's candidates hold it without its tail
     offered = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)
     assert any(c.experts == cands[1].experts for c in offered)
+
+
+def test_a_plan_past_the_cap_keeps_the_tails_that_fit(searched, monkeypatch):
+    """A plan whose CPU tails take it past the cap (here half way between its energy with and without them): offered
+    with its tails halved until it fits, within the cap and above the tail-free plan's energy (tails kept where they
+    fit), only tails changed, none longer, each a value of the space, its drops the same; one within the cap is not
+    offered again, and without a cap none is; the report's candidates and the pick's offer it."""
+    _, out, scorer = searched
+    found = out.chunks[CHUNK]
+    tailed = tailed_plan(out, scorer)
+    free = tail_free([tailed], found.layers, scorer)[0]
+
+    def energy(sol):
+        return out.whole.price(sol, found.layers, scorer, out.dense.get(CHUNK)).energy_mj
+
+    prompts = prompts_in(found.layers, PROMPT)
+    cap = (energy(tailed) + energy(free)) / 2
+    fit = energy_fit([tailed], found.layers, scorer, energy, prompts, cap)
+    assert len(fit) == 1
+    assert energy(free) < energy(fit[0]) <= cap < energy(tailed)
+    tails = out.space.dim("cpu_tail").values
+    assert all(a.cpu_tail <= b.cpu_tail and a.cpu_tail in tails for a, b in zip(fit[0].configs, tailed.configs))
+    assert [dataclasses.replace(c, cpu_tail=0) for c in fit[0].configs] == free.configs
+    assert 0 < sum(c.cpu_tail for c in fit[0].configs) < sum(c.cpu_tail for c in tailed.configs)
+    assert fit[0].heldout_drops == tailed.heldout_drops
+    assert energy_fit(fit, found.layers, scorer, energy, prompts, cap) == []
+    assert energy_fit([tailed], found.layers, scorer, energy, prompts, None) == []
+    monkeypatch.setattr(found, "best", tailed)
+    monkeypatch.setattr(out, "best", tailed)
+    want = overlap_candidate(fit[0], found.layers, scorer, SHAPE, PROMPT, out.dense.get(CHUNK)).experts
+    assert any(c.experts == want for c in overlap_candidates(out, scorer, SHAPE, PROMPT, 10.0, cap))
+    assert [c.experts for c in pick_candidates(out, scorer, SHAPE, PROMPT, cap)][-1] == want
 
 
 def test_the_lp_split_read_back_and_rounded_to_the_grid():

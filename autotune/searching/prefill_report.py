@@ -4,6 +4,7 @@ and the plan's ratio against each."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from autotune.costing.schedule import timeline_chart
 from autotune.costing.whole_prefill import (
@@ -14,7 +15,7 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     roofline_ms,
 )
-from autotune.searching.bound_seed import LpSeeds, tail_free, window_fit
+from autotune.searching.bound_seed import LpSeeds, energy_fit, tail_free, window_fit
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
 from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
@@ -76,24 +77,35 @@ def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, sh
                      sol.baseline, solution=sol)
 
 
-def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int
-                    ) -> list[Candidate]:
+def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                    energy_cap_mj: float | None = None) -> list[Candidate]:
     """For two chunks in flight where the search's pick's experts are fixed (the fidelity gate, `--measure` or
-    `--robust` chose them): the pick as it is and without its CPU tail (`bound_seed.tail_free`: a tail's experts are
-    exact either way), the schedule choosing their chunking and dense half."""
+    `--robust` chose them): the pick as it is, without its CPU tail and with as much of it as `energy_cap_mj` allows
+    (`bound_seed.tail_free`, `energy_fit`: a tail's experts are exact either way), the schedule choosing their
+    chunking and dense half."""
     sol = outcome.best
     layers = outcome.chunks[sol.chunk_tokens].layers
+    fits = energy_fit([sol], layers, scorer, _energy(outcome, scorer, shape, prompt_tokens, sol.chunk_tokens),
+                      prompts_in(layers, prompt_tokens), energy_cap_mj)
     return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens))
-            for s in (sol, *tail_free([sol], layers, scorer))]
+            for s in (sol, *tail_free([sol], layers, scorer), *fits)]
+
+
+def _energy(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int, chunk: int
+            ) -> Callable[[Solution], float | None]:
+    """A whole plan's energy at `chunk` as the search's objective prices it (mJ, one prompt)."""
+    whole, layers = outcome.whole or WholePrefill(shape, prompt_tokens), outcome.chunks[chunk].layers
+    return lambda sol: whole.price(sol, layers, scorer, outcome.dense.get(chunk)).energy_mj
 
 
 def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                       within: float = 1.5) -> list[Candidate]:
+                       within: float = 1.5, energy_cap_mj: float | None = None) -> list[Candidate]:
     """For two chunks in flight (`overlap_choice`): at each chunk size whose cheapest whole plan, as the search's
     objective prices it (`WholePrefill.price`), is within `within` of the least latency over all sizes, the
     objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`),
     each with a CPU tail also without it (`bound_seed.tail_free`: the energy cap may not allow the tail), each past
-    the ANE's window also trimmed to fit it (`bound_seed.window_fit`)."""
+    the ANE's window also trimmed to fit it (`bound_seed.window_fit`), each past `energy_cap_mj` with its tails also
+    halved until it fits (`bound_seed.energy_fit`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     plans: dict[int, list[Solution]] = {}
     chain: dict[int, float] = {}
@@ -104,7 +116,10 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
                                   outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
         sols += tail_free(sols, found.layers, scorer)
-        plans[chunk] = [*sols, *window_fit(sols, found.layers, scorer, outcome.drop_budget)]
+        sols += window_fit(sols, found.layers, scorer, outcome.drop_budget)
+        plans[chunk] = [*sols, *energy_fit(sols, found.layers, scorer,
+                                           _energy(outcome, scorer, shape, prompt_tokens, chunk),
+                                           prompts_in(found.layers, prompt_tokens), energy_cap_mj)]
         chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
     least = min(chain.values())
     return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk))
@@ -154,7 +169,8 @@ def whole_prefill_choice(outcome: SearchOutcome, scorer: Scorer, shape: DecoderS
     roof = roofline_ms(scorer.cost, shape, prompt_tokens, scorer.backend)
     if in_flight > 1:
         cap = base["mlx-gpu"].energy_mj if "mlx-gpu" in base else None
-        cands = (pick_candidates if pick_only else overlap_candidates)(outcome, scorer, shape, prompt_tokens)
+        cands = (pick_candidates(outcome, scorer, shape, prompt_tokens, cap) if pick_only
+                 else overlap_candidates(outcome, scorer, shape, prompt_tokens, energy_cap_mj=cap))
         seeds = LpSeeds(outcome, scorer, shape, prompt_tokens, cap, in_flight, {} if bounds is None else bounds)
         by_chunk = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, seeds=seeds)
         by_half = best_by_chunk(scorer, shape, prompt_tokens, cands, in_flight, cap, halves=True)
