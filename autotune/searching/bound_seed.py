@@ -7,7 +7,7 @@ the ANE's window carries tails past the cap (phi-3.5-moe at one chunk of 4,096 t
 no placement of its dense half can bring it back under, and that chunk size fell back to the GPU alone. So each plan
 with a tail is also offered without it (`tail_free`): the same residents and groups, the tail's experts on the
 plan's exact path; and with as much of its tails as the cap allows (`energy_fit`: tails halved where that loses the
-least latency per mJ; Qwen3-30B-A3B at one chunk of 4,096, published profile: 1,263.5 ms without tails, 1,229.5
+least latency per mJ; Qwen3-30B-A3B at one chunk of 4,096, published profile: 1,263.5 ms without tails, 1,229.8
 with them halved in part). Likewise a plan whose residents overflow the ANE's window (the search's per-layer budget
 does not see the window every layer shares) is also offered with the fewest residents taken off that fit it
 (`window_fit`).
