@@ -67,19 +67,24 @@ def energy_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, pr
     cost = scorer.cost
     power = {unit_of(cost, b): cost.power_w(b) or 0.0 for b in {scorer.backend, scorer.exact, EXACT}}
 
+    steps: dict[tuple[int, LayerConfig], tuple[float, LayerConfig, float] | None] = {}  # layer i's next halving
+
     def mj(data: LayerData, cfg: LayerConfig) -> float:
         units = layer_units(scorer, data, cfg)
         return sum(ms * power.get(u, 0.0) for step in units for u, ms in step.items()) / prompts
 
+    def step(i: int, cfg: LayerConfig) -> tuple[float, LayerConfig, float] | None:
+        """Layer i's tail halved: (latency lost per mJ saved, its decision, mJ saved); None where nothing is saved."""
+        if (i, cfg) not in steps:
+            data, fewer = layers[i], dataclasses.replace(cfg, cpu_tail=cfg.cpu_tail // 2)
+            saved = mj(data, cfg) - mj(data, fewer) if cfg.cpu_tail else 0.0
+            lost = scorer.score(data, fewer).latency_ms - scorer.score(data, cfg).latency_ms if saved > 0 else 0.0
+            steps[i, cfg] = (lost / saved, fewer, saved) if saved > 0 else None
+        return steps[i, cfg]
+
     def halved(configs: list[LayerConfig]) -> tuple[float, int, LayerConfig, float] | None:
         """The layer whose tail halved loses the least latency per mJ saved: (ratio, layer, its decision, mJ)."""
-        options = []
-        for i, (data, cfg) in enumerate(zip(layers, configs)):
-            fewer = dataclasses.replace(cfg, cpu_tail=cfg.cpu_tail // 2)
-            saved = mj(data, cfg) - mj(data, fewer) if cfg.cpu_tail else 0.0
-            if saved > 0:
-                lost = scorer.score(data, fewer).latency_ms - scorer.score(data, cfg).latency_ms
-                options.append((lost / saved, i, fewer, saved))
+        options = [(got[0], i, got[1], got[2]) for i, cfg in enumerate(configs) if (got := step(i, cfg))]
         return min(options, key=lambda o: o[:2]) if options else None
 
     out = []
@@ -88,8 +93,8 @@ def energy_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, pr
         configs, fit = list(sol.configs), sol
         while energy is not None and energy > energy_cap_mj:
             guess = energy  # halve on the layers' own figures, then price the whole plan again
-            while guess > energy_cap_mj and (step := halved(configs)) is not None:
-                configs[step[1]], guess = step[2], guess - step[3]
+            while guess > energy_cap_mj and (best := halved(configs)) is not None:
+                configs[best[1]], guess = best[2], guess - best[3]
             if configs == list(fit.configs):
                 break
             fit = dataclasses.replace(solution(list(configs), layers, scorer, sol.exact_partial), dense=sol.dense)
