@@ -235,6 +235,36 @@ def test_an_asset_is_lowered_once_and_loaded_from_the_cache(tmp_path, monkeypatc
     assert np.abs(y - ref).max() / np.abs(ref).max() <= 1e-5
 
 
+
+def _sigterm_action() -> int:
+    """The address of the process's SIGTERM handler as the kernel holds it (`sigaction`'s first field on Linux and
+    macOS), which Python's `signal.getsignal` does not see when native code replaces it."""
+    import ctypes
+    import signal
+
+    buf = ctypes.create_string_buffer(256)
+    assert ctypes.CDLL(None).sigaction(signal.SIGTERM, None, buf) == 0
+    return ctypes.c_void_p.from_buffer(buf).value or 0
+
+
+def test_lowering_leaves_this_processs_signal_handlers(tmp_path, monkeypatch):
+    """LLVM installs its own SIGTERM handler while it lowers (on the signal it deleted the file being written and the
+    lowering aborted the process, exit -6 instead of 143): the lowering runs apart, and the handler stays ours."""
+    import signal
+
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    asset = tmp_path / "g.aimodel"
+    x = torch.randn(4, 32)
+    assets.convert([("g", programs.GroupProgram([(torch.randn(64, 32), torch.randn(32, 32))], (4,), torch.float32),
+                     (x,), ["x"])], asset, {})
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        ours = _sigterm_action()
+        assert (assets.compiled_path(asset) / "main-universal.odix").is_file()
+        assert _sigterm_action() == ours != 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 @pytest.fixture(scope="module")
 def q4(tmp_path_factory):
     pytest.importorskip("mlx_lm")

@@ -11,7 +11,8 @@ build record, and running its functions (coreai-core's runtime).
   (whether it keeps the specialized form between processes is for a Mac to show). Elsewhere (Linux, macOS 26)
   Apple's in-package runtime runs it on the CPU: it needs the program lowered to an `.aimodelx` first (what
   `AIModelAsset.executable()` does in a temporary folder each time); that is done once per asset digest into the
-  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled. Apple's parser aborts the process on a corrupt
+  cache (`$NPUMOE_CACHE/coreai`), so a process loads it compiled; in a child process, out of the reach of the
+  signal handlers LLVM installs while lowering (`_LOWER`). Apple's parser aborts the process on a corrupt
   program, so the asset's `main.mlirb` is checked against the sha256 it stores (`main.hash`) before either runs.
 - Calls are coroutines: one event loop on a thread of its own serves every call, from any thread.
 """
@@ -26,6 +27,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -218,18 +221,32 @@ def run_sync(coro) -> Any:
     return _LOOP.run(coro)
 
 
+# The lowering in a child process of its own: LLVM installs its signal handlers inside it (once per process), which on
+# SIGTERM or SIGINT delete the file being written and re-raise to Python's, and the lowering then aborts the process
+# on the missing file (SIGABRT instead of our exit 143, the staging folder left behind).
+_LOWER = ("import sys; from pathlib import Path; from coreai.authoring import AIModelAsset; "
+          "AIModelAsset.load(sys.argv[1])._write_odix(Path(sys.argv[2]))")
+
+
+def _lower_apart(path: str | os.PathLike, staging: Path) -> None:
+    """Lower the asset into `staging` in a child process out of the terminal's signals (its own session): an
+    interrupt raised here kills it, and the caller removes what it left."""
+    done = subprocess.run([sys.executable, "-c", _LOWER, str(path), str(staging)], capture_output=True, text=True,
+                          start_new_session=True)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise NpumoeError(f"Core AI could not lower {path} for its in-package runtime: {tail}")
+
+
 def compiled_path(path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
     """The asset lowered for the in-package runtime (`.aimodelx`), made once per program digest."""
-    from coreai.authoring import AIModelAsset
-
     dest = (cache_dir or cache_root() / "coreai") / f"{verified_digest(path)}.aimodelx"
     if (dest / "main-universal.odix").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".lower-", suffix=".aimodelx", dir=dest.parent))
     try:
-        with quiet():
-            AIModelAsset.load(path)._write_odix(staging)
+        _lower_apart(path, staging)
         try:
             os.replace(staging, dest)
         except OSError:
