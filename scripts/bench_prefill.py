@@ -129,10 +129,13 @@ def priced_line(result: dict) -> str:
     if best is None:
         return "priced_bound: no chunk size solved"
     busy = ", ".join(f"{u} {v['busy_ms']:.1f}" for u, v in best["units"].items())
+    one = result["priced_bound"]["by_chunk"].get(str(result["prompt_tokens"]), {}).get("chain")
+    chain = (f"; one chunk as its chain {one['bound_ms']:.1f} ms ({one['vs_latency_at_most']:.3f}, over_roofline at "
+             f"least {one['over_roofline_at_least']})") if one else ""
     return (f"priced_bound (predicted): {best['bound_ms']:.1f} ms at {best['chunk_tokens']}-token {best['shape']}, "
             f"vs mlx-gpu at most {best['vs_latency_at_most']:.3f}, over_roofline at least "
             f"{best['over_roofline_at_least']}; busy ms: {busy}; without drops {exact['bound_ms']:.1f} ms "
-            f"({exact['vs_latency_at_most']:.3f}); the plan (whole chunks) "
+            f"({exact['vs_latency_at_most']:.3f}){chain}; the plan (whole chunks) "
             f"{result['predicted_prefill_ms']:.1f} ms, vs mlx-gpu {result['vs']['mlx-gpu']['latency']:.3f}")
 
 

@@ -19,12 +19,12 @@ from autotune.searching.objective import WholePrefill
 from autotune.searching.prefill_report import overlap_candidates
 
 
-def two_ops(window: float | None = None) -> SplitProgram:
+def two_ops(steps: tuple[str, str] = ("", "")) -> SplitProgram:
     """Two ops over units a (1 W) and b (10 W): op 1 costs a 10 ms, b 20; op 2 a 30, b 15; op 1's share on a keeps
-    100 bytes resident."""
+    100 bytes resident; each op in its chain step of `steps`."""
     prog = SplitProgram()
-    first = prog.op([Role("a", (0.0, 10.0), 1.0), Role("b", (0.0, 20.0), 10.0)])
-    prog.op([Role("a", (0.0, 30.0), 1.0), Role("b", (0.0, 15.0), 10.0)])
+    first = prog.op([Role("a", (0.0, 10.0), 1.0), Role("b", (0.0, 20.0), 10.0)], step=steps[0])
+    prog.op([Role("a", (0.0, 30.0), 1.0), Role("b", (0.0, 15.0), 10.0)], step=steps[1])
     prog.window[first["a"]] = 100.0
     return prog
 
@@ -48,6 +48,19 @@ def test_two_units_two_ops_by_hand():
     assert two_ops().solve(energy_cap_mj=40.0).bound_ms == pytest.approx(40.0, rel=1e-6)
     with pytest.raises(ValueError):
         two_ops().solve(energy_cap_mj=39.0)
+
+
+def test_a_chain_of_two_steps_by_hand():
+    """Op 1 then op 2, each step as long as its slower unit: op 1 at 10 x = 20 (1 - x), 20/3; op 2 at 30 x =
+    15 (1 - x), 10: 50/3, above the busy bound's 40/3 (where a takes all of op 1 while b works on op 2). One step
+    holding both ops is the busy bound; the energy cap binds a chain as it does the busy bound."""
+    chain = two_ops(("1", "2")).solve(chain=True)
+    assert chain.bound_ms == pytest.approx(50 / 3, rel=1e-6)
+    assert chain.busy_ms == pytest.approx({"a": 20 / 3 + 10, "b": 20 / 3 + 10}, rel=1e-6)
+    assert chain.duals["chain"] == pytest.approx(1.0)
+    assert two_ops(("1", "1")).solve(chain=True).bound_ms == pytest.approx(40 / 3, rel=1e-6)
+    # the least energy, every op on a (40 mJ): one split left, a busy 40, b idle
+    assert two_ops(("1", "2")).solve(energy_cap_mj=40.0, chain=True).bound_ms == pytest.approx(40.0, rel=1e-6)
 
 
 def test_a_prefix_pays_its_first_band():
@@ -93,6 +106,27 @@ def test_never_above_a_priced_schedule_on_the_published_profile():
         for unit in row["units"].values():
             assert sum(unit["by_op"].values()) == pytest.approx(unit["busy_ms"], abs=1e-2)
         assert set(row["units"]["ane"]["by_op"]) <= {"qkv", "o_proj", "attention", "experts", "expert_calls"}
+
+
+def test_one_chunks_chain_bound_is_below_its_schedules_and_above_the_busy_bound():
+    """The prompt as one chunk (2,048 tokens), published profile: every candidate the report prices there, one or
+    two in flight (whole chunks: its chain), ends no earlier than the chain bound, which is at least the busy bound
+    (the same ops, each step as long as its busiest unit); no chain bound for a chunk smaller than the prompt."""
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    out, scorer = search(cost, "ane", (1024, PROMPT))
+    bounds = priced_bounds(out, scorer, SHAPE, PROMPT, 1.0, None, 1.0)
+    one, half = bounds["by_chunk"][str(PROMPT)], bounds["by_chunk"]["1024"]
+    assert "chain" not in half and one["chain"]["bound_ms"] >= one["shapes_ms"]["chunks"] * (1 - 1e-6)
+    assert one["chain"]["bound_ms"] > 1.01 * one["shapes_ms"]["chunks"]  # the chain costs here
+    with pytest.raises(ValueError):
+        solved_bound(out, scorer, SHAPE, PROMPT, 1024, None, chain=True)
+    cands = [c for c in overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0) if c.chunk == PROMPT]
+    assert cands
+    for cand in cands:
+        for in_flight in (1, 2):
+            pred, _ = predict_scheduled(cost, SHAPE, PROMPT, PROMPT, cand.experts, cand.placement, in_flight,
+                                        cand.lazy_last)
+            assert one["chain"]["bound_ms"] <= pred.latency_ms * (1 + 1e-6)
 
 
 def test_never_above_the_chain_on_a_cpu_host_with_a_dense_mlp():

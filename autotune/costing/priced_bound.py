@@ -70,9 +70,13 @@ class BoundSetup:
 
 def priced_bound(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk: int, loads: list[np.ndarray],
                  prompts: float, setup: BoundSetup, energy_cap_mj: float | None = None,
-                 halves: bool = False) -> Solved:
+                 halves: bool = False, chain: bool = False) -> Solved:
     """The least makespan of one prompt at `chunk` (see the module docstring); `loads`: each MoE layer's calibration
-    counts ([chunks, E], `prompts` prompts); `halves`: the pieces are each chunk's halves."""
+    counts ([chunks, E], `prompts` prompts); `halves`: the pieces are each chunk's halves; `chain`: the prompt is one
+    whole chunk, run as its chain of steps (each layer's norms and router, each dense function, its experts, the
+    head), each step as long as its busiest unit: no one-chunk schedule ends before it."""
+    if chain and (halves or chunk < prompt_tokens):
+        raise ValueError("a chain bound is for one whole chunk")
     prog = SplitProgram()
     windows = {f: prog.var() for f in setup.functions if setup.window_bytes.get(f)}
     for f, v in windows.items():
@@ -84,7 +88,7 @@ def priced_bound(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
         expert_cover = prog.var()
         prog.equal({expert_cover: 1.0, **{w: -share for w, share in covers}})
     _experts(prog, cost, shape, loads, prompts, setup, expert_cover)
-    return prog.solve(energy_cap_mj, ane_limits.WINDOW_BYTES)
+    return prog.solve(energy_cap_mj, ane_limits.WINDOW_BYTES, chain)
 
 
 def _dense(prog: SplitProgram, cost: CostModel, shape: DecoderShape, parts: list[tuple[int, int, bool, int]],
@@ -99,20 +103,21 @@ def _dense(prog: SplitProgram, cost: CostModel, shape: DecoderShape, parts: list
     prices = _Prices(cost, shape, setup, halves)
     covers = []
     total = sum(p[0] for p in parts)
-    for rows, context, full, _ in parts:
+    for piece, (rows, context, full, _) in enumerate(parts):
         for same in kinds.values():
-            prices.layer(prog, same[0], rows, context, full, len(same), windows)
+            prices.layer(prog, same[0], rows, context, full, len(same), windows, piece=piece)
         if lazy:
             w = prog.var()
             covers.append((w, rows / total))
-            prices.layer(prog, last, rows, context, full, 1, windows, cover=w)
+            prices.layer(prog, last, rows, context, full, 1, windows, cover=w, piece=piece)
             only = sum(link.latency_ms for links in cache_only_links(cost, shape, rows, host).values()
                        for link in links)
-            kv = prog.var(unit_of(cost, host), only, cost.power_w(host) or 0.0, tag="kv_only")
+            kv = prog.var(unit_of(cost, host), only, cost.power_w(host) or 0.0, tag="kv_only", step=f"kv_only:{piece}")
             prog.equal({kv: 1.0, w: 1.0}, 1.0)
     head = float(cost.matmul_ms(host, 1, shape.vocab, shape.hidden) + cost.norm_ms(host, 1, shape.hidden, shape.hidden)
                  + head_dequant_ms(cost, shape, host))
-    prog.op([Role(unit_of(cost, host), (head, 0.0), cost.power_w(host) or 0.0, suffix=True)], tag="lm_head")
+    prog.op([Role(unit_of(cost, host), (head, 0.0), cost.power_w(host) or 0.0, suffix=True)], tag="lm_head",
+            step="lm_head")
     return covers
 
 
@@ -131,13 +136,15 @@ class _Prices:
         return self._links[key]
 
     def layer(self, prog: SplitProgram, layer: int, rows: int, context: int, full: bool, count: int,
-              windows: dict[str, int], cover: int | None = None) -> None:
-        """One layer's dense ops on one piece, `count` layers of its kind."""
+              windows: dict[str, int], cover: int | None = None, piece: int = 0) -> None:
+        """One layer's dense ops on one piece, `count` layers of its kind (each op a step of the chain: the same
+        split in each of those layers)."""
         cost, host = self.cost, self.setup.host
         alone = self.links(layer, rows, context, full, DensePlacement(host=host))
         h_unit, h_power = unit_of(cost, host), cost.power_w(host) or 0.0
         rest = sum(link.latency_ms for link in alone["rest"])
-        prog.op([Role(h_unit, (rest, 0.0), h_power, suffix=True)], count, cover, "rest")
+        where = f"@{layer}:{piece}"
+        prog.op([Role(h_unit, (rest, 0.0), h_power, suffix=True)], count, cover, "rest", "rest" + where)
         for f, (part, index) in LINK_OF.items():
             if part not in alone:
                 continue
@@ -148,7 +155,7 @@ class _Prices:
             roles = [Role(h_unit, tuple(suffix), h_power, suffix=True)]
             if static:
                 roles += [r for b in self.setup.static if (r := self.prefix(layer, rows, context, f, b, points))]
-            firsts = prog.op(roles, count, cover, f)
+            firsts = prog.op(roles, count, cover, f, f + where)
             first = self.setup.static[0] if self.setup.static else None
             if first is not None and f in windows and unit_of(cost, first) in firsts:
                 prog.le({firsts[unit_of(cost, first)]: 1.0, windows[f]: -1.0})
@@ -197,12 +204,13 @@ def _experts(prog: SplitProgram, cost: CostModel, shape: DecoderShape, loads: li
         counts = np.asarray(counts)
         n, peak = counts.sum(axis=0).astype(np.float64), counts.max(axis=0)
         total += float(n.sum())
-        calls = {p: prog.var(unit_of(cost, p), cost.call_ms(p) / prompts, cost.power_w(p) or 0.0, None, "expert_calls")
-                 for p in per_row}
+        step = f"experts@{shape.moe_layers[index]}"
+        calls = {p: prog.var(unit_of(cost, p), cost.call_ms(p) / prompts, cost.power_w(p) or 0.0, None, "expert_calls",
+                             step) for p in per_row}
         cover = last_cover if last_cover is not None and shape.moe_layers[index] == last else None
         for e in np.flatnonzero(n):
             share = {p: prog.var(unit_of(cost, p), n[e] * per_row[p][peak[e]] / prompts, cost.power_w(p) or 0.0,
-                                 tag="experts") for p in per_row}
+                                 tag="experts", step=step) for p in per_row}
             for p in setup.paths:  # an exact path calls once per chunk it computes rows in: >= rows / the peak
                 prog.le({share[p]: n[e] / peak[e], calls[p]: -1.0})
             terms = {v: 1.0 for v in share.values()}

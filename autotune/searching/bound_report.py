@@ -19,7 +19,7 @@ from runtime.coreml import ane_limits
 LABEL = ("predicted: the least makespan of any split of the prompt's ops over the units at the cost model's own "
          "prices at each chunk size (whole chunks or halves), each unit busy at most it, the energy at most the cap, "
          "the ANE's window holding its experts and dense weights (dependencies, packing and padding left out: "
-         "autotune/costing/priced_bound.py)")
+         "autotune/costing/priced_bound.py); `chain`: one whole chunk's, its steps in order")
 
 
 def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
@@ -44,17 +44,17 @@ def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, pro
 
 def solved_bound(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int, chunk: int,
                  energy_cap_mj: float | None, halves: bool = False, drops: bool = True,
-                 cache: dict | None = None) -> Solved:
+                 cache: dict | None = None, chain: bool = False) -> Solved:
     """The priced bound at `chunk` (whole chunks or `halves`; `drops`: within the search's drop budget, else every
-    row computed), solved once per such key and cap where a `cache` (a dict the callers share) is given; raises
-    ValueError where no split fits."""
-    key = (chunk, halves, drops, energy_cap_mj)
+    row computed; `chain`: the prompt one whole chunk, run as its chain), solved once per such key and cap where a
+    `cache` (a dict the callers share) is given; raises ValueError where no split fits."""
+    key = (chunk, halves, drops, energy_cap_mj) + (("chain",) if chain else ())
     if cache is not None and key in cache:
         return cache[key]
     found, setup = outcome.chunks[chunk], bound_setup(outcome, scorer, shape, prompt_tokens, chunk)
     setup = setup if drops else dataclasses.replace(setup, drop_share=0.0)
     got = priced_bound(scorer.cost, shape, prompt_tokens, chunk, [d.calib for d in found.layers],
-                       prompts_in(found.layers, prompt_tokens), setup, energy_cap_mj, halves)
+                       prompts_in(found.layers, prompt_tokens), setup, energy_cap_mj, halves, chain)
     if cache is not None:
         cache[key] = got
     return got
@@ -66,7 +66,9 @@ def priced_bounds(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
     """`{"label", "energy_cap_mj", "drop_share", "by_chunk": {chunk: figures}, "best": figures,
     "best_without_drops": figures}`, each chunk size's figures the lesser of its whole-chunk and half-chunk bounds
     (`shape`, and both as `shapes_ms`): `bound_ms`, `vs_latency_at_most` (`baseline_ms` over it),
-    `over_roofline_at_least`, the energy, each unit's busy ms and the binding rows' duals (predicted). The search's
+    `over_roofline_at_least`, the energy, each unit's busy ms and the binding rows' duals (predicted); where the chunk
+    is the whole prompt, `chain`: the same figures for the one chunk run as its chain of steps (what the runtime runs
+    at that size: no one-chunk schedule, whole chunks, ends before it; halves are not bound by it). The search's
     drop budget lets a plan leave out that share of the experts' rows, which the roofline counts (so its ratio may be
     below 1); `best_without_drops`: the best chunk size's bound with every row computed. `cache`: as
     `solved_bound`'s (the report's starts solve the same whole-chunk bounds, `bound_seed.LpSeeds`)."""
@@ -74,9 +76,12 @@ def priced_bounds(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, p
         got = {name: solved_bound(outcome, scorer, shape, prompt_tokens, chunk, energy_cap_mj, halves, drops, cache)
                for name, halves in (("chunks", False), ("half-chunks", True))}
         shape_of = min(got, key=lambda n: got[n].bound_ms)
-        return {"chunk_tokens": chunk, "shape": shape_of,
-                "shapes_ms": {n: round(s.bound_ms, 3) for n, s in got.items()},
-                **solved_json(got[shape_of], baseline_ms, roofline_ms)}
+        row = {"chunk_tokens": chunk, "shape": shape_of, "shapes_ms": {n: round(s.bound_ms, 3) for n, s in got.items()},
+               **solved_json(got[shape_of], baseline_ms, roofline_ms)}
+        if chunk >= prompt_tokens:
+            chain = solved_bound(outcome, scorer, shape, prompt_tokens, chunk, energy_cap_mj, False, drops, cache, True)
+            row["chain"] = solved_json(chain, baseline_ms, roofline_ms)
+        return row
 
     by_chunk = {str(chunk): at(chunk, True) for chunk, found in sorted(outcome.chunks.items()) if found.best}
     best = min(by_chunk.values(), key=lambda r: r["bound_ms"]) if by_chunk else None
