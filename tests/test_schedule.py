@@ -3,6 +3,8 @@ unit's queue worked out by hand; the schedule of a real shape against the chain 
 intervals as steps."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autotune.costing.schedule import (
@@ -23,6 +25,7 @@ from autotune.searching.overlap_choice import (
     cpu_backends,
     static_rows_grid,
     window_trade,
+    with_steps,
 )
 
 
@@ -95,6 +98,26 @@ def test_one_in_flight_prices_the_chain_and_two_the_busier_unit(m2):
     assert two.energy_mj == one.energy_mj and two.cpu_ms == one.cpu_ms
     assert two.to_json()["predicted_schedule"]["units"]["ane"]["idle_ms"] == pytest.approx(
         two.latency_ms - s2.busy_ms["ane"])
+
+
+def test_each_layers_experts_step_is_its_own_busiest_unit(m2):
+    """Layers whose experts lean on different units (even layers the ANE 6 ms and the GPU 2, odd ones the other way,
+    0.2 ms of packing each): one chunk in flight takes each layer's longer side, the chain's sum, not the mean layer's
+    (4 ms a side, 48 x 2 ms less); the units' work is the layers' own either way."""
+    cost, shape = m2
+    per_layer = [({"cpu": 0.2}, {"ane": 6.0, "mlx-exact": 2.0} if i % 2 == 0 else {"ane": 2.0, "mlx-exact": 6.0})
+                 for i in range(len(shape.moe_layers))]
+    experts = with_steps(ExpertFigures(len(per_layer) * 6.2, len(per_layer) * 0.2, None), per_layer)
+    assert experts.steps == ({"cpu": pytest.approx(9.6)}, {"ane": 192.0, "mlx-exact": 192.0})
+    place = DensePlacement(host="mlx-exact")
+    chain = predict_prefill(cost, shape, 1024, 1024, experts, place)
+    one, s1 = predict_scheduled(cost, shape, 1024, 1024, experts, place, in_flight=1)
+    assert one.latency_ms == pytest.approx(chain.latency_ms, rel=1e-9)
+    mean, s0 = predict_scheduled(cost, shape, 1024, 1024, dataclasses.replace(experts, by_layer=()), place, 1)
+    assert one.latency_ms - mean.latency_ms == pytest.approx(len(per_layer) * 2.0, rel=1e-6)
+    assert s1.busy_ms == pytest.approx(s0.busy_ms, rel=1e-9)
+    ane = {o.layer: o.end_ms - o.start_ms for o in s1.ops if o.unit == "ane"}
+    assert ane[shape.moe_layers[0]] == pytest.approx(6.0) and ane[shape.moe_layers[1]] == pytest.approx(2.0)
 
 
 def test_keys_and_values_cross_chunks_in_order(m2):

@@ -255,15 +255,31 @@ def prefill_steps(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chun
     joins = [{layer for layer, _, rows in after if rows and layer in shape.moe_layers} if piece[3] == 0 else set()
              for piece, after in zip(chunks, out[1:] + [[]])]  # a first half joins its second half's experts
     return [[step for layer, links, rows in layers
-             for step in _layer_steps(layer, links, [{u: ms * rows for u, ms in s.items()} for s in per_row]
-                                      if layer in shape.moe_layers and rows else [], layer in join)]
+             for step in _layer_steps(layer, links, [{u: ms * rows for u, ms in s.items()} for s in per_row[layer]]
+                                      if layer in per_row and rows else [], layer in join)]
             for layers, join in zip(out, joins)], tail
 
 
 def _expert_steps(cost: CostModel, shape: DecoderShape, experts: ExpertFigures, place: DensePlacement,
-                  lazy: LazyLast | None, chunks: list[list[tuple[int, dict, int]]]) -> list[dict[str, float]]:
-    """The experts' steps per row of one MoE layer: the prompt's figures (less what a lazy host leaves out, as
-    `expert_link` prices it) over the rows the MoE layers compute."""
+                  lazy: LazyLast | None, chunks: list[list[tuple[int, dict, int]]]
+                  ) -> dict[int, list[dict[str, float]]]:
+    """Each MoE layer's experts' steps per row: the prompt's figures (less what a lazy host leaves out, as
+    `expert_link` prices it) over the rows the MoE layers compute, each layer's share of each unit's step its own
+    (`ExpertFigures.by_layer`: a step lasts as long as its layer's busiest unit, which the layers' mean hides), else
+    an even one."""
+    per_row = _mean_steps(cost, shape, experts, place, lazy, chunks)
+    mine = experts.by_layer if len(experts.by_layer) == len(shape.moe_layers) else ()
+    if not per_row or not mine:
+        return {layer: per_row for layer in shape.moe_layers} if per_row else {}
+    n = len(mine)
+    return {layer: [{u: ms * n * own.get(u, 0.0) / total[u] for u, ms in step.items() if total.get(u)}
+                    for step, own, total in zip(per_row, steps, experts.steps)]
+            for layer, steps in zip(shape.moe_layers, mine)}
+
+
+def _mean_steps(cost: CostModel, shape: DecoderShape, experts: ExpertFigures, place: DensePlacement,
+                lazy: LazyLast | None, chunks: list[list[tuple[int, dict, int]]]) -> list[dict[str, float]]:
+    """The experts' steps per row of a mean MoE layer (`_expert_steps`)."""
     rows = sum(r for layers in chunks for layer, _, r in layers if layer in shape.moe_layers)
     if not rows:
         return []

@@ -158,6 +158,9 @@ class ExpertFigures:
     # per prompt, the experts' steps in order, each its units' busy ms side by side (`schedule`): the host's
     # packing, then the static groups beside the exact paths; () where unknown (one step on the host)
     steps: tuple[dict[str, float], ...] = ()
+    # each MoE layer's own steps (as `steps`, which are their sums), in layer order; () where unknown (`schedule`
+    # then spreads `steps` evenly over the layers)
+    by_layer: tuple[tuple[dict[str, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)

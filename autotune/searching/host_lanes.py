@@ -17,7 +17,7 @@ import numpy as np
 from autotune.costing.costmodel import CostModel
 from autotune.costing.schedule import Schedule, predict_scheduled
 from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, prompt_chunks
-from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, work_units
+from autotune.searching.overlap_choice import Candidate, Overlapped, choose_overlapped, with_steps, work_units
 from runtime.plan import Group, LayerPlan, Plan
 
 WHOLE_FUNCTIONS = ("qkv", "o_proj", "attention")  # the dense functions a lane takes whole here
@@ -36,15 +36,13 @@ def plan_experts(cost: CostModel, shape: DecoderShape, plan: Plan, prompt_tokens
     rows = np.array([r for r, _ in prompt_chunks(prompt_tokens, plan.chunk_tokens)])
     counts = np.repeat((rows * shape.top_k / shape.num_experts)[:, None], shape.num_experts, axis=1).round()
     latency = cpu = 0.0
-    steps: list[dict[str, float]] = [{}, {}]
+    per_layer = []
     for lp in plan.layers:
         t, c = cost.layer_times(lp, counts, shape.hidden, shape.expert_ffn, plan.overflow, plan.exact_path)
         latency, cpu = latency + float(np.sum(t)), cpu + float(np.sum(c))
         work = cost.layer_work(lp, counts, shape.hidden, shape.expert_ffn, plan.overflow, plan.exact_path)
-        for into, units in zip(steps, work_units(cost, work, plan.exact_path, backend)):
-            for unit, ms in units.items():
-                into[unit] = into.get(unit, 0.0) + ms
-    return ExpertFigures(latency, cpu, None, tuple(s for s in steps if any(v > 0 for v in s.values())))
+        per_layer.append(work_units(cost, work, plan.exact_path, backend))
+    return with_steps(ExpertFigures(latency, cpu, None), per_layer)
 
 
 def host_lanes_choice(cost: CostModel, shape: DecoderShape, plan: Plan, prompt_tokens: int, backend: str,

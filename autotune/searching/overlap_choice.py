@@ -31,6 +31,7 @@ from autotune.costing.whole_prefill import (
 )
 from autotune.searching.dense_choice import ROW_GRAIN, dense_weight_bytes
 from autotune.searching.layer_data import LayerData
+from autotune.searching.objective import expert_figures
 from autotune.searching.optimizer import ChunkSearch, Solution, solution
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, Space
@@ -92,15 +93,26 @@ def work_units(cost: CostModel, work: LayerWork, exact: str, backend: str) -> tu
     return {"cpu": float(work.pack.sum()) + n * float(work.on_cpu[0])}, second
 
 
-def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> tuple[dict, ...]:
-    """The solution's experts per prompt as two steps of unit busy times (`layer_units`, summed over layers)."""
-    first: dict[str, float] = {}
-    second: dict[str, float] = {}
-    for data, cfg in zip(layers, sol.configs):
-        for into, units in zip((first, second), layer_units(scorer, data, cfg)):
+def expert_steps(sol: Solution, layers: list[LayerData], scorer: Scorer, prompts: float) -> ExpertFigures:
+    """The solution's experts per prompt (`objective.expert_figures`) with their steps: each layer's two steps of
+    unit busy times (`layer_units`), and their sums."""
+    per_layer = [tuple({u: ms / prompts for u, ms in s.items()} for s in layer_units(scorer, data, cfg))
+                 for data, cfg in zip(layers, sol.configs)]
+    return with_steps(expert_figures(sol, prompts), per_layer)
+
+
+def with_steps(experts: ExpertFigures, per_layer: list[tuple[dict[str, float], ...]]) -> ExpertFigures:
+    """`experts` with each MoE layer's steps (`per_layer`, in layer order, each the same steps) and their sums, a step
+    no layer keeps busy left out."""
+    kept = [k for k in range(len(per_layer[0]) if per_layer else 0)
+            if any(ms > 0 for layer in per_layer for ms in layer[k].values())]
+    by_layer = tuple(tuple(layer[k] for k in kept) for layer in per_layer)
+    steps: list[dict[str, float]] = [{} for _ in kept]
+    for layer in by_layer:
+        for into, units in zip(steps, layer):
             for unit, ms in units.items():
-                into[unit] = into.get(unit, 0.0) + ms / prompts
-    return tuple(s for s in (first, second) if any(v > 0 for v in s.values()))
+                into[unit] = into.get(unit, 0.0) + ms
+    return dataclasses.replace(experts, steps=tuple(steps), by_layer=by_layer)
 
 
 def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: int, per_layer: int = 24,
@@ -131,10 +143,6 @@ def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: in
         if sum(p[2] for p in picks) <= drop_budget:
             out.append(solution([p[0] for p in picks], found.layers, scorer, found.best.exact_partial))
     return out
-
-
-def with_steps(experts: ExpertFigures, steps: tuple[dict, ...]) -> ExpertFigures:
-    return dataclasses.replace(experts, steps=steps)
 
 
 def static_rows_grid(chunk: int) -> list[int]:

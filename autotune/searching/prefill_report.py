@@ -18,7 +18,7 @@ from autotune.costing.whole_prefill import (
 from autotune.searching.bound_seed import LpSeeds, energy_fit, tail_free, window_fit
 from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import WholePrefill, expert_figures, host_of, lazy_last, placement, prompts_in
+from autotune.searching.objective import WholePrefill, host_of, lazy_last, placement, prompts_in
 from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
 from autotune.searching.overlap_choice import (
     Candidate,
@@ -27,7 +27,6 @@ from autotune.searching.overlap_choice import (
     best_overlapped,
     expert_steps,
     rebalanced,
-    with_steps,
 )
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
@@ -71,7 +70,7 @@ def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, sh
     """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
     dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes."""
     prompts = prompts_in(layers, prompt_tokens)
-    experts = with_steps(expert_figures(sol, prompts), expert_steps(sol, layers, scorer, prompts))
+    experts = expert_steps(sol, layers, scorer, prompts)
     return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
                      lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
                      sol.baseline, solution=sol)
