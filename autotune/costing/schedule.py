@@ -268,7 +268,7 @@ def _expert_steps(cost: CostModel, shape: DecoderShape, experts: ExpertFigures, 
     (`ExpertFigures.by_layer`: a step lasts as long as its layer's busiest unit, which the layers' mean hides), else
     an even one."""
     per_row = _mean_steps(cost, shape, experts, place, lazy, chunks)
-    mine = experts.by_layer if len(experts.by_layer) == len(shape.moe_layers) else ()
+    mine = experts.by_layer if experts.steps and len(experts.by_layer) == len(shape.moe_layers) else ()
     if not per_row or not mine:
         return {layer: per_row for layer in shape.moe_layers} if per_row else {}
     n = len(mine)
