@@ -16,17 +16,27 @@ from autotune.costing.schedule import (
     schedule,
     steps_from_events,
 )
-from autotune.costing.whole_prefill import DecoderShape, DensePlacement, ExpertFigures, pieces, predict_prefill
+from autotune.costing.whole_prefill import (
+    DecoderShape,
+    DensePlacement,
+    ExpertFigures,
+    layer_links,
+    pieces,
+    placement_of,
+    predict_prefill,
+)
 from autotune.profiling.profile import load_profile
-from autotune.searching.dense_choice import ROW_GRAIN
+from autotune.searching.dense_choice import ROW_GRAIN, dense_plan, dense_weight_bytes
 from autotune.searching.overlap_choice import (
     Candidate,
     choose_overlapped,
     cpu_backends,
     static_rows_grid,
+    window_over,
     window_trade,
     with_steps,
 )
+from runtime.plan import DensePlan
 
 
 def _chunk() -> list[Step]:
@@ -280,3 +290,59 @@ def test_the_finer_row_grid_is_never_worse_than_the_coarse_one(m2):
     assert fine.prediction.latency_ms == again.latency_ms
     assert all(r % ROW_GRAIN == 0 for _, r in fine.placement.rows)
     assert any(r % static_rows_grid(4096)[1] for _, r in fine.placement.rows)
+
+
+def test_compressed_dense_weights_take_less_of_the_window_and_stream_fewer_bytes(m2):
+    """Qwen3-30B-A3B's q/k/v and o_proj on the ANE: 1.81 GB of fp16 weights, half as int8, a quarter as 4-bit
+    palettes (`ane_limits.BYTES_PER_WEIGHT`); the CPU's reference backend computes with the model's own weights
+    whatever the placement's `compress`. A compressed function is priced at its stored bytes per call (the profile
+    has no decompression cost for the ANE: only the bytes term changes), plus the profile's decompression rate
+    where it has one."""
+    cost, shape = m2
+    fp16 = 48 * 2048 * (5120 + 4096) * 2
+    both = DensePlacement(qkv="ane", o_proj="ane", host="mlx-exact")
+    for compress, share in (("none", 1.0), ("int8", 0.5), ("palettize4", 0.25)):
+        assert dense_weight_bytes(shape, dataclasses.replace(both, compress=compress), "ane") == fp16 * share
+    on_cpu = DensePlacement(qkv="cpu-static", o_proj="ane", host="mlx-exact", compress="int8")
+    assert on_cpu.stored("qkv") == "none" and on_cpu.stored("o_proj") == "int8"
+    assert dense_weight_bytes(shape, on_cpu) == 48 * 2048 * (5120 * 2 + 4096 * 1)
+
+    m, n, k = 4096, shape.qkv_width, shape.hidden
+    fp16_ms, int8_ms = float(cost.matmul_ms("ane", m, n, k)), float(cost.stored_matmul_ms("ane", m, n, k, "int8"))
+    ane = cost.backend_model("ane")
+    assert fp16_ms - int8_ms == pytest.approx(ane.ms_per_mb * n * k * (2 - 1) / 1e6, rel=1e-9)
+    links = {c: layer_links(cost, shape, 0, m, m, True, dataclasses.replace(both, compress=c))
+             for c in ("none", "int8")}
+    qkv = {c: links[c]["attention_projections"][0].latency_ms for c in links}
+    assert qkv["none"] - qkv["int8"] == pytest.approx(fp16_ms - int8_ms, rel=1e-9)
+    rated = dataclasses.replace(cost, models={**cost.models, "ane": dataclasses.replace(
+        ane, decompress_ms_per_mb={"int8": 0.01})}, _lut={})
+    assert float(rated.stored_matmul_ms("ane", m, n, k, "int8")) == pytest.approx(int8_ms + 0.01 * n * k / 1e6)
+
+
+def test_the_schedule_compresses_dense_weights_only_where_the_window_asks(m2):
+    """3.5 GB of resident experts leave 0.79 GB of the ANE's 4 GiB window: neither q/k/v (1.01 GB) nor o_proj
+    (0.81 GB) fits as fp16, so with fp16 alone neither runs there; allowed int8 and 4-bit palettes, the choice puts
+    projections on the ANE stored at the least compression that fits (one step less would not) and ends sooner. The
+    plan it writes names the storage on the ANE's functions, and reading the plan back gives the same placement."""
+    cost, shape = m2
+    experts = ExpertFigures(410.0, 10.0, 300 * 1.58 + 400 * 62.05, ({"cpu": 10.0}, {"ane": 300.0, "mlx-exact": 400.0}))
+    backends = ("ane", *cpu_backends(cost, "ane"))
+    fp16 = Candidate(4096, experts, DensePlacement(host="mlx-exact"), resident_bytes=3.5e9)
+    any_store = dataclasses.replace(fp16, stores=("none", "int8", "palettize4"))
+    plain, packed = (choose_overlapped(cost, backends, shape, 4096, c) for c in (fp16, any_store))
+    assert "ane" not in (plain.placement.qkv, plain.placement.o_proj) and plain.placement.compress == "none"
+    place = packed.placement
+    assert "ane" in (place.qkv, place.o_proj) and place.compress in ("int8", "palettize4")
+    assert window_over(shape, place, 3.5e9, "ane") <= 0
+    less = any_store.stores[any_store.stores.index(place.compress) - 1]
+    assert window_over(shape, dataclasses.replace(place, compress=less), 3.5e9, "ane") > 0
+    assert packed.prediction.latency_ms < plain.prediction.latency_ms
+    written = DensePlan.model_validate(dense_plan(place, shape))
+    stored = {(fn.backend, fn.compress) for dl in written.layers for f in ("qkv", "o_proj")
+              if (fn := getattr(dl, f)) is not None}
+    assert {c for b, c in stored if b == "ane"} == {place.compress}
+    assert {c for b, c in stored if b != "ane"} <= {None}
+    back = placement_of(written)
+    assert dataclasses.replace(back, rows=tuple(sorted(back.rows))) == dataclasses.replace(
+        place, rows=tuple(sorted(place.rows)))

@@ -386,6 +386,17 @@ class CostModel:
                                                  at=features("matmul", m=m, n=n, k=k))
         return np.where(np.asarray(m) > 0, t, 0.0)
 
+    def stored_matmul_ms(self, backend: str, m: Any, n: int, k: int, compress: str = "none") -> np.ndarray:
+        """`matmul_ms` of a static function whose [k, n] weights are stored as `compress`
+        (ane_limits.BYTES_PER_WEIGHT: fewer bytes streamed per call, plus the profile's decompression cost where it
+        has one), as `ffn_ms` prices an expert's."""
+        if compress == "none":
+            return self.matmul_ms(backend, m, n, k)
+        per_weight = ane_limits.BYTES_PER_WEIGHT[compress]
+        t = self.matmul_ms(backend, m, n, k, per_weight)
+        rate = (self._model(backend).decompress_ms_per_mb or {}).get(compress, 0.0)
+        return np.where(np.asarray(m) > 0, t + rate * n * k * per_weight / 1e6, 0.0)
+
     def attention_ms(self, backend: str, rows: Any, context: Any, heads: int, kv_heads: int, head_dim: int,
                      masked: bool = False) -> np.ndarray:
         """Compute time of the attention core over `context` keys for `rows` queries on `backend`; `masked`: a first

@@ -5,8 +5,9 @@ In, per chunk size, over one prompt's pieces (`whole_prefill.pieces`: its chunks
 - every decoder layer's dense functions (q/k/v, o_proj, the attention core, the dense MLP) on a full piece: a prefix
   of its rows on each static backend (the ANE's; the CPU's, where the caller names it), the rest on the host (the
   plan's exact path), split at any multiple of `grain` rows, each side priced as `whole_prefill.layer_links` prices
-  it (a static function's calls and weights included; the attention core's static calls at the cheapest of the
-  caller's bucket and block templates); on a partial piece, and with halves the attention core, the host's only;
+  it (a static function's calls and weights included, its weights at the cheapest of `compressions`; the attention
+  core's static calls at the cheapest of the caller's bucket and block templates); on a partial piece, and with
+  halves the attention core, the host's only;
 - the norms and the router (`rest`), and the final norm and lm_head, on the host only;
 - each MoE layer's experts one by one: its calibration rows on the static backend (its groups), on each exact path
   the caller names (the GPU's, the CPU's) or dropped (resident, within `drop_share` of all rows), each unit's price
@@ -16,7 +17,7 @@ In, per chunk size, over one prompt's pieces (`whole_prefill.pieces`: its chunks
 - a lazy host's last layer (`LazyLast`): the share of a piece's rows it computes in full is a variable, the rest
   computing only their keys and values (`cache_only_links`), as the runtime leaves out what no logit reads;
 - constraints: each unit busy at most the makespan; the energy (each unit's busy ms at its backend's power) at most
-  the cap; the ANE's resident weights (its experts at their cheapest storage, and each dense function's weights in
+  the cap; the ANE's resident weights (its experts and each dense function's at their smallest storage, the latter in
   full once any of its rows are on the ANE, every layer's: one placement for all layers) within
   `ane_limits.WINDOW_BYTES`, the 0-1 residencies relaxed to [0, 1].
 Out: every dependency (the chain within a chunk, keys and values across chunks), the host's packing and
@@ -164,7 +165,8 @@ class _Prices:
         """`backend`'s prices for the first rows of `f` at each point: the least over the attention templates."""
         cost, host = self.cost, self.setup.host
         unit, part, index = unit_of(cost, backend), *LINK_OF[f]
-        templates = self.setup.attention if f == "attention" else (DensePlacement(),)
+        templates = self.setup.attention if f == "attention" else tuple(
+            DensePlacement(compress=c) for c in self.setup.compressions)
         out = []
         for s in points:
             best = 0.0 if s == 0 else np.inf

@@ -27,7 +27,7 @@ from autotune.costing import evaluator
 from autotune.costing.costmodel import CostModel
 from autotune.costing.cpu_storage import dequant_ms
 from autotune.costing.fit_range import Reach, merge_reaches, reach
-from runtime.backends import EXACT
+from runtime.backends import EXACT, REFERENCE
 from runtime.dense.families import FAMILIES
 from runtime.loading.model_config import head_dim, mlx_quantization, text_config
 from runtime.loading.model_record import ModelRecord
@@ -126,6 +126,15 @@ class DensePlacement:
     rows: tuple[tuple[str, int], ...] = ()  # (function, r): its static function takes a full chunk's first r rows
     attention_block: int | None = None  # the core's static rows in causal blocks of this many queries
     host: str = EXACT  # the exact path running what no static function takes (the plan's `dense.exact`)
+    # how its functions on a static backend other than the CPU's reference store their weights (the plan's
+    # `DenseFunction.compress`): fewer bytes in the ANE's window and streamed per call
+    compress: str = "none"
+
+    def stored(self, function: str) -> str:
+        """How `function`'s static weights are stored: the placement's `compress`, except on the CPU's reference
+        backend (cpu-static computes with the model's own weights)."""
+        backend = getattr(self, function)
+        return self.compress if backend is not None and backend != REFERENCE else "none"
 
     def block_buckets(self, start: int, chunk: int) -> list[int] | None:
         """The bucket each static call of the attention core reads in a full chunk starting at offset `start`: one
@@ -269,10 +278,13 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
     attn = place.attention if reads is not None else host
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
 
+    def stored(b: str, function: str) -> str:  # the host computes with the model's own weights
+        return "none" if cost.is_exact(b) else place.stored(function)
+
     def qkv_ms(b: str, r: int) -> float:  # a static function computes q, k and v as one matmul and holds the q/k
         # norms; an exact path runs the model's three modules, then the family's q/k norms
         if not cost.is_exact(b):
-            return float(cost.matmul_ms(b, r, shape.qkv_width, h))
+            return float(cost.stored_matmul_ms(b, r, shape.qkv_width, h, stored(b, "qkv")))
         norms = cost.norm_ms(b, r, q + kv, shape.qk_norm) if shape.qk_norm else 0.0
         return float(sum(cost.matmul_ms(b, r, w, h) for w in (q, kv, kv)) + norms)
 
@@ -290,14 +302,16 @@ def layer_links(cost: CostModel, shape: DecoderShape, layer: int, rows: int, con
         return split_link(cost, backend, min(static, rows), rows, price, calls, host, static)
 
     out = {"attention_projections": [split("qkv", qkv, qkv_ms),
-                                     split("o_proj", o, lambda b, r: cost.matmul_ms(b, r, h, q))],
+                                     split("o_proj", o, lambda b, r: cost.stored_matmul_ms(b, r, h, q,
+                                                                                           stored(b, "o_proj")))],
            "attention_core": [split("attention", attn, attention_ms, len(reads or ()) or 1)],
            "rest": [dense_link(cost, host, cost.elementwise_ms(host, rows, h))]}
     if layer in shape.moe_layers:
         out["rest"].append(dense_link(cost, host, cost.matmul_ms(host, rows, shape.num_experts, h)))
     if ffn:
-        out["dense_mlp"] = [split("mlp", _on(place.mlp, full, host), lambda b, r: cost.matmul_ms(b, r, 2 * ffn, h)
-                                  + cost.matmul_ms(b, r, h, ffn))]
+        out["dense_mlp"] = [split("mlp", _on(place.mlp, full, host),
+                                  lambda b, r: cost.stored_matmul_ms(b, r, 2 * ffn, h, stored(b, "mlp"))
+                                  + cost.stored_matmul_ms(b, r, h, ffn, stored(b, "mlp")))]
     return out
 
 
@@ -395,7 +409,8 @@ def gflop_per_ms(ms_per_gflop: list[float]) -> float:
 
 def placement_of(dense: Any) -> DensePlacement:
     """A plan's `dense` field (`runtime.plan.DensePlan`, or None) as the placement it prices: the backend its layers
-    name per function (the search writes one per function for every layer)."""
+    name per function (the search writes one per function for every layer) and the storage its compressed functions
+    name."""
     if dense is None:
         return DensePlacement()
     host = dense.exact or EXACT
@@ -404,9 +419,11 @@ def placement_of(dense: Any) -> DensePlacement:
     split = tuple((name, r) for name in ("qkv", "o_proj", "mlp") if (r := rows(name)))
     if dense.attention_rows:
         split += (("attention", dense.attention_rows),)
+    stored = next((f.compression for dl in dense.layers for name in ("qkv", "o_proj", "mlp")
+                   if (f := getattr(dl, name)) is not None and f.compression != "none"), "none")
     return DensePlacement(first("qkv"), first("o_proj"), next((dl.attention for dl in dense.layers if dl.attention),
                                                               None), first("mlp"),
-                          tuple(dense.attention_context_buckets), split, dense.attention_block, host)
+                          tuple(dense.attention_context_buckets), split, dense.attention_block, host, stored)
 
 
 def priced_outside(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int,

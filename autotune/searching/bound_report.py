@@ -14,7 +14,6 @@ from autotune.searching.optimizer import SearchOutcome
 from autotune.searching.overlap_choice import cpu_backends
 from autotune.searching.scoring import Scorer
 from runtime.backends import EXACT
-from runtime.coreml import ane_limits
 
 LABEL = ("predicted: the least makespan of any split of the prompt's ops over the units at the cost model's own "
          "prices at each chunk size (whole chunks or halves), each unit busy at most it, the energy at most the cap, "
@@ -32,13 +31,13 @@ def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, pro
     backend, context = scorer.backend, shape.context or prompt_tokens
     templates = tuple(DensePlacement(buckets=keys, attention_block=block) for block in attention_blocks(chunk)
                       if (keys := block_keys(prompt_tokens, chunk, block, context)))
-    per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
-    compress = outcome.space.dim("compress").values if outcome.space is not None else ("none",)
+    compress = outcome.compressions
     return BoundSetup(static=(backend, *cpu_backends(scorer.cost, backend)), host=host,
                       functions=tuple(f for f in DENSE_FUNCTIONS if f in executable(host)), attention=templates,
-                      paths=(scorer.exact, *((EXACT,) if scorer.splits_exact else ())), compressions=tuple(compress),
+                      paths=(scorer.exact, *((EXACT,) if scorer.splits_exact else ())), compressions=compress,
                       drop_share=outcome.drop_rate, grain=ROW_GRAIN,
-                      window_bytes={f: dense_weight_bytes(shape, DensePlacement(**{f: backend}), per_weight, backend)
+                      window_bytes={f: min(dense_weight_bytes(shape, DensePlacement(**{f: backend}, compress=c),
+                                                              backend) for c in compress)
                                     for f in ("qkv", "o_proj", "mlp")})
 
 

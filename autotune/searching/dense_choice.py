@@ -52,7 +52,7 @@ class DenseChoice:
 
     def fits_beside(self, resident_bytes: float) -> bool:
         """Whether this placement's functions and `resident_bytes` of experts fit the ANE's window at once."""
-        stored = dense_weight_bytes(self.shape, self.placement, ane_limits.BYTES_PER_WEIGHT["none"])
+        stored = dense_weight_bytes(self.shape, self.placement)
         return ane_limits.resident_over_window({"experts": resident_bytes, "dense functions": stored}) == 0
 
     def cost_under(self, cost: CostModel, weights: Weights, place: DensePlacement | None = None) -> float:
@@ -73,18 +73,20 @@ def dense_score(pred: PrefillPrediction, prompts: float) -> Score:
                  cpu_ms=pred.cpu_ms * prompts)
 
 
-def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, bytes_per_weight: float,
-                       backend: str | None = None) -> float:
-    """Weights the placement puts on a static backend (every layer's functions); with `backend`, on that one only
-    (the ANE's window holds its own, not the CPU's)."""
+def dense_weight_bytes(shape: DecoderShape, place: DensePlacement, backend: str | None = None) -> float:
+    """Weights the placement puts on a static backend (every layer's functions, each as it stores them:
+    `DensePlacement.stored`); with `backend`, on that one only (the ANE's window holds its own, not the CPU's)."""
     def on(function: str) -> bool:
         return bool(getattr(place, function)) and backend in (None, getattr(place, function))
 
+    def stored(function: str) -> float:
+        return ane_limits.BYTES_PER_WEIGHT[place.stored(function)]
+
     per = {"qkv": shape.hidden * shape.qkv_width, "o_proj": shape.hidden * shape.heads * shape.head_dim}
-    total = sum(per[f] for f in per if on(f)) * shape.num_layers
+    total = sum(per[f] * stored(f) for f in per if on(f)) * shape.num_layers
     if on("mlp"):
-        total += sum(3 * shape.hidden * shape.mlp_ffn(layer) for layer in range(shape.num_layers))
-    return total * bytes_per_weight
+        total += sum(3 * shape.hidden * shape.mlp_ffn(layer) for layer in range(shape.num_layers)) * stored("mlp")
+    return total
 
 
 def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk_tokens: int, backend: str | None,
@@ -102,10 +104,9 @@ def choose_dense(cost: CostModel, shape: DecoderShape, prompt_tokens: int, chunk
     runnable = executable(place.host)
     if backend is not None and runnable:
         best = cost_of(place)
-        per_weight = ane_limits.BYTES_PER_WEIGHT["none"]
         for name in (f for f in ("qkv", "o_proj", "mlp") if f in runnable):
             trial = dataclasses.replace(place, **{name: backend})
-            resident = {"experts": resident_bytes, "dense functions": dense_weight_bytes(shape, trial, per_weight)}
+            resident = {"experts": resident_bytes, "dense functions": dense_weight_bytes(shape, trial)}
             if ane_limits.resident_over_window(resident) > 0:
                 continue
             trial, c = best_split(cost_of, trial, name, chunk_tokens)
@@ -204,7 +205,9 @@ def dense_plan(place: DensePlacement, shape: DecoderShape) -> dict | None:
     rows = dict(place.rows)
 
     def function(name: str, backend: str) -> dict:
-        return {"backend": backend, **({"rows": rows[name]} if name in rows else {})}
+        stored = place.stored(name)
+        return {"backend": backend, **({"compress": stored} if stored != "none" else {}),
+                **({"rows": rows[name]} if name in rows else {})}
 
     layers = []
     for layer in range(shape.num_layers):

@@ -168,7 +168,7 @@ class WholePrefill:
             if registry.get(scorer.backend).limits is None:
                 return False
             resident = resident_bytes(sol, self.shape.hidden, self.shape.expert_ffn)
-            dense = dense_weight_bytes(self.shape, place, ane_limits.BYTES_PER_WEIGHT["none"])
+            dense = dense_weight_bytes(self.shape, place)
             if ane_limits.resident_over_window({"experts": resident, "dense functions": dense}) > 0:
                 return False
         return all(scorer.score(d, c).violation == 0 for d, c in zip(layers, sol.configs))

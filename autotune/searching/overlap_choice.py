@@ -52,6 +52,9 @@ class Candidate:
     baseline: str | None = None
     rows: tuple[int, ...] = ()  # an uneven chunking (`whole_prefill.prompt_chunks`); (): chunks of `chunk`
     solution: Solution | None = None  # the search's solution whose experts these are (what a plan of it writes)
+    # how its dense functions on the static backend may store their weights, least compressed first (the search's
+    # space's compressions): the least that fits the window beside the residents is taken (`stored_within`)
+    stores: tuple[str, ...] = ("none",)
 
     @property
     def key(self) -> tuple[int, tuple[int, ...]]:
@@ -252,9 +255,11 @@ def window_trade(ranked: list[Candidate], shape: DecoderShape, backend: str) -> 
     """The first of `ranked` whose resident experts leave the static backend's window room for every layer's q/k/v
     and o_proj (none if none does): fewer experts on the ANE, the rest on the exact path, for dense rows there, a
     trade the dense choice prices jointly with the rows (`choose_overlapped`) rather than one expert at a time."""
-    both = DensePlacement(qkv=backend, o_proj=backend)
-    room = ane_limits.WINDOW_BYTES - dense_weight_bytes(shape, both, ane_limits.BYTES_PER_WEIGHT["none"], backend)
-    return next(([c] for c in ranked if c.resident_bytes <= room), [])
+    def room(c: Candidate) -> float:  # at its smallest storage
+        both = DensePlacement(qkv=backend, o_proj=backend, compress=c.stores[-1])
+        return ane_limits.WINDOW_BYTES - dense_weight_bytes(shape, both, backend)
+
+    return next(([c] for c in ranked if c.resident_bytes <= room(c)), [])
 
 
 def best_overlapped(by_chunk: dict) -> Overlapped:
@@ -273,18 +278,16 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
     one whose dense weights on the first and the resident experts overflow the ANE's window is not taken.
     `halves`: priced as a micro-pipeline inside each chunk (`schedule.prefill_steps`)."""
     backends = (backends,) if isinstance(backends, str) else backends
-    chunk, per_weight = cand.chunk, ane_limits.BYTES_PER_WEIGHT["none"]
+    chunk = cand.chunk
 
     def price(place: DensePlacement) -> tuple[float, PrefillPrediction, Schedule]:
         pred, sched = predict_scheduled(cost, shape, prompt_tokens, chunk, cand.experts, place, in_flight,
                                         cand.lazy_last, halves, cand.rows)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
-        window = {"experts": cand.resident_bytes,
-                  "dense functions": dense_weight_bytes(shape, place, per_weight, backends[0])}
-        over = over or ane_limits.resident_over_window(window) > 0
+        over = over or window_over(shape, place, cand.resident_bytes, backends[0]) > 0
         return (np.inf if over else pred.latency_ms), pred, sched
 
-    best_place = start = cand.placement
+    best_place = start = stored_within(shape, cand.placement, cand, backends[0])
     best = price(start)
     functions = [f for f in DENSE_FUNCTIONS if f != "mlp" or any(shape.mlp_ffn(la) for la in range(shape.num_layers))]
     for _ in range(rounds):
@@ -292,7 +295,8 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
         for function in functions:
             for backend in backends:
                 for rows in grid(chunk):
-                    place = placed(best_place, function, rows, chunk, backend, prompt_tokens, cand.rows)
+                    place = stored_within(shape, placed(best_place, function, rows, chunk, backend, prompt_tokens,
+                                                        cand.rows), cand, backends[0])
                     if place == best_place:
                         continue
                     got = price(place)
@@ -303,6 +307,21 @@ def choose_overlapped(cost: CostModel, backends: str | tuple[str, ...], shape: D
     if grain:
         best_place, best = refined(price, best_place, best, functions, chunk, grain)
     return Overlapped(best_place, best[1], best[2], cand, bool(np.isfinite(best[0])))
+
+
+def window_over(shape: DecoderShape, place: DensePlacement, resident_bytes: float, backend: str) -> float:
+    """Bytes past the ANE's window of `resident_bytes` of experts beside the placement's functions on `backend`."""
+    return ane_limits.resident_over_window({"experts": resident_bytes,
+                                            "dense functions": dense_weight_bytes(shape, place, backend)})
+
+
+def stored_within(shape: DecoderShape, place: DensePlacement, cand: Candidate, backend: str) -> DensePlacement:
+    """`place` with its functions' weights on `backend` stored as the least compressed of `cand.stores` that fits
+    the window beside the candidate's residents (the most compressed where none fits: the caller's check refuses
+    it). Fidelity first: weights are compressed only where the window asks for it."""
+    fits = (c for c in cand.stores
+            if window_over(shape, dataclasses.replace(place, compress=c), cand.resident_bytes, backend) <= 0)
+    return dataclasses.replace(place, compress=next(fits, cand.stores[-1]))
 
 
 def refined(price: Callable, place: DensePlacement, best: tuple, functions: list[str], chunk: int,

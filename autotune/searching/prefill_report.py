@@ -66,14 +66,15 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
 
 
 def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                      choice: DenseChoice | None) -> Candidate:
+                      choice: DenseChoice | None, stores: tuple[str, ...] = ("none",)) -> Candidate:
     """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
-    dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes."""
+    dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes; `stores`:
+    the weight storages its dense functions may take (the search's `SearchOutcome.compressions`)."""
     prompts = prompts_in(layers, prompt_tokens)
     experts = expert_steps(sol, layers, scorer, prompts)
     return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
                      lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
-                     sol.baseline, solution=sol)
+                     sol.baseline, solution=sol, stores=stores)
 
 
 def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
@@ -86,8 +87,8 @@ def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape,
     layers = outcome.chunks[sol.chunk_tokens].layers
     fits = energy_fit([sol], layers, scorer, _energy(outcome, scorer, shape, prompt_tokens, sol.chunk_tokens),
                       prompts_in(layers, prompt_tokens), energy_cap_mj)
-    return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens))
-            for s in (sol, *tail_free([sol], layers, scorer), *fits)]
+    return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens),
+                              outcome.compressions) for s in (sol, *tail_free([sol], layers, scorer), *fits)]
 
 
 def _energy(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int, chunk: int
@@ -121,7 +122,8 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
                                            prompts_in(found.layers, prompt_tokens), energy_cap_mj)]
         chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
     least = min(chain.values())
-    return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk))
+    return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk),
+                              outcome.compressions)
             for chunk, sols in plans.items() if chain[chunk] <= within * least for sol in sols]
 
 
@@ -224,7 +226,7 @@ def by_chunk_json(by_chunk: dict, prompt_tokens: int) -> dict:
                 "predicted_prefill_energy_mj": o.prediction.energy_mj, "within_energy_cap": o.within_cap,
                 "units": o.schedule.to_json()["units"],
                 "dense": {**{f: getattr(o.placement, f) for f in DENSE_FUNCTIONS},
-                          "static_rows": dict(o.placement.rows)}}
+                          "static_rows": dict(o.placement.rows), "compress": o.placement.compress}}
             for (chunk, rows), o in sorted(by_chunk.items())}
 
 
@@ -237,4 +239,4 @@ def placement_json(place: DensePlacement, prompt_tokens: int, chunk_tokens: int,
     reads = {s: keys for s in starts if place.attention and (keys := place.block_buckets(s, chunk_tokens))}
     return {**{f: getattr(place, f) for f in DENSE_FUNCTIONS}, "attention_context_buckets": list(place.buckets),
             "static_rows": dict(place.rows), "attention_block": place.attention_block, "attention_reads": reads,
-            "host": place.host}
+            "host": place.host, "compress": place.compress}
