@@ -150,7 +150,7 @@ def test_seeded_starts_never_end_later(searched):
 def test_a_plan_past_the_window_is_offered_trimmed_to_fit(searched, monkeypatch):
     """A plan whose residents overflow the ANE's window (here a window one and a half experts short of them): offered
     with two residents fewer, within the window, no layer with more than before, dropping no more; one that fits
-    is not offered again."""
+    is not offered again. Asked to leave room beside them (a window three and a half experts short), four fewer."""
     cost, out, scorer = searched
     found, space = out.chunks[CHUNK], out.space
     configs = []
@@ -167,3 +167,5 @@ def test_a_plan_past_the_window_is_offered_trimmed_to_fit(searched, monkeypatch)
     assert sum(c.resident for c in fit[0].configs) == sum(c.resident for c in configs) - 2
     assert all(a.resident <= b.resident for a, b in zip(fit[0].configs, configs))
     assert fit[0].heldout_drops <= plan.heldout_drops
+    beside = window_fit([plan], found.layers, scorer, out.drop_budget, stored - 3.5 * one)  # room left for more
+    assert sum(c.resident for c in beside[0].configs) == sum(c.resident for c in configs) - 4

@@ -104,17 +104,20 @@ def energy_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, pr
     return out
 
 
-def window_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, drop_budget: int) -> list[Solution]:
-    """Each of `sols` whose resident experts overflow the ANE's window (which the schedule's choice does not take),
-    with residents taken off one at a time, each where one fewer costs its layer the least chain latency per byte
-    freed, until they fit; those within the drop budget (fewer residents drop no more)."""
+def window_fit(sols: list[Solution], layers: list[LayerData], scorer: Scorer, drop_budget: int,
+               window: float | None = None) -> list[Solution]:
+    """Each of `sols` whose resident experts overflow `window` bytes (the ANE's window, which the schedule's choice
+    does not take; or what the window leaves beside dense functions), with residents taken off one at a time, each
+    where one fewer costs its layer the least chain latency per byte freed, until they fit; those within the drop
+    budget (fewer residents drop no more); `window` None: the ANE's."""
+    window = ane_limits.WINDOW_BYTES if window is None else window
     out = []
     for sol in sols:
         configs = list(sol.configs)
-        if sol.baseline is not None or resident_bytes(configs, scorer.hidden, scorer.ffn) <= ane_limits.WINDOW_BYTES:
+        if sol.baseline is not None or resident_bytes(configs, scorer.hidden, scorer.ffn) <= window:
             continue
         latency = [scorer.score(d, c).latency_ms for d, c in zip(layers, configs)]
-        while resident_bytes(configs, scorer.hidden, scorer.ffn) > ane_limits.WINDOW_BYTES:
+        while resident_bytes(configs, scorer.hidden, scorer.ffn) > window:
             options = []
             for i, (data, cfg) in enumerate(zip(layers, configs)):
                 if cfg.resident:

@@ -255,11 +255,14 @@ def window_trade(ranked: list[Candidate], shape: DecoderShape, backend: str) -> 
     """The first of `ranked` whose resident experts leave the static backend's window room for every layer's q/k/v
     and o_proj (none if none does): fewer experts on the ANE, the rest on the exact path, for dense rows there, a
     trade the dense choice prices jointly with the rows (`choose_overlapped`) rather than one expert at a time."""
-    def room(c: Candidate) -> float:  # at its smallest storage
-        both = DensePlacement(qkv=backend, o_proj=backend, compress=c.stores[-1])
-        return ane_limits.WINDOW_BYTES - dense_weight_bytes(shape, both, backend)
+    return next(([c] for c in ranked if c.resident_bytes <= projection_room(shape, backend, c.stores[-1])), [])
 
-    return next(([c] for c in ranked if c.resident_bytes <= room(c)), [])
+
+def projection_room(shape: DecoderShape, backend: str, compress: str) -> float:
+    """The bytes the static backend's window leaves for experts beside every layer's q/k/v and o_proj stored as
+    `compress`."""
+    both = DensePlacement(qkv=backend, o_proj=backend, compress=compress)
+    return ane_limits.WINDOW_BYTES - dense_weight_bytes(shape, both, backend)
 
 
 def best_overlapped(by_chunk: dict) -> Overlapped:

@@ -26,6 +26,7 @@ from autotune.searching.overlap_choice import (
     best_by_chunk,
     best_overlapped,
     expert_steps,
+    projection_room,
     rebalanced,
 )
 from autotune.searching.scores import weighted_cost
@@ -104,8 +105,9 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
     objective prices it (`WholePrefill.price`), is within `within` of the least latency over all sizes, the
     objective's whole plans there (`WholePrefill.candidates`) and the experts' optimum rebalanced (`rebalanced`),
     each with a CPU tail also without it (`bound_seed.tail_free`: the energy cap may not allow the tail), each past
-    the ANE's window also trimmed to fit it (`bound_seed.window_fit`), each past `energy_cap_mj` with its tails also
-    halved until it fits (`bound_seed.energy_fit`)."""
+    the ANE's window also trimmed to fit it, and to leave room for every layer's q/k/v and o_proj at the space's
+    most compressed storage (`bound_seed.window_fit`, `overlap_choice.projection_room`), each past `energy_cap_mj`
+    with its tails also halved until it fits (`bound_seed.energy_fit`)."""
     whole = outcome.whole or WholePrefill(shape, prompt_tokens)
     plans: dict[int, list[Solution]] = {}
     chain: dict[int, float] = {}
@@ -116,7 +118,9 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
                                   outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
         sols += tail_free(sols, found.layers, scorer)
-        sols += window_fit(sols, found.layers, scorer, outcome.drop_budget)
+        room = projection_room(shape, scorer.backend, outcome.compressions[-1])
+        sols += [*window_fit(sols, found.layers, scorer, outcome.drop_budget),
+                 *window_fit(sols, found.layers, scorer, outcome.drop_budget, room)]
         plans[chunk] = [*sols, *energy_fit(sols, found.layers, scorer,
                                            _energy(outcome, scorer, shape, prompt_tokens, chunk),
                                            prompts_in(found.layers, prompt_tokens), energy_cap_mj)]
