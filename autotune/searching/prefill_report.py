@@ -83,13 +83,14 @@ def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape,
     """For two chunks in flight where the search's pick's experts are fixed (the fidelity gate, `--measure` or
     `--robust` chose them): the pick as it is, without its CPU tail and with as much of it as `energy_cap_mj` allows
     (`bound_seed.tail_free`, `energy_fit`: a tail's experts are exact either way), the schedule choosing their
-    chunking and dense half."""
+    chunking and dense half, its functions' weights fp16 as the gate measured them (no compression it did not
+    check)."""
     sol = outcome.best
     layers = outcome.chunks[sol.chunk_tokens].layers
     fits = energy_fit([sol], layers, scorer, _energy(outcome, scorer, shape, prompt_tokens, sol.chunk_tokens),
                       prompts_in(layers, prompt_tokens), energy_cap_mj)
-    return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens),
-                              outcome.compressions) for s in (sol, *tail_free([sol], layers, scorer), *fits)]
+    return [overlap_candidate(s, layers, scorer, shape, prompt_tokens, outcome.dense.get(sol.chunk_tokens))
+            for s in (sol, *tail_free([sol], layers, scorer), *fits)]
 
 
 def _energy(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int, chunk: int
