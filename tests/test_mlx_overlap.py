@@ -42,9 +42,11 @@ def loaded(q4, request):
     return _load(q4, request.param)
 
 
-def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static", rows: int | None = None):
+def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static", rows: int | None = None,
+          dense: str = "cpu-static", compress: str | None = None):
     """The plan: its first experts in static groups on `groups`, the others on mlx-exact; `functions` spliced in on
-    cpu-static (q/k/v and o_proj: a full chunk's first `rows` rows, mlx-exact the rest; None: every row)."""
+    `dense` (q/k/v and o_proj: a full chunk's first `rows` rows, mlx-exact the rest; None: every row; their weights
+    stored as `compress`)."""
     spec = read_model_spec(str(q4))
     plan = template_plan(spec, chunk_tokens=CHUNK, exact="mlx-exact", backend=groups)
     layers = [LayerPlan(layer=lp.layer, cpu_exact=list(range(GROUPED, spec.num_experts)),
@@ -52,13 +54,12 @@ def _load(q4: Path, functions: tuple[str, ...], groups: str = "cpu-static", rows
                                       capacities=[c for e, c in zip(g.experts, g.capacities) if e < GROUPED])
                                 for g in lp.groups if min(g.experts) < GROUPED])
               for lp in plan.layers]
-    fn = DenseFunction(backend="cpu-static", rows=rows)
+    fn = DenseFunction(backend=dense, rows=rows, compress=compress)
     core = "attention" in functions
-    dense = DensePlan(attention_context_buckets=list(range(CHUNK, TOKENS + 1, CHUNK)) if core else [],
-                      layers=[DenseLayer(layer=i, **{f: "cpu-static" if f == "attention" else fn
-                                                     for f in functions})
-                              for i in range(spec.num_layers)]) if functions else None
-    return generation.load(str(q4), plan.model_copy(update={"layers": layers, "dense": dense}), engine="mlx",
+    placed = DensePlan(attention_context_buckets=list(range(CHUNK, TOKENS + 1, CHUNK)) if core else [],
+                       layers=[DenseLayer(layer=i, **{f: dense if f == "attention" else fn for f in functions})
+                               for i in range(spec.num_layers)]) if functions else None
+    return generation.load(str(q4), plan.model_copy(update={"layers": layers, "dense": placed}), engine="mlx",
                            dtype="float32")
 
 
@@ -122,6 +123,22 @@ def test_the_cpu_beside_the_ane_runs_on_a_lane_of_its_own(q4):
     lanes_ms = spine.executed().to_json()["lanes"]
     assert set(lanes_ms) == {"host", "static", "cpu-static"}
     assert all(f["busy_ms"] > 0 for f in lanes_ms.values())
+
+
+def test_projections_stored_compressed_on_the_ane_run_in_flight_as_one_at_a_time(q4):
+    """q/k/v and o_proj on the ANE (its simulation: the weights coremltools' int8 pass stores) as the search writes
+    them where the window asks: two in flight give the one-at-a-time logits; the storage is applied (not the fp16
+    functions' logits) and close to them (int8 per output channel)."""
+    packed = _load(q4, ("qkv", "o_proj"), groups="ane", dense="ane", compress="int8")
+    ids = _ids(packed)
+    ref = _one_at_a_time(packed.model, ids)
+    pieces = [(ids[s:d], rows) for s, d, rows in prefill_forwards(packed.model, len(ids), CHUNK)]
+    got = last_logits(packed.model.forward_in_flight(pieces, packed.model.make_cache(), 2, Lanes())).clone()
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-6
+    assert packed.plan.dense.layers[0].qkv.compression == "int8"
+    plain = _load(q4, ("qkv", "o_proj"), groups="ane", dense="ane")
+    fp16 = _one_at_a_time(plain.model, ids)
+    assert 0 < float((ref - fp16).abs().max() / fp16.abs().max()) <= 0.05
 
 
 def test_greedy_text_of_generate_is_the_same_in_flight(loaded, q4):
