@@ -13,6 +13,7 @@ from autotune.searching.objective import host_of, prompts_in
 from autotune.searching.optimizer import SearchOutcome
 from autotune.searching.overlap_choice import cpu_backends
 from autotune.searching.scoring import Scorer
+from autotune.searching.space import compressions
 from runtime.backends import EXACT
 
 LABEL = ("predicted: the least makespan of any split of the prompt's ops over the units at the cost model's own "
@@ -31,7 +32,7 @@ def bound_setup(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, pro
     backend, context = scorer.backend, shape.context or prompt_tokens
     templates = tuple(DensePlacement(buckets=keys, attention_block=block) for block in attention_blocks(chunk)
                       if (keys := block_keys(prompt_tokens, chunk, block, context)))
-    compress = outcome.compressions
+    compress = compressions(outcome.space)
     return BoundSetup(static=(backend, *cpu_backends(scorer.cost, backend)), host=host,
                       functions=tuple(f for f in DENSE_FUNCTIONS if f in executable(host)), attention=templates,
                       paths=(scorer.exact, *((EXACT,) if scorer.splits_exact else ())), compressions=compress,

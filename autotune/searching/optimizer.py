@@ -126,11 +126,6 @@ class SearchOutcome:
         """The layers' traces at the chosen chunk size."""
         return self.chunks[self.best.chunk_tokens].layers
 
-    @property
-    def compressions(self) -> tuple[str, ...]:
-        """The weight storages the search's space allows on the static backend, least compressed first."""
-        return tuple(self.space.dim("compress").values) if self.space is not None else ("none",)
-
 
 def _objectives(score, objective: str) -> tuple:
     costs = {"latency": (score.latency_ms,), "energy": (score.energy_mj,),

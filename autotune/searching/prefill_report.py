@@ -31,7 +31,7 @@ from autotune.searching.overlap_choice import (
 )
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
-from autotune.searching.space import LayerConfig
+from autotune.searching.space import LayerConfig, compressions
 
 PREFILL_BASELINES = {
     "coreml-cpu": "Core ML CPU-only: every op on the CPU",
@@ -70,7 +70,7 @@ def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, sh
                       choice: DenseChoice | None, stores: tuple[str, ...] = ("none",)) -> Candidate:
     """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
     dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes; `stores`:
-    the weight storages its dense functions may take (the search's `SearchOutcome.compressions`)."""
+    the weight storages its dense functions may take (the search space's, `space.compressions`)."""
     prompts = prompts_in(layers, prompt_tokens)
     experts = expert_steps(sol, layers, scorer, prompts)
     return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
@@ -119,7 +119,7 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
                                   outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
         sols += tail_free(sols, found.layers, scorer)
-        room = projection_room(shape, scorer.backend, outcome.compressions[-1])
+        room = projection_room(shape, scorer.backend, compressions(outcome.space)[-1])
         sols += [*window_fit(sols, found.layers, scorer, outcome.drop_budget),
                  *window_fit(sols, found.layers, scorer, outcome.drop_budget, room)]
         plans[chunk] = [*sols, *energy_fit(sols, found.layers, scorer,
@@ -128,7 +128,7 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         chain[chunk] = min(whole.price(s, found.layers, scorer, choice).latency_ms for s in plans[chunk])
     least = min(chain.values())
     return [overlap_candidate(sol, outcome.chunks[chunk].layers, scorer, shape, prompt_tokens, outcome.dense.get(chunk),
-                              outcome.compressions)
+                              compressions(outcome.space))
             for chunk, sols in plans.items() if chain[chunk] <= within * least for sol in sols]
 
 

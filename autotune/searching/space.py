@@ -248,6 +248,11 @@ class Space:
         return len(self.enumerate()) if self.product_size <= ENUMERABLE else self.product_size
 
 
+def compressions(space: "Space | None") -> tuple[str, ...]:
+    """The weight storages `space` allows on the static backend, least compressed first (none without a space)."""
+    return tuple(space.dim("compress").values) if space is not None else ("none",)
+
+
 def layer_space(n_experts: int, compress: tuple[str, ...] = ("none",), split_exact: bool = False) -> Space:
     """The decision space of one layer with `n_experts` experts; `compress`: the weight storage kinds allowed;
     `split_exact`: the plan's exact path runs off the CPU (the GPU), so the hottest experts may run there ahead of
