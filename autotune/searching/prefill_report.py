@@ -32,6 +32,7 @@ from autotune.searching.overlap_choice import (
 from autotune.searching.scores import weighted_cost
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, compressions
+from runtime.coreml import ane_limits
 
 PREFILL_BASELINES = {
     "coreml-cpu": "Core ML CPU-only: every op on the CPU",
@@ -119,9 +120,9 @@ def overlap_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderSha
         sols = [*whole.candidates(found, choice, scorer, outcome.space, outcome.drop_budget, outcome.drop_rate,
                                   outcome.weights), *rebalanced(found, outcome.space, scorer, outcome.drop_budget)]
         sols += tail_free(sols, found.layers, scorer)
-        room = projection_room(shape, scorer.backend, compressions(outcome.space)[-1])
-        sols += [*window_fit(sols, found.layers, scorer, outcome.drop_budget),
-                 *window_fit(sols, found.layers, scorer, outcome.drop_budget, room)]
+        windows = dict.fromkeys((ane_limits.WINDOW_BYTES,  # and room for the projections, where they take any
+                                 projection_room(shape, scorer.backend, compressions(outcome.space)[-1])))
+        sols += [fit for w in windows for fit in window_fit(sols, found.layers, scorer, outcome.drop_budget, w)]
         plans[chunk] = [*sols, *energy_fit(sols, found.layers, scorer,
                                            _energy(outcome, scorer, shape, prompt_tokens, chunk),
                                            prompts_in(found.layers, prompt_tokens), energy_cap_mj)]
