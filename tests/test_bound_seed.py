@@ -16,10 +16,9 @@ from autotune.profiling.profile import load_profile
 from autotune.searching.bound_seed import LpSeeds, energy_fit, lp_placements, lp_rows, tail_free, window_fit
 from autotune.searching.objective import prompts_in
 from autotune.searching.optimizer import solution
-from autotune.searching.overlap_choice import best_by_chunk, choose_overlapped, cpu_backends
+from autotune.searching.overlap_choice import best_by_chunk, choose_overlapped, cpu_backends, overlap_candidate
 from autotune.searching.prefill_report import (
     mlx_gpu_prefill,
-    overlap_candidate,
     overlap_candidates,
     pick_candidates,
 )

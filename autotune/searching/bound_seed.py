@@ -36,11 +36,14 @@ from autotune.searching.overlap_choice import (
     Overlapped,
     choose_overlapped,
     layer_units,
+    overlap_candidate,
     placed,
+    projection_room,
     static_rows_grid,
 )
+from autotune.searching.priced_picks import priced_picks
 from autotune.searching.scoring import Scorer
-from autotune.searching.space import LayerConfig
+from autotune.searching.space import LayerConfig, compressions
 from runtime.backends import EXACT
 from runtime.coreml import ane_limits
 
@@ -187,7 +190,10 @@ class LpSeeds:
     """`best_by_chunk`'s seeds (its `seeds` hook): per chunk size, the schedule's choice (`choose_overlapped`) also
     started from the priced bound's LP solution there (whole chunks, the same energy cap): its dense split as
     placements (`lp_placements`), for the chunk size's first candidate and the one whose experts' split is nearest
-    the LP's among those whose experts fit the ANE's window (`nearest_experts`); what no placement within the cap
+    the LP's among those whose experts fit the ANE's window (`nearest_experts`); and the experts picked again with
+    the cap and the window priced in (`priced_picks`: energy at `energy_shares` of the LP's dual on the cap, the
+    residents within the window and within what it leaves beside q/k/v and o_proj), each from its own placement and
+    from `best` (the best placement the caller found at that chunk size so far); what no placement within the cap
     and window reaches is not taken, as there."""
     outcome: SearchOutcome
     scorer: Scorer
@@ -196,6 +202,7 @@ class LpSeeds:
     energy_cap_mj: float | None = None
     in_flight: int = 2
     bounds: dict = dataclasses.field(default_factory=dict, repr=False)  # `bound_report.solved_bound`'s cache
+    energy_shares: tuple[float, ...] = (0.5, 0.75, 1.0)
 
     def solved(self, chunk: int) -> tuple[Solved, BoundSetup] | None:
         """The priced bound at `chunk`, whole chunks within the cap (None where no split fits it), and its setup."""
@@ -206,7 +213,7 @@ class LpSeeds:
             return None
         return got, bound_setup(self.outcome, self.scorer, self.shape, self.prompt_tokens, chunk)
 
-    def __call__(self, chunk: int, mine: list[Candidate]) -> list[Overlapped]:
+    def __call__(self, chunk: int, mine: list[Candidate], best: DensePlacement | None = None) -> list[Overlapped]:
         got = self.solved(chunk) if chunk in self.outcome.chunks else None
         if got is None or not mine:
             return []
@@ -216,6 +223,23 @@ class LpSeeds:
         fits = [c for c in mine if c.resident_bytes <= ane_limits.WINDOW_BYTES] or mine
         cands = list(dict.fromkeys(map(id, (mine[0], nearest_experts(fits, solved)))))
         by_id = {id(c): c for c in mine}
-        return [choose_overlapped(self.scorer.cost, setup.static, self.shape, self.prompt_tokens,
-                                  dataclasses.replace(by_id[i], placement=start), self.in_flight, self.energy_cap_mj)
-                for i in cands for start in starts]
+        tried = [dataclasses.replace(by_id[i], placement=start) for i in cands for start in starts]
+        for pick in self.picked(chunk, mine, solved):
+            tried += [pick] + ([dataclasses.replace(pick, placement=best)] if best is not None else [])
+        return [choose_overlapped(self.scorer.cost, setup.static, self.shape, self.prompt_tokens, c, self.in_flight,
+                                  self.energy_cap_mj) for c in tried]
+
+    def picked(self, chunk: int, mine: list[Candidate], solved: Solved) -> list[Candidate]:
+        """The experts of the chunk size's first search solution picked again with the energy and the window priced
+        (`priced_picks`), as candidates."""
+        own = next((c.solution for c in mine if c.solution is not None and c.solution.baseline is None), None)
+        if own is None:
+            return []
+        dual = solved.duals.get("energy_cap", 0.0) if self.energy_cap_mj is not None else 0.0
+        prices = tuple(dict.fromkeys(share * dual for share in self.energy_shares)) if dual > 0 else (0.0,)
+        stores, backend = compressions(self.outcome.space), self.scorer.backend
+        windows = tuple(dict.fromkeys((ane_limits.WINDOW_BYTES, projection_room(self.shape, backend, stores[-1]))))
+        found = self.outcome.chunks[chunk]
+        sols = priced_picks(found, self.outcome.space, self.scorer, self.outcome.drop_budget, own, prices, windows)
+        return [overlap_candidate(s, found.layers, self.scorer, self.shape, self.prompt_tokens,
+                                  self.outcome.dense.get(chunk), stores) for s in sols]

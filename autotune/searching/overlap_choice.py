@@ -29,14 +29,17 @@ from autotune.costing.whole_prefill import (
     prompt_chunks,
     unit_of,
 )
-from autotune.searching.dense_choice import ROW_GRAIN, dense_weight_bytes
+from autotune.searching.dense_choice import ROW_GRAIN, DenseChoice, dense_weight_bytes
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import expert_figures
-from autotune.searching.optimizer import ChunkSearch, Solution, solution
+from autotune.searching.objective import expert_figures, host_of, lazy_last, placement, prompts_in
+from autotune.searching.optimizer import ChunkSearch, Solution, resident_bytes, solution
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, Space
 from runtime.backends.registry import REFERENCE
 from runtime.coreml import ane_limits
+
+# more choices for one equal chunking: (chunk size, its candidates ranked, the best placement there so far) -> choices
+Seeds = Callable[[int, list["Candidate"], DensePlacement], list["Overlapped"]]
 
 
 @dataclass
@@ -118,6 +121,18 @@ def with_steps(experts: ExpertFigures, per_layer: list[tuple[dict[str, float], .
     return dataclasses.replace(experts, steps=tuple(steps), by_layer=by_layer)
 
 
+def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
+                      choice: DenseChoice | None, stores: tuple[str, ...] = ("none",)) -> Candidate:
+    """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
+    dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes; `stores`:
+    the weight storages its dense functions may take (the search space's, `space.compressions`)."""
+    prompts = prompts_in(layers, prompt_tokens)
+    experts = expert_steps(sol, layers, scorer, prompts)
+    return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
+                     lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
+                     sol.baseline, solution=sol, stores=stores)
+
+
 def rebalanced(found: ChunkSearch, space: Space, scorer: Scorer, drop_budget: int, per_layer: int = 24,
                weights: tuple[float, ...] = tuple(np.linspace(0.1, 0.9, 9))) -> list[Solution]:
     """Solutions that move the experts' work between the static backend and the exact path, for a schedule to
@@ -180,16 +195,15 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
-                  halves: bool = False, seeds: Callable[[int, list[Candidate]], list[Overlapped]] | None = None
-                  ) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
+                  halves: bool = False, seeds: Seeds | None = None) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
     """Per chunking (`Candidate.key`), of its candidate whose schedule ends first as it stands, those among the
     `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
     (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
-    CPU's, `cpu_backends`), and per equal chunking `seeds`' choices from its ranked candidates (`bound_seed.LpSeeds`),
-    the one that then ends first; and, from the equal two chunks' choice, the uneven two chunks that end first
-    (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves one function at a time:
-    another start finds another optimum); `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not
-    run by the runtime)."""
+    CPU's, `cpu_backends`), and per equal chunking `seeds`' choices from its ranked candidates and the best placement
+    so far (`bound_seed.LpSeeds`), the one that then ends first; and, from the equal two chunks' choice, the uneven
+    two chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent
+    moves one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
+    (`schedule.prefill_steps`, not run by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves, c.rows)
@@ -205,7 +219,8 @@ def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candi
         tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
                                  halves=halves) for c in tried]
-        got += seeds(key[0], mine) if seeds is not None and not key[1] else []
+        first = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+        got += seeds(key[0], mine, first.placement) if seeds is not None and not key[1] else []
         out[key] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
     half = out.get((prompt_tokens // 2, ())) if prompt_tokens % (2 * ROW_GRAIN) == 0 and not halves else None
     for o in uneven_pairs(scorer.cost, backends, shape, prompt_tokens, half, in_flight, energy_cap_mj) if half else []:

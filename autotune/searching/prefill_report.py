@@ -16,16 +16,15 @@ from autotune.costing.whole_prefill import (
     roofline_ms,
 )
 from autotune.searching.bound_seed import LpSeeds, energy_fit, tail_free, window_fit
-from autotune.searching.dense_choice import DenseChoice
 from autotune.searching.layer_data import LayerData
-from autotune.searching.objective import WholePrefill, host_of, lazy_last, placement, prompts_in
-from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, resident_bytes, solution
+from autotune.searching.objective import WholePrefill, host_of, placement, prompts_in
+from autotune.searching.optimizer import SearchOutcome, Solution, ranked_solutions, solution
 from autotune.searching.overlap_choice import (
     Candidate,
     Overlapped,
     best_by_chunk,
     best_overlapped,
-    expert_steps,
+    overlap_candidate,
     projection_room,
     rebalanced,
 )
@@ -65,18 +64,6 @@ def tradeoff(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt
         out.append({"chunk_tokens": sol.chunk_tokens, "heldout_drops": sol.heldout_drops,
                     "predicted_prefill_ms": pred.latency_ms, "predicted_prefill_energy_mj": pred.energy_mj})
     return out
-
-
-def overlap_candidate(sol: Solution, layers: list[LayerData], scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
-                      choice: DenseChoice | None, stores: tuple[str, ...] = ("none",)) -> Candidate:
-    """A whole plan as two chunks in flight take it (`overlap_choice.Candidate`): its experts with their steps, the
-    dense placement the objective gives it (`objective.placement`), its lazy last layer and resident bytes; `stores`:
-    the weight storages its dense functions may take (the search space's, `space.compressions`)."""
-    prompts = prompts_in(layers, prompt_tokens)
-    experts = expert_steps(sol, layers, scorer, prompts)
-    return Candidate(sol.chunk_tokens, experts, placement(sol, choice, host_of(scorer)),
-                     lazy_last(sol, layers, scorer, shape, prompts), resident_bytes(sol, scorer.hidden, scorer.ffn),
-                     sol.baseline, solution=sol, stores=stores)
 
 
 def pick_candidates(outcome: SearchOutcome, scorer: Scorer, shape: DecoderShape, prompt_tokens: int,
