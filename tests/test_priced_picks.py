@@ -14,6 +14,7 @@ from helpers import bound_search as search
 from autotune.profiling.profile import load_profile
 from autotune.searching.bound_seed import LpSeeds
 from autotune.searching.optimizer import solution
+from autotune.searching.overlap_choice import best_by_chunk
 from autotune.searching.prefill_report import overlap_candidates
 from autotune.searching.priced_picks import Option, layer_options, priced_pick, priced_picks, window_priced
 from autotune.searching.space import LayerConfig
@@ -132,3 +133,38 @@ def test_picks_reach_the_schedule(searched):
     solved, _ = seeds.solved(CHUNK)
     assert solved.duals["energy_cap"] > 0
     assert any(c.solution.configs == frugal.configs for c in seeds.picked(CHUNK, mine, solved))
+
+
+class Recorder:
+    """Seeds that add no choice and record which chunk sizes the picks were asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def __call__(self, chunk, mine):
+        return []
+
+    def picks(self, chunk, mine, best):
+        self.asked.append(chunk)
+        return []
+
+
+def test_picks_only_where_the_choice_is_near_the_best():
+    """Two chunk sizes: the picks are asked for the one whose choice ends first, and for the other only where the
+    margin `near` takes its latency in (the picks are the costly seeds: each a search of the experts and two
+    descents of the dense half)."""
+    cost = load_profile("apple-m2-ultra-published").cost_model
+    out, scorer = search(cost, "ane")
+    cands = overlap_candidates(out, scorer, SHAPE, PROMPT, within=10.0)
+    plain = best_by_chunk(scorer, SHAPE, PROMPT, cands, 2)
+    equal = {k: o.prediction.latency_ms for k, o in plain.items() if not k[1]}
+    assert set(equal) == {(512, ()), (1024, ())}
+    fast, slow = sorted(equal, key=equal.get)
+    gap = equal[slow] / equal[fast] - 1
+    assert gap > 0
+    for near, want in ((gap / 2, [fast[0]]), (gap * 2, sorted([fast[0], slow[0]]))):
+        seeds = Recorder()
+        got = best_by_chunk(scorer, SHAPE, PROMPT, cands, 2, seeds=seeds, near=near)
+        assert sorted(seeds.asked) == want
+        assert {k: o.prediction.latency_ms for k, o in got.items()} == {k: o.prediction.latency_ms
+                                                                       for k, o in plain.items()}

@@ -187,14 +187,14 @@ def nearest_experts(cands: list[Candidate], solved: Solved) -> Candidate:
 
 @dataclass
 class LpSeeds:
-    """`best_by_chunk`'s seeds (its `seeds` hook): per chunk size, the schedule's choice (`choose_overlapped`) also
-    started from the priced bound's LP solution there (whole chunks, the same energy cap): its dense split as
-    placements (`lp_placements`), for the chunk size's first candidate and the one whose experts' split is nearest
-    the LP's among those whose experts fit the ANE's window (`nearest_experts`); and the experts picked again with
-    the cap and the window priced in (`priced_picks`: energy at `energy_shares` of the LP's dual on the cap, the
-    residents within the window and within what it leaves beside q/k/v and o_proj), each from its own placement and
-    from `best` (the best placement the caller found at that chunk size so far); what no placement within the cap
-    and window reaches is not taken, as there."""
+    """`best_by_chunk`'s seeds (its `seeds` hook, `overlap_choice.Seeds`): per chunk size, the schedule's choice
+    (`choose_overlapped`) also started from the priced bound's LP solution there (whole chunks, the same energy cap):
+    its dense split as placements (`lp_placements`), for the chunk size's first candidate and the one whose experts'
+    split is nearest the LP's among those whose experts fit the ANE's window (`nearest_experts`); and (`picks`, where
+    the caller's choice is near its best) the experts picked again with the cap and the window priced in
+    (`priced_picks`: energy at `energy_shares` of the LP's dual on the cap, the residents within the window and
+    within what it leaves beside q/k/v and o_proj), each from its own placement and the caller's choice's; what no
+    placement within the cap and window reaches is not taken, as there."""
     outcome: SearchOutcome
     scorer: Scorer
     shape: DecoderShape
@@ -213,7 +213,7 @@ class LpSeeds:
             return None
         return got, bound_setup(self.outcome, self.scorer, self.shape, self.prompt_tokens, chunk)
 
-    def __call__(self, chunk: int, mine: list[Candidate], best: DensePlacement | None = None) -> list[Overlapped]:
+    def __call__(self, chunk: int, mine: list[Candidate]) -> list[Overlapped]:
         got = self.solved(chunk) if chunk in self.outcome.chunks else None
         if got is None or not mine:
             return []
@@ -223,11 +223,20 @@ class LpSeeds:
         fits = [c for c in mine if c.resident_bytes <= ane_limits.WINDOW_BYTES] or mine
         cands = list(dict.fromkeys(map(id, (mine[0], nearest_experts(fits, solved)))))
         by_id = {id(c): c for c in mine}
-        tried = [dataclasses.replace(by_id[i], placement=start) for i in cands for start in starts]
-        for pick in self.picked(chunk, mine, solved):
-            tried += [pick] + ([dataclasses.replace(pick, placement=best)] if best is not None else [])
+        return [choose_overlapped(self.scorer.cost, setup.static, self.shape, self.prompt_tokens,
+                                  dataclasses.replace(by_id[i], placement=start), self.in_flight, self.energy_cap_mj)
+                for i in cands for start in starts]
+
+    def picks(self, chunk: int, mine: list[Candidate], best: Overlapped) -> list[Overlapped]:
+        """The schedule's choice for each of `picked`'s candidates, from its own placement and from `best`'s."""
+        got = self.solved(chunk) if chunk in self.outcome.chunks else None
+        if got is None or not mine:
+            return []
+        solved, setup = got
         return [choose_overlapped(self.scorer.cost, setup.static, self.shape, self.prompt_tokens, c, self.in_flight,
-                                  self.energy_cap_mj) for c in tried]
+                                  self.energy_cap_mj)
+                for pick in self.picked(chunk, mine, solved)
+                for c in (pick, dataclasses.replace(pick, placement=best.placement))]
 
     def picked(self, chunk: int, mine: list[Candidate], solved: Solved) -> list[Candidate]:
         """The experts of the chunk size's first search solution picked again with the energy and the window priced

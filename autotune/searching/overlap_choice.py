@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -38,9 +39,6 @@ from autotune.searching.space import LayerConfig, Space
 from runtime.backends.registry import REFERENCE
 from runtime.coreml import ane_limits
 
-# more choices for one equal chunking: (chunk size, its candidates ranked, the best placement there so far) -> choices
-Seeds = Callable[[int, list["Candidate"], DensePlacement], list["Overlapped"]]
-
 
 @dataclass
 class Candidate:
@@ -63,6 +61,14 @@ class Candidate:
     def key(self) -> tuple[int, tuple[int, ...]]:
         """Its chunking: the chunk size and an uneven chunking's rows."""
         return self.chunk, self.rows
+
+
+class Seeds(Protocol):
+    """More choices for one equal chunking (`bound_seed.LpSeeds`): from its candidates `mine` (ranked), and, for a
+    chunking whose choice is near the best, from that choice `best`."""
+    def __call__(self, chunk: int, mine: list[Candidate]) -> list[Overlapped]: ...
+
+    def picks(self, chunk: int, mine: list[Candidate], best: Overlapped) -> list[Overlapped]: ...
 
 
 @dataclass
@@ -195,33 +201,40 @@ def cpu_backends(cost: CostModel, backend: str) -> tuple[str, ...]:
 
 def best_by_chunk(scorer: Scorer, shape: DecoderShape, prompt_tokens: int, candidates: list[Candidate],
                   in_flight: int = 2, energy_cap_mj: float | None = None, keep: int = 3,
-                  halves: bool = False, seeds: Seeds | None = None) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
+                  halves: bool = False, seeds: Seeds | None = None, near: float = 0.05
+                  ) -> dict[tuple[int, tuple[int, ...]], Overlapped]:
     """Per chunking (`Candidate.key`), of its candidate whose schedule ends first as it stands, those among the
     `keep` first of all sizes and its first that leaves the static backend's window room for q/k/v and o_proj
     (`window_trade`), each with its dense placement chosen again under the schedule (the static backend's and the
-    CPU's, `cpu_backends`), and per equal chunking `seeds`' choices from its ranked candidates and the best placement
-    so far (`bound_seed.LpSeeds`), the one that then ends first; and, from the equal two chunks' choice, the uneven
-    two chunks that end first (`uneven_pairs`), the equal two chosen again from each one's placement (the descent
-    moves one function at a time: another start finds another optimum); `halves`: each chunk's dense ops per half
-    (`schedule.prefill_steps`, not run by the runtime)."""
+    CPU's, `cpu_backends`), and per equal chunking `seeds`' choices from its ranked candidates (`bound_seed.LpSeeds`),
+    the one that then ends first; per equal chunking whose choice ends within `near` of the first within the cap,
+    also `seeds.picks` from it; and, from the equal two chunks' choice, the uneven two chunks that end first
+    (`uneven_pairs`), the equal two chosen again from each one's placement (the descent moves one function at a time:
+    another start finds another optimum); `halves`: each chunk's dense ops per half (`schedule.prefill_steps`, not run
+    by the runtime)."""
     def as_is(c: Candidate) -> float:
         pred, _ = predict_scheduled(scorer.cost, shape, prompt_tokens, c.chunk, c.experts, c.placement, in_flight,
                                     c.lazy_last, halves, c.rows)
         over = energy_cap_mj is not None and pred.energy_mj is not None and pred.energy_mj > energy_cap_mj
         return np.inf if over else pred.latency_ms
 
+    def first(got: list[Overlapped]) -> Overlapped:
+        return min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+
     ranked = sorted(candidates, key=as_is)
     backends = (scorer.backend, *cpu_backends(scorer.cost, scorer.backend))
-    out = {}
+    out, mine = {}, {}
     for key in sorted({c.key for c in ranked}):
-        mine = [c for c in ranked if c.key == key]
-        tried = [mine[0], *(c for c in ranked[:keep] if c.key == key and c is not mine[0])]
-        tried += [c for c in window_trade(mine, shape, scorer.backend) if all(c is not t for t in tried)]
+        mine[key] = [c for c in ranked if c.key == key]
+        tried = [mine[key][0], *(c for c in ranked[:keep] if c.key == key and c is not mine[key][0])]
+        tried += [c for c in window_trade(mine[key], shape, scorer.backend) if all(c is not t for t in tried)]
         got = [choose_overlapped(scorer.cost, backends, shape, prompt_tokens, c, in_flight, energy_cap_mj,
                                  halves=halves) for c in tried]
-        first = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
-        got += seeds(key[0], mine, first.placement) if seeds is not None and not key[1] else []
-        out[key] = min(got, key=lambda o: (not o.within_cap, o.prediction.latency_ms))
+        out[key] = first(got + (seeds(key[0], mine[key]) if seeds is not None and not key[1] else []))
+    least = min((o.prediction.latency_ms for o in out.values() if o.within_cap), default=np.inf)
+    for key, o in list(out.items()) if seeds is not None else ():
+        if not key[1] and o.within_cap and o.prediction.latency_ms <= (1 + near) * least:
+            out[key] = first([o, *seeds.picks(key[0], mine[key], o)])
     half = out.get((prompt_tokens // 2, ())) if prompt_tokens % (2 * ROW_GRAIN) == 0 and not halves else None
     for o in uneven_pairs(scorer.cost, backends, shape, prompt_tokens, half, in_flight, energy_cap_mj) if half else []:
         out[o.candidate.key] = o
