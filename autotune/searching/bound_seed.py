@@ -202,7 +202,7 @@ class LpSeeds:
     energy_cap_mj: float | None = None
     in_flight: int = 2
     bounds: dict = dataclasses.field(default_factory=dict, repr=False)  # `bound_report.solved_bound`'s cache
-    energy_shares: tuple[float, ...] = (0.5, 0.75, 1.0)
+    energy_shares: tuple[float, ...] = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
     def solved(self, chunk: int) -> tuple[Solved, BoundSetup] | None:
         """The priced bound at `chunk`, whole chunks within the cap (None where no split fits it), and its setup."""
