@@ -11,8 +11,8 @@ multiple of the priced bound's dual on the cap (ms of makespan per mJ, `bound_se
 candidate for the schedule's choice of the dense half, which prices it whole (`overlap_choice.choose_overlapped`).
 
 Phi-3.5-MoE at one chunk of 4,096 tokens (published M2 Ultra profile, predicted): the tails the cap allows moved to
-the layers where they pay most, and residents trimmed where a byte costs least, leave room for q/k/v and o_proj on the
-ANE: 2,228.1 -> 2,171.x ms."""
+the layers where they pay most, and residents trimmed where a byte costs least beside q/k/v and o_proj on the ANE:
+2,228.1 -> 2,171.0 ms."""
 from __future__ import annotations
 
 import dataclasses
