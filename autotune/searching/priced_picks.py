@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.searching.optimizer import ChunkSearch, Solution, combine, solution
+from autotune.searching.optimizer import ChunkSearch, Solution, combine, resident_bytes, solution
 from autotune.searching.scoring import Scorer
 from autotune.searching.space import LayerConfig, Space
-from runtime.coreml import ane_limits
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ def layer_options(found: ChunkSearch, space: Space, scorer: Scorer, own: Solutio
             if energy is None:
                 return None
             if score.violation == 0:
-                options.append(Option(c, score.latency_ms, energy, score.heldout_drops, c.resident
-                                      * ane_limits.expert_weight_bytes(scorer.hidden, scorer.ffn, c.compress)))
+                options.append(Option(c, score.latency_ms, energy, score.heldout_drops,
+                                      resident_bytes([c], scorer.hidden, scorer.ffn)))
         out.append(options)
     return out
 
